@@ -1,0 +1,172 @@
+"""Device backends: CUDA GPUs, or CPU workers that run the same runtime without an accelerator.
+
+The runtime talks to devices only through this module (streams, events, RNG, memory queries), so the
+scheduler, threads, recompute, optimizer thread and autograd integration run unchanged on CPU workers:
+there a "stream" runs work synchronously in the calling thread and events are complete once recorded.
+
+``RPP_DEVICES`` picks the devices: ``cpu:N`` gives N CPU workers, ``cuda`` all GPUs, ``cuda:0,2`` some.
+Default: all GPUs where CUDA is available, else ``cpu:1``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Any, ContextManager, List, Optional, Union
+
+import torch
+
+
+class CpuStream:
+    """Stand-in for a CUDA stream on a CPU worker: work issued "on" it has finished when the call returns."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Optional["CpuEvent"] = None) -> "CpuEvent":
+        return event if event is not None else CpuEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class CpuEvent:
+    """Stand-in for a CUDA event on a CPU worker: always complete."""
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+Stream = Union[torch.cuda.Stream, CpuStream]
+Event = Union[torch.cuda.Event, CpuEvent]
+
+# CPU workers share one process-wide RNG (torch's default CPU generator). Holding this lock around each
+# stage's compute makes "snapshot RNG state, run the stage" and "restore it, recompute" atomic with
+# respect to the other CPU workers, so recompute sees the forward's dropout masks.
+cpu_compute_lock = threading.RLock()
+
+
+def parse_devices(spec: Optional[str] = None) -> List[torch.device]:
+    """Resolve ``RPP_DEVICES`` (or ``spec``) into the list of devices to run on."""
+    spec = (spec if spec is not None else os.environ.get("RPP_DEVICES", "")).strip().lower()
+    if not spec:
+        spec = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "cpu:1"
+    kind, _, rest = spec.partition(":")
+    if kind == "cpu":
+        try:
+            n = int(rest) if rest else 1
+        except ValueError:
+            raise ValueError(f"RPP_DEVICES={spec!r}: expected 'cpu:N' with an integer N, e.g. RPP_DEVICES=cpu:2") from None
+        if n < 1:
+            raise ValueError(f"RPP_DEVICES={spec!r}: need at least one CPU worker")
+        return [torch.device("cpu") for _ in range(n)]
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"RPP_DEVICES={spec!r} asks for CUDA but torch.cuda.is_available() is False; use RPP_DEVICES=cpu:N")
+        count = torch.cuda.device_count()
+        if not rest:
+            return [torch.device("cuda", i) for i in range(count)]
+        try:
+            ids = [int(x) for x in rest.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"RPP_DEVICES={spec!r}: expected 'cuda' or 'cuda:0,1'") from None
+        bad = [i for i in ids if not 0 <= i < count]
+        if bad or not ids:
+            raise ValueError(f"RPP_DEVICES={spec!r}: GPU ids {bad or ids} not in 0..{count - 1}")
+        return [torch.device("cuda", i) for i in ids]
+    raise ValueError(f"RPP_DEVICES={spec!r}: expected 'cpu:N', 'cuda' or 'cuda:0,1'")
+
+
+def is_cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def new_stream(device: torch.device, priority: int = 0) -> Stream:
+    if is_cuda(device):
+        return torch.cuda.Stream(device=device, priority=priority)
+    return CpuStream(device)
+
+
+def new_event(device: torch.device) -> Event:
+    if is_cuda(device):
+        return torch.cuda.Event()
+    return CpuEvent()
+
+
+def record_event(stream: Stream) -> Event:
+    """Record a new event on ``stream`` and return it."""
+    if isinstance(stream, CpuStream):
+        return CpuEvent()
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return ev
+
+
+def use_stream(stream: Stream) -> ContextManager[Any]:
+    """Make ``stream`` current for the kernels issued in this block (no-op on CPU workers)."""
+    if isinstance(stream, CpuStream):
+        return contextlib.nullcontext()
+    return torch.cuda.stream(stream)
+
+
+def get_rng_state(device: torch.device) -> torch.Tensor:
+    if is_cuda(device):
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+def set_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    if is_cuda(device):
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def compute_guard(device: torch.device) -> ContextManager[Any]:
+    """Serialise stage compute across CPU workers (see ``cpu_compute_lock``); GPUs run freely."""
+    if is_cuda(device):
+        return contextlib.nullcontext()
+    return cpu_compute_lock
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Free memory on ``device`` in bytes (host available memory for CPU workers)."""
+    if is_cuda(device):
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pages = os.sysconf("SC_AVPHYS_PAGES")
+        return int(pages * os.sysconf("SC_PAGE_SIZE"))
+
+
+def pin_enabled() -> bool:
+    """Pinned host memory only pays (and only works) when CUDA is present."""
+    return torch.cuda.is_available()
+
+
+def empty_host_like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialised host tensor shaped like ``t``, pinned when CUDA is in use (fast async copies)."""
+    return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin_enabled())

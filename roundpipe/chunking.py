@@ -1,0 +1,44 @@
+"""Split a stage's parameter copies into chunks of about equal bytes.
+
+A stage upload is issued as several chunks, each followed by an event, so compute can start on the first
+layers while the rest is still in flight, and the copy engine always has queued work. Chunks of equal
+bytes take about equal time. Re-exported by ``roundpipe.transfer``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import List, Tuple
+
+import torch
+
+TensorPair = Tuple[torch.Tensor, torch.Tensor]
+
+
+def chunk_layer_params(tensor_pair: List[TensorPair], n_chunks: int) -> List[List[TensorPair]]:
+    """Group (src, dst) copies into at most ``n_chunks`` chunks with balanced bytes.
+
+    Greedy number partitioning: take the copies largest first (by ``src`` bytes) and put each into the
+    chunk with the fewest bytes so far (ties: the one with fewer copies, then the lower index, so chunks
+    fill before any gets a second copy). Its largest chunk is at most 4/3 of the optimum.
+
+    Returns ``min(n_chunks, len(tensor_pair))`` non-empty chunks; within a chunk the copies keep their
+    input order. Every pair appears exactly once.
+    """
+    if n_chunks < 1:
+        raise ValueError(f"chunk_layer_params: n_chunks must be >= 1, got {n_chunks}")
+    if not tensor_pair:
+        return []
+    n = min(n_chunks, len(tensor_pair))
+    order = sorted(range(len(tensor_pair)), key=lambda i: -_nbytes(tensor_pair[i][0]))  # stable on ties
+    heap = [(0, 0, c) for c in range(n)]  # (bytes, copies, chunk index)
+    members: List[List[int]] = [[] for _ in range(n)]
+    for i in order:
+        size, count, c = heapq.heappop(heap)
+        members[c].append(i)
+        heapq.heappush(heap, (size + _nbytes(tensor_pair[i][0]), count + 1, c))
+    return [[tensor_pair[i] for i in sorted(m)] for m in members]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -1,0 +1,240 @@
+"""Device workers: one ``DeviceManager`` per GPU (or CPU worker), each with a controller thread and four
+streams, fed with jobs (one layer group over all microbatches) in round-robin order.
+
+Job life cycle (owned by ``DeviceManager``): the dispatching thread acquires ``is_idle`` (the worker has
+finished issuing its previous job), stores the job and releases ``job_arrived``; the controller runs it
+and releases ``is_idle``. A job that raises records its error, with model, layer, microbatch and device,
+in the failure slot of ``threads``; every waiter in RoundPipe then aborts within a poll interval.
+
+Streams: ``param_upstream`` (parameter uploads, low priority: prefetch), ``upstream`` (activation
+uploads, high priority: on the critical path), ``compute_stream`` and ``downstream`` (downloads).
+
+Attributes:
+    device_list: The instantiated DeviceManager objects (created on first use from ``RPP_DEVICES``).
+    cur_device: Index of the next device to schedule work on.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any, Callable, Deque, List, Optional, Tuple
+
+import torch
+
+from roundpipe import backend
+from roundpipe.backend import Event, Stream
+from roundpipe.threads import AnnotatedSemaphore, RoundPipeThread, RoundPipeWorkerError, report_failure
+
+
+class InterStreamMemManager:
+    """Keeps tensors used on several streams alive until the streams that used them are done.
+
+    A tensor allocated on one stream (say an upload on ``param_upstream``) and read on another (the
+    compute stream) must not return to the caching allocator before the reading kernels finish, or the
+    next upload could overwrite it while compute still reads it. ``free(tensors, *use_streams)`` records
+    an event on each use stream and holds the tensors until all those events complete; ``flush()`` drops
+    the ones that are done. It is owned by one device's controller thread and never shared.
+
+    Attributes:
+        free_queue: (events, tensors) pairs waiting for their events.
+    """
+
+    def __init__(self, *streams: Stream) -> None:
+        self.streams = streams
+        self.free_queue: Deque[Tuple[List[Event], Any]] = collections.deque()
+
+    def free(self, tensors: Any, *use_streams: Stream) -> None:
+        """Hold ``tensors`` until the work queued so far on ``use_streams`` has finished."""
+        events = [backend.record_event(s) for s in use_streams if not isinstance(s, backend.CpuStream)]
+        if events:
+            self.free_queue.append((events, tensors))
+
+    def flush(self) -> None:
+        """Release the tensors whose streams have passed their last use (never blocks)."""
+        while self.free_queue and all(e.query() for e in self.free_queue[0][0]):
+            self.free_queue.popleft()
+
+    def free_all(self) -> None:
+        """Release everything; the caller has synchronised the device."""
+        self.free_queue.clear()
+
+
+class DeviceManager:
+    """Manages the streams, memory and job execution of one device (see the module docstring).
+
+    Attributes:
+        id: Sequential identifier of this worker.
+        device: The torch device (``cuda:i`` or ``cpu``).
+        is_idle: Released when the controller can accept the next job.
+        job_arrived: Released when a job is queued.
+        cur_job: The job to run: (function, args).
+        location: What the running job is doing now (layer, microbatch), for error messages.
+        recent_jobs: Compute-done events of the last jobs; bounds prefetch to two resident stages.
+    """
+
+    def __init__(self, id: int, device: torch.device) -> None:  # noqa: A002 - spec name
+        self.id = id
+        self.device = device
+        self.name = f"{device.type}:{device.index}" if backend.is_cuda(device) else f"cpu-worker{id}"
+        # Lower number = higher priority on CUDA: activation uploads are on the critical path and must
+        # not queue behind a parameter prefetch.
+        self.param_upstream = backend.new_stream(device, priority=0)
+        self.upstream = backend.new_stream(device, priority=-1)
+        self.compute_stream = backend.new_stream(device, priority=0)
+        self.downstream = backend.new_stream(device, priority=-1)
+        self.mem_manager = InterStreamMemManager(self.param_upstream, self.upstream, self.compute_stream, self.downstream)
+        self.recent_jobs: Deque[Event] = collections.deque()
+        self.is_idle = AnnotatedSemaphore(1, name=f"{self.name}.is_idle")
+        self.job_arrived = AnnotatedSemaphore(0, name=f"{self.name}.job_arrived")
+        self.cur_job: Optional[Tuple[Callable[..., None], Tuple[Any, ...]]] = None
+        self.location = ""
+        self.shutdown = False
+        self.controller_thread = RoundPipeThread(self.controller, name=f"roundpipe-{self.name}")
+        self.controller_thread.start()
+
+    def __repr__(self) -> str:
+        return f"DeviceManager({self.name})"
+
+    # ---- job queue -------------------------------------------------------------------------------
+    def launch(self, fn: Callable[..., None], *args: Any) -> None:
+        """Queue ``fn(self, *args)`` on this device; blocks while the previous job is still issuing."""
+        self.is_idle.acquire()
+        self.cur_job = (fn, args)
+        self.job_arrived.release()
+
+    def launch_forward(self, layer_group_id: int, run: Any) -> None:
+        """Schedule forward of one layer group for all microbatches of ``run``."""
+        from roundpipe.run import run_forward
+
+        self.launch(run_forward, run, layer_group_id)
+
+    def launch_backward(self, layer_group_id: int, run: Any) -> None:
+        """Schedule recompute + backward of one layer group for all microbatches of ``run``."""
+        from roundpipe.run import run_backward
+
+        self.launch(run_backward, run, layer_group_id)
+
+    def launch_forward_backward(self, run: Any) -> None:
+        """Schedule the fused forward + loss + backward of the last layer group."""
+        from roundpipe.run import run_forward_backward
+
+        self.launch(run_forward_backward, run)
+
+    def wait_idle(self) -> None:
+        """Block until this device has finished issuing its queued job."""
+        self.is_idle.acquire()
+        self.is_idle.release()
+
+    def controller(self) -> None:
+        """Background loop: run jobs as they arrive. Errors are reported, never fatal to the loop."""
+        while True:
+            # Plain (non-aborting) wait: an idle worker must keep waiting for work after a failure.
+            threading.Semaphore.acquire(self.job_arrived)
+            if self.shutdown:
+                return
+            assert self.cur_job is not None
+            fn, args = self.cur_job
+            self.cur_job = None
+            self.controller_thread.is_active = True
+            try:
+                with torch.inference_mode(False):
+                    fn(self, *args)
+            except BaseException as exc:  # noqa: BLE001 - surfaced in the dispatching thread
+                report_failure(self._locate(exc))
+            finally:
+                self.location = ""
+                self.controller_thread.is_active = False
+                self.is_idle.release()
+
+    def _locate(self, exc: BaseException) -> BaseException:
+        from roundpipe.threads import RoundPipeAborted
+
+        if isinstance(exc, (RoundPipeAborted, KeyboardInterrupt)):
+            return exc
+        where = f"{self.location} on device {self.name}" if self.location else f"on device {self.name}"
+        err = RoundPipeWorkerError(f"{where}: {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
+        err.original = exc  # type: ignore[attr-defined]
+        return err
+
+    def shutdown_controller(self) -> None:
+        """Stop the controller thread."""
+        self.shutdown = True
+        self.job_arrived.release()
+        self.controller_thread.join(timeout=5)
+
+    # ---- stream helpers --------------------------------------------------------------------------
+    def wait_stream(self, waiter: Stream, wait_for: Stream) -> None:
+        """Make ``waiter`` wait for the work queued so far on ``wait_for``."""
+        waiter.wait_stream(wait_for)
+
+    def throttle_prefetch(self) -> None:
+        """Keep at most two jobs' parameters on the device: before a new job uploads, wait (on this
+        worker thread, never the main one) for the job before the previous one to finish computing."""
+        self.mem_manager.flush()
+        while len(self.recent_jobs) >= 2:
+            self.recent_jobs.popleft().synchronize()
+        self.mem_manager.flush()
+
+    def job_done(self) -> None:
+        """Record the end of the current job's compute (see ``throttle_prefetch``)."""
+        if backend.is_cuda(self.device):
+            self.recent_jobs.append(backend.record_event(self.compute_stream))
+
+
+device_list: List[DeviceManager] = []
+cur_device = 0
+_init_lock = threading.Lock()
+
+
+def _ensure_devices() -> List[DeviceManager]:
+    global device_list
+    if not device_list:
+        with _init_lock:
+            if not device_list:
+                device_list = [DeviceManager(i, d) for i, d in enumerate(backend.parse_devices())]
+    return device_list
+
+
+def get_num_devices() -> int:
+    """Number of devices (GPUs or CPU workers) RoundPipe runs on."""
+    return len(_ensure_devices())
+
+
+def get_next_device() -> DeviceManager:
+    """The next device in round-robin order."""
+    global cur_device
+    devices = _ensure_devices()
+    dev = devices[cur_device % len(devices)]
+    cur_device = (cur_device + 1) % len(devices)
+    return dev
+
+
+def get_min_gpu_memory() -> float:
+    """Minimum free memory across the devices, in GB (host memory for CPU workers)."""
+    return min(backend.free_memory_bytes(d.device) for d in _ensure_devices()) / 1024**3
+
+
+def wait_all_idle() -> None:
+    """Block until every device has finished issuing its jobs."""
+    for d in device_list:
+        d.wait_idle()
+
+
+def gc_collect() -> None:
+    """Release tensors held for other streams on all devices (synchronises the GPUs first)."""
+    for d in device_list:
+        if backend.is_cuda(d.device):
+            torch.cuda.synchronize(d.device)
+        d.mem_manager.free_all()
+        d.recent_jobs.clear()
+
+
+def reset_devices() -> None:
+    """Shut the workers down so the next use re-reads ``RPP_DEVICES`` (tests and interactive use)."""
+    global device_list, cur_device
+    for d in device_list:
+        d.shutdown_controller()
+    device_list = []
+    cur_device = 0

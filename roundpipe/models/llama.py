@@ -1,0 +1,13 @@
+"""Llama (``LlamaForCausalLM``): the standard layout, full attention in every layer."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from roundpipe.models.preset import CausalLMSpec, default_spec
+
+MODEL_CLASS = "LlamaForCausalLM"
+
+
+def build_spec(model: nn.Module) -> CausalLMSpec:
+    return default_spec(model)

@@ -1,0 +1,300 @@
+"""Memory-light causal language-model loss.
+
+The full-vocabulary logits of a microbatch are by far its largest activation (tokens x vocab in fp32:
+16k tokens x 152k vocab = 9.3 GiB), larger than a whole decoder layer's weights. This module never
+materialises them: tokens are processed in chunks, each chunk computes ``lm_head`` + an fp32
+log-softmax, and only a scalar loss leaves the chunk.
+
+Backward is chunked too. :class:`LinearCrossEntropy` computes the gradients w.r.t. the hidden states
+and the head weight chunk by chunk *inside its forward* whenever autograd will need them, and its
+backward only scales them by the incoming gradient. In RoundPipe the loss stage runs with grad enabled
+only right before its backward (the fused last stage, or the backward recompute), so this does the
+minimum work: one logits matmul and two gradient matmuls per chunk, with no recompute of the logits.
+Heads that are not a plain weight matrix (e.g. a LoRA-wrapped ``lm_head``) fall back to
+:func:`chunked_module_cross_entropy`, which checkpoints each chunk with ``torch.utils.checkpoint``.
+
+Both return the *sum* of the token losses and the caller divides by the token count of the whole batch,
+so that a batch split into microbatches gives exactly the loss of the unsplit batch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100
+
+
+def default_chunk_size(num_tokens: int, hidden_size: int, vocab_size: int) -> int:
+    """Tokens per chunk such that a chunk's logits are about as large as the hidden states.
+
+    At least 256 tokens so that each chunk's matmuls stay efficient on a GPU.
+    """
+    target = math.ceil(num_tokens * hidden_size / max(vocab_size, 1))
+    return max(256, 1 << max(target - 1, 0).bit_length())
+
+
+def _transform_logits(z: torch.Tensor, logit_scale: float, softcap: Optional[float]) -> torch.Tensor:
+    """Apply the model's logit scaling and final soft-capping (Gemma 2) to fp32 logits."""
+    if logit_scale != 1.0:
+        z = z * logit_scale
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    return z
+
+
+def _chunk_loss(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    target: torch.Tensor,
+    logit_scale: float,
+    softcap: Optional[float],
+) -> torch.Tensor:
+    """Sum of the cross-entropy of one chunk of (valid) tokens; fp32 math like HF's ``ForCausalLMLoss``."""
+    z = _transform_logits(F.linear(h, weight, bias).float(), logit_scale, softcap)
+    lse = torch.logsumexp(z, dim=-1)
+    return (lse - z.gather(1, target.unsqueeze(1)).squeeze(1)).sum()
+
+
+def _chunk_loss_and_dlogits(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    target: torch.Tensor,
+    logit_scale: float,
+    softcap: Optional[float],
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Loss sum of one chunk and d(loss sum)/d(raw logits), the latter in ``h``'s dtype."""
+    z = _transform_logits(F.linear(h, weight, bias).float(), logit_scale, softcap)
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    loss = (lse.squeeze(1) - z.gather(1, target.unsqueeze(1)).squeeze(1)).sum()
+    d = torch.exp(z - lse)
+    d.scatter_add_(1, target.unsqueeze(1), torch.full_like(target, -1, dtype=d.dtype).unsqueeze(1))
+    if softcap is not None:
+        d = d * (1.0 - (z / softcap) ** 2)
+    if logit_scale != 1.0:
+        d = d * logit_scale
+    return loss, d.to(h.dtype)
+
+
+_compiled: dict = {}
+
+
+def _maybe_compiled(fn: Callable, compile: Optional[bool]) -> Callable:
+    """``fn`` under torch.compile unless compile is off (``RPP_DISABLE_TORCH_COMPILE=1``).
+
+    Compilation fuses the fp32 upcast, log-sum-exp, softmax and one-hot subtraction of a chunk into a
+    few kernels; the matmul stays with cuBLAS.
+    """
+    if compile is None:
+        from roundpipe import models
+
+        compile = not models.DISABLE_TORCH_COMPILE
+    if not compile:
+        return fn
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, dynamic=True)
+    return _compiled[fn]
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Sum over tokens of ``cross_entropy(hidden @ weight.T + bias, target)``, chunked over tokens.
+
+    Only tokens whose target is not ``ignore_index`` are computed. Gradients are produced chunk by chunk
+    during forward (see the module docstring) and stored: ``hidden``-sized and ``weight``-sized buffers
+    (the weight gradient accumulates in the weight's dtype, as a single autograd matmul would produce).
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        target: torch.Tensor,
+        chunk_size: int,
+        ignore_index: int,
+        logit_scale: float,
+        softcap: Optional[float],
+        compile: Optional[bool],
+    ) -> torch.Tensor:
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        chunk_fn = _maybe_compiled(_chunk_loss_and_dlogits, compile)
+        valid = (target != ignore_index).nonzero().squeeze(1)
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_b = torch.zeros_like(bias) if need_b else None
+        for start in range(0, valid.numel(), chunk_size):
+            idx = valid[start : start + chunk_size]
+            h = hidden.index_select(0, idx)
+            chunk_loss, d = chunk_fn(h, weight, bias, target.index_select(0, idx), logit_scale, softcap)
+            loss += chunk_loss
+            if grad_h is not None:
+                grad_h.index_copy_(0, idx, d @ weight.to(d.dtype))
+            if grad_w is not None:
+                grad_w.addmm_(d.t().to(weight.dtype), h.to(weight.dtype))
+            if grad_b is not None:
+                grad_b += d.sum(0).to(bias.dtype)
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        return loss
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor):  # type: ignore[override]
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+
+        def scale(g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if g is None else g * grad_loss.to(g.dtype)
+
+        return scale(grad_h), scale(grad_w), scale(grad_b), None, None, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    ignore_index: int = IGNORE_INDEX,
+    chunk_size: Optional[int] = None,
+    logit_scale: float = 1.0,
+    softcap: Optional[float] = None,
+    compile: Optional[bool] = None,
+) -> torch.Tensor:
+    """Sum of token cross-entropies of ``hidden @ weight.T (+ bias)`` against ``target``, chunked.
+
+    Args:
+        hidden: ``[N, H]`` hidden states.
+        weight: ``[V, H]`` output projection (``lm_head.weight``).
+        target: ``[N]`` token ids; ``ignore_index`` entries contribute nothing.
+        bias: Optional ``[V]`` bias.
+        chunk_size: Tokens per chunk; default :func:`default_chunk_size`.
+        logit_scale: Multiplier on the logits before the softmax (Cohere, Granite).
+        softcap: Final logit soft-capping ``cap * tanh(z / cap)`` (Gemma 2).
+        compile: torch.compile the per-chunk math; default: on unless ``RPP_DISABLE_TORCH_COMPILE=1``.
+
+    Returns:
+        fp32 scalar: the *sum* over counted tokens (divide by the whole batch's count yourself).
+    """
+    if chunk_size is None:
+        chunk_size = default_chunk_size(hidden.shape[0], weight.shape[1], weight.shape[0])
+    tensors = (hidden, weight) + ((bias,) if bias is not None else ())
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return LinearCrossEntropy.apply(
+            hidden, weight, bias, target, chunk_size, ignore_index, logit_scale, softcap, compile
+        )
+    chunk_fn = _maybe_compiled(_chunk_loss, compile)
+    valid = (target != ignore_index).nonzero().squeeze(1)
+    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, valid.numel(), chunk_size):
+        idx = valid[start : start + chunk_size]
+        loss += chunk_fn(hidden.index_select(0, idx), weight, bias, target.index_select(0, idx), logit_scale, softcap)
+    return loss
+
+
+def _module_chunk_loss(
+    head: nn.Module, h: torch.Tensor, target: torch.Tensor, logit_scale: float, softcap: Optional[float]
+) -> torch.Tensor:
+    z = _transform_logits(head(h).float(), logit_scale, softcap)
+    return F.cross_entropy(z, target, reduction="sum")
+
+
+def chunked_module_cross_entropy(
+    hidden: torch.Tensor,
+    head: nn.Module,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = IGNORE_INDEX,
+    chunk_size: int = 1024,
+    logit_scale: float = 1.0,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
+    """Like :func:`linear_cross_entropy` for an arbitrary head module (e.g. LoRA-wrapped ``lm_head``).
+
+    Each chunk runs under ``torch.utils.checkpoint``, so its logits are dropped after forward and
+    recomputed one chunk at a time in backward.
+    """
+    valid = (target != ignore_index).nonzero().squeeze(1)
+    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, valid.numel(), chunk_size):
+        idx = valid[start : start + chunk_size]
+        h, t = hidden.index_select(0, idx), target.index_select(0, idx)
+        if torch.is_grad_enabled():
+            loss = loss + checkpoint(_module_chunk_loss, head, h, t, logit_scale, softcap, use_reentrant=False)
+        else:
+            loss = loss + _module_chunk_loss(head, h, t, logit_scale, softcap)
+    return loss
+
+
+def shift_causal_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Targets for next-token prediction: ``labels[:, 1:]`` padded with ``ignore_index`` at the end
+    (the same shift as transformers' ``ForCausalLMLoss``)."""
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def count_loss_tokens(
+    labels: Optional[torch.Tensor] = None,
+    shift_labels: Optional[torch.Tensor] = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> int:
+    """Number of tokens a causal-LM loss counts for this batch: the normaliser of the batch mean."""
+    target = shift_labels if shift_labels is not None else shift_causal_labels(labels, ignore_index)
+    return int((target != ignore_index).sum())
+
+
+def causal_lm_loss(
+    hidden: torch.Tensor,
+    head: nn.Module,
+    labels: Optional[torch.Tensor] = None,
+    *,
+    shift_labels: Optional[torch.Tensor] = None,
+    ignore_index: int = IGNORE_INDEX,
+    chunk_size: Optional[int] = None,
+    logit_scale: float = 1.0,
+    softcap: Optional[float] = None,
+    compile: Optional[bool] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Causal-LM loss of ``head(hidden)`` without materialising the logits.
+
+    Args:
+        hidden: ``[B, T, H]`` final (normed) hidden states.
+        head: The output projection; a plain ``nn.Linear`` takes the fused :class:`LinearCrossEntropy`
+            path, anything else the checkpointed per-chunk path.
+        labels: ``[B, T]`` token labels, shifted here as transformers does (position t predicts t+1).
+        shift_labels: Already shifted ``[B, T]`` targets (then ``labels`` is ignored).
+
+    Returns:
+        ``(loss_sum, num_tokens)``: fp32 sum of the token losses and the fp32 count of counted tokens.
+    """
+    target = shift_labels if shift_labels is not None else shift_causal_labels(labels, ignore_index)
+    hidden2d = hidden.reshape(-1, hidden.shape[-1])
+    target = target.reshape(-1).to(hidden.device)
+    if type(head) is nn.Linear:
+        loss = linear_cross_entropy(
+            hidden2d,
+            head.weight,
+            target,
+            head.bias,
+            ignore_index=ignore_index,
+            chunk_size=chunk_size,
+            logit_scale=logit_scale,
+            softcap=softcap,
+            compile=compile,
+        )
+    else:
+        loss = chunked_module_cross_entropy(
+            hidden2d,
+            head,
+            target,
+            ignore_index=ignore_index,
+            chunk_size=chunk_size or 1024,
+            logit_scale=logit_scale,
+            softcap=softcap,
+        )
+    return loss, (target != ignore_index).sum().to(torch.float32)

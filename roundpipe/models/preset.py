@@ -1,0 +1,523 @@
+"""Sequential preset for decoder-only causal LMs laid out ``model.embed_tokens -> model.layers ->
+model.norm -> lm_head`` (Llama, Qwen2/3, Qwen3-MoE, GPT-OSS, Mistral, Phi-3, Gemma, ...).
+
+A preset turns a Hugging Face ``*ForCausalLM`` into a list of layers RoundPipe can stream:
+
+* :class:`CausalLMPrefix` -- token embedding, rotary position embeddings and the attention masks, built
+  with transformers' own mask utilities exactly as the model's forward does. Masks and rotary tables are
+  computed once per microbatch and reused by the backward recompute (``save_for_recompute``).
+* :class:`DecoderLayerStage` -- one per decoder layer; calls the Hugging Face layer module itself, so the
+  parameters (and any PEFT adapters inside) are the model's own, never copies.
+* :class:`CausalLMHead` -- final norm, then the memory-light chunked loss (:mod:`roundpipe.models.loss`)
+  and, only when asked for, logits.
+
+Stages pass one dict (the "state") to each other: hidden states plus the small per-microbatch data the
+later stages need (masks, rotary tables, labels, MoE router statistics). The head returns per-microbatch
+sums (loss sum, token count, router statistics) that RoundPipe merges, and :class:`CausalLMPreset` turns
+the merged sums into the loss of the whole batch, identical to the unsplit Hugging Face model's.
+
+This module does not depend on the RoundPipe runtime; :mod:`roundpipe.models.generic` wraps a preset into
+a RoundPipe.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from roundpipe.context import doing_recompute, get_recompute_data, save_for_recompute
+from roundpipe.models.loss import IGNORE_INDEX, causal_lm_loss, count_loss_tokens, shift_causal_labels
+
+State = Dict[str, Any]
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """What the preset needs to reproduce Hugging Face's router load-balancing (aux) loss.
+
+    Attributes:
+        router_class: Module class whose output ``[output_index]`` is a layer's router logits (from the
+            base model's ``_can_record_outputs["router_logits"]``).
+        output_index: Index of the router logits in that module's output.
+        num_experts: Experts per MoE layer.
+        top_k: Experts selected per token.
+        aux_loss_coef: ``router_aux_loss_coef``.
+        output_router_logits: Config default for computing the aux loss.
+    """
+
+    router_class: type
+    output_index: int
+    num_experts: int
+    top_k: int
+    aux_loss_coef: float
+    output_router_logits: bool
+
+
+@dataclass(frozen=True)
+class CausalLMSpec:
+    """The per-family differences the preset needs; build one with :func:`default_spec`.
+
+    Attributes:
+        layer_types: Attention type per decoder layer, a key of :data:`MASK_FUNCTIONS`.
+        mask_uses_position_ids: Whether the model passes ``position_ids`` to the mask functions (it
+            detects packed sequences from them); GPT-OSS does not.
+        logit_scale: Multiplier applied to the logits (Cohere ``logit_scale``, Granite ``1/logits_scaling``).
+        softcap: Final logit soft-capping (Gemma 2).
+        moe: Router aux-loss description for MoE models, None for dense ones.
+    """
+
+    layer_types: Tuple[str, ...]
+    mask_uses_position_ids: bool = True
+    logit_scale: float = 1.0
+    softcap: Optional[float] = None
+    moe: Optional[MoESpec] = None
+
+
+def _mask_functions() -> Dict[str, Callable[..., Any]]:
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    return {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
+MASK_FUNCTIONS = ("full_attention", "sliding_attention")
+
+
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The Hugging Face ``*ForCausalLM`` inside a PEFT ``PeftModel`` (the model itself otherwise).
+
+    The LoRA modules stay where PEFT injected them, inside the decoder layers.
+    """
+    if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
+        return model.get_base_model()
+    return model
+
+
+def has_standard_layout(model: nn.Module) -> bool:
+    """Whether ``model`` is laid out ``model.embed_tokens -> model.layers -> model.norm -> lm_head``
+    with a shared ``model.rotary_emb`` (what this preset supports)."""
+    base = getattr(model, "model", None)
+    config = getattr(model, "config", None)
+    return (
+        config is not None
+        and not getattr(config, "is_encoder_decoder", False)
+        and isinstance(base, nn.Module)
+        and isinstance(getattr(base, "embed_tokens", None), nn.Module)
+        and isinstance(getattr(base, "layers", None), nn.ModuleList)
+        and isinstance(getattr(base, "norm", None), nn.Module)
+        and isinstance(getattr(base, "rotary_emb", None), nn.Module)
+        and isinstance(getattr(model, "lm_head", None), nn.Module)
+    )
+
+
+def default_layer_types(config: Any) -> Tuple[str, ...]:
+    """Attention type per layer as transformers' models choose it.
+
+    ``config.layer_types`` when the config has it (Qwen2/3, GPT-OSS, ...); otherwise every layer is
+    sliding-window when ``config.sliding_window`` is set (Mistral, Phi-3, Qwen3-MoE) and full otherwise.
+    """
+    n = config.num_hidden_layers
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return tuple(layer_types[:n])
+    if getattr(config, "sliding_window", None) is not None:
+        return ("sliding_attention",) * n
+    return ("full_attention",) * n
+
+
+def moe_spec(model: nn.Module) -> Optional[MoESpec]:
+    """Router description of an MoE ``*ForCausalLM``, None for a dense model.
+
+    Found through the base model's ``_can_record_outputs["router_logits"]`` recorder (how transformers
+    itself collects router logits) and the ``num_experts`` / ``num_experts_per_tok`` /
+    ``router_aux_loss_coef`` attributes the MoE ``*ForCausalLM`` classes set.
+    """
+    recorder = (getattr(type(model.model), "_can_record_outputs", None) or {}).get("router_logits")
+    if recorder is None or not hasattr(model, "router_aux_loss_coef"):
+        return None
+    return MoESpec(
+        router_class=recorder.target_class,
+        output_index=recorder.index or 0,
+        num_experts=int(model.num_experts),
+        top_k=int(model.num_experts_per_tok),
+        aux_loss_coef=float(model.router_aux_loss_coef),
+        output_router_logits=bool(getattr(model.config, "output_router_logits", False)),
+    )
+
+
+def default_spec(model: nn.Module, **overrides: Any) -> CausalLMSpec:
+    """Spec of a standard-layout ``*ForCausalLM``; ``overrides`` replace fields (family hooks)."""
+    model = unwrap_peft(model)
+    if not has_standard_layout(model):
+        raise NotImplementedError(
+            f"{type(model).__name__}: no RoundPipe preset; expected model.embed_tokens -> model.layers -> "
+            "model.norm -> lm_head with model.rotary_emb"
+        )
+    fields_ = dict(layer_types=default_layer_types(model.config), moe=moe_spec(model))
+    fields_.update(overrides)
+    spec = CausalLMSpec(**fields_)
+    unknown = set(spec.layer_types) - set(MASK_FUNCTIONS)
+    if unknown:
+        raise NotImplementedError(f"{type(model).__name__}: attention types {sorted(unknown)} are not supported")
+    return spec
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Router statistics (MoE aux loss)
+# ---------------------------------------------------------------------------------------------------------
+
+_router_sink = threading.local()
+
+
+def _capture_router_logits(module: nn.Module, args: Any, output: Any, index: int) -> None:
+    """Forward hook on router modules: hands the router logits to the stage running in this thread."""
+    sink = getattr(_router_sink, "logits", None)
+    if sink is not None:
+        sink.append(output[index] if isinstance(output, (tuple, list)) else output)
+
+
+def _hook_routers(layer: nn.Module, moe: MoESpec) -> int:
+    """Install (once) the capture hook on the router modules of ``layer``; returns how many there are."""
+    routers = [m for m in layer.modules() if isinstance(m, moe.router_class)]
+    for m in routers:
+        if not getattr(m, "_roundpipe_router_hook", False):
+            m.register_forward_hook(functools.partial(_capture_router_logits, index=moe.output_index))
+            m._roundpipe_router_hook = True
+    return len(routers)
+
+
+RouterStats = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def accumulate_router_stats(
+    stats: RouterStats, router_logits: torch.Tensor, attention_mask: Optional[torch.Tensor], moe: MoESpec
+) -> RouterStats:
+    """Add one MoE layer's routing to the running sums of transformers' ``load_balancing_loss_func``.
+
+    Returns ``(tokens_per_expert_sum, router_prob_sum, total_rows)``; only ``router_prob_sum`` carries a
+    gradient. The same operations in the same order as transformers, so the sums match it.
+    """
+    tokens, probs, rows = stats
+    weights = torch.softmax(router_logits, dim=-1)
+    _, selected = torch.topk(weights, moe.top_k, dim=-1)
+    if attention_mask is None:
+        tokens = tokens + torch.bincount(selected.reshape(-1), minlength=moe.num_experts).float()
+        probs = probs + weights.float().sum(dim=0)
+        rows = rows + weights.shape[0]
+    else:
+        mask = attention_mask.reshape(-1).to(device=weights.device, dtype=torch.float32)
+        tokens = tokens + torch.zeros(moe.num_experts, dtype=torch.float32, device=weights.device).scatter_add_(
+            0, selected.reshape(-1), mask.repeat_interleave(moe.top_k)
+        )
+        probs = probs + (weights.float() * mask.unsqueeze(-1)).sum(dim=0)
+        rows = rows + mask.sum()
+    return tokens, probs, rows
+
+
+def router_aux_loss(tokens: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """transformers' load-balancing loss from the summed statistics."""
+    return torch.sum(tokens / rows * (probs / rows).unsqueeze(0)) * num_experts
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Stages
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _call_mask_function(fn: Callable[..., Any], **kwargs: Any) -> Any:
+    """Call a transformers mask function, adapting to its signature across 4.5x/5.x releases."""
+    params = inspect.signature(fn).parameters
+    if "inputs_embeds" not in params and "input_embeds" in params:
+        kwargs["input_embeds"] = kwargs.pop("inputs_embeds")
+    if "cache_position" in params:
+        embeds = kwargs.get("inputs_embeds", kwargs.get("input_embeds"))
+        kwargs["cache_position"] = torch.arange(embeds.shape[1], device=embeds.device)
+    return fn(**{k: v for k, v in kwargs.items() if k in params})
+
+
+class CausalLMPrefix(nn.Module):
+    """Embedding, rotary tables and attention masks: the first pipeline layer.
+
+    Receives the (microbatch of the) model's keyword arguments and returns the state dict.
+    """
+
+    def __init__(self, embed_tokens: nn.Module, rotary_emb: nn.Module, config: Any, spec: CausalLMSpec) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.rotary_emb = rotary_emb
+        self.config = config
+        self.spec = spec
+
+    def _masks(self, embeds: torch.Tensor, attention_mask: Optional[torch.Tensor], position_ids: torch.Tensor):
+        kwargs = dict(config=self.config, inputs_embeds=embeds, attention_mask=attention_mask, past_key_values=None)
+        if self.spec.mask_uses_position_ids:
+            kwargs["position_ids"] = position_ids
+        fns = _mask_functions()
+        return {t: _call_mask_function(fns[t], **kwargs) for t in dict.fromkeys(self.spec.layer_types)}
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        shift_labels: Optional[torch.Tensor] = None,
+        options: Optional[Dict[str, Any]] = None,
+    ) -> State:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if position_ids is None:
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
+        if doing_recompute():
+            masks, position_embeddings = get_recompute_data()
+        else:
+            masks = self._masks(inputs_embeds, attention_mask, position_ids)
+            position_embeddings = tuple(self.rotary_emb(inputs_embeds, position_ids))
+            save_for_recompute(masks, position_embeddings)
+        options = dict(options or {})
+        router = None
+        moe = self.spec.moe
+        if moe is not None and options.get("output_router_logits", moe.output_router_logits):
+            zeros = functools.partial(torch.zeros, dtype=torch.float32, device=inputs_embeds.device)
+            router = (zeros(moe.num_experts), zeros(moe.num_experts), zeros(()))
+        return {
+            "hidden_states": inputs_embeds,
+            "position_ids": position_ids,
+            "position_embeddings": position_embeddings,
+            "masks": masks,
+            "attention_mask": attention_mask,
+            "labels": labels,
+            "shift_labels": shift_labels,
+            "router": router,
+            "options": options,
+        }
+
+
+class DecoderLayerStage(nn.Module):
+    """One Hugging Face decoder layer as a pipeline layer: ``state -> state`` with new hidden states."""
+
+    def __init__(self, layer: nn.Module, attention_type: str, moe: Optional[MoESpec]) -> None:
+        super().__init__()
+        self.layer = layer
+        self.attention_type = attention_type
+        self.moe = moe
+        self.num_routers = _hook_routers(layer, moe) if moe is not None else 0
+
+    def forward(self, state: State) -> State:
+        collect = state["router"] is not None and self.num_routers > 0
+        sink: List[torch.Tensor] = []
+        if collect:
+            _router_sink.logits = sink
+        try:
+            out = self.layer(
+                state["hidden_states"],
+                attention_mask=state["masks"][self.attention_type],
+                position_ids=state["position_ids"],
+                past_key_values=None,
+                use_cache=False,
+                position_embeddings=state["position_embeddings"],
+            )
+        finally:
+            if collect:
+                _router_sink.logits = None
+        state = dict(state, hidden_states=out[0] if isinstance(out, tuple) else out)
+        if collect:
+            stats = state["router"]
+            for logits in sink:
+                stats = accumulate_router_stats(stats, logits, state["attention_mask"], self.moe)
+            state["router"] = stats
+        return state
+
+
+def _slice_positions(hidden: torch.Tensor, logits_to_keep: Union[int, Sequence[int]]) -> torch.Tensor:
+    if isinstance(logits_to_keep, int):
+        return hidden[:, -logits_to_keep:, :] if logits_to_keep > 0 else hidden
+    return hidden[:, list(logits_to_keep), :]
+
+
+class CausalLMHead(nn.Module):
+    """Final norm + chunked loss (+ logits when asked): the last pipeline layer.
+
+    Returns a dict of per-microbatch results: ``loss_sum`` and ``num_tokens`` (0-dim, when labels are
+    given), ``logits`` (when ``options["return_logits"]``), and the router sums ``router_tokens`` /
+    ``router_probs`` (``[1, E]``) and ``router_rows`` (0-dim) when the MoE aux loss is on.
+    """
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, spec: CausalLMSpec) -> None:
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+        self.spec = spec
+
+    def forward(self, state: State) -> Dict[str, torch.Tensor]:
+        hidden = self.norm(state["hidden_states"])
+        options = state["options"]
+        out: Dict[str, torch.Tensor] = {}
+        if state["labels"] is not None or state["shift_labels"] is not None:
+            out["loss_sum"], out["num_tokens"] = causal_lm_loss(
+                hidden,
+                self.lm_head,
+                state["labels"],
+                shift_labels=state["shift_labels"],
+                chunk_size=options.get("loss_chunk_size"),
+                logit_scale=self.spec.logit_scale,
+                softcap=self.spec.softcap,
+            )
+        if options.get("return_logits", True):
+            logits = self.lm_head(_slice_positions(hidden, options.get("logits_to_keep", 0)))
+            if self.spec.logit_scale != 1.0:
+                logits = logits * self.spec.logit_scale
+            if self.spec.softcap is not None:
+                logits = torch.tanh(logits / self.spec.softcap) * self.spec.softcap
+            out["logits"] = logits
+        if state["router"] is not None:
+            tokens, probs, rows = state["router"]
+            out.update(router_tokens=tokens.unsqueeze(0), router_probs=probs.unsqueeze(0), router_rows=rows)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The preset
+# ---------------------------------------------------------------------------------------------------------
+
+
+class CausalLMPreset:
+    """Pipeline layers of a ``*ForCausalLM`` plus the glue between them and the user-facing API.
+
+    Attributes:
+        model: The Hugging Face ``*ForCausalLM`` (inside the PEFT wrapper, if any).
+        spec: The family's :class:`CausalLMSpec`.
+        layers: ``nn.Sequential(prefix, decoder layer stages..., head)``; hand it to RoundPipe.
+    """
+
+    def __init__(self, model: nn.Module, spec: CausalLMSpec) -> None:
+        model = unwrap_peft(model)
+        base = model.model
+        n = model.config.num_hidden_layers
+        self.model = model
+        self.spec = spec
+        self.layers = nn.Sequential(
+            CausalLMPrefix(base.embed_tokens, base.rotary_emb, model.config, spec),
+            *[DecoderLayerStage(layer, spec.layer_types[i], spec.moe) for i, layer in enumerate(base.layers[:n])],
+            CausalLMHead(base.norm, model.lm_head, spec),
+        )
+        self.num_router_layers = sum(getattr(stage, "num_routers", 0) for stage in self.layers)
+
+    def forward_kwargs(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        shift_labels: Optional[torch.Tensor] = None,
+        return_logits: Optional[bool] = None,
+        logits_to_keep: Union[int, torch.Tensor] = 0,
+        output_router_logits: Optional[bool] = None,
+        loss_chunk_size: Optional[int] = None,
+    ) -> Dict[str, Any]:
+        """Keyword arguments for the first layer (what RoundPipe splits into microbatches).
+
+        ``return_logits`` defaults to True without labels and False with them: a training forward needs
+        the loss, and full logits are the largest tensor of the whole step.
+        """
+        has_labels = labels is not None or shift_labels is not None
+        if isinstance(logits_to_keep, torch.Tensor):
+            logits_to_keep = tuple(int(i) for i in logits_to_keep.reshape(-1).tolist())
+        options = {
+            "return_logits": (not has_labels) if return_logits is None else bool(return_logits),
+            "logits_to_keep": logits_to_keep,
+            "loss_chunk_size": loss_chunk_size,
+        }
+        if self.spec.moe is not None:
+            options["output_router_logits"] = (
+                self.spec.moe.output_router_logits if output_router_logits is None else bool(output_router_logits)
+            )
+        kwargs = dict(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            shift_labels=shift_labels,
+            options=options,
+        )
+        return {k: v for k, v in kwargs.items() if v is not None}
+
+    def build_output(self, merged: Dict[str, torch.Tensor]) -> Any:
+        """Hugging Face output from the merged head outputs of all microbatches.
+
+        The loss is the sum of the token losses over the token count of the whole batch (and, with the
+        router loss on, the aux loss of the whole batch's routing): equal to the unsplit model's loss.
+        """
+        from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+
+        loss = None
+        if "loss_sum" in merged:
+            loss = merged["loss_sum"].sum() / merged["num_tokens"].sum()
+        logits = merged.get("logits")
+        if self.spec.moe is None:
+            return CausalLMOutputWithPast(loss=loss, logits=logits)
+        aux = None
+        if "router_rows" in merged:
+            rows = merged["router_rows"].sum()
+            aux = router_aux_loss(
+                merged["router_tokens"].sum(0), merged["router_probs"].sum(0), rows, self.spec.moe.num_experts
+            )
+            if loss is not None:
+                loss = loss + self.spec.moe.aux_loss_coef * aux
+        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=logits)
+
+    def microbatch_loss_fn(self, forward_kwargs: Dict[str, Any]) -> Callable[[Dict[str, torch.Tensor], Any], torch.Tensor]:
+        """``loss_fn`` for ``RoundPipe.forward_backward``: each microbatch's share of the batch loss.
+
+        The cross-entropy of a microbatch is divided by the token count of the *whole* batch, so the
+        sum over microbatches is exactly the batch mean. The MoE aux loss is not a sum over tokens (it
+        multiplies two batch averages), so with ``forward_backward`` it is computed per microbatch and
+        averaged with token weights, as gradient accumulation does; ``forward`` + ``backward`` gives the
+        whole-batch aux loss instead.
+        """
+        num_tokens = count_loss_tokens(forward_kwargs.get("labels"), forward_kwargs.get("shift_labels"))
+        moe = self.spec.moe
+        aux_on = moe is not None and forward_kwargs["options"].get("output_router_logits", False)
+        total_rows = 0.0
+        if aux_on:
+            ref = forward_kwargs.get("input_ids", forward_kwargs.get("inputs_embeds"))
+            mask = forward_kwargs.get("attention_mask")
+            tokens = float(mask.sum()) if mask is not None else float(ref.shape[0] * ref.shape[1])
+            total_rows = tokens * self.num_router_layers
+
+        def loss_fn(outputs: Dict[str, torch.Tensor], _label: Any = None) -> torch.Tensor:
+            loss = outputs["loss_sum"] / num_tokens
+            if aux_on:
+                rows = outputs["router_rows"]
+                aux = router_aux_loss(outputs["router_tokens"][0], outputs["router_probs"][0], rows, moe.num_experts)
+                loss = loss + moe.aux_loss_coef * aux * (rows / total_rows)
+            return loss
+
+        return loss_fn
+
+
+__all__ = [
+    "CausalLMHead",
+    "CausalLMPrefix",
+    "CausalLMPreset",
+    "CausalLMSpec",
+    "DecoderLayerStage",
+    "MoESpec",
+    "accumulate_router_stats",
+    "default_layer_types",
+    "default_spec",
+    "has_standard_layout",
+    "moe_spec",
+    "router_aux_loss",
+    "unwrap_peft",
+]

@@ -1,0 +1,106 @@
+"""The optimizer stream: one host thread that runs optimizer work in submission order.
+
+``launch_optim_kernel(fn, ...)`` queues ``fn`` and returns at once; the thread runs kernels one after
+another, so work queued by one ``model.step`` is ordered after the previous step's. The main thread
+waits for all queued work with ``synchronize_optim()``. A kernel that raises is recorded in the
+RoundPipe failure slot (see ``threads``), and the next ``synchronize_optim`` or RoundPipe call raises it.
+
+Attributes:
+    kernel_queue: Queue of optimizer kernel tasks.
+    OPTIM_STOP: Sentinel object to signal optimizer stream shutdown.
+    optim_thread: Daemon thread that executes optimizer tasks (started on first use).
+"""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import threading
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from roundpipe.threads import RoundPipeThread, report_failure
+
+KernelQueueType = "queue.Queue[Tuple[Callable, Tuple, Dict[str, Any]]]"
+
+kernel_queue: "queue.Queue[Any]" = queue.Queue()
+OPTIM_STOP = object()
+optim_thread: Optional[RoundPipeThread] = None
+_start_lock = threading.Lock()
+
+
+class OptimizerStepError(RuntimeError):
+    """An exception raised by optimizer work on the optimizer thread."""
+
+
+def controller() -> None:
+    """Optimizer stream thread function: run queued kernels in order until OPTIM_STOP."""
+    assert optim_thread is not None
+    while True:
+        item = kernel_queue.get()
+        try:
+            if item is OPTIM_STOP:
+                return
+            fn, args, kwargs = item
+            optim_thread.is_active = True
+            try:
+                fn(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - surfaced in the caller's thread
+                err = OptimizerStepError(f"optimizer step failed in {getattr(fn, '__qualname__', fn)!r}: {exc!r}")
+                err.__cause__ = exc
+                report_failure(err)
+            finally:
+                optim_thread.is_active = False
+        finally:
+            kernel_queue.task_done()
+
+
+def _ensure_started() -> None:
+    global optim_thread
+    with _start_lock:
+        if optim_thread is None or not optim_thread.is_alive():
+            optim_thread = RoundPipeThread(controller, name="roundpipe-optimizer")
+            optim_thread.start()
+
+
+def launch_optim_kernel(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """Queue ``fn(*args, **kwargs)`` on the optimizer stream; runs inline when already on it."""
+    if on_optim_stream():
+        fn(*args, **kwargs)
+        return
+    _ensure_started()
+    kernel_queue.put((fn, args, kwargs))
+
+
+def on_optim_stream() -> bool:
+    """Whether the current thread is the optimizer stream."""
+    return optim_thread is not None and threading.current_thread() is optim_thread
+
+
+def synchronize_optim() -> None:
+    """Block until every queued optimizer kernel has run, then raise the first failure, if any."""
+    from roundpipe.threads import POLL_S, current_failure
+
+    if on_optim_stream() or optim_thread is None:
+        return
+    # Queue.join() cannot time out, so wait on an event that a marker kernel sets; poll the failure
+    # slot meanwhile so a crashed kernel never leaves the caller hanging.
+    done = threading.Event()
+    kernel_queue.put((done.set, (), {}))
+    while not done.wait(POLL_S):
+        if current_failure() is not None or not optim_thread.is_alive():
+            break
+    from roundpipe.threads import raise_if_failed
+
+    raise_if_failed("optimizer step")
+
+
+def shutdown_optim() -> None:
+    """Stop the optimizer thread after the queued work."""
+    global optim_thread
+    if optim_thread is not None and optim_thread.is_alive():
+        kernel_queue.put(OPTIM_STOP)
+        optim_thread.join(timeout=10)
+    optim_thread = None
+
+
+atexit.register(shutdown_optim)

@@ -1,0 +1,332 @@
+"""Cut a model's layers into stages (layer groups) for the forward and the backward pass.
+
+This module is the pure algorithm behind ``ModelExecutePlan.auto`` and ``ModelExecutePlan.check_valid``:
+it sees per-layer times and sizes as plain numbers and knows nothing of devices.
+
+A stage is a contiguous ``range`` of layers that is uploaded to a device, run, and dropped. Two things
+bound a stage:
+
+* Time. The pipeline runs at the pace of its slowest stage, and no stage can be faster than the slowest
+  single layer. So a stage may grow until its time reaches ``upper_threshold`` x the slowest layer's time:
+  up to there, merging layers costs no throughput and saves per-stage overhead (launches, events,
+  saved activations at every stage boundary).
+* Memory. The current stage and the prefetched next one are resident at once, so a stage's bytes must fit
+  in half of the memory budget.
+
+Within those bounds the planner uses as few stages as possible (but at least ``min_stages`` so that every
+device gets work), and among the plans with that many stages picks one whose slowest stage is as fast as
+possible, then spreads the remaining time evenly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Literal, Optional, Sequence, Tuple
+
+RunType = Literal["infer", "train", "fused"]
+
+GiB = float(1 << 30)
+
+# Relative slack for comparing sums of floats against a bound, so that rounding in prefix sums never
+# turns an allowed group (say, exactly 1.1 x the slowest layer) into a forbidden one.
+_REL_TOL = 1e-9
+
+
+class PlanMemoryError(ValueError):
+    """A single layer does not fit in the per-stage memory budget, so no plan exists."""
+
+
+def plan_stages(
+    run_type: RunType,
+    fwd_times: Sequence[float],
+    bwd_times: Sequence[float],
+    layer_bytes: Sequence[int],
+    *,
+    min_stages: int,
+    upper_threshold: float,
+    memory_limit_bytes: float,
+) -> Tuple[List[range], List[range]]:
+    """Plan forward and backward layer groups.
+
+    Args:
+        run_type: 'infer' (forward only), 'train' (forward, then backward), or 'fused' (forward, then the
+            last backward group runs forward + loss + backward in one go, then the other backward groups).
+        fwd_times: Per-layer forward cost (ms, or any unit proportional to it, such as bytes).
+        bwd_times: Per-layer backward cost, recompute included (same unit). Ignored for 'infer'.
+        layer_bytes: Per-layer bytes that must live on the device while the layer's stage runs
+            (parameters for 'infer', parameters and gradients for training).
+        min_stages: Wanted minimum number of groups per pass, usually the number of devices. Honoured as
+            far as the number of layers allows.
+        upper_threshold: A group's time may be at most this multiple of the slowest layer's time (>= 1).
+        memory_limit_bytes: Device memory for model parameters (and gradients); each group gets half of it
+            because the current and the prefetched group are resident at once.
+
+    Returns:
+        ``(fwd_plan, bwd_plan)``, each a list of contiguous ranges in layer order. For 'infer' the
+        backward plan is empty. For 'fused' the forward plan covers ``[0, bwd_plan[-1].start)``: the last
+        backward group's layers run their forward inside the fused step.
+
+    Raises:
+        PlanMemoryError: A single layer is larger than ``memory_limit_bytes / 2``.
+        ValueError: Inputs of the wrong length, negative or non-finite costs, or a threshold below 1.
+
+    Fused choice: the fused group runs forward + backward of its layers, and its cost is estimated by the
+    layers' backward times (recompute + backward, and a recompute is a forward). The fused group is simply
+    the last group of the backward plan, so it obeys the same time cap as every backward group and the
+    same memory cap; the forward plan is then cut over the layers before it.
+    """
+    n = len(fwd_times)
+    if n == 0:
+        raise ValueError("plan_stages: the model has no layers")
+    if run_type not in ("infer", "train", "fused"):
+        raise ValueError(f"plan_stages: run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
+    if not upper_threshold >= 1.0:
+        raise ValueError(
+            f"plan_stages: upper_threshold must be >= 1 (a group cannot be faster than its slowest layer), "
+            f"got {upper_threshold}"
+        )
+    if not memory_limit_bytes > 0:
+        raise ValueError(f"plan_stages: memory_limit_bytes must be > 0, got {memory_limit_bytes}")
+    _check_costs("fwd_times", fwd_times, n)
+    _check_costs("layer_bytes", layer_bytes, n)
+    if run_type != "infer":
+        _check_costs("bwd_times", bwd_times, n)
+
+    mem_cap = memory_limit_bytes / 2
+    for i, size in enumerate(layer_bytes):
+        if size > mem_cap:
+            raise PlanMemoryError(_layer_too_big_message(i, size, memory_limit_bytes, run_type))
+
+    min_stages = max(1, int(min_stages))
+    if run_type == "infer":
+        return _partition(fwd_times, layer_bytes, min_stages, upper_threshold, mem_cap), []
+
+    bwd_plan = _partition(bwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
+    if run_type == "train":
+        fwd_plan = _partition(fwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
+        return fwd_plan, bwd_plan
+
+    # Fused: the forward pipeline is the forward groups plus the fused group, so the forward groups need
+    # one stage fewer to give every device work.
+    fused_start = bwd_plan[-1].start
+    if fused_start == 0:
+        return [], bwd_plan
+    # The cap stays relative to the slowest forward layer of the whole model (fused layers included):
+    # that layer's forward bounds the forward pace whichever group it is in.
+    fwd_plan = _partition(
+        fwd_times[:fused_start], layer_bytes[:fused_start], min_stages - 1, upper_threshold, mem_cap,
+        slowest=max(fwd_times),
+    )
+    return fwd_plan, bwd_plan
+
+
+def validate_plan(
+    fwd_plan: Sequence[range], bwd_plan: Sequence[range], num_layers: int, run_type: RunType
+) -> None:
+    """Check that a (possibly hand-written) plan can run; raise ValueError naming the offending layers.
+
+    Rules: every entry is a non-empty ``range`` with step 1 inside ``[0, num_layers)``; groups are listed
+    in layer order without gaps or overlaps. 'infer' needs the forward plan to cover all layers (the
+    backward plan is not used and not checked). 'train' needs both plans to cover all layers. 'fused'
+    needs the backward plan to cover all layers and the forward plan to cover exactly the layers before
+    the last backward group, which runs forward + loss + backward in one step.
+    """
+    if run_type not in ("infer", "train", "fused"):
+        raise ValueError(f"run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
+    if run_type == "infer":
+        _check_cover("fwd_plan", fwd_plan, num_layers, num_layers)
+        return
+    _check_cover("bwd_plan", bwd_plan, num_layers, num_layers)
+    if run_type == "train":
+        _check_cover("fwd_plan", fwd_plan, num_layers, num_layers)
+        return
+    fused = bwd_plan[-1]
+    _check_cover(
+        "fwd_plan",
+        fwd_plan,
+        fused.start,
+        num_layers,
+        why=f"the last backward group {fused} runs forward + loss + backward in one step (fused run)",
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Partitioning
+
+
+def _partition(
+    times: Sequence[float],
+    sizes: Sequence[float],
+    min_groups: int,
+    upper_threshold: float,
+    mem_cap: float,
+    slowest: Optional[float] = None,
+) -> List[range]:
+    """Cut ``len(times)`` layers into the fewest contiguous groups within the time cap (``upper_threshold``
+    x ``slowest``, by default the slowest of these layers) and the memory cap, but at least ``min_groups``
+    where the layer count allows; among those, make the slowest group as fast as possible."""
+    n = len(times)
+    t_prefix = _prefix(times)
+    m_prefix = _prefix(sizes)
+    slowest = max(times) if slowest is None else slowest
+    time_cap = upper_threshold * slowest
+
+    k = max(_min_groups(t_prefix, m_prefix, time_cap, mem_cap), min(min_groups, n))
+
+    # Smallest bottleneck T that still allows k groups: bisection on T, since "the greedy packing under T
+    # needs at most k groups" is monotone in T. The cap itself is feasible by the choice of k.
+    lo = max(max(times), t_prefix[n] / k)
+    hi = time_cap
+    if _min_groups(t_prefix, m_prefix, lo, mem_cap) <= k:
+        hi = lo
+    else:
+        for _ in range(100):
+            if hi - lo <= _REL_TOL * hi:
+                break
+            mid = (lo + hi) / 2
+            if _min_groups(t_prefix, m_prefix, mid, mem_cap) <= k:
+                hi = mid
+            else:
+                lo = mid
+    return _balanced_cut(t_prefix, m_prefix, k, hi, mem_cap)
+
+
+def _balanced_cut(
+    t_prefix: List[float], m_prefix: List[float], k: int, time_cap: float, mem_cap: float
+) -> List[range]:
+    """Cut into exactly k groups under the caps, each group's time as close as possible to an even share
+    of the time left. Requires that k groups are feasible under the caps and ``k <= n``."""
+    n = len(t_prefix) - 1
+    reach = _reach(t_prefix, m_prefix, time_cap, mem_cap)
+    # groups_from[i]: fewest groups that can hold layers [i, n) (greedy packing is optimal for this).
+    groups_from = [0] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        groups_from[i] = 1 + groups_from[reach[i]]
+
+    plan: List[range] = []
+    start = 0
+    for g in range(k):
+        left = k - g
+        if left == 1:
+            plan.append(range(start, n))
+            break
+        # Any end in [first, last] keeps the rest feasible: the group fits the caps (end <= reach),
+        # the rest needs at most left - 1 groups, and leaves at least one layer per remaining group.
+        last = min(reach[start], n - (left - 1))
+        first = start + 1
+        while groups_from[first] > left - 1:
+            first += 1
+        target = t_prefix[start] + (t_prefix[n] - t_prefix[start]) / left
+        end = min(range(first, last + 1), key=lambda e: (abs(t_prefix[e] - target), e))
+        plan.append(range(start, end))
+        start = end
+    return plan
+
+
+def _min_groups(t_prefix: List[float], m_prefix: List[float], time_cap: float, mem_cap: float) -> int:
+    """Fewest contiguous groups within the caps, by greedy packing (optimal for contiguous groups)."""
+    reach = _reach(t_prefix, m_prefix, time_cap, mem_cap)
+    n = len(t_prefix) - 1
+    count, i = 0, 0
+    while i < n:
+        i = reach[i]
+        count += 1
+    return count
+
+
+def _reach(t_prefix: List[float], m_prefix: List[float], time_cap: float, mem_cap: float) -> List[int]:
+    """reach[i]: the largest end such that layers [i, end) fit both caps (always > i: a single layer fits
+    because time_cap >= the slowest layer and layer sizes were checked). Two pointers, O(n)."""
+    n = len(t_prefix) - 1
+    t_lim = time_cap * (1 + _REL_TOL)
+    m_lim = mem_cap * (1 + _REL_TOL)
+    reach = [0] * n
+    end = 0
+    for i in range(n):
+        end = max(end, i + 1)
+        while end < n and t_prefix[end + 1] - t_prefix[i] <= t_lim and m_prefix[end + 1] - m_prefix[i] <= m_lim:
+            end += 1
+        reach[i] = end
+    return reach
+
+
+def _prefix(values: Sequence[float]) -> List[float]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + float(v))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checks and messages
+
+
+def _check_costs(name: str, values: Sequence[float], n: int) -> None:
+    if len(values) != n:
+        raise ValueError(f"plan_stages: {name} has {len(values)} entries, expected one per layer ({n})")
+    for i, v in enumerate(values):
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"plan_stages: {name}[{i}] = {v}; costs must be finite and >= 0")
+
+
+def _layer_too_big_message(layer: int, size: float, memory_limit_bytes: float, run_type: RunType) -> str:
+    what = "parameters" if run_type == "infer" else "parameters and gradients"
+    return (
+        f"layer {layer} needs {size / GiB:.2f} GiB on the device ({what}), but a stage may use at most "
+        f"{memory_limit_bytes / 2 / GiB:.2f} GiB: half of the model memory limit of "
+        f"{memory_limit_bytes / GiB:.2f} GiB, because the current and the prefetched stage are resident at "
+        f"once. To fix it: raise model_memory_limit (in GB) in ModelExecutePlan.auto(...) if the device has "
+        f"room; or pass a manual plan with RoundPipeRunConfig(execute_plan=...) that puts layer {layer} in a "
+        f"group of its own; or split the layer into smaller layers; or use a smaller model or a device "
+        f"with more memory."
+    )
+
+
+def _layers(start: int, stop: int) -> str:
+    """Name the layers [start, stop) for a message."""
+    return f"layer {start}" if stop - start == 1 else f"layers {start}..{stop - 1}"
+
+
+def _check_cover(name: str, plan: Sequence[range], stop: int, num_layers: int, why: str = "") -> None:
+    """Check that ``plan`` lists non-empty ranges covering [0, stop) exactly once, in order. ``why``
+    explains ``stop`` in messages when it is not the number of layers."""
+    must = f"; {name} must cover exactly layers [0, {stop}) because {why}" if why else ""
+    if not isinstance(plan, (list, tuple)):
+        raise ValueError(f"{name} must be a list of ranges, got {type(plan).__name__}")
+    for i, r in enumerate(plan):
+        if not isinstance(r, range):
+            raise ValueError(
+                f"{name}[{i}] is {r!r} ({type(r).__name__}); each group must be a range of layers, e.g. range(0, 4)"
+            )
+        if r.step != 1:
+            raise ValueError(f"{name}[{i}] = {r} has step {r.step}; groups must be contiguous (step 1)")
+        if len(r) == 0:
+            raise ValueError(f"{name}[{i}] = {r} is empty; every group needs at least one layer")
+        if r.start < 0 or r.stop > num_layers:
+            bad = range(r.start, 0) if r.start < 0 else range(num_layers, r.stop)
+            raise ValueError(
+                f"{name}[{i}] = {r}: {_layers(bad.start, bad.stop)} out of range; the model has "
+                f"{num_layers} layers (0..{num_layers - 1})"
+            )
+    for i in range(1, len(plan)):
+        prev, cur = plan[i - 1], plan[i]
+        if cur.start < prev.start:
+            raise ValueError(
+                f"{name}: groups out of order: {name}[{i - 1}] = {prev} comes before {name}[{i}] = {cur}; "
+                f"list groups in layer order"
+            )
+    covered = 0
+    for i, r in enumerate(plan):
+        if r.start > covered:
+            raise ValueError(f"{name}: {_layers(covered, r.start)} not covered (gap before {name}[{i}] = {r})")
+        if r.start < covered:
+            raise ValueError(
+                f"{name}: {_layers(r.start, min(r.stop, covered))} covered twice ({name}[{i}] = {r} overlaps "
+                f"{name}[{i - 1}] = {plan[i - 1]})"
+            )
+        covered = r.stop
+    if covered > stop:
+        raise ValueError(f"{name}: {_layers(stop, covered)} must not be in {name}{must}")
+    if covered < stop:
+        ends = f"the plan ends at layer {covered - 1}" if plan else "the plan is empty"
+        raise ValueError(f"{name}: {_layers(covered, stop)} not covered ({ends}){must}")

@@ -1,0 +1,313 @@
+"""The RoundPipe model wrappers: ``RoundPipe`` runs a layer list on the device pool; ``AutoRoundPipe``
+gives any model the optimizer-side features (optimizer parameters, asynchronous steps)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from roundpipe import optim_stream
+from roundpipe.attribute import LayerAttribute, ParamAttribute
+from roundpipe.batch import Batch
+from roundpipe.context import OptimizerCtx, doing_optimizer
+from roundpipe.memory import PinMode, pin_module
+from roundpipe.run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
+from roundpipe.scheduler import ModelExecutePlan, RunType
+from roundpipe.threads import AnnotatedEvent
+from roundpipe.utils import get_call_location, get_model_size
+
+_OWN_ATTRS = ("model", "original_model", "_rpp_initialized")
+
+
+class RoundPipeBase(nn.Module):
+    """Attributes and methods common to RoundPipe and AutoRoundPipe: attribute shimming to the wrapped
+    (and original) model, optimizer-side parameters and the asynchronous optimizer step.
+
+    Attributes:
+        name: Human-readable identifier shown in errors and traces.
+        model: The wrapped module.
+        original_model: The pre-wrap module that attribute access falls through to (if set).
+        layer_attrs: Per-layer event sets (see ``attribute``).
+        optim_dtype: dtype of the optimizer copies (None: same as each parameter).
+        optim_updated: Set when no optimizer step is in flight.
+    """
+
+    def __init__(self, model: nn.Module, name: Optional[str] = None, optim_dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        self.model = model
+        self.original_model: Optional[nn.Module] = None
+        self.name = name if name is not None else get_call_location(2)
+        self.optim_dtype = optim_dtype
+        self.layer_attrs: List[LayerAttribute] = []
+        self.optim_updated = AnnotatedEvent(f"{self.name}.optim_updated", set=True)
+        self._rpp_initialized = True
+
+    # ---- attribute shimming ------------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pass
+        modules = self.__dict__.get("_modules", {})
+        for holder in (modules.get("model"), self.__dict__.get("original_model")):
+            if holder is not None and name not in _OWN_ATTRS:
+                try:
+                    return getattr(holder, name)
+                except AttributeError:
+                    continue
+        raise AttributeError(f"{type(self).__name__} (wrapping {type(modules.get('model')).__name__}) has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not self.__dict__.get("_rpp_initialized") or name in self.__dict__ or name in _OWN_ATTRS or name.startswith("_"):
+            super().__setattr__(name, value)
+            return
+        targets = [m for m in (self._modules.get("model"), self.__dict__.get("original_model")) if m is not None and hasattr(m, name)]
+        if not targets:
+            super().__setattr__(name, value)
+            return
+        for m in targets:
+            setattr(m, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in self.__dict__ or name in self._modules or name in self._parameters or name in self._buffers:
+            super().__delattr__(name)
+            return
+        found = False
+        for m in (self._modules.get("model"), self.__dict__.get("original_model")):
+            if m is not None and hasattr(m, name):
+                delattr(m, name)
+                found = True
+        if not found:
+            raise AttributeError(name)
+
+    def set_original_model(self, original_model: nn.Module) -> None:
+        """Make attribute reads and writes fall through to ``original_model`` (e.g. a HF model's config)."""
+        self.__dict__["original_model"] = original_model
+
+    # ---- optimizer-side parameters -------------------------------------------------------------------
+    def _model_params(self) -> Iterator[Tuple[str, nn.Parameter]]:
+        return self.model.named_parameters(remove_duplicate=True)
+
+    def optim_named_parameters(self, prefix: str = "", remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+        """Named optimizer copies of the trainable parameters (fp32 masters when ``optim_dtype`` says so)."""
+        seen = set()
+        for name, p in self.model.named_parameters(remove_duplicate=remove_duplicate):
+            if not p.requires_grad:
+                continue
+            if remove_duplicate and id(p) in seen:
+                continue
+            seen.add(id(p))
+            yield (f"{prefix}.{name}" if prefix else name), self._optim_param(p)
+
+    def optim_parameters(self) -> Iterator[nn.Parameter]:
+        """The optimizer copies of the trainable parameters: give these to the optimizer."""
+        for _, p in self.optim_named_parameters():
+            yield p
+
+    def _optim_param(self, p: nn.Parameter) -> nn.Parameter:
+        attr = ParamAttribute.set(p, None)
+        if attr.optim is None:
+            dtype = self.optim_dtype or p.dtype
+            if dtype == p.dtype:
+                attr.optim = p  # same dtype: the optimizer updates the model parameter itself
+            else:
+                attr.optim = nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=True)
+        return attr.optim
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:  # type: ignore[override]
+        """Model parameters; the optimizer copies inside ``OptimizerCtx``."""
+        if doing_optimizer():
+            return self.optim_parameters()
+        return super().parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:  # type: ignore[override]
+        """Named model parameters; the optimizer copies inside ``OptimizerCtx``."""
+        if doing_optimizer():
+            return self.optim_named_parameters(prefix, remove_duplicate)
+        if self.optim_dtype is not None and any(p.dtype != self.optim_dtype for _, p in super().named_parameters()):
+            warnings.warn(
+                f"{type(self).__name__}.named_parameters() returns the model's {next(iter(self.model.parameters())).dtype} "
+                f"parameters; give optim_parameters() (the {self.optim_dtype} master copies) to the optimizer",
+                stacklevel=2,
+            )
+        return super().named_parameters(prefix, recurse, remove_duplicate)
+
+    def reset_events(self) -> None:
+        """Mark nothing pending on any layer (after a failed run)."""
+        for a in self.layer_attrs:
+            a.reset()
+
+    def reduce_shared_grads(self) -> None:
+        """Add the per-layer gradient shares of shared (tied) parameters into ``param.grad``."""
+        for p in self._shared_params:
+            attr = ParamAttribute.get(p)
+            for lid, g in list(attr.grad_cpu.items()):
+                if g is None:
+                    continue
+                p.grad = g.clone() if p.grad is None else p.grad.add_(g)
+                attr.grad_cpu[lid] = None
+
+    @property
+    def _shared_params(self) -> List[nn.Parameter]:
+        return []
+
+
+class RoundPipe(RoundPipeBase):
+    """Wraps a module with RoundPipe's pipelined runtime.
+
+    An ``nn.Sequential`` is split into its children (the layers); any other module is one layer. Layer 0
+    is called as ``layer(*args, **kwargs)``; layer i > 0 as ``layer(output_of_layer_i_minus_1)``.
+
+    Attributes:
+        model_run_config: Default run configuration of this model.
+        layers: The layers.
+        num_layers: Number of layers.
+        layer_size: Size of each layer's parameters and buffers in GB.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optim_dtype: Optional[torch.dtype] = None,
+        name: Optional[str] = None,
+        model_run_config: RoundPipeRunConfig = RoundPipeRunConfig(),
+        pin_model: PinMode = "alloc",
+    ) -> None:
+        super().__init__(model, name if name is not None else get_call_location(1), optim_dtype)
+        on_device = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type != "cpu"]
+        if on_device:
+            raise ValueError(
+                f"RoundPipe keeps the model in host memory, but {on_device[0]} is on {dict(model.named_parameters()).get(on_device[0], next(model.buffers(), None)).device}; "
+                "call model.cpu() (or load it on the CPU) before wrapping"
+            )
+        if not isinstance(model_run_config, RoundPipeRunConfig):
+            raise ValueError("model_run_config must be a roundpipe.RoundPipeRunConfig")
+        self.model_run_config = model_run_config
+        layers = list(model.children()) if isinstance(model, nn.Sequential) else [model]
+        if not layers:
+            raise ValueError("RoundPipe needs at least one layer; the nn.Sequential is empty")
+        self.__dict__["layers"] = layers  # not registered again: they live under self.model
+        self.num_layers = len(layers)
+        self.layer_attrs = [LayerAttribute(i, f"{self.name}.layer{i}") for i in range(self.num_layers)]
+        pin_module(model, pin_model)
+        shared: Dict[int, nn.Parameter] = {}
+        for i, layer in enumerate(layers):
+            for p in layer.parameters():
+                attr = ParamAttribute.set(p, i)
+                if attr.shared:
+                    shared[id(p)] = p
+        self.__dict__["_shared_list"] = list(shared.values())
+        self.layer_size = [get_model_size(layer) / 1024**3 for layer in layers]
+        self.__dict__["_skeletons"] = {}
+        self.__dict__["_plans"] = {}
+
+    @property
+    def _shared_params(self) -> List[nn.Parameter]:
+        return self.__dict__["_shared_list"]
+
+    # ---- plans ---------------------------------------------------------------------------------------
+    def layer_device_bytes(self, run_type: RunType) -> List[float]:
+        """Bytes each layer occupies on a device while it runs: parameters and buffers, plus gradients
+        of trainable parameters when training."""
+        from roundpipe.utils import get_model_active_size
+
+        out = []
+        for layer in self.layers:
+            b = get_model_size(layer)
+            if run_type != "infer":
+                b += get_model_active_size(layer)
+            out.append(float(b))
+        return out
+
+    def resolve_plan(self, cfg: FullRoundPipeRunConfig, run_type: RunType) -> ModelExecutePlan:
+        """The plan for this call: the user's (validated) or the model's default for ``run_type``."""
+        if cfg.execute_plan is not None:
+            plan = cfg.execute_plan.for_run_type(run_type, self.num_layers)
+            plan.check_valid(self.num_layers, run_type)
+            return plan
+        plan = self._plans.get(run_type)
+        if plan is None:
+            plan = self._plans[run_type] = ModelExecutePlan.layerwise(self.num_layers, run_type)
+        return plan
+
+    # ---- running -------------------------------------------------------------------------------------
+    def _needs_graph(self, batch: Batch) -> bool:
+        if any(p.requires_grad for p in self.model.parameters()):
+            return True
+        return any(isinstance(t, torch.Tensor) and t.requires_grad for leaves in batch.flatten_states for t in leaves)
+
+    def forward(self, *args: Any, roundpipe_run_config: RoundPipeRunConfig = RoundPipeRunConfig(), **kwargs: Any) -> Any:
+        """Run the model over all microbatches; with gradients enabled the result is connected to
+        autograd, and ``backward()`` on it runs the pipelined backward."""
+        from roundpipe.run import Run, RoundPipeBatchedBackward, dispatch_forward, guarded
+
+        cfg = FullRoundPipeRunConfig(roundpipe_run_config, self.model_run_config)
+        if cfg.requires_grad and not torch.is_grad_enabled():
+            raise RuntimeError("RoundPipeRunConfig(requires_grad=True) but gradients are disabled (torch.no_grad); enable grad or drop requires_grad")
+        self._check_optimizer_idle()
+        batch = Batch(args, kwargs, cfg)
+        train = cfg.requires_grad and self._needs_graph(batch)
+        run_type: RunType = "train" if train else "infer"
+        run = Run(self, cfg, batch, run_type, self.resolve_plan(cfg, run_type))
+        if not train:
+            with torch.no_grad():
+                guarded(run, f"model {self.name!r} forward", lambda: dispatch_forward(run))
+            return batch.dump(cfg)
+        inputs = [t for leaves in run.input_leaves for t, want in zip(leaves, [isinstance(x, torch.Tensor) and x.requires_grad for x in leaves]) if want]
+        tag = torch.empty(0, requires_grad=True)
+        outs = iter(RoundPipeBatchedBackward.apply(run, tag, *inputs))
+        for m, leaves in enumerate(batch.flatten_states):
+            batch.flatten_states[m] = [next(outs) if isinstance(t, torch.Tensor) else t for t in leaves]
+        return batch.dump(cfg)
+
+    def forward_backward(
+        self,
+        input_args: Tuple[Any, ...] = (),
+        input_kwargs: Dict[str, Any] = {},
+        label: Any = None,
+        loss_fn: Callable[[Any, Any], Union[Sequence[torch.Tensor], torch.Tensor]] = lambda outputs, labels: outputs,
+        return_outputs: bool = False,
+        run_config: RoundPipeRunConfig = RoundPipeRunConfig(),
+    ) -> Any:
+        """Forward, loss and backward over all microbatches in one pipelined pass.
+
+        ``loss_fn(outputs_m, label_m)`` gives microbatch m's loss (a scalar or a sequence of scalars);
+        gradients are those of the sum over microbatches, accumulated into ``.grad`` as ``backward``
+        does. Returns the summed loss (detached), and the merged outputs when ``return_outputs``.
+        """
+        from roundpipe.run import Run, dispatch_fused, finish_backward, guarded
+
+        if not torch.is_grad_enabled():
+            raise RuntimeError("forward_backward needs gradients enabled; it was called under torch.no_grad()")
+        if not isinstance(input_args, tuple):
+            input_args = (input_args,)
+        cfg = FullRoundPipeRunConfig(run_config, self.model_run_config)
+        self._check_optimizer_idle()
+        batch = Batch(input_args, dict(input_kwargs), cfg, label)
+        run = Run(self, cfg, batch, "fused", self.resolve_plan(cfg, "fused"), loss_fn, return_outputs)
+        guarded(run, f"model {self.name!r} forward_backward", lambda: dispatch_fused(run))
+        finish_backward(run)
+        for evs in batch.forward_events:
+            for e in evs:
+                e.synchronize()
+        per_mb = [list(l) for l in batch.loss_list]
+        n_losses = len(per_mb[0])
+        sums = [torch.stack([mb[k] for mb in per_mb]).sum() for k in range(n_losses)]
+        # Hand input gradients to the caller's graph (a user module or an upstream RoundPipe).
+        wanted = [(t, g) for ctx, leaves in zip(run.contexts, run.input_leaves) for t, g, want in zip(leaves, ctx.grad_states, ctx.input_requires_grad) if want and g is not None]
+        if wanted:
+            torch.autograd.backward([t for t, _ in wanted], [g.to(t.device) for t, g in wanted])
+        loss: Any = sums if run.loss_is_sequence else sums[0]
+        if return_outputs:
+            return loss, batch.dump(cfg, outputs=run.outputs)
+        return loss
+
+    def _check_optimizer_idle(self) -> None:
+        """Raise a worker failure from an earlier asynchronous step before starting a new run."""
+        from roundpipe.threads import raise_if_failed
+
+        raise_if_failed(f"model {self.name!r} optimizer step")
+

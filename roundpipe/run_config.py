@@ -1,0 +1,79 @@
+"""Runtime configuration: a model-level default and per-call overrides, merged per call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Literal, Optional
+
+import torch
+
+_RECOMPUTE_GRAINS = ("stage", "layer")
+
+
+@dataclass
+class RoundPipeRunConfig:
+    """Configuration for running a RoundPipe model; every field left None falls back to the model's
+    config, then to the default.
+
+    Attributes:
+        requires_grad: Build the backward graph. Default: ``torch.is_grad_enabled()``.
+        output_device: Device for the merged outputs. Default: CPU.
+        preserve_rng_state: Restore RNG state for recompute so dropout masks match. Default: True.
+        recompute_grain: 'stage' recomputes a backward stage at once; 'layer' recomputes and back-propagates
+            one layer at a time (less activation memory). Default: 'stage'.
+        num_microbatch: Number of microbatches. Default: number of devices + 1.
+        split_input: How to split (args, kwargs): a callable ``(args, kwargs, n) -> [(args_m, kwargs_m)]``
+            or a spec pytree like ``guess_split_spec`` returns. Default: automatic.
+        split_label: How to split labels: a callable ``(label, n) -> [label_m]`` or a spec. Default: automatic.
+        merge_output: True (concatenate), False (return ``RoundPipePackedData`` so that a downstream
+            RoundPipe consumes microbatches without a host merge) or a callable ``([out_m]) -> out``.
+        execute_plan: A ``scheduler.ModelExecutePlan``. Default: automatic.
+    """
+
+    requires_grad: Optional[bool] = None
+    output_device: Optional[torch.device] = None
+    preserve_rng_state: Optional[bool] = None
+    recompute_grain: Optional[Literal["stage", "layer"]] = None
+    num_microbatch: Optional[int] = None
+    split_input: Any = None
+    split_label: Any = None
+    merge_output: Any = None
+    execute_plan: Any = None
+
+    def __post_init__(self) -> None:
+        if self.recompute_grain is not None and self.recompute_grain not in _RECOMPUTE_GRAINS:
+            raise ValueError(f"recompute_grain={self.recompute_grain!r}: expected 'stage' or 'layer'")
+        if self.num_microbatch is not None and (
+            isinstance(self.num_microbatch, bool) or not isinstance(self.num_microbatch, int) or self.num_microbatch < 1
+        ):
+            raise ValueError(f"num_microbatch={self.num_microbatch!r}: expected a positive integer")
+        if self.output_device is not None:
+            self.output_device = torch.device(self.output_device)
+        if self.merge_output is not None and not (isinstance(self.merge_output, bool) or callable(self.merge_output)):
+            raise ValueError("merge_output: expected True, False or a callable merging the list of microbatch outputs")
+        if self.execute_plan is not None:
+            from roundpipe.scheduler import ModelExecutePlan
+
+            if not isinstance(self.execute_plan, ModelExecutePlan):
+                raise ValueError("execute_plan: expected a roundpipe.scheduler.ModelExecutePlan")
+
+
+class FullRoundPipeRunConfig:
+    """A per-call config merged with the model's config and the defaults: every field resolved."""
+
+    def __init__(self, function_run_config: RoundPipeRunConfig, model_run_config: RoundPipeRunConfig) -> None:
+        from roundpipe.device import get_num_devices
+
+        for f in fields(RoundPipeRunConfig):
+            val = getattr(function_run_config, f.name)
+            if val is None:
+                val = getattr(model_run_config, f.name)
+            setattr(self, f.name, val)
+        self.requires_grad: bool = torch.is_grad_enabled() if self.requires_grad is None else bool(self.requires_grad)
+        self.output_device: torch.device = torch.device("cpu") if self.output_device is None else self.output_device
+        self.preserve_rng_state: bool = True if self.preserve_rng_state is None else bool(self.preserve_rng_state)
+        self.recompute_grain: Literal["stage", "layer"] = self.recompute_grain or "stage"
+        self.num_microbatch: int = self.num_microbatch or get_num_devices() + 1
+        self.merge_output: Any = True if self.merge_output is None else self.merge_output
+        self.split_input: Optional[Callable[..., Any]]
+        self.split_label: Optional[Callable[..., Any]]

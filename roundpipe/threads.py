@@ -1,0 +1,186 @@
+"""Thread helpers that keep RoundPipe worker threads observable and safe.
+
+Every blocking wait in RoundPipe goes through ``AnnotatedEvent.wait`` or ``AnnotatedSemaphore.acquire``.
+They wait in short slices and check a process-wide failure slot in between: when any RoundPipe thread
+fails, every waiter wakes within ``POLL_S`` and raises ``RoundPipeAborted``, so no thread hangs on a
+peer that died. The caller's thread then re-raises the original exception (see ``raise_if_failed``).
+
+Attributes:
+    roundpipe_threads: All RoundPipe threads created so far.
+    thread_exception_print_lock: Lock to prevent interleaved exception prints.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import traceback
+from types import FrameType
+from typing import Any, Callable, List, Optional
+
+POLL_S = 0.05
+
+roundpipe_threads: List["RoundPipeThread"] = []
+thread_exception_print_lock = threading.Lock()
+
+_failure_lock = threading.Lock()
+_failure: Optional[BaseException] = None
+
+
+class KeyboardInterruptRoundPipeThreads(KeyboardInterrupt):
+    """Raised when Ctrl-C arrives while RoundPipe waits for its worker threads."""
+
+
+class RoundPipeAborted(RuntimeError):
+    """Raised in waiting threads after another RoundPipe thread failed; the original error is re-raised
+    in the caller's thread."""
+
+
+class RoundPipeWorkerError(RuntimeError):
+    """An exception in a RoundPipe worker thread, re-raised in the caller's thread with its location."""
+
+
+def report_failure(exc: BaseException) -> None:
+    """Record the first failure of a run; later ones (usually consequences) are dropped."""
+    global _failure
+    with _failure_lock:
+        if _failure is None:
+            _failure = exc
+
+
+def current_failure() -> Optional[BaseException]:
+    return _failure
+
+
+def clear_failure() -> Optional[BaseException]:
+    """Take the recorded failure (if any) and reset the slot so the next run starts clean."""
+    global _failure
+    with _failure_lock:
+        exc, _failure = _failure, None
+    return exc
+
+
+def _check_abort() -> None:
+    if _failure is not None:
+        raise RoundPipeAborted("aborted: another RoundPipe thread failed") from None
+
+
+class AnnotatedEvent(threading.Event):
+    """Event whose waits are named (for stack dumps) and abort when a RoundPipe thread fails."""
+
+    def __init__(self, name: str = "", set: bool = False) -> None:  # noqa: A002 - mirrors Event.set
+        super().__init__()
+        self.name = name
+        if set:
+            self.set()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        if self.is_set():
+            return True
+        remaining = timeout
+        while True:
+            _check_abort()
+            step = POLL_S if remaining is None else min(POLL_S, remaining)
+            if super().wait(step):
+                return True
+            if remaining is not None:
+                remaining -= step
+                if remaining <= 0:
+                    return False
+
+
+class AnnotatedSemaphore(threading.Semaphore):
+    """Semaphore whose waits are named and abort when a RoundPipe thread fails."""
+
+    def __init__(self, value: int = 0, name: str = "") -> None:
+        super().__init__(value)
+        self.name = name
+
+    def acquire(self, blocking: bool = True, timeout: Optional[float] = None) -> bool:
+        if not blocking:
+            return super().acquire(False)
+        remaining = timeout
+        while True:
+            _check_abort()
+            step = POLL_S if remaining is None else min(POLL_S, remaining)
+            if super().acquire(True, step):
+                return True
+            if remaining is not None:
+                remaining -= step
+                if remaining <= 0:
+                    return False
+
+    __enter__ = acquire
+
+
+class RoundPipeThread(threading.Thread):
+    """Daemon thread that records uncaught exceptions in the failure slot instead of dying silently.
+
+    Attributes:
+        is_active: Whether the thread currently executes user work (used by ``dump_all_active_threads``).
+    """
+
+    def __init__(self, target: Callable[[], Any], name: str, **kwargs: Any) -> None:
+        super().__init__(target=self._run_target, name=name, daemon=True, **kwargs)
+        self._user_target = target
+        self.is_active = False
+        roundpipe_threads.append(self)
+
+    def _run_target(self) -> None:
+        try:
+            self._user_target()
+        except BaseException as exc:  # noqa: BLE001 - everything must reach the main thread
+            report_failure(exc)
+            with thread_exception_print_lock:
+                print(f"roundpipe: thread {self.name} crashed:", file=sys.stderr)
+                traceback.print_exc()
+
+
+def is_threading_internal(frame: FrameType) -> bool:
+    """Whether ``frame`` belongs to Python's or RoundPipe's threading machinery."""
+    filename = frame.f_code.co_filename
+    return filename == threading.__file__ or filename == __file__
+
+
+def print_trimmed_traceback(frame: Optional[FrameType]) -> None:
+    """Print the stack of ``frame`` without threading-internal frames."""
+    stack = [f for f in traceback.extract_stack(frame) if not f.filename.endswith(("threading.py", "threads.py"))]
+    sys.stderr.write("".join(traceback.format_list(stack)))
+
+
+def dump_all_active_threads() -> None:
+    """Print trimmed stack traces of all live RoundPipe threads (used by the watchdog and for debugging)."""
+    frames = sys._current_frames()
+    with thread_exception_print_lock:
+        for t in roundpipe_threads:
+            if not t.is_alive():
+                continue
+            state = "active" if t.is_active else "idle"
+            print(f"--- roundpipe thread {t.name} ({state}) ---", file=sys.stderr)
+            print_trimmed_traceback(frames.get(t.ident))  # type: ignore[arg-type]
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    """Read a boolean ``RPP_*`` environment variable."""
+    val = os.environ.get(name)
+    if val is None:
+        return default
+    return val.strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def raise_if_failed(where: str = "") -> None:
+    """Re-raise a recorded worker failure in the calling thread and reset the slot.
+
+    ``RoundPipeAborted`` is never what the user needs to see: the first failure of the run is. Errors
+    that already carry their location (``RoundPipeWorkerError``) are raised as they are.
+    """
+    exc = clear_failure()
+    if exc is None:
+        return
+    if isinstance(exc, KeyboardInterrupt):
+        raise KeyboardInterruptRoundPipeThreads(str(exc)) from exc
+    if isinstance(exc, RuntimeError) and type(exc).__name__ in ("RoundPipeWorkerError", "OptimizerStepError"):
+        raise exc
+    err = RoundPipeWorkerError(f"{where}: {type(exc).__name__}: {exc}" if where else f"{type(exc).__name__}: {exc}")
+    raise err from exc

@@ -1,0 +1,240 @@
+"""Moving activations, parameters and gradients between host and device on the right streams.
+
+Every copy here is issued on one of the device's copy streams and ordered by events, never by a host
+synchronisation: activation uploads on ``upstream``, parameter uploads on ``param_upstream``, all
+downloads on ``downstream``. Callers make the compute stream wait for the upload stream before use,
+and hand device tensors to the device's ``InterStreamMemManager`` so they outlive their last use.
+
+On CPU workers uploads copy too (so layers that modify inputs or parameters in place never touch the
+host copies saved for recompute or written by the optimizer thread) and downloads detach.
+
+Attributes:
+    chunked_upload: Whether large layers upload in chunks (one event each) so compute starts earlier.
+    CHUNK_UPLOAD_SIZE: Size threshold in bytes above which a layer's upload is chunked.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from roundpipe import backend
+from roundpipe.attribute import LayerAttribute, ParamAttribute
+from roundpipe.backend import Event
+
+chunked_upload = True
+CHUNK_UPLOAD_SIZE = 64 * 1024**2
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu" and t.device.type == "cpu":
+        return t.detach().clone()
+    return t.detach().to(device, non_blocking=True)
+
+
+def async_h2d(
+    device: Any, host_ready_event: Iterable[Event], host_tensors: Iterable[Any], keep_requires_grad: bool = False
+) -> List[Any]:
+    """Upload tensors (non-tensors pass through) on the activation upload stream.
+
+    The upload stream first waits for ``host_ready_event`` (e.g. the download that produced the host
+    tensors on another device). Returns device tensors; the caller makes compute wait on ``upstream``.
+    """
+    stream = device.upstream
+    for ev in host_ready_event:
+        stream.wait_event(ev)
+    out: List[Any] = []
+    with torch.no_grad(), backend.use_stream(stream):
+        for t in host_tensors:
+            if isinstance(t, torch.Tensor):
+                d = _to_device(t, device.device)
+                if keep_requires_grad and t.requires_grad:
+                    d.requires_grad_(True)
+                out.append(d)
+            else:
+                out.append(t)
+    return out
+
+
+def async_d2h(
+    device: Any, transfer_finish_event: List[Event], device_tensors: Iterable[Any], keep_requires_grad: bool = False
+) -> List[Any]:
+    """Download tensors to (pinned) host memory on ``downstream`` after the compute queued so far.
+
+    Appends the event marking completion to ``transfer_finish_event``. Non-tensors pass through.
+    """
+    stream = device.downstream
+    stream.wait_stream(device.compute_stream)
+    out: List[Any] = []
+    with torch.no_grad(), backend.use_stream(stream):
+        for t in device_tensors:
+            if not isinstance(t, torch.Tensor):
+                out.append(t)
+            elif t.device.type == "cpu":
+                out.append(t.detach())
+            else:
+                h = backend.empty_host_like(t)
+                h.copy_(t, non_blocking=True)
+                out.append(h)
+            if keep_requires_grad and isinstance(t, torch.Tensor) and t.requires_grad:
+                out[-1].requires_grad_(True)
+    transfer_finish_event.append(backend.record_event(stream))
+    return out
+
+
+def chunk_layer_params(tensor_pair: List[Tuple[torch.Tensor, torch.Tensor]], n_chunks: int) -> List[List[Tuple[torch.Tensor, torch.Tensor]]]:
+    """Split (src, dst) copies into ``n_chunks`` balanced groups (greedy number partitioning)."""
+    from roundpipe.chunking import chunk_layer_params as impl
+
+    return impl(tensor_pair, n_chunks)
+
+
+# ---- layers ------------------------------------------------------------------------------------------
+
+
+def _skeleton(layer: nn.Module) -> nn.Module:
+    """A structural copy of ``layer`` that shares no tensor storage: parameters and buffers are replaced
+    by empty meta tensors and filled with device copies at each upload."""
+    memo: Dict[int, Any] = {}
+    for t in list(layer.parameters()) + list(layer.buffers()):
+        placeholder = torch.empty(0, device="meta", dtype=t.dtype)
+        memo[id(t)] = nn.Parameter(placeholder, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else placeholder
+    return copy.deepcopy(layer, memo)
+
+
+def host_grad(p: torch.Tensor, layer_id: int) -> Optional[torch.Tensor]:
+    """The host gradient slot of ``p`` for ``layer_id`` (see ``ParamAttribute``)."""
+    attr = ParamAttribute.get(p)
+    return attr.grad_cpu.get(layer_id) if attr.shared else p.grad
+
+
+def set_host_grad(p: torch.Tensor, layer_id: int, g: Optional[torch.Tensor]) -> None:
+    attr = ParamAttribute.get(p)
+    if attr.shared:
+        attr.grad_cpu[layer_id] = g
+    else:
+        p.grad = g
+
+
+def upload_layers(
+    layers: Sequence[nn.Module],
+    layer_ids: Sequence[int],
+    layer_attrs: Sequence[LayerAttribute],
+    device: Any,
+    with_grad: bool,
+    skeletons: Dict[Tuple[int, int], nn.Module],
+    saved_buffers: Optional[Dict[int, Dict[str, torch.Tensor]]] = None,
+) -> List[nn.Module]:
+    """Copy layers onto ``device`` (parameter upload stream) and return their device copies.
+
+    With ``with_grad``, trainable parameters get ``requires_grad`` and start from the host gradient
+    (so gradients accumulate across calls exactly as in PyTorch). ``saved_buffers`` replaces host
+    buffers (the pre-forward values used for recompute). After issuing a layer's copies its
+    ``param_uploaded`` event is recorded and ``param_upload_started`` set (attribute.py protocol); the
+    compute stream waits for ``param_uploaded`` before using the layer.
+    """
+    stream = device.param_upstream
+    out: List[nn.Module] = []
+    with torch.no_grad(), backend.use_stream(stream):
+        for layer, lid, attr in zip(layers, layer_ids, layer_attrs):
+            stream.wait_event(attr.buffer_downloaded)
+            key = (device.id, lid)
+            skel = skeletons.get(key)
+            if skel is None:
+                skel = skeletons[key] = _skeleton(layer)
+            uploaded: Dict[int, torch.Tensor] = {}
+            buffers = (saved_buffers or {}).get(lid)
+            for (_, host_mod), (_, dev_mod) in zip(layer.named_modules(remove_duplicate=False), skel.named_modules(remove_duplicate=False)):
+                for name, p in host_mod._parameters.items():
+                    if p is None:
+                        continue
+                    dp = uploaded.get(id(p))
+                    if dp is None:
+                        train = with_grad and p.requires_grad
+                        dp = nn.Parameter(_to_device(p, device.device), requires_grad=train)
+                        g = host_grad(p, lid) if train else None
+                        if g is not None:
+                            dp.grad = _to_device(g, device.device)
+                        uploaded[id(p)] = dp
+                    dev_mod._parameters[name] = dp
+                for name, b in host_mod._buffers.items():
+                    if b is None:
+                        continue
+                    db = uploaded.get(id(b))
+                    if db is None:
+                        src = buffers.get(f"{id(host_mod)}.{name}", b) if buffers else b
+                        db = uploaded[id(b)] = _to_device(src, device.device)
+                    dev_mod._buffers[name] = db
+            attr.param_uploaded = backend.record_event(stream)
+            attr.param_upload_started.set()
+            out.append(skel)
+    device.compute_stream.wait_stream(stream)
+    return out
+
+
+def snapshot_buffers(layer: nn.Module) -> Dict[str, torch.Tensor]:
+    """Host copies of ``layer``'s buffers before a forward updates them (used for recompute)."""
+    return {f"{id(m)}.{n}": b.clone() for m in layer.modules() for n, b in m._buffers.items() if b is not None}
+
+
+def download_layer(
+    cpu_layer: nn.Module, gpu_layer: nn.Module, layer_id: int, layer_attr: LayerAttribute, device: Any, with_buffer: bool, with_grad: bool
+) -> None:
+    """Issue copies of a layer's buffers and/or parameter gradients back to the host (no waiting).
+
+    Buffers are written into the host buffers in place (``buffer_downloaded`` marks completion; the
+    next upload of the layer waits for it). Gradients go to the host gradient slots, reusing the
+    parameter's pinned buffer; ``grad_downloaded`` is recorded and ``grad_download_started`` set.
+    """
+    stream = device.downstream
+    stream.wait_stream(device.compute_stream)
+    with torch.no_grad(), backend.use_stream(stream):
+        pairs = list(zip(cpu_layer.modules(), gpu_layer.modules()))
+        if with_buffer:
+            for host_mod, dev_mod in pairs:
+                for name, b in host_mod._buffers.items():
+                    db = dev_mod._buffers.get(name)
+                    if b is not None and db is not None and db is not b:
+                        b.copy_(db, non_blocking=True)
+            layer_attr.buffer_downloaded = backend.record_event(stream)
+        if with_grad:
+            done = set()
+            for host_mod, dev_mod in pairs:
+                for name, p in host_mod._parameters.items():
+                    dp = dev_mod._parameters.get(name)
+                    if p is None or dp is None or dp.grad is None or id(p) in done:
+                        continue
+                    done.add(id(p))
+                    attr = ParamAttribute.get(p)
+                    buf = attr.grad_buffer.get(layer_id)
+                    if buf is None or buf.shape != p.shape or buf.dtype != dp.grad.dtype:
+                        buf = attr.grad_buffer[layer_id] = backend.empty_host_like(dp.grad)
+                    if dp.grad.device.type == "cpu":
+                        buf.copy_(dp.grad)
+                    else:
+                        buf.copy_(dp.grad, non_blocking=True)
+                    set_host_grad(p, layer_id, buf)
+            layer_attr.grad_downloaded = backend.record_event(stream)
+            layer_attr.grad_download_started.set()
+
+
+def release_layers(gpu_layers: Sequence[nn.Module], device: Any) -> None:
+    """Drop a job's device copies: the tensors go to the memory manager (freed once the compute and
+    download streams are past them) and the skeletons keep no device memory between jobs."""
+    held: List[torch.Tensor] = []
+    for layer in gpu_layers:
+        for mod in layer.modules():
+            for name, p in mod._parameters.items():
+                if p is not None:
+                    held.append(p)
+                    if p.grad is not None:
+                        held.append(p.grad)
+                    mod._parameters[name] = None
+            for name, b in mod._buffers.items():
+                if b is not None:
+                    held.append(b)
+                    mod._buffers[name] = None
+    device.mem_manager.free(held, device.compute_stream, device.downstream)

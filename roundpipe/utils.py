@@ -1,0 +1,28 @@
+"""Small helpers shared across RoundPipe components."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from torch import nn
+
+
+def get_call_location(depth: int) -> str:
+    """The caller ``depth`` frames up, as 'filename:lineno' (default names of models)."""
+    frame = sys._getframe(depth + 1)
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+def get_model_size(model: nn.Module, recurse: bool = True) -> int:
+    """Bytes of the parameters and buffers of ``model`` (each tensor counted once)."""
+    seen = {}
+    for t in list(model.parameters(recurse)) + list(model.buffers(recurse)):
+        seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def get_model_active_size(model: nn.Module, recurse: bool = True) -> int:
+    """Bytes of the parameters of ``model`` that require grad."""
+    seen = {id(p): p.numel() * p.element_size() for p in model.parameters(recurse) if p.requires_grad}
+    return sum(seen.values())
