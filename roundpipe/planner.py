@@ -73,7 +73,9 @@ def plan_stages(
     Fused choice: the fused group runs forward + backward of its layers, and its cost is estimated by the
     layers' backward times (recompute + backward, and a recompute is a forward). The fused group is simply
     the last group of the backward plan, so it obeys the same time cap as every backward group and the
-    same memory cap; the forward plan is then cut over the layers before it.
+    same memory cap. The forward plan is then cut over the layers before it, with its time cap taken from
+    the slowest forward layer of the whole model and ``min_stages - 1`` groups at least (the fused group
+    is a forward stage too).
     """
     n = len(fwd_times)
     if n == 0:
@@ -176,7 +178,7 @@ def _partition(
     # Smallest bottleneck T that still allows k groups: bisection on T, since "the greedy packing under T
     # needs at most k groups" is monotone in T. The cap itself is feasible by the choice of k.
     lo = max(max(times), t_prefix[n] / k)
-    hi = time_cap
+    hi = min(time_cap, t_prefix[n])  # no group exceeds the total, so this bound changes nothing
     if _min_groups(t_prefix, m_prefix, lo, mem_cap) <= k:
         hi = lo
     else:
@@ -195,7 +197,8 @@ def _balanced_cut(
     t_prefix: List[float], m_prefix: List[float], k: int, time_cap: float, mem_cap: float
 ) -> List[range]:
     """Cut into exactly k groups under the caps, each group's time as close as possible to an even share
-    of the time left. Requires that k groups are feasible under the caps and ``k <= n``."""
+    of the time left, so the slack under the bottleneck is spread instead of piling up at the end.
+    Requires that k groups are feasible under the caps and ``k <= n``."""
     n = len(t_prefix) - 1
     reach = _reach(t_prefix, m_prefix, time_cap, mem_cap)
     # groups_from[i]: fewest groups that can hold layers [i, n) (greedy packing is optimal for this).
@@ -217,7 +220,8 @@ def _balanced_cut(
         while groups_from[first] > left - 1:
             first += 1
         target = t_prefix[start] + (t_prefix[n] - t_prefix[start]) / left
-        end = min(range(first, last + 1), key=lambda e: (abs(t_prefix[e] - target), e))
+        even = start + (n - start) / left  # tie-break (e.g. all times 0): an even share of the layers
+        end = min(range(first, last + 1), key=lambda e: (abs(t_prefix[e] - target), abs(e - even), e))
         plan.append(range(start, end))
         start = end
     return plan
@@ -296,7 +300,8 @@ def _check_cover(name: str, plan: Sequence[range], stop: int, num_layers: int, w
     for i, r in enumerate(plan):
         if not isinstance(r, range):
             raise ValueError(
-                f"{name}[{i}] is {r!r} ({type(r).__name__}); each group must be a range of layers, e.g. range(0, 4)"
+                f"{name}[{i}] is {r!r} ({type(r).__name__}); each group must be a range of layers, "
+                f"e.g. range(0, 4)"
             )
         if r.step != 1:
             raise ValueError(f"{name}[{i}] = {r} has step {r.step}; groups must be contiguous (step 1)")

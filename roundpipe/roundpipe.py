@@ -108,13 +108,15 @@ class RoundPipeBase(nn.Module):
             yield p
 
     def _optim_param(self, p: nn.Parameter) -> nn.Parameter:
+        """The optimizer copy of ``p``, created on first use in ``optim_dtype`` (default: p's dtype).
+
+        A separate copy even when the dtype matches: the model parameter is what uploads read, the copy
+        is what the optimizer writes, and the step copies one into the other under the event protocol.
+        """
         attr = ParamAttribute.set(p, None)
         if attr.optim is None:
             dtype = self.optim_dtype or p.dtype
-            if dtype == p.dtype:
-                attr.optim = p  # same dtype: the optimizer updates the model parameter itself
-            else:
-                attr.optim = nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=True)
+            attr.optim = nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=True)
         return attr.optim
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:  # type: ignore[override]
@@ -134,6 +136,114 @@ class RoundPipeBase(nn.Module):
                 stacklevel=2,
             )
         return super().named_parameters(prefix, recurse, remove_duplicate)
+
+    # ---- optimizer step ----------------------------------------------------------------------------
+    def _optim_units(self) -> List[Tuple[LayerAttribute, List[nn.Parameter]]]:
+        """Trainable parameters grouped by the layer whose events guard them, each listed once."""
+        raise NotImplementedError
+
+    def step(self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any) -> None:
+        """Run ``step_fn(*args, **kwargs)`` (e.g. ``optimizer.step(); optimizer.zero_grad()``) on the
+        optimizer thread, on the optimizer copies (``optim_parameters()``).
+
+        The one-step-stale rule of ``is_async=True``: the step first copies the optimizer parameters
+        as they are *before* its update into the model, then copies the gradients in and runs
+        ``step_fn``. So iteration k >= 1 computes its gradients at the parameters after step k-2 (the
+        initial ones for k <= 1), and the update runs on the host while iteration k+1 runs on the
+        devices. ``is_async=False`` copies the gradients, runs ``step_fn``, copies the updated
+        parameters back, and returns when done: every iteration sees the latest parameters, as a
+        plain PyTorch loop does. ``synchronize()`` brings the model up to date either way.
+        """
+        from roundpipe.threads import raise_if_failed
+
+        raise_if_failed(f"model {self.name!r} optimizer step")
+        units = self._optim_units()
+        # W&C: the previous step finished with these layers; its kernel sets them again.
+        for attr, _ in units:
+            attr.param_copied.wait()
+            attr.param_copied.clear()
+            attr.grad_copied.wait()
+            attr.grad_copied.clear()
+        self.optim_updated.clear()
+        optim_stream.launch_optim_kernel(self._step_kernel, units, step_fn, is_async, args, kwargs)
+        if not is_async:
+            optim_stream.synchronize_optim()
+
+    def _step_kernel(
+        self, units: List[Tuple[LayerAttribute, List[nn.Parameter]]], step_fn: Callable[..., Any], is_async: bool, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+    ) -> None:
+        """Optimizer-thread body of ``step`` (the protocol in ``attribute``)."""
+        try:
+            with OptimizerCtx():
+                if is_async:
+                    self._copy_params_to_model(units)
+                for attr, params in units:
+                    # The gradient download of this layer must have landed before we read it.
+                    attr.grad_download_started.wait()
+                    attr.grad_downloaded.synchronize()
+                    for p in params:
+                        self._copy_grad_to_optim(p)
+                    attr.grad_copied.set()
+                step_fn(*args, **kwargs)
+                if not is_async:
+                    self._copy_params_to_model(units)
+        finally:
+            # Never leave the main thread waiting on a step that failed: the failure is raised there.
+            for attr, _ in units:
+                attr.param_copied.set()
+                attr.grad_copied.set()
+            self.optim_updated.set()
+
+    @staticmethod
+    def _copy_params_to_model(units: List[Tuple[LayerAttribute, List[nn.Parameter]]]) -> None:
+        for attr, params in units:
+            # An upload in flight still reads the model parameters: wait until it has finished.
+            attr.param_upload_started.wait()
+            attr.param_uploaded.synchronize()
+            with torch.no_grad():
+                for p in params:
+                    optim = ParamAttribute.get(p).optim
+                    if optim is not None:
+                        p.data.copy_(optim.data)
+            attr.param_copied.set()
+
+    @staticmethod
+    def _copy_grad_to_optim(p: nn.Parameter) -> None:
+        """Add the model gradient into the optimizer copy's gradient and clear the model gradient (the
+        next backward starts from zero; the optimizer's .grad accumulates until ``zero_grad``)."""
+        attr = ParamAttribute.get(p)
+        optim, g = attr.optim, p.grad
+        if optim is None or g is None:
+            return
+        with torch.no_grad():
+            if optim.grad is None:
+                buf = attr.optim_grad_buffer
+                if buf is None or buf.shape != optim.shape or buf.dtype != optim.dtype:
+                    buf = attr.optim_grad_buffer = torch.empty_like(optim)
+                buf.copy_(g)
+                optim.grad = buf
+            else:
+                optim.grad.add_(g.to(optim.dtype))
+        p.grad = None
+
+    def sync_optim_param(self) -> None:
+        """Copy the optimizer parameters into the model parameters (from the main or optimizer thread)."""
+        units = self._optim_units()
+        if optim_stream.on_optim_stream():
+            self._copy_params_to_model(units)
+            return
+        for attr, _ in units:
+            attr.param_copied.wait()
+            attr.param_copied.clear()
+        optim_stream.launch_optim_kernel(self._copy_params_to_model, units)
+        optim_stream.synchronize_optim()
+
+    def synchronize(self) -> None:
+        """Wait for pending optimizer work and bring model parameters up to date with the optimizer
+        copies (for inspection, evaluation or saving)."""
+        optim_stream.synchronize_optim()
+        if any(ParamAttribute.get(p).optim is not None for _, params in self._optim_units() for p in params):
+            self.sync_optim_param()
 
     def reset_events(self) -> None:
         """Mark nothing pending on any layer (after a failed run)."""
@@ -201,12 +311,20 @@ class RoundPipe(RoundPipeBase):
                     shared[id(p)] = p
         self.__dict__["_shared_list"] = list(shared.values())
         self.layer_size = [get_model_size(layer) / 1024**3 for layer in layers]
-        self.__dict__["_skeletons"] = {}
         self.__dict__["_plans"] = {}
 
     @property
     def _shared_params(self) -> List[nn.Parameter]:
         return self.__dict__["_shared_list"]
+
+    def _optim_units(self) -> List[Tuple[LayerAttribute, List[nn.Parameter]]]:
+        seen: set = set()
+        units = []
+        for attr, layer in zip(self.layer_attrs, self.layers):
+            params = [p for p in layer.parameters() if p.requires_grad and id(p) not in seen]
+            seen.update(id(p) for p in params)
+            units.append((attr, params))
+        return units
 
     # ---- plans ---------------------------------------------------------------------------------------
     def layer_device_bytes(self, run_type: RunType) -> List[float]:
@@ -311,3 +429,50 @@ class RoundPipe(RoundPipeBase):
 
         raise_if_failed(f"model {self.name!r} optimizer step")
 
+
+
+class AutoRoundPipe(RoundPipeBase):
+    """Gives an arbitrary model (typically one whose heavy submodules are RoundPipe instances, see
+    ``wrapper``) the optimizer-side features: ``optim_parameters()``, ``step``, ``synchronize``.
+
+    The model runs as is. Parameters outside RoundPipe submodules are used on the host by the main
+    thread; they form one extra unit of the step protocol, fenced at the start of ``forward``.
+    """
+
+    def __init__(self, model: nn.Module, name: Optional[str] = None, optim_dtype: Optional[torch.dtype] = None, **kwargs: Any) -> None:
+        super().__init__(model, name if name is not None else get_call_location(1), optim_dtype)
+        self.__dict__["_host_attr"] = LayerAttribute(-1, f"{self.name}.host")
+
+    def _submodels(self) -> List[RoundPipe]:
+        return [m for m in self.model.modules() if isinstance(m, RoundPipe)]
+
+    def _optim_units(self) -> List[Tuple[LayerAttribute, List[nn.Parameter]]]:
+        units: List[Tuple[LayerAttribute, List[nn.Parameter]]] = []
+        inside: set = set()
+        for sub in self._submodels():
+            sub_units = sub._optim_units()
+            units.extend(sub_units)
+            inside.update(id(p) for p in sub.model.parameters())
+        host = [p for p in self.model.parameters() if p.requires_grad and id(p) not in inside]
+        units.append((self._host_attr, host))
+        return units
+
+    @property
+    def layer_attrs(self) -> List[LayerAttribute]:  # type: ignore[override]
+        return [a for sub in self._submodels() for a in sub.layer_attrs] + [self._host_attr]
+
+    @layer_attrs.setter
+    def layer_attrs(self, value: List[LayerAttribute]) -> None:
+        pass
+
+    @property
+    def _shared_params(self) -> List[nn.Parameter]:
+        return [p for sub in self._submodels() for p in sub._shared_params]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped model; host-side parameters are fenced against an asynchronous step first."""
+        attr = self._host_attr
+        # The main thread reads the host parameters in forward and writes their .grad in backward.
+        attr.param_copied.wait()
+        attr.grad_copied.wait()
+        return self.model(*args, **kwargs)

@@ -119,6 +119,12 @@ class Run:
         for ctx, leaves in zip(self.contexts, batch.flatten_states):
             ctx.input_requires_grad = [isinstance(t, torch.Tensor) and t.requires_grad for t in leaves]
 
+    def release(self) -> None:
+        """Drop what backward needed (saved inputs, gradients, recompute data) once it has run."""
+        self.contexts = []
+        self.input_leaves = []
+        self.saved_buffers = {}
+
     def autocast_ctx(self, device: "DeviceManager") -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
         for dt, dtype in self.autocast:
@@ -151,7 +157,6 @@ def _upload_group(device: "DeviceManager", run: Run, layers: range, with_grad: b
         [model.layer_attrs[i] for i in layers],
         device,
         with_grad=with_grad,
-        skeletons=model._skeletons,
         saved_buffers=run.saved_buffers if for_recompute else None,
     )
 
@@ -495,5 +500,5 @@ class RoundPipeBatchedBackward(torch.autograd.Function):
             for g, t, want in zip(ctx_m.grad_states, original, ctx_m.input_requires_grad):
                 if want:
                     grads.append(None if g is None else g.to(t.device))
-        ctx.run = None
+        run.release()
         return (None, None, *grads)

@@ -206,8 +206,8 @@ class ModelTimer:
         with self.lock:
             while self.iter_results:
                 fwd_events, bwd_events = self.iter_results[0]
-                pairs = [p for ps in fwd_events.values() for p in ps] + [p for ps in bwd_events.values() for p in ps]
-                if not all(end.query() for _, end in pairs):
+                tables = (*fwd_events.values(), *bwd_events.values())
+                if not all(end.query() for pairs in tables for _, end in pairs):
                     break
                 self.iter_results.popleft()
                 if self._absorb(fwd_events, bwd_events):

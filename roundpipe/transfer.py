@@ -15,7 +15,6 @@ Attributes:
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -95,14 +94,21 @@ def chunk_layer_params(tensor_pair: List[Tuple[torch.Tensor, torch.Tensor]], n_c
 # ---- layers ------------------------------------------------------------------------------------------
 
 
-def _skeleton(layer: nn.Module) -> nn.Module:
-    """A structural copy of ``layer`` that shares no tensor storage: parameters and buffers are replaced
-    by empty meta tensors and filled with device copies at each upload."""
-    memo: Dict[int, Any] = {}
-    for t in list(layer.parameters()) + list(layer.buffers()):
-        placeholder = torch.empty(0, device="meta", dtype=t.dtype)
-        memo[id(t)] = nn.Parameter(placeholder, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else placeholder
-    return copy.deepcopy(layer, memo)
+def _device_copy(mod: nn.Module, tensors: Dict[int, torch.Tensor], memo: Dict[int, nn.Module]) -> nn.Module:
+    """A shallow copy of ``mod`` (and its submodules) whose parameters and buffers are ``tensors[id(t)]``.
+
+    Made fresh at every upload, so it always carries the host module's current Python state
+    (``training``, hooks, flags set after wrapping) and no two jobs share a copy.
+    """
+    if id(mod) in memo:
+        return memo[id(mod)]
+    new = mod.__class__.__new__(mod.__class__)
+    new.__dict__ = mod.__dict__.copy()
+    memo[id(mod)] = new
+    new.__dict__["_parameters"] = {k: (None if p is None else tensors[id(p)]) for k, p in mod._parameters.items()}
+    new.__dict__["_buffers"] = {k: (None if b is None else tensors[id(b)]) for k, b in mod._buffers.items()}
+    new.__dict__["_modules"] = {k: (None if c is None else _device_copy(c, tensors, memo)) for k, c in mod._modules.items()}
+    return new
 
 
 def host_grad(p: torch.Tensor, layer_id: int) -> Optional[torch.Tensor]:
@@ -125,7 +131,6 @@ def upload_layers(
     layer_attrs: Sequence[LayerAttribute],
     device: Any,
     with_grad: bool,
-    skeletons: Dict[Tuple[int, int], nn.Module],
     saved_buffers: Optional[Dict[int, Dict[str, torch.Tensor]]] = None,
 ) -> List[nn.Module]:
     """Copy layers onto ``device`` (parameter upload stream) and return their device copies.
@@ -134,43 +139,33 @@ def upload_layers(
     (so gradients accumulate across calls exactly as in PyTorch). ``saved_buffers`` replaces host
     buffers (the pre-forward values used for recompute). After issuing a layer's copies its
     ``param_uploaded`` event is recorded and ``param_upload_started`` set (attribute.py protocol); the
-    compute stream waits for ``param_uploaded`` before using the layer.
+    compute stream waits for the parameter stream before using the layers.
     """
     stream = device.param_upstream
     out: List[nn.Module] = []
     with torch.no_grad(), backend.use_stream(stream):
         for layer, lid, attr in zip(layers, layer_ids, layer_attrs):
             stream.wait_event(attr.buffer_downloaded)
-            key = (device.id, lid)
-            skel = skeletons.get(key)
-            if skel is None:
-                skel = skeletons[key] = _skeleton(layer)
-            uploaded: Dict[int, torch.Tensor] = {}
+            tensors: Dict[int, torch.Tensor] = {}
             buffers = (saved_buffers or {}).get(lid)
-            for (_, host_mod), (_, dev_mod) in zip(layer.named_modules(remove_duplicate=False), skel.named_modules(remove_duplicate=False)):
-                for name, p in host_mod._parameters.items():
-                    if p is None:
+            for host_mod in layer.modules():
+                for p in host_mod._parameters.values():
+                    if p is None or id(p) in tensors:
                         continue
-                    dp = uploaded.get(id(p))
-                    if dp is None:
-                        train = with_grad and p.requires_grad
-                        dp = nn.Parameter(_to_device(p, device.device), requires_grad=train)
-                        g = host_grad(p, lid) if train else None
-                        if g is not None:
-                            dp.grad = _to_device(g, device.device)
-                        uploaded[id(p)] = dp
-                    dev_mod._parameters[name] = dp
+                    train = with_grad and p.requires_grad
+                    dp = nn.Parameter(_to_device(p, device.device), requires_grad=train)
+                    g = host_grad(p, lid) if train else None
+                    if g is not None:
+                        dp.grad = _to_device(g, device.device)
+                    tensors[id(p)] = dp
                 for name, b in host_mod._buffers.items():
-                    if b is None:
+                    if b is None or id(b) in tensors:
                         continue
-                    db = uploaded.get(id(b))
-                    if db is None:
-                        src = buffers.get(f"{id(host_mod)}.{name}", b) if buffers else b
-                        db = uploaded[id(b)] = _to_device(src, device.device)
-                    dev_mod._buffers[name] = db
+                    src = buffers.get(f"{id(host_mod)}.{name}", b) if buffers else b
+                    tensors[id(b)] = _to_device(src, device.device)
             attr.param_uploaded = backend.record_event(stream)
             attr.param_upload_started.set()
-            out.append(skel)
+            out.append(_device_copy(layer, tensors, {}))
     device.compute_stream.wait_stream(stream)
     return out
 
@@ -222,19 +217,13 @@ def download_layer(
 
 
 def release_layers(gpu_layers: Sequence[nn.Module], device: Any) -> None:
-    """Drop a job's device copies: the tensors go to the memory manager (freed once the compute and
-    download streams are past them) and the skeletons keep no device memory between jobs."""
+    """Drop a job's device copies: their tensors go to the memory manager, which frees them once the
+    compute and download streams are past their last use."""
     held: List[torch.Tensor] = []
     for layer in gpu_layers:
-        for mod in layer.modules():
-            for name, p in mod._parameters.items():
-                if p is not None:
-                    held.append(p)
-                    if p.grad is not None:
-                        held.append(p.grad)
-                    mod._parameters[name] = None
-            for name, b in mod._buffers.items():
-                if b is not None:
-                    held.append(b)
-                    mod._buffers[name] = None
+        for p in layer.parameters():
+            held.append(p)
+            if p.grad is not None:
+                held.append(p.grad)
+        held.extend(layer.buffers())
     device.mem_manager.free(held, device.compute_stream, device.downstream)

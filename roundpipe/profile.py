@@ -1,0 +1,27 @@
+"""Profiler annotations: named ranges in NVTX (nsys) or torch.profiler timelines.
+
+``RPP_PROFILER=nvtx`` emits NVTX ranges, ``RPP_PROFILER=torch`` ``record_function`` ranges; unset, the
+annotations cost nothing.
+
+Attributes:
+    PROFILER_TYPE: The profiler selected from the environment, or None.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import ContextManager, Optional
+
+import torch
+
+PROFILER_TYPE: Optional[str] = os.environ.get("RPP_PROFILER") or None
+
+
+def annotate(name: str, color: Optional[str] = None) -> ContextManager[object]:
+    """A context manager that marks ``name`` on the profiler timeline (a no-op without a profiler)."""
+    if PROFILER_TYPE == "nvtx" and torch.cuda.is_available():
+        return torch.cuda.nvtx.range(name)
+    if PROFILER_TYPE == "torch":
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()

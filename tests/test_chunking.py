@@ -1,0 +1,77 @@
+"""Tests for roundpipe.chunking.chunk_layer_params (greedy number partitioning of parameter copies)."""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from roundpipe.chunking import chunk_layer_params
+
+
+def pairs_of(numels, dtype=torch.float32):
+    return [(torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)) for n in numels]
+
+
+def chunk_bytes(chunks):
+    return [sum(src.numel() * src.element_size() for src, _ in chunk) for chunk in chunks]
+
+
+def ids(chunks):
+    return sorted(id(src) for chunk in chunks for src, _ in chunk)
+
+
+def test_greedy_partition_of_a_known_case():
+    # Largest first into the lightest chunk: 7->A, 5->B, 4->B, 3->A, 3->B, 2->A: A = B = 12 elements.
+    chunks = chunk_layer_params(pairs_of([3, 7, 2, 5, 4, 3]), 2)
+    assert sorted(chunk_bytes(chunks)) == [48, 48]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_every_pair_once_and_within_4_3_of_the_best_split(seed):
+    rng = random.Random(seed)
+    numels = [rng.randint(0, 1000) for _ in range(rng.randint(1, 9))]
+    n_chunks = rng.randint(1, 4)
+    pairs = pairs_of(numels)
+    chunks = chunk_layer_params(pairs, n_chunks)
+
+    assert ids(chunks) == sorted(id(src) for src, _ in pairs)
+    assert all(dst is dict(pairs)[src] for chunk in chunks for src, dst in chunk)
+    assert len(chunks) == min(n_chunks, len(pairs)) and all(chunks)
+    best = min(
+        max(sum(numels[i] for i in range(len(numels)) if assign[i] == c) for c in range(n_chunks))
+        for assign in itertools.product(range(n_chunks), repeat=len(numels))
+    )
+    assert max(chunk_bytes(chunks)) / 4 <= 4 / 3 * best  # float32: 4 bytes per element
+
+
+def test_more_chunks_than_pairs_gives_one_pair_per_chunk():
+    pairs = pairs_of([5, 1, 3])
+    chunks = chunk_layer_params(pairs, 8)
+    assert len(chunks) == 3 and all(len(chunk) == 1 for chunk in chunks)
+    assert ids(chunks) == sorted(id(src) for src, _ in pairs)
+
+
+def test_empty_tensors_still_fill_every_chunk():
+    chunks = chunk_layer_params(pairs_of([0, 0, 0, 10]), 3)
+    assert len(chunks) == 3 and all(chunks)
+
+
+def test_cost_counts_bytes_not_elements():
+    # 4 float64 elements (32 bytes) outweigh 6 float16 elements (12 bytes) + 6 more (12 bytes).
+    pairs = pairs_of([6], torch.float16) + pairs_of([4], torch.float64) + pairs_of([6], torch.float16)
+    chunks = chunk_layer_params(pairs, 2)
+    assert sorted(chunk_bytes(chunks)) == [24, 32]
+
+
+def test_copies_keep_their_input_order_within_a_chunk():
+    pairs = pairs_of([1, 9, 2, 8, 3])
+    for chunk in chunk_layer_params(pairs, 2):
+        positions = [next(i for i, p in enumerate(pairs) if p[0] is src) for src, _ in chunk]
+        assert positions == sorted(positions)
+
+
+def test_edge_cases():
+    assert chunk_layer_params([], 4) == []
+    with pytest.raises(ValueError):
+        chunk_layer_params(pairs_of([1]), 0)

@@ -1,0 +1,281 @@
+"""Core runtime: RoundPipe over a layer list equals plain PyTorch, on 1-3 CPU workers (and CUDA)."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import WORKER_SPECS
+from helpers import DropoutRecorder, rel_err, with_recorded_dropout
+from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+from roundpipe.batch import RoundPipePackedData
+from roundpipe.threads import RoundPipeWorkerError
+
+
+def make_model(dtype: torch.dtype, dropout: float = 0.3) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(8, 16),
+        nn.LayerNorm(16),
+        nn.GELU(),
+        nn.Dropout(dropout),
+        nn.Linear(16, 16),
+        nn.BatchNorm1d(16),
+        nn.Dropout(dropout),
+        nn.Linear(16, 5),
+    ).to(dtype)
+
+
+def reference_run(ref: nn.Module, x: torch.Tensor, n_mb: int):
+    """Plain PyTorch on the same microbatches (BatchNorm sees microbatch statistics, as in a pipeline)."""
+    return torch.cat([ref(part) for part in torch.tensor_split(x, n_mb)])
+
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+def check_grads(model: nn.Module, ref: nn.Module, tol: float) -> None:
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert p.grad is not None, name
+        assert rel_err(p.grad, q.grad) < tol, (name, rel_err(p.grad, q.grad))
+    for (name, b), (_, c) in zip(model.named_buffers(), ref.named_buffers()):
+        assert rel_err(b, c) < tol, name
+
+
+@pytest.mark.parametrize("workers", WORKER_SPECS, indirect=True)
+@pytest.mark.parametrize("num_microbatch", [1, 2, 3, 4])
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_matches_pytorch(workers: str, num_microbatch: int, grain: str, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    model = make_model(dtype)
+    recorder = DropoutRecorder(model)
+    ref = with_recorded_dropout(model, recorder)
+    rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch, recompute_grain=grain))
+    x = torch.randn(10, 8, dtype=dtype, requires_grad=True)  # 10 is not divisible by 3 or 4
+    x_ref = x.detach().clone().requires_grad_(True)
+    w = torch.randn(10, 5, dtype=dtype)
+
+    out = rp(x)
+    (out * w).sum().backward()
+    out_ref = reference_run(ref, x_ref, num_microbatch)
+    (out_ref * w).sum().backward()
+
+    tol = TOL[dtype]
+    assert rel_err(out, out_ref) < tol
+    assert rel_err(x.grad, x_ref.grad) < tol
+    check_grads(model, ref, tol)
+
+
+@pytest.mark.parametrize("workers", WORKER_SPECS, indirect=True)
+def test_forward_backward_equals_forward_then_backward(workers: str) -> None:
+    torch.manual_seed(1)
+    base = make_model(torch.float64, dropout=0.0)
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    cfg = RoundPipeRunConfig(num_microbatch=3)
+    rp_a, rp_b = RoundPipe(a, model_run_config=cfg), RoundPipe(b, model_run_config=cfg)
+    for _ in range(2):  # two calls: gradients accumulate as in PyTorch
+        x = torch.randn(9, 8, dtype=torch.float64)
+        y = torch.randn(9, 5, dtype=torch.float64)
+        loss_fn = lambda out, label: ((out - label) ** 2).sum()  # noqa: E731
+        loss = rp_a.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        out = rp_b(x)
+        loss_b = loss_fn(out, y)
+        loss_b.backward()
+        assert rel_err(loss, loss_b) < 1e-12
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert rel_err(p.grad, q.grad) < 1e-10, n
+
+
+@pytest.mark.parametrize("workers", WORKER_SPECS, indirect=True)
+def test_forward_backward_returns_outputs_and_input_grads(workers: str) -> None:
+    torch.manual_seed(2)
+    model = make_model(torch.float64, dropout=0.0)
+    ref = copy.deepcopy(model)
+    rp = RoundPipe(model)
+    pre = nn.Linear(4, 8).double()  # a user module before RoundPipe gets its gradients
+    pre_ref = copy.deepcopy(pre)
+    x = torch.randn(7, 4, dtype=torch.float64)
+    loss, out = rp.forward_backward(input_args=(pre(x),), loss_fn=lambda o, _: o.sum(), return_outputs=True,
+                                    run_config=RoundPipeRunConfig(num_microbatch=3))
+    out_ref = reference_run(ref, pre_ref(x), 3)
+    out_ref.sum().backward()
+    assert rel_err(out, out_ref) < 1e-10
+    assert rel_err(loss, out_ref.sum()) < 1e-10
+    assert rel_err(pre.weight.grad, pre_ref.weight.grad) < 1e-10
+
+
+@pytest.mark.parametrize("workers", WORKER_SPECS, indirect=True)
+@pytest.mark.parametrize("fused", [False, True])
+def test_chained_models_equal_one_model(workers: str, fused: bool) -> None:
+    torch.manual_seed(3)
+    full = make_model(torch.float64, dropout=0.0)
+    ref = copy.deepcopy(full)
+    first = RoundPipe(nn.Sequential(*list(full)[:4]), model_run_config=RoundPipeRunConfig(merge_output=False))
+    second = RoundPipe(nn.Sequential(*list(full)[4:]))
+    x = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    cfg = RoundPipeRunConfig(num_microbatch=4)
+    mid = first(x, roundpipe_run_config=cfg)
+    assert isinstance(mid, RoundPipePackedData) and len(mid) == 4
+    if fused:
+        second.forward_backward(input_args=(mid,), loss_fn=lambda o, _: o.pow(2).sum())
+    else:
+        second(mid).pow(2).sum().backward()
+    reference_run(ref, x_ref, 4).pow(2).sum().backward()
+    assert rel_err(x.grad, x_ref.grad) < 1e-10
+    for (n, p), (_, q) in zip(full.named_parameters(), ref.named_parameters()):
+        assert rel_err(p.grad, q.grad) < 1e-10, n
+
+
+@pytest.mark.parametrize("workers", WORKER_SPECS, indirect=True)
+def test_inference_no_grad(workers: str) -> None:
+    torch.manual_seed(4)
+    model = make_model(torch.float32).eval()
+    ref = copy.deepcopy(model)
+    rp = RoundPipe(model)
+    x = torch.randn(11, 8)
+    with torch.no_grad():
+        out = rp(x)
+        out_ref = ref(x)
+    assert not out.requires_grad
+    assert rel_err(out, out_ref) < 1e-6
+
+
+class _Head(nn.Module):
+    """Takes kwargs and emits a nested pytree with non-tensor values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4).double()
+
+    def forward(self, x, *, scale: float, extra: dict):
+        return {"h": self.lin(x) * scale, "pair": (extra["bias"], extra["tag"]), "n": 3, "ids": extra["ids"]}
+
+
+class _Tail(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 2).double()
+
+    def forward(self, d: dict):
+        bias, tag = d["pair"]
+        assert tag == "keep" and d["n"] == 3 and d["ids"].dtype == torch.long
+        return (self.lin(d["h"] + bias), d["ids"] * 2)
+
+
+@pytest.mark.parametrize("workers", WORKER_SPECS, indirect=True)
+def test_pytrees_kwargs_and_non_tensors_pass_through(workers: str) -> None:
+    torch.manual_seed(5)
+    head, tail = _Head(), _Tail()
+    ref = nn.Sequential(copy.deepcopy(head), copy.deepcopy(tail))
+    rp = RoundPipe(nn.Sequential(head, tail), model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    x = torch.randn(6, 4, dtype=torch.float64)
+    bias = torch.randn(6, 4, dtype=torch.float64)
+    ids = torch.arange(6)
+    out, ids2 = rp(x, scale=2.0, extra={"bias": bias, "tag": "keep", "ids": ids})
+    h_ref = ref[0](x, scale=2.0, extra={"bias": bias, "tag": "keep", "ids": ids})
+    out_ref, _ = ref[1](h_ref)
+    assert torch.equal(ids2, ids * 2)
+    assert rel_err(out, out_ref) < 1e-12
+    out.sum().backward()
+    out_ref.sum().backward()
+    assert rel_err(head.lin.weight.grad, ref[0].lin.weight.grad) < 1e-10
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, fail: bool) -> torch.Tensor:
+        ctx.fail = fail
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        if ctx.fail:
+            raise ValueError("injected failure")
+        return g, None
+
+
+class _MaybeFail(nn.Module):
+    """Raises in backward for the microbatch whose first row id equals ``fail_row``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail_row = -1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FailingBackward.apply(x, int(x[0, 0].item()) == self.fail_row)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", WORKER_SPECS, indirect=True)
+def test_exception_in_backward_surfaces_with_location(workers: str) -> None:
+    torch.manual_seed(6)
+    bomb = _MaybeFail()
+    model = nn.Sequential(nn.Identity(), nn.Linear(3, 3).double(), bomb, nn.Linear(3, 3).double())
+    rp = RoundPipe(model, name="bomb-model", model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    x = torch.cat([torch.arange(9, dtype=torch.float64)[:, None], torch.randn(9, 2, dtype=torch.float64)], dim=1)
+    # Rows 0-2, 3-5, 6-8 form microbatches 0, 1, 2; fail in microbatch 1. Layer 1 is Linear: keep the
+    # row id column intact by failing on the identity-fed input of layer 2 instead.
+    model[1].weight.data = torch.eye(3, dtype=torch.float64)
+    model[1].bias.data.zero_()
+    bomb.fail_row = 3
+    start = time.monotonic()
+    out = rp(x)
+    with pytest.raises(RoundPipeWorkerError) as info:
+        out.sum().backward()
+    assert time.monotonic() - start < 10
+    msg = str(info.value)
+    assert "layer 2" in msg and "microbatch 1" in msg and "device" in msg and "injected failure" in msg, msg
+    bomb.fail_row = -1
+    out = rp(x)
+    out.sum().backward()  # the same model works after the failure
+    assert model[3].weight.grad is not None
+
+
+@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
+def test_double_backward_raises(workers: str) -> None:
+    rp = RoundPipe(make_model(torch.float32, dropout=0.0))
+    out = rp(torch.randn(6, 8)).sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second time"):
+        out.backward()
+
+
+@pytest.mark.parametrize("workers", WORKER_SPECS, indirect=True)
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_grouped_plan_matches_layerwise(workers: str, grain: str) -> None:
+    torch.manual_seed(7)
+    model = make_model(torch.float64)
+    recorder = DropoutRecorder(model)
+    ref = with_recorded_dropout(model, recorder)
+    # Forward and backward groups cut at different layers: recompute spans forward groups.
+    plan = ModelExecutePlan([range(0, 3), range(3, 6), range(6, 8)], [range(0, 2), range(2, 5), range(5, 8)])
+    rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(execute_plan=plan, recompute_grain=grain, num_microbatch=3))
+    x = torch.randn(9, 8, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    rp(x).pow(2).sum().backward()
+    reference_run(ref, x_ref, 3).pow(2).sum().backward()
+    assert rel_err(x.grad, x_ref.grad) < 1e-10
+    check_grads(model, ref, 1e-10)
+
+
+@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
+def test_attribute_shimming(workers: str) -> None:
+    inner = nn.Sequential(nn.Linear(2, 2))
+    inner.config = {"hidden": 2}
+    rp = RoundPipe(inner)
+    assert rp.config == {"hidden": 2}
+    rp.config = {"hidden": 3}
+    assert inner.config == {"hidden": 3}
+    original = nn.Module()
+    original.generation_config = "gen"
+    rp.set_original_model(original)
+    assert rp.generation_config == "gen"
+    del rp.config
+    assert not hasattr(inner, "config")
+    with pytest.raises(AttributeError):
+        rp.does_not_exist
