@@ -17,6 +17,7 @@ from roundpipe.memory import PinMode, pin_module
 from roundpipe.run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
 from roundpipe.scheduler import ModelExecutePlan, RunType
 from roundpipe.threads import AnnotatedEvent
+from roundpipe.timer import ModelTimer
 from roundpipe.utils import get_call_location, get_model_size
 
 _OWN_ATTRS = ("model", "original_model", "_rpp_initialized")
@@ -278,6 +279,8 @@ class RoundPipe(RoundPipeBase):
         layer_size: Size of each layer's parameters and buffers in GB.
     """
 
+    REPLAN_EVERY = 20
+
     def __init__(
         self,
         model: nn.Module,
@@ -311,6 +314,7 @@ class RoundPipe(RoundPipeBase):
                     shared[id(p)] = p
         self.__dict__["_shared_list"] = list(shared.values())
         self.layer_size = [get_model_size(layer) / 1024**3 for layer in layers]
+        self.model_timer = ModelTimer(self.num_layers, self.layer_size)
         self.__dict__["_plans"] = {}
 
     @property
@@ -346,10 +350,15 @@ class RoundPipe(RoundPipeBase):
             plan = cfg.execute_plan.for_run_type(run_type, self.num_layers)
             plan.check_valid(self.num_layers, run_type)
             return plan
-        plan = self._plans.get(run_type)
-        if plan is None:
-            plan = self._plans[run_type] = ModelExecutePlan.layerwise(self.num_layers, run_type)
-        return plan
+        # Auto plan: from size estimates at first, re-planned once real timings exist and then every
+        # REPLAN_EVERY timer updates (plans do not churn every iteration).
+        version = self.model_timer.version if self.model_timer.has_measurements(run_type) else -1
+        cached = self._plans.get(run_type)
+        if cached is None or (cached[1] != version and (cached[1] < 0 or version - cached[1] >= self.REPLAN_EVERY)):
+            plan = ModelExecutePlan.auto(run_type, self)
+            plan.check_valid(self.num_layers, run_type)
+            self._plans[run_type] = (plan, version)
+        return self._plans[run_type][0]
 
     # ---- running -------------------------------------------------------------------------------------
     def _needs_graph(self, batch: Batch) -> bool:
@@ -373,6 +382,7 @@ class RoundPipe(RoundPipeBase):
         if not train:
             with torch.no_grad():
                 guarded(run, f"model {self.name!r} forward", lambda: dispatch_forward(run))
+            run.timer.finish()
             return batch.dump(cfg)
         inputs = [t for leaves in run.input_leaves for t, want in zip(leaves, [isinstance(x, torch.Tensor) and x.requires_grad for x in leaves]) if want]
         tag = torch.empty(0, requires_grad=True)
@@ -416,6 +426,7 @@ class RoundPipe(RoundPipeBase):
         sums = [torch.stack([mb[k] for mb in per_mb]).sum() for k in range(n_losses)]
         # Hand input gradients to the caller's graph (a user module or an upstream RoundPipe).
         wanted = [(t, g) for ctx, leaves in zip(run.contexts, run.input_leaves) for t, g, want in zip(leaves, ctx.grad_states, ctx.input_requires_grad) if want and g is not None]
+        run.release()
         if wanted:
             torch.autograd.backward([t for t, _ in wanted], [g.to(t.device) for t, g in wanted])
         loss: Any = sums if run.loss_is_sequence else sums[0]

@@ -108,6 +108,7 @@ class Run:
         self.loss_fn = loss_fn
         self.return_outputs = return_outputs
         self.outputs: List[Any] = [None] * batch.num_microbatch
+        self.timer = model.model_timer.new_iter()
         self.backward_done = False
         self.loss_is_sequence = False
         # Autocast is thread-local: carry the caller's settings into the device threads.
@@ -124,6 +125,7 @@ class Run:
         self.contexts = []
         self.input_leaves = []
         self.saved_buffers = {}
+        self.timer.finish()
 
     def autocast_ctx(self, device: "DeviceManager") -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
@@ -197,7 +199,7 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
                 if run.enable_grad and cfg.preserve_rng_state:
                     ctx.rng_states[i] = backend.get_rng_state(device.device)
                 save = (lambda i: lambda *d: ctx.save_for_recompute(i, device, *d))(i)
-                with ForwardCtx(save) if run.enable_grad else contextlib.nullcontext():
+                with ForwardCtx(save) if run.enable_grad else contextlib.nullcontext(), run.timer.time_fwd("fwd", i, device.compute_stream):
                     x = _wrap(_call_layer(layer, x))
             out_leaves, out_spec = pytree.tree_flatten(x)
         out_events: List[Any] = []
@@ -288,10 +290,11 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int) -> None
                     for i, layer in zip(layers, gpu_layers):
                         device.location = f"model {model.name!r}: recompute of {run.layer_name(i)}, microbatch {m}"
                         rng.restore(i)
-                        with RecomputeCtx(recompute[i]):
+                        with RecomputeCtx(recompute[i]), run.timer.time_fwd("re", i, device.compute_stream):
                             x = _wrap(_call_layer(layer, x))
                     device.location = f"model {model.name!r}: backward of {run.layer_name(layers.start)}-{layers.stop - 1}, microbatch {m}"
-                    _backward_through(pytree.tree_leaves(x), dev_grads, device.location)
+                    with run.timer.time_bwd(layers, device.compute_stream):
+                        _backward_through(pytree.tree_leaves(x), dev_grads, device.location)
                     in_grads = _input_grads(leaves)
             else:
                 # 'layer': recompute the stage without a graph to get each layer's input, then
@@ -312,9 +315,10 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int) -> None
                     with torch.enable_grad():
                         leaves = _grad_leaves(inputs[k][0], flags if i == 0 else None)
                         rng.restore(i)
-                        with RecomputeCtx(recompute[i]):
+                        with RecomputeCtx(recompute[i]), run.timer.time_fwd("re", i, device.compute_stream):
                             out = _wrap(_call_layer(layer, pytree.tree_unflatten(leaves, inputs[k][1])))
-                        _backward_through(pytree.tree_leaves(out), grads, device.location)
+                        with run.timer.time_bwd(range(i, i + 1), device.compute_stream):
+                            _backward_through(pytree.tree_leaves(out), grads, device.location)
                         grads = _input_grads(leaves)
                     del out
                 in_grads = grads
@@ -362,16 +366,18 @@ def run_forward_backward(device: "DeviceManager", run: Run) -> None:
             x = pytree.tree_unflatten(leaves, spec)
             for i, layer in zip(layers, gpu_layers):
                 device.location = f"model {model.name!r}: fused forward of {run.layer_name(i)}, microbatch {m}"
-                x = _wrap(_call_layer(layer, x))
+                with run.timer.time_fwd("fwd", i, device.compute_stream):
+                    x = _wrap(_call_layer(layer, x))
             out = x[0][0]
-            device.location = f"model {model.name!r}: loss_fn, microbatch {m}"
-            raw_loss = run.loss_fn(out, dev_label)
-            run.loss_is_sequence = isinstance(raw_loss, (list, tuple))
-            losses = _check_loss(raw_loss)
-            device.location = f"model {model.name!r}: fused backward of {run.layer_name(layers.start)}-{layers.stop - 1}, microbatch {m}"
-            total = losses[0] if len(losses) == 1 else torch.stack([t.reshape(()) for t in losses]).sum()
-            if total.requires_grad:
-                total.backward()
+            with run.timer.time_bwd(layers, device.compute_stream):
+                device.location = f"model {model.name!r}: loss_fn, microbatch {m}"
+                raw_loss = run.loss_fn(out, dev_label)
+                run.loss_is_sequence = isinstance(raw_loss, (list, tuple))
+                losses = _check_loss(raw_loss)
+                device.location = f"model {model.name!r}: fused backward of {run.layer_name(layers.start)}-{layers.stop - 1}, microbatch {m}"
+                total = losses[0] if len(losses) == 1 else torch.stack([t.reshape(()) for t in losses]).sum()
+                if total.requires_grad:
+                    total.backward()
             in_grads = _input_grads(leaves)
         events: List[Any] = []
         loss_host = async_d2h(device, events, [t.detach().reshape(()) for t in losses])

@@ -279,3 +279,25 @@ def test_attribute_shimming(workers: str) -> None:
     assert not hasattr(inner, "config")
     with pytest.raises(AttributeError):
         rp.does_not_exist
+
+
+@pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
+def test_auto_plan_equals_layerwise_plan(workers: str) -> None:
+    """Auto plans (from size estimates, then re-planned from measured timings) give the results of the
+    one-layer-per-group plan."""
+    torch.manual_seed(8)
+    base = make_model(torch.float64, dropout=0.0)
+    auto_model, layer_model = copy.deepcopy(base), copy.deepcopy(base)
+    auto = RoundPipe(auto_model, model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    layerwise = ModelExecutePlan.layerwise(8, "train")
+    manual = RoundPipe(layer_model, model_run_config=RoundPipeRunConfig(num_microbatch=3, execute_plan=layerwise))
+    plans = set()
+    for step in range(4):
+        x = torch.randn(9, 8, dtype=torch.float64)
+        for rp, m in ((auto, auto_model), (manual, layer_model)):
+            rp.forward_backward(input_args=(x,), loss_fn=lambda o, _: o.pow(2).sum())
+        plans.add(repr(auto.resolve_plan(type("C", (), {"execute_plan": None})(), "fused")))
+        for (n, p), (_, q) in zip(auto_model.named_parameters(), layer_model.named_parameters()):
+            assert rel_err(p.grad, q.grad) < 1e-10, (step, n)
+    assert auto.model_timer.has_measurements("fused")
+    assert all("groups" in p for p in plans)
