@@ -62,6 +62,7 @@ class RoundPipeRunContext:
         self.rng_states: Dict[int, torch.Tensor] = {}
         self.grad_states: List[Optional[torch.Tensor]] = []
         self.grad_events: List[Any] = []
+        self.grad_handoff: Optional[Tuple[Any, List[Optional[torch.Tensor]]]] = None
 
     def save_for_recompute(self, layer_id: int, device: "DeviceManager", *data: Any) -> None:
         """Download data a layer saved in forward; it is uploaded again for the layer's recompute."""
@@ -109,6 +110,10 @@ class Run:
         self.return_outputs = return_outputs
         self.outputs: List[Any] = [None] * batch.num_microbatch
         self.timer = model.model_timer.new_iter()
+        # Which device runs each job ('f', g) / ('b', b) / ('fb', 0), fixed at dispatch (round robin).
+        self.job_device: Dict[Tuple[str, int], "DeviceManager"] = {}
+        # Activations and gradients handed to the next job on the same device stay there: (device, leaves).
+        self.act_handoff: List[Optional[Tuple["DeviceManager", Leaves]]] = [None] * batch.num_microbatch
         self.backward_done = False
         self.loss_is_sequence = False
         # Autocast is thread-local: carry the caller's settings into the device threads.
@@ -150,6 +155,44 @@ def _wrap(out: Any) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
     return ((out,), {})
 
 
+def _take_activation(device: "DeviceManager", run: Run, m: int) -> Leaves:
+    """Microbatch m's stage input on ``device``: handed over on the device by the previous job when it
+    ran there (no host round trip), else uploaded from the host copy."""
+    handoff = run.act_handoff[m]
+    run.act_handoff[m] = None
+    if handoff is not None and handoff[0] is device:
+        return handoff[1]
+    batch = run.batch
+    return async_h2d(device, batch.forward_events[m], batch.flatten_states[m])
+
+
+def _next_forward_device(run: Run, group: int) -> Optional["DeviceManager"]:
+    """The device of the job that consumes forward group ``group``'s output (None: the caller)."""
+    if group + 1 < len(run.plan.fwd_plan):
+        return run.job_device.get(("f", group + 1))
+    return run.job_device.get(("fb", 0))
+
+
+def _take_grads(device: "DeviceManager", ctx: RoundPipeRunContext) -> List[Optional[torch.Tensor]]:
+    handoff = ctx.grad_handoff
+    ctx.grad_handoff = None
+    if handoff is not None and handoff[0] is device:
+        return handoff[1]
+    return async_h2d(device, ctx.grad_events, ctx.grad_states)
+
+
+def _give_grads(device: "DeviceManager", run: Run, ctx: RoundPipeRunContext, group: int, in_grads: List[Optional[torch.Tensor]]) -> None:
+    """Input gradients of backward group ``group`` go to group - 1: on the device if it runs here, else
+    (and for the model input) to the host."""
+    if group > 0 and run.job_device.get(("b", group - 1)) is device:
+        ctx.grad_handoff = (device, in_grads)
+        ctx.grad_states, ctx.grad_events = [], []
+        return
+    events: List[Any] = []
+    ctx.grad_states = async_d2h(device, events, in_grads)
+    ctx.grad_events = events
+
+
 def _upload_group(device: "DeviceManager", run: Run, layers: range, with_grad: bool, for_recompute: bool) -> List[torch.nn.Module]:
     model = run.model
     device.throttle_prefetch()
@@ -183,7 +226,7 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
         ctx = run.contexts[m]
         device.location = f"model {model.name!r}: forward of {run.layer_name(layers.start)}, microbatch {m}"
         host_leaves, spec, events = batch.flatten_states[m], batch.flatten_specs[m], batch.forward_events[m]
-        dev_leaves = async_h2d(device, events, host_leaves)
+        dev_leaves = _take_activation(device, run, m)
         device.compute_stream.wait_stream(device.upstream)
         with backend.use_stream(device.compute_stream), backend.compute_guard(device.device), torch.no_grad(), run.autocast_ctx(device):
             x = pytree.tree_unflatten(dev_leaves, spec)
@@ -202,10 +245,21 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
                 with ForwardCtx(save) if run.enable_grad else contextlib.nullcontext(), run.timer.time_fwd("fwd", i, device.compute_stream):
                     x = _wrap(_call_layer(layer, x))
             out_leaves, out_spec = pytree.tree_flatten(x)
-        out_events: List[Any] = []
-        batch.flatten_states[m] = async_d2h(device, out_events, out_leaves)
+        consumer = _next_forward_device(run, layer_group_id)
+        if consumer is device:
+            run.act_handoff[m] = (device, out_leaves)
+        # The host copy is needed by another device, by the caller, or as a saved backward-stage input.
+        saved_for_backward = run.enable_grad and tracker.backward_need_input(layers.stop) and not (
+            run.run_type == "fused" and layers.stop == run.plan.bwd_plan[-1].start  # the fused job saves nothing
+        )
+        if consumer is not device or saved_for_backward:
+            out_events: List[Any] = []
+            batch.flatten_states[m] = async_d2h(device, out_events, out_leaves)
+            batch.forward_events[m] = out_events
+        else:
+            batch.flatten_states[m] = [None if isinstance(t, torch.Tensor) else t for t in out_leaves]
+            batch.forward_events[m] = []
         batch.flatten_specs[m] = out_spec
-        batch.forward_events[m] = out_events
         device.mem_manager.free((dev_leaves, out_leaves), device.compute_stream, device.downstream)
         del dev_leaves, out_leaves, x
         tracker.forward_notify(layer_group_id)
@@ -273,12 +327,12 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int) -> None
         ctx = run.contexts[m]
         device.location = f"model {model.name!r}: backward of {run.layer_name(layers.stop - 1)}, microbatch {m}"
         host_in, spec, in_events = ctx.flatten_inputs.pop(layers.start)
-        if all(g is None for g in ctx.grad_states):
+        if all(g is None for g in ctx.grad_states) and ctx.grad_handoff is None:
             ctx.grad_states, ctx.grad_events = [None] * len(host_in), []
             tracker.backward_notify(layer_group_id)
             continue
         dev_in = async_h2d(device, in_events, host_in)
-        dev_grads = async_h2d(device, ctx.grad_events, ctx.grad_states)
+        dev_grads = _take_grads(device, ctx)
         recompute = {i: ctx.fetch_recompute_data(i, device) for i in layers}
         device.compute_stream.wait_stream(device.upstream)
         flags = ctx.input_requires_grad if layers.start == 0 else None
@@ -322,9 +376,7 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int) -> None
                         grads = _input_grads(leaves)
                     del out
                 in_grads = grads
-        events: List[Any] = []
-        ctx.grad_states = async_d2h(device, events, in_grads)
-        ctx.grad_events = events
+        _give_grads(device, run, ctx, layer_group_id, in_grads)
         device.mem_manager.free((dev_in, dev_grads, in_grads, recompute), device.compute_stream, device.downstream)
         del dev_in, dev_grads, in_grads, recompute
         tracker.backward_notify(layer_group_id)
@@ -355,8 +407,8 @@ def run_forward_backward(device: "DeviceManager", run: Run) -> None:
         tracker.forward_wait_for(len(run.plan.fwd_plan))
         ctx = run.contexts[m]
         device.location = f"model {model.name!r}: fused forward-backward of {run.layer_name(layers.start)}, microbatch {m}"
-        host_in, spec, in_events = batch.flatten_states[m], batch.flatten_specs[m], batch.forward_events[m]
-        dev_in = async_h2d(device, in_events, host_in)
+        spec = batch.flatten_specs[m]
+        dev_in = _take_activation(device, run, m)
         label_leaves, label_spec = pytree.tree_flatten(batch.label_list[m])
         dev_label = pytree.tree_unflatten(async_h2d(device, [], label_leaves), label_spec)
         device.compute_stream.wait_stream(device.upstream)
@@ -386,7 +438,7 @@ def run_forward_backward(device: "DeviceManager", run: Run) -> None:
             out_leaves, out_spec = pytree.tree_flatten(out)
             run.outputs[m] = pytree.tree_unflatten(async_d2h(device, events, [t.detach() if isinstance(t, torch.Tensor) else t for t in out_leaves]), out_spec)
         batch.forward_events[m] = events
-        ctx.grad_states = async_d2h(device, ctx.grad_events, in_grads)
+        _give_grads(device, run, ctx, gid, in_grads)
         device.mem_manager.free((dev_in, dev_label, in_grads, out), device.compute_stream, device.downstream)
         del dev_in, dev_label, in_grads, out, x, leaves, total, losses
         tracker.fused_forward_notify()
@@ -426,37 +478,52 @@ def _wait_plain(d: "DeviceManager") -> None:
     d.is_idle.release()
 
 
+def _assign(run: Run, jobs: Sequence[Tuple[str, int]]) -> List[Tuple[str, int, "DeviceManager"]]:
+    """Give each job the next device round robin (fixed before launch so jobs know their consumers)."""
+    out = []
+    for kind, gid in jobs:
+        dev = device_mod.get_next_device()
+        run.job_device[(kind, gid)] = dev
+        out.append((kind, gid, dev))
+    return out
+
+
+def _launch(run: Run, jobs: List[Tuple[str, int, "DeviceManager"]]) -> None:
+    """Fence each job's layers (attribute.py protocol), then hand the job to its device."""
+    attrs = run.model.layer_attrs
+    for kind, gid, dev in jobs:
+        if kind == "f":
+            for i in run.plan.fwd_plan[gid]:
+                attrs[i].forward_fence()
+            dev.launch_forward(gid, run)
+        elif kind == "b":
+            for i in run.plan.bwd_plan[gid]:
+                attrs[i].backward_fence()
+            dev.launch_backward(gid, run)
+        else:
+            for i in run.plan.bwd_plan[-1]:
+                attrs[i].forward_backward_fence()
+            dev.launch_forward_backward(run)
+
+
 def dispatch_forward(run: Run) -> None:
     """Dispatch every forward group round robin, then wait until all microbatches are through."""
-    attrs = run.model.layer_attrs
-    for g, layers in enumerate(run.plan.fwd_plan):
-        for i in layers:
-            attrs[i].forward_fence()
-        device_mod.get_next_device().launch_forward(g, run)
+    _launch(run, _assign(run, [("f", g) for g in range(len(run.plan.fwd_plan))]))
     run.tracker.forward_wait_complete(run.batch.num_microbatch)
 
 
-def dispatch_backward(run: Run, groups: Sequence[int]) -> None:
-    """Dispatch backward groups (in the given order) round robin, then wait for group 0."""
-    attrs = run.model.layer_attrs
-    for b in groups:
-        for i in run.plan.bwd_plan[b]:
-            attrs[i].backward_fence()
-        device_mod.get_next_device().launch_backward(b, run)
+def dispatch_backward(run: Run) -> None:
+    """Dispatch the backward groups, last first, round robin, then wait for group 0."""
+    _launch(run, _assign(run, [("b", b) for b in range(len(run.plan.bwd_plan) - 1, -1, -1)]))
     run.tracker.backward_wait_complete(run.batch.num_microbatch)
 
 
 def dispatch_fused(run: Run) -> None:
     """forward_backward: forward groups, the fused last group, then the other backward groups."""
-    attrs = run.model.layer_attrs
-    for g, layers in enumerate(run.plan.fwd_plan):
-        for i in layers:
-            attrs[i].forward_fence()
-        device_mod.get_next_device().launch_forward(g, run)
-    for i in run.plan.bwd_plan[-1]:
-        attrs[i].forward_backward_fence()
-    device_mod.get_next_device().launch_forward_backward(run)
-    dispatch_backward(run, range(len(run.plan.bwd_plan) - 2, -1, -1))
+    n_bwd = len(run.plan.bwd_plan)
+    jobs = [("f", g) for g in range(len(run.plan.fwd_plan))] + [("fb", 0)] + [("b", b) for b in range(n_bwd - 2, -1, -1)]
+    _launch(run, _assign(run, jobs))
+    run.tracker.backward_wait_complete(run.batch.num_microbatch)
 
 
 def finish_backward(run: Run) -> None:
@@ -496,10 +563,7 @@ class RoundPipeBatchedBackward(torch.autograd.Function):
             ctx_m.grad_states = [next(it) if isinstance(t, torch.Tensor) else None for t in leaves]
             ctx_m.grad_events = []
 
-        def go() -> None:
-            dispatch_backward(run, range(len(run.plan.bwd_plan) - 1, -1, -1))
-
-        guarded(run, f"model {run.model.name!r} backward", go)
+        guarded(run, f"model {run.model.name!r} backward", lambda: dispatch_backward(run))
         finish_backward(run)
         grads: List[Optional[torch.Tensor]] = []
         for ctx_m, original in zip(run.contexts, run.input_leaves):

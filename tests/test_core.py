@@ -22,7 +22,7 @@ def make_model(dtype: torch.dtype, dropout: float = 0.3) -> nn.Sequential:
         nn.LayerNorm(16),
         nn.GELU(),
         nn.Dropout(dropout),
-        nn.Linear(16, 16),
+        nn.Linear(16, 16, bias=False),  # a bias before BatchNorm has an identically zero gradient
         nn.BatchNorm1d(16),
         nn.Dropout(dropout),
         nn.Linear(16, 5),
@@ -99,12 +99,12 @@ def test_forward_backward_returns_outputs_and_input_grads(workers: str) -> None:
     pre = nn.Linear(4, 8).double()  # a user module before RoundPipe gets its gradients
     pre_ref = copy.deepcopy(pre)
     x = torch.randn(7, 4, dtype=torch.float64)
-    loss, out = rp.forward_backward(input_args=(pre(x),), loss_fn=lambda o, _: o.sum(), return_outputs=True,
+    loss, out = rp.forward_backward(input_args=(pre(x),), loss_fn=lambda o, _: o.pow(2).sum(), return_outputs=True,
                                     run_config=RoundPipeRunConfig(num_microbatch=3))
     out_ref = reference_run(ref, pre_ref(x), 3)
-    out_ref.sum().backward()
+    out_ref.pow(2).sum().backward()  # (a plain sum through BatchNorm has an identically zero input gradient)
     assert rel_err(out, out_ref) < 1e-10
-    assert rel_err(loss, out_ref.sum()) < 1e-10
+    assert rel_err(loss, out_ref.pow(2).sum()) < 1e-10
     assert rel_err(pre.weight.grad, pre_ref.weight.grad) < 1e-10
 
 

@@ -42,7 +42,7 @@ def test_parameter_upload_overlaps_compute() -> None:
     model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(n_layers)]).to(torch.bfloat16)
     plan = ModelExecutePlan.layerwise(n_layers, "infer")
     rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
-    x = torch.randn(16384, width, dtype=torch.bfloat16)
+    x = torch.randn(16384, width, dtype=torch.bfloat16).pin_memory()
     with torch.no_grad():
         for _ in range(2):
             rp(x)  # warm-up: allocator, cuBLAS handles
