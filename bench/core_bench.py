@@ -32,13 +32,18 @@ def build(layers: int, hidden: int, dtype: torch.dtype) -> nn.Sequential:
 def bench_roundpipe(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> tuple:
     model = RoundPipe(build(args.layers, args.hidden, args.dtype), optim_dtype=torch.float32,
                       model_run_config=RoundPipeRunConfig(num_microbatch=args.microbatches))
-    opt = torch.optim.AdamW(model.optim_parameters(), lr=1e-4, fused=True)
+    params = list(model.optim_parameters())
+    if args.optimizer == "adamw":
+        opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    else:
+        opt = torch.optim.SGD(params, lr=1e-4)
     loss_fn = lambda out, label: nn.functional.mse_loss(out.float(), label.float())  # noqa: E731
     times = []
     for it in range(args.warmup + args.iters):
         t0 = time.perf_counter()
         model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
-        model.step(lambda: (opt.step(), opt.zero_grad()))
+        if args.optimizer != "none":
+            model.step(lambda: (opt.step(), opt.zero_grad()), is_async=not args.sync_step)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
@@ -73,6 +78,10 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=4)
+    p.add_argument("--optimizer", choices=["adamw", "sgd", "none"], default="adamw",
+                   help="host optimizer for roundpipe ('none': forward_backward only, to isolate the pipeline)")
+    p.add_argument("--sync-step", action="store_true", help="is_async=False steps")
+    p.add_argument("--no-baseline", action="store_true")
     args = p.parse_args()
     args.dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     x = torch.randn(args.tokens, args.hidden, dtype=args.dtype)
@@ -87,11 +96,12 @@ def main() -> None:
     rp_tps = args.tokens / (sum(rp_times) / len(rp_times))
     rp_mem = torch.cuda.max_memory_allocated() / 1024**3 if torch.cuda.is_available() else float("nan")
     rows.append(("roundpipe", rp_tps, rp_mem))
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not args.no_baseline:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base_times = bench_resident(args, x, y)
         rows.append(("gpu-resident", args.tokens / (sum(base_times) / len(base_times)), torch.cuda.max_memory_allocated() / 1024**3))
+    print(f"roundpipe optimizer={args.optimizer} sync_step={args.sync_step}; per-iteration seconds: {[round(t, 3) for t in rp_times]}")
     print(f"MLP stack: {args.layers} blocks, hidden {args.hidden}, {params / 1e9:.2f}B params, {args.tokens} tokens/iter, {args.microbatches} microbatches")
     print("| system | tokens/s | TFLOP/s (6·P·T) | peak GPU GiB | ratio |")
     print("|---|---|---|---|---|")

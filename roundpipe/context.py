@@ -110,8 +110,10 @@ def save_for_recompute(*data: Any) -> None:
     Tensors saved must not require grad. Call at most once per layer and forward. A no-op outside a
     RoundPipe training forward (plain PyTorch, inference, or while recomputing).
     """
+    # RoundPipe sets a ForwardCtx only in forwards that will be recomputed (training runs, which run
+    # their forward under no_grad); elsewhere this is a no-op.
     ctx = _get("forward_ctx")
-    if ctx is None or not torch.is_grad_enabled() or doing_recompute():
+    if ctx is None or doing_recompute():
         return
     for d in torch.utils._pytree.tree_leaves(data):
         if isinstance(d, torch.Tensor) and d.requires_grad:

@@ -301,3 +301,39 @@ def test_auto_plan_equals_layerwise_plan(workers: str) -> None:
             assert rel_err(p.grad, q.grad) < 1e-10, (step, n)
     assert auto.model_timer.has_measurements("fused")
     assert all("groups" in p for p in plans)
+
+
+class _Scaled(nn.Module):
+    """Computes a per-call scale once in forward and reuses it in recompute via save_for_recompute."""
+
+    def __init__(self, counter: dict) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4).double()
+        self.counter = counter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from roundpipe import doing_recompute, get_recompute_data, save_for_recompute
+
+        if doing_recompute():
+            (scale,) = get_recompute_data()
+        else:
+            self.counter["computed"] += 1
+            scale = x.detach().abs().mean() + 1
+            save_for_recompute(scale)
+        return self.lin(x) * scale
+
+
+@pytest.mark.parametrize("workers", WORKER_SPECS, indirect=True)
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_recompute_reuses_saved_data(workers: str, grain: str) -> None:
+    torch.manual_seed(9)
+    counter = {"computed": 0}
+    model = nn.Sequential(_Scaled(counter), nn.Tanh(), _Scaled(counter))
+    ref = copy.deepcopy(model)
+    rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=2, recompute_grain=grain))
+    x = torch.randn(4, 4, dtype=torch.float64)
+    rp(x).pow(2).sum().backward()
+    assert counter["computed"] == 4  # 2 layers x 2 microbatches, never again in recompute
+    reference_run(ref, x, 2).pow(2).sum().backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert rel_err(p.grad, q.grad) < 1e-10, n
