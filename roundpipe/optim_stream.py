@@ -18,7 +18,7 @@ import queue
 import threading
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from roundpipe.threads import RoundPipeThread, report_failure
+from roundpipe.threads import RoundPipeThread, note_progress, report_failure
 
 KernelQueueType = "queue.Queue[Tuple[Callable, Tuple, Dict[str, Any]]]"
 
@@ -50,6 +50,7 @@ def controller() -> None:
                 report_failure(err)
             finally:
                 optim_thread.is_active = False
+                note_progress()
         finally:
             kernel_queue.task_done()
 

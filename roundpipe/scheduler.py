@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, List, Literal, Optional
 
-from roundpipe.threads import AnnotatedSemaphore
+from roundpipe.threads import AnnotatedSemaphore, note_progress
 
 if TYPE_CHECKING:
     from roundpipe.roundpipe import RoundPipe
@@ -153,6 +153,7 @@ class ModelTracker:
             self.fwd_sem[layer_group_id - 1].acquire()
 
     def forward_notify(self, layer_group_id: int) -> None:
+        note_progress()
         self.fwd_sem[layer_group_id].release()
 
     def forward_wait_complete(self, num_microbatch: int) -> None:
@@ -167,6 +168,7 @@ class ModelTracker:
             self.bwd_sem[layer_group_id + 1].acquire()
 
     def backward_notify(self, layer_group_id: int) -> None:
+        note_progress()
         self.bwd_sem[layer_group_id].release()
 
     def backward_wait_complete(self, num_microbatch: int) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 import traceback
 from types import FrameType
 from typing import Any, Callable, List, Optional
@@ -61,9 +62,62 @@ def clear_failure() -> Optional[BaseException]:
     return exc
 
 
+_last_progress = time.monotonic()
+_main_waits = 0
+
+
+def note_progress() -> None:
+    """Record that a run moved forward (a microbatch, job or optimizer kernel finished)."""
+    global _last_progress
+    _last_progress = time.monotonic()
+
+
 def _check_abort() -> None:
     if _failure is not None:
         raise RoundPipeAborted("aborted: another RoundPipe thread failed") from None
+
+
+class _Waiting:
+    """Counts threads blocked in RoundPipe waits (the watchdog only fires while someone waits)."""
+
+    def __enter__(self) -> None:
+        global _main_waits
+        _main_waits += 1
+        _ensure_watchdog()
+
+    def __exit__(self, *exc: Any) -> None:
+        global _main_waits
+        _main_waits -= 1
+
+
+_watchdog: Optional[threading.Thread] = None
+
+
+def _ensure_watchdog() -> None:
+    """Start the watchdog thread once if ``RPP_WATCHDOG_S`` is set (off by default)."""
+    global _watchdog
+    if _watchdog is not None:
+        return
+    limit = float(os.environ.get("RPP_WATCHDOG_S", "0") or 0)
+    if limit <= 0:
+        _watchdog = threading.current_thread()  # marks "checked, disabled"
+        return
+    _watchdog = threading.Thread(target=_watch, args=(limit,), name="roundpipe-watchdog", daemon=True)
+    _watchdog.start()
+
+
+def _watch(limit: float) -> None:
+    """Dump every RoundPipe thread's stack when waits make no progress for ``limit`` seconds."""
+    while True:
+        time.sleep(min(1.0, limit / 4))
+        stalled = time.monotonic() - _last_progress
+        if _main_waits > 0 and stalled > limit:
+            with thread_exception_print_lock:
+                print(f"roundpipe watchdog: no progress for {stalled:.0f} s (RPP_WATCHDOG_S={limit:g}); thread stacks:", file=sys.stderr)
+                print("--- main thread ---", file=sys.stderr)
+                print_trimmed_traceback(sys._current_frames().get(threading.main_thread().ident))
+            dump_all_active_threads()
+            note_progress()
 
 
 class AnnotatedEvent(threading.Event):
@@ -78,16 +132,17 @@ class AnnotatedEvent(threading.Event):
     def wait(self, timeout: Optional[float] = None) -> bool:
         if self.is_set():
             return True
-        remaining = timeout
-        while True:
-            _check_abort()
-            step = POLL_S if remaining is None else min(POLL_S, remaining)
-            if super().wait(step):
-                return True
-            if remaining is not None:
-                remaining -= step
-                if remaining <= 0:
-                    return False
+        with _Waiting():
+            remaining = timeout
+            while True:
+                _check_abort()
+                step = POLL_S if remaining is None else min(POLL_S, remaining)
+                if super().wait(step):
+                    return True
+                if remaining is not None:
+                    remaining -= step
+                    if remaining <= 0:
+                        return False
 
 
 class AnnotatedSemaphore(threading.Semaphore):
@@ -100,16 +155,19 @@ class AnnotatedSemaphore(threading.Semaphore):
     def acquire(self, blocking: bool = True, timeout: Optional[float] = None) -> bool:
         if not blocking:
             return super().acquire(False)
-        remaining = timeout
-        while True:
-            _check_abort()
-            step = POLL_S if remaining is None else min(POLL_S, remaining)
-            if super().acquire(True, step):
-                return True
-            if remaining is not None:
-                remaining -= step
-                if remaining <= 0:
-                    return False
+        if super().acquire(False):
+            return True
+        with _Waiting():
+            remaining = timeout
+            while True:
+                _check_abort()
+                step = POLL_S if remaining is None else min(POLL_S, remaining)
+                if super().acquire(True, step):
+                    return True
+                if remaining is not None:
+                    remaining -= step
+                    if remaining <= 0:
+                        return False
 
     __enter__ = acquire
 
