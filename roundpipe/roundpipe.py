@@ -20,7 +20,7 @@ from roundpipe.threads import AnnotatedEvent
 from roundpipe.timer import ModelTimer
 from roundpipe.utils import get_call_location, get_model_size
 
-_OWN_ATTRS = ("model", "original_model", "_rpp_initialized")
+_OWN_ATTRS = ("model", "original_model", "_rpp_initialized", "grad_reducer")
 
 
 class RoundPipeBase(nn.Module):
@@ -44,6 +44,9 @@ class RoundPipeBase(nn.Module):
         self.optim_dtype = optim_dtype
         self.layer_attrs: List[LayerAttribute] = []
         self.optim_updated = AnnotatedEvent(f"{self.name}.optim_updated", set=True)
+        # Called on the optimizer thread with each unit's parameters once their gradients are on the
+        # host, before they are copied to the optimizer (data parallel all-reduce, see distributed.py).
+        self.grad_reducer: Optional[Callable[[List[nn.Parameter]], None]] = None
         self._rpp_initialized = True
 
     # ---- attribute shimming ------------------------------------------------------------------------
@@ -182,6 +185,8 @@ class RoundPipeBase(nn.Module):
                     # The gradient download of this layer must have landed before we read it.
                     attr.grad_download_started.wait()
                     attr.grad_downloaded.synchronize()
+                    if self.grad_reducer is not None:
+                        self.grad_reducer(params)
                     for p in params:
                         self._copy_grad_to_optim(p)
                     attr.grad_copied.set()

@@ -1,0 +1,178 @@
+"""Training throughput: RoundPipe vs. the GPU-resident Hugging Face baseline on the Qwen3 workloads of
+shared/bench/WORKLOADS.md, in one process, side by side.
+
+Full fine-tune: random init, bf16 weights. RoundPipe keeps fp32 master weights and Adam state on the
+host and steps asynchronously; the baseline keeps everything on the GPU with per-layer gradient
+checkpointing and fused AdamW. Prints one row per system: tokens/s, TFLOP/s (6 x params x tokens),
+peak GPU GiB, host memory, ratio to the baseline.
+
+    python bench/train_bench.py --workload qwen3-1.7b                  # device machine
+    python bench/train_bench.py --workload tiny --seq 64 --batch 4     # CPU smoke (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import resource
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import psutil
+import torch
+
+WORKLOADS = {
+    # name: hidden, intermediate, layers, heads, kv heads, tied
+    "tiny": (64, 128, 2, 4, 2, True),
+    "qwen3-0.6b": (1024, 3072, 28, 16, 8, True),
+    "qwen3-1.7b": (2048, 6144, 28, 16, 8, True),
+    "qwen3-4b": (2560, 9728, 36, 32, 8, True),
+    "qwen3-8b": (4096, 12288, 36, 32, 8, False),
+    "qwen3-14b": (5120, 17408, 40, 40, 8, False),
+}
+
+
+def build_model(name: str, device: str = "cpu", vocab: Optional[int] = None) -> torch.nn.Module:
+    """A Qwen3 model of the workload's shape with random weights (matrices N(0, 0.02), norms 1)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    hidden, inter, layers, heads, kv, tied = WORKLOADS[name]
+    config = Qwen3Config(
+        vocab_size=vocab or (512 if name == "tiny" else 151936),
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=128 if name != "tiny" else 16,
+        tie_word_embeddings=tied,
+        max_position_embeddings=40960,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16 if device != "cpu" or torch.cuda.is_available() else torch.float32)
+    return model
+
+
+@dataclass
+class Row:
+    system: str
+    tokens_per_s: float
+    peak_gpu_gib: float
+    host_gib: float
+    note: str = ""
+
+
+def timed(step: Callable[[], None], warmup: int, iters: int, sync: Callable[[], None]) -> List[float]:
+    times = []
+    for i in range(warmup + iters):
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return times[warmup:]
+
+
+def cuda_sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def bench_baseline(args: argparse.Namespace, ids: torch.Tensor) -> Row:
+    """The same model resident on one GPU, gradient checkpointing, fused AdamW on the GPU."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        model = build_model(args.workload, "cuda")
+        model.gradient_checkpointing_enable()
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+        ids_d = ids.cuda()
+
+        def step() -> None:
+            model(input_ids=ids_d, labels=ids_d).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        times = timed(step, args.warmup, args.iters, cuda_sync)
+        row = Row("gpu-resident HF baseline", ids.numel() / (sum(times) / len(times)), torch.cuda.max_memory_allocated() / 1024**3, float("nan"))
+    except torch.OutOfMemoryError:
+        row = Row("gpu-resident HF baseline", float("nan"), float("nan"), float("nan"), "does not fit on the GPU")
+    finally:
+        model = opt = None  # noqa: F841
+        gc.collect()
+        torch.cuda.empty_cache()
+    return row
+
+
+def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int) -> Row:
+    import roundpipe
+    from roundpipe import RoundPipeRunConfig
+
+    rss0 = psutil.Process().memory_info().rss
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    hf = build_model(args.workload, "cpu")
+    model = roundpipe.wrap_model_to_roundpipe(
+        hf,
+        optim_dtype=torch.float32,
+        model_run_config=RoundPipeRunConfig(num_microbatch=args.microbatches or 2 * roundpipe.get_num_devices()),
+    )
+    opt = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-5, decoupled_weight_decay=True)
+
+    def step() -> None:
+        model.train_step(input_ids=ids, labels=ids)
+        model.step(lambda: (opt.step(), opt.zero_grad()), is_async=not args.sync_step)
+
+    times = timed(step, args.warmup, args.iters, cuda_sync)
+    model.synchronize()
+    host = psutil.Process().memory_info().rss - rss0
+    peak = torch.cuda.max_memory_allocated() / 1024**3 if torch.cuda.is_available() else float("nan")
+    print(f"roundpipe plan: {model.resolve_plan(type('C', (), {'execute_plan': None})(), 'fused')}")
+    print(f"roundpipe per-iteration seconds: {[round(t, 3) for t in times]}")
+    return Row(f"roundpipe ({roundpipe.get_num_devices()} device)", ids.numel() / (sum(times) / len(times)), peak, host / 1024**3,
+               f"{host / n_params:.1f} bytes/param host")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="qwen3-1.7b")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--microbatches", type=int, default=0, help="default: 2 per device")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--sync-step", action="store_true")
+    p.add_argument("--skip-baseline", action="store_true")
+    args = p.parse_args()
+
+    hidden, inter, layers, heads, kv, tied = WORKLOADS[args.workload]
+    probe = build_model(args.workload, "meta")
+    n_params = sum(t.numel() for t in {id(t): t for t in probe.parameters()}.values())
+    vocab = probe.config.vocab_size
+    del probe
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
+    if torch.cuda.is_available():
+        ids = ids.pin_memory()
+    rows: List[Row] = []
+    if torch.cuda.is_available() and not args.skip_baseline:
+        rows.append(bench_baseline(args, ids))
+    rows.append(bench_roundpipe(args, ids, n_params))
+    base = rows[0].tokens_per_s if rows[0].system.startswith("gpu") else float("nan")
+    print(f"\n{args.workload}: {n_params / 1e9:.2f}B params, batch {args.batch} x {args.seq}, device "
+          f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, peak RSS "
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2:.1f} GiB")
+    print("| system | tokens/s | TFLOP/s | peak GPU GiB | host GiB | ratio | note |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r.system} | {r.tokens_per_s:,.0f} | {6 * n_params * r.tokens_per_s / 1e12:.1f} | {r.peak_gpu_gib:.1f} | "
+              f"{r.host_gib:.1f} | {r.tokens_per_s / base:.2f} | {r.note} |")
+
+
+if __name__ == "__main__":
+    main()
