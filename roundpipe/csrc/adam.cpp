@@ -1,0 +1,168 @@
+// Host Adam/AdamW step for fp32 tensors: one pass over memory per parameter.
+//
+// Built on first use by roundpipe/optim_builder.py (plain C ABI, loaded with ctypes: no torch headers,
+// so the build takes about a second instead of the ~30 s a torch extension needs). The Python caller
+// passes raw data pointers of contiguous fp32 tensors (complex64 as their real view) and keeps the
+// tensors alive for the duration of the call.
+//
+// The element math mirrors torch.optim.Adam's single-tensor path (torch/optim/adam.py) operation by
+// operation, in float, with the per-tensor scalars computed in double like Python does:
+//   g  = maximize ? -grad : grad
+//   decoupled:  p = p * (1 - lr * wd)          coupled:  g = g + wd * p
+//   m  = lerp(m, g, 1 - beta1)
+//   v  = v * beta2 + (1 - beta2) * g * g
+//   vmax = max(vmax, v)                         (amsgrad; the denominator uses vmax)
+//   p  = p + (-lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
+// It reads p, g, m, v (and vmax) once and writes p, m, v (and vmax) once: 28 bytes per parameter,
+// the memory-traffic floor of Adam in fp32.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+// Elements per work item: 32K floats = 128 KiB per stream. Large enough to amortise scheduling, small
+// enough that two threads split even a single 1M-element tensor evenly.
+constexpr int64_t kChunk = int64_t{1} << 15;
+// Below this many elements in total the step runs on the calling thread: waking a thread team costs
+// more than the work.
+constexpr int64_t kParallelThreshold = int64_t{1} << 17;
+
+enum WeightDecay { kNone = 0, kCoupled = 1, kDecoupled = 2 };
+
+struct TensorScalars {
+  float neg_step_size;  // -lr / (1 - beta1^step)
+  float bc2_sqrt;       // sqrt(1 - beta2^step)
+};
+
+struct Hyper {
+  float lerp_weight;    // 1 - beta1
+  float beta2;
+  float one_minus_beta2;
+  float eps;
+  float weight_decay;   // coupled: alpha of grad.add(param, alpha=wd)
+  float decay;          // decoupled: 1 - lr * wd
+};
+
+struct WorkItem {
+  int64_t tensor;
+  int64_t begin;
+  int64_t end;
+};
+
+template <bool kAmsgrad, bool kMaximize, int kWd, bool kSmallWeight>
+void adam_range(float* __restrict p, const float* __restrict g_in, float* __restrict m, float* __restrict v,
+                float* __restrict vmax, int64_t begin, int64_t end, const Hyper h, const TensorScalars s) {
+#pragma omp simd
+  for (int64_t i = begin; i < end; ++i) {
+    float g = kMaximize ? -g_in[i] : g_in[i];
+    float param = p[i];
+    if (kWd == kCoupled) g = std::fma(h.weight_decay, param, g);
+    if (kWd == kDecoupled) param = param * h.decay;
+    // torch's vectorised lerp: fmadd(weight, end - start, start), or from the end for weight >= 0.5.
+    const float diff = g - m[i];
+    const float mi = kSmallWeight ? std::fma(h.lerp_weight, diff, m[i]) : std::fma(h.lerp_weight - 1.0f, diff, g);
+    // torch's addcmul: fmadd(value * t1, t2, self).
+    const float vi = std::fma(h.one_minus_beta2 * g, g, v[i] * h.beta2);
+    m[i] = mi;
+    v[i] = vi;
+    float vd = vi;
+    if (kAmsgrad) {
+      vd = std::max(vmax[i], vi);
+      vmax[i] = vd;
+    }
+    const float denom = std::sqrt(vd) / s.bc2_sqrt + h.eps;
+    p[i] = param + s.neg_step_size * mi / denom;
+  }
+}
+
+using RangeFn = void (*)(float*, const float*, float*, float*, float*, int64_t, int64_t, Hyper, TensorScalars);
+
+template <bool kAmsgrad, bool kMaximize, int kWd>
+RangeFn pick_lerp(bool small_weight) {
+  return small_weight ? &adam_range<kAmsgrad, kMaximize, kWd, true> : &adam_range<kAmsgrad, kMaximize, kWd, false>;
+}
+
+template <bool kAmsgrad, bool kMaximize>
+RangeFn pick_wd(int wd, bool small_weight) {
+  switch (wd) {
+    case kCoupled:
+      return pick_lerp<kAmsgrad, kMaximize, kCoupled>(small_weight);
+    case kDecoupled:
+      return pick_lerp<kAmsgrad, kMaximize, kDecoupled>(small_weight);
+    default:
+      return pick_lerp<kAmsgrad, kMaximize, kNone>(small_weight);
+  }
+}
+
+RangeFn pick(bool amsgrad, bool maximize, int wd, bool small_weight) {
+  if (amsgrad) return maximize ? pick_wd<true, true>(wd, small_weight) : pick_wd<true, false>(wd, small_weight);
+  return maximize ? pick_wd<false, true>(wd, small_weight) : pick_wd<false, false>(wd, small_weight);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Bumped whenever the signature below changes; optim_builder refuses a library of another version.
+int32_t rpp_abi_version() { return 1; }
+
+// One Adam step over n_tensors fp32 tensors of one parameter group.
+//   params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs: data pointers (max_* read only if amsgrad)
+//   steps: pointers to each tensor's float32 step counter, incremented here (as torch does first)
+//   numels: float elements per tensor (2x the element count for complex64)
+// Returns 0.
+int32_t rpp_adam_f32(int64_t n_tensors, const uint64_t* params, const uint64_t* grads, const uint64_t* exp_avgs,
+                     const uint64_t* exp_avg_sqs, const uint64_t* max_exp_avg_sqs, const uint64_t* steps,
+                     const int64_t* numels, double lr, double beta1, double beta2, double eps, double weight_decay,
+                     int32_t amsgrad, int32_t maximize, int32_t decoupled, int32_t num_threads) {
+  // Scalars are computed in double and rounded to float once, as the Python expressions in
+  // torch.optim.Adam are before the float kernels see them.
+  Hyper h;
+  const double lerp_weight = 1.0 - beta1;
+  h.lerp_weight = static_cast<float>(lerp_weight);
+  h.beta2 = static_cast<float>(beta2);
+  h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  h.eps = static_cast<float>(eps);
+  h.weight_decay = static_cast<float>(weight_decay);
+  h.decay = static_cast<float>(1.0 - lr * weight_decay);
+  const int wd = weight_decay == 0.0 ? kNone : (decoupled ? kDecoupled : kCoupled);
+  const RangeFn fn = pick(amsgrad != 0, maximize != 0, wd, std::abs(h.lerp_weight) < 0.5f);
+
+  std::vector<TensorScalars> scalars(static_cast<size_t>(n_tensors));
+  std::vector<WorkItem> items;
+  int64_t total = 0;
+  for (int64_t t = 0; t < n_tensors; ++t) {
+    float* step = reinterpret_cast<float*>(steps[t]);
+    *step += 1.0f;
+    const double st = static_cast<double>(*step);
+    const double bc1 = 1.0 - std::pow(beta1, st);
+    const double bc2 = 1.0 - std::pow(beta2, st);
+    scalars[t].neg_step_size = static_cast<float>(-(lr / bc1));
+    scalars[t].bc2_sqrt = static_cast<float>(std::pow(bc2, 0.5));
+    for (int64_t b = 0; b < numels[t]; b += kChunk) items.push_back({t, b, std::min(numels[t], b + kChunk)});
+    total += numels[t];
+  }
+
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const bool parallel = num_threads > 1 && total >= kParallelThreshold;
+  // Static schedule: equal-sized items in address order, so each thread streams one contiguous run.
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
+  for (int64_t k = 0; k < n_items; ++k) {
+    const WorkItem& w = items[k];
+    const int64_t t = w.tensor;
+    float* vmax = amsgrad ? reinterpret_cast<float*>(max_exp_avg_sqs[t]) : nullptr;
+    fn(reinterpret_cast<float*>(params[t]), reinterpret_cast<const float*>(grads[t]),
+       reinterpret_cast<float*>(exp_avgs[t]), reinterpret_cast<float*>(exp_avg_sqs[t]), vmax, w.begin, w.end, h,
+       scalars[t]);
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,411 @@
+"""Adam and AdamW for fp32 stepping on the host.
+
+RoundPipe keeps the optimizer's parameters (fp32 master copies), their gradients and the Adam state in
+host memory and steps them on the optimizer thread while the devices run the next iteration, so the
+host step must run at memory speed. ``Adam`` has the signature, the state and the results of
+``torch.optim.Adam``; its state dicts load into ``torch.optim.Adam`` and back.
+
+Two implementations, chosen per step with ``RPP_ADAM_IMPL``:
+
+* ``cpp`` (``auto`` picks it when it builds): ``csrc/adam.cpp``, one pass over memory per parameter and
+  one parallel region per parameter group (the per-tensor overhead of many small tensors disappears).
+  Used for contiguous fp32 and complex64 tensors on the CPU; other tensors go the torch way.
+* ``torch``: torch's fused CPU kernel (``torch._fused_adam_`` / ``torch._fused_adamw_``, one pass too),
+  and torch's single-tensor reference where the fused kernel does not apply.
+
+``auto`` (default) uses ``cpp`` and falls back to ``torch`` with a logged warning when the kernel cannot
+be built (no compiler). ``foreach``, ``capturable``, ``differentiable`` and ``fused`` are accepted for
+compatibility and stored in the param groups, but do not change the host implementation.
+"""
+
+from __future__ import annotations
+
+import array
+import logging
+import os
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+from torch.optim.adam import adam as _torch_adam
+from torch.optim.optimizer import Optimizer, ParamsT
+
+from roundpipe.optim_builder import OptimBuildError, get_optim_function
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Adam"]
+
+IMPL_ENV = "RPP_ADAM_IMPL"
+_IMPLS = ("auto", "cpp", "torch")
+# dtypes torch's fused CPU Adam kernel handles (complex tensors are passed as their real views).
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+_kernel_error: Optional[str] = None  # why the C++ kernel is unavailable in this process, once known
+
+
+def _adam_kernel() -> Optional[Callable[..., int]]:
+    """The C++ step function, or None when ``RPP_ADAM_IMPL`` selects torch or the build failed (auto)."""
+    global _kernel_error
+    impl = os.environ.get(IMPL_ENV, "auto").strip().lower() or "auto"
+    if impl not in _IMPLS:
+        raise ValueError(f"{IMPL_ENV}={impl!r}: expected one of {_IMPLS}")
+    if impl == "torch":
+        return None
+    if impl == "auto" and _kernel_error is not None:
+        return None  # failed before: don't retry a build every step
+    try:
+        return get_optim_function("adam")
+    except OptimBuildError as exc:
+        if impl == "cpp":
+            raise
+        _kernel_error = str(exc)
+        logger.warning(
+            "roundpipe.optim.Adam: C++ kernel unavailable, using torch's fused CPU Adam instead "
+            "(set %s=torch to silence this). Reason: %s",
+            IMPL_ENV,
+            exc,
+        )
+        return None
+
+
+def _to_scalar(x: Union[float, Tensor]) -> Union[float, Tensor]:
+    """A 1-element hyperparameter tensor as a 0-dim tensor (as torch.optim.Adam stores betas)."""
+    return x.squeeze() if isinstance(x, Tensor) and x.dim() != 0 else x
+
+
+def _get_scalar_dtype(is_fused: Optional[bool] = None) -> torch.dtype:
+    """dtype of the ``step`` state, as torch.optim chooses it."""
+    if is_fused:
+        return torch.float32
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _as_float(x: Union[float, Tensor]) -> float:
+    return x.item() if isinstance(x, Tensor) else float(x)
+
+
+class Adam(Optimizer):
+    """Implements Adam (and AdamW with ``decoupled_weight_decay=True``) with fp32 stepping on CPU.
+
+    Results match ``torch.optim.Adam`` to float rounding. See ``torch.optim.Adam`` for the algorithm and
+    the meaning of every argument; ``foreach``, ``capturable``, ``differentiable`` and ``fused`` are
+    compatibility placeholders (stored, not used). The step runs without autograd.
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: Union[float, Tensor] = 1e-3,
+        betas: Tuple[Union[float, Tensor], Union[float, Tensor]] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        foreach: Optional[bool] = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
+        decoupled_weight_decay: bool = False,
+    ) -> None:
+        # Same validation as torch.optim.Adam, minus its foreach/fused/capturable combinations: those
+        # flags select torch implementations that this optimizer does not use.
+        if isinstance(lr, Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= betas[0] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+        if not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if not (
+            (isinstance(betas[0], float) and isinstance(betas[1], float))
+            or (isinstance(betas[0], Tensor) and isinstance(betas[1], Tensor))
+        ):
+            raise ValueError("betas must be either both floats or both Tensors")
+        for i, beta in enumerate(betas):
+            if isinstance(beta, Tensor) and beta.numel() != 1:
+                raise ValueError(f"Tensor betas[{i}] must be 1-element")
+        defaults = {
+            "lr": lr,
+            "betas": tuple(map(_to_scalar, betas)),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "amsgrad": amsgrad,
+            "maximize": maximize,
+            "foreach": foreach,
+            "capturable": capturable,
+            "differentiable": differentiable,
+            "fused": fused,
+            "decoupled_weight_decay": decoupled_weight_decay,
+        }
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        """Restore pickled or older state: fill group keys missing from it, make ``step`` a tensor."""
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            group.setdefault("foreach", None)
+            group.setdefault("capturable", False)
+            group.setdefault("differentiable", False)
+            group.setdefault("decoupled_weight_decay", False)
+            fused = group.setdefault("fused", None)
+            for p in group["params"]:
+                p_state = self.state.get(p, [])
+                if len(p_state) != 0 and not torch.is_tensor(p_state["step"]):
+                    step_val = float(p_state["step"])
+                    p_state["step"] = (
+                        torch.tensor(step_val, dtype=_get_scalar_dtype(is_fused=fused), device=p.device)
+                        if group["capturable"] or group["fused"]
+                        else torch.tensor(step_val, dtype=_get_scalar_dtype())
+                    )
+
+    def _init_state(self, p: Tensor, group: Dict[str, Any]) -> Dict[str, Tensor]:
+        """Create the state of ``p`` exactly as torch.optim.Adam does (lazily, at its first step)."""
+        state = self.state[p]
+        # torch keeps `step` on the CPU (float32) unless capturable/fused: same keys, dtypes and devices
+        # here, so state dicts move between this optimizer and torch.optim.Adam as they are.
+        state["step"] = (
+            torch.zeros((), dtype=_get_scalar_dtype(is_fused=group["fused"]), device=p.device)
+            if group["capturable"] or group["fused"]
+            else torch.tensor(0.0, dtype=_get_scalar_dtype())
+        )
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if group["amsgrad"]:
+            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Perform a single optimization step.
+
+        Args:
+            closure: A closure that reevaluates the model and returns the loss.
+
+        Returns:
+            The loss value if a closure is provided, otherwise None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        kernel = _adam_kernel()
+        for group in self.param_groups:
+            amsgrad = group["amsgrad"]
+            batch = _KernelBatch() if kernel is not None else None
+            rest = _TensorLists()
+            # One pass over the group: lazy state, then each parameter to the kernel batch if it can
+            # take it, else to torch. This loop is the per-tensor cost of a step; keep it lean.
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                if g.is_sparse:
+                    raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
+                state = self.state[p]
+                if len(state) == 0:
+                    state = self._init_state(p, group)
+                m, v, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
+                vmax = state["max_exp_avg_sq"] if amsgrad else None
+                if batch is None or not batch.add(p, g, m, v, vmax, step):
+                    rest.add(p, g, m, v, vmax, step)
+            if batch is not None and batch.params:
+                batch.run(kernel, group)
+            if rest.params:
+                _torch_step(group, *rest.lists())
+        return loss
+
+
+_F32, _C64 = torch.float32, torch.complex64
+
+
+class _TensorLists:
+    """params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs (amsgrad only), steps."""
+
+    def __init__(self) -> None:
+        self.params: List[Tensor] = []
+        self.grads: List[Tensor] = []
+        self.exp_avgs: List[Tensor] = []
+        self.exp_avg_sqs: List[Tensor] = []
+        self.max_exp_avg_sqs: List[Tensor] = []
+        self.steps: List[Tensor] = []
+
+    def add(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Optional[Tensor], step: Tensor) -> None:
+        self.params.append(p)
+        self.grads.append(g)
+        self.exp_avgs.append(m)
+        self.exp_avg_sqs.append(v)
+        if vmax is not None:
+            self.max_exp_avg_sqs.append(vmax)
+        self.steps.append(step)
+
+    def lists(self) -> Tuple[List[Tensor], ...]:
+        return self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, self.max_exp_avg_sqs, self.steps
+
+
+class _KernelBatch(_TensorLists):
+    """The tensors of one group that the C++ kernel steps, with their data pointers, for one call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ptrs = [array.array("Q") for _ in range(6)]  # p, g, m, v, vmax, step
+        self.numels = array.array("q")
+
+    def add(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Optional[Tensor], step: Tensor) -> bool:
+        """Take the parameter if the kernel can step it: host fp32 (or complex64) parameter and state it
+        may walk linearly. Returns False (taking nothing) otherwise."""
+        dt = p.dtype
+        if not ((dt is _F32 or dt is _C64) and p.is_cpu and p.is_contiguous()):
+            return False
+        shape = p.shape
+        for t in (m, v) if vmax is None else (m, v, vmax):
+            # Shapes too: load_state_dict does not check them, and the kernel must never run off the end.
+            if not (t.dtype is dt and t.is_cpu and t.is_contiguous() and t.shape == shape):
+                return False
+        if not (g.dtype is dt and g.is_cpu and g.shape == shape):
+            return False
+        if not (step.dtype is _F32 and step.is_cpu and step.dim() == 0):
+            return False
+        if not g.is_contiguous() or g.is_conj() or g.is_neg():
+            # The kernel reads raw gradient memory linearly: read a strided gradient, or a lazily
+            # negated or conjugated view, through a materialised copy (kept alive in self.grads).
+            g = g.resolve_conj().resolve_neg().contiguous()
+        super().add(p, g, m, v, vmax, step)
+        ptrs = self.ptrs
+        ptrs[0].append(p.data_ptr())
+        ptrs[1].append(g.data_ptr())
+        ptrs[2].append(m.data_ptr())
+        ptrs[3].append(v.data_ptr())
+        if vmax is not None:
+            ptrs[4].append(vmax.data_ptr())
+        ptrs[5].append(step.data_ptr())
+        self.numels.append(p.numel() * 2 if dt is _C64 else p.numel())
+        return True
+
+    def run(self, kernel: Callable[..., int], group: Dict[str, Any]) -> None:
+        """One kernel call for the whole batch. The arrays and tensors stay referenced by ``self``."""
+        beta1, beta2 = group["betas"]
+        kernel(
+            len(self.params),
+            *[a.buffer_info()[0] if len(a) else None for a in self.ptrs],
+            self.numels.buffer_info()[0],
+            _as_float(group["lr"]),
+            _as_float(beta1),
+            _as_float(beta2),
+            float(group["eps"]),
+            float(group["weight_decay"]),
+            int(bool(group["amsgrad"])),
+            int(bool(group["maximize"])),
+            int(bool(group["decoupled_weight_decay"])),
+            torch.get_num_threads(),
+        )
+        # Writes through raw pointers bypass autograd's version counters; bump them as in-place ops
+        # would, so a graph that saved one of these tensors still fails loudly instead of going stale.
+        torch.autograd.graph.increment_version(
+            self.params + self.exp_avgs + self.exp_avg_sqs + self.max_exp_avg_sqs + self.steps
+        )
+
+
+def _is_dense(t: Tensor) -> bool:
+    """Whether ``t`` covers its memory without gaps or overlaps (in some dimension order)."""
+    expected = 1
+    if t.numel() == 0:
+        return True
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _fused_inputs(
+    params: List[Tensor],
+    grads: List[Tensor],
+    exp_avgs: List[Tensor],
+    exp_avg_sqs: List[Tensor],
+    max_exp_avg_sqs: List[Tensor],
+) -> Optional[Tuple[List[Tensor], ...]]:
+    """The lists for torch's fused CPU kernel (real views), or None if it cannot take these tensors.
+
+    The fused kernel walks all tensors of a parameter in one memory order and checks neither strides
+    nor sizes: a gradient whose strides differ from its parameter's (e.g. a channels_last parameter with
+    a contiguous gradient; torch.optim.AdamW(fused=True) has this problem too) silently gives garbage,
+    and state of the wrong shape (load_state_dict does not check) is read past its end. Such gradients
+    are copied into the parameter's layout; a parameter that is not dense, or whose state has another
+    shape or layout, sends the group to the reference path (which raises on wrong shapes).
+    """
+    out: Tuple[List[Tensor], ...] = ([], [], [], [], [])
+    states = zip(exp_avgs, exp_avg_sqs, max_exp_avg_sqs or [None] * len(params))
+    for p, g, (m, v, vmax) in zip(params, grads, states):
+        dt = p.dtype
+        cplx = p.is_complex()
+        if not (p.is_cpu and (cplx or dt in _FUSED_DTYPES) and g.dtype is dt and g.shape == p.shape):
+            return None
+        state = (m, v) if vmax is None else (m, v, vmax)
+        if p.is_contiguous():
+            if not all(t.is_contiguous() and t.shape == p.shape for t in state):
+                return None
+            if not g.is_contiguous():
+                g = g.contiguous()
+        else:
+            if not _is_dense(p) or not all(t.shape == p.shape and t.stride() == p.stride() for t in state):
+                return None
+            if g.stride() != p.stride():
+                g = torch.empty_like(p).copy_(g)  # preserve_format: p's strides, as p is dense
+        if g.is_conj() or g.is_neg():
+            g = g.resolve_conj().resolve_neg()
+        for lst, t in zip(out, (p, g, m, v, vmax)):
+            if t is not None:
+                # Adam on a complex tensor is Adam on its real view (torch's reference does the same).
+                lst.append(torch.view_as_real(t) if cplx else t)
+    return out
+
+
+def _torch_step(
+    group: Dict[str, Any],
+    params: List[Tensor],
+    grads: List[Tensor],
+    exp_avgs: List[Tensor],
+    exp_avg_sqs: List[Tensor],
+    max_exp_avg_sqs: List[Tensor],
+    steps: List[Tensor],
+) -> None:
+    """Step the tensors the C++ kernel does not take, with torch's own implementations."""
+    beta1, beta2 = group["betas"]
+    common = dict(
+        amsgrad=group["amsgrad"],
+        beta1=beta1,
+        beta2=beta2,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=group["maximize"],
+        decoupled_weight_decay=group["decoupled_weight_decay"],
+    )
+    fused_lists = _fused_inputs(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs)
+    if fused_lists is not None:
+        _torch_adam(*fused_lists, steps, fused=True, **common)
+        # The fused op leaves autograd's version counters alone; bump them as in-place ops would.
+        torch.autograd.graph.increment_version(params + exp_avgs + exp_avg_sqs + max_exp_avg_sqs + steps)
+    else:
+        # Anything else (another device, mixed dtypes): torch's reference implementation.
+        _torch_adam(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            max_exp_avg_sqs,
+            steps,
+            foreach=False,
+            fused=False,
+            has_complex=any(torch.is_complex(p) for p in params),
+            **common,
+        )
