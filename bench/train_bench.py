@@ -109,19 +109,36 @@ def bench_baseline(args: argparse.Namespace, ids: torch.Tensor) -> Row:
     return row
 
 
-def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int) -> Row:
+def busy_fraction(step: Callable[[], None]) -> str:
+    """GPU compute busy share of one iteration (merged kernel time / wall time), from the profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        step()
+        cuda_sync()
+        wall = (time.perf_counter() - t0) * 1e6
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")))
+    busy, end = 0.0, None
+    for s, e in spans:
+        if end is None or s > end:
+            busy, end = busy + e - s, e
+        elif e > end:
+            busy, end = busy + e - end, e
+    return f"GPU busy {busy / wall:.0%} of {wall / 1e3:.0f} ms"
+
+
+def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, plan: str = "auto") -> Row:
     import roundpipe
-    from roundpipe import RoundPipeRunConfig
+    from roundpipe import ModelExecutePlan, RoundPipeRunConfig
 
     rss0 = psutil.Process().memory_info().rss
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     hf = build_model(args.workload, "cpu")
-    model = roundpipe.wrap_model_to_roundpipe(
-        hf,
-        optim_dtype=torch.float32,
-        model_run_config=RoundPipeRunConfig(num_microbatch=args.microbatches or 2 * roundpipe.get_num_devices()),
-    )
+    n_mb = args.microbatches or 2 * roundpipe.get_num_devices()
+    model = roundpipe.wrap_model_to_roundpipe(hf, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=n_mb))
+    if plan == "layerwise":
+        model.model_run_config = RoundPipeRunConfig(num_microbatch=n_mb, execute_plan=ModelExecutePlan.layerwise(model.num_layers, "train"))
     opt = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-5, decoupled_weight_decay=True)
 
     def step() -> None:
@@ -129,13 +146,17 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int) 
         model.step(lambda: (opt.step(), opt.zero_grad()), is_async=not args.sync_step)
 
     times = timed(step, args.warmup, args.iters, cuda_sync)
+    note = busy_fraction(step) + "; " if args.profile and torch.cuda.is_available() else ""
     model.synchronize()
     host = psutil.Process().memory_info().rss - rss0
     peak = torch.cuda.max_memory_allocated() / 1024**3 if torch.cuda.is_available() else float("nan")
     print(f"roundpipe plan: {model.resolve_plan(type('C', (), {'execute_plan': None})(), 'fused')}")
     print(f"roundpipe per-iteration seconds: {[round(t, 3) for t in times]}")
-    return Row(f"roundpipe ({roundpipe.get_num_devices()} device)", ids.numel() / (sum(times) / len(times)), peak, host / 1024**3,
-               f"{host / n_params:.1f} bytes/param host")
+    row = Row(f"roundpipe ({roundpipe.get_num_devices()} device, {plan} plan)", ids.numel() / (sum(times) / len(times)), peak,
+              host / 1024**3, f"{note}{host / n_params:.1f} bytes/param host")
+    model = opt = hf = None  # noqa: F841
+    gc.collect()
+    return row
 
 
 def main() -> None:
@@ -148,6 +169,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--sync-step", action="store_true")
     p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument("--compare-plans", action="store_true", help="also run roundpipe with the one-layer-per-group plan")
+    p.add_argument("--profile", action="store_true", help="report the GPU busy share of one iteration")
     args = p.parse_args()
 
     hidden, inter, layers, heads, kv, tied = WORKLOADS[args.workload]
@@ -163,7 +186,9 @@ def main() -> None:
     if torch.cuda.is_available() and not args.skip_baseline:
         rows.append(bench_baseline(args, ids))
     rows.append(bench_roundpipe(args, ids, n_params))
-    base = rows[0].tokens_per_s if rows[0].system.startswith("gpu") else float("nan")
+    if args.compare_plans:
+        rows.append(bench_roundpipe(args, ids, n_params, plan="layerwise"))
+    base = rows[0].tokens_per_s
     print(f"\n{args.workload}: {n_params / 1e9:.2f}B params, batch {args.batch} x {args.seq}, device "
           f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, peak RSS "
           f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2:.1f} GiB")
