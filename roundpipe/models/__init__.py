@@ -21,6 +21,8 @@ from typing import Any, Dict
 
 from torch import nn
 
+from roundpipe.models import generic
+
 DISABLE_TORCH_COMPILE: bool = os.environ.get("RPP_DISABLE_TORCH_COMPILE", "0") == "1"
 
 _GENERIC = "roundpipe.models.generic"
@@ -30,11 +32,7 @@ SUPPORTED_MODELS: Dict[str, str] = {
     "llama": "roundpipe.models.llama",
     "qwen3_moe": "roundpipe.models.qwen3_moe",
     "gpt_oss": "roundpipe.models.gpt_oss",
-    "qwen2": _GENERIC,
-    "mistral": _GENERIC,
-    "phi3": _GENERIC,
-    "gemma": _GENERIC,
-    "gemma2": _GENERIC,
+    **{model_type: _GENERIC for model_type in generic.VERIFIED_MODEL_TYPES},
 }
 
 logger = logging.getLogger("roundpipe")
@@ -49,7 +47,7 @@ def _preset_module(model: nn.Module) -> ModuleType:
     model_type = getattr(getattr(base, "config", None), "model_type", None)
     path = SUPPORTED_MODELS.get(model_type)
     if path is None:
-        if not has_standard_layout(base) or not name.endswith("ForCausalLM"):
+        if model_type in generic.INCOMPATIBLE_MODEL_TYPES or not has_standard_layout(base) or not name.endswith("ForCausalLM"):
             raise NotImplementedError(
                 f"{name}: no RoundPipe sequential preset (model_type={model_type!r}); supported: "
                 f"{sorted(SUPPORTED_MODELS)} and decoder-only causal LMs laid out model.embed_tokens -> "

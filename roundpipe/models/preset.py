@@ -25,14 +25,14 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
 from roundpipe.context import doing_recompute, get_recompute_data, save_for_recompute
-from roundpipe.models.loss import IGNORE_INDEX, causal_lm_loss, count_loss_tokens, shift_causal_labels
+from roundpipe.models.loss import causal_lm_loss, count_loss_tokens
 
 State = Dict[str, Any]
 
@@ -67,13 +67,15 @@ class CausalLMSpec:
         layer_types: Attention type per decoder layer, a key of :data:`MASK_FUNCTIONS`.
         mask_uses_position_ids: Whether the model passes ``position_ids`` to the mask functions (it
             detects packed sequences from them); GPT-OSS does not.
+        embedding_multiplier: Multiplier applied to the input embeddings (Granite).
         logit_scale: Multiplier applied to the logits (Cohere ``logit_scale``, Granite ``1/logits_scaling``).
-        softcap: Final logit soft-capping (Gemma 2).
+        softcap: Final logit soft-capping, ``config.final_logit_softcapping`` (Gemma 2).
         moe: Router aux-loss description for MoE models, None for dense ones.
     """
 
     layer_types: Tuple[str, ...]
     mask_uses_position_ids: bool = True
+    embedding_multiplier: float = 1.0
     logit_scale: float = 1.0
     softcap: Optional[float] = None
     moe: Optional[MoESpec] = None
@@ -158,7 +160,14 @@ def default_spec(model: nn.Module, **overrides: Any) -> CausalLMSpec:
             f"{type(model).__name__}: no RoundPipe preset; expected model.embed_tokens -> model.layers -> "
             "model.norm -> lm_head with model.rotary_emb"
         )
-    fields_ = dict(layer_types=default_layer_types(model.config), moe=moe_spec(model))
+    rotary_params = inspect.signature(model.model.rotary_emb.forward).parameters
+    if "layer_type" in rotary_params:
+        raise NotImplementedError(f"{type(model).__name__}: per-layer-type rotary embeddings are not supported")
+    fields_ = dict(
+        layer_types=default_layer_types(model.config),
+        moe=moe_spec(model),
+        softcap=getattr(model.config, "final_logit_softcapping", None),
+    )
     fields_.update(overrides)
     spec = CausalLMSpec(**fields_)
     unknown = set(spec.layer_types) - set(MASK_FUNCTIONS)
@@ -240,6 +249,17 @@ def _call_mask_function(fn: Callable[..., Any], **kwargs: Any) -> Any:
     return fn(**{k: v for k, v in kwargs.items() if k in params})
 
 
+def _saved_for_recompute() -> Optional[Tuple[Any, ...]]:
+    """This layer's data from ``save_for_recompute`` when recomputing, else None (nothing saved: the
+    data is computed again, which gives the same values)."""
+    if not doing_recompute():
+        return None
+    try:
+        return get_recompute_data()
+    except RuntimeError:
+        return None
+
+
 class CausalLMPrefix(nn.Module):
     """Embedding, rotary tables and attention masks: the first pipeline layer.
 
@@ -274,10 +294,13 @@ class CausalLMPrefix(nn.Module):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        if self.spec.embedding_multiplier != 1.0:
+            inputs_embeds = inputs_embeds * self.spec.embedding_multiplier
         if position_ids is None:
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
-        if doing_recompute():
-            masks, position_embeddings = get_recompute_data()
+        saved = _saved_for_recompute()
+        if saved is not None:
+            masks, position_embeddings = saved
         else:
             masks = self._masks(inputs_embeds, attention_mask, position_ids)
             position_embeddings = tuple(self.rotary_emb(inputs_embeds, position_ids))
@@ -431,7 +454,9 @@ class CausalLMPreset:
         """
         has_labels = labels is not None or shift_labels is not None
         if isinstance(logits_to_keep, torch.Tensor):
-            logits_to_keep = tuple(int(i) for i in logits_to_keep.reshape(-1).tolist())
+            if logits_to_keep.dim() != 1:
+                raise NotImplementedError("logits_to_keep: an int or a 1-D tensor of positions")
+            logits_to_keep = tuple(int(i) for i in logits_to_keep.tolist())
         options = {
             "return_logits": (not has_labels) if return_logits is None else bool(return_logits),
             "logits_to_keep": logits_to_keep,

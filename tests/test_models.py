@@ -1,0 +1,416 @@
+"""Sequential presets reproduce the Hugging Face model: loss and every parameter gradient.
+
+Two executors run the preset layers:
+* ``emulate_forward`` / ``emulate_forward_backward`` below: RoundPipe's semantics run sequentially
+  (split the batch into microbatches, each layer's forward saves its recompute data, the backward
+  recomputes every layer from it, outputs merged as RoundPipe merges them);
+* the real RoundPipe on two CPU workers.
+Everything is fp32 with tiny random models; rel. error is ||a - b|| / ||b|| per tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Dict, List
+
+os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from helpers import rel_err
+from roundpipe import models
+from roundpipe.context import ForwardCtx, RecomputeCtx
+from roundpipe.models.preset import CausalLMPreset, CausalLMPrefix
+from roundpipe.run_config import RoundPipeRunConfig
+
+# Tiny models: intra-op threads only add synchronisation overhead (8x slower on the 2-core CI).
+torch.set_num_threads(1)
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-5
+VOCAB = 128
+FAMILIES = ["qwen3", "llama", "qwen3_moe", "gpt_oss", "qwen2", "mistral"]
+
+# ---------------------------------------------------------------------------------------------------------
+# Tiny models
+# ---------------------------------------------------------------------------------------------------------
+
+COMMON = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    vocab_size=VOCAB,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    initializer_range=0.1,
+    use_cache=False,
+)
+MIXED_LAYERS = ["full_attention", "sliding_attention", "full_attention"]
+
+
+def tiny_config(family: str) -> Any:
+    """A 3-layer config of ``family``; sliding windows (4) shorter than the test sequences (10)."""
+    t = transformers
+    if family == "qwen3":
+        return t.Qwen3Config(**COMMON, layer_types=MIXED_LAYERS, sliding_window=4, use_sliding_window=True, tie_word_embeddings=True)
+    if family == "llama":
+        return t.LlamaConfig(**COMMON)
+    if family == "qwen2":
+        return t.Qwen2Config(**COMMON, layer_types=MIXED_LAYERS, sliding_window=4, use_sliding_window=True)
+    if family == "mistral":
+        return t.MistralConfig(**COMMON, sliding_window=4)
+    if family == "qwen3_moe":
+        # layer 1 is dense (mlp_only_layers): it must not contribute to the router loss.
+        return t.Qwen3MoeConfig(
+            **COMMON, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
+            output_router_logits=True, router_aux_loss_coef=0.1,
+        )
+    if family == "gpt_oss":
+        return t.GptOssConfig(
+            **COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+            output_router_logits=True, router_aux_loss_coef=0.1,
+        )
+    raise KeyError(family)
+
+
+def tiny_model(family: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(tiny_config(family)).float()
+
+
+def make_batch(padding: bool, batch: int = 6, seq: int = 10, seed: int = 1) -> Dict[str, torch.Tensor]:
+    """Token ids, attention mask and labels (-100 on padding); left padding in two rows."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    if padding:
+        mask[1, :3] = 0
+        mask[batch - 2, :2] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[0, 4] = -100  # an ignored label inside a sequence
+    return {"input_ids": ids, "attention_mask": mask if padding else None, "labels": labels}
+
+
+def grads(model: nn.Module) -> Dict[str, torch.Tensor]:
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def assert_grads_close(got: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor], tol: float = TOL) -> None:
+    assert got.keys() == ref.keys()
+    errs = {n: rel_err(got[n], ref[n]) for n in ref}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] < tol, f"{worst}: rel err {errs[worst]:.2e}"
+
+
+def hf_reference(model: nn.Module, batch: Dict[str, torch.Tensor], **kwargs: Any):
+    """Loss of the unsplit Hugging Face model and its parameter gradients."""
+    out = model(**{k: v for k, v in batch.items() if v is not None}, **kwargs)
+    out.loss.backward()
+    return out.loss.detach(), grads(model)
+
+
+def hf_microbatch_aux_reference(model: nn.Module, batch: Dict[str, torch.Tensor], num_microbatch: int):
+    """What ``train_step`` computes for an MoE model: the whole batch's mean token loss plus the router
+    loss of each microbatch weighted by its share of the (unpadded) tokens."""
+    ce = model(**{k: v for k, v in batch.items() if v is not None}, output_router_logits=False).loss
+    mask = batch["attention_mask"]
+    total = float(mask.sum()) if mask is not None else batch["input_ids"].numel()
+    aux = 0.0
+    for m in range(num_microbatch):
+        part = {k: torch.tensor_split(v, num_microbatch)[m] for k, v in batch.items() if v is not None}
+        out = model(**part, output_router_logits=True)
+        tokens = float(part["attention_mask"].sum()) if mask is not None else part["input_ids"].numel()
+        aux = aux + out.aux_loss * (tokens / total)
+    loss = ce + model.router_aux_loss_coef * aux
+    loss.backward()
+    return loss.detach(), grads(model)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# RoundPipe semantics, sequentially
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _split(tree: Any, num: int) -> List[Any]:
+    leaves, spec = tree_flatten(tree)
+    batch = next(t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() >= 1)
+    parts: List[List[Any]] = [[] for _ in range(num)]
+    for leaf in leaves:
+        pieces = (
+            torch.tensor_split(leaf, num)
+            if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1 and leaf.shape[0] == batch
+            else [leaf] * num
+        )
+        for p, x in zip(parts, pieces):
+            p.append(x)
+    return [tree_unflatten(p, spec) for p in parts]
+
+
+def _merge(outs: List[Any]) -> Any:
+    flat = [tree_flatten(o) for o in outs]
+    merged = []
+    for leaves in zip(*[f[0] for f in flat]):
+        x = leaves[0]
+        if isinstance(x, torch.Tensor):
+            merged.append(torch.cat(leaves) if x.dim() >= 1 else torch.stack(leaves))
+        else:
+            merged.append(x)
+    return tree_unflatten(merged, flat[0][1])
+
+
+def _run_microbatch(layers: nn.Sequential, kwargs: Dict[str, Any], saved_log: List[Any]) -> Any:
+    """Forward of every layer recording what it saves (graph dropped), then the backward recompute of
+    every layer from its saved data, with gradients."""
+    saved: List[Any] = []
+    x: Any = None
+    for i, layer in enumerate(layers):
+        box: List[Any] = []
+        with ForwardCtx(lambda *d: box.append(d)), torch.enable_grad():
+            y = layer(**kwargs) if i == 0 else layer(x)
+        saved.append(box[0] if box else None)
+        x = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
+    saved_log.append(saved)
+    for i, layer in enumerate(layers):
+        with RecomputeCtx(saved[i]):
+            x = layer(**kwargs) if i == 0 else layer(x)
+    return x
+
+
+def emulate_forward(layers: nn.Sequential, kwargs: Dict[str, Any], num_microbatch: int, saved_log=None) -> Any:
+    """``RoundPipe.forward``: merged outputs, connected to autograd."""
+    log = [] if saved_log is None else saved_log
+    return _merge([_run_microbatch(layers, kw, log) for kw in _split(kwargs, num_microbatch)])
+
+
+def emulate_forward_backward(
+    layers: nn.Sequential, kwargs: Dict[str, Any], loss_fn: Callable[[Any, Any], torch.Tensor], num_microbatch: int
+) -> torch.Tensor:
+    """``RoundPipe.forward_backward``: backward of the sum of per-microbatch losses."""
+    total = torch.zeros(())
+    for kw in _split(kwargs, num_microbatch):
+        loss = loss_fn(_run_microbatch(layers, kw, []), None)
+        loss.backward()
+        total = total + loss.detach()
+    return total
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Emulated RoundPipe
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("padding", [False, True], ids=["nopad", "pad"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_preset_forward_matches_hf(family: str, padding: bool) -> None:
+    """forward(labels) + loss.backward() over 3 microbatches == the unsplit HF model (MoE: with the
+    router aux loss of the whole batch)."""
+    model = tiny_model(family)
+    batch = make_batch(padding)
+    ref_loss, ref_grads = hf_reference(model, batch)
+    preset = models.build_preset(model)
+    saved: List[Any] = []
+    merged = emulate_forward(preset.layers, preset.forward_kwargs(**batch), 3, saved)
+    out = preset.build_output(merged)
+    out.loss.backward()
+    assert rel_err(out.loss, ref_loss) < TOL
+    assert_grads_close(grads(model), ref_grads)
+    assert out.logits is None  # no full logits in a training forward unless asked
+    # The prefix computed masks and rotary tables once and its recompute reused them.
+    assert all(s[0] is not None for s in saved)
+    if preset.spec.moe is not None:
+        assert out.aux_loss is not None and preset.num_router_layers == (2 if family == "qwen3_moe" else 3)
+
+
+@pytest.mark.parametrize("padding", [False, True], ids=["nopad", "pad"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_preset_train_step_matches_hf(family: str, padding: bool) -> None:
+    """forward_backward with the preset's per-microbatch loss_fn: loss and gradients of the batch mean."""
+    model = tiny_model(family)
+    batch = make_batch(padding)
+    preset = models.build_preset(model)
+    if preset.spec.moe is not None:
+        ref_loss, ref_grads = hf_microbatch_aux_reference(model, batch, 3)
+    else:
+        ref_loss, ref_grads = hf_reference(model, batch)
+    kwargs = preset.forward_kwargs(**batch, return_logits=False)
+    loss = emulate_forward_backward(preset.layers, kwargs, preset.microbatch_loss_fn(kwargs), 3)
+    assert rel_err(loss, ref_loss) < TOL
+    assert_grads_close(grads(model), ref_grads)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_logits_and_logits_to_keep(family: str) -> None:
+    model = tiny_model(family).eval()
+    batch = make_batch(padding=True)
+    del batch["labels"]
+    preset = models.build_preset(model)
+    with torch.no_grad():
+        ref = model(**batch).logits
+        got = preset.build_output(emulate_forward(preset.layers, preset.forward_kwargs(**batch), 3)).logits
+        ref_last = model(**batch, logits_to_keep=2).logits
+        got_last = preset.build_output(
+            emulate_forward(preset.layers, preset.forward_kwargs(**batch, logits_to_keep=2), 3)
+        ).logits
+    assert got.shape == ref.shape and rel_err(got, ref) < TOL
+    assert got_last.shape == ref_last.shape == (6, 2, VOCAB) and rel_err(got_last, ref_last) < TOL
+
+
+def test_inputs_embeds_and_position_ids() -> None:
+    """inputs_embeds instead of input_ids, explicit per-row position ids (split with the batch)."""
+    model = tiny_model("llama")
+    batch = make_batch(padding=False)
+    embeds = model.model.embed_tokens(batch["input_ids"]).detach()
+    position_ids = torch.arange(10).repeat(6, 1) + torch.arange(6).unsqueeze(1)
+    ref_loss, ref_grads = hf_reference(
+        model, {"inputs_embeds": embeds, "labels": batch["labels"], "position_ids": position_ids}
+    )
+    ref_grads.pop("model.embed_tokens.weight", None)
+    preset = models.build_preset(model)
+    kwargs = preset.forward_kwargs(inputs_embeds=embeds, position_ids=position_ids, labels=batch["labels"])
+    out = preset.build_output(emulate_forward(preset.layers, kwargs, 3))
+    out.loss.backward()
+    assert rel_err(out.loss, ref_loss) < TOL
+    assert_grads_close(grads(model), ref_grads)
+
+
+def test_preset_shares_parameters() -> None:
+    """Pipeline layers hold the model's own parameters (tied embedding included), never copies."""
+    model = tiny_model("qwen3")
+    preset = models.build_preset(model)
+    own = {id(p) for p in model.parameters()}
+    assert {id(p) for p in preset.layers.parameters()} == own
+    assert preset.layers[0].embed_tokens.weight is preset.layers[-1].lm_head.weight
+    assert isinstance(preset.layers[0], CausalLMPrefix) and len(preset.layers) == 3 + 2
+
+
+def _shrunk_config(model_type: str) -> Any:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING[model_type]()
+    sizes = dict(
+        COMMON, moe_intermediate_size=32, num_experts=4, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=4, shared_expert_intermediate_size=32, bos_token_id=1, eos_token_id=2,
+    )
+    for k, v in sizes.items():
+        if hasattr(config, k):
+            setattr(config, k, v)
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = MIXED_LAYERS
+    for k, v in list(vars(config).items()):  # make multipliers / scales matter
+        if isinstance(v, float) and v and "rope" not in k and any(w in k for w in ("multiplier", "scaling", "logit_scale", "softcap")):
+            setattr(config, k, v * 0.7)
+    if hasattr(config, "output_router_logits"):
+        config.output_router_logits, config.router_aux_loss_coef = True, 0.1
+    return config
+
+
+@pytest.mark.parametrize("model_type", models.generic.VERIFIED_MODEL_TYPES)
+def test_generic_preset_verified_families(model_type: str) -> None:
+    """Every family the generic preset claims: whole-batch loss and gradients over 2 microbatches."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"{model_type} not in this transformers")
+    torch.manual_seed(0)
+    # eval(): no router jitter noise (PhiMoE), which would draw different random numbers per microbatch.
+    model = transformers.AutoModelForCausalLM.from_config(_shrunk_config(model_type)).float().eval()
+    batch = make_batch(padding=True, batch=4)
+    ref_loss, ref_grads = hf_reference(model, batch)
+    preset = models.build_preset(model)
+    out = preset.build_output(emulate_forward(preset.layers, preset.forward_kwargs(**batch), 2))
+    out.loss.backward()
+    assert rel_err(out.loss, ref_loss) < TOL
+    assert_grads_close(grads(model), ref_grads)
+
+
+def test_unknown_models_raise_naming_the_class(caplog: pytest.LogCaptureFixture) -> None:
+    class Toy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+    with pytest.raises(NotImplementedError, match="Toy"):
+        models.build_preset(Toy())
+    classifier = transformers.Qwen3ForSequenceClassification(tiny_config("qwen3"))
+    with pytest.raises(NotImplementedError, match="Qwen3ForSequenceClassification"):
+        models.build_preset(classifier)
+    with pytest.raises(NotImplementedError, match="Qwen3ForSequenceClassification"):
+        models.wrap_model(classifier)
+
+
+def test_unverified_layout_gets_generic_preset_with_warning(caplog: pytest.LogCaptureFixture) -> None:
+    model = tiny_model("llama")
+    model.config.model_type = "my_llama_fork"
+    with caplog.at_level(logging.WARNING, logger="roundpipe"):
+        preset = models.build_preset(model)
+    assert isinstance(preset, CausalLMPreset) and "not verified" in caplog.text
+
+
+def test_disable_torch_compile_flag() -> None:
+    assert models.DISABLE_TORCH_COMPILE == (os.environ.get("RPP_DISABLE_TORCH_COMPILE") == "1")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Real RoundPipe (two CPU workers, 3 microbatches)
+# ---------------------------------------------------------------------------------------------------------
+
+RUN3 = RoundPipeRunConfig(num_microbatch=3)
+
+
+@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
+@pytest.mark.parametrize("padding", [False, True], ids=["nopad", "pad"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_roundpipe_matches_hf(workers: str, family: str, padding: bool) -> None:
+    model = tiny_model(family)
+    batch = make_batch(padding)
+    ref_loss, ref_grads = hf_reference(model, batch)
+    rp = models.wrap_model(model, model_run_config=RUN3)
+    out = rp(**batch)
+    out.loss.backward()
+    assert rel_err(out.loss, ref_loss) < TOL
+    assert_grads_close(grads(model), ref_grads)
+
+    if rp.preset.spec.moe is not None:
+        ref_loss, ref_grads = hf_microbatch_aux_reference(model, batch, 3)
+    loss = rp.train_step(**batch)
+    assert rel_err(loss, ref_loss) < TOL
+    assert_grads_close(grads(model), ref_grads)
+
+
+@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
+def test_roundpipe_logits_and_shimming(workers: str, tmp_path) -> None:
+    model = tiny_model("qwen3").eval()
+    batch = make_batch(padding=True)
+    del batch["labels"]
+    with torch.no_grad():
+        ref = model(**batch).logits
+    rp = models.wrap_model(model, model_run_config=RUN3)
+    with torch.no_grad():
+        got = rp(**batch).logits
+    assert rel_err(got, ref) < TOL
+    assert rp.config is model.config and rp.generation_config is model.generation_config
+    rp.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).float().eval()
+    with torch.no_grad():
+        assert rel_err(reloaded(**batch).logits, ref) < TOL
+
+
+@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
+def test_roundpipe_recompute_reuses_prefix_masks(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Masks and rotary tables are built once per microbatch; the backward recompute reuses them."""
+    calls = []
+    original = CausalLMPrefix._masks
+    monkeypatch.setattr(CausalLMPrefix, "_masks", lambda self, *a: calls.append(1) or original(self, *a))
+    rp = models.wrap_model(tiny_model("qwen3"), model_run_config=RUN3)
+    rp(**make_batch(padding=True)).loss.backward()
+    assert len(calls) == 3
