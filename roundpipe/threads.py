@@ -120,6 +120,22 @@ def _watch(limit: float) -> None:
             note_progress()
 
 
+def _poll(attempt: Callable[[float], bool], timeout: Optional[float]) -> bool:
+    """Call ``attempt(slice)`` (a blocking wait of at most ``slice`` seconds) until it succeeds or
+    ``timeout`` passes, checking between slices whether another RoundPipe thread failed."""
+    with _Waiting():
+        remaining = timeout
+        while True:
+            _check_abort()
+            step = POLL_S if remaining is None else min(POLL_S, remaining)
+            if attempt(step):
+                return True
+            if remaining is not None:
+                remaining -= step
+                if remaining <= 0:
+                    return False
+
+
 class AnnotatedEvent(threading.Event):
     """Event whose waits are named (for stack dumps) and abort when a RoundPipe thread fails."""
 
@@ -132,17 +148,7 @@ class AnnotatedEvent(threading.Event):
     def wait(self, timeout: Optional[float] = None) -> bool:
         if self.is_set():
             return True
-        with _Waiting():
-            remaining = timeout
-            while True:
-                _check_abort()
-                step = POLL_S if remaining is None else min(POLL_S, remaining)
-                if super().wait(step):
-                    return True
-                if remaining is not None:
-                    remaining -= step
-                    if remaining <= 0:
-                        return False
+        return _poll(super().wait, timeout)
 
 
 class AnnotatedSemaphore(threading.Semaphore):
@@ -157,17 +163,7 @@ class AnnotatedSemaphore(threading.Semaphore):
             return super().acquire(False)
         if super().acquire(False):
             return True
-        with _Waiting():
-            remaining = timeout
-            while True:
-                _check_abort()
-                step = POLL_S if remaining is None else min(POLL_S, remaining)
-                if super().acquire(True, step):
-                    return True
-                if remaining is not None:
-                    remaining -= step
-                    if remaining <= 0:
-                        return False
+        return _poll(lambda step: super(AnnotatedSemaphore, self).acquire(True, step), timeout)
 
     __enter__ = acquire
 
