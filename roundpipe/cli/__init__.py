@@ -1,0 +1,115 @@
+"""``roundpipe`` command line: ``roundpipe train`` and ``roundpipe export``.
+
+User errors (bad config, missing files, corrupt checkpoints) are printed as one line,
+``roundpipe: error: <what> — <fix>``, with exit status 2 and no traceback; anything else is a bug or a
+runtime failure and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from typing import Iterator, List, Optional
+
+from roundpipe.cli.config import ConfigError
+
+USAGE = """usage: roundpipe <command> [options]
+
+commands:
+  train    train or fine-tune a causal LM (no options: a small model learns to reverse strings)
+  export   write a checkpoint as a Hugging Face model directory
+
+'roundpipe <command> --help' describes each command's options."""
+
+
+@contextlib.contextmanager
+def _cli_logging() -> Iterator[None]:
+    """Print the ``roundpipe`` logger's INFO and above as ``roundpipe: LEVEL: ...`` on stderr while
+    the command runs; the logger is restored afterwards (``main`` may run inside tests or notebooks)."""
+    logger = logging.getLogger("roundpipe")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("roundpipe: %(levelname)s: %(message)s"))
+    old = (logger.level, logger.propagate)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old[0])
+        logger.propagate = old[1]
+
+
+def train_main(argv: List[str]) -> int:
+    from roundpipe.cli.config import parse_train_args, to_yaml
+
+    cfg, print_config, given = parse_train_args(argv)
+    if print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+    from roundpipe.cli.train import run
+
+    try:
+        run(cfg, given)
+    except KeyboardInterrupt:
+        print("roundpipe: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def export_main(argv: List[str]) -> int:
+    from roundpipe.cli.export import parse_export_args, export
+
+    args = parse_export_args(argv)
+    path = export(args.checkpoint, args.out, merge_lora=args.merge_lora, dtype=args.dtype)
+    print(f"exported {args.checkpoint} -> {path}")
+    return 0
+
+
+def progress_enabled() -> bool:
+    """Progress bars only on a terminal, and not with ``RPP_PROGRESS=0`` (the project convention)."""
+    return sys.stderr.isatty() and os.environ.get("RPP_PROGRESS", "1") != "0"
+
+
+@contextlib.contextmanager
+def _quiet_hf_progress() -> Iterator[None]:
+    """No Hugging Face loading/saving bars where ours are off: they would clutter logs and error reports."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        yield
+        return
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+COMMANDS = {"train": train_main, "export": export_main}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of the ``roundpipe`` console script and ``python -m roundpipe``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"roundpipe: error: unknown command {command!r} — use one of: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    with _cli_logging(), (contextlib.nullcontext() if progress_enabled() else _quiet_hf_progress()):
+        try:
+            return COMMANDS[command](rest)
+        except ConfigError as exc:
+            print(f"roundpipe: error: {exc}", file=sys.stderr)
+            return 2
+
+
+__all__ = ["ConfigError", "main"]

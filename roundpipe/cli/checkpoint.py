@@ -1,0 +1,226 @@
+"""Atomic, verifiable checkpoint directories.
+
+A checkpoint is a directory ``<output_dir>/checkpoints/step-<N>`` written in three moves:
+
+1. every file goes into ``step-<N>.tmp`` (a crash here leaves the previous checkpoints untouched);
+2. ``manifest.json`` lists each file with its size and sha256, then everything is fsync'ed;
+3. the directory is renamed to ``step-<N>`` (atomic on POSIX) and ``latest`` is replaced atomically.
+
+Only then are checkpoints beyond ``keep`` deleted. Loading verifies the manifest first, so a partial
+or corrupted checkpoint is reported as such (with what to do) instead of failing somewhere in
+``torch.load`` or, worse, resuming from wrong weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from roundpipe.cli.config import ConfigError
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+FORMAT_VERSION = 1
+
+
+def checkpoints_dir(output_dir: str) -> str:
+    return os.path.join(output_dir, "checkpoints")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:07d}"
+
+
+def sha256_file(path: str, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(chunk)
+            if not block:
+                break
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _files(root: str) -> List[str]:
+    out = []
+    for base, _, names in os.walk(root):
+        for name in names:
+            out.append(os.path.relpath(os.path.join(base, name), root))
+    return sorted(out)
+
+
+def save_checkpoint(output_dir: str, step: int, write: Callable[[str], None], keep: int, meta: Optional[Dict[str, object]] = None) -> str:
+    """Write a checkpoint atomically; returns its directory.
+
+    Args:
+        write: Called with the (temporary) directory to fill.
+        keep: Checkpoints to keep, this one included; older ones are deleted afterwards.
+        meta: Small JSON-able facts stored in the manifest (step, loss, ...).
+    """
+    root = checkpoints_dir(output_dir)
+    os.makedirs(root, exist_ok=True)
+    final = os.path.join(root, step_dir_name(step))
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    write(tmp)
+    files = {}
+    for rel in _files(tmp):
+        path = os.path.join(tmp, rel)
+        _fsync(path)
+        files[rel] = {"bytes": os.path.getsize(path), "sha256": sha256_file(path)}
+    manifest = {"format": FORMAT_VERSION, "step": step, "files": files, **(meta or {})}
+    with open(os.path.join(tmp, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    for base, dirs, _ in os.walk(tmp):
+        for d in dirs:
+            _fsync(os.path.join(base, d))
+    _fsync(tmp)
+    if os.path.exists(final):  # re-saving a step (e.g. after a resume): swap the old one out last
+        old = final + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _point_latest(root, os.path.basename(final))
+    _fsync(root)
+    prune(root, keep)
+    return final
+
+
+def _point_latest(root: str, name: str) -> None:
+    tmp = os.path.join(root, LATEST + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, LATEST))
+
+
+def list_checkpoints(root: str) -> List[str]:
+    """Complete-looking checkpoint directories (``step-N`` with a manifest), oldest first."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        m = _STEP_DIR.match(name)
+        if m and os.path.isfile(os.path.join(root, name, MANIFEST)):
+            found.append((int(m.group(1)), os.path.join(root, name)))
+    return [p for _, p in sorted(found)]
+
+
+def prune(root: str, keep: int) -> None:
+    """Delete all but the ``keep`` newest checkpoints, and leftovers of interrupted saves."""
+    for path in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+    for name in os.listdir(root):
+        if name.endswith((".tmp", ".old")) and os.path.isdir(os.path.join(root, name)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def resolve_checkpoint(ref: str, output_dir: str) -> str:
+    """The checkpoint directory ``ref`` names: a checkpoint, a run's output dir, or 'latest'."""
+    if ref == "latest":
+        ref = output_dir
+    if os.path.isfile(os.path.join(ref, MANIFEST)) or _STEP_DIR.match(os.path.basename(os.path.normpath(ref))):
+        if not os.path.isdir(ref):
+            raise ConfigError(f"checkpoint {ref!r} not found", "pass a checkpoint directory, a run's output_dir or 'latest'")
+        return ref
+    for root in (checkpoints_dir(ref), ref):
+        pointer = os.path.join(root, LATEST)
+        if os.path.isfile(pointer):
+            with open(pointer) as f:
+                path = os.path.join(root, f.read().strip())
+            if os.path.isdir(path):
+                return path
+        found = list_checkpoints(root)
+        if found:
+            return found[-1]
+    raise ConfigError(f"no checkpoint found in {ref!r}", "train first, or pass a checkpoint directory (…/checkpoints/step-N) to --resume")
+
+
+_verified: Dict[Tuple[str, float], Dict[str, object]] = {}
+
+
+def verify_checkpoint(path: str) -> Dict[str, object]:
+    """The manifest of a checkpoint whose files are all present and intact; ConfigError otherwise.
+
+    Hashing a large checkpoint takes a while, so a checkpoint verified once is not hashed again by
+    this process (unless its manifest changes).
+    """
+    manifest_path = os.path.join(path, MANIFEST)
+    key = (os.path.abspath(path), os.path.getmtime(manifest_path) if os.path.isfile(manifest_path) else -1.0)
+    if key in _verified:
+        return _verified[key]
+    if not os.path.isfile(manifest_path):
+        raise ConfigError(
+            f"checkpoint {path} is incomplete (no {MANIFEST}: its save was interrupted)",
+            "delete it and resume from an earlier checkpoint",
+        )
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise ConfigError(f"checkpoint {path} has a damaged {MANIFEST}", "delete it and resume from an earlier checkpoint") from None
+    for rel, info in files.items():
+        fpath = os.path.join(path, rel)
+        if not os.path.isfile(fpath):
+            raise ConfigError(f"checkpoint {path} is missing {rel}", "delete it and resume from an earlier checkpoint")
+        if os.path.getsize(fpath) != info["bytes"] or sha256_file(fpath) != info["sha256"]:
+            raise ConfigError(f"checkpoint {path} is corrupt: {rel} does not match its sha256 in {MANIFEST}", "delete it and resume from an earlier checkpoint")
+    _verified[key] = manifest
+    return manifest
+
+
+def save_torch(obj: object, path: str) -> None:
+    torch.save(obj, path)
+
+
+def load_torch(path: str) -> object:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def save_tensors(tensors: Dict[str, torch.Tensor], path: str, metadata: Optional[Dict[str, str]] = None) -> None:
+    """safetensors file of ``tensors`` (host tensors; no two may share storage: pass tied weights once)."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, path, metadata=metadata)
+
+
+def load_tensors(path: str) -> Dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(path)
+
+
+__all__ = [
+    "checkpoints_dir",
+    "list_checkpoints",
+    "load_tensors",
+    "load_torch",
+    "resolve_checkpoint",
+    "save_checkpoint",
+    "save_tensors",
+    "verify_checkpoint",
+]

@@ -1,0 +1,331 @@
+"""Configuration of ``roundpipe train``: one flat dataclass, filled from defaults, a YAML file and flags.
+
+Precedence, lowest first: the defaults below, the built-in task profile (only when no ``data`` file is
+given: a from-scratch run wants other hyper-parameters than a fine-tune), the YAML file (``--config``),
+then command-line flags. Every key of :class:`TrainConfig` is both a YAML key and a flag
+(``lora_r`` <-> ``--lora-r``), so a run's ``config.yaml`` (written next to its checkpoints) reproduces it.
+
+User mistakes raise :class:`ConfigError`, which the CLI prints as one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+PLANS = ("auto", "layerwise", "single")
+
+
+class ConfigError(Exception):
+    """A user error: printed as ``roundpipe: error: <what> — <fix>`` with no traceback."""
+
+    def __init__(self, what: str, fix: str) -> None:
+        super().__init__(f"{what} — {fix}")
+        self.what, self.fix = what, fix
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - argparse's name
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs; the field comments double as ``--help``."""
+
+    # model
+    model: str = _f("tiny", "local Hugging Face model directory, or a built-in architecture name (random init)", group="model")
+    dtype: str = _f("auto", "float32, bfloat16 or float16: the weights the devices compute with; optimizer masters stay fp32 (auto: the model's own; float32 for 'tiny')", group="model")
+    # data
+    data: Optional[str] = _f(None, "training data: .txt, .jsonl or .parquet file (default: the built-in task)", group="data")
+    task: str = _f("reverse", "built-in synthetic task used when no data file is given (reverse, addition, addition-lsb, ...)", group="data")
+    text_field: str = _f("text", "jsonl/parquet field holding plain text (rows with prompt/response or messages are chat)", group="data")
+    seq_len: Optional[int] = _f(None, "tokens per sequence (default: the task's length; 512 for data files)", group="data")
+    pack: bool = _f(True, "pack examples into full seq_len rows (off: one example per row, padded)", group="data")
+    eval_examples: int = _f(500, "held-out examples scored at the end (built-in task)", group="data")
+    # LoRA
+    lora_r: int = _f(0, "LoRA rank; 0 trains all weights (full fine-tune)", group="lora")
+    lora_alpha: Optional[float] = _f(None, "LoRA alpha (default: 2 x lora_r)", group="lora")
+    lora_dropout: float = _f(0.0, "LoRA dropout", group="lora")
+    lora_targets: List[str] = _f(["all-linear"], "module names LoRA adapts (e.g. q_proj v_proj), or all-linear", group="lora")
+    # optimization
+    batch_size: int = _f(8, "sequences per optimizer micro-step (split into microbatches across devices)", group="optim")
+    microbatches: Optional[int] = _f(None, "microbatches per micro-step, at most batch_size (default: devices + 1, capped at batch_size)", group="optim")
+    grad_accum: int = _f(1, "micro-steps accumulated per optimizer step", group="optim")
+    steps: Optional[int] = _f(None, "optimizer steps (default: one epoch of the data file)", group="optim")
+    epochs: Optional[float] = _f(None, "epochs over the data file (instead of steps)", group="optim")
+    lr: float = _f(2e-5, "peak learning rate", group="optim")
+    warmup_steps: Optional[int] = _f(None, "linear warmup steps (default: 5% of the steps)", group="optim")
+    min_lr_ratio: float = _f(0.1, "cosine decay ends at lr x min_lr_ratio", group="optim")
+    weight_decay: float = _f(0.0, "decoupled (AdamW) weight decay", group="optim")
+    betas: List[float] = _f([0.9, 0.999], "Adam betas", group="optim")
+    max_grad_norm: float = _f(1.0, "clip the global gradient norm to this (0: off)", group="optim")
+    seed: int = _f(0, "seed of the weights, data order and dropout", group="optim")
+    async_step: bool = _f(True, "overlap the optimizer step with the next iteration (weights one step stale)", group="optim")
+    plan: str = _f("auto", "pipeline stages: auto (RoundPipe's planner, from measured layer times and device memory), layerwise (one layer per stage: least device memory) or single (the whole model in one stage: fastest for small models)", group="run")
+    compile: Optional[bool] = _f(None, "torch.compile the loss kernels (default: RPP_DISABLE_TORCH_COMPILE if set, else on for GPUs and off for CPU workers, where compiling takes longer than it saves)", group="run")
+    # devices
+    devices: Optional[str] = _f(None, "devices, as RPP_DEVICES: cuda, cuda:0,2 or cpu:N (default: RPP_DEVICES, else all GPUs, else cpu:1)", group="run")
+    # output
+    output_dir: str = _f("runs/roundpipe", "where metrics, plots and checkpoints go", group="run")
+    log_every: int = _f(50, "print a log line every N steps", group="run")
+    save_every: int = _f(0, "checkpoint every N steps (0: only at the end)", group="run")
+    keep_checkpoints: int = _f(2, "how many most recent checkpoints to keep", group="run")
+    resume: Optional[str] = _f(None, "checkpoint to continue from: a path, or 'latest' (output_dir's newest)", group="run")
+    stop_at: Optional[int] = _f(None, "checkpoint and stop after this step (the schedule still runs to 'steps'; resume later)", group="run")
+    progress: bool = _f(True, "tqdm progress bar (off when not a TTY or RPP_PROGRESS=0)", group="run")
+    tensorboard: bool = _f(True, "also write TensorBoard logs when tensorboard is installed", group="run")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+#: Overrides applied when training on the built-in task (no ``data``): a tiny model trained from
+#: scratch wants a large learning rate and many short sequences.
+TASK_PROFILE: Dict[str, Any] = {
+    "batch_size": 64,
+    "microbatches": 1,
+    "steps": 600,
+    "lr": 3e-3,
+    "warmup_steps": 50,
+    "betas": [0.9, 0.98],
+    "weight_decay": 0.01,
+    "log_every": 100,
+    "plan": "single",
+}
+
+FIELDS: Dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_HINTS = typing.get_type_hints(TrainConfig)
+
+
+def _base_type(name: str) -> Any:
+    """``int`` for ``Optional[int]``, ``list`` for ``List[str]``, etc."""
+    hint = _HINTS[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Union and len(args) == 1:
+        hint = args[0]
+    return typing.get_origin(hint) or hint
+
+
+def _item_type(name: str) -> Any:
+    hint = _HINTS[name]
+    args = typing.get_args(hint)
+    return args[0] if args else str
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Check and convert one YAML/flag value to the field's type."""
+    kind = _base_type(name)
+    if value is None:
+        if typing.get_origin(_HINTS[name]) is typing.Union:
+            return None
+        raise ConfigError(f"{name} cannot be empty", f"give {name} a value or drop the key")
+    try:
+        if kind is bool:
+            if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on", "false", "no", "0", "off"):
+                return value.lower() in ("true", "yes", "1", "on")
+            if not isinstance(value, bool):
+                raise ValueError
+            return value
+        if kind is list:
+            items = value.replace(",", " ").split() if isinstance(value, str) else list(value)
+            return [_item_type(name)(v) for v in items]
+        if kind is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if kind is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        expected = {bool: "true or false", list: "a list", int: "an integer", float: "a number"}.get(kind, "a string")
+        raise ConfigError(f"{name}={value!r} is not {expected}", f"set {name} to {expected}") from None
+
+
+#: Names other trainers (Hugging Face Trainer, torchtune) use for our keys, for "did you mean".
+ALIASES = {
+    "learning_rate": "lr", "max_steps": "steps", "num_train_epochs": "epochs", "num_epochs": "epochs",
+    "gradient_accumulation_steps": "grad_accum", "per_device_train_batch_size": "batch_size",
+    "max_seq_length": "seq_len", "max_seq_len": "seq_len", "model_name_or_path": "model", "warmup": "warmup_steps",
+    "lora_rank": "lora_r", "target_modules": "lora_targets", "max_grad_norm": "max_grad_norm", "clip_grad_norm": "max_grad_norm",
+    "dataset": "data", "output": "output_dir", "resume_from_checkpoint": "resume", "num_microbatch": "microbatches",
+}
+
+
+def _closest(name: str) -> str:
+    import difflib
+
+    candidates = {**{k: k for k in FIELDS}, **ALIASES}
+    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.75)
+    return f"did you mean '{candidates[match[0]]}'?" if match else "see 'roundpipe train --help' for the keys"
+
+
+def load_yaml(path: str) -> Dict[str, Any]:
+    """Keys of a YAML config file (flat mapping; ``-`` or ``_`` in keys both work)."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} not found", "pass an existing YAML file to --config")
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+    except yaml.YAMLError as exc:
+        line = getattr(getattr(exc, "problem_mark", None), "line", None)
+        where = f" (line {line + 1})" if line is not None else ""
+        raise ConfigError(f"config file {path!r} is not valid YAML{where}", "fix the syntax; keys are 'name: value' lines") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path!r} is not a mapping", "write one 'key: value' per line")
+    out = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name not in FIELDS:
+            raise ConfigError(f"unknown config key '{key}' in {path}", _closest(name))
+        out[name] = value
+    return out
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are a :class:`ConfigError` (one line, no usage dump)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        if message.startswith("unrecognized arguments: --"):
+            flag = message.split()[2]
+            hint = _closest(flag[2:].split("=")[0].replace("-", "_"))
+            if hint.startswith("did you mean"):
+                key = hint.split("'")[1]
+                raise ConfigError(f"unknown flag {flag}", f"did you mean --{key.replace('_', '-')}?")
+        raise ConfigError(message, f"see '{self.prog} --help'")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Flags for every config key; defaults are SUPPRESSed so only flags given on the command line
+    override the YAML file."""
+    parser = _ArgumentParser(
+        prog="roundpipe train",
+        description=(
+            "Train or fine-tune a causal LM with RoundPipe (layers streamed to a pool of GPUs or CPU workers). "
+            f"Without --data, the built-in task's profile changes some defaults ({', '.join(f'{k}={v}' for k, v in TASK_PROFILE.items())}); "
+            "--print-config shows what a run will use."
+        ),
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--config", metavar="FILE", help="YAML file with config keys (flags override it)")
+    parser.add_argument("--print-config", action="store_true", help="print the merged config as YAML and exit")
+    groups = {
+        "model": parser.add_argument_group("model"),
+        "data": parser.add_argument_group("data"),
+        "lora": parser.add_argument_group("LoRA"),
+        "optim": parser.add_argument_group("optimization"),
+        "run": parser.add_argument_group("run and output"),
+    }
+    for name, f in FIELDS.items():
+        flag = "--" + name.replace("_", "-")
+        meta = f.metadata
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        help_ = meta["help"] if "default" in meta["help"] or default is None else f"{meta['help']} (default: {default})"
+        help_ = help_.replace("%", "%%")
+        group = groups[meta["group"]]
+        kind = _base_type(name)
+        if kind is bool:
+            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_)
+        elif kind is list:
+            group.add_argument(flag, dest=name, nargs="+", metavar="X", help=help_)
+        elif name == "resume":
+            group.add_argument(flag, dest=name, nargs="?", const="latest", metavar="CKPT", help=help_)
+        else:
+            group.add_argument(flag, dest=name, metavar=name.upper(), help=help_)
+    return parser
+
+
+def parse_train_args(argv: Sequence[str]) -> Tuple[TrainConfig, bool, Dict[str, Any]]:
+    """``(config, print_config, given)`` from command-line arguments and the YAML file they name;
+    ``given`` holds the keys set explicitly (YAML or flags), which override a checkpoint's config on
+    resume."""
+    ns = vars(build_parser().parse_args(list(argv)))
+    file_keys = load_yaml(ns.pop("config")) if "config" in ns else {}
+    print_config = bool(ns.pop("print_config", False))
+    given = {**file_keys, **ns}
+    return merge(file_keys, ns), print_config, given
+
+
+def merge(file_keys: Dict[str, Any], flag_keys: Dict[str, Any]) -> TrainConfig:
+    """Defaults < task profile (no data file) < YAML < flags; values are type-checked."""
+    given = {**file_keys, **flag_keys}
+    values: Dict[str, Any] = {}
+    if given.get("data") is None:
+        values.update(TASK_PROFILE)
+    values.update(given)
+    cfg = TrainConfig(**{k: _coerce(k, v) for k, v in values.items()})
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Checks that need no model or data; the rest happen when those are loaded."""
+    from roundpipe.cli.tasks import TASKS
+
+    def positive(name: str, allow_none: bool = False) -> None:
+        v = getattr(cfg, name)
+        if (v is None and not allow_none) or (v is not None and v <= 0):
+            raise ConfigError(f"{name}={v} must be positive", f"set {name} to a value above 0")
+
+    for name in ("batch_size", "grad_accum", "lr", "log_every", "keep_checkpoints"):
+        positive(name)
+    for name in ("seq_len", "steps", "epochs", "microbatches", "stop_at"):
+        positive(name, allow_none=True)
+    for name in ("save_every", "weight_decay", "max_grad_norm", "lora_r", "lora_dropout", "eval_examples"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{name}={getattr(cfg, name)} is negative", f"set {name} to 0 or more")
+    if cfg.warmup_steps is not None and cfg.warmup_steps < 0:
+        raise ConfigError(f"warmup_steps={cfg.warmup_steps} is negative", "set warmup_steps to 0 or more")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        raise ConfigError(f"min_lr_ratio={cfg.min_lr_ratio} is outside [0, 1]", "pick a fraction of lr, e.g. 0.1")
+    if len(cfg.betas) != 2 or not all(0 <= b < 1 for b in cfg.betas):
+        raise ConfigError(f"betas={cfg.betas} is not two numbers in [0, 1)", "use e.g. --betas 0.9 0.999")
+    if cfg.plan not in PLANS:
+        raise ConfigError(f"plan={cfg.plan!r} is not a plan", f"use one of {', '.join(PLANS)}")
+    if cfg.dtype not in DTYPES:
+        raise ConfigError(f"dtype={cfg.dtype!r} is not supported", f"use one of {', '.join(DTYPES)}")
+    if cfg.microbatches is not None and cfg.batch_size < cfg.microbatches:
+        raise ConfigError(
+            f"batch_size={cfg.batch_size} is smaller than microbatches={cfg.microbatches}",
+            f"raise batch_size to at least {cfg.microbatches} or lower microbatches",
+        )
+    if cfg.steps is not None and cfg.epochs is not None:
+        raise ConfigError("both steps and epochs are set", "keep one of them")
+    if cfg.stop_at is not None and cfg.steps is not None and cfg.stop_at > cfg.steps:
+        raise ConfigError(f"stop_at={cfg.stop_at} is after the last step ({cfg.steps})", f"set stop_at to at most {cfg.steps}")
+    if cfg.data is None:
+        if cfg.task not in TASKS:
+            raise ConfigError(f"unknown task {cfg.task!r}", f"use one of {', '.join(TASKS)} or pass --data FILE")
+        if cfg.epochs is not None:
+            raise ConfigError("epochs is set but the built-in task has no epochs (it is generated on the fly)", "use --steps")
+    else:
+        if not os.path.isfile(cfg.data):
+            raise ConfigError(f"data file {cfg.data!r} not found", "pass an existing .txt, .jsonl or .parquet file to --data")
+        if os.path.splitext(cfg.data)[1].lower() not in (".txt", ".jsonl", ".parquet"):
+            raise ConfigError(f"data file {cfg.data!r} has an unsupported extension", "use a .txt, .jsonl or .parquet file")
+    if cfg.lora_r == 0 and cfg.lora_alpha is not None:
+        raise ConfigError("lora_alpha is set but lora_r is 0 (full fine-tune)", "set --lora-r to enable LoRA, or drop lora_alpha")
+
+
+def to_yaml(cfg: TrainConfig) -> str:
+    import yaml
+
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def from_yaml_text(text: str) -> TrainConfig:
+    """A config saved by :func:`to_yaml` (checkpoints), without re-validating paths."""
+    import yaml
+
+    raw = yaml.safe_load(text) or {}
+    return TrainConfig(**{k: _coerce(k, v) for k, v in raw.items() if k in FIELDS})

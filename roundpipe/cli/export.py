@@ -1,0 +1,112 @@
+"""``roundpipe export CKPT OUT``: a checkpoint as a Hugging Face model directory.
+
+The directory holds ``config.json``, the weights (safetensors) and the tokenizer, so
+``AutoModelForCausalLM.from_pretrained(OUT)`` and ``AutoTokenizer.from_pretrained(OUT)`` load it. The
+weights are the up-to-date ones (the fp32 masters in the training dtype), i.e. exactly what the
+trained RoundPipe model computes with after ``synchronize()``. A LoRA run is merged into the base
+weights by default; ``--no-merge-lora`` writes a PEFT adapter directory instead, which transformers
+also loads (with peft installed) as long as the base model directory stays where it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from typing import Any, List, Optional
+
+import torch
+
+from roundpipe.cli import checkpoint as ckpt
+from roundpipe.cli.config import ConfigError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:
+        raise ConfigError(message, f"see '{self.prog} --help'")
+
+
+def parse_export_args(argv: List[str]) -> argparse.Namespace:
+    parser = _ArgumentParser(prog="roundpipe export", description="Write a roundpipe checkpoint as a Hugging Face model directory.")
+    parser.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory (…/checkpoints/step-N), or a run's output_dir for its latest")
+    parser.add_argument("out", metavar="OUT", help="directory to write (must not exist, or be empty)")
+    parser.add_argument("--merge-lora", action=argparse.BooleanOptionalAction, default=True, help="merge LoRA into the base weights (default); --no-merge-lora writes a PEFT adapter")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast the weights (default: the training dtype)")
+    return parser.parse_args(argv)
+
+
+def load_checkpoint_model(path: str) -> Any:
+    """The Hugging Face model (PEFT-wrapped for LoRA runs) with the checkpoint's up-to-date weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with open(os.path.join(path, "source.json")) as f:
+        source = json.load(f)
+    dtype = _DTYPES[source["dtype"]]
+    weights = ckpt.load_tensors(os.path.join(path, "model.safetensors"))
+    if source["weights"] == "trainable":  # LoRA on a local model: frozen weights from the model directory
+        if not os.path.isdir(source["path"]):
+            raise ConfigError(f"the base model directory {source['path']} of this LoRA checkpoint is gone", "restore it there, then export again")
+        model = AutoModelForCausalLM.from_pretrained(source["path"], dtype=dtype, local_files_only=True)
+    else:
+        config = AutoConfig.from_pretrained(os.path.join(path, "hf"), local_files_only=True)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if os.path.isdir(os.path.join(path, "lora")):
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig.from_pretrained(os.path.join(path, "lora")))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if source["weights"] == "full":
+        tied = {n for n in missing if n.endswith("lm_head.weight") and getattr(model.config, "tie_word_embeddings", False)}
+        missing = [n for n in missing if n not in tied]
+    else:
+        trained = {n for n, p in model.named_parameters() if p.requires_grad}
+        missing = [n for n in missing if n in trained]
+    if missing or unexpected:
+        raise ConfigError(
+            f"checkpoint {path} does not match its model ({len(missing)} missing, {len(unexpected)} unexpected weights, e.g. {(missing + unexpected)[0]})",
+            "export with the roundpipe version that wrote it",
+        )
+    model.eval()
+    return model
+
+
+def export(checkpoint: str, out: str, merge_lora: bool = True, dtype: Optional[str] = None) -> str:
+    """Write ``checkpoint`` as a Hugging Face model directory ``out``; returns ``out``."""
+    from transformers import AutoTokenizer
+
+    path = ckpt.resolve_checkpoint(checkpoint, checkpoint)
+    ckpt.verify_checkpoint(path)
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise ConfigError(f"{out} already exists and is not empty", "pick a new output directory or delete it")
+    model = load_checkpoint_model(path)
+    is_lora = hasattr(model, "peft_config")
+    if is_lora and merge_lora:
+        model = model.merge_and_unload()
+    if is_lora and not merge_lora:
+        with open(os.path.join(path, "source.json")) as f:
+            if json.load(f)["kind"] != "local":
+                raise ConfigError("an unmerged LoRA adapter needs a base model directory, but this run's base was a built-in architecture", "export with --merge-lora")
+    if dtype is not None:
+        model = model.to(_DTYPES[dtype])
+    tmp = out.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    if is_lora and not merge_lora:  # record the base directory so from_pretrained finds it
+        cfg_path = os.path.join(tmp, "adapter_config.json")
+        with open(cfg_path) as f:
+            adapter = json.load(f)
+        with open(os.path.join(path, "source.json")) as f:
+            adapter["base_model_name_or_path"] = json.load(f)["path"]
+        with open(cfg_path, "w") as f:
+            json.dump(adapter, f, indent=2)
+    AutoTokenizer.from_pretrained(os.path.join(path, "hf"), local_files_only=True).save_pretrained(tmp)
+    if os.path.isdir(out):
+        os.rmdir(out)
+    os.rename(tmp, out)
+    return out
+
+
+__all__ = ["export", "load_checkpoint_model", "parse_export_args"]

@@ -1,0 +1,132 @@
+"""Run metrics: ``metrics.csv`` (always), TensorBoard (when installed), a PNG plot and the end summary.
+
+The CSV is the source of truth: one row per optimizer step, appended and flushed as training goes, so
+it survives a crash. On resume, rows after the checkpoint's step (written by the interrupted run after
+its last checkpoint) are dropped, and the resumed run writes those steps again.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+import os
+import resource
+import sys
+from typing import Any, Dict, List, Optional
+
+import torch
+
+logger = logging.getLogger("roundpipe")
+
+COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s")
+
+
+class MetricsWriter:
+    """Appends per-step rows to ``metrics.csv`` and mirrors them to TensorBoard."""
+
+    def __init__(self, output_dir: str, resume_step: Optional[int] = None, tensorboard: bool = True) -> None:
+        os.makedirs(output_dir, exist_ok=True)
+        self.path = os.path.join(output_dir, "metrics.csv")
+        kept: List[Dict[str, str]] = []
+        if resume_step is not None and os.path.isfile(self.path):
+            with open(self.path, newline="") as f:
+                kept = [row for row in csv.DictReader(f) if int(row["step"]) <= resume_step]
+        self._file = open(self.path, "w", newline="")
+        self._csv = csv.DictWriter(self._file, fieldnames=COLUMNS)
+        self._csv.writeheader()
+        self._csv.writerows(kept)
+        self._file.flush()
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=resume_step + 1 if resume_step is not None else None)
+            except ImportError:
+                pass
+
+    @property
+    def tensorboard_dir(self) -> Optional[str]:
+        return self._tb.log_dir if self._tb is not None else None
+
+    def write(self, row: Dict[str, Any]) -> None:
+        self._csv.writerow({k: _fmt(row.get(k)) for k in COLUMNS})
+        self._file.flush()
+        if self._tb is not None:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+                if row.get(key) is not None:
+                    self._tb.add_scalar(f"train/{key}", row[key], row["step"])
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _fmt(v: Any) -> Any:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return repr(v)
+    return v
+
+
+def read_metrics(path: str) -> List[Dict[str, float]]:
+    with open(path, newline="") as f:
+        return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+
+
+def plot_metrics(csv_path: str, png_path: str) -> Optional[str]:
+    """Loss and learning rate over steps as a PNG; None (with a log line) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.info("matplotlib is not installed: no plot (pip install matplotlib)")
+        return None
+    rows = read_metrics(csv_path)
+    if not rows:
+        return None
+    steps = [r["step"] for r in rows]
+    fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    loss = [r.get("loss", math.nan) for r in rows]
+    ax_loss.plot(steps, loss, lw=0.8, alpha=0.4, color="tab:blue", label="loss")
+    window = max(1, len(loss) // 50)
+    if window > 1:
+        smooth = [sum(loss[max(0, i - window + 1) : i + 1]) / len(loss[max(0, i - window + 1) : i + 1]) for i in range(len(loss))]
+        ax_loss.plot(steps, smooth, lw=1.5, color="tab:blue", label=f"loss (mean of {window})")
+    ax_loss.set_ylabel("loss")
+    ax_loss.set_yscale("log" if min(loss) > 0 and max(loss) / max(min(loss), 1e-12) > 20 else "linear")
+    ax_loss.grid(alpha=0.3)
+    ax_loss.legend()
+    ax_lr.plot(steps, [r.get("lr", math.nan) for r in rows], color="tab:orange")
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.set_xlabel("step")
+    ax_lr.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return png_path
+
+
+def host_peak_rss_gib() -> float:
+    """Peak resident memory of this process (GiB)."""
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib / (1024**3 if sys.platform == "darwin" else 1024**2)
+
+
+def device_peak_memory_gib() -> Optional[float]:
+    """Largest peak allocated memory over the CUDA devices (GiB); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return max(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())) / 1024**3
+
+
+def format_rate(tokens_per_s: float) -> str:
+    return f"{tokens_per_s / 1000:.1f}k" if tokens_per_s >= 10_000 else f"{tokens_per_s:.0f}"
+
+
+__all__ = ["COLUMNS", "MetricsWriter", "device_peak_memory_gib", "format_rate", "host_peak_rss_gib", "plot_metrics", "read_metrics"]

@@ -1,0 +1,730 @@
+"""The ``roundpipe train`` recipe: model + data + RoundPipe + host optimizer, with metrics and checkpoints.
+
+One optimizer step:
+
+1. draw ``grad_accum`` batches; count the tokens their losses average over;
+2. for each, ``forward_backward`` over the batch's microbatches (each microbatch's loss is its token
+   loss sum over the token count of the *whole step*, so accumulation gives the exact mean);
+3. ``model.step(step_fn)``: on the optimizer thread, the host gradients of the fp32 masters are
+   clipped to ``max_grad_norm`` (global norm), then optimizer, LR scheduler and ``zero_grad``.
+
+With ``async_step`` (the default) step 3 returns at once and the optimizer overlaps the next step's
+compute; that step then computes at weights one step old (see ``RoundPipeBase.step``).
+
+Checkpoints do not perturb training: they wait for the optimizer thread and save the fp32 masters,
+the optimizer state *and* the weights the devices currently compute with (in async mode the previous
+step's), so a resumed run repeats the uninterrupted run's computation bit for bit on CPU workers,
+whether or not the uninterrupted run checkpointed at that step. ``model.safetensors`` holds the
+up-to-date weights (masters in the training dtype), which is what ``roundpipe export`` writes out.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from roundpipe.cli import checkpoint as ckpt
+from roundpipe.cli.config import ConfigError, TrainConfig, merge, to_yaml
+from roundpipe.cli.metrics import MetricsWriter, device_peak_memory_gib, format_rate, host_peak_rss_gib, plot_metrics
+from roundpipe.cli.tasks import BYTE_VOCAB_SIZE, EOS_ID, TASKS, TaskStream, byte_tokenizer, exact_match, held_out_examples
+
+if TYPE_CHECKING:
+    from roundpipe.cli.data import FileStream
+
+logger = logging.getLogger("roundpipe")
+
+# ---------------------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------------------
+
+_QWEN3_COMMON = dict(head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960, vocab_size=151936)
+
+#: Built-in Qwen3 architectures (random init): the WORKLOADS.md sizes plus ``tiny`` for the default task.
+BUILTIN_MODELS: Dict[str, Dict[str, Any]] = {
+    "tiny": dict(
+        hidden_size=192, intermediate_size=576, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=6,
+        head_dim=32, vocab_size=BYTE_VOCAB_SIZE, max_position_embeddings=1024, rope_theta=10_000.0, tie_word_embeddings=True,
+    ),
+    "qwen3-0.6b": dict(_QWEN3_COMMON, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(_QWEN3_COMMON, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3-4b": dict(_QWEN3_COMMON, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3-8b": dict(_QWEN3_COMMON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+    "qwen3-14b": dict(_QWEN3_COMMON, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False),
+}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def builtin_config(name: str) -> Any:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**BUILTIN_MODELS[name], use_cache=False, eos_token_id=EOS_ID, pad_token_id=EOS_ID + 1, bos_token_id=None)
+
+
+def model_source(cfg: TrainConfig) -> Dict[str, str]:
+    """Where the model comes from: ``{"kind": "builtin", "name"}`` or ``{"kind": "local", "path"}``."""
+    if cfg.model in BUILTIN_MODELS:
+        return {"kind": "builtin", "name": cfg.model}
+    if os.path.isdir(cfg.model):
+        if not os.path.isfile(os.path.join(cfg.model, "config.json")):
+            raise ConfigError(f"{cfg.model} has no config.json", "pass a Hugging Face model directory (save_pretrained output)")
+        return {"kind": "local", "path": os.path.abspath(cfg.model)}
+    raise ConfigError(
+        f"model {cfg.model!r} is neither a local directory nor a built-in architecture",
+        f"pass a Hugging Face model directory or one of: {', '.join(BUILTIN_MODELS)}",
+    )
+
+
+def load_model_config(source: Dict[str, str]) -> Any:
+    if source["kind"] == "builtin":
+        return builtin_config(source["name"])
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source["path"], local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the model config in {source['path']} ({exc})", "pass a directory written by save_pretrained") from None
+
+
+def resolve_dtype(cfg: TrainConfig, model_config: Any) -> torch.dtype:
+    if cfg.dtype != "auto":
+        return _DTYPES[cfg.dtype]
+    if cfg.model == "tiny":
+        return torch.float32
+    own = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
+    if isinstance(own, str):
+        own = _DTYPES.get(own)
+    if own in _DTYPES.values():
+        return own
+    return torch.bfloat16 if cfg.model in BUILTIN_MODELS else torch.float32
+
+
+def build_model(source: Dict[str, str], model_config: Any, dtype: torch.dtype) -> nn.Module:
+    """The Hugging Face causal LM (random init for built-ins; weights on the host)."""
+    from transformers import AutoModelForCausalLM
+
+    if source["kind"] == "builtin":
+        return AutoModelForCausalLM.from_config(model_config, dtype=dtype)
+    try:
+        return AutoModelForCausalLM.from_pretrained(source["path"], dtype=dtype, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot load the model in {source['path']} ({str(exc).splitlines()[0]})", "pass a directory written by save_pretrained with its weights") from None
+
+
+def load_tokenizer(source: Dict[str, str], cfg: TrainConfig) -> Any:
+    """The byte tokenizer for the built-in task and built-in models, the model's own otherwise."""
+    if cfg.data is None or source["kind"] == "builtin":
+        return byte_tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source["path"], local_files_only=True)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError(f"no usable tokenizer in {source['path']} ({str(exc).splitlines()[0]})", "save one there with tokenizer.save_pretrained(model_dir)") from None
+
+
+def lora_config(cfg: TrainConfig) -> Any:
+    from peft import LoraConfig
+
+    targets: Any = cfg.lora_targets
+    if targets == ["all-linear"]:
+        targets = "all-linear"
+    return LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha if cfg.lora_alpha is not None else 2 * cfg.lora_r,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
+
+
+def apply_lora(model: nn.Module, lcfg: Any) -> nn.Module:
+    from peft import get_peft_model
+
+    try:
+        return get_peft_model(model, lcfg)
+    except ValueError as exc:
+        raise ConfigError(f"LoRA: {str(exc).splitlines()[0]}", "set --lora-targets to module names of this model (e.g. q_proj v_proj) or all-linear") from None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# RoundPipe glue
+# ---------------------------------------------------------------------------------------------------------
+
+
+class PipelineModel:
+    """A causal LM on RoundPipe (``RoundPipeForCausalLM``), with the calls training needs.
+
+    Attributes:
+        hf_model: The Hugging Face model (inside PEFT when LoRA is on); its parameters are the ones
+            RoundPipe streams, so it reflects training after ``synchronize()``.
+        rp: The RoundPipe model (``optim_parameters``, ``step``, ``synchronize``).
+    """
+
+    def __init__(self, hf_model: nn.Module, num_microbatch: Optional[int], plan: str = "auto") -> None:
+        import roundpipe
+        from roundpipe import ModelExecutePlan, RoundPipeRunConfig
+
+        self.hf_model = hf_model
+        try:
+            self.rp = roundpipe.wrap_model_to_roundpipe(
+                hf_model,
+                use_sequential_preset=True,
+                optim_dtype=torch.float32,
+                name="train",
+                model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch),
+            )
+        except NotImplementedError as exc:
+            raise ConfigError(f"this model is not supported by RoundPipe ({str(exc).splitlines()[0]})", "use a decoder-only causal LM (Qwen3, Llama, Mistral, ...)") from None
+        n = self.rp.num_layers
+        if plan == "single":  # one stage: forward, loss and backward of the whole model in one job
+            self.rp.model_run_config.execute_plan = ModelExecutePlan([range(0, n)], [range(0, n)])
+        elif plan == "layerwise":
+            self.rp.model_run_config.execute_plan = ModelExecutePlan.layerwise(n, "train")
+
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor, weight: float, scale: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Accumulate the gradients of ``scale(weight x batch-mean token loss)``; returns that
+        (scaled, weighted) loss. ``weight`` = this batch's share of the step's loss tokens."""
+        preset = self.rp.preset
+        kwargs = preset.forward_kwargs(input_ids=input_ids, labels=labels, return_logits=False)
+        base = preset.microbatch_loss_fn(kwargs)
+        return self.rp.forward_backward(input_kwargs=kwargs, loss_fn=lambda out, label: scale(base(out, label) * weight))
+
+    def _infer_config(self, batch_size: int) -> Any:
+        """Inference run config: no more microbatches than rows."""
+        from roundpipe import RoundPipeRunConfig, get_num_devices
+
+        n = self.rp.model_run_config.num_microbatch or get_num_devices() + 1
+        return RoundPipeRunConfig(num_microbatch=max(1, min(n, batch_size)))
+
+    @torch.no_grad()
+    def last_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits of the last position, ``[B, V]``."""
+        return self.rp(input_ids=input_ids, logits_to_keep=1, roundpipe_run_config=self._infer_config(input_ids.shape[0])).logits[:, -1]
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits of all positions, ``[B, T, V]``."""
+        return self.rp(input_ids=input_ids, roundpipe_run_config=self._infer_config(input_ids.shape[0])).logits
+
+    def masters(self) -> Dict[int, torch.Tensor]:
+        """``id(model parameter) -> fp32 optimizer master`` for the trainable parameters."""
+        from roundpipe.attribute import ParamAttribute
+
+        out = {}
+        for p in self.hf_model.parameters():
+            if p.requires_grad and ParamAttribute.has(p) and ParamAttribute.get(p).optim is not None:
+                out[id(p)] = ParamAttribute.get(p).optim
+        return out
+
+
+def make_optimizer(masters: List[nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW (RoundPipe's host Adam, decoupled weight decay) on the fp32 masters; no weight decay on
+    vectors (norm weights, biases)."""
+    from roundpipe.optim import Adam
+
+    decay = [p for p in masters if p.ndim >= 2]
+    no_decay = [p for p in masters if p.ndim < 2]
+    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    return Adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), decoupled_weight_decay=True)
+
+
+class WarmupCosine:
+    """LR multiplier: linear warmup to 1, then cosine decay to ``min_ratio`` at ``total`` steps.
+
+    A class (not a lambda) so that ``LambdaLR.state_dict()`` saves it.
+    """
+
+    def __init__(self, warmup: int, total: int, min_ratio: float) -> None:
+        self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / (self.warmup + 1)
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The recipe
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainResult:
+    """What a finished (or stopped) run reports; the test suite reads it too."""
+
+    step: int
+    total_steps: int
+    loss: float
+    tokens_per_s: float
+    seconds: float
+    output_dir: str
+    checkpoint: Optional[str]
+    accuracy: Optional[float] = None
+    model: Optional[PipelineModel] = None
+    tokenizer: Any = None
+
+
+def rng_state() -> Dict[str, Any]:
+    import numpy as np
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))  # torch.load(weights_only)-safe
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_state}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fmt_time(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+class Recipe:
+    """Set up from a :class:`TrainConfig`, then :meth:`train`."""
+
+    def __init__(self, cfg: TrainConfig, out: Callable[[str], None] = print) -> None:
+        self.cfg = cfg
+        self._print = out
+        self._bar: Any = None
+        self._stop_requested = False
+
+    # ---- output ------------------------------------------------------------------------------------
+    def log(self, msg: str) -> None:
+        if self._bar is not None:
+            self._bar.write(msg)
+        else:
+            self._print(msg)
+
+    # ---- setup -------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        cfg = self.cfg
+        self._set_devices()
+        from roundpipe import get_num_devices
+
+        # validate() rejects an explicit microbatches above batch_size; the default adapts to the batch.
+        self.microbatches = cfg.microbatches or min(get_num_devices() + 1, cfg.batch_size)
+        self.resume_from: Optional[str] = None
+        if cfg.resume is not None:
+            self.resume_from = ckpt.resolve_checkpoint(cfg.resume, cfg.output_dir)
+            ckpt.verify_checkpoint(self.resume_from)
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        self.source = model_source(cfg)
+        model_config = load_model_config(self.source)
+        self.dtype = resolve_dtype(cfg, model_config)
+        if self.dtype == torch.float16:
+            from roundpipe import GradScaler
+
+            self.scaler: Any = GradScaler()
+        else:
+            self.scaler = None
+        self.tokenizer = load_tokenizer(self.source, cfg)
+        self.stream = self._data(model_config)
+        vocab = getattr(model_config, "vocab_size", None)
+        if vocab is not None and len(self.tokenizer) > vocab:
+            raise ConfigError(f"the tokenizer has {len(self.tokenizer)} tokens but the model's vocab_size is {vocab}", "use the model's own tokenizer")
+        hf_model = build_model(self.source, model_config, self.dtype)
+        self.lora = lora_config(cfg) if cfg.lora_r else None
+        if self.lora is not None:
+            hf_model = apply_lora(hf_model, self.lora)
+        self.model = PipelineModel(hf_model, self.microbatches, cfg.plan)
+        named = [(n, p) for n, p in hf_model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ConfigError("the model has no trainable parameters", "check --lora-targets")
+        self.optim_params = list(self.model.rp.optim_parameters())  # creates the fp32 masters
+        masters_by_id = self.model.masters()
+        self.master_named = [(n, masters_by_id[id(p)]) for n, p in named]  # by Hugging Face name
+        self.optimizer = make_optimizer([m for _, m in self.master_named], cfg)
+        self.total_steps = self._total_steps()
+        self.warmup_steps = cfg.warmup_steps if cfg.warmup_steps is not None else round(0.05 * self.total_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, WarmupCosine(self.warmup_steps, self.total_steps, cfg.min_lr_ratio))
+        self.step = 0
+        self.tokens_seen = 0
+        self.elapsed_before = 0.0
+        self.grad_norms: Dict[int, float] = {}
+        if self.resume_from is not None:
+            self._load_checkpoint(self.resume_from)
+
+    def _set_devices(self) -> None:
+        from roundpipe import backend, device
+
+        spec = self.cfg.devices
+        if spec is not None:
+            os.environ["RPP_DEVICES"] = spec
+        try:
+            backend.parse_devices()
+        except (ValueError, RuntimeError) as exc:
+            raise ConfigError(str(exc).split(";")[0], "use --devices cuda, cuda:0,1 or cpu:N") from None
+        if spec is not None:
+            device.reset_devices()
+        from roundpipe import models
+
+        if self.cfg.compile is not None:
+            models.DISABLE_TORCH_COMPILE = not self.cfg.compile
+        elif "RPP_DISABLE_TORCH_COMPILE" not in os.environ:  # auto: compile for GPUs only
+            models.DISABLE_TORCH_COMPILE = not any(d.type == "cuda" for d in backend.parse_devices())
+
+    def _data(self, model_config: Any) -> Union[TaskStream, "FileStream"]:
+        """The batch stream; the sequence length is checked against the model before any tokenizing."""
+        cfg = self.cfg
+        limit = getattr(model_config, "max_position_embeddings", None)
+        if cfg.data is None:
+            task = TASKS[cfg.task]
+            if cfg.seq_len is not None and cfg.seq_len != task.seq_len:
+                raise ConfigError(f"seq_len={cfg.seq_len} is set, but task {cfg.task!r} has fixed {task.seq_len}-token examples", "drop --seq-len or train on a --data file")
+            seq_len = task.seq_len
+        else:
+            seq_len = cfg.seq_len or min(512, limit or 512)
+        if limit is not None and seq_len > limit:
+            raise ConfigError(f"seq_len={seq_len} exceeds the model's limit (max_position_embeddings={limit})", f"lower --seq-len to at most {limit}")
+        if cfg.data is None:
+            return TaskStream(TASKS[cfg.task], cfg.batch_size, cfg.seed)
+        from roundpipe.cli.data import file_stream
+
+        return file_stream(cfg.data, self.tokenizer, seq_len, cfg.pack, cfg.batch_size, cfg.seed, cfg.text_field)
+
+    def _total_steps(self) -> int:
+        cfg = self.cfg
+        if cfg.steps is not None:
+            return cfg.steps
+        rows_per_step = cfg.batch_size * cfg.grad_accum
+        epochs = cfg.epochs if cfg.epochs is not None else 1.0
+        return max(1, math.ceil(epochs * self.stream.num_rows / rows_per_step))
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+    def _current_weights(self, trainable_only: bool) -> Dict[str, torch.Tensor]:
+        """Up-to-date weights by Hugging Face name: masters in the training dtype for trainable
+        parameters (what ``synchronize`` would copy), the parameters themselves otherwise."""
+        masters = self.model.masters()
+        out = {}
+        for name, p in self.model.hf_model.named_parameters():
+            if trainable_only and not p.requires_grad:
+                continue
+            m = masters.get(id(p))
+            out[name] = m.detach().to(p.dtype) if m is not None else p.detach()
+        if not trainable_only:
+            params = dict(self.model.hf_model.named_parameters(remove_duplicate=False))
+            for name, t in self.model.hf_model.state_dict().items():
+                if name not in params:
+                    out[name] = t  # persistent buffers
+        return out
+
+    @property
+    def _weights_kind(self) -> str:
+        """'trainable' when the frozen weights can be reloaded from the model directory (LoRA on a
+        local model): checkpoints then stay adapter-sized."""
+        return "trainable" if self.lora is not None and self.source["kind"] == "local" else "full"
+
+    def save_checkpoint(self, loss: float) -> str:
+        """Wait for the optimizer thread, then write a checkpoint (see the module docstring)."""
+        from roundpipe import optim_stream
+
+        optim_stream.synchronize_optim()
+        self._flush_rows()
+        cfg = self.cfg
+
+        def write(d: str) -> None:
+            os.makedirs(os.path.join(d, "optim"))
+            with open(os.path.join(d, "config.yaml"), "w") as f:
+                f.write(to_yaml(cfg))
+            with open(os.path.join(d, "source.json"), "w") as f:
+                json.dump({**self.source, "weights": self._weights_kind, "dtype": str(self.dtype).replace("torch.", "")}, f, indent=1)
+            hf_dir = os.path.join(d, "hf")
+            self.model.rp.preset.model.config.save_pretrained(hf_dir)
+            self.tokenizer.save_pretrained(hf_dir)
+            if self.lora is not None:
+                self.model.hf_model.peft_config["default"].save_pretrained(os.path.join(d, "lora"))
+            ckpt.save_tensors(self._current_weights(self._weights_kind == "trainable"), os.path.join(d, "model.safetensors"), {"format": "pt"})
+            named = [(n, p) for n, p in self.model.hf_model.named_parameters() if p.requires_grad]
+            ckpt.save_tensors({n: p for n, p in named}, os.path.join(d, "optim", "device.safetensors"))
+            ckpt.save_tensors(dict(self.master_named), os.path.join(d, "optim", "master.safetensors"))
+            ckpt.save_torch(self.optimizer.state_dict(), os.path.join(d, "optim", "state.pt"))
+            trainer = {
+                "step": self.step,
+                "total_steps": self.total_steps,
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "data": self.stream.state_dict(),
+                "rng": rng_state(),
+                "tokens_seen": self.tokens_seen,
+                "elapsed": self.elapsed_before + (time.time() - self.t_start),
+            }
+            ckpt.save_torch(trainer, os.path.join(d, "trainer.pt"))
+
+        path = ckpt.save_checkpoint(cfg.output_dir, self.step, write, cfg.keep_checkpoints, {"loss": loss})
+        self.last_checkpoint = path
+        return path
+
+    def _load_checkpoint(self, path: str) -> None:
+        from roundpipe.cli.checkpoint import load_tensors, load_torch
+
+        device_w = load_tensors(os.path.join(path, "optim", "device.safetensors"))
+        master_w = load_tensors(os.path.join(path, "optim", "master.safetensors"))
+        named = [(n, p) for n, p in self.model.hf_model.named_parameters() if p.requires_grad]
+        if set(device_w) != {n for n, _ in named}:
+            raise ConfigError(f"checkpoint {path} was saved for other trainable parameters (different model or LoRA settings)", "resume with the config the checkpoint was trained with")
+        full = load_tensors(os.path.join(path, "model.safetensors"))
+        with torch.no_grad():
+            params = dict(self.model.hf_model.named_parameters())
+            for name, t in full.items():  # frozen weights (and buffers) of full checkpoints
+                if name in params and not params[name].requires_grad:
+                    params[name].copy_(t)
+            for name, p in named:
+                p.copy_(device_w[name])
+            for name, m in self.master_named:
+                m.copy_(master_w[name])
+        self.optimizer.load_state_dict(load_torch(os.path.join(path, "optim", "state.pt")))
+        trainer = load_torch(os.path.join(path, "trainer.pt"))
+        self.scheduler.load_state_dict(trainer["scheduler"])
+        # The schedule is a function of the config and the step: keep this run's (steps, lr and warmup
+        # may have been changed on resume), and only the step count from the checkpoint.
+        self.scheduler.lr_lambdas = [WarmupCosine(self.warmup_steps, self.total_steps, self.cfg.min_lr_ratio) for _ in self.optimizer.param_groups]
+        self.scheduler.base_lrs = [self.cfg.lr] * len(self.optimizer.param_groups)
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = self.cfg.lr
+            group["lr"] = self.cfg.lr * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        if self.scaler is not None and trainer.get("scaler") is not None:
+            self.scaler.load_state_dict(trainer["scaler"])
+        self.stream.load_state_dict(trainer["data"])
+        set_rng_state(trainer["rng"])
+        self.step = int(trainer["step"])
+        self.tokens_seen = int(trainer["tokens_seen"])
+        self.elapsed_before = float(trainer["elapsed"])
+        if self.step >= self.total_steps:
+            raise ConfigError(f"checkpoint {path} is at step {self.step}, the end of a {self.total_steps}-step run", "raise --steps to train further")
+
+    # ---- training ----------------------------------------------------------------------------------
+    def _step_fn(self, step: int) -> None:
+        """Optimizer-thread body of one step: clip the host gradients' global norm, step, schedule."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.optim_params, max_norm)
+        self.grad_norms[step] = float(norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _train_step(self) -> Tuple[float, int]:
+        """One optimizer step (see the module docstring); returns its loss and its token count."""
+        from roundpipe.models.loss import count_loss_tokens
+
+        batches = [self.stream.next_batch() for _ in range(self.cfg.grad_accum)]
+        counted = sum(count_loss_tokens(labels) for _, labels in batches)
+        if counted == 0:
+            raise ConfigError(f"step {self.step + 1} has no trained token", "check the data's loss masks (seq_len may cut off the responses)")
+        scale = self.scaler.scale if self.scaler is not None else (lambda t: t)
+        loss = torch.zeros(())
+        for ids, labels in batches:
+            loss += self.model.forward_backward(ids, labels, count_loss_tokens(labels) / counted, scale).detach().float()
+        if self.scaler is not None:
+            loss /= self.scaler.get_scale()
+        self.model.rp.step(self._step_fn, self.cfg.async_step, self.step + 1)
+        if self.scaler is not None:
+            self.scaler.update()
+        self.step += 1
+        value = float(loss)
+        if not math.isfinite(value) and self.scaler is None:
+            raise ConfigError(f"the loss is {value} at step {self.step}", "lower --lr (or --max-grad-norm), or check the data; earlier checkpoints are intact")
+        return value, sum(ids.numel() for ids, _ in batches)
+
+    def _flush_rows(self, force: bool = False) -> None:
+        """Write pending metric rows whose gradient norm the optimizer thread has produced."""
+        while self._pending and (force or self._pending[0]["step"] in self.grad_norms):
+            row = self._pending.pop(0)
+            row["grad_norm"] = self.grad_norms.pop(row["step"], None)
+            self.metrics.write(row)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self._stop_requested:
+            raise KeyboardInterrupt
+        self._stop_requested = True
+        self.log("roundpipe: interrupt: checkpointing after this step (Ctrl-C again to abort)")
+
+    def train(self) -> TrainResult:
+        cfg = self.cfg
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as f:
+            f.write(to_yaml(cfg))
+        resumed = self.resume_from is not None
+        self.metrics = MetricsWriter(cfg.output_dir, self.step if resumed else None, cfg.tensorboard)
+        self._pending: List[Dict[str, Any]] = []
+        self.last_checkpoint: Optional[str] = None
+        n_params = sum(p.numel() for p in self.model.hf_model.parameters())
+        n_train = sum(m.numel() for _, m in self.master_named)
+        from roundpipe import get_num_devices
+
+        self.log(
+            f"roundpipe train: {cfg.model} ({n_params / 1e6:.2f}M params, {n_train / 1e6:.2f}M trained, {str(self.dtype).replace('torch.', '')}"
+            f"{', LoRA r=%d' % cfg.lora_r if cfg.lora_r else ''}) on {get_num_devices()} device(s) [{os.environ.get('RPP_DEVICES') or 'default'}]"
+        )
+        self.log(f"data: {self.stream.describe()}")
+        self.log(
+            f"steps: {self.total_steps} x {cfg.grad_accum} x {cfg.batch_size} sequences x {self.stream.seq_len} tokens, "
+            f"{self.microbatches} microbatches, {'async' if cfg.async_step else 'sync'} optimizer step"
+            + (f"; resuming at step {self.step} from {self.resume_from}" if resumed else "")
+        )
+        end = self.total_steps if cfg.stop_at is None else min(cfg.stop_at, self.total_steps)
+        from roundpipe.cli import progress_enabled
+
+        bar_on = cfg.progress and progress_enabled()
+        if bar_on:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.total_steps, initial=self.step, unit="step", dynamic_ncols=True, file=sys.stderr)
+        old_handler = signal.signal(signal.SIGINT, self._on_sigint) if _main_thread() else None
+        self.t_start = time.time()
+        t_run = time.time()
+        tokens_this_run = 0
+        loss_value = math.nan
+        try:
+            while self.step < end:
+                lr = self.scheduler.lr_lambdas[0](self.step) * cfg.lr
+                loss_value, step_tokens = self._train_step()
+                self.tokens_seen += step_tokens
+                tokens_this_run += step_tokens
+                elapsed = time.time() - t_run
+                tps = tokens_this_run / max(elapsed, 1e-9)
+                self._pending.append({"step": self.step, "loss": loss_value, "lr": lr, "tokens": self.tokens_seen, "tokens_per_s": tps, "elapsed_s": self.elapsed_before + elapsed})
+                self._flush_rows()
+                if self._bar is not None:
+                    self._bar.set_postfix_str(f"loss {loss_value:.4f}, {format_rate(tps)} tok/s", refresh=False)
+                    self._bar.update(1)
+                if self.step % cfg.log_every == 0 or self.step == end:
+                    self.log(f"step {self.step}/{self.total_steps} | loss {loss_value:.4f} | lr {lr:.2e} | {format_rate(tps)} tok/s | {_fmt_time(self.elapsed_before + elapsed)}")
+                at_save = cfg.save_every and self.step % cfg.save_every == 0
+                if at_save or self.step == end or self._stop_requested:
+                    path = self.save_checkpoint(loss_value)
+                    if self.step != end or at_save:
+                        self.log(f"checkpoint: {path}")
+                if self._stop_requested:
+                    break
+        finally:
+            if old_handler is not None:
+                signal.signal(signal.SIGINT, old_handler)
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+        seconds = time.time() - t_run
+        self.model.rp.synchronize()
+        self._flush_rows(force=True)
+        self.metrics.close()
+        result = TrainResult(
+            step=self.step,
+            total_steps=self.total_steps,
+            loss=loss_value,
+            tokens_per_s=tokens_this_run / max(seconds, 1e-9),
+            seconds=seconds,
+            output_dir=cfg.output_dir,
+            checkpoint=self.last_checkpoint,
+            model=self.model,
+            tokenizer=self.tokenizer,
+        )
+        if cfg.data is None and cfg.eval_examples and self.step == self.total_steps:
+            result.accuracy = self.evaluate()
+        self._summary(result)
+        if self.step < self.total_steps and self.last_checkpoint is not None:
+            why = "interrupted" if self._stop_requested else "stop_at reached"
+            self.log(f"{why} at step {self.step}/{self.total_steps}; continue with: roundpipe train --resume --output-dir {cfg.output_dir}")
+        if self._stop_requested:
+            raise KeyboardInterrupt
+        return result
+
+    def evaluate(self) -> float:
+        """Exact match of greedy answers on held-out problems of the built-in task."""
+        task = TASKS[self.cfg.task]
+        examples = held_out_examples(task, self.cfg.eval_examples)
+        acc, results = exact_match(self.model.last_logits, task, examples)
+        for prompt, want, got in results[:3]:
+            self.log(f"  {prompt}{got:<{task.answer_len}}  {'ok' if got == want else 'expected ' + want}")
+        self.log(f"held-out exact match: {acc:.1%} ({round(acc * len(results))}/{len(results)})")
+        return acc
+
+    def _summary(self, r: TrainResult) -> None:
+        cfg = self.cfg
+        plot = plot_metrics(self.metrics.path, os.path.join(cfg.output_dir, "loss.png"))
+        gpu = device_peak_memory_gib()
+        summary = {
+            "step": r.step,
+            "total_steps": r.total_steps,
+            "final_loss": r.loss,
+            "tokens_per_s": r.tokens_per_s,
+            "seconds": r.seconds,
+            "peak_gpu_memory_gib": gpu,
+            "host_peak_rss_gib": host_peak_rss_gib(),
+            "accuracy": r.accuracy,
+            "checkpoint": r.checkpoint,
+        }
+        with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        self.log(
+            f"done: step {r.step}/{r.total_steps} in {_fmt_time(r.seconds)}, {format_rate(r.tokens_per_s)} tokens/s, final loss {r.loss:.4f}; "
+            f"peak GPU memory {'%.2f GiB' % gpu if gpu is not None else 'n/a (CPU workers)'}, host peak RSS {summary['host_peak_rss_gib']:.2f} GiB"
+        )
+        files = [f"metrics {self.metrics.path}"] + ([f"plot {plot}"] if plot else []) + ([f"checkpoint {r.checkpoint}"] if r.checkpoint else [])
+        if self.metrics.tensorboard_dir:
+            files.append(f"tensorboard {self.metrics.tensorboard_dir}")
+        self.log("wrote " + ", ".join(files))
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def resume_config(cfg: TrainConfig, given: Dict[str, Any]) -> TrainConfig:
+    """With ``--resume``, the checkpoint's config is the base and only keys given now override it
+    (``stop_at`` of the interrupted run is dropped)."""
+    from roundpipe.cli.config import from_yaml_text
+
+    path = ckpt.resolve_checkpoint(cfg.resume or "latest", cfg.output_dir)
+    ckpt.verify_checkpoint(path)
+    with open(os.path.join(path, "config.yaml")) as f:
+        saved = from_yaml_text(f.read()).to_dict()
+    saved["stop_at"] = None
+    changed = sorted(k for k, v in given.items() if k not in ("resume", "stop_at", "output_dir", "progress", "log_every", "save_every", "keep_checkpoints", "devices", "tensorboard") and saved.get(k) != getattr(cfg, k))
+    if changed:
+        logger.warning("resuming with changed %s: the run will not repeat the uninterrupted one exactly", ", ".join(changed))
+    merged = merge({}, {**saved, **{k: getattr(cfg, k) for k in given}, "resume": path})
+    return merged
+
+
+def run(cfg: TrainConfig, given: Optional[Dict[str, Any]] = None, out: Callable[[str], None] = print) -> TrainResult:
+    """Train with ``cfg``; ``given`` are the keys set explicitly (by YAML or flags), used on resume."""
+    if cfg.resume is not None:
+        cfg = resume_config(cfg, given or {})
+    recipe = Recipe(cfg, out)
+    recipe.setup()
+    return recipe.train()
+
+
+__all__ = ["BUILTIN_MODELS", "PipelineModel", "Recipe", "TrainResult", "WarmupCosine", "run"]
