@@ -24,7 +24,7 @@ import torch
 
 from roundpipe import backend
 from roundpipe.backend import Event, Stream
-from roundpipe.threads import AnnotatedSemaphore, RoundPipeThread, RoundPipeWorkerError, report_failure
+from roundpipe.threads import AnnotatedSemaphore, RoundPipeOutOfMemoryError, RoundPipeThread, RoundPipeWorkerError, report_failure
 
 
 class InterStreamMemManager:
@@ -89,6 +89,8 @@ class DeviceManager:
         self.job_arrived = AnnotatedSemaphore(0, name=f"{self.name}.job_arrived")
         self.cur_job: Optional[Tuple[Callable[..., None], Tuple[Any, ...]]] = None
         self.location = ""
+        # The stage the running job executes: (model name, layers, bytes on the device), for OOM errors.
+        self.stage: Optional[Tuple[str, range, float]] = None
         self.shutdown = False
         self.controller_thread = RoundPipeThread(self.controller, name=f"roundpipe-{self.name}")
         self.controller_thread.start()
@@ -144,6 +146,7 @@ class DeviceManager:
                 report_failure(self._locate(exc))
             finally:
                 self.location = ""
+                self.stage = None
                 self.controller_thread.is_active = False
                 self.is_idle.release()
 
@@ -153,10 +156,27 @@ class DeviceManager:
         if isinstance(exc, (RoundPipeAborted, KeyboardInterrupt)):
             return exc
         where = f"{self.location} on device {self.name}" if self.location else f"on device {self.name}"
-        err = RoundPipeWorkerError(f"{where}: {type(exc).__name__}: {exc}")
+        if isinstance(exc, torch.OutOfMemoryError):
+            err: RoundPipeWorkerError = RoundPipeOutOfMemoryError(f"{where}: out of memory. {self._oom_advice()}\n{type(exc).__name__}: {exc}")
+        else:
+            err = RoundPipeWorkerError(f"{where}: {type(exc).__name__}: {exc}")
         err.__cause__ = exc
         err.original = exc  # type: ignore[attr-defined]
         return err
+
+    def _oom_advice(self) -> str:
+        """What ran out of memory and the knobs that fix it (docs/resolve-oom.md)."""
+        free = backend.free_memory_bytes(self.device) / 1024**3
+        stage = ""
+        if self.stage is not None:
+            name, layers, nbytes = self.stage
+            stage = f"Stage layers {layers.start}-{layers.stop - 1} of model {name!r} needs {nbytes / 1024**3:.2f} GiB for parameters (and gradients); "
+        return (
+            f"{stage}{free:.2f} GiB of device memory is free now. Fixes: more microbatches "
+            "(RoundPipeRunConfig(num_microbatch=...)) for smaller activations; smaller stages (a manual "
+            "execute_plan, or ModelExecutePlan.auto(..., model_memory_limit=<GB>)); recompute_grain='layer' "
+            "(one layer's autograd graph at a time); see docs/resolve-oom.md"
+        )
 
     def shutdown_controller(self) -> None:
         """Stop the controller thread."""
@@ -214,6 +234,13 @@ def get_next_device() -> DeviceManager:
 def get_min_gpu_memory() -> float:
     """Minimum free memory across the devices, in GB (host memory for CPU workers)."""
     return min(backend.free_memory_bytes(d.device) for d in _ensure_devices()) / 1024**3
+
+
+def threads_failure() -> Optional[BaseException]:
+    """The failure recorded by a worker in this run, if any (see ``threads``)."""
+    from roundpipe.threads import current_failure
+
+    return current_failure()
 
 
 def wait_all_idle() -> None:

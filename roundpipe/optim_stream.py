@@ -18,7 +18,7 @@ import queue
 import threading
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from roundpipe.threads import RoundPipeThread, note_progress, report_failure
+from roundpipe.threads import OptimizerStepError, RoundPipeThread, note_progress, report_failure
 
 KernelQueueType = "queue.Queue[Tuple[Callable, Tuple, Dict[str, Any]]]"
 
@@ -26,10 +26,6 @@ kernel_queue: "queue.Queue[Any]" = queue.Queue()
 OPTIM_STOP = object()
 optim_thread: Optional[RoundPipeThread] = None
 _start_lock = threading.Lock()
-
-
-class OptimizerStepError(RuntimeError):
-    """An exception raised by optimizer work on the optimizer thread."""
 
 
 def controller() -> None:

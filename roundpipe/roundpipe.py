@@ -338,16 +338,14 @@ class RoundPipe(RoundPipeBase):
     # ---- plans ---------------------------------------------------------------------------------------
     def layer_device_bytes(self, run_type: RunType) -> List[float]:
         """Bytes each layer occupies on a device while it runs: parameters and buffers, plus gradients
-        of trainable parameters when training."""
+        of trainable parameters when training. Computed once per run type (the layer list is fixed)."""
         from roundpipe.utils import get_model_active_size
 
-        out = []
-        for layer in self.layers:
-            b = get_model_size(layer)
-            if run_type != "infer":
-                b += get_model_active_size(layer)
-            out.append(float(b))
-        return out
+        key = "infer" if run_type == "infer" else "train"
+        cache = self.__dict__.setdefault("_device_bytes", {})
+        if key not in cache:
+            cache[key] = [float(get_model_size(l) + (get_model_active_size(l) if key == "train" else 0)) for l in self.layers]
+        return cache[key]
 
     def resolve_plan(self, cfg: FullRoundPipeRunConfig, run_type: RunType) -> ModelExecutePlan:
         """The plan for this call: the user's (validated) or the model's default for ``run_type``."""

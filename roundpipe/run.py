@@ -195,6 +195,8 @@ def _give_grads(device: "DeviceManager", run: Run, ctx: RoundPipeRunContext, gro
 
 def _upload_group(device: "DeviceManager", run: Run, layers: range, with_grad: bool, for_recompute: bool) -> List[torch.nn.Module]:
     model = run.model
+    sizes = model.layer_device_bytes("train" if with_grad else "infer")
+    device.stage = (model.name, layers, sum(sizes[i] for i in layers))
     device.throttle_prefetch()
     return upload_layers(
         [model.layers[i] for i in layers],
@@ -467,6 +469,12 @@ def guarded(run: Run, what: str, fn: Callable[[], Any]) -> Any:
             # Workers abort their waits within a poll interval; wait for them without aborting.
             _wait_plain(d)
         run.model.reset_events()
+        if isinstance(exc, torch.OutOfMemoryError) or isinstance(device_mod.threads_failure(), torch.OutOfMemoryError):
+            # Give the failed run's memory back so the next call (e.g. with more microbatches) fits.
+            run.release()
+            device_mod.gc_collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         raise_if_failed(what)
         raise
 

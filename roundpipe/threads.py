@@ -20,6 +20,8 @@ import traceback
 from types import FrameType
 from typing import Any, Callable, List, Optional
 
+import torch
+
 POLL_S = 0.05
 
 roundpipe_threads: List["RoundPipeThread"] = []
@@ -40,6 +42,14 @@ class RoundPipeAborted(RuntimeError):
 
 class RoundPipeWorkerError(RuntimeError):
     """An exception in a RoundPipe worker thread, re-raised in the caller's thread with its location."""
+
+
+class RoundPipeOutOfMemoryError(RoundPipeWorkerError, torch.OutOfMemoryError):
+    """A device ran out of memory in a stage; the message names the stage, its size and the fixes."""
+
+
+class OptimizerStepError(RuntimeError):
+    """An exception raised by optimizer work on the optimizer thread."""
 
 
 def report_failure(exc: BaseException) -> None:
@@ -234,7 +244,7 @@ def raise_if_failed(where: str = "") -> None:
         return
     if isinstance(exc, KeyboardInterrupt):
         raise KeyboardInterruptRoundPipeThreads(str(exc)) from exc
-    if isinstance(exc, RuntimeError) and type(exc).__name__ in ("RoundPipeWorkerError", "OptimizerStepError"):
+    if isinstance(exc, (RoundPipeWorkerError, OptimizerStepError)):
         raise exc
     err = RoundPipeWorkerError(f"{where}: {type(exc).__name__}: {exc}" if where else f"{type(exc).__name__}: {exc}")
     raise err from exc

@@ -188,7 +188,7 @@ def download_layer(
     stream.wait_stream(device.compute_stream)
     with torch.no_grad(), backend.use_stream(stream):
         pairs = list(zip(cpu_layer.modules(), gpu_layer.modules()))
-        if with_buffer:
+        if with_buffer and any(b is not None for m, _ in pairs for b in m._buffers.values()):
             for host_mod, dev_mod in pairs:
                 for name, b in host_mod._buffers.items():
                     db = dev_mod._buffers.get(name)

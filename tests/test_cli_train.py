@@ -221,3 +221,37 @@ def test_model_errors_are_one_line(tmp_path, capsys) -> None:
         assert main(["train", "--output-dir", str(tmp_path / "o"), *args]) == 2, args
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("roundpipe: error: ") and expect in err[0], (args, err)
+
+
+def test_nonfinite_loss_stops_or_skips(tmp_path, capsys) -> None:
+    """A NaN loss stops the run with one line (before any step uses it), or with on_nonfinite=skip drops
+    that step's gradients: the weights stay finite and training goes on."""
+    from roundpipe.cli import train as train_mod
+
+    original = train_mod.Recipe._train_step
+    poisoned = {"done": False}
+
+    def poison_once(self):
+        # Make one batch's loss NaN by poisoning the model's output head for a single step.
+        if self.step == 2 and not poisoned["done"]:
+            poisoned["done"] = True
+            head = self.model.hf_model.get_output_embeddings().weight
+            saved = head.data.clone()
+            head.data.fill_(float("nan"))
+            try:
+                return original(self)
+            finally:
+                head.data.copy_(saved)
+        return original(self)
+
+    train_mod.Recipe._train_step = poison_once
+    try:
+        assert main(["train", "--output-dir", str(tmp_path / "stop"), "--steps", "4", "--batch-size", "4", "--eval-examples", "4", "--no-async-step"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "the loss is nan at step 3" in err[0], err
+        poisoned["done"] = False
+        res = run(config(output_dir=str(tmp_path / "skip"), steps=4, batch_size=4, on_nonfinite="skip", async_step=False), out=lambda m: None)
+        assert res.step == 4
+        assert all(torch.isfinite(p).all() for p in res.model.hf_model.parameters())
+    finally:
+        train_mod.Recipe._train_step = original

@@ -200,36 +200,45 @@ class _FailingBackward(torch.autograd.Function):
 
 
 class _MaybeFail(nn.Module):
-    """Raises in backward for the microbatch whose first row id equals ``fail_row``."""
+    """Raises in ``phase`` ('forward', 'recompute' or 'backward') for the microbatch whose first row
+    id equals ``fail_row``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fail_row = -1
+        self.phase = "backward"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _FailingBackward.apply(x, int(x[0, 0].item()) == self.fail_row)
+        from roundpipe import doing_recompute
+
+        hit = int(x[0, 0].item()) == self.fail_row
+        if hit and self.phase == ("recompute" if doing_recompute() else "forward"):
+            raise ValueError("injected failure")
+        return _FailingBackward.apply(x, hit and self.phase == "backward")
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("workers", WORKER_SPECS, indirect=True)
-def test_exception_in_backward_surfaces_with_location(workers: str) -> None:
+@pytest.mark.parametrize("phase", ["forward", "recompute", "backward"])
+def test_exception_surfaces_with_location(workers: str, phase: str) -> None:
     torch.manual_seed(6)
     bomb = _MaybeFail()
     model = nn.Sequential(nn.Identity(), nn.Linear(3, 3).double(), bomb, nn.Linear(3, 3).double())
-    rp = RoundPipe(model, name="bomb-model", model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    # One layer per group, so that backward errors name exactly layer 2 (a group's backward names its range).
+    plan = ModelExecutePlan.layerwise(4, "train")
+    rp = RoundPipe(model, name="bomb-model", model_run_config=RoundPipeRunConfig(num_microbatch=3, execute_plan=plan))
     x = torch.cat([torch.arange(9, dtype=torch.float64)[:, None], torch.randn(9, 2, dtype=torch.float64)], dim=1)
     # Rows 0-2, 3-5, 6-8 form microbatches 0, 1, 2; fail in microbatch 1. Layer 1 is Linear: keep the
     # row id column intact by failing on the identity-fed input of layer 2 instead.
     model[1].weight.data = torch.eye(3, dtype=torch.float64)
     model[1].bias.data.zero_()
-    bomb.fail_row = 3
+    bomb.fail_row, bomb.phase = 3, phase
     start = time.monotonic()
-    out = rp(x)
     with pytest.raises(RoundPipeWorkerError) as info:
-        out.sum().backward()
+        rp(x).sum().backward()
     assert time.monotonic() - start < 10
     msg = str(info.value)
-    assert "layer 2" in msg and "microbatch 1" in msg and "device" in msg and "injected failure" in msg, msg
+    assert f"{phase} of layer 2" in msg and "microbatch 1" in msg and "device" in msg and "injected failure" in msg, msg
     bomb.fail_row = -1
     out = rp(x)
     out.sum().backward()  # the same model works after the failure

@@ -77,3 +77,38 @@ def test_model_runs_after_bad_input() -> None:
     out = rp(X)
     out.sum().backward()
     assert out.shape == (6, 2)
+
+
+class _OomInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        if _OomLayer.armed:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (simulated)")
+        return g
+
+
+class _OomLayer(nn.Module):
+    armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _OomInBackward.apply(x)
+
+
+@pytest.mark.timeout(30)
+def test_out_of_memory_names_stage_and_fixes() -> None:
+    """An OOM in backward (simulated on CPU workers; tests/test_gpu.py does it for real) gives the
+    documented message, and the next call works."""
+    rp = RoundPipe(nn.Sequential(nn.Linear(4, 4), _OomLayer(), nn.Linear(4, 2)), name="oom-model")
+    _OomLayer.armed = True
+    out = rp(X)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        out.sum().backward()
+    msg = str(info.value)
+    for fragment in ("model 'oom-model'", "layer 1", "out of memory", "Stage layers", "GiB", "num_microbatch", "execute_plan", "recompute_grain='layer'", "resolve-oom"):
+        assert fragment in msg, (fragment, msg)
+    _OomLayer.armed = False
+    rp(X).sum().backward()

@@ -68,6 +68,7 @@ class TrainConfig:
     max_grad_norm: float = _f(1.0, "clip the global gradient norm to this (0: off)", group="optim")
     seed: int = _f(0, "seed of the weights, data order and dropout", group="optim")
     async_step: bool = _f(True, "overlap the optimizer step with the next iteration (weights one step stale)", group="optim")
+    on_nonfinite: str = _f("stop", "a NaN/inf loss: stop (exit with an error; checkpoints stay intact) or skip (drop that step's gradients and go on)", group="optim")
     plan: str = _f("auto", "pipeline stages: auto (RoundPipe's planner, from measured layer times and device memory), layerwise (one layer per stage: least device memory) or single (the whole model in one stage: fastest for small models)", group="run")
     compile: Optional[bool] = _f(None, "torch.compile the loss kernels (default: RPP_DISABLE_TORCH_COMPILE if set, else on for GPUs and off for CPU workers, where compiling takes longer than it saves)", group="run")
     # devices
@@ -290,6 +291,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"min_lr_ratio={cfg.min_lr_ratio} is outside [0, 1]", "pick a fraction of lr, e.g. 0.1")
     if len(cfg.betas) != 2 or not all(0 <= b < 1 for b in cfg.betas):
         raise ConfigError(f"betas={cfg.betas} is not two numbers in [0, 1)", "use e.g. --betas 0.9 0.999")
+    if cfg.on_nonfinite not in ("stop", "skip"):
+        raise ConfigError(f"on_nonfinite={cfg.on_nonfinite!r} is not a choice", "use stop or skip")
     if cfg.plan not in PLANS:
         raise ConfigError(f"plan={cfg.plan!r} is not a plan", f"use one of {', '.join(PLANS)}")
     if cfg.dtype not in DTYPES:

@@ -365,6 +365,7 @@ class Recipe:
         self.warmup_steps = cfg.warmup_steps if cfg.warmup_steps is not None else round(0.05 * self.total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, WarmupCosine(self.warmup_steps, self.total_steps, cfg.min_lr_ratio))
         self.step = 0
+        self.skipped_steps = 0
         self.tokens_seen = 0
         self.elapsed_before = 0.0
         self.grad_norms: Dict[int, float] = {}
@@ -549,13 +550,23 @@ class Recipe:
             loss += self.model.forward_backward(ids, labels, count_loss_tokens(labels) / counted, scale).detach().float()
         if self.scaler is not None:
             loss /= self.scaler.get_scale()
-        self.model.rp.step(self._step_fn, self.cfg.async_step, self.step + 1)
+        value = float(loss)
+        # Checked before the step, so non-finite gradients never reach the optimizer (with a
+        # GradScaler the scaler skips such steps itself and backs its scale off).
+        if not math.isfinite(value) and self.scaler is None:
+            if self.cfg.on_nonfinite == "stop":
+                raise ConfigError(f"the loss is {value} at step {self.step + 1}", "lower --lr (or --max-grad-norm), check the data, or pass --on-nonfinite skip; earlier checkpoints are intact")
+            # Backward has completed and no step reads these gradients yet: dropping them is safe.
+            for p in self.model.rp.model.parameters():
+                p.grad = None
+            self.skipped_steps += 1
+            self.grad_norms[self.step + 1] = math.nan  # its metrics row has no gradient norm
+            self.log(f"roundpipe: step {self.step + 1}: loss is {value}; its gradients were dropped (on_nonfinite=skip)")
+        else:
+            self.model.rp.step(self._step_fn, self.cfg.async_step, self.step + 1)
         if self.scaler is not None:
             self.scaler.update()
         self.step += 1
-        value = float(loss)
-        if not math.isfinite(value) and self.scaler is None:
-            raise ConfigError(f"the loss is {value} at step {self.step}", "lower --lr (or --max-grad-norm), or check the data; earlier checkpoints are intact")
         return value, sum(ids.numel() for ids, _ in batches)
 
     def _flush_rows(self, force: bool = False) -> None:

@@ -1,0 +1,67 @@
+"""A process killed (SIGKILL) in the middle of writing a checkpoint loses nothing: the previous
+checkpoint stays the latest and loadable, and resuming from it reproduces the uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from roundpipe.cli import main
+from roundpipe.cli.checkpoint import resolve_checkpoint
+
+ARGS = ["--steps", "6", "--save-every", "2", "--batch-size", "4", "--microbatches", "2", "--devices", "cpu:1", "--eval-examples", "4"]
+
+KILLED_RUN = textwrap.dedent(
+    """
+    import sys, time
+    from roundpipe.cli import checkpoint as ckpt
+    from roundpipe.cli import main
+
+    marker, out, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+    original = ckpt.save_checkpoint
+
+    def save_then_hang(output_dir, step, write, keep, meta=None):
+        def write_partly(tmp):
+            write(tmp)
+            if step == 4:  # files of step 4 are written, its manifest and rename are not
+                open(marker, "w").close()
+                time.sleep(120)
+        return original(output_dir, step, write_partly, keep, meta)
+
+    ckpt.save_checkpoint = save_then_hang
+    sys.exit(main(["train", "--output-dir", out, *args]))
+    """
+)
+
+
+@pytest.mark.timeout(240)
+def test_sigkill_during_checkpoint_write_keeps_previous_checkpoint(tmp_path) -> None:
+    killed, full = str(tmp_path / "killed"), str(tmp_path / "full")
+    marker = str(tmp_path / "writing")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", RPP_PROGRESS="0")
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, marker, killed, *ARGS], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 180
+    while not os.path.exists(marker):
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+
+    latest = resolve_checkpoint("latest", killed)
+    assert latest.endswith("step-0000002"), latest  # the half-written step 4 is not taken
+
+    assert main(["train", "--resume", "--output-dir", killed, *ARGS]) == 0
+    assert main(["train", "--output-dir", full, *ARGS]) == 0
+    a = load_file(os.path.join(resolve_checkpoint("latest", killed), "model.safetensors"))
+    b = load_file(os.path.join(resolve_checkpoint("latest", full), "model.safetensors"))
+    assert resolve_checkpoint("latest", killed).endswith("step-0000006")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
