@@ -193,11 +193,15 @@ class RoundPipeBase(nn.Module):
                 step_fn(*args, **kwargs)
                 if not is_async:
                     self._copy_params_to_model(units)
-        finally:
-            # Never leave the main thread waiting on a step that failed: the failure is raised there.
+        except BaseException:
+            # Never leave the main thread waiting on a step that failed (the failure is raised there).
+            # Only on failure: on success each event was set once above, and by now the main thread
+            # may already have cleared it again for the next step.
             for attr, _ in units:
                 attr.param_copied.set()
                 attr.grad_copied.set()
+            raise
+        finally:
             self.optim_updated.set()
 
     @staticmethod
