@@ -22,14 +22,13 @@ CPU smoke (CI; 2 CPU-worker ranks, tiny model):
 Scaling model (no run; prints the table of docs/multi-node.md, ``--plot`` writes a figure):
 
     python bench/dp_bench.py --simulate --params 1.72e9 --iter-s 1.68 --net-gbps 100 200 400
-    python bench/dp_bench.py --simulate --calibrate one.json two.json    # model vs a measured 2-rank run
+    python bench/dp_bench.py --calibrate one.json two.json               # model vs a measured 2-rank run
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -184,8 +183,8 @@ def run(args: argparse.Namespace) -> int:
     import train_bench  # the Qwen3 workload shapes
 
     if args.shape:  # a custom Qwen3 shape: hidden, intermediate, layers, heads, kv heads (tied embeddings)
-        h, i, l, nh, kv = (int(x) for x in args.shape.split(","))
-        train_bench.WORKLOADS[args.model] = (h, i, l, nh, kv, True)
+        hidden, inter, layers, heads, kv = (int(x) for x in args.shape.split(","))
+        train_bench.WORKLOADS[args.model] = (hidden, inter, layers, heads, kv, True)
 
     import roundpipe
     from roundpipe import RoundPipeRunConfig
@@ -217,10 +216,11 @@ def run(args: argparse.Namespace) -> int:
         optim_times.append(time.perf_counter() - t0)
 
     if args.reduce_only:
+        if dp is None:
+            raise SystemExit("--reduce-only needs at least 2 ranks (torchrun --nproc-per-node 2 ...)")
         return reduce_only(args, model, dp, rank, world, grad_bytes, net)
     sums: List[float] = []
     counts: List[float] = []
-    stamps: List[float] = []
     rdist.barrier()
     t_start = time.perf_counter()
     for step in range(args.steps):
@@ -236,7 +236,6 @@ def run(args: argparse.Namespace) -> int:
         model.step(step_fn, is_async=not args.sync)
         sums.append(float(loss) * n)
         counts.append(float(n))
-        stamps.append(time.perf_counter())
     model.synchronize()
     elapsed = time.perf_counter() - t_start
     timed = args.steps - args.warmup
@@ -245,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
     losses = [s / c for s, c in zip(red[: args.steps], red[args.steps :])]
     tokens = args.batch_per_rank * world * args.seq * timed
     optim_s = sum(optim_times[args.warmup :]) / max(len(optim_times) - args.warmup, 1)  # for the scaling model
-    hist = dp.stats.history[args.warmup :] if dp is not None else []
+    hist = list(dp.stats.history)[args.warmup :] if dp is not None else []
     result: Dict[str, Any] = {
         "model": args.model,
         "lora": args.lora,
@@ -290,7 +289,7 @@ def reduce_only(args: argparse.Namespace, model: Any, dp: Any, rank: int, world:
         for p in params:
             p.grad = torch.randn_like(p)
         model.step(lambda: None, is_async=False)
-    hist = dp.stats.history[args.warmup :] if dp is not None else [0.0]
+    hist = list(dp.stats.history)[args.warmup :] if dp is not None else [0.0]
     med = statistics.median(hist)
     if rank == 0:
         print(f"| reduce only | {world} ranks | {grad_bytes / 2**20:.1f} MiB | buckets {args.bucket_mb:g} MiB x {args.in_flight} in flight | "

@@ -44,7 +44,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Deque, Dict, List, Literal, Mapping, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Deque, Dict, List, Literal, Mapping, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -277,6 +277,13 @@ def all_reduce_scalars(values: Sequence[float], op: Literal["sum", "mean", "max"
     return t.tolist()
 
 
+def any_across_ranks(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank: for decisions every rank must take together (skip a step
+    with a non-finite loss, stop after this step), since a rank that skips ``model.step`` alone would
+    leave the others waiting in the gradient all-reduce."""
+    return bool(all_reduce_scalars([1.0 if flag else 0.0], "max")[0])
+
+
 def assert_same_across_ranks(value: Any, what: str) -> None:
     """Raise on every rank if ``value`` (picklable) differs between ranks, naming the ranks."""
     if get_world_size() == 1:
@@ -305,10 +312,13 @@ def shard(data: Any, rank: Optional[int] = None, world_size: Optional[int] = Non
     """This rank's contiguous share (see :func:`shard_bounds`) of ``data`` along its first dimension.
 
     ``int n`` -> ``range`` of indices; tensor, list, range or array -> slice; ``Mapping`` -> the same keys
-    with each value sharded; ``tuple`` -> each element sharded (a batch such as ``(input_ids, labels)``).
+    with each value sharded; ``tuple`` -> each element sharded (a batch such as ``(input_ids, labels)``);
+    ``None`` -> ``None``.
     Shares differ by at most one item when ``len`` is not divisible by the world size; then normalise
     the loss by the global count (:meth:`DataParallel.normalize_by`) for an exact global mean.
     """
+    if data is None:
+        return None  # an absent field of a batch (e.g. attention_mask=None) stays absent
     if isinstance(data, bool):
         raise TypeError("shard: expected a count, sequence, tensor, mapping or tuple, got a bool")
     if isinstance(data, int):
@@ -357,7 +367,9 @@ class DataParallelStats:
         collectives: Collectives issued (metadata included).
         bytes: Gradient bytes all-reduced (this rank's input size).
         comm_s: Optimizer-thread time blocked in collectives, setup and packing included.
-        last_step_s: Wall time of the last step's reduction, first to last unit.
+        last_step_s: Wall time of the last step's reduction, first to last unit (waiting for the
+            slowest rank included).
+        history: ``last_step_s`` of the recent steps (the last 4096).
     """
 
     steps: int = 0
@@ -365,7 +377,7 @@ class DataParallelStats:
     bytes: int = 0
     comm_s: float = 0.0
     last_step_s: float = 0.0
-    history: List[float] = field(default_factory=list)
+    history: Deque[float] = field(default_factory=lambda: deque(maxlen=4096))
 
 
 class DataParallel:
@@ -811,6 +823,7 @@ __all__ = [
     "DataParallelStats",
     "DistEnv",
     "all_reduce_scalars",
+    "any_across_ranks",
     "assert_same_across_ranks",
     "barrier",
     "broadcast_object",
