@@ -7,13 +7,20 @@ hidden. The loss curve of W ranks must equal that of ONE process trained on the 
 (same seed; the DP reduction is exact up to rounding), which is a separate 1-rank run with
 ``--batch-per-rank`` x W.
 
-Acceptance run (nvidia-h200-x2, one GPU per rank; ``--gpus-per-rank 1`` pins rank r to cuda:r):
+Acceptance run (nvidia-h200-x2, one GPU per rank; ``--gpus-per-rank 1`` pins rank r to cuda:r). The
+2-rank run measures both gradient reductions, one after the other with a fresh model each
+(``--reduce-on host device``: gloo on the host gradients, NCCL on the GPUs before the download), and
+writes ``two.host.json`` and ``two.device.json``:
 
     B=4; S=4096; A="--model qwen3-1.7b --seq $S --steps 20 --warmup 4 --threads 16"
-    torchrun --nproc-per-node 1 bench/dp_bench.py $A --batch-per-rank $B       --out one.json
-    torchrun --nproc-per-node 1 bench/dp_bench.py $A --batch-per-rank $((2*B)) --out ref.json
-    torchrun --nproc-per-node 2 bench/dp_bench.py $A --batch-per-rank $B       --out two.json
-    python bench/dp_bench.py --compare one.json two.json --loss-ref ref.json   # exit 1 if < 1.8x or off curve
+    torchrun --standalone --nproc-per-node 1 bench/dp_bench.py $A --batch-per-rank $B       --out one.json
+    torchrun --standalone --nproc-per-node 1 bench/dp_bench.py $A --batch-per-rank $((2*B)) --out ref.json
+    torchrun --standalone --nproc-per-node 2 bench/dp_bench.py $A --batch-per-rank $B --reduce-on host device --out two.json
+    python bench/dp_bench.py --compare one.json two.device.json --loss-ref ref.json   # exit 1 if < 1.8x or off curve
+    python bench/dp_bench.py --compare one.json two.host.json --loss-ref ref.json
+
+With a single ``--reduce-on`` mode (default ``auto``: device with NCCL on GPUs, host otherwise) the
+result goes to ``--out`` itself.
 
 CPU smoke (CI; 2 CPU-worker ranks, tiny model):
 
@@ -28,6 +35,7 @@ Scaling model (no run; prints the table of docs/multi-node.md, ``--plot`` writes
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -142,24 +150,33 @@ def global_batch(step: int, rows: int, seq: int, vocab: int) -> Tuple[Any, Any]:
     return ids, ids.clone()
 
 
-def measure_network(group: Any, bucket_mb: float) -> Tuple[float, float]:
-    """Bus bandwidth (Gbit/s, ring-corrected) and small-message latency of the DP group."""
+def measure_network(group: Any, bucket_mb: float, device: Any = "cpu") -> Tuple[float, float]:
+    """Bus bandwidth (Gbit/s, ring-corrected) and small-message latency of a DP group, with tensors on
+    ``device`` (the host for the gloo gradient group, a GPU for an NCCL device group)."""
     import torch
     import torch.distributed as dist
 
+    def sync() -> None:
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+
     w = dist.get_world_size(group)
-    small = torch.zeros(8)
+    small = torch.zeros(8, device=device)
     for _ in range(3):
         dist.all_reduce(small, group=group)
+    sync()
     t0 = time.perf_counter()
     for _ in range(20):
         dist.all_reduce(small, group=group)
+    sync()
     lat = (time.perf_counter() - t0) / 20 / (2 * (w - 1))
-    big = torch.zeros(max(int(bucket_mb * 2**20), 16 * 2**20) // 4)  # large enough to be bandwidth-bound
+    big = torch.zeros(max(int(bucket_mb * 2**20), 16 * 2**20) // 4, device=device)  # large enough to be bandwidth-bound
     dist.all_reduce(big, group=group)
+    sync()
     t0 = time.perf_counter()
     for _ in range(5):
         dist.all_reduce(big, group=group)
+    sync()
     dt = (time.perf_counter() - t0) / 5
     gbps = 2 * (w - 1) / w * big.numel() * 4 * 8 / 1e9 / max(dt - 2 * (w - 1) * lat, 1e-9)
     return gbps, lat
@@ -173,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus_per_rank and torch.cuda.is_available() and not os.environ.get("RPP_DEVICES"):
         first = local_rank * args.gpus_per_rank
         os.environ["RPP_DEVICES"] = "cuda:" + ",".join(str(first + i) for i in range(args.gpus_per_rank))
+        torch.cuda.set_device(first)  # no CUDA context of this rank on another rank's GPU
     if args.pin_cores:  # CPU weak scaling: rank r owns cores [r*k, (r+1)*k), whatever its thread count
         k = args.pin_cores
         os.sched_setaffinity(0, set(range(local_rank * k, (local_rank + 1) * k)))
@@ -186,13 +204,35 @@ def run(args: argparse.Namespace) -> int:
         hidden, inter, layers, heads, kv = (int(x) for x in args.shape.split(","))
         train_bench.WORKLOADS[args.model] = (hidden, inter, layers, heads, kv, True)
 
+    from roundpipe import distributed as rdist
+
+    env = rdist.init_from_env()
+    rank, world = env.rank, env.world_size
+    modes = list(dict.fromkeys(args.reduce_on)) if world > 1 else ["none"]
+    if args.reduce_only and world > 1:
+        modes = ["host"]  # random host gradients: only the host reduction can be timed alone
+    for mode in modes:
+        out = args.out
+        if out and len(modes) > 1:
+            root, ext = os.path.splitext(out)
+            out = f"{root}.{mode}{ext or '.json'}"
+        code = run_one(args, mode, out, rank, world, threads, train_bench)
+        if code:
+            return code
+        gc.collect()  # the next mode builds a fresh model: let this one's host memory go first
+    rdist.destroy()
+    return 0
+
+
+def run_one(args: argparse.Namespace, mode: str, out: Optional[str], rank: int, world: int, threads: int, train_bench: Any) -> int:
+    """Build the model, train ``--steps`` steps with data parallel reducing on ``mode``, write ``out``."""
+    import torch
+
     import roundpipe
     from roundpipe import RoundPipeRunConfig
     from roundpipe import distributed as rdist
     from roundpipe.models.loss import count_loss_tokens
 
-    env = rdist.init_from_env()
-    rank, world = env.rank, env.world_size
     hf = train_bench.build_model(args.model, "cpu", vocab=args.vocab or None)
     if args.lora:
         import peft
@@ -202,10 +242,13 @@ def run(args: argparse.Namespace) -> int:
     vocab = hf.config.vocab_size
     n_mb = args.microbatches or 2 * roundpipe.get_num_devices()
     model = roundpipe.wrap_model_to_roundpipe(hf, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=n_mb))
-    dp = rdist.enable_data_parallel(model, bucket_mb=args.bucket_mb, max_in_flight=args.in_flight) if world > 1 else None
+    dp = rdist.enable_data_parallel(model, bucket_mb=args.bucket_mb, max_in_flight=args.in_flight, reduce_on=mode) if world > 1 else None
     opt = roundpipe.optim.Adam(model.optim_parameters(), lr=args.lr, decoupled_weight_decay=True)
     grad_bytes = sum(p.numel() * p.element_size() for p in hf.parameters() if p.requires_grad)
-    net = measure_network(dp.group, args.bucket_mb) if dp is not None else (float("nan"), float("nan"))
+    if dp is not None and dp.device is not None:  # the device group of local device 0 (NCCL on GPUs)
+        net = measure_network(dp.device.groups[0], args.bucket_mb, roundpipe.device.device_list[0].device)
+    else:
+        net = measure_network(dp.group, args.bucket_mb) if dp is not None else (float("nan"), float("nan"))
 
     optim_times: List[float] = []
 
@@ -230,9 +273,11 @@ def run(args: argparse.Namespace) -> int:
             t_start = time.perf_counter()
         ids, labels = rdist.shard(global_batch(step, args.batch_per_rank * world, args.seq, vocab))
         n = count_loss_tokens(labels)
-        loss = model.train_step(input_ids=ids, labels=labels)
         if dp is not None:
-            dp.normalize_by(n)  # global token mean, even if shares count different tokens
+            # Global token mean, even if shares count different tokens. Before the backward: the
+            # device reduction applies the weight on the GPU (this order works for both modes).
+            dp.normalize_by(n)
+        loss = model.train_step(input_ids=ids, labels=labels)
         model.step(step_fn, is_async=not args.sync)
         sums.append(float(loss) * n)
         counts.append(float(n))
@@ -249,6 +294,8 @@ def run(args: argparse.Namespace) -> int:
         "model": args.model,
         "lora": args.lora,
         "world": world,
+        "reduce_on": dp.reduce_on if dp is not None else "none",
+        "reduce_backend": (dp.device.backend if dp.device is not None else "gloo") if dp is not None else "none",
         "devices_per_rank": roundpipe.get_num_devices(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "batch_per_rank": args.batch_per_rank,
@@ -260,6 +307,7 @@ def run(args: argparse.Namespace) -> int:
         "tokens_per_s": tokens / elapsed,
         "losses": losses,
         "grad_bytes": grad_bytes,
+        # host: wall time of the step's reduction; device: the step's collectives' device time, summed
         "reduce_s_per_step": sum(hist) / len(hist) if hist else 0.0,
         "collectives_per_step": (dp.stats.collectives / max(dp.stats.steps, 1)) if dp is not None else 0,
         "net_gbps": net[0],
@@ -267,13 +315,16 @@ def run(args: argparse.Namespace) -> int:
         "optim_s_est": optim_s,
     }
     if rank == 0:
-        print(f"| {args.model}{' lora r=%d' % args.lora if args.lora else ''} | {world} rank(s) x {result['devices_per_rank']} device(s) | "
+        where = f" ({result['reduce_on']}, {result['reduce_backend']})" if dp is not None else ""
+        print(f"| {args.model}{' lora r=%d' % args.lora if args.lora else ''} | {world} rank(s) x {result['devices_per_rank']} device(s){where} | "
               f"{result['tokens_per_s']:,.0f} tok/s | {result['s_per_iter']:.3f} s/iter | reduce {result['reduce_s_per_step']:.3f} s/step | "
-              f"loss {losses[0]:.4f} -> {losses[-1]:.4f} |")
-        if args.out:
-            with open(args.out, "w") as f:
+              f"loss {losses[0]:.4f} -> {losses[-1]:.4f} |", flush=True)
+        if out:
+            with open(out, "w") as f:
                 json.dump(result, f, indent=1)
-    rdist.destroy()
+    if dp is not None:
+        dp.close()
+    rdist.barrier()  # every rank is done with this model before the next mode starts
     return 0
 
 
@@ -282,7 +333,6 @@ def reduce_only(args: argparse.Namespace, model: Any, dp: Any, rank: int, world:
     import statistics
 
     import torch
-    from roundpipe import distributed as rdist
 
     params = [p for p in model.model.parameters() if p.requires_grad]
     for step in range(args.steps):
@@ -295,7 +345,6 @@ def reduce_only(args: argparse.Namespace, model: Any, dp: Any, rank: int, world:
         print(f"| reduce only | {world} ranks | {grad_bytes / 2**20:.1f} MiB | buckets {args.bucket_mb:g} MiB x {args.in_flight} in flight | "
               f"{dp.stats.collectives / max(dp.stats.steps, 1):.0f} calls/step | median {med * 1e3:.1f} ms | "
               f"{2 * (world - 1) / world * grad_bytes * 8 / 1e9 / med:.2f} Gbit/s bus (raw {net[0]:.2f}) |")
-    rdist.destroy()
     return 0
 
 
@@ -309,7 +358,8 @@ def compare(one_path: str, many_path: str, ref_path: Optional[str], min_speedup:
     one, many = _load(one_path), _load(many_path)
     speedup = many["tokens_per_s"] / one["tokens_per_s"]
     ok = speedup >= min_speedup
-    print(f"throughput: 1 rank {one['tokens_per_s']:,.0f} tok/s, {many['world']} ranks {many['tokens_per_s']:,.0f} tok/s: "
+    mode = f" (gradients reduced on the {many['reduce_on']}, {many.get('reduce_backend', '?')})" if "reduce_on" in many else ""
+    print(f"throughput: 1 rank {one['tokens_per_s']:,.0f} tok/s, {many['world']} ranks{mode} {many['tokens_per_s']:,.0f} tok/s: "
           f"{speedup:.2f}x (need >= {min_speedup}x) {'ok' if speedup >= min_speedup else 'FAIL'}")
     if ref_path:
         ref = _load(ref_path)
@@ -341,7 +391,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / local ranks)")
     p.add_argument("--gpus-per-rank", type=int, default=1, help="rank r uses GPUs r*k..; 0: leave RPP_DEVICES alone")
     p.add_argument("--pin-cores", type=int, default=0, help="pin rank r to cores [r*k, (r+1)*k) (CPU scaling runs)")
-    p.add_argument("--reduce-only", action="store_true", help="time the gradient all-reduce alone (random gradients)")
+    p.add_argument("--reduce-only", action="store_true", help="time the host gradient all-reduce alone (random gradients)")
+    p.add_argument("--reduce-on", nargs="+", choices=["auto", "host", "device"], default=["auto"],
+                   help="where the 2+ rank run reduces the gradients: host (gloo, optimizer thread), device (NCCL on GPUs, "
+                        "gloo on CPU workers, before the download), auto; several: one run each, --out X.json -> X.MODE.json")
     p.add_argument("--out", default=None)
     p.add_argument("--compare", nargs=2, metavar=("ONE_RANK_JSON", "W_RANKS_JSON"))
     p.add_argument("--loss-ref", default=None, help="1-rank run on the same global batch")

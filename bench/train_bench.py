@@ -91,15 +91,19 @@ def bench_baseline(args: argparse.Namespace, ids: torch.Tensor) -> Row:
         model.gradient_checkpointing_enable()
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-        ids_d = ids.cuda()
+        # The same microbatches as RoundPipe (gradient accumulation; equal-sized microbatches, so the mean of
+        # their mean losses is the batch's mean loss): same work, and the logits of one microbatch at a time.
+        chunks = ids.cuda().chunk(args.baseline_microbatches)
 
         def step() -> None:
-            model(input_ids=ids_d, labels=ids_d).loss.backward()
+            for c in chunks:
+                (model(input_ids=c, labels=c).loss / len(chunks)).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
         times = timed(step, args.warmup, args.iters, cuda_sync)
-        row = Row("gpu-resident HF baseline", ids.numel() / (sum(times) / len(times)), torch.cuda.max_memory_allocated() / 1024**3, float("nan"))
+        row = Row(f"gpu-resident HF baseline ({len(chunks)} microbatches)", ids.numel() / (sum(times) / len(times)),
+                  torch.cuda.max_memory_allocated() / 1024**3, float("nan"))
     except torch.OutOfMemoryError:
         row = Row("gpu-resident HF baseline", float("nan"), float("nan"), float("nan"), "does not fit on the GPU")
     finally:
@@ -109,25 +113,38 @@ def bench_baseline(args: argparse.Namespace, ids: torch.Tensor) -> Row:
     return row
 
 
-def busy_fraction(step: Callable[[], None]) -> str:
-    """GPU compute busy share of one iteration (merged kernel time / wall time), from the profiler."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+def busy_fraction(step: Callable[[], None], trace: str = "") -> str:
+    """GPU compute busy share of one iteration (merged kernel time / wall time), from the profiler; prints
+    the longest idle gaps with the kernels around them, and writes a chrome trace when ``trace`` is set."""
+    acts = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if trace else [])
+    with torch.profiler.profile(activities=acts) as prof:
         t0 = time.perf_counter()
         step()
         cuda_sync()
         wall = (time.perf_counter() - t0) * 1e6
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")))
-    busy, end = 0.0, None
-    for s, e in spans:
+    if trace:
+        prof.export_chrome_trace(trace)
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")))
+    busy, end, last, gaps = 0.0, None, "", []
+    for s, e, name in kernels:
         if end is None or s > end:
+            if end is not None:
+                gaps.append((s - end, end - kernels[0][0], last, name))
             busy, end = busy + e - s, e
         elif e > end:
             busy, end = busy + e - end, e
+        if e >= (end or e):
+            last = name
+    gaps.sort(reverse=True)
+    total_gap = sum(g[0] for g in gaps)
+    print(f"GPU idle gaps: {len(gaps)} totalling {total_gap / 1e3:.1f} ms; longest:")
+    for g, at, before, after in gaps[:12]:
+        print(f"  {g / 1e3:7.2f} ms at {at / 1e3:8.1f} ms  after {before[:60]!r}  before {after[:60]!r}")
     return f"GPU busy {busy / wall:.0%} of {wall / 1e3:.0f} ms"
 
 
-def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, plan: str = "auto") -> Row:
+def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, plan: str = "auto", fused: Optional[bool] = None) -> Row:
     import roundpipe
     from roundpipe import ModelExecutePlan, RoundPipeRunConfig
 
@@ -135,25 +152,47 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     hf = build_model(args.workload, "cpu")
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        hf = get_peft_model(hf, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules=targets))
+        n_params = sum(p.numel() for p in hf.parameters() if p.requires_grad)
     n_mb = args.microbatches or 2 * roundpipe.get_num_devices()
-    model = roundpipe.wrap_model_to_roundpipe(hf, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=n_mb))
+    model = roundpipe.wrap_model_to_roundpipe(hf, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=n_mb),
+                                              fused_kernels=fused)
     if plan == "layerwise":
         model.model_run_config = RoundPipeRunConfig(num_microbatch=n_mb, execute_plan=ModelExecutePlan.layerwise(model.num_layers, "train"))
     opt = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-5, decoupled_weight_decay=True)
 
     def step() -> None:
         model.train_step(input_ids=ids, labels=ids)
+        if args.no_step:  # diagnostic: the pipeline alone, gradients dropped
+            model.zero_grad(set_to_none=True)
+            return
         model.step(lambda: (opt.step(), opt.zero_grad()), is_async=not args.sync_step)
 
-    times = timed(step, args.warmup, args.iters, cuda_sync)
-    note = busy_fraction(step) + "; " if args.profile and torch.cuda.is_available() else ""
+    rss: List[float] = []
+
+    def tracked_step() -> None:
+        step()
+        rss.append(psutil.Process().memory_info().rss / 1024**3)
+
+    times = timed(tracked_step, args.warmup, args.iters, cuda_sync)
+    if args.iters >= 20:  # steadiness of host memory over a long run: RSS after warm-up vs at the end
+        k = args.warmup
+        print(f"host RSS GiB after iteration {k}: {rss[k]:.2f}, {k + args.iters // 2}: {rss[k + args.iters // 2]:.2f}, "
+              f"{k + args.iters - 1}: {rss[-1]:.2f} (growth {100 * (rss[-1] / rss[k] - 1):+.1f}%)")
+    note = busy_fraction(step, args.trace) + "; " if args.profile and torch.cuda.is_available() else ""
     model.synchronize()
     host = psutil.Process().memory_info().rss - rss0
     peak = torch.cuda.max_memory_allocated() / 1024**3 if torch.cuda.is_available() else float("nan")
     print(f"roundpipe plan: {model.resolve_plan(type('C', (), {'execute_plan': None})(), 'fused')}")
     print(f"roundpipe per-iteration seconds: {[round(t, 3) for t in times]}")
-    row = Row(f"roundpipe ({roundpipe.get_num_devices()} device, {plan} plan)", ids.numel() / (sum(times) / len(times)), peak,
-              host / 1024**3, f"{note}{host / n_params:.1f} bytes/param host")
+    what = f"LoRA r={args.lora}, {n_params / 1e6:.1f}M trainable" if args.lora else f"{host / n_params:.1f} bytes/param host"
+    kernels = "" if fused is None else (", fused kernels" if fused else ", HF kernels")
+    row = Row(f"roundpipe ({roundpipe.get_num_devices()} device, {plan} plan{kernels})", ids.numel() / (sum(times) / len(times)), peak,
+              host / 1024**3, f"{note}{what}")
     model = opt = hf = None  # noqa: F841
     gc.collect()
     return row
@@ -165,12 +204,17 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--microbatches", type=int, default=0, help="default: 2 per device")
+    p.add_argument("--baseline-microbatches", type=int, default=2, help="gradient accumulation steps of the baseline")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--sync-step", action="store_true")
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--compare-plans", action="store_true", help="also run roundpipe with the one-layer-per-group plan")
+    p.add_argument("--compare-kernels", action="store_true", help="also run roundpipe with Hugging Face's own kernels")
     p.add_argument("--profile", action="store_true", help="report the GPU busy share of one iteration")
+    p.add_argument("--trace", default="", help="with --profile: write a chrome trace of that iteration here")
+    p.add_argument("--lora", type=int, default=0, help="LoRA rank on all decoder projections (0: full fine-tune)")
+    p.add_argument("--no-step", action="store_true", help="diagnostic: skip the optimizer (pipeline alone)")
     args = p.parse_args()
 
     hidden, inter, layers, heads, kv, tied = WORKLOADS[args.workload]
@@ -183,11 +227,13 @@ def main() -> None:
     if torch.cuda.is_available():
         ids = ids.pin_memory()
     rows: List[Row] = []
-    if torch.cuda.is_available() and not args.skip_baseline:
+    if torch.cuda.is_available() and not args.skip_baseline and not args.lora:
         rows.append(bench_baseline(args, ids))
     rows.append(bench_roundpipe(args, ids, n_params))
     if args.compare_plans:
         rows.append(bench_roundpipe(args, ids, n_params, plan="layerwise"))
+    if args.compare_kernels:
+        rows.append(bench_roundpipe(args, ids, n_params, fused=False))
     base = rows[0].tokens_per_s
     print(f"\n{args.workload}: {n_params / 1e9:.2f}B params, batch {args.batch} x {args.seq}, device "
           f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, peak RSS "

@@ -1,34 +1,47 @@
 """Data parallel across processes (one RoundPipe per node), on ``torch.distributed``, launched by torchrun.
 
 Each rank runs an ordinary RoundPipe over its local devices and holds a full replica of the host
-weights, gradients and optimizer state. The only thing ranks exchange during training is the host
-gradients: :func:`enable_data_parallel` installs a ``grad_reducer`` (see ``RoundPipeBase._step_kernel``)
-that all-reduces them on the optimizer thread, after they have landed on the host and before they are
-copied into the optimizer's master copies. Every rank then runs the same optimizer step on the same
-gradients from the same initial weights, so the replicas stay identical without ever exchanging weights.
+weights, gradients and optimizer state. The only thing ranks exchange during training is the gradients:
+every rank then runs the same optimizer step on the same reduced gradients from the same initial
+weights, so the replicas stay identical without ever exchanging weights.
 
     env = roundpipe.distributed.init_from_env()          # torchrun's RANK / WORLD_SIZE / MASTER_ADDR ...
     model = RoundPipe(net, optim_dtype=torch.float32)
-    dp = roundpipe.distributed.enable_data_parallel(model)
+    dp = roundpipe.distributed.enable_data_parallel(model)   # reduce_on="auto": NCCL on GPUs, else host
     for batch in batches:
         x, y = roundpipe.distributed.shard(batch)         # this rank's rows of the global batch
         model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
-        model.step(lambda: (opt.step(), opt.zero_grad()))  # all-reduce + step on the optimizer thread
+        model.step(lambda: (opt.step(), opt.zero_grad()))  # identical step on every rank
 
-Why the host and gloo: RoundPipe's gradients end up in host memory anyway (the optimizer lives there),
-so reducing them there adds no device traffic and works on any accelerator, CPU workers included.
-The reduction runs on a *dedicated* gloo process group that only the optimizer thread uses: collectives
-on one group must be issued in the same order on every rank, and the main thread (logging, barriers,
-checkpoints) could otherwise interleave its collectives differently on different ranks. Reducing on the
-GPUs with NCCL before the download is described in docs/multi-node.md (not implemented).
+Two places to reduce (``enable_data_parallel(reduce_on=...)``):
 
-Failure handling: the gradient group has a short timeout (``RPP_DIST_TIMEOUT_S``, default 60 s). A
-collective that fails (peer died: at once; peer stalled: after the timeout) raises
-:class:`DataParallelError` on the optimizer thread, naming this rank, the collective and the layers;
-RoundPipe records it in its failure slot, and the main thread raises it at its next RoundPipe call or
-``synchronize()``. The default group, used by the main thread for setup, barriers and logging, has a
-long timeout (``RPP_DIST_MAIN_TIMEOUT_S``, default 1800 s): rank 0 may legitimately keep the others
-waiting at a barrier while it writes a checkpoint. A dead peer fails either at once.
+* ``"host"``: :class:`DataParallel` is the model's ``grad_reducer`` (see ``RoundPipeBase._step_kernel``)
+  and all-reduces the host gradients with gloo on the optimizer thread, after they have landed on the
+  host and before they are copied into the optimizer's master copies. It works on any accelerator,
+  CPU workers included, adds no device traffic, and the asynchronous step hides it behind the next
+  forward. It runs on a *dedicated* gloo group that only the optimizer thread uses: collectives on one
+  group must be issued in the same order on every rank, and the main thread (logging, barriers,
+  checkpoints) could otherwise interleave its collectives differently on different ranks.
+* ``"device"``: each layer's gradients are all-reduced on its device at the end of the layer's backward
+  job, before the gradient download (:class:`_DeviceReduction`, hooked into ``transfer.download_layer``):
+  NCCL on GPUs (NVLink or InfiniBand instead of host memory and TCP; no host thread blocks, the
+  collective is ordered on the download stream), gloo on CPU workers (how CI tests it). One group per
+  local device index joins device k of every rank; the ranks agree on the execute plan and round-robin
+  position before every training call, so each device issues the same collectives in the same order
+  on every rank, and a per-step check refuses the optimizer step if they did not. Weights (1/W,
+  ``normalize_by``) are applied on the device before the SUM, and gradient accumulation over several
+  calls is exact (rank 0 alone contributes the host's running sum). ``"auto"`` picks ``"device"`` when
+  every local device is a GPU and NCCL is available.
+
+Failure handling: gradient groups have a short timeout (``RPP_DIST_TIMEOUT_S``, default 60 s). A
+collective that fails (peer died: at once on gloo; peer stalled: after the timeout) raises
+:class:`DataParallelError`, naming this rank, the collective and the layers, on the thread that issued
+it (optimizer thread, device thread, or the main thread for the plan agreement); RoundPipe records it in
+its failure slot, and the main thread raises it at its next RoundPipe call or ``synchronize()``. NCCL
+collectives never block a host thread: a monitor thread prints the error for a collective stalled past
+the timeout, and NCCL's watchdog then ends the process. The default group, used by the main thread for
+setup, barriers and logging, has a long timeout (``RPP_DIST_MAIN_TIMEOUT_S``, default 1800 s): rank 0
+may legitimately keep the others waiting at a barrier while it writes a checkpoint.
 
 Attributes:
     DEFAULT_TIMEOUT_S: Gradient-collective timeout when ``RPP_DIST_TIMEOUT_S`` is unset.
@@ -40,6 +53,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -50,14 +65,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from roundpipe import optim_stream
+from roundpipe import backend, optim_stream
+from roundpipe import device as device_mod
 from roundpipe.attribute import LayerAttribute, ParamAttribute
-from roundpipe.roundpipe import RoundPipeBase
+from roundpipe.roundpipe import RoundPipe, RoundPipeBase
+from roundpipe.scheduler import ModelExecutePlan
+from roundpipe.threads import report_failure, thread_exception_print_lock
+from roundpipe.transfer import host_grad
 
 logger = logging.getLogger("roundpipe")
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_MAIN_TIMEOUT_S = 1800.0
+_NCCL_GRACE_S = 30.0  # NCCL groups time out this much later than RPP_DIST_TIMEOUT_S (see _CollectiveMonitor)
 
 T = TypeVar("T")
 
@@ -308,6 +328,22 @@ def shard_bounds(n: int, rank: Optional[int] = None, world_size: Optional[int] =
     return r * n // w, (r + 1) * n // w
 
 
+_device_reductions: Dict[int, str] = {}  # live reduce_on="device" models in this process: id -> name
+
+
+def _check_rows(n: int, world_size: Optional[int]) -> None:
+    """Device reduction: every rank needs at least one row (see :func:`shard`)."""
+    w = get_world_size() if world_size is None else world_size
+    if _device_reductions and n < w:
+        names = ", ".join(repr(v) for v in _device_reductions.values())
+        empty = [r for r in range(w) if shard_bounds(n, r, w)[0] == shard_bounds(n, r, w)[1]]
+        raise DataParallelError(
+            f"shard: a batch of {n} rows for {w} ranks leaves rank(s) {empty} without rows; with "
+            f"reduce_on='device' (model {names}) every rank must run every training call, so every rank needs at least one "
+            "row: use a global batch of at least one row per rank, or reduce_on='host' (then skip the call on an empty share)"
+        )
+
+
 def shard(data: Any, rank: Optional[int] = None, world_size: Optional[int] = None) -> Any:
     """This rank's contiguous share (see :func:`shard_bounds`) of ``data`` along its first dimension.
 
@@ -316,6 +352,10 @@ def shard(data: Any, rank: Optional[int] = None, world_size: Optional[int] = Non
     ``None`` -> ``None``.
     Shares differ by at most one item when ``len`` is not divisible by the world size; then normalise
     the loss by the global count (:meth:`DataParallel.normalize_by`) for an exact global mean.
+
+    With a model reducing on the devices (``reduce_on="device"``) every rank must run every training
+    call, so a batch with fewer rows than ranks raises :class:`DataParallelError` here, on every rank
+    (all compute the same bounds), instead of failing later on one rank only.
     """
     if data is None:
         return None  # an absent field of a batch (e.g. attention_mask=None) stays absent
@@ -330,9 +370,11 @@ def shard(data: Any, rank: Optional[int] = None, world_size: Optional[int] = Non
     if isinstance(data, torch.Tensor):
         if data.dim() == 0:
             raise ValueError("shard: a 0-dim tensor has no rows to split")
+        _check_rows(data.shape[0], world_size)
         a, b = shard_bounds(data.shape[0], rank, world_size)
         return data[a:b]
     if hasattr(data, "__len__") and hasattr(data, "__getitem__") and not isinstance(data, (str, bytes)):
+        _check_rows(len(data), world_size)
         a, b = shard_bounds(len(data), rank, world_size)
         return data[a:b]
     raise TypeError(f"shard: cannot split a {type(data).__name__}")
@@ -343,13 +385,16 @@ def shard(data: Any, rank: Optional[int] = None, world_size: Optional[int] = Non
 # -------------------------------------------------------------------------------------------------
 
 
+ReduceOn = Literal["auto", "host", "device"]
+
+
 @dataclass
 class _Bucket:
     """Gradients reduced by one collective: several small ones packed into a flat buffer, or one large
     gradient reduced where it lies (``packed`` False)."""
 
     index: int
-    units: Tuple[int, int]  # first and last unit (layer) whose gradients it holds
+    units: Tuple[int, int]  # lowest and highest unit (layer) whose gradients it holds
     params: List[nn.Parameter]
     dtype: torch.dtype
     numel: int
@@ -364,11 +409,15 @@ class DataParallelStats:
 
     Attributes:
         steps: Optimizer steps reduced.
-        collectives: Collectives issued (metadata included).
+        collectives: Collectives issued (metadata, order checks and device reductions included).
         bytes: Gradient bytes all-reduced (this rank's input size).
-        comm_s: Optimizer-thread time blocked in collectives, setup and packing included.
-        last_step_s: Wall time of the last step's reduction, first to last unit (waiting for the
-            slowest rank included).
+        comm_s: Host time blocked in collectives: the optimizer thread's (host reduction, setup and
+            packing included) plus, on CPU workers, the device threads' (device reduction).
+        last_step_s: Host reduction: wall time of the last step's reduction, first to last unit
+            (waiting for the slowest rank included). Device reduction: the sum over the last step's
+            layer reductions of their time on the device, from this rank's gradients being ready to
+            the reduced result (waiting for the other ranks included; layers on different devices
+            overlap, so this can exceed the wall time).
         history: ``last_step_s`` of the recent steps (the last 4096).
     """
 
@@ -380,10 +429,16 @@ class DataParallelStats:
     history: Deque[float] = field(default_factory=lambda: deque(maxlen=4096))
 
 
+def _device_reduced(attr: LayerAttribute) -> bool:
+    """Whether this unit's gradients are reduced on the devices (it has a ``device_grad_reducer``)."""
+    return getattr(attr, "device_grad_reducer", None) is not None
+
+
 class DataParallel:
     """The ``grad_reducer`` of a data-parallel RoundPipe model (built by :func:`enable_data_parallel`).
 
-    Per optimizer step, on the optimizer thread, with units (layers) handed over in order:
+    ``reduce_on == "host"``: per optimizer step, on the optimizer thread, with units (layers) handed over
+    one by one by the step kernel:
 
     1. At the first unit: wait until every unit's gradient download has landed (the backward is over
        when ``step()`` is called, so this costs nothing), then one small all-reduce of metadata: which
@@ -391,22 +446,30 @@ class DataParallel:
        without ``.grad`` on this rank but with one elsewhere contributes zeros, so every rank issues the
        same collectives with the same sizes; a parameter no rank computed a gradient for keeps
        ``.grad = None`` (the optimizer skips it, exactly as in one process).
-    2. The gradients, in unit order, are cut into buckets of about ``bucket_mb``: small gradients are
-       packed into a reusable flat buffer (one collective instead of many: a gloo call costs ~0.1-2 ms
-       whatever its size), a gradient larger than a bucket is reduced in place. Each rank's share is
-       pre-multiplied by its weight (1/W for a mean) before the SUM.
+    2. The gradients, in the order the kernel visits the units, are cut into buckets of about
+       ``bucket_mb``: small gradients are packed into a reusable flat buffer (one collective instead of
+       many: a gloo call costs ~0.1-2 ms whatever its size), a gradient larger than a bucket is reduced
+       in place. Each rank's share is pre-multiplied by its weight (1/W for a mean) before the SUM.
     3. Up to ``max_in_flight`` buckets are in flight (gloo runs them on its own threads); when the
        kernel reaches unit i, the buckets holding unit i's gradients are waited for and unpacked, so the
        copy of unit i's gradients into the fp32 masters overlaps the reduction of later buckets.
 
-    The bucket layout depends only on the parameter list and the metadata, which are identical on all
-    ranks (checked at setup), never on timing, so ranks always agree on the sequence of collectives.
+    Units are recognised by their parameters, not by position: the kernel may visit them first to last
+    or last to first (the order is inferred from the first unit with parameters; every rank runs the
+    same kernel, so every rank infers the same order). The bucket layout depends only on the parameter
+    list, that order and the metadata, which are identical on all ranks (checked at setup), never on
+    timing, so ranks always agree on the sequence of collectives.
 
-    Overlap: with ``model.step(..., is_async=True)`` the whole reduction runs while the devices compute
-    the next iteration's forward (its backward waits for the last layer's gradients to be copied). The
-    reduction does not start during the backward itself: the backward returns before ``step()`` can be
-    called, shared-parameter gradients are only complete at its end, and with gradient accumulation
-    only the last backward before a step should be reduced; see docs/multi-node.md for the numbers.
+    ``reduce_on == "device"``: the gradients of the layers run by RoundPipe were already reduced on the
+    devices during the backward (:class:`_DeviceReduction`); at the step this reducer only settles
+    which parameters have a gradient anywhere, checks that every rank reduced the same layers in the
+    same order, and reduces the remaining units (an ``AutoRoundPipe``'s host parameters) as above.
+
+    Overlap (host): with ``model.step(..., is_async=True)`` the whole reduction runs while the devices
+    compute the next iteration's forward (its backward waits for the last layer's gradients to be
+    copied). The reduction does not start during the backward itself: the backward returns before
+    ``step()`` can be called, shared-parameter gradients are only complete at its end, and with gradient
+    accumulation only the last backward before a step should be reduced; see docs/multi-node.md.
     """
 
     def __init__(
@@ -434,16 +497,26 @@ class DataParallel:
         self.reduce_dtype = reduce_dtype
         self.max_in_flight = max_in_flight
         self.stats = DataParallelStats()
+        self.stats_lock = threading.Lock()  # device threads count their collectives too
+        # Where the layers' gradients are reduced; the device part is attached by enable_data_parallel.
+        self.reduce_on: Literal["host", "device"] = "host"
+        self.device: Optional[_DeviceReduction] = None
         # Per-step state, owned by the optimizer thread.
         self._cursor = 0
         self._units: List[Tuple[LayerAttribute, List[nn.Parameter]]] = []
+        self._unit_index: Dict[Tuple[int, ...], int] = {}
+        self._seen: set = set()
+        self._reduced: List[Tuple[int, nn.Parameter]] = []
+        self._planned = False
         self._buckets: List[_Bucket] = []
-        self._need: List[int] = []  # per unit: buckets [0, need) must be done before its grads are copied
+        self._need: Dict[int, int] = {}  # per unit: buckets [0, need) must be done before its grads are copied
         self._issued = 0
         self._done = 0
         self._in_flight: Deque[_Bucket] = deque()
         self._free: Dict[torch.dtype, List[torch.Tensor]] = {}
+        self._weight = 1.0
         self._pending_count: Optional[float] = None
+        self._pending_weight: Optional[float] = None
         self._broken: Optional[BaseException] = None
         self._t_step = 0.0
 
@@ -458,17 +531,35 @@ class DataParallel:
         ranks count different numbers of tokens (padding, loss masks, uneven shards). With equal counts
         it changes nothing (``n/N = 1/W``).
 
-        Call it on every rank, once per step, before ``model.step``. The counts are all-reduced on the
-        optimizer thread inside the step's metadata collective: queued on the optimizer stream now, it
-        applies to the next step kernel whatever the asynchronous step is still doing.
+        Call it on every rank, once per step, before the step's first forward/backward: that order
+        works with both ``reduce_on`` modes. With ``reduce_on="host"`` it may also come later, up to
+        ``model.step``: the counts are all-reduced on the optimizer thread inside the step's metadata
+        collective (queued on the optimizer stream now, it applies to the next step kernel whatever the
+        asynchronous step is still doing). With ``reduce_on="device"`` the weight multiplies this
+        rank's gradients on the device before they are reduced in the backward, so the counts are
+        exchanged now (main thread); called after the step's backward it raises
+        :class:`DataParallelError` on every rank, unless all counts are equal (then the default weight
+        already applied is the right one).
         """
         count = float(count)
         if not count >= 0:
             raise ValueError(f"normalize_by({count}): the count must be >= 0")
+        if self.device is not None:
+            self.device.normalize_by(count)
+            return
         optim_stream.launch_optim_kernel(self._set_count, count)
 
+    def on_step_launch(self) -> None:
+        """Main-thread hook of ``model.step`` (``RoundPipeBase.step``): the step boundary. The device
+        reduction starts a new step here (default weight again, ``normalize_by`` allowed again)."""
+        if self.device is not None:
+            self.device.on_step_launch()
+
     def close(self) -> None:
-        """Stop reducing (the model trains locally again). Call after ``model.synchronize()``."""
+        """Stop reducing (the model trains locally again). Call on every rank after ``model.synchronize()``."""
+        if self.device is not None:
+            self.device.uninstall()
+            self.device = None
         if self.model.grad_reducer is self:
             self.model.grad_reducer = None
 
@@ -478,55 +569,86 @@ class DataParallel:
             raise DataParallelError(f"rank {self.global_rank}: normalize_by called twice before one model.step")
         self._pending_count = count
 
+    def _set_weight(self, weight: float) -> None:
+        """Device reduction: this rank's ``normalize_by`` weight, for the units reduced here on the host."""
+        self._pending_weight = weight
+
     def __call__(self, params: List[nn.Parameter]) -> None:
-        """``grad_reducer`` hook: called for each unit of a step, in order, on the optimizer thread."""
+        """``grad_reducer`` hook: called once for each unit of a step, on the optimizer thread."""
         if self._broken is not None:
             raise DataParallelError(f"rank {self.global_rank}: data parallel stopped after an earlier failure: {self._broken}") from self._broken
         try:
             if self._cursor == 0:
                 self._begin_step()
-            unit_params = self._units[self._cursor][1] if self._cursor < len(self._units) else None
-            if unit_params is None or [id(p) for p in unit_params] != [id(p) for p in params]:
-                raise DataParallelError(
-                    f"rank {self.global_rank}: grad_reducer called with an unexpected unit (#{self._cursor}); "
-                    "was requires_grad changed during training without model.synchronize()?"
-                )
             t0 = time.perf_counter()
-            self._finish_through(self._need[self._cursor])
-            self._issue_ahead()  # keep the network busy while the kernel copies this unit's gradients
-            self.stats.comm_s += time.perf_counter() - t0
+            u = self._identify(params)
+            if u is not None:
+                if not self._planned:
+                    self._plan(first=u)
+                self._finish_through(self._need.get(u, 0))
+                self._issue_ahead()  # keep the network busy while the kernel copies this unit's gradients
             self._cursor += 1
             if self._cursor == len(self._units):
+                self._finish_through(len(self._buckets))
                 self._end_step()
+            self.stats.comm_s += time.perf_counter() - t0
         except BaseException as exc:
             self._broken = exc
             self._reset_step()
             raise
 
+    def _identify(self, params: List[nn.Parameter]) -> Optional[int]:
+        """The unit the kernel hands over, recognised by its parameters (None: a unit without any)."""
+        if not params:
+            return None  # nothing to reduce or copy
+        u = self._unit_index.get(tuple(id(p) for p in params))
+        if u is None or u in self._seen or self._cursor >= len(self._units):
+            raise DataParallelError(
+                f"rank {self.global_rank}: grad_reducer called with an unexpected unit (call #{self._cursor} of the step); "
+                "was requires_grad changed during training without model.synchronize()?"
+            )
+        self._seen.add(u)
+        return u
+
     def _begin_step(self) -> None:
         t0 = time.perf_counter()
         self._t_step = t0
         self._units = self.model._optim_units()
+        self._unit_index = {tuple(id(p) for p in ps): u for u, (_, ps) in enumerate(self._units) if ps}
+        self._seen = set()
         # Every unit's gradients must be on the host before the metadata says who has which gradient.
         # step() is called after the backward has returned, so these waits return at once.
         for attr, _ in self._units:
             attr.grad_download_started.wait()
             attr.grad_downloaded.synchronize()
-        entries = [(u, p) for u, (_, ps) in enumerate(self._units) for p in ps]
         count, self._pending_count = self._pending_count, None
-        if self.world_size == 1:  # nothing to exchange: the reduction is the identity
-            self._weight = 1.0
-            self._plan([])
+        weight_given, self._pending_weight = self._pending_weight, None
+        if self.device is not None:
+            # The device layers were reduced during the backward: settle presence, check the order.
+            self.device.finish_step(self._units)
+            entries = [(u, p) for u, (attr, ps) in enumerate(self._units) if not _device_reduced(attr) for p in ps]
+        else:
+            entries = [(u, p) for u, (_, ps) in enumerate(self._units) for p in ps]
+        self._reduced, self._buckets, self._need = [], [], {}
+        self._issued = self._done = 0
+        self._planned = True
+        self._weight = 1.0
+        # Nothing to exchange with one rank; in device mode, nothing left on the host (identical on all
+        # ranks: the units come from the same model everywhere).
+        if self.world_size == 1 or (self.device is not None and not entries):
             self.stats.comm_s += time.perf_counter() - t0
             return
         weight, present = self._exchange_metadata(entries, count)
+        if self.device is not None:  # normalize_by was handled on the main thread (same weight as the devices)
+            weight = weight_given if weight_given is not None else self.device.default_weight
         # Identical on all ranks from here on: the list of reduced parameters and the bucket layout.
         reduced = [(u, p) for (u, p), keep in zip(entries, present) if keep]
         for _, p in reduced:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)  # a gradient elsewhere, none here: contribute zeros
         self._weight = weight
-        self._plan(reduced)
+        self._reduced = reduced
+        self._planned = not reduced
         self.stats.comm_s += time.perf_counter() - t0
 
     def _exchange_metadata(self, entries: List[Tuple[int, nn.Parameter]], count: Optional[float]) -> Tuple[float, List[bool]]:
@@ -535,7 +657,8 @@ class DataParallel:
         if count is not None:
             meta[0], meta[1] = 1.0, count
         meta[2:] = torch.tensor([p.grad is not None for _, p in entries], dtype=torch.float64)
-        self._collective(meta, "metadata all_reduce", (0, len(self._units) - 1)).wait()
+        units = (min(u for u, _ in entries), max(u for u, _ in entries))
+        self._collective(meta, "metadata all_reduce", units).wait()
         users = int(meta[0].item())
         if users not in (0, self.world_size):
             raise DataParallelError(f"rank {self.global_rank}: normalize_by was called on {users} of {self.world_size} ranks for this step; call it on every rank or none")
@@ -548,8 +671,14 @@ class DataParallel:
             weight = 1.0 / self.world_size if self.op == "mean" else 1.0
         return weight, [bool(f > 0) for f in meta[2:].tolist()]
 
-    def _plan(self, reduced: List[Tuple[int, nn.Parameter]]) -> None:
-        """Cut the reduced gradients (in unit order) into buckets; record per unit which must be done."""
+    def _plan(self, first: int) -> None:
+        """Cut the reduced gradients into buckets in the order the kernel visits the units (inferred
+        from ``first``, the first unit with parameters it handed over); record per unit how many
+        buckets must be done before its gradients may be copied."""
+        with_params = [u for u, (_, ps) in enumerate(self._units) if ps]
+        backwards = len(with_params) > 1 and first == with_params[-1]
+        # A stable sort keeps each unit's parameters in their order.
+        reduced = sorted(self._reduced, key=lambda e: -e[0] if backwards else e[0])
         buckets: List[_Bucket] = []
         cur: List[Tuple[int, nn.Parameter]] = []
         cur_bytes = 0
@@ -558,7 +687,8 @@ class DataParallel:
             nonlocal cur, cur_bytes
             if cur:
                 dtype = self.reduce_dtype or cur[0][1].grad.dtype
-                buckets.append(_Bucket(len(buckets), (cur[0][0], cur[-1][0]), [p for _, p in cur], dtype, sum(p.numel() for _, p in cur), packed=True))
+                us = [u for u, _ in cur]
+                buckets.append(_Bucket(len(buckets), (min(us), max(us)), [p for _, p in cur], dtype, sum(p.numel() for _, p in cur), packed=True))
             cur, cur_bytes = [], 0
 
         for u, p in reduced:
@@ -574,28 +704,32 @@ class DataParallel:
             cur.append((u, p))
             cur_bytes += nbytes
         close()
-        self._buckets = buckets
-        self._need, b = [], 0
-        for u in range(len(self._units)):
-            while b < len(buckets) and buckets[b].units[0] <= u:
-                b += 1
-            self._need.append(b)  # buckets are contiguous in unit order: those starting at <= u cover u
+        owner = {id(p): u for u, p in reduced}
+        need: Dict[int, int] = {}
+        for b in buckets:
+            for p in b.params:
+                need[owner[id(p)]] = b.index + 1  # buckets are issued and finished in order
+        self._buckets, self._need, self._planned = buckets, need, True
         self._issued = self._done = 0
 
     def _collective(self, t: torch.Tensor, what: str, units: Tuple[int, int]) -> Any:
         """Issue an async SUM all-reduce on the data-parallel group; errors name rank and layers."""
-        self.stats.collectives += 1
+        self._count_collective(0)
         try:
             return _Work(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True), self, what, units, t.numel() * t.element_size())
         except Exception as exc:  # noqa: BLE001 - reported with its context
             raise self._error(what, units, t.numel() * t.element_size(), 0.0, exc) from exc
 
+    def _count_collective(self, nbytes: int) -> None:
+        with self.stats_lock:
+            self.stats.collectives += 1
+            self.stats.bytes += nbytes
+
     def _error(self, what: str, units: Tuple[int, int], nbytes: int, waited: float, exc: BaseException) -> DataParallelError:
         return DataParallelError(
             f"rank {self.global_rank}/{dist.get_world_size()}: {what} of the gradients of layers {units[0]}-{units[1]} "
             f"({nbytes / 2**20:.2f} MiB) failed after {waited:.1f} s (collective timeout {timeout_s():g} s, RPP_DIST_TIMEOUT_S): "
-            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}. "
-            "Another rank probably died or stalled; its own log says why."
+            f"{_first_line(exc)}. Another rank probably died or stalled; its own log says why."
         )
 
     def _issue(self, bucket: _Bucket) -> None:
@@ -621,7 +755,8 @@ class DataParallel:
     def _finish_oldest(self) -> None:
         bucket = self._in_flight.popleft()
         bucket.work.wait()
-        self.stats.bytes += bucket.numel * bucket.dtype.itemsize
+        with self.stats_lock:
+            self.stats.bytes += bucket.numel * bucket.dtype.itemsize
         if bucket.packed:
             assert bucket.buffer is not None
             off = 0
@@ -649,14 +784,16 @@ class DataParallel:
     def _end_step(self) -> None:
         assert self._done == len(self._buckets)
         self.stats.steps += 1
-        self.stats.last_step_s = time.perf_counter() - self._t_step
+        wall = time.perf_counter() - self._t_step
+        self.stats.last_step_s = self.device.last_step_s if self.device is not None else wall
         self.stats.history.append(self.stats.last_step_s)
         self._cursor = 0
-        self._units, self._buckets = [], []
+        self._units, self._buckets, self._reduced = [], [], []
 
     def _reset_step(self) -> None:
         self._cursor = 0
-        self._units, self._buckets, self._need = [], [], []
+        self._units, self._buckets, self._reduced, self._need = [], [], [], {}
+        self._unit_index, self._seen = {}, set()
         self._in_flight.clear()
         self._issued = self._done = 0
 
@@ -673,6 +810,566 @@ class _Work:
             self.work.wait()
         except Exception as exc:  # noqa: BLE001 - reported with its context
             raise self.owner._error(self.what, self.units, self.nbytes, time.perf_counter() - self.t0, exc) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else repr(exc)}"
+
+
+# -------------------------------------------------------------------------------------------------
+# Reduction on the devices (reduce_on="device")
+# -------------------------------------------------------------------------------------------------
+#
+# Streams (CUDA). ``transfer.download_layer`` calls ``_LayerSlot`` at the end of a backward job with
+# the download stream current, right after ``downstream.wait_stream(compute_stream)``: everything
+# below is queued on ``downstream`` behind the layer's backward of all microbatches, so the packing
+# reads final gradients. ``dist.all_reduce`` on an NCCL group makes NCCL's internal stream wait for the
+# current stream (``downstream``) before the collective, and ``work.wait()`` makes the current stream
+# wait for the collective's end, without blocking the host. So the unpacking and the gradient download
+# queued next on ``downstream`` see the reduced values, the device thread never blocks (it goes on
+# issuing its next job while NCCL runs), and the compute stream never waits for communication
+# (later downloads on this device, e.g. of its next job's activations, queue behind it: that is where
+# a rank waits for a slower peer). No deadlock: host threads never wait for NCCL (only the main thread,
+# after the backward, and the optimizer thread wait for downloads), and every stream dependency,
+# collectives included, points to work of an earlier-dispatched job, in the same dispatch order on
+# every rank, so the dependency graph across ranks has no cycle. Tensors stay alive as long as streams use
+# them: the flat buffers are allocated on ``downstream`` (the caching allocator reuses them only for
+# later work on that stream) and NCCL records its own use of its inputs; device gradients are released
+# through the memory manager, which waits for ``downstream``. Host buffers read by an upload on
+# ``downstream`` (the seeds) are written again only by the gradient download queued after it on the
+# same stream. On CPU workers the same code runs with gloo; ``work.wait()`` blocks the device thread.
+#
+# Order. Collectives on one group must be issued in the same order on every rank. There is one group per
+# local device index k (device k of every rank), used only by device k's controller thread, which
+# reduces each layer at the end of its job: the sequence is the device's job order. Jobs go to the
+# devices round robin in dispatch order (``run._assign``), fixed before launch, so device k runs the same
+# jobs on every rank when every rank (1) runs the same training calls in the same order, (2) with the
+# same plan and (3) from the same round-robin position, and (4) has the same number of devices. Before
+# every training call, the ranks all-gather their step and call index, model, device count, round-robin
+# position and plan (one small gloo collective on the main thread): a mismatch in (1) or (4) raises on every
+# rank; for (2) and (3) every rank adopts rank 0's plan and position (auto plans are re-tuned from each
+# rank's own timings, and rank-local inference calls, e.g. an evaluation on rank 0, move the position).
+# At each step a hash of the sequence of layers each device reduced is compared between ranks before
+# the optimizer runs, so a disagreement that slipped through can never be summed into the weights.
+
+
+class _LayerSlot:
+    """One layer's device reduction: the ``device_grad_reducer`` hook that ``transfer.download_layer``
+    calls, and the layer's presence counts between the download and the step.
+
+    Attributes:
+        index: Position of the layer among all reduced layers (the same on every rank).
+        flags_host: Host copy of the layer's last reduced presence counts (one per trainable parameter).
+        flags_params: The host parameters the counts refer to, in order.
+        flags_valid: Whether the counts belong to the current step (cleared when the step reads them).
+    """
+
+    def __init__(self, red: "_DeviceReduction", index: int, model_name: str, layer_id: int) -> None:
+        self.red = red
+        self.index = index
+        self.model_name = model_name
+        self.layer_id = layer_id
+        self.flags_host: Optional[torch.Tensor] = None
+        self.flags_params: List[nn.Parameter] = []
+        self.flags_valid = False
+
+    def __call__(self, cpu_layer: nn.Module, gpu_layer: nn.Module, layer_id: int, device: Any) -> None:
+        self.red.reduce_layer(self, cpu_layer, gpu_layer, layer_id, device)
+
+
+class _PlanAgreement:
+    """``RoundPipe._rpp_plan_hook``: the plan every rank runs (see :meth:`_DeviceReduction.agree_plan`)."""
+
+    def __init__(self, red: "_DeviceReduction", index: int) -> None:
+        self.red = red
+        self.index = index
+
+    def __call__(self, model: RoundPipe, run_type: str, plan: ModelExecutePlan) -> ModelExecutePlan:
+        return self.red.agree_plan(self.index, model, run_type, plan)
+
+
+@dataclass
+class _LayerBucket:
+    """One collective of a layer's reduction: packed (flat buffer, presence counts first in bucket 0)
+    or one large gradient reduced in place. Depends only on the layer's parameters: the same on all ranks."""
+
+    indices: List[int]
+    dtype: torch.dtype
+    numel: int
+    packed: bool
+    nflags: int = 0
+
+
+_RUN_CODES = {"train": 1, "fused": 2}
+# step, call within the step, model, layers, devices, round-robin position, run type, forward groups, backward groups
+_HEADER = 9
+
+
+def _trainable_pairs(cpu_layer: nn.Module, gpu_layer: nn.Module) -> List[Tuple[nn.Parameter, nn.Parameter]]:
+    """(host parameter, device copy) of each trainable parameter of a layer, once each, in the order
+    ``download_layer`` visits them (same model on every rank: same order)."""
+    out: List[Tuple[nn.Parameter, nn.Parameter]] = []
+    seen: set = set()
+    for host_mod, dev_mod in zip(cpu_layer.modules(), gpu_layer.modules()):
+        for name, p in host_mod._parameters.items():
+            if p is None or not p.requires_grad or id(p) in seen:
+                continue
+            dp = dev_mod._parameters.get(name)
+            if dp is None:
+                continue
+            seen.add(id(p))
+            out.append((p, dp))
+    return out
+
+
+def _staging_host(values: List[float], dtype: torch.dtype) -> torch.Tensor:
+    """A small host tensor to upload (pinned where CUDA is used, so the copy is asynchronous; the
+    caching host allocator keeps it until the copy has run)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory() if backend.pin_enabled() else t
+
+
+def _add_from_host(dst: torch.Tensor, host: torch.Tensor, chunk_elems: int) -> None:
+    """``dst += host`` (``dst`` flat on the device, ``host`` on the host), through a staging buffer of
+    at most ``chunk_elems`` so a large gradient needs no full-size temporary. Runs on the current stream:
+    each chunk's upload is queued before its add, and the staging buffer is reused only by later work
+    on the same stream."""
+    src = host.detach().reshape(-1)
+    if dst.device.type == "cpu":
+        dst.add_(src)
+        return
+    n = src.numel()
+    step = max(1, min(n, chunk_elems))
+    stage = torch.empty(step, dtype=src.dtype, device=dst.device)
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        stage[: b - a].copy_(src[a:b], non_blocking=True)
+        dst[a:b].add_(stage[: b - a])
+
+
+def _encode_plan(header: List[int], plan: ModelExecutePlan, max_layers: int) -> torch.Tensor:
+    t = torch.full((_HEADER + 4 * max_layers,), -1, dtype=torch.int64)
+    t[:_HEADER] = torch.tensor(header, dtype=torch.int64)
+    for base, groups in ((_HEADER, plan.fwd_plan), (_HEADER + 2 * max_layers, plan.bwd_plan)):
+        for i, r in enumerate(groups):
+            t[base + 2 * i], t[base + 2 * i + 1] = r.start, r.stop
+    return t
+
+
+def _decode_plan(row: List[int], max_layers: int) -> ModelExecutePlan:
+    def groups(base: int, n: int) -> List[range]:
+        return [range(row[base + 2 * i], row[base + 2 * i + 1]) for i in range(n)]
+
+    return ModelExecutePlan(groups(_HEADER, row[7]), groups(_HEADER + 2 * max_layers, row[8]))
+
+
+class _CollectiveMonitor:
+    """Names a stalled NCCL collective (CUDA only).
+
+    NCCL collectives never block the host, so a peer that stalls shows as a hang in some later event
+    synchronisation, and NCCL's own watchdog only aborts the process after the group timeout without
+    saying which layer was being reduced. This thread watches the reductions in issue order: once one
+    has been waiting on the device for ``RPP_DIST_TIMEOUT_S`` since this rank's gradients were ready,
+    it prints a :class:`DataParallelError` naming rank, collective, layer and device, and records it in
+    RoundPipe's failure slot. The NCCL groups' own timeout is longer (``_NCCL_GRACE_S`` more), so the
+    message comes first; NCCL's watchdog then aborts the communicators and ends the process (no hang).
+    """
+
+    def __init__(self, red: "_DeviceReduction") -> None:
+        self.red = red
+        self.pending: Deque[List[Any]] = deque()  # [ready event, done event, what, bytes, first seen ready]
+        self.lock = threading.Lock()
+        self.fired = False
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, name="roundpipe-dp-monitor", daemon=True)
+        self.thread.start()
+
+    def add(self, ready: Any, done: Any, what: str, nbytes: int) -> None:
+        with self.lock:
+            self.pending.append([ready, done, what, nbytes, None])
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def _run(self) -> None:
+        while not self.stopped:
+            time.sleep(min(1.0, timeout_s() / 10))
+            with self.lock:
+                while self.pending and self.pending[0][1].query():
+                    self.pending.popleft()
+                head = self.pending[0] if self.pending else None
+            if head is None or self.fired:
+                continue
+            if head[4] is None:
+                if head[0].query():
+                    head[4] = time.monotonic()
+                continue
+            waited = time.monotonic() - head[4]
+            if waited > timeout_s():
+                self.fired = True
+                err = self.red.error(head[2], head[3], waited, TimeoutError("the collective is still running on the device"))
+                with thread_exception_print_lock:
+                    print(f"roundpipe: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+                report_failure(err)
+
+
+class _DeviceReduction:
+    """``reduce_on="device"``: each layer's gradients are all-reduced on its device at the end of its
+    backward job, before the gradient download (streams and ordering: the comment above).
+
+    Per layer, the collectives are a few flat buckets (``bucket_mb``; presence counts first) plus, in
+    place, each gradient larger than a bucket: every rank issues them with the same sizes, in the same
+    order, whatever its data.
+
+    Weights and accumulation. Between calls of a step the host gradients hold the reduced, weighted sum
+    of what the step computed so far, ``H = sum over calls and ranks of w_r * g``, on every rank.
+    Uploads do not seed device gradients in this mode (``transfer.upload_layers``), so after the
+    backward a device gradient holds this call's local gradient ``g_r`` alone; the reduction sends
+    ``w_r * g_r`` from every rank plus ``H`` from rank 0 only, and the SUM is ``H + sum_r w_r g_r``:
+    exact for any number of ranks and calls, with no division. ``w_r`` is 1/W (``op="mean"``), 1
+    (``op="sum"``), or ``n_r / N`` after ``normalize_by`` (which therefore must come before the backward).
+    Tied parameters: each layer reduces its own share; ``reduce_shared_grads`` adds the reduced shares.
+
+    Presence. A parameter without a gradient on this rank contributes zeros (the layout is fixed); the
+    first bucket carries one count per parameter (ranks and calls that had a gradient; rank 0 adds the
+    counts of the step's earlier calls). At the step a parameter whose count is 0 gets ``.grad = None``,
+    as in one process (the optimizer skips it).
+    """
+
+    def __init__(self, owner: DataParallel, groups: List[Any], control: Any, backend_name: str, num_devices: int, max_layers: int) -> None:
+        self.owner = owner
+        self.groups = groups
+        self.control = control
+        self.backend = backend_name
+        self.num_devices = num_devices
+        self.max_layers = max(1, max_layers)
+        self.rank = dist.get_rank(control)
+        self.world_size = dist.get_world_size(control)
+        self.global_rank = dist.get_rank()
+        self.default_weight = 1.0 / self.world_size if owner.op == "mean" else 1.0
+        # Main-thread state of the current step. Device threads read ``weight`` during a call; the main
+        # thread changes it only between calls (normalize_by, step), when no device job is running.
+        self.weight = self.default_weight
+        self.count_given = False
+        self.reduced_this_step = False  # set by device threads, read by the main thread after the call
+        self.steps = 0  # model.step calls so far (main thread)
+        self.calls = 0  # training calls in the current step (main thread)
+        self.slots: List[_LayerSlot] = []
+        self.models: List[RoundPipe] = []
+        self.lock = threading.Lock()
+        self.sequence: Dict[int, List[int]] = {}  # device index -> slots reduced there since the last step
+        self.timings: List[Any] = []  # per layer reduction since the last step: seconds, or (ready, done) events
+        self.last_step_s = 0.0
+        self.adopted_plans = 0  # training calls that ran rank 0's plan instead of this rank's own
+        self.monitor: Optional[_CollectiveMonitor] = _CollectiveMonitor(self) if backend_name == "nccl" else None
+
+    # ---- setup ---------------------------------------------------------------------------------------
+    def install(self, models: List[RoundPipe]) -> None:
+        """Hook every layer of ``models`` (download and upload) and their plan resolution."""
+        for i, rp in enumerate(models):
+            rp.__dict__["_rpp_plan_hook"] = _PlanAgreement(self, i)
+            for lid, attr in enumerate(rp.layer_attrs):
+                slot = _LayerSlot(self, len(self.slots), rp.name, lid)
+                attr.device_grad_reducer = slot  # type: ignore[attr-defined]  # read by roundpipe.transfer
+                self.slots.append(slot)
+        self.models = list(models)
+        _device_reductions[id(self)] = self.owner.model.name
+
+    def uninstall(self) -> None:
+        _device_reductions.pop(id(self), None)
+        for rp in self.models:
+            rp.__dict__.pop("_rpp_plan_hook", None)
+            for attr in rp.layer_attrs:
+                attr.device_grad_reducer = None  # type: ignore[attr-defined]
+        self.models, self.slots = [], []
+        if self.monitor is not None:
+            self.monitor.stop()
+
+    def error(self, what: str, nbytes: int, waited: float, exc: BaseException) -> DataParallelError:
+        return DataParallelError(
+            f"rank {self.global_rank}/{self.world_size}: {what} ({nbytes / 2**20:.2f} MiB) failed after {waited:.1f} s "
+            f"(collective timeout {timeout_s():g} s, RPP_DIST_TIMEOUT_S): {_first_line(exc)}. "
+            "Another rank probably died or stalled; its own log says why."
+        )
+
+    def _main_collective(self, fn: Any, what: str) -> None:
+        """A collective of the main thread on the control group; failures name the rank and the call."""
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - reported with its context
+            raise DataParallelError(
+                f"rank {self.global_rank}/{self.world_size}: {what} failed after {time.perf_counter() - t0:.1f} s "
+                f"(collective timeout {timeout_s():g} s, RPP_DIST_TIMEOUT_S): {_first_line(exc)}. "
+                "Another rank probably died or stalled; its own log says why."
+            ) from exc
+
+    # ---- main thread ---------------------------------------------------------------------------------
+    def on_step_launch(self) -> None:
+        self.weight = self.default_weight
+        self.count_given = False
+        self.reduced_this_step = False
+        self.steps += 1
+        self.calls = 0
+
+    def normalize_by(self, count: float) -> None:
+        """All-gather the counts now (the weight is applied on the devices during the backward)."""
+        if self.count_given:
+            raise DataParallelError(f"rank {self.global_rank}: normalize_by called twice before one model.step")
+        mine = torch.tensor([count, 1.0 if self.reduced_this_step else 0.0], dtype=torch.float64)
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._main_collective(lambda: dist.all_gather(rows, mine, group=self.control), "normalize_by's all_gather of the counts")
+        counts = [float(r[0]) for r in rows]
+        total = sum(counts)
+        if total <= 0:
+            raise DataParallelError(f"rank {self.global_rank}: normalize_by counts sum to {total} over all ranks; nothing to average")
+        # Every rank sees every count, so every rank takes the same decision below.
+        if any(float(r[1]) > 0 for r in rows) and any(c / total != self.weight for c in counts):
+            raise DataParallelError(
+                f"rank {self.global_rank}/{self.world_size}: normalize_by came after this step's backward had already reduced the "
+                f"gradients on the devices (reduce_on='device') with the weight {self.weight:g} per rank, but the counts "
+                f"({', '.join(f'{c:g}' for c in counts)}) need count/{total:g} per rank. Call normalize_by before the step's "
+                "first forward/backward (that order works with both reduce_on modes), or use reduce_on='host'"
+            )
+        self.weight = count / total
+        self.count_given = True
+        # Units reduced on the host (an AutoRoundPipe's host parameters) use the same weight at the step.
+        optim_stream.launch_optim_kernel(self.owner._set_weight, self.weight)
+
+    def agree_plan(self, index: int, model: RoundPipe, run_type: str, plan: ModelExecutePlan) -> ModelExecutePlan:
+        """The plan of a training call, the same on every rank (rank 0's); see the comment above."""
+        if run_type not in _RUN_CODES:
+            return plan  # inference: no gradients, no collectives (rank-local evaluation is fine)
+        n_dev = device_mod.get_num_devices()
+        header = [self.steps, self.calls, index, model.num_layers, n_dev, device_mod.cur_device, _RUN_CODES[run_type], len(plan.fwd_plan), len(plan.bwd_plan)]
+        mine = _encode_plan(header, plan, self.max_layers)
+        rows_t = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._main_collective(
+            lambda: dist.all_gather(rows_t, mine, group=self.control),
+            f"plan agreement before training call {self.calls + 1} of step {self.steps + 1} (model {model.name!r})",
+        )
+        self.calls += 1
+        rows = [r.tolist() for r in rows_t]
+        self._check_same(rows, model)
+        agreed = _decode_plan(rows[0], self.max_layers)
+        # Jobs take devices round robin from device.cur_device (run._assign): start where rank 0 starts,
+        # so device k gets the same jobs, and issues the same collectives in the same order, everywhere.
+        device_mod.cur_device = int(rows[0][5]) % n_dev
+        if agreed != plan:
+            self.adopted_plans += 1
+            if self.adopted_plans == 1:
+                logger.info("data parallel: rank %d runs rank 0's plan %s instead of its own %s (ranks must run the same plan "
+                            "with reduce_on='device'; auto plans follow each rank's timings)", self.global_rank, agreed, plan)
+        return agreed
+
+    def _check_same(self, rows: List[List[int]], model: RoundPipe) -> None:
+        """Raise on every rank (all see the same rows) when ranks are not at the same call."""
+
+        def differ(k: int) -> bool:
+            return any(r[k] != rows[0][k] for r in rows)
+
+        def per_rank(k: int) -> str:
+            return ", ".join(f"rank {i}: {r[k]}" for i, r in enumerate(rows))
+
+        where = f"rank {self.global_rank}/{self.world_size}: training call {self.calls} of step {self.steps + 1} (model {model.name!r})"
+        if differ(0) or differ(1):
+            at = ", ".join(f"rank {i}: call {r[1] + 1} of step {r[0] + 1}" for i, r in enumerate(rows))
+            raise DataParallelError(
+                f"{where}: the ranks are at different training calls ({at}). With reduce_on='device' "
+                "every rank must run every forward/backward, since the gradients are reduced inside it: a rank may not skip "
+                "a call (e.g. for a share of the batch without rows or without trained tokens). Give every rank at least "
+                "one row (weight its loss 0 if it has nothing to train on), or use reduce_on='host'"
+            )
+        if differ(4):
+            raise DataParallelError(
+                f"{where}: the ranks have different numbers of local devices ({per_rank(4)}); device k of each rank "
+                "reduces with device k of the others, so every rank needs the same number (RPP_DEVICES)"
+            )
+        if differ(2) or differ(3) or differ(6):
+            raise DataParallelError(
+                f"{where}: the ranks run different calls (model index {per_rank(2)}; run type {per_rank(6)}); "
+                "every rank must call the same models in the same order"
+            )
+
+    # ---- device threads --------------------------------------------------------------------------------
+    def _layout(self, pairs: List[Tuple[nn.Parameter, nn.Parameter]]) -> List[_LayerBucket]:
+        """Buckets of one layer: bucket 0 packed, starting with the presence counts; small gradients
+        packed up to ``bucket_mb``; a gradient of at least ``bucket_mb`` (reduced in its own dtype)
+        alone, in place."""
+        rd = self.owner.reduce_dtype
+        first = _LayerBucket([], rd or pairs[0][0].dtype, 0, packed=True, nflags=len(pairs))
+        buckets = [first]
+        cur = first
+        limit = self.owner.bucket_bytes
+        for i, (p, _) in enumerate(pairs):
+            dtype = rd or p.dtype
+            nbytes = p.numel() * dtype.itemsize
+            if nbytes >= limit and dtype == p.dtype:
+                buckets.append(_LayerBucket([i], dtype, p.numel(), packed=False))
+                continue
+            if cur.dtype != dtype or (cur.indices and (cur.numel + p.numel()) * dtype.itemsize > limit):
+                cur = _LayerBucket([], dtype, 0, packed=True)
+                buckets.append(cur)
+            cur.indices.append(i)
+            cur.numel += p.numel()
+        return buckets
+
+    def reduce_layer(self, slot: _LayerSlot, cpu_layer: nn.Module, gpu_layer: nn.Module, layer_id: int, device: Any) -> None:
+        """All-reduce one layer's device gradients (SUM of weighted shares, plus rank 0's seed) in place,
+        on the current (download) stream; see the class and the comment above for the reasoning."""
+        pairs = _trainable_pairs(cpu_layer, gpu_layer)
+        if not pairs:
+            return
+        k = getattr(device, "id", 0)
+        if k >= len(self.groups):
+            raise DataParallelError(
+                f"rank {self.global_rank}: local device #{k} ({device}) has no data-parallel group: devices were re-created "
+                f"after enable_data_parallel ({len(self.groups)} then); call it again after changing RPP_DEVICES"
+            )
+        group = self.groups[k]
+        name = getattr(device, "name", str(k))
+        what = f"all_reduce of the gradients of layer {layer_id} of model {slot.model_name!r} on device {name}"
+        if hasattr(device, "location"):  # where a failure here is reported (DeviceManager._locate)
+            device.location = f"model {slot.model_name!r}: data-parallel gradient all-reduce of layer {layer_id}"
+        weight = self.weight
+        seeding = self.rank == 0
+        host_params = [p for p, _ in pairs]
+        prev = slot.flags_host.tolist() if seeding and slot.flags_valid and slot.flags_params == host_params and slot.flags_host is not None else None
+        flags = [(1.0 if dp.grad is not None else 0.0) + (prev[i] if prev is not None else 0.0) for i, (_, dp) in enumerate(pairs)]
+        for _, dp in pairs:
+            if dp.grad is None:
+                dp.grad = torch.zeros_like(dp)  # a gradient elsewhere, none here: contribute zeros
+        # Rank 0 adds what the step accumulated on the host so far (the reduced sum of earlier calls).
+        seeds = [host_grad(p, layer_id) if seeding else None for p in host_params]
+        cuda = device.device.type == "cuda" if hasattr(device, "device") else False
+        t0 = time.perf_counter()
+        ready = done = None
+        targets: List[torch.Tensor] = []
+        works: List[Any] = []
+        nbytes = 0
+        buckets = self._layout(pairs)
+        for b in buckets:
+            target = self._prepare(b, pairs, flags, seeds, weight)
+            targets.append(target)
+            nbytes += target.numel() * target.element_size()
+            if ready is None and cuda:
+                ready = torch.cuda.Event(enable_timing=True)
+                ready.record()  # on the current stream: this rank's first bucket is ready
+            try:
+                works.append(dist.all_reduce(target, op=dist.ReduceOp.SUM, group=group, async_op=True))
+            except Exception as exc:  # noqa: BLE001 - reported with its context
+                raise self.error(what, nbytes, time.perf_counter() - t0, exc) from exc
+        for work in works:
+            try:
+                work.wait()  # NCCL: the current stream waits (no host block); gloo: blocks this thread
+            except Exception as exc:  # noqa: BLE001 - reported with its context
+                raise self.error(what, nbytes, time.perf_counter() - t0, exc) from exc
+        if cuda:
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+        for b, target in zip(buckets, targets):
+            self._unpack(b, target, pairs, slot)
+        slot.flags_params, slot.flags_valid = host_params, True
+        with self.lock:
+            self.reduced_this_step = True
+            self.sequence.setdefault(k, []).append(slot.index)
+            self.timings.append((ready, done) if cuda else time.perf_counter() - t0)
+        with self.owner.stats_lock:
+            self.owner.stats.collectives += len(works)
+            self.owner.stats.bytes += nbytes
+            if not cuda:
+                self.owner.stats.comm_s += time.perf_counter() - t0
+        if self.monitor is not None and ready is not None:
+            self.monitor.add(ready, done, what, nbytes)
+
+    def _prepare(self, b: _LayerBucket, pairs: List[Tuple[nn.Parameter, nn.Parameter]], flags: List[float], seeds: List[Optional[torch.Tensor]], weight: float) -> torch.Tensor:
+        """This rank's input of one bucket: ``weight * gradient`` (+ rank 0's seed), counts first."""
+        chunk = max(1, self.owner.bucket_bytes // b.dtype.itemsize)
+        if not b.packed:
+            dp = pairs[b.indices[0]][1]
+            target = dp.grad if dp.grad.is_contiguous() else dp.grad.contiguous()
+            if weight != 1.0:
+                target.mul_(weight)
+            seed = seeds[b.indices[0]]
+            if seed is not None:
+                _add_from_host(target.view(-1), seed, chunk)
+            return target
+        dev = pairs[0][1].device
+        flat = torch.empty(b.nflags + b.numel, dtype=b.dtype, device=dev)
+        if b.nflags:
+            flat[: b.nflags].copy_(_staging_host(flags, b.dtype), non_blocking=True)
+        off = b.nflags
+        for i in b.indices:
+            g = pairs[i][1].grad
+            flat[off : off + g.numel()].copy_(g.reshape(-1))
+            off += g.numel()
+        if weight != 1.0 and b.numel:
+            flat[b.nflags :].mul_(weight)
+        off = b.nflags
+        for i in b.indices:
+            n = pairs[i][1].grad.numel()
+            if seeds[i] is not None:
+                _add_from_host(flat[off : off + n], seeds[i], chunk)  # type: ignore[arg-type]
+            off += n
+        return flat
+
+    def _unpack(self, b: _LayerBucket, target: torch.Tensor, pairs: List[Tuple[nn.Parameter, nn.Parameter]], slot: _LayerSlot) -> None:
+        """Reduced values back into the device gradients (downloaded next); counts to the host."""
+        if not b.packed:
+            dp = pairs[b.indices[0]][1]
+            if target is not dp.grad:
+                dp.grad.copy_(target.view_as(dp.grad))
+            return
+        if b.nflags:
+            host = slot.flags_host
+            if host is None or host.numel() != b.nflags or host.dtype != b.dtype:
+                host = slot.flags_host = backend.empty_host_like(target[: b.nflags])
+            # Lands before the layer's grad_downloaded event (recorded after this on the same stream),
+            # which the step waits for before reading the counts.
+            host.copy_(target[: b.nflags], non_blocking=target.device.type != "cpu")
+        off = b.nflags
+        for i in b.indices:
+            g = pairs[i][1].grad
+            g.copy_(target[off : off + g.numel()].view_as(g))
+            off += g.numel()
+
+    # ---- optimizer thread ----------------------------------------------------------------------------
+    def finish_step(self, units: List[Tuple[LayerAttribute, List[nn.Parameter]]]) -> None:
+        """At the step (all downloads landed): drop gradients no rank had, check that every rank reduced
+        the same layers in the same order, and account the step's device time."""
+        present: Dict[int, bool] = {}
+        for slot in self.slots:
+            if slot.flags_valid and slot.flags_host is not None:
+                for p, f in zip(slot.flags_params, slot.flags_host.tolist()):
+                    present[id(p)] = present.get(id(p), False) or f > 0
+                slot.flags_valid = False  # the next call starts the next step's counts
+        for attr, params in units:
+            if _device_reduced(attr):
+                for p in params:
+                    if present.get(id(p)) is False:
+                        p.grad = None  # no rank computed one: the optimizer skips it, as in one process
+        with self.lock:
+            sequence, self.sequence = self.sequence, {}
+            timings, self.timings = self.timings, []
+        self.last_step_s = sum(t if isinstance(t, float) else t[0].elapsed_time(t[1]) / 1e3 for t in timings)
+        h = hashlib.sha256(repr(sorted(sequence.items())).encode()).digest()
+        mine = torch.tensor([int.from_bytes(h[:8], "little", signed=True)], dtype=torch.int64)
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self.owner._count_collective(0)
+        t0 = time.perf_counter()
+        try:
+            dist.all_gather(rows, mine, group=self.owner.group)
+        except Exception as exc:  # noqa: BLE001 - reported with its context
+            raise self.error("the step's check of the device reduction order (all_gather)", 0, time.perf_counter() - t0, exc) from exc
+        bad = [r for r, t in enumerate(rows) if int(t) != int(rows[0])]
+        if bad:
+            raise DataParallelError(
+                f"rank {self.global_rank}/{self.world_size}: the device gradient reductions of this step ran in a different order "
+                f"on ranks {bad} than on rank 0, so gradients of different layers may have been summed; the step is refused. "
+                "Every rank must run the same RoundPipe calls in the same order (no rank-local training calls between a "
+                "forward and its backward)"
+            )
 
 
 # -------------------------------------------------------------------------------------------------
@@ -712,6 +1409,65 @@ def _broadcast_tensors(tensors: List[torch.Tensor], group: Any, bucket_bytes: in
                     off += t.numel()
 
 
+def _choose_reduce_on(reduce_on: str, custom_group: bool) -> Tuple[Literal["host", "device"], Optional[str]]:
+    """This rank's reduction mode and device backend (checked to agree across ranks by the caller).
+
+    ``"auto"``: on the devices with NCCL when every local device is a GPU and NCCL is available (it is
+    faster wherever GPUs talk over NVLink, InfiniBand or RoCE, and leaves the host cores to the
+    optimizer), otherwise on the host with gloo. CPU workers reduce on the host under ``"auto"``:
+    nothing is gained by moving their reduction; ``"device"`` still runs the device path there (gloo),
+    which is how CI tests it.
+    """
+    if reduce_on not in ("auto", "host", "device"):
+        raise ValueError(f"reduce_on={reduce_on!r}: expected 'auto', 'host' or 'device'")
+    if reduce_on == "host" or (reduce_on == "auto" and custom_group):
+        return "host", None
+    device_mod.get_num_devices()  # creates the local devices (RPP_DEVICES) if needed
+    kinds = {d.device.type for d in device_mod.device_list}
+    if kinds == {"cuda"}:
+        if dist.is_nccl_available():
+            return "device", "nccl"
+        if reduce_on == "device":
+            raise RuntimeError("reduce_on='device' on GPUs needs NCCL, which this PyTorch build lacks; use reduce_on='host'")
+        return "host", None
+    if reduce_on == "auto":
+        return "host", None
+    if kinds == {"cpu"}:
+        return "device", "gloo"
+    raise ValueError(f"reduce_on='device' needs local devices of one kind, got {sorted(kinds)}")
+
+
+def _setup_device_reduction(dp: DataParallel, model: RoundPipeBase, backend_name: str) -> _DeviceReduction:
+    """Create the control group and one group per local device (every rank, same order: ``new_group``
+    is a collective of the default group), connect them, and hook the model's layers."""
+    secs = timeout_s()
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=secs))
+    # NCCL's watchdog ends the process after the group timeout; ours names the layer first (monitor).
+    grad_secs = secs + (_NCCL_GRACE_S if backend_name == "nccl" else 0.0)
+    devices = list(device_mod.device_list)
+    if backend_name == "nccl" and torch.cuda.current_device() not in [d.device.index for d in devices]:
+        # This rank's GPUs came from RPP_DEVICES: make the first one current, so nothing NCCL or CUDA
+        # does on the main thread lands on another rank's GPU (init_from_env does the same).
+        torch.cuda.set_device(devices[0].device)
+    groups = [dist.new_group(backend=backend_name, timeout=timedelta(seconds=grad_secs)) for _ in devices]
+    world = dist.get_world_size()
+    for k, (d, group) in enumerate(zip(devices, groups)):
+        # Connect now, group by group in the same order on every rank (NCCL would otherwise create its
+        # communicators lazily inside the first backward): a broken setup fails here, clearly.
+        try:
+            t = torch.ones(1, device=d.device)
+            dist.all_reduce(t, group=group)
+            got = float(t.item())  # synchronises with the collective
+        except Exception as exc:  # noqa: BLE001 - reported with its context
+            raise DataParallelError(f"rank {dist.get_rank()}/{world}: connecting the {backend_name} group of local device #{k} ({d.device}) failed: {_first_line(exc)}") from exc
+        if got != world:
+            raise DataParallelError(f"rank {dist.get_rank()}/{world}: the {backend_name} group of local device #{k} ({d.device}) summed {got:g} instead of {world}")
+    models = [model] if isinstance(model, RoundPipe) else [m for m in model.model.modules() if isinstance(m, RoundPipe)]
+    red = _DeviceReduction(dp, groups, control, backend_name, len(devices), max((m.num_layers for m in models), default=1))
+    red.install(models)
+    return red
+
+
 def enable_data_parallel(
     model: RoundPipeBase,
     process_group: Any = None,
@@ -721,9 +1477,10 @@ def enable_data_parallel(
     reduce_dtype: Optional[torch.dtype] = None,
     broadcast_init: Literal["trainable", "all", "none"] = "trainable",
     max_in_flight: int = 2,
+    reduce_on: ReduceOn = "auto",
 ) -> DataParallel:
-    """Make ``model`` a data-parallel replica: its host gradients are all-reduced over the ranks at
-    every ``model.step`` (asynchronous or not), so all ranks take identical optimizer steps.
+    """Make ``model`` a data-parallel replica: its gradients are all-reduced over the ranks at every
+    step (asynchronous or not), so all ranks take identical optimizer steps.
 
     Call it on every rank, after ``init_from_env()`` and before training, on the model whose ``step``
     you call (a ``RoundPipe``, a ``RoundPipeForCausalLM`` or an ``AutoRoundPipe`` root). Creating the
@@ -731,11 +1488,12 @@ def enable_data_parallel(
 
     Args:
         model: The RoundPipe model.
-        process_group: Group to reduce over; default: a new gloo group of all ranks, used only by the
-            optimizer thread (do not use a group that the main thread also issues collectives on).
+        process_group: Group to reduce host gradients over; default: a new gloo group of all ranks,
+            used only by the optimizer thread (do not use a group that the main thread also issues
+            collectives on). Only with ``reduce_on="host"`` (``"auto"`` then means host).
         bucket_mb: Target bucket size in MiB: small gradients are packed up to this size per collective.
-        backend: ``"gloo"``/``"auto"``: reduce the host gradients with gloo (any accelerator, or none).
-            Reducing on the GPUs with NCCL before the download is not implemented (docs/multi-node.md).
+        backend: Backend of the host gradient group: ``"gloo"``/``"auto"`` (host tensors need gloo).
+            For NCCL on the GPUs use ``reduce_on="device"``.
         op: ``"mean"`` (like DDP: for losses that are a per-rank mean over equal counts) or ``"sum"``
             (the loss is already normalised by the global count). :meth:`DataParallel.normalize_by`
             overrides both for a step.
@@ -744,10 +1502,20 @@ def enable_data_parallel(
         broadcast_init: Copy rank 0's ``"trainable"`` parameters (optimizer masters when they exist)
             and all buffers to the other ranks, so replicas start equal even if seeds differ (LoRA
             adapters are random); ``"all"`` adds frozen parameters; ``"none"`` skips it.
-        max_in_flight: Buckets in flight at once (2: pack/unpack overlaps communication).
+        max_in_flight: Host reduction: buckets in flight at once (2: pack/unpack overlaps communication).
+        reduce_on: Where the gradients of the layers RoundPipe runs are reduced.
+            ``"host"``: after the download, on the optimizer thread, with gloo (any devices; the
+            asynchronous step hides it behind the next forward). ``"device"``: on each device at the end
+            of the layer's backward, before the download, overlapped with the rest of the backward: NCCL
+            on GPUs, gloo on CPU workers; every rank then needs the same number of local devices and
+            must run every training call (the plan is agreed across ranks automatically), and
+            :meth:`DataParallel.normalize_by` must come before the step's backward. ``"auto"``:
+            ``"device"`` when every local device is a GPU and NCCL is available, else ``"host"``.
+            Parameters used outside RoundPipe (an ``AutoRoundPipe``'s host parameters) are always
+            reduced on the host. All ranks must resolve to the same mode (checked).
 
     Returns:
-        The :class:`DataParallel` reducer (``normalize_by``, ``stats``, ``close``).
+        The :class:`DataParallel` reducer (``normalize_by``, ``stats``, ``reduce_on``, ``close``).
     """
     if not isinstance(model, RoundPipeBase):
         raise TypeError(f"enable_data_parallel needs a RoundPipe model (RoundPipe, AutoRoundPipe, wrap_model_to_roundpipe), got {type(model).__name__}")
@@ -755,8 +1523,8 @@ def enable_data_parallel(
         raise RuntimeError("enable_data_parallel: torch.distributed is not initialized; launch with torchrun and call roundpipe.distributed.init_from_env() first")
     if backend not in ("gloo", "auto"):
         raise NotImplementedError(
-            f"backend={backend!r}: only host-gradient reduction with gloo is implemented; reducing with NCCL on the GPUs "
-            "before the download is described in docs/multi-node.md"
+            f"backend={backend!r}: this is the backend of the host gradient group, which needs gloo; to reduce with NCCL on "
+            "the GPUs before the download, pass reduce_on='device' (docs/multi-node.md)"
         )
     if bucket_mb <= 0 or max_in_flight < 1 or op not in ("mean", "sum"):
         raise ValueError(f"bucket_mb={bucket_mb} (> 0), max_in_flight={max_in_flight} (>= 1), op={op!r} ('mean' or 'sum')")
@@ -764,6 +1532,10 @@ def enable_data_parallel(
         raise ValueError(f"model {model.name!r} is already data parallel")
     if model.grad_reducer is not None:
         raise ValueError(f"model {model.name!r} already has a grad_reducer ({model.grad_reducer!r})")
+    if reduce_on == "device" and process_group is not None:
+        raise ValueError("reduce_on='device' reduces over all ranks (one group per local device); process_group works with reduce_on='host' only")
+    n_devices = device_mod.get_num_devices()  # creates the local devices (RPP_DEVICES) if needed
+    mode, device_backend = _choose_reduce_on(reduce_on, process_group is not None)
     if process_group is None:
         # A collective on the default group: every rank creates it, in the same order. The setup below
         # runs on the default group too (long timeout: ranks may finish loading the model at very
@@ -781,18 +1553,35 @@ def enable_data_parallel(
     ranks = dist.get_world_size(process_group)
     signature = _layout_signature(model)
     gathered: List[Any] = [None] * ranks
-    dist.all_gather_object(gathered, signature, group=setup_group)
-    if any(s != gathered[0] for s in gathered):
-        bad = [r for r, s in enumerate(gathered) if s != gathered[0]]
+    dist.all_gather_object(gathered, (signature, mode, device_backend, n_devices), group=setup_group)
+    if any(s[0] != gathered[0][0] for s in gathered):
+        bad = [r for r, s in enumerate(gathered) if s[0] != gathered[0][0]]
         raise DataParallelError(
             f"model {model.name!r}: the trainable parameters differ between ranks (group ranks {bad} differ from rank 0): "
             "every rank must build the same model, LoRA config and requires_grad settings"
         )
+    if any(s[1:3] != gathered[0][1:3] for s in gathered):
+        detail = ", ".join(f"rank {r}: {s[1]}" + (f" ({s[2]})" if s[2] else "") for r, s in enumerate(gathered))
+        raise DataParallelError(f"reduce_on={reduce_on!r} resolves differently on the ranks ({detail}); pass reduce_on='host' or 'device' explicitly")
+    if mode == "device" and any(s[3] != gathered[0][3] for s in gathered):
+        detail = ", ".join(f"rank {r}: {s[3]}" for r, s in enumerate(gathered))
+        raise DataParallelError(
+            f"reduce_on='device' needs the same number of local devices on every rank ({detail}): device k of each rank "
+            "reduces with device k of the others. Set RPP_DEVICES alike, or use reduce_on='host'"
+        )
     if broadcast_init != "none" and ranks > 1:
         _broadcast_initial_state(model, setup_group, broadcast_init, int(bucket_mb * 2**20))
     dp = DataParallel(model, process_group, bucket_mb=bucket_mb, op=op, reduce_dtype=reduce_dtype, max_in_flight=max_in_flight)
+    dp.reduce_on = mode
+    if mode == "device" and ranks > 1:
+        assert device_backend is not None
+        dp.device = _setup_device_reduction(dp, model, device_backend)
     model.grad_reducer = dp
-    logger.info("data parallel: model %r over %d ranks (gloo, buckets of %g MiB, %s)", model.name, ranks, bucket_mb, op)
+    if mode == "device":
+        logger.info("data parallel: model %r over %d ranks, reduced on the devices (%s, %d per rank, buckets of %g MiB, %s)",
+                    model.name, ranks, device_backend, n_devices, bucket_mb, op)
+    else:
+        logger.info("data parallel: model %r over %d ranks, reduced on the host (gloo, buckets of %g MiB, %s)", model.name, ranks, bucket_mb, op)
     return dp
 
 
@@ -822,6 +1611,7 @@ __all__ = [
     "DataParallelError",
     "DataParallelStats",
     "DistEnv",
+    "ReduceOn",
     "all_reduce_scalars",
     "any_across_ranks",
     "assert_same_across_ranks",

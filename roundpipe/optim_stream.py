@@ -14,9 +14,12 @@ Attributes:
 from __future__ import annotations
 
 import atexit
+import os
 import queue
 import threading
 from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
 
 from roundpipe.threads import OptimizerStepError, RoundPipeThread, note_progress, report_failure
 
@@ -28,9 +31,36 @@ optim_thread: Optional[RoundPipeThread] = None
 _start_lock = threading.Lock()
 
 
+THREADS_ENV = "RPP_OPTIM_THREADS"
+
+
+def _set_thread_count() -> None:
+    """Give the optimizer thread ``RPP_OPTIM_THREADS`` intra-op threads (default: torch's setting).
+
+    Fewer than all cores leaves CPU time to the main and device threads, which issue the GPU work while
+    the step runs. torch keeps the OpenMP thread count per thread, so this only changes the optimizer
+    thread's parallel regions (its copies and the Adam kernel, which asks ``torch.get_num_threads()``).
+    """
+    value = os.environ.get(THREADS_ENV, "").strip()
+    if not value:
+        return
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{THREADS_ENV}={value!r}: expected a positive number of threads")
+    torch.set_num_threads(n)
+
+
 def controller() -> None:
     """Optimizer stream thread function: run queued kernels in order until OPTIM_STOP."""
     assert optim_thread is not None
+    try:
+        _set_thread_count()
+    except ValueError as exc:
+        report_failure(OptimizerStepError(str(exc)))
+        return
     while True:
         item = kernel_queue.get()
         try:

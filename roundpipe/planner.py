@@ -73,9 +73,9 @@ def plan_stages(
     Fused choice: the fused group runs forward + backward of its layers, and its cost is estimated by the
     layers' backward times (recompute + backward, and a recompute is a forward). The fused group is simply
     the last group of the backward plan, so it obeys the same time cap as every backward group and the
-    same memory cap. The forward plan is then cut over the layers before it, with its time cap taken from
-    the slowest forward layer of the whole model and ``min_stages - 1`` groups at least (the fused group
-    is a forward stage too).
+    same memory cap. The backward groups before it and the forward plan are then cut over the layers
+    before it, with their time caps taken from the slowest of those layers and ``min_stages - 1`` groups
+    at least (the fused group is a stage of both passes).
     """
     n = len(fwd_times)
     if n == 0:
@@ -113,12 +113,18 @@ def plan_stages(
     fused_start = bwd_plan[-1].start
     if fused_start == 0:
         return [], bwd_plan
-    # The cap stays relative to the slowest forward layer of the whole model (fused layers included):
-    # that layer's forward bounds the forward pace whichever group it is in.
-    fwd_plan = _partition(
-        fwd_times[:fused_start], layer_bytes[:fused_start], min_stages - 1, upper_threshold, mem_cap,
-        slowest=max(fwd_times),
-    )
+    # The backward groups before the fused one are re-cut with their cap relative to the slowest of
+    # their own layers: the fused group (typically the head, the slowest layer by far) runs as its own
+    # job, so letting the other groups grow to its time would save only per-group overhead, which the
+    # runtime hides, and would keep several layers' recompute activations on the device at once.
+    bwd_plan = _partition(bwd_times[:fused_start], layer_bytes[:fused_start], min_stages - 1, upper_threshold, mem_cap) + [
+        bwd_plan[-1]
+    ]
+    # The cap is relative to the slowest of the layers planned here, not of the whole model: the fused
+    # group's forward runs inside the fused job (timed by its backward), so a slow head there does not
+    # pace the forward groups. Capping by it would let forward groups grow to many layers, which saves
+    # only per-group overhead and costs device memory (two groups are resident at once).
+    fwd_plan = _partition(fwd_times[:fused_start], layer_bytes[:fused_start], min_stages - 1, upper_threshold, mem_cap)
     return fwd_plan, bwd_plan
 
 

@@ -31,6 +31,11 @@ CHUNK_UPLOAD_SIZE = 64 * 1024**2
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu" and t.device.type == "cpu":
         return t.detach().clone()
+    if t.device.type == "cpu" and device.type == "cuda" and not t.is_pinned():
+        # A non_blocking copy from pageable memory synchronises the copy stream (and so this device
+        # thread) with everything queued on it; staging through the pinned cache keeps it asynchronous.
+        # The caching host allocator keeps the staging block until the copy has finished.
+        t = t.detach().pin_memory()
     return t.detach().to(device, non_blocking=True)
 
 
@@ -114,7 +119,13 @@ def _device_copy(mod: nn.Module, tensors: Dict[int, torch.Tensor], memo: Dict[in
 def host_grad(p: torch.Tensor, layer_id: int) -> Optional[torch.Tensor]:
     """The host gradient slot of ``p`` for ``layer_id`` (see ``ParamAttribute``)."""
     attr = ParamAttribute.get(p)
-    return attr.grad_cpu.get(layer_id) if attr.shared else p.grad
+    if not attr.shared:
+        return p.grad
+    g = attr.grad_cpu.get(layer_id)
+    if g is None and layer_id == min(attr.layer_ids) and p.grad is not None and p.grad is attr.grad_buffer.get(layer_id):
+        # reduce_shared_grads summed the shares into this layer's buffer: it carries the running sum.
+        return p.grad
+    return g
 
 
 def set_host_grad(p: torch.Tensor, layer_id: int, g: Optional[torch.Tensor]) -> None:
@@ -154,7 +165,9 @@ def upload_layers(
                         continue
                     train = with_grad and p.requires_grad
                     dp = nn.Parameter(_to_device(p, device.device), requires_grad=train)
-                    g = host_grad(p, lid) if train else None
+                    # Data parallel with reduce_on="device" adds the accumulated gradient inside the
+                    # reduction, after weighting this rank's share (roundpipe.distributed): no seed here.
+                    g = host_grad(p, lid) if train and getattr(attr, "device_grad_reducer", None) is None else None
                     if g is not None:
                         dp.grad = _to_device(g, device.device)
                     tensors[id(p)] = dp
@@ -196,6 +209,12 @@ def download_layer(
                         b.copy_(db, non_blocking=True)
             layer_attr.buffer_downloaded = backend.record_event(stream)
         if with_grad:
+            reducer = getattr(layer_attr, "device_grad_reducer", None)
+            if reducer is not None:
+                # Data parallel with reduce_on="device": all-reduce this layer's device gradients over the
+                # ranks here, on the download stream after the compute, so the copies below download the
+                # reduced gradients (stream ordering: roundpipe.distributed._DeviceReduction.reduce_layer).
+                reducer(cpu_layer, gpu_layer, layer_id, device)
             done = set()
             for host_mod, dev_mod in pairs:
                 for name, p in host_mod._parameters.items():

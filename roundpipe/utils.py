@@ -22,6 +22,18 @@ def get_model_size(model: nn.Module, recurse: bool = True) -> int:
     return sum(seen.values())
 
 
+def get_model_compute_size(model: nn.Module) -> float:
+    """A size that stands in for a layer's compute time before any is measured: the bytes of its
+    parameters and buffers, with embedding tables counted at 1% (a lookup reads only the rows it needs,
+    so a 150k-token embedding is fast however large; counting it in full made the first plan treat it as
+    the slowest layer and group everything else around it)."""
+    lookup = {id(t) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for t in m.parameters(recurse=False)}
+    seen = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        seen[id(t)] = t.numel() * t.element_size() * (0.01 if id(t) in lookup else 1.0)
+    return float(sum(seen.values()))
+
+
 def get_model_active_size(model: nn.Module, recurse: bool = True) -> int:
     """Bytes of the parameters of ``model`` that require grad."""
     seen = {id(p): p.numel() * p.element_size() for p in model.parameters(recurse) if p.requires_grad}

@@ -126,6 +126,29 @@ def test_tied_parameters_appear_once_and_sum_gradients(workers: str) -> None:
     rp(x).pow(2).sum().backward()
     ref(x).pow(2).sum().backward()
     assert rel_err(emb.weight.grad, ref[0].weight.grad) < 1e-6
+    # Gradients of tied parameters accumulate across calls (the summed share is reused, not copied).
+    for k in range(2):
+        x = torch.randn(4, 5)
+        rp(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        assert rel_err(emb.weight.grad, ref[0].weight.grad) < 1e-6, k
+    # ... and start from zero again after zero_grad, through optimizer steps (async and sync).
+    opt = torch.optim.SGD(rp.optim_parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_opt.zero_grad()
+    rp.step(lambda: opt.zero_grad(), is_async=False)
+    emb.weight.grad = None
+    for is_async in (False, False, True):
+        x = torch.randn(4, 5)
+        rp(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        assert rel_err(emb.weight.grad, ref[0].weight.grad) < 1e-6
+        rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=is_async)
+        if not is_async:
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert rel_err(emb.weight, ref[0].weight) < 1e-6
+    rp.synchronize()
 
 
 @pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)

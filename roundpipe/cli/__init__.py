@@ -2,7 +2,9 @@
 
 User errors (bad config, missing files, corrupt checkpoints) are printed as one line,
 ``roundpipe: error: <what> — <fix>``, with exit status 2 and no traceback; anything else is a bug or a
-runtime failure and keeps its traceback.
+runtime failure and keeps its traceback. In a torchrun job of several ranks every line says which rank
+wrote it (``roundpipe: error: rank 1: ...``), and a rank stopped by another rank's failure prints one
+line naming that rank (exit status 1): the traceback is in the failing rank's output.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 from typing import Iterator, List, Optional
 
 from roundpipe.cli.config import ConfigError
+from roundpipe.cli.parallel import PeerFailed, rank_prefix
 
 USAGE = """usage: roundpipe <command> [options]
 
@@ -30,7 +33,7 @@ def _cli_logging() -> Iterator[None]:
     the command runs; the logger is restored afterwards (``main`` may run inside tests or notebooks)."""
     logger = logging.getLogger("roundpipe")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("roundpipe: %(levelname)s: %(message)s"))
+    handler.setFormatter(logging.Formatter(f"roundpipe: {rank_prefix()}%(levelname)s: %(message)s"))
     old = (logger.level, logger.propagate)
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
@@ -55,7 +58,7 @@ def train_main(argv: List[str]) -> int:
     try:
         run(cfg, given)
     except KeyboardInterrupt:
-        print("roundpipe: interrupted", file=sys.stderr)
+        print(f"roundpipe: {rank_prefix()}interrupted", file=sys.stderr)
         return 130
     return 0
 
@@ -108,8 +111,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         try:
             return COMMANDS[command](rest)
         except ConfigError as exc:
-            print(f"roundpipe: error: {exc}", file=sys.stderr)
+            print(f"roundpipe: error: {rank_prefix()}{exc}", file=sys.stderr)
             return 2
+        except PeerFailed as exc:
+            print(f"roundpipe: error: {rank_prefix()}{exc}", file=sys.stderr)
+            return 1
 
 
 __all__ = ["ConfigError", "main"]

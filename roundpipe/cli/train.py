@@ -16,6 +16,12 @@ the optimizer state *and* the weights the devices currently compute with (in asy
 step's), so a resumed run repeats the uninterrupted run's computation bit for bit on CPU workers,
 whether or not the uninterrupted run checkpointed at that step. ``model.safetensors`` holds the
 up-to-date weights (masters in the training dtype), which is what ``roundpipe export`` writes out.
+
+Data parallel (launched by ``torchrun`` with several ranks, see :mod:`roundpipe.cli.parallel`): every
+rank draws the same global batches (same seed) and trains on its contiguous share of their rows; a
+rank's loss is its tokens' loss sum over the token count of the *global* step, and the ranks'
+gradients are summed (:func:`roundpipe.distributed.enable_data_parallel` with ``op="sum"``), so every
+rank takes the one-process step on the whole batch. Rank 0 alone prints, writes metrics and checkpoints; all ranks resume from the same checkpoint.
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Un
 import torch
 from torch import nn
 
+from roundpipe import distributed as rdist
 from roundpipe.cli import checkpoint as ckpt
+from roundpipe.cli import parallel
 from roundpipe.cli.config import ConfigError, TrainConfig, merge, to_yaml
 from roundpipe.cli.metrics import MetricsWriter, device_peak_memory_gib, format_rate, host_peak_rss_gib, plot_metrics
 from roundpipe.cli.tasks import BYTE_VOCAB_SIZE, EOS_ID, TASKS, TaskStream, byte_tokenizer, exact_match, held_out_examples
@@ -194,13 +202,27 @@ class PipelineModel:
         elif plan == "layerwise":
             self.rp.model_run_config.execute_plan = ModelExecutePlan.layerwise(n, "train")
 
-    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor, weight: float, scale: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def forward_backward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, weight: float, scale: Callable[[torch.Tensor], torch.Tensor], num_microbatch: Optional[int] = None
+    ) -> torch.Tensor:
         """Accumulate the gradients of ``scale(weight x batch-mean token loss)``; returns that
-        (scaled, weighted) loss. ``weight`` = this batch's share of the step's loss tokens."""
+        (scaled, weighted) loss. ``weight`` = this batch's share of the step's loss tokens.
+
+        ``weight`` 0 (rows without a trained token, e.g. a data-parallel rank's share) still runs the
+        call, with a zero loss: a batch mean over no token would be 0/0, and with gradients reduced on
+        the devices every rank must run every training call. ``num_microbatch`` overrides the model's
+        microbatch count for this call.
+        """
+        from roundpipe import RoundPipeRunConfig
+
         preset = self.rp.preset
         kwargs = preset.forward_kwargs(input_ids=input_ids, labels=labels, return_logits=False)
-        base = preset.microbatch_loss_fn(kwargs)
-        return self.rp.forward_backward(input_kwargs=kwargs, loss_fn=lambda out, label: scale(base(out, label) * weight))
+        if weight == 0:
+            loss_fn: Callable[[Any, Any], torch.Tensor] = lambda out, label: scale(out["loss_sum"] * 0.0)
+        else:
+            base = preset.microbatch_loss_fn(kwargs)
+            loss_fn = lambda out, label: scale(base(out, label) * weight)
+        return self.rp.forward_backward(input_kwargs=kwargs, loss_fn=loss_fn, run_config=RoundPipeRunConfig(num_microbatch=num_microbatch))
 
     def _infer_config(self, batch_size: int) -> Any:
         """Inference run config: no more microbatches than rows."""
@@ -276,6 +298,7 @@ class TrainResult:
     accuracy: Optional[float] = None
     model: Optional[PipelineModel] = None
     tokenizer: Any = None
+    ranks: int = 1
 
 
 def rng_state() -> Dict[str, Any]:
@@ -312,10 +335,21 @@ class Recipe:
         self.cfg = cfg
         self._print = out
         self._bar: Any = None
-        self._stop_requested = False
+        self._stop_requested = False  # Ctrl-C seen by this process
+        self._stop_now = False  # this step ends the run: Ctrl-C seen by any rank (the same on all ranks)
+        self.env = rdist.current_env()
+        self.dp: Optional[rdist.DataParallel] = None
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process prints, writes metrics and checkpoints (rank 0, or a single process)."""
+        return self.env.is_main
 
     # ---- output ------------------------------------------------------------------------------------
     def log(self, msg: str) -> None:
+        """Print ``msg`` (rank 0 only: the ranks train in lock step, their lines would be duplicates)."""
+        if not self.is_main:
+            return
         if self._bar is not None:
             self._bar.write(msg)
         else:
@@ -323,6 +357,32 @@ class Recipe:
 
     # ---- setup -------------------------------------------------------------------------------------
     def setup(self) -> None:
+        """Build everything; with several ranks, make the model a data-parallel replica and load the
+        checkpoint on every rank. Each phase that can fail on some ranks only ends in an agreement,
+        so a failure on one rank stops all of them (see :mod:`roundpipe.cli.parallel`)."""
+        self.env = rdist.current_env()
+        parallel.everywhere(self._build, "setup")
+        if self.env.distributed:
+            # After the masters exist (it broadcasts rank 0's) and before a checkpoint is loaded (the
+            # broadcast would overwrite the loaded device weights with the masters). The loss of every
+            # rank is already normalised by the global token count (see _train_step): sum, not mean.
+            self.dp = rdist.enable_data_parallel(self.model.rp, op="sum")
+            w = self.env.world_size
+            if self.cfg.batch_size < w and getattr(self.dp, "reduce_on", "host") == "device":
+                raise ConfigError(
+                    f"batch_size={self.cfg.batch_size} leaves some of the {w} ranks without rows, and gradients reduced on the devices need every rank in every call",
+                    f"raise batch_size to at least {w}",
+                )
+            # The same microbatch count on every rank (the reduction on the devices needs the same jobs
+            # everywhere): at most the smallest share of a batch.
+            self.microbatches = max(1, min(self.microbatches, self.cfg.batch_size // w))
+        if self.resume_from is not None:
+            path = self.resume_from
+            parallel.everywhere(lambda: self._load_checkpoint(path), f"the loading of checkpoint {path}")
+            rdist.assert_same_across_ranks((os.path.basename(os.path.normpath(path)), self.step, self._master_sha), "the resumed checkpoint (name, step, sha256 of its master weights)")
+
+    def _build(self) -> None:
+        """Model, data, optimizer and schedule: this process's work alone (no collectives)."""
         cfg = self.cfg
         self._set_devices()
         from roundpipe import get_num_devices
@@ -369,13 +429,17 @@ class Recipe:
         self.tokens_seen = 0
         self.elapsed_before = 0.0
         self.grad_norms: Dict[int, float] = {}
-        if self.resume_from is not None:
-            self._load_checkpoint(self.resume_from)
+        self._master_sha: Optional[str] = None
 
     def _set_devices(self) -> None:
         from roundpipe import backend, device
 
         spec = self.cfg.devices
+        if spec is not None and spec.strip().startswith("cuda") and self.env.local_world_size > 1:
+            raise ConfigError(
+                f"devices={spec} would make the {self.env.local_world_size} ranks on this host share those GPUs",
+                "drop --devices (each rank then gets its share of the host's GPUs) or launch one rank per host",
+            )
         if spec is not None:
             os.environ["RPP_DEVICES"] = spec
         try:
@@ -443,12 +507,18 @@ class Recipe:
         return "trainable" if self.lora is not None and self.source["kind"] == "local" else "full"
 
     def save_checkpoint(self, loss: float) -> str:
-        """Wait for the optimizer thread, then write a checkpoint (see the module docstring)."""
+        """Wait for the optimizer thread, then write a checkpoint (see the module docstring).
+
+        With several ranks: call it on every rank. The replicas are identical, so rank 0 writes the
+        one copy (with every rank's RNG state); the others wait until it is complete, and a failed
+        write stops every rank.
+        """
         from roundpipe import optim_stream
 
         optim_stream.synchronize_optim()
         self._flush_rows()
         cfg = self.cfg
+        rngs = parallel.gather_to_main(rng_state(), f"checkpoint of step {self.step}") if self.env.distributed else None
 
         def write(d: str) -> None:
             os.makedirs(os.path.join(d, "optim"))
@@ -473,18 +543,21 @@ class Recipe:
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "data": self.stream.state_dict(),
                 "rng": rng_state(),
+                **({"rng_by_rank": rngs} if rngs is not None else {}),
                 "tokens_seen": self.tokens_seen,
                 "elapsed": self.elapsed_before + (time.time() - self.t_start),
             }
             ckpt.save_torch(trainer, os.path.join(d, "trainer.pt"))
 
-        path = ckpt.save_checkpoint(cfg.output_dir, self.step, write, cfg.keep_checkpoints, {"loss": loss})
+        step = self.step
+        path = parallel.on_main(lambda: ckpt.save_checkpoint(cfg.output_dir, step, write, cfg.keep_checkpoints, {"loss": loss}), f"the checkpoint of step {step}")
         self.last_checkpoint = path
         return path
 
     def _load_checkpoint(self, path: str) -> None:
         from roundpipe.cli.checkpoint import load_tensors, load_torch
 
+        self._master_sha = str(ckpt.verify_checkpoint(path)["files"]["optim/master.safetensors"]["sha256"])  # type: ignore[index]
         device_w = load_tensors(os.path.join(path, "optim", "device.safetensors"))
         master_w = load_tensors(os.path.join(path, "optim", "master.safetensors"))
         named = [(n, p) for n, p in self.model.hf_model.named_parameters() if p.requires_grad]
@@ -513,8 +586,10 @@ class Recipe:
         self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
         if self.scaler is not None and trainer.get("scaler") is not None:
             self.scaler.load_state_dict(trainer["scaler"])
-        self.stream.load_state_dict(trainer["data"])
-        set_rng_state(trainer["rng"])
+        self.stream.load_state_dict(trainer["data"])  # the global data position: the same on every rank
+        by_rank = trainer.get("rng_by_rank")
+        same_layout = isinstance(by_rank, list) and len(by_rank) == self.env.world_size
+        set_rng_state(by_rank[self.env.rank] if same_layout else trainer["rng"])  # type: ignore[index]
         self.step = int(trainer["step"])
         self.tokens_seen = int(trainer["tokens_seen"])
         self.elapsed_before = float(trainer["elapsed"])
@@ -537,20 +612,38 @@ class Recipe:
         self.optimizer.zero_grad(set_to_none=True)
 
     def _train_step(self) -> Tuple[float, int]:
-        """One optimizer step (see the module docstring); returns its loss and its token count."""
+        """One optimizer step (see the module docstring); returns its loss and its token count (both
+        of the global batch: every rank returns the same)."""
         from roundpipe.models.loss import count_loss_tokens
 
-        batches = [self.stream.next_batch() for _ in range(self.cfg.grad_accum)]
+        batches = [self.stream.next_batch() for _ in range(self.cfg.grad_accum)]  # global: the same on every rank
         counted = sum(count_loss_tokens(labels) for _, labels in batches)
         if counted == 0:
             raise ConfigError(f"step {self.step + 1} has no trained token", "check the data's loss masks (seq_len may cut off the responses)")
         scale = self.scaler.scale if self.scaler is not None else (lambda t: t)
-        loss = torch.zeros(())
-        for ids, labels in batches:
-            loss += self.model.forward_backward(ids, labels, count_loss_tokens(labels) / counted, scale).detach().float()
-        if self.scaler is not None:
-            loss /= self.scaler.get_scale()
-        value = float(loss)
+
+        def local_loss() -> float:
+            """Forward and backward of this rank's rows, each batch weighted by its share of the
+            global token count: the ranks' losses (and gradients) add up to the one-process ones."""
+            loss = torch.zeros(())
+            for ids, labels in batches:
+                if self.env.distributed:
+                    ids, labels = rdist.shard((ids, labels))
+                    if ids.shape[0] == 0:
+                        continue  # no rows here (batch_size < ranks): no call; the step still reduces
+                n = count_loss_tokens(labels)
+                loss += self.model.forward_backward(ids, labels, n / counted, scale, self.microbatches).detach().float()
+            if self.scaler is not None:
+                loss /= self.scaler.get_scale()
+            return float(loss)
+
+        if self.env.distributed:
+            # One collective: the global loss, whether any rank saw Ctrl-C, and whether any rank failed.
+            value, stops = parallel.sum_over_ranks(lambda: [local_loss(), float(self._stop_requested)], 2, f"step {self.step + 1}")
+            self._stop_now = stops > 0
+        else:
+            value = local_loss()
+            self._stop_now = self._stop_requested
         # Checked before the step, so non-finite gradients never reach the optimizer (with a
         # GradScaler the scaler skips such steps itself and backs its scale off).
         if not math.isfinite(value) and self.scaler is None:
@@ -570,11 +663,13 @@ class Recipe:
         return value, sum(ids.numel() for ids, _ in batches)
 
     def _flush_rows(self, force: bool = False) -> None:
-        """Write pending metric rows whose gradient norm the optimizer thread has produced."""
+        """Write pending metric rows whose gradient norm the optimizer thread has produced (rank 0;
+        the other ranks only drop them)."""
         while self._pending and (force or self._pending[0]["step"] in self.grad_norms):
             row = self._pending.pop(0)
             row["grad_norm"] = self.grad_norms.pop(row["step"], None)
-            self.metrics.write(row)
+            if self.metrics is not None:
+                self.metrics.write(row)
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
         if self._stop_requested:
@@ -583,12 +678,15 @@ class Recipe:
         self.log("roundpipe: interrupt: checkpointing after this step (Ctrl-C again to abort)")
 
     def train(self) -> TrainResult:
+        """Train to ``stop_at`` or the last step; call it on every rank (rank 0 writes the files)."""
         cfg = self.cfg
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as f:
-            f.write(to_yaml(cfg))
         resumed = self.resume_from is not None
-        self.metrics = MetricsWriter(cfg.output_dir, self.step if resumed else None, cfg.tensorboard)
+        self.metrics: Optional[MetricsWriter] = None
+        if self.is_main:
+            os.makedirs(cfg.output_dir, exist_ok=True)
+            with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as f:
+                f.write(to_yaml(cfg))
+            self.metrics = MetricsWriter(cfg.output_dir, self.step if resumed else None, cfg.tensorboard)
         self._pending: List[Dict[str, Any]] = []
         self.last_checkpoint: Optional[str] = None
         n_params = sum(p.numel() for p in self.model.hf_model.parameters())
@@ -605,10 +703,17 @@ class Recipe:
             f"{self.microbatches} microbatches, {'async' if cfg.async_step else 'sync'} optimizer step"
             + (f"; resuming at step {self.step} from {self.resume_from}" if resumed else "")
         )
+        if self.env.distributed:
+            w = self.env.world_size
+            low, high = cfg.batch_size // w, -(-cfg.batch_size // w)
+            self.log(
+                f"data parallel: {w} ranks, each trains on its rows of every batch ({low if low == high else f'{low}-{high}'} of {cfg.batch_size}); "
+                "losses and tokens/s are over all ranks; rank 0 writes metrics and checkpoints"
+            )
         end = self.total_steps if cfg.stop_at is None else min(cfg.stop_at, self.total_steps)
         from roundpipe.cli import progress_enabled
 
-        bar_on = cfg.progress and progress_enabled()
+        bar_on = cfg.progress and progress_enabled() and self.is_main
         if bar_on:
             from tqdm import tqdm
 
@@ -634,11 +739,11 @@ class Recipe:
                 if self.step % cfg.log_every == 0 or self.step == end:
                     self.log(f"step {self.step}/{self.total_steps} | loss {loss_value:.4f} | lr {lr:.2e} | {format_rate(tps)} tok/s | {_fmt_time(self.elapsed_before + elapsed)}")
                 at_save = cfg.save_every and self.step % cfg.save_every == 0
-                if at_save or self.step == end or self._stop_requested:
+                if at_save or self.step == end or self._stop_now:
                     path = self.save_checkpoint(loss_value)
                     if self.step != end or at_save:
                         self.log(f"checkpoint: {path}")
-                if self._stop_requested:
+                if self._stop_now:
                     break
         finally:
             if old_handler is not None:
@@ -649,7 +754,8 @@ class Recipe:
         seconds = time.time() - t_run
         self.model.rp.synchronize()
         self._flush_rows(force=True)
-        self.metrics.close()
+        if self.metrics is not None:
+            self.metrics.close()
         result = TrainResult(
             step=self.step,
             total_steps=self.total_steps,
@@ -660,29 +766,53 @@ class Recipe:
             checkpoint=self.last_checkpoint,
             model=self.model,
             tokenizer=self.tokenizer,
+            ranks=self.env.world_size,
         )
         if cfg.data is None and cfg.eval_examples and self.step == self.total_steps:
             result.accuracy = self.evaluate()
-        self._summary(result)
+        if self.dp is not None:
+            self.dp.close()  # the returned model trains locally again (the process group ends with run)
+        if self.is_main:
+            self._summary(result)
         if self.step < self.total_steps and self.last_checkpoint is not None:
-            why = "interrupted" if self._stop_requested else "stop_at reached"
-            self.log(f"{why} at step {self.step}/{self.total_steps}; continue with: roundpipe train --resume --output-dir {cfg.output_dir}")
-        if self._stop_requested:
+            why = "interrupted" if self._stop_now else "stop_at reached"
+            resume_cmd = "torchrun ... -m roundpipe train" if self.env.distributed else "roundpipe train"
+            self.log(f"{why} at step {self.step}/{self.total_steps}; continue with: {resume_cmd} --resume --output-dir {cfg.output_dir}")
+        if self._stop_now:
             raise KeyboardInterrupt
         return result
 
     def evaluate(self) -> float:
-        """Exact match of greedy answers on held-out problems of the built-in task."""
+        """Exact match of greedy answers on held-out problems of the built-in task.
+
+        With several ranks each scores its contiguous share of the problems and the counts are
+        summed, so every rank returns the accuracy over all of them.
+        """
         task = TASKS[self.cfg.task]
         examples = held_out_examples(task, self.cfg.eval_examples)
-        acc, results = exact_match(self.model.last_logits, task, examples)
+        if not self.env.distributed:
+            acc, results = exact_match(self.model.last_logits, task, examples)
+            correct, total = round(acc * len(results)), len(results)
+        else:
+            results = []
+
+            def local() -> List[float]:
+                nonlocal results
+                _, results = exact_match(self.model.last_logits, task, rdist.shard(examples))
+                return [sum(want == got for _, want, got in results), len(results)]
+
+            correct_f, total_f = parallel.sum_over_ranks(local, 2, "the held-out evaluation")
+            correct, total = int(correct_f), int(total_f)
+            acc = correct / max(total, 1)
         for prompt, want, got in results[:3]:
             self.log(f"  {prompt}{got:<{task.answer_len}}  {'ok' if got == want else 'expected ' + want}")
-        self.log(f"held-out exact match: {acc:.1%} ({round(acc * len(results))}/{len(results)})")
+        self.log(f"held-out exact match: {acc:.1%} ({correct}/{total})")
         return acc
 
     def _summary(self, r: TrainResult) -> None:
+        """Plot, ``summary.json`` and the closing lines (rank 0)."""
         cfg = self.cfg
+        assert self.metrics is not None
         plot = plot_metrics(self.metrics.path, os.path.join(cfg.output_dir, "loss.png"))
         gpu = device_peak_memory_gib()
         summary = {
@@ -712,30 +842,56 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def resume_config(cfg: TrainConfig, given: Dict[str, Any]) -> TrainConfig:
+def resume_config(cfg: TrainConfig, given: Dict[str, Any], path: Optional[str] = None) -> TrainConfig:
     """With ``--resume``, the checkpoint's config is the base and only keys given now override it
-    (``stop_at`` of the interrupted run is dropped)."""
+    (``stop_at`` of the interrupted run is dropped). ``path``: the checkpoint, when already resolved
+    (by rank 0, for all ranks)."""
     from roundpipe.cli.config import from_yaml_text
 
-    path = ckpt.resolve_checkpoint(cfg.resume or "latest", cfg.output_dir)
+    if path is None:
+        path = ckpt.resolve_checkpoint(cfg.resume or "latest", cfg.output_dir)
     ckpt.verify_checkpoint(path)
     with open(os.path.join(path, "config.yaml")) as f:
         saved = from_yaml_text(f.read()).to_dict()
     saved["stop_at"] = None
+    if rdist.current_env().local_world_size > 1 and "devices" not in given:
+        saved["devices"] = None  # several ranks per host: each takes its share of the GPUs (init_from_env)
     changed = sorted(k for k, v in given.items() if k not in ("resume", "stop_at", "output_dir", "progress", "log_every", "save_every", "keep_checkpoints", "devices", "tensorboard") and saved.get(k) != getattr(cfg, k))
-    if changed:
+    if changed and rdist.is_main_process():
         logger.warning("resuming with changed %s: the run will not repeat the uninterrupted one exactly", ", ".join(changed))
     merged = merge({}, {**saved, **{k: getattr(cfg, k) for k in given}, "resume": path})
     return merged
 
 
 def run(cfg: TrainConfig, given: Optional[Dict[str, Any]] = None, out: Callable[[str], None] = print) -> TrainResult:
-    """Train with ``cfg``; ``given`` are the keys set explicitly (by YAML or flags), used on resume."""
-    if cfg.resume is not None:
-        cfg = resume_config(cfg, given or {})
-    recipe = Recipe(cfg, out)
-    recipe.setup()
-    return recipe.train()
+    """Train with ``cfg``; ``given`` are the keys set explicitly (by YAML or flags), used on resume.
+
+    Launched by torchrun with several ranks, this joins the job first (data parallel, see
+    :mod:`roundpipe.cli.parallel`) and leaves it at the end, also when training fails.
+    """
+    env = parallel.start()
+    quiet = env.distributed and not env.is_main
+    old_level = logger.level
+    if quiet:
+        logger.setLevel(logging.WARNING)  # the ranks' INFO lines would repeat rank 0's
+    failed = True
+    try:
+        if cfg.resume is not None:
+            ref, out_dir = cfg.resume, cfg.output_dir
+            # Rank 0 picks the checkpoint ('latest' could change under the others' feet); every rank
+            # then reads it: it must exist at that path on every node (shared filesystem or a copy).
+            path = parallel.on_main(lambda: ckpt.resolve_checkpoint(ref, out_dir), "the choice of the checkpoint to resume from")
+            cfg = parallel.everywhere(lambda: resume_config(cfg, given or {}, path), f"the reading of checkpoint {path}")
+        recipe = Recipe(cfg, out)
+        recipe.setup()
+        result = recipe.train()
+        failed = False
+        return result
+    finally:
+        if env.distributed:
+            parallel.stop(failed)
+        if quiet:
+            logger.setLevel(old_level)
 
 
 __all__ = ["BUILTIN_MODELS", "PipelineModel", "Recipe", "TrainResult", "WarmupCosine", "run"]

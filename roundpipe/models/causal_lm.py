@@ -7,6 +7,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from roundpipe.models.kernels import FusedKernels
 from roundpipe.models.preset import CausalLMPreset
 from roundpipe.roundpipe import RoundPipe
 from roundpipe.run_config import RoundPipeRunConfig
@@ -20,13 +21,26 @@ class RoundPipeForCausalLM(RoundPipe):
     ``config``, ``generation_config`` and ``save_pretrained`` (of the adapter, for a PEFT model) work.
 
     Build it with :func:`roundpipe.models.wrap_model` (or ``wrap_model_to_roundpipe``).
+
+    ``fused_kernels`` (True, False, ``"auto"``; None: ``$RPP_FUSED_KERNELS``, default ``auto`` = on for
+    GPUs with torch.compile) turns on the fused norm / rotary / SwiGLU kernels of
+    :mod:`roundpipe.models.kernels` for presets that support them (Qwen3, Llama); when given, it
+    overrides the choice the preset was built with.
     """
 
-    def __init__(self, model: nn.Module, preset: Optional[CausalLMPreset] = None, **roundpipe_kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        preset: Optional[CausalLMPreset] = None,
+        fused_kernels: FusedKernels = None,
+        **roundpipe_kwargs: Any,
+    ) -> None:
         if preset is None:
             from roundpipe.models import build_preset
 
             preset = build_preset(model)
+        if fused_kernels is not None:
+            preset.set_fused_kernels(fused_kernels)
         roundpipe_kwargs.setdefault("name", type(preset.model).__name__)
         super().__init__(preset.layers, **roundpipe_kwargs)
         self._preset = preset

@@ -1,4 +1,7 @@
-"""Llama (``LlamaForCausalLM``): the standard layout, full attention in every layer."""
+"""Llama (``LlamaForCausalLM``): the standard layout, full attention in every layer.
+
+Fused kernels (:mod:`roundpipe.models.kernels`): RMSNorm, rotary, SwiGLU.
+"""
 
 from __future__ import annotations
 
@@ -10,4 +13,4 @@ MODEL_CLASS = "LlamaForCausalLM"
 
 
 def build_spec(model: nn.Module) -> CausalLMSpec:
-    return default_spec(model)
+    return default_spec(model, fused_kernels=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -32,9 +33,12 @@ import torch
 from torch import nn
 
 from roundpipe.context import doing_recompute, get_recompute_data, save_for_recompute
+from roundpipe.models import kernels
 from roundpipe.models.loss import causal_lm_loss, count_loss_tokens
 
 State = Dict[str, Any]
+
+logger = logging.getLogger("roundpipe")
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,8 @@ class CausalLMSpec:
         logit_scale: Multiplier applied to the logits (Cohere ``logit_scale``, Granite ``1/logits_scaling``).
         softcap: Final logit soft-capping, ``config.final_logit_softcapping`` (Gemma 2).
         moe: Router aux-loss description for MoE models, None for dense ones.
+        fused_kernels: Whether the family's decoder layers can use :mod:`roundpipe.models.kernels`
+            (checked against transformers for Qwen3 and Llama).
     """
 
     layer_types: Tuple[str, ...]
@@ -79,6 +85,7 @@ class CausalLMSpec:
     logit_scale: float = 1.0
     softcap: Optional[float] = None
     moe: Optional[MoESpec] = None
+    fused_kernels: bool = False
 
 
 def _mask_functions() -> Dict[str, Callable[..., Any]]:
@@ -419,9 +426,10 @@ class CausalLMPreset:
         model: The Hugging Face ``*ForCausalLM`` (inside the PEFT wrapper, if any).
         spec: The family's :class:`CausalLMSpec`.
         layers: ``nn.Sequential(prefix, decoder layer stages..., head)``; hand it to RoundPipe.
+        fused_kernels: Whether the decoder layers use the fused kernels (:meth:`set_fused_kernels`).
     """
 
-    def __init__(self, model: nn.Module, spec: CausalLMSpec) -> None:
+    def __init__(self, model: nn.Module, spec: CausalLMSpec, fused_kernels: kernels.FusedKernels = None) -> None:
         model = unwrap_peft(model)
         base = model.model
         n = model.config.num_hidden_layers
@@ -433,6 +441,30 @@ class CausalLMPreset:
             CausalLMHead(base.norm, model.lm_head, spec),
         )
         self.num_router_layers = sum(getattr(stage, "num_routers", 0) for stage in self.layers)
+        self.fused_kernels = False
+        self.set_fused_kernels(fused_kernels)
+
+    def set_fused_kernels(self, mode: kernels.FusedKernels) -> bool:
+        """Turn the fused kernels of :mod:`roundpipe.models.kernels` on or off for the decoder layers.
+
+        ``mode``: True, False, ``"auto"`` (on when RoundPipe runs on GPUs and torch.compile can build
+        Triton kernels) or None (``$RPP_FUSED_KERNELS``, default ``auto``). Families whose spec does
+        not allow them stay off. Swaps the classes of the model's own norm, attention and MLP modules
+        (see :func:`kernels.fuse_layer`); results equal Hugging Face's up to floating-point rounding.
+        Returns whether they are on.
+        """
+        on = kernels.resolve(mode) and self.spec.fused_kernels
+        stages = [s for s in self.layers if isinstance(s, DecoderLayerStage)]
+        if on:
+            swapped = [name for s in stages for name in kernels.fuse_layer(s.layer)]
+            if swapped:
+                kinds = sorted({kernels.base_class(m).__name__ for s in stages for m in s.layer.modules() if kernels.is_fused(m)})
+                logger.info("%s: fused kernels on for %d modules (%s)", type(self.model).__name__, len(swapped), ", ".join(kinds))
+        else:
+            for s in stages:
+                kernels.unfuse_layer(s.layer)
+        self.fused_kernels = bool(on)
+        return self.fused_kernels
 
     def forward_kwargs(
         self,

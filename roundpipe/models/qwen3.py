@@ -1,4 +1,7 @@
-"""Qwen3 (``Qwen3ForCausalLM``): the standard layout; sliding-window layers follow ``config.layer_types``."""
+"""Qwen3 (``Qwen3ForCausalLM``): the standard layout; sliding-window layers follow ``config.layer_types``.
+
+Fused kernels (:mod:`roundpipe.models.kernels`): RMSNorm, q/k norm + rotary, SwiGLU.
+"""
 
 from __future__ import annotations
 
@@ -10,4 +13,4 @@ MODEL_CLASS = "Qwen3ForCausalLM"
 
 
 def build_spec(model: nn.Module) -> CausalLMSpec:
-    return default_spec(model)
+    return default_spec(model, fused_kernels=True)

@@ -1,0 +1,335 @@
+"""Fused decoder-layer kernels (roundpipe.models.kernels) reproduce Hugging Face's modules.
+
+* each fused module vs the Hugging Face module, forward and backward, fp32 / fp64 / bf16 (eager path);
+* the compiled path (inductor on the CPU) on small shapes, and the bench's tiny mode;
+* compile behaviour: no recompiles per layer, upload or iteration; a failed compile falls back once;
+* whole Qwen3 / Llama models through RoundPipe (two CPU workers) with the kernels on vs Hugging Face;
+* the option: auto / on / off, per instance only, reversible.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import pickle
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict, Tuple
+
+os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import rel_err
+from roundpipe import models
+from roundpipe.models import kernels
+from roundpipe.run_config import RoundPipeRunConfig
+
+torch.set_num_threads(1)
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.llama import modeling_llama as llama  # noqa: E402
+from transformers.models.qwen3 import modeling_qwen3 as qwen3  # noqa: E402
+
+from test_models import VOCAB, assert_grads_close, grads, hf_reference, make_batch, tiny_model  # noqa: E402
+
+TOL = 1e-5  # whole models, as tests/test_models.py
+OP_TOL = {torch.float32: 1e-6, torch.float64: 1e-6}  # fp64: Hugging Face's norm computes in fp32 too
+RUN3 = RoundPipeRunConfig(num_microbatch=3)
+
+
+@pytest.fixture
+def eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fused ops on their eager path (torch.compile off)."""
+    monkeypatch.setattr(models, "DISABLE_TORCH_COMPILE", True)
+
+
+@pytest.fixture
+def compiled(monkeypatch: pytest.MonkeyPatch):
+    """Fused ops compiled (inductor) with fresh caches."""
+    monkeypatch.setattr(models, "DISABLE_TORCH_COMPILE", False)
+    kernels.reset()
+    yield
+    kernels.reset()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One module at a time
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _config(family: str) -> Any:
+    common = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  num_hidden_layers=1, vocab_size=VOCAB, attn_implementation="sdpa")
+    return transformers.Qwen3Config(**common) if family == "qwen3" else transformers.LlamaConfig(**common)
+
+
+def _module(kind: str, dtype: torch.dtype) -> Tuple[nn.Module, Callable[[nn.Module, torch.Tensor], torch.Tensor], torch.Tensor]:
+    """A Hugging Face module with non-trivial weights, how to call it, and its input."""
+    family = "llama" if kind.startswith("llama") else "qwen3"
+    config = _config(family)
+    torch.manual_seed(0)
+    if kind in ("rmsnorm", "qk_norm"):
+        # qk_norm: a q_norm on [batch, seq, heads, head_dim] input
+        mod = qwen3.Qwen3RMSNorm(8 if kind == "qk_norm" else 32, eps=1e-6)
+        x = torch.randn(2, 5, 4, 8) if kind == "qk_norm" else torch.randn(2, 5, 32)
+        call = lambda m, x: m(x)  # noqa: E731
+    elif kind.endswith("mlp"):
+        mod = (llama.LlamaMLP if family == "llama" else qwen3.Qwen3MLP)(config)
+        x = torch.randn(2, 5, 32)
+        call = lambda m, x: m(x)  # noqa: E731
+    else:
+        mod = (llama.LlamaAttention if family == "llama" else qwen3.Qwen3Attention)(config, layer_idx=0)
+        x = torch.randn(2, 5, 32)
+        rotary = (llama.LlamaRotaryEmbedding if family == "llama" else qwen3.Qwen3RotaryEmbedding)(config)
+        pos = rotary(x, torch.arange(5).unsqueeze(0))
+        call = lambda m, x: m(x, position_embeddings=tuple(t.to(x.dtype) for t in pos), attention_mask=None)[0]  # noqa: E731
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if p.dim() == 1 else 0.3 * torch.randn_like(p))
+    return mod.to(dtype), call, x.to(dtype)
+
+
+def _forward_backward(mod: nn.Module, call: Callable, x: torch.Tensor) -> Dict[str, torch.Tensor]:
+    x = x.detach().requires_grad_(True)
+    out = call(mod, x)
+    out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape))
+    res = {"out": out.detach(), "grad x": x.grad}
+    res.update({f"grad {n}": p.grad for n, p in mod.named_parameters()})
+    return res
+
+
+def _check_against_hf(kind: str, dtype: torch.dtype) -> None:
+    mod, call, x = _module(kind, dtype)
+    fused = copy.deepcopy(mod)
+    assert kernels.fuse_layer(fused), kind
+    assert kernels.is_fused(fused) and isinstance(fused, type(mod))
+    ref, got = _forward_backward(mod, call, x), _forward_backward(fused, call, x)
+    assert ref.keys() == got.keys()
+    for name in ref:
+        assert got[name].dtype == ref[name].dtype and got[name].shape == ref[name].shape, name
+        if dtype in OP_TOL:
+            assert rel_err(got[name], ref[name]) < OP_TOL[dtype], f"{kind} {dtype} {name}: {rel_err(got[name], ref[name]):.2e}"
+        else:  # bf16: within bf16 rounding
+            torch.testing.assert_close(got[name], ref[name], rtol=1.6e-2, atol=1e-2 * ref[name].abs().max().item())
+
+
+KINDS = ["rmsnorm", "qk_norm", "qwen3_attention", "llama_attention", "qwen3_mlp", "llama_mlp"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["fp32", "fp64", "bf16"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_module_matches_hf(eager: None, kind: str, dtype: torch.dtype) -> None:
+    """Eager fused path (on the CPU even bitwise equal to Hugging Face's, all three dtypes)."""
+    _check_against_hf(kind, dtype)
+
+
+def test_rms_norm_rounding_order() -> None:
+    """The fp32 normalised value is rounded to bf16 before the weight multiply (Hugging Face's order,
+    not F.rms_norm's with a weight), bitwise on the CPU."""
+    x = torch.randn(64, 256).to(torch.bfloat16)
+    w = (1 + torch.randn(256)).to(torch.bfloat16)
+    hf = qwen3.Qwen3RMSNorm(256)
+    hf.weight.data.copy_(w)
+    hf = hf.to(torch.bfloat16)
+    with torch.no_grad():
+        ref = hf(x)
+        assert torch.equal(kernels.rms_norm_reference(x, w, 1e-6), ref)
+        assert torch.equal(kernels.rms_norm_eager(x, w, 1e-6), ref)
+
+
+def test_compiled_path_and_bench_tiny_mode(compiled: None, capsys: pytest.CaptureFixture) -> None:
+    """The compiled (inductor) path on the CPU, in one test (a cold compile takes ~30 s on 2 cores):
+    ``bench/kernels_bench.py --cpu --tiny``, a bf16 Qwen3 decoder layer with RMSNorm, q/k norm +
+    rotary and SwiGLU compiled, forward without grad and forward + backward: output, input gradient
+    and every parameter gradient agree with Hugging Face's within bf16 rounding."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    try:
+        import kernels_bench
+    finally:
+        sys.path.pop(0)
+    res = kernels_bench.main(["--cpu", "--tiny", "--warmup", "0", "--iters", "1"])
+    out = capsys.readouterr().out
+    assert res["ok"] == 1.0 and "agreement OK" in out and "| forward + backward |" in out
+    assert res["fused_vs_hf"] < 1e-2  # bf16 rounding (bitwise equal on the CPU: emulate_precision_casts)
+    assert all(not op.failed for op in kernels.OPS)
+    assert {op.fn.__name__ for op in kernels.OPS if op.compiled} == {"rms_norm_reference", "qk_norm_rope", "swiglu"}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Compile behaviour
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _cache_entries(op: kernels.FusedOp) -> int:
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return sum(len(_debug_get_cache_entry_list(fn.__code__)) for fn in op.copies.values())
+
+
+@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
+def test_no_recompile_per_layer_upload_or_iteration(workers: str, compiled: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through RoundPipe (new device copies of every layer at every upload), each op compiles once per
+    grad mode (forward without grad, recompute with grad), whatever the number of layers and steps.
+    aot_eager: dynamo's guards and caches as with inductor, without code generation."""
+    from torch._dynamo.utils import counters
+
+    from roundpipe.models import loss
+
+    monkeypatch.setattr(kernels, "COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(loss, "_maybe_compiled", lambda fn, compile: fn)  # the loss stays eager here
+    model = tiny_model("qwen3")  # 3 layers
+    batch = make_batch(padding=True)
+    ref_loss, ref_grads = hf_reference(model, batch)
+    rp = models.wrap_model(model, model_run_config=RUN3, fused_kernels=True)
+    counters.clear()
+    out = rp(**batch)
+    out.loss.backward()
+    assert rel_err(out.loss, ref_loss) < TOL
+    assert_grads_close(grads(model), ref_grads)
+    ops = (kernels.RMS_NORM, kernels.QK_NORM_ROPE, kernels.SWIGLU)
+    first = [_cache_entries(op) for op in ops]
+    graphs = counters["stats"]["unique_graphs"]
+    assert all(1 <= n <= 2 for n in first), first  # forward without grad, recompute with grad
+    for _ in range(2):
+        rp(**batch).loss.backward()
+        rp.train_step(**batch)
+    grads(model)
+    assert [_cache_entries(op) for op in ops] == first
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert not kernels.ROPE.copies and all(not op.failed for op in kernels.OPS)
+
+
+def test_one_compiled_copy_per_device() -> None:
+    """Each device gets its own copy of the function (own code object, so its own dynamo cache and
+    recompile limit); the same device always gets the same one. Nothing is compiled until called."""
+    op = kernels.FusedOp(kernels.swiglu, kernels.swiglu)
+    a, b = op.compiled_for(torch.device("cuda", 0)), op.compiled_for(torch.device("cuda", 1))
+    assert a is not b and op.compiled_for(torch.device("cuda", 0)) is a
+    codes = {fn.__code__ for fn in op.copies.values()}
+    assert len(codes) == 2 and kernels.swiglu.__code__ not in codes
+    assert {fn.__name__ for fn in op.copies.values()} == {"swiglu_cuda0", "swiglu_cuda1"}
+
+
+def test_compile_failure_falls_back_once(compiled: None, caplog: pytest.LogCaptureFixture) -> None:
+    def unsupported(x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()  # fullgraph=True refuses this
+        return x * 2
+
+    op = kernels.FusedOp(unsupported, lambda x: x * 2)
+    x = torch.ones(3)
+    with caplog.at_level(logging.WARNING, logger="roundpipe"):
+        assert torch.equal(op(x), x * 2)
+        assert torch.equal(op(x), x * 2)
+    assert op.failed
+    warnings = [r for r in caplog.records if "fused kernels" in r.getMessage()]
+    assert len(warnings) == 1 and "unsupported" in warnings[0].getMessage()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Whole models through RoundPipe
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_roundpipe_with_fused_kernels_matches_hf(workers: str, eager: None, family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_model(family)
+    batch = make_batch(padding=True)
+    ref_loss, ref_grads = hf_reference(model, batch)
+    calls: Dict[str, int] = {}
+    original = kernels.FusedOp.__call__
+
+    def counting(op: kernels.FusedOp, *args: Any) -> Any:
+        calls[op.fn.__name__] = calls.get(op.fn.__name__, 0) + 1
+        return original(op, *args)
+
+    monkeypatch.setattr(kernels.FusedOp, "__call__", counting)
+    rp = models.wrap_model(model, model_run_config=RUN3, fused_kernels=True)
+    assert rp.preset.fused_kernels
+    out = rp(**batch)
+    out.loss.backward()
+    assert rel_err(out.loss, ref_loss) < TOL
+    assert_grads_close(grads(model), ref_grads)
+    loss = rp.train_step(**batch)
+    assert rel_err(loss, ref_loss) < TOL
+    assert_grads_close(grads(model), ref_grads)
+    # The device copies ran the fused forwards: at least once per layer (3), microbatch (3) and pass (2).
+    attention = "qk_norm_rope" if family == "qwen3" else "rope"
+    assert calls.keys() == {"rms_norm_reference", attention, "swiglu"}
+    assert calls["rms_norm_reference"] == 2 * calls[attention] == 2 * calls["swiglu"] >= 2 * 3 * 3 * 2
+
+
+@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
+def test_lora_with_fused_kernels_matches_peft(workers: str, eager: None) -> None:
+    """PEFT adapters inside fused attention and MLP modules train as in PEFT."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_model("qwen3"), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "gate_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    batch = make_batch(padding=True)
+    ref_loss, ref_grads = hf_reference(model, batch)
+    rp = models.wrap_model(model, model_run_config=RUN3, fused_kernels=True)
+    assert kernels.is_fused(model.get_base_model().model.layers[0].self_attn)
+    loss = rp.train_step(**batch)
+    assert rel_err(loss, ref_loss) < TOL
+    assert_grads_close(grads(model), ref_grads)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The option
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_resolve(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RPP_DEVICES", "cpu:2")
+    monkeypatch.delenv(kernels.ENV, raising=False)
+    assert kernels.resolve(None) is False and kernels.resolve("auto") is False  # CPU workers: off
+    assert kernels.resolve(True) is True and kernels.resolve("on") is True and kernels.resolve(False) is False
+    monkeypatch.setenv(kernels.ENV, "1")
+    assert kernels.resolve(None) is True
+    monkeypatch.setenv(kernels.ENV, "0")
+    assert kernels.resolve(None) is False
+    with pytest.raises(ValueError, match="fused_kernels"):
+        kernels.resolve("sometimes")
+    # auto on GPUs needs torch.compile (and Triton)
+    monkeypatch.setenv("RPP_DEVICES", "cuda")
+    monkeypatch.setattr(models, "DISABLE_TORCH_COMPILE", True)
+    assert kernels.auto_enabled() is False
+
+
+def test_option_is_per_instance_and_reversible() -> None:
+    model, other = tiny_model("qwen3"), tiny_model("qwen3")
+    preset = models.build_preset(model)  # auto on the CPU: off
+    assert not preset.fused_kernels and not any(kernels.is_fused(m) for m in model.modules())
+    assert preset.set_fused_kernels(True)
+    layer = model.model.layers[0]
+    assert type(layer.mlp).__name__ == "RoundPipeFusedQwen3MLP" and isinstance(layer.mlp, qwen3.Qwen3MLP)
+    assert kernels.base_class(layer.self_attn.q_norm) is qwen3.Qwen3RMSNorm
+    assert not kernels.is_fused(model.model.norm)  # decoder layers only
+    assert not any(kernels.is_fused(m) for m in other.modules())  # other instances untouched
+    assert qwen3.Qwen3MLP.forward is not type(layer.mlp).forward
+    # The same parameters, state dict, pickling
+    assert list(model.state_dict()) == list(other.state_dict())
+    clone = pickle.loads(pickle.dumps(layer))
+    assert type(clone.mlp) is type(layer.mlp) and torch.equal(clone.mlp.up_proj.weight, layer.mlp.up_proj.weight)
+    assert not preset.set_fused_kernels(False)
+    assert not any(kernels.is_fused(m) for m in model.modules()) and type(layer.mlp) is qwen3.Qwen3MLP
+
+
+def test_unsupported_families_stay_hf() -> None:
+    """Families without verified fused kernels (generic preset, MoE) are left alone even when asked."""
+    for family in ("qwen2", "qwen3_moe"):
+        model = tiny_model(family)
+        preset = models.build_preset(model)
+        assert not preset.set_fused_kernels(True)
+        assert not any(kernels.is_fused(m) for m in model.modules())
+    # A Qwen3 MLP with another activation keeps its own forward.
+    config = _config("qwen3")
+    config.hidden_act = "gelu"
+    assert kernels.fuse_layer(qwen3.Qwen3MLP(config)) == []
