@@ -70,6 +70,7 @@ def async_d2h(
 
     Appends the event marking completion to ``transfer_finish_event``. Non-tensors pass through.
     """
+    device_tensors = list(device_tensors)
     stream = device.downstream
     stream.wait_stream(device.compute_stream)
     out: List[Any] = []
@@ -86,6 +87,10 @@ def async_d2h(
             if keep_requires_grad and isinstance(t, torch.Tensor) and t.requires_grad:
                 out[-1].requires_grad_(True)
     transfer_finish_event.append(backend.record_event(stream))
+    # The sources were allocated on the compute stream; if the caller drops them now, the caching
+    # allocator may hand their memory to the next kernel on the compute stream before this copy has read
+    # it (the copy runs on another stream). The memory manager keeps them until the download is done.
+    device.mem_manager.free([t for t in device_tensors if isinstance(t, torch.Tensor) and t.device.type != "cpu"], stream)
     return out
 
 

@@ -177,3 +177,31 @@ def test_chunked_loss_memory_on_32k_tokens_150k_vocab() -> None:
     with torch.no_grad():
         ref = F.cross_entropy((hidden @ weight.t()).float(), target, reduction="sum", ignore_index=-100)
     assert abs(loss.item() - ref.item()) / ref.item() < 1e-3
+
+
+def test_losses_and_saved_activations_survive_the_download_race() -> None:
+    """Downloads run on their own stream: a source tensor dropped by the job right after its download
+    was issued must not be reused by the next kernels before the copy has read it (the loss of a
+    microbatch once came back as garbage that way, about half the true value, on an H200).
+
+    Every call's loss and gradients must equal plain PyTorch's on the same weights; forward groups of
+    two layers with backward groups of one make the forward download activations mid-group too."""
+    use_devices("cuda:0")
+    torch.manual_seed(0)
+    width, rows, n_layers = 2048, 8192, 6
+    ref = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(n_layers)]).cuda()
+    body = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(n_layers)])
+    body.load_state_dict({k: v.cpu() for k, v in ref.state_dict().items()})
+    model = RoundPipe(body)
+    plan = ModelExecutePlan([range(0, 2), range(2, 4), range(4, 5)], [range(i, i + 1) for i in range(n_layers)])
+    cfg = RoundPipeRunConfig(num_microbatch=4, execute_plan=plan)
+    for call in range(8):
+        x = torch.randn(rows, width)
+        loss = model.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.float().pow(2).mean(), run_config=cfg)
+        expected = sum(ref(c.cuda()).float().pow(2).mean() for c in x.chunk(4))
+        expected.backward()
+        assert torch.allclose(loss.float(), expected.detach().cpu(), rtol=1e-4), (call, loss.item(), expected.item())
+        for (name, p), q in zip(model.model.named_parameters(), ref.parameters()):
+            assert torch.allclose(p.grad, q.grad.cpu(), rtol=1e-3, atol=1e-5), (call, name)
+            p.grad = None
+            q.grad = None

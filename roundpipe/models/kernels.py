@@ -137,6 +137,12 @@ COMPILE_BACKEND = "inductor"
 
 def _compile(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``torch.compile`` of one fused op: whole graph, shapes static until one changes."""
+    # Device threads call compiled ops concurrently. While one thread compiles (FX-traces), torch's
+    # "FX tracing is active" flag is process-wide, and dynamo would raise in every other thread that
+    # enters a compiled function ("Detected that you are using FX to symbolically trace a
+    # dynamo-optimized function", seen with 2 GPUs). With this off, those calls run the function's
+    # eager code instead: the same math, for the few calls that overlap a compilation.
+    torch._dynamo.config.error_on_nested_fx_trace = False
     if COMPILE_BACKEND != "inductor":
         return torch.compile(fn, fullgraph=True, dynamic=None, backend=COMPILE_BACKEND)
     import torch._inductor.config as inductor_config
