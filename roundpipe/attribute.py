@@ -86,7 +86,8 @@ class ParamAttribute:
     Attributes:
         layer_ids: Layers (indices in the RoundPipe) that use this parameter.
         grad_cpu: Per-layer gradient shares for shared parameters.
-        grad_buffer: Reusable pinned buffer for this parameter's gradient (avoids re-allocation).
+        grad_buffer: Reusable pinned buffers for this parameter's gradient, per layer (avoids
+            re-allocation); a second one only while the optimizer reads the first as its ``.grad``.
         optim: The optimizer's copy of the parameter (``optim_dtype``), or the parameter itself.
         optim_grad_buffer: Reusable buffer for the optimizer copy's gradient.
     """
@@ -96,7 +97,7 @@ class ParamAttribute:
     def __init__(self) -> None:
         self.layer_ids: List[int] = []
         self.grad_cpu: Dict[int, Optional[torch.Tensor]] = {}
-        self.grad_buffer: Dict[int, Optional[torch.Tensor]] = {}
+        self.grad_buffer: Dict[int, List[torch.Tensor]] = {}
         self.optim: Optional[torch.nn.Parameter] = None
         self.optim_grad_buffer: Optional[torch.Tensor] = None
 
@@ -121,3 +122,16 @@ class ParamAttribute:
         if layer_id is not None and layer_id not in attr.layer_ids:
             attr.layer_ids.append(layer_id)
         return attr
+
+
+# Set (to True) on optimizer parameters whose optimizer reads a gradient of a lower precision than the
+# parameter (``roundpipe.optim.Adam`` does, widening bfloat16 gradients on the fly). For those RoundPipe
+# hands the host gradient buffer over as the optimizer's ``.grad`` instead of copying it to the
+# parameter's dtype (see ``RoundPipeBase._copy_grad_to_optim``).
+LOW_PRECISION_GRAD_OK = "_roundpipe_reads_low_precision_grad"
+
+
+def reads_low_precision_grad(t: torch.Tensor) -> bool:
+    """Whether ``t``'s optimizer takes a low-precision ``.grad`` and this torch lets ``.grad`` differ
+    from the tensor's dtype (``Tensor.grad_dtype``, torch >= 2.10)."""
+    return bool(getattr(t, LOW_PRECISION_GRAD_OK, False)) and hasattr(t, "grad_dtype")

@@ -17,7 +17,7 @@ import atexit
 import os
 import queue
 import threading
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Optional
 
 import torch
 

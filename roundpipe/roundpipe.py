@@ -4,13 +4,13 @@ gives any model the optimizer-side features (optimizer parameters, asynchronous 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
 from roundpipe import optim_stream
-from roundpipe.attribute import LayerAttribute, ParamAttribute
+from roundpipe.attribute import LayerAttribute, ParamAttribute, reads_low_precision_grad
 from roundpipe.batch import Batch
 from roundpipe.context import OptimizerCtx, doing_optimizer
 from roundpipe.memory import PinMode, pin_module
@@ -227,19 +227,33 @@ class RoundPipeBase(nn.Module):
     @staticmethod
     def _copy_grad_to_optim(p: nn.Parameter) -> None:
         """Add the model gradient into the optimizer copy's gradient and clear the model gradient (the
-        next backward starts from zero; the optimizer's .grad accumulates until ``zero_grad``)."""
+        next backward starts from zero; the optimizer's .grad accumulates until ``zero_grad``).
+
+        When the optimizer reads bfloat16 gradients of fp32 parameters (``roundpipe.optim.Adam``, see
+        ``attribute.reads_low_precision_grad``), the host gradient buffer itself becomes the optimizer's
+        ``.grad``: no fp32 copy is made or kept (4 bytes per parameter, and 6 bytes of memory traffic).
+        The optimizer then reads that buffer until its ``zero_grad``; the next gradient download of the
+        layer goes to the layer's other buffer meanwhile (``transfer.download_layer``).
+        """
         attr = ParamAttribute.get(p)
         optim, g = attr.optim, p.grad
         if optim is None or g is None:
             return
         with torch.no_grad():
-            if optim.grad is None:
+            if optim.grad is None and g.dtype is torch.bfloat16 and optim.dtype is torch.float32 and reads_low_precision_grad(optim):
+                optim.grad_dtype = None  # let .grad be bfloat16 on this fp32 parameter
+                optim.grad = g
+            elif optim.grad is None:
                 buf = attr.optim_grad_buffer
                 if buf is None or buf.shape != optim.shape or buf.dtype != optim.dtype:
                     buf = attr.optim_grad_buffer = torch.empty_like(optim)
                 buf.copy_(g)
                 optim.grad = buf
             else:
+                if optim.grad.dtype != optim.dtype:
+                    # A handed-over gradient not yet cleared by zero_grad: accumulate in a copy of the
+                    # optimizer's dtype, which also gives the buffer back to the downloads.
+                    optim.grad = optim.grad.to(optim.dtype)
                 optim.grad.add_(g.to(optim.dtype))
         p.grad = None
 

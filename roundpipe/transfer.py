@@ -127,7 +127,7 @@ def host_grad(p: torch.Tensor, layer_id: int) -> Optional[torch.Tensor]:
     if not attr.shared:
         return p.grad
     g = attr.grad_cpu.get(layer_id)
-    if g is None and layer_id == min(attr.layer_ids) and p.grad is not None and p.grad is attr.grad_buffer.get(layer_id):
+    if g is None and layer_id == min(attr.layer_ids) and p.grad is not None and any(p.grad is b for b in attr.grad_buffer.get(layer_id, [])):
         # reduce_shared_grads summed the shares into this layer's buffer: it carries the running sum.
         return p.grad
     return g
@@ -227,10 +227,7 @@ def download_layer(
                     if p is None or dp is None or dp.grad is None or id(p) in done:
                         continue
                     done.add(id(p))
-                    attr = ParamAttribute.get(p)
-                    buf = attr.grad_buffer.get(layer_id)
-                    if buf is None or buf.shape != p.shape or buf.dtype != dp.grad.dtype:
-                        buf = attr.grad_buffer[layer_id] = backend.empty_host_like(dp.grad)
+                    buf = _grad_buffer(ParamAttribute.get(p), layer_id, dp.grad)
                     if dp.grad.device.type == "cpu":
                         buf.copy_(dp.grad)
                     else:
@@ -238,6 +235,26 @@ def download_layer(
                     set_host_grad(p, layer_id, buf)
             layer_attr.grad_downloaded = backend.record_event(stream)
             layer_attr.grad_download_started.set()
+
+
+def _grad_buffer(attr: ParamAttribute, layer_id: int, dev_grad: torch.Tensor) -> torch.Tensor:
+    """A pinned host buffer to download ``dev_grad`` into: one the optimizer is not reading.
+
+    Usually one buffer per parameter and layer. When the optimizer reads the buffer itself as its
+    ``.grad`` (``RoundPipeBase._copy_grad_to_optim`` hands bf16 buffers over) and its asynchronous step
+    still runs, this download takes a second buffer; the two then alternate from step to step. Safe to
+    decide here: the backward fence waited for ``grad_copied``, so the optimizer's ``.grad`` already is
+    the buffer of the previous step (or None once its ``zero_grad`` ran).
+    """
+    bufs = [b for b in attr.grad_buffer.get(layer_id, []) if b.shape == dev_grad.shape and b.dtype == dev_grad.dtype]
+    held = attr.optim.grad if attr.optim is not None else None
+    busy = held.data_ptr() if held is not None and held.numel() > 0 else None
+    buf = next((b for b in bufs if busy is None or b.data_ptr() != busy), None)
+    if buf is None:
+        buf = backend.empty_host_like(dev_grad)
+        bufs.append(buf)
+    attr.grad_buffer[layer_id] = bufs
+    return buf
 
 
 def release_layers(gpu_layers: Sequence[nn.Module], device: Any) -> None:

@@ -43,3 +43,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     for item in items:
         if "gpu" in item.keywords and not CUDA:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def restore_process_state() -> Iterator[None]:
+    """In-process training runs (the CLI) set RPP_DEVICES and the torch.compile switch for the process,
+    and may leave a worker failure recorded: undo all of it afterwards."""
+    from roundpipe import models  # imported here: test_models sets RPP_DISABLE_TORCH_COMPILE before its import
+
+    old_env = {k: os.environ.get(k) for k in ("RPP_DEVICES", "RPP_PROGRESS")}
+    old_compile = models.DISABLE_TORCH_COMPILE
+    os.environ["RPP_PROGRESS"] = "0"
+    yield
+    threads.clear_failure()
+    for k, v in old_env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    models.DISABLE_TORCH_COMPILE = old_compile
+    device.reset_devices()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import copy
-from typing import Dict, List
+import os
+import subprocess
+import sys
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -58,3 +61,26 @@ def with_recorded_dropout(model: nn.Module, recorder: DropoutRecorder) -> nn.Mod
             parent = ref.get_submodule(parent_name) if parent_name else ref
             setattr(parent, child, _MaskedDropout(mod.p, recorder.masks[name]))
     return ref
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def torchrun(script: str, args: List[str], tmp_path: Any, nproc: int = 2, env: Optional[Dict[str, str]] = None,
+             timeout: float = 90, monitor_s: Optional[float] = None, devices: Optional[str] = "cpu:1") -> subprocess.CompletedProcess:
+    """``torchrun --standalone`` on ``script`` with one thread per rank (and ``RPP_DEVICES=devices``
+    unless None); a short collective timeout so a broken test fails well before ``timeout``."""
+    full_env = dict(
+        os.environ,
+        RPP_DISABLE_TORCH_COMPILE="1",
+        OMP_NUM_THREADS="1",
+        RPP_DIST_TIMEOUT_S="30",
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    if devices is not None:
+        full_env["RPP_DEVICES"] = devices
+    full_env.update(env or {})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    if monitor_s is not None:
+        cmd += ["--monitor-interval", str(monitor_s)]
+    return subprocess.run(cmd + [script, *args], cwd=str(tmp_path), env=full_env, capture_output=True, text=True, timeout=timeout)

@@ -25,7 +25,6 @@ from typing import Any, Dict, List, Optional
 import pytest
 import torch
 
-from roundpipe import device, threads
 from roundpipe.cli import main
 from roundpipe.cli.checkpoint import load_tensors, load_torch, verify_checkpoint
 
@@ -56,22 +55,8 @@ def torchrun(args: List[str], cwd: str, nproc: int = 2, script: Optional[List[st
 
 
 @pytest.fixture
-def _restore_process_state():
-    """An in-process run sets RPP_DEVICES and the torch.compile switch for the process: undo both."""
-    from roundpipe import models
-
-    old_env = {k: os.environ.get(k) for k in ("RPP_DEVICES", "RPP_PROGRESS")}
-    old_compile = models.DISABLE_TORCH_COMPILE
-    os.environ["RPP_PROGRESS"] = "0"
-    yield
-    threads.clear_failure()
-    for k, v in old_env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    models.DISABLE_TORCH_COMPILE = old_compile
-    device.reset_devices()
+def _restore_process_state(restore_process_state: None) -> None:
+    """An in-process run changes process state (see conftest.restore_process_state)."""
 
 
 def one_process(args: List[str], out_dir: str) -> None:

@@ -10,7 +10,6 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from roundpipe import device, threads
 from roundpipe.cli import main
 from roundpipe.cli.checkpoint import load_tensors, resolve_checkpoint
 from roundpipe.cli.config import merge, parse_train_args
@@ -20,22 +19,8 @@ from roundpipe.cli.train import Recipe, run
 
 
 @pytest.fixture(autouse=True)
-def _restore_process_state():
-    """Training sets RPP_DEVICES and the torch.compile switch for the process: undo both."""
-    from roundpipe import models  # imported here: test_models sets RPP_DISABLE_TORCH_COMPILE before its import
-
-    old_env = {k: os.environ.get(k) for k in ("RPP_DEVICES", "RPP_PROGRESS")}
-    old_compile = models.DISABLE_TORCH_COMPILE
-    os.environ["RPP_PROGRESS"] = "0"
-    yield
-    threads.clear_failure()
-    for k, v in old_env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    models.DISABLE_TORCH_COMPILE = old_compile
-    device.reset_devices()
+def _restore_process_state(restore_process_state: None) -> None:
+    """Every test here trains in this process (see conftest.restore_process_state)."""
 
 
 def config(**keys: Any):

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import helpers
 from roundpipe import RoundPipe, RoundPipeRunConfig
 from roundpipe import distributed as rdist
 
@@ -38,19 +39,7 @@ EXACT = 1e-6
 def torchrun(args: List[str], tmp_path: Any, nproc: int = 2, env: Optional[Dict[str, str]] = None, timeout: float = 90,
              monitor_s: Optional[float] = None, script: str = SCRIPT) -> subprocess.CompletedProcess:
     """``torchrun --standalone`` on ``script``; one CPU worker and one thread per rank."""
-    full_env = dict(
-        os.environ,
-        RPP_DEVICES="cpu:1",
-        RPP_DISABLE_TORCH_COMPILE="1",
-        OMP_NUM_THREADS="1",
-        RPP_DIST_TIMEOUT_S="30",  # a broken test fails well before the subprocess timeout
-        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    )
-    full_env.update(env or {})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    if monitor_s is not None:
-        cmd += ["--monitor-interval", str(monitor_s)]
-    return subprocess.run(cmd + [script, *args], cwd=str(tmp_path), env=full_env, capture_output=True, text=True, timeout=timeout)
+    return helpers.torchrun(script, args, tmp_path, nproc, env, timeout, monitor_s)
 
 
 def train(tmp_path: Any, *args: str) -> Dict[str, Any]:

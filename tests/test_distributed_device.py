@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import helpers
 from roundpipe import RoundPipe, RoundPipeRunConfig
 from roundpipe import distributed as rdist
 from roundpipe.scheduler import ModelExecutePlan
@@ -53,18 +54,7 @@ EXACT_SCENARIOS = [
 def torchrun(args: List[str], tmp_path: Any, nproc: int = 2, env: Optional[Dict[str, str]] = None, timeout: float = 150,
              monitor_s: Optional[float] = None) -> subprocess.CompletedProcess:
     """``torchrun --standalone`` on the device-reduction script; one thread per rank."""
-    full_env = dict(
-        os.environ,
-        RPP_DISABLE_TORCH_COMPILE="1",
-        OMP_NUM_THREADS="1",
-        RPP_DIST_TIMEOUT_S="30",  # a broken test fails well before the subprocess timeout
-        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    )
-    full_env.update(env or {})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    if monitor_s is not None:
-        cmd += ["--monitor-interval", str(monitor_s)]
-    return subprocess.run(cmd + [SCRIPT, *args], cwd=str(tmp_path), env=full_env, capture_output=True, text=True, timeout=timeout)
+    return helpers.torchrun(SCRIPT, args, tmp_path, nproc, env, timeout, monitor_s, devices=None)
 
 
 @pytest.fixture(scope="module")

@@ -211,3 +211,47 @@ def test_failing_step_surfaces_and_model_recovers(workers: str) -> None:
     rp.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
     rp.step(lambda: (opt.step(), opt.zero_grad()))
     rp.synchronize()
+
+
+@pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
+@pytest.mark.parametrize("is_async", [True, False])
+def test_bf16_gradients_are_handed_to_roundpipe_adam_without_a_copy(workers: str, is_async: bool) -> None:
+    """bf16 model, fp32 masters: roundpipe.optim.Adam reads the bf16 host gradient buffers as its .grad
+    (no fp32 gradient copy); the run equals the copying path (torch.optim.Adam gets fp32 gradients) and
+    each layer keeps at most two gradient buffers, alternating while the asynchronous step reads one."""
+    from roundpipe.attribute import ParamAttribute
+    from roundpipe.optim import Adam
+
+    def run(opt_cls: type, accumulate: bool) -> List[torch.Tensor]:
+        model = make_model().to(torch.bfloat16)
+        rp = RoundPipe(model, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+        opt = opt_cls(rp.optim_parameters(), lr=1e-2)
+        seen = set()
+
+        def step() -> None:
+            seen.update(p.grad.dtype for p in rp.optim_parameters() if p.grad is not None)
+            opt.step()
+            opt.zero_grad()
+
+        for k, (x, y) in enumerate(batches(6)):
+            rp.forward_backward(input_args=(x.bfloat16(),), label=y, loss_fn=lambda o, t: ((o.float() - t) ** 2).mean())
+            if accumulate and k % 2 == 0:
+                rp.step(lambda: None, is_async=is_async)  # gradients stay in the optimizer's .grad
+                continue
+            rp.step(step, is_async=is_async)
+        rp.synchronize()
+        # Handed over as bf16 unless an earlier step left a gradient to accumulate into (then fp32).
+        assert seen == ({torch.bfloat16} if opt_cls is Adam and not accumulate else {torch.float32}), seen
+        if opt_cls is Adam:
+            for p in model.parameters():
+                attr = ParamAttribute.get(p)
+                assert attr.optim_grad_buffer is None or accumulate  # handed over, never copied to fp32
+                assert all(len(bufs) <= 2 for bufs in attr.grad_buffer.values())
+        return [p.detach().clone() for p in rp.optim_parameters()]
+
+    for accumulate in (False, True):
+        handed = run(Adam, accumulate)
+        copied = run(torch.optim.Adam, accumulate)
+        for a, b in zip(handed, copied):
+            assert a.dtype == torch.float32
+            assert (a - b).abs().max().item() < 1e-6, accumulate

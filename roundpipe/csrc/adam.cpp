@@ -14,11 +14,14 @@
 //   vmax = max(vmax, v)                         (amsgrad; the denominator uses vmax)
 //   p  = p + (-lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
 // It reads p, g, m, v (and vmax) once and writes p, m, v (and vmax) once: 28 bytes per parameter,
-// the memory-traffic floor of Adam in fp32.
+// the memory-traffic floor of Adam in fp32. A gradient may also be bfloat16 (RoundPipe's host gradient
+// buffers, read in place instead of copied to fp32 first: 26 bytes per parameter, and no fp32 gradient
+// copy in memory); it is widened to float exactly, so the result equals stepping with grad.float().
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #ifdef _OPENMP
@@ -56,12 +59,26 @@ struct WorkItem {
   int64_t end;
 };
 
-template <bool kAmsgrad, bool kMaximize, int kWd, bool kSmallWeight>
-void adam_range(float* __restrict p, const float* __restrict g_in, float* __restrict m, float* __restrict v,
+// Gradient element types: fp32, or bfloat16 (the upper 16 bits of an fp32; widening is exact).
+enum GradKind { kGradF32 = 0, kGradBF16 = 1 };
+
+inline float load_grad(const float* g, int64_t i) { return g[i]; }
+
+inline float load_grad(const uint16_t* g, int64_t i) {
+  const uint32_t bits = static_cast<uint32_t>(g[i]) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+template <typename G, bool kAmsgrad, bool kMaximize, int kWd, bool kSmallWeight>
+void adam_range(float* __restrict p, const void* __restrict g_raw, float* __restrict m, float* __restrict v,
                 float* __restrict vmax, int64_t begin, int64_t end, const Hyper h, const TensorScalars s) {
+  const G* __restrict g_in = static_cast<const G*>(g_raw);
 #pragma omp simd
   for (int64_t i = begin; i < end; ++i) {
-    float g = kMaximize ? -g_in[i] : g_in[i];
+    const float g_raw_i = load_grad(g_in, i);
+    float g = kMaximize ? -g_raw_i : g_raw_i;
     float param = p[i];
     if (kWd == kCoupled) g = std::fma(h.weight_decay, param, g);
     if (kWd == kDecoupled) param = param * h.decay;
@@ -82,28 +99,34 @@ void adam_range(float* __restrict p, const float* __restrict g_in, float* __rest
   }
 }
 
-using RangeFn = void (*)(float*, const float*, float*, float*, float*, int64_t, int64_t, Hyper, TensorScalars);
+using RangeFn = void (*)(float*, const void*, float*, float*, float*, int64_t, int64_t, Hyper, TensorScalars);
 
-template <bool kAmsgrad, bool kMaximize, int kWd>
+template <typename G, bool kAmsgrad, bool kMaximize, int kWd>
 RangeFn pick_lerp(bool small_weight) {
-  return small_weight ? &adam_range<kAmsgrad, kMaximize, kWd, true> : &adam_range<kAmsgrad, kMaximize, kWd, false>;
+  return small_weight ? &adam_range<G, kAmsgrad, kMaximize, kWd, true> : &adam_range<G, kAmsgrad, kMaximize, kWd, false>;
 }
 
-template <bool kAmsgrad, bool kMaximize>
+template <typename G, bool kAmsgrad, bool kMaximize>
 RangeFn pick_wd(int wd, bool small_weight) {
   switch (wd) {
     case kCoupled:
-      return pick_lerp<kAmsgrad, kMaximize, kCoupled>(small_weight);
+      return pick_lerp<G, kAmsgrad, kMaximize, kCoupled>(small_weight);
     case kDecoupled:
-      return pick_lerp<kAmsgrad, kMaximize, kDecoupled>(small_weight);
+      return pick_lerp<G, kAmsgrad, kMaximize, kDecoupled>(small_weight);
     default:
-      return pick_lerp<kAmsgrad, kMaximize, kNone>(small_weight);
+      return pick_lerp<G, kAmsgrad, kMaximize, kNone>(small_weight);
   }
 }
 
-RangeFn pick(bool amsgrad, bool maximize, int wd, bool small_weight) {
-  if (amsgrad) return maximize ? pick_wd<true, true>(wd, small_weight) : pick_wd<true, false>(wd, small_weight);
-  return maximize ? pick_wd<false, true>(wd, small_weight) : pick_wd<false, false>(wd, small_weight);
+template <typename G>
+RangeFn pick_flags(bool amsgrad, bool maximize, int wd, bool small_weight) {
+  if (amsgrad) return maximize ? pick_wd<G, true, true>(wd, small_weight) : pick_wd<G, true, false>(wd, small_weight);
+  return maximize ? pick_wd<G, false, true>(wd, small_weight) : pick_wd<G, false, false>(wd, small_weight);
+}
+
+RangeFn pick(int grad_kind, bool amsgrad, bool maximize, int wd, bool small_weight) {
+  if (grad_kind == kGradBF16) return pick_flags<uint16_t>(amsgrad, maximize, wd, small_weight);
+  return pick_flags<float>(amsgrad, maximize, wd, small_weight);
 }
 
 }  // namespace
@@ -111,17 +134,18 @@ RangeFn pick(bool amsgrad, bool maximize, int wd, bool small_weight) {
 extern "C" {
 
 // Bumped whenever the signature below changes; optim_builder refuses a library of another version.
-int32_t rpp_abi_version() { return 1; }
+int32_t rpp_abi_version() { return 2; }
 
 // One Adam step over n_tensors fp32 tensors of one parameter group.
 //   params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs: data pointers (max_* read only if amsgrad)
+//   grad_kinds: per tensor, 0 = fp32 gradient, 1 = bfloat16 gradient
 //   steps: pointers to each tensor's float32 step counter, incremented here (as torch does first)
 //   numels: float elements per tensor (2x the element count for complex64)
 // Returns 0.
-int32_t rpp_adam_f32(int64_t n_tensors, const uint64_t* params, const uint64_t* grads, const uint64_t* exp_avgs,
-                     const uint64_t* exp_avg_sqs, const uint64_t* max_exp_avg_sqs, const uint64_t* steps,
-                     const int64_t* numels, double lr, double beta1, double beta2, double eps, double weight_decay,
-                     int32_t amsgrad, int32_t maximize, int32_t decoupled, int32_t num_threads) {
+int32_t rpp_adam_f32(int64_t n_tensors, const uint64_t* params, const uint64_t* grads, const int32_t* grad_kinds,
+                     const uint64_t* exp_avgs, const uint64_t* exp_avg_sqs, const uint64_t* max_exp_avg_sqs,
+                     const uint64_t* steps, const int64_t* numels, double lr, double beta1, double beta2, double eps,
+                     double weight_decay, int32_t amsgrad, int32_t maximize, int32_t decoupled, int32_t num_threads) {
   // Scalars are computed in double and rounded to float once, as the Python expressions in
   // torch.optim.Adam are before the float kernels see them.
   Hyper h;
@@ -133,7 +157,9 @@ int32_t rpp_adam_f32(int64_t n_tensors, const uint64_t* params, const uint64_t* 
   h.weight_decay = static_cast<float>(weight_decay);
   h.decay = static_cast<float>(1.0 - lr * weight_decay);
   const int wd = weight_decay == 0.0 ? kNone : (decoupled ? kDecoupled : kCoupled);
-  const RangeFn fn = pick(amsgrad != 0, maximize != 0, wd, std::abs(h.lerp_weight) < 0.5f);
+  const bool small_weight = std::abs(h.lerp_weight) < 0.5f;
+  const RangeFn fns[2] = {pick(kGradF32, amsgrad != 0, maximize != 0, wd, small_weight),
+                          pick(kGradBF16, amsgrad != 0, maximize != 0, wd, small_weight)};
 
   std::vector<TensorScalars> scalars(static_cast<size_t>(n_tensors));
   std::vector<WorkItem> items;
@@ -158,7 +184,7 @@ int32_t rpp_adam_f32(int64_t n_tensors, const uint64_t* params, const uint64_t* 
     const WorkItem& w = items[k];
     const int64_t t = w.tensor;
     float* vmax = amsgrad ? reinterpret_cast<float*>(max_exp_avg_sqs[t]) : nullptr;
-    fn(reinterpret_cast<float*>(params[t]), reinterpret_cast<const float*>(grads[t]),
+    fns[grad_kinds[t] == kGradBF16 ? 1 : 0](reinterpret_cast<float*>(params[t]), reinterpret_cast<const void*>(grads[t]),
        reinterpret_cast<float*>(exp_avgs[t]), reinterpret_cast<float*>(exp_avg_sqs[t]), vmax, w.begin, w.end, h,
        scalars[t]);
   }

@@ -146,6 +146,15 @@ class Adam(Optimizer):
         }
         super().__init__(params, defaults)
 
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer.add_param_group``; also marks the parameters as taking bfloat16
+        gradients for fp32 parameters, so RoundPipe hands its bf16 host gradients over uncopied."""
+        super().add_param_group(param_group)
+        from roundpipe.attribute import LOW_PRECISION_GRAD_OK
+
+        for p in self.param_groups[-1]["params"]:
+            setattr(p, LOW_PRECISION_GRAD_OK, True)
+
     def __setstate__(self, state: Dict[str, Any]) -> None:
         """Restore pickled or older state: fill group keys missing from it, make ``step`` a tensor."""
         super().__setstate__(state)
@@ -224,7 +233,7 @@ class Adam(Optimizer):
         return loss
 
 
-_F32, _C64 = torch.float32, torch.complex64
+_F32, _C64, _BF16 = torch.float32, torch.complex64, torch.bfloat16
 
 
 class _TensorLists:
@@ -257,6 +266,7 @@ class _KernelBatch(_TensorLists):
     def __init__(self) -> None:
         super().__init__()
         self.ptrs = [array.array("Q") for _ in range(6)]  # p, g, m, v, vmax, step
+        self.grad_kinds = array.array("i")  # 0: fp32 gradient, 1: bfloat16 gradient (csrc/adam.cpp)
         self.numels = array.array("q")
 
     def add(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Optional[Tensor], step: Tensor) -> bool:
@@ -270,7 +280,9 @@ class _KernelBatch(_TensorLists):
             # Shapes too: load_state_dict does not check them, and the kernel must never run off the end.
             if not (t.dtype is dt and t.is_cpu and t.is_contiguous() and t.shape == shape):
                 return False
-        if not (g.dtype is dt and g.is_cpu and g.shape == shape):
+        # A bfloat16 gradient of an fp32 parameter is read as is (widened exactly in the kernel).
+        bf16_grad = g.dtype is _BF16 and dt is _F32
+        if not ((g.dtype is dt or bf16_grad) and g.is_cpu and g.shape == shape):
             return False
         if not (step.dtype is _F32 and step.is_cpu and step.dim() == 0):
             return False
@@ -287,15 +299,23 @@ class _KernelBatch(_TensorLists):
         if vmax is not None:
             ptrs[4].append(vmax.data_ptr())
         ptrs[5].append(step.data_ptr())
+        self.grad_kinds.append(1 if bf16_grad else 0)
         self.numels.append(p.numel() * 2 if dt is _C64 else p.numel())
         return True
 
     def run(self, kernel: Callable[..., int], group: Dict[str, Any]) -> None:
         """One kernel call for the whole batch. The arrays and tensors stay referenced by ``self``."""
         beta1, beta2 = group["betas"]
+        p, g, m, v, vmax, step = (a.buffer_info()[0] if len(a) else None for a in self.ptrs)
         kernel(
             len(self.params),
-            *[a.buffer_info()[0] if len(a) else None for a in self.ptrs],
+            p,
+            g,
+            self.grad_kinds.buffer_info()[0],
+            m,
+            v,
+            vmax,
+            step,
             self.numels.buffer_info()[0],
             _as_float(group["lr"]),
             _as_float(beta1),
@@ -379,6 +399,9 @@ def _torch_step(
     steps: List[Tensor],
 ) -> None:
     """Step the tensors the C++ kernel does not take, with torch's own implementations."""
+    # torch's kernels want a gradient of the parameter's dtype: widen a low-precision gradient of a
+    # higher-precision parameter (exact), as the C++ kernel does on the fly.
+    grads = [g.to(p.dtype) if g.dtype != p.dtype and not p.is_complex() else g for p, g in zip(params, grads)]
     beta1, beta2 = group["betas"]
     common = dict(
         amsgrad=group["amsgrad"],
