@@ -18,7 +18,7 @@ flight still reads. All "copied"/"started" events are set when nothing is pendin
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -50,6 +50,10 @@ class LayerAttribute:
         # Device event: the latest forward's buffer download (e.g. BatchNorm running stats) has landed.
         # Owned by the device thread that downloads; the next upload of the layer waits for it.
         self.buffer_downloaded: Event = CpuEvent()
+        # Data parallel with reduce_on="device" (roundpipe.distributed): called by the gradient download
+        # as ``reducer(host_layer, device_layer, layer_id, device)`` to all-reduce the layer's device
+        # gradients first. Set while data parallel is enabled, None otherwise.
+        self.device_grad_reducer: Optional[Callable[..., None]] = None
 
     def forward_fence(self, clear: bool = True) -> None:
         """Before a job uploads this layer: the optimizer's writes are done and the previous upload was issued."""

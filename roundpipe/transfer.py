@@ -172,7 +172,7 @@ def upload_layers(
                     dp = nn.Parameter(_to_device(p, device.device), requires_grad=train)
                     # Data parallel with reduce_on="device" adds the accumulated gradient inside the
                     # reduction, after weighting this rank's share (roundpipe.distributed): no seed here.
-                    g = host_grad(p, lid) if train and getattr(attr, "device_grad_reducer", None) is None else None
+                    g = host_grad(p, lid) if train and attr.device_grad_reducer is None else None
                     if g is not None:
                         dp.grad = _to_device(g, device.device)
                     tensors[id(p)] = dp
@@ -214,7 +214,7 @@ def download_layer(
                         b.copy_(db, non_blocking=True)
             layer_attr.buffer_downloaded = backend.record_event(stream)
         if with_grad:
-            reducer = getattr(layer_attr, "device_grad_reducer", None)
+            reducer = layer_attr.device_grad_reducer
             if reducer is not None:
                 # Data parallel with reduce_on="device": all-reduce this layer's device gradients over the
                 # ranks here, on the download stream after the compute, so the copies below download the

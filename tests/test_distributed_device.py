@@ -34,6 +34,7 @@ from torch import nn
 import helpers
 from roundpipe import RoundPipe, RoundPipeRunConfig
 from roundpipe import distributed as rdist
+from roundpipe import dp_device
 from roundpipe.scheduler import ModelExecutePlan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -176,8 +177,8 @@ def test_plans_survive_the_encoding_of_the_agreement(run_type: str) -> None:
     for plan in (ModelExecutePlan.layerwise(7, run_type),
                  ModelExecutePlan([range(0, 3), range(3, 7)], [range(0, 2), range(2, 5), range(5, 7)]).for_run_type(run_type, 7)):
         header = [0, 0, 0, 7, 1, 0, 1, len(plan.fwd_plan), len(plan.bwd_plan)]  # step, call, model, layers, devices, position, type
-        row = rdist._encode_plan(header, plan, 9).tolist()
-        assert rdist._decode_plan(row, 9) == plan
+        row = dp_device._encode_plan(header, plan, 9).tolist()
+        assert dp_device._decode_plan(row, 9) == plan
 
 
 def test_layer_buckets_depend_only_on_the_parameters() -> None:
@@ -188,7 +189,7 @@ def test_layer_buckets_depend_only_on_the_parameters() -> None:
         reduce_dtype = None
         bucket_bytes = 256  # 64 fp32 values
 
-    red = rdist._DeviceReduction.__new__(rdist._DeviceReduction)
+    red = dp_device._DeviceReduction.__new__(dp_device._DeviceReduction)
     red.owner = Owner()  # type: ignore[assignment]
     shapes = [(8,), (100,), (4, 4), (10,), (70,), (3,), (60,)]
     pairs = [(nn.Parameter(torch.zeros(s)), None) for s in shapes]
@@ -271,9 +272,9 @@ def test_a_stalled_nccl_collective_is_named_by_the_monitor(monkeypatch: pytest.M
         def error(self, what: str, nbytes: int, waited: float, exc: BaseException) -> rdist.DataParallelError:
             return rdist.DataParallelError(f"rank 0/2: {what} failed after {waited:.1f} s: {exc}")
 
-    monkeypatch.setattr(rdist, "timeout_s", lambda: 0.3)
+    monkeypatch.setattr(dp_device, "timeout_s", lambda: 0.3)
     threads.clear_failure()
-    mon = rdist._CollectiveMonitor(Red())  # type: ignore[arg-type]
+    mon = dp_device._CollectiveMonitor(Red())  # type: ignore[arg-type]
     try:
         mon.add(Ev(True), Ev(True), "finished", 8)
         mon.add(Ev(True), Ev(False), "all_reduce of the gradients of layer 3 of model 'm' on device cuda:0", 8)

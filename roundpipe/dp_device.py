@@ -1,0 +1,591 @@
+"""Data parallel, reduce_on="device": all-reduce each layer's gradients on its device before the
+download (NCCL on GPUs, gloo on CPU workers), for :mod:`roundpipe.distributed`.
+
+``enable_data_parallel(model, reduce_on="device")`` (in ``roundpipe.distributed``) creates the groups
+and a :class:`_DeviceReduction`, which hooks every layer's ``LayerAttribute.device_grad_reducer``;
+``transfer.download_layer`` calls it at the end of each backward job. The comment below explains the
+streams, the ordering of collectives across ranks and the plan agreement.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from roundpipe import backend, optim_stream
+from roundpipe import device as device_mod
+from roundpipe.attribute import LayerAttribute
+from roundpipe.distributed import (
+    DataParallel,
+    DataParallelError,
+    _device_reduced,
+    _device_reductions,
+    _first_line,
+    logger,
+    timeout_s,
+)
+from roundpipe.roundpipe import RoundPipe
+from roundpipe.scheduler import ModelExecutePlan
+from roundpipe.threads import report_failure, thread_exception_print_lock
+from roundpipe.transfer import host_grad
+
+# Reduction on the devices (reduce_on="device")
+#
+# Streams (CUDA). ``transfer.download_layer`` calls ``_LayerSlot`` at the end of a backward job with
+# the download stream current, right after ``downstream.wait_stream(compute_stream)``: everything
+# below is queued on ``downstream`` behind the layer's backward of all microbatches, so the packing
+# reads final gradients. ``dist.all_reduce`` on an NCCL group makes NCCL's internal stream wait for the
+# current stream (``downstream``) before the collective, and ``work.wait()`` makes the current stream
+# wait for the collective's end, without blocking the host. So the unpacking and the gradient download
+# queued next on ``downstream`` see the reduced values, the device thread never blocks (it goes on
+# issuing its next job while NCCL runs), and the compute stream never waits for communication
+# (later downloads on this device, e.g. of its next job's activations, queue behind it: that is where
+# a rank waits for a slower peer). No deadlock: host threads never wait for NCCL (only the main thread,
+# after the backward, and the optimizer thread wait for downloads), and every stream dependency,
+# collectives included, points to work of an earlier-dispatched job, in the same dispatch order on
+# every rank, so the dependency graph across ranks has no cycle. Tensors stay alive as long as streams use
+# them: the flat buffers are allocated on ``downstream`` (the caching allocator reuses them only for
+# later work on that stream) and NCCL records its own use of its inputs; device gradients are released
+# through the memory manager, which waits for ``downstream``. Host buffers read by an upload on
+# ``downstream`` (the seeds) are written again only by the gradient download queued after it on the
+# same stream. On CPU workers the same code runs with gloo; ``work.wait()`` blocks the device thread.
+#
+# Order. Collectives on one group must be issued in the same order on every rank. There is one group per
+# local device index k (device k of every rank), used only by device k's controller thread, which
+# reduces each layer at the end of its job: the sequence is the device's job order. Jobs go to the
+# devices round robin in dispatch order (``run._assign``), fixed before launch, so device k runs the same
+# jobs on every rank when every rank (1) runs the same training calls in the same order, (2) with the
+# same plan and (3) from the same round-robin position, and (4) has the same number of devices. Before
+# every training call, the ranks all-gather their step and call index, model, device count, round-robin
+# position and plan (one small gloo collective on the main thread): a mismatch in (1) or (4) raises on every
+# rank; for (2) and (3) every rank adopts rank 0's plan and position (auto plans are re-tuned from each
+# rank's own timings, and rank-local inference calls, e.g. an evaluation on rank 0, move the position).
+# At each step a hash of the sequence of layers each device reduced is compared between ranks before
+# the optimizer runs, so a disagreement that slipped through can never be summed into the weights.
+
+
+class _LayerSlot:
+    """One layer's device reduction: the ``device_grad_reducer`` hook that ``transfer.download_layer``
+    calls, and the layer's presence counts between the download and the step.
+
+    Attributes:
+        index: Position of the layer among all reduced layers (the same on every rank).
+        flags_host: Host copy of the layer's last reduced presence counts (one per trainable parameter).
+        flags_params: The host parameters the counts refer to, in order.
+        flags_valid: Whether the counts belong to the current step (cleared when the step reads them).
+    """
+
+    def __init__(self, red: "_DeviceReduction", index: int, model_name: str, layer_id: int) -> None:
+        self.red = red
+        self.index = index
+        self.model_name = model_name
+        self.layer_id = layer_id
+        self.flags_host: Optional[torch.Tensor] = None
+        self.flags_params: List[nn.Parameter] = []
+        self.flags_valid = False
+
+    def __call__(self, cpu_layer: nn.Module, gpu_layer: nn.Module, layer_id: int, device: Any) -> None:
+        self.red.reduce_layer(self, cpu_layer, gpu_layer, layer_id, device)
+
+
+class _PlanAgreement:
+    """``RoundPipe._rpp_plan_hook``: the plan every rank runs (see :meth:`_DeviceReduction.agree_plan`)."""
+
+    def __init__(self, red: "_DeviceReduction", index: int) -> None:
+        self.red = red
+        self.index = index
+
+    def __call__(self, model: RoundPipe, run_type: str, plan: ModelExecutePlan) -> ModelExecutePlan:
+        return self.red.agree_plan(self.index, model, run_type, plan)
+
+
+@dataclass
+class _LayerBucket:
+    """One collective of a layer's reduction: packed (flat buffer, presence counts first in bucket 0)
+    or one large gradient reduced in place. Depends only on the layer's parameters: the same on all ranks."""
+
+    indices: List[int]
+    dtype: torch.dtype
+    numel: int
+    packed: bool
+    nflags: int = 0
+
+
+_RUN_CODES = {"train": 1, "fused": 2}
+# step, call within the step, model, layers, devices, round-robin position, run type, forward groups, backward groups
+_HEADER = 9
+
+
+def _trainable_pairs(cpu_layer: nn.Module, gpu_layer: nn.Module) -> List[Tuple[nn.Parameter, nn.Parameter]]:
+    """(host parameter, device copy) of each trainable parameter of a layer, once each, in the order
+    ``download_layer`` visits them (same model on every rank: same order)."""
+    out: List[Tuple[nn.Parameter, nn.Parameter]] = []
+    seen: set = set()
+    for host_mod, dev_mod in zip(cpu_layer.modules(), gpu_layer.modules()):
+        for name, p in host_mod._parameters.items():
+            if p is None or not p.requires_grad or id(p) in seen:
+                continue
+            dp = dev_mod._parameters.get(name)
+            if dp is None:
+                continue
+            seen.add(id(p))
+            out.append((p, dp))
+    return out
+
+
+def _staging_host(values: List[float], dtype: torch.dtype) -> torch.Tensor:
+    """A small host tensor to upload (pinned where CUDA is used, so the copy is asynchronous; the
+    caching host allocator keeps it until the copy has run)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory() if backend.pin_enabled() else t
+
+
+def _add_from_host(dst: torch.Tensor, host: torch.Tensor, chunk_elems: int) -> None:
+    """``dst += host`` (``dst`` flat on the device, ``host`` on the host), through a staging buffer of
+    at most ``chunk_elems`` so a large gradient needs no full-size temporary. Runs on the current stream:
+    each chunk's upload is queued before its add, and the staging buffer is reused only by later work
+    on the same stream."""
+    src = host.detach().reshape(-1)
+    if dst.device.type == "cpu":
+        dst.add_(src)
+        return
+    n = src.numel()
+    step = max(1, min(n, chunk_elems))
+    stage = torch.empty(step, dtype=src.dtype, device=dst.device)
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        stage[: b - a].copy_(src[a:b], non_blocking=True)
+        dst[a:b].add_(stage[: b - a])
+
+
+def _encode_plan(header: List[int], plan: ModelExecutePlan, max_layers: int) -> torch.Tensor:
+    t = torch.full((_HEADER + 4 * max_layers,), -1, dtype=torch.int64)
+    t[:_HEADER] = torch.tensor(header, dtype=torch.int64)
+    for base, groups in ((_HEADER, plan.fwd_plan), (_HEADER + 2 * max_layers, plan.bwd_plan)):
+        for i, r in enumerate(groups):
+            t[base + 2 * i], t[base + 2 * i + 1] = r.start, r.stop
+    return t
+
+
+def _decode_plan(row: List[int], max_layers: int) -> ModelExecutePlan:
+    def groups(base: int, n: int) -> List[range]:
+        return [range(row[base + 2 * i], row[base + 2 * i + 1]) for i in range(n)]
+
+    return ModelExecutePlan(groups(_HEADER, row[7]), groups(_HEADER + 2 * max_layers, row[8]))
+
+
+class _CollectiveMonitor:
+    """Names a stalled NCCL collective (CUDA only).
+
+    NCCL collectives never block the host, so a peer that stalls shows as a hang in some later event
+    synchronisation, and NCCL's own watchdog only aborts the process after the group timeout without
+    saying which layer was being reduced. This thread watches the reductions in issue order: once one
+    has been waiting on the device for ``RPP_DIST_TIMEOUT_S`` since this rank's gradients were ready,
+    it prints a :class:`DataParallelError` naming rank, collective, layer and device, and records it in
+    RoundPipe's failure slot. The NCCL groups' own timeout is longer (``_NCCL_GRACE_S`` more), so the
+    message comes first; NCCL's watchdog then aborts the communicators and ends the process (no hang).
+    """
+
+    def __init__(self, red: "_DeviceReduction") -> None:
+        self.red = red
+        self.pending: Deque[List[Any]] = deque()  # [ready event, done event, what, bytes, first seen ready]
+        self.lock = threading.Lock()
+        self.fired = False
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, name="roundpipe-dp-monitor", daemon=True)
+        self.thread.start()
+
+    def add(self, ready: Any, done: Any, what: str, nbytes: int) -> None:
+        with self.lock:
+            self.pending.append([ready, done, what, nbytes, None])
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def _run(self) -> None:
+        while not self.stopped:
+            time.sleep(min(1.0, timeout_s() / 10))
+            with self.lock:
+                while self.pending and self.pending[0][1].query():
+                    self.pending.popleft()
+                head = self.pending[0] if self.pending else None
+            if head is None or self.fired:
+                continue
+            if head[4] is None:
+                if head[0].query():
+                    head[4] = time.monotonic()
+                continue
+            waited = time.monotonic() - head[4]
+            if waited > timeout_s():
+                self.fired = True
+                err = self.red.error(head[2], head[3], waited, TimeoutError("the collective is still running on the device"))
+                with thread_exception_print_lock:
+                    print(f"roundpipe: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+                report_failure(err)
+
+
+class _DeviceReduction:
+    """``reduce_on="device"``: each layer's gradients are all-reduced on its device at the end of its
+    backward job, before the gradient download (streams and ordering: the comment above).
+
+    Per layer, the collectives are a few flat buckets (``bucket_mb``; presence counts first) plus, in
+    place, each gradient larger than a bucket: every rank issues them with the same sizes, in the same
+    order, whatever its data.
+
+    Weights and accumulation. Between calls of a step the host gradients hold the reduced, weighted sum
+    of what the step computed so far, ``H = sum over calls and ranks of w_r * g``, on every rank.
+    Uploads do not seed device gradients in this mode (``transfer.upload_layers``), so after the
+    backward a device gradient holds this call's local gradient ``g_r`` alone; the reduction sends
+    ``w_r * g_r`` from every rank plus ``H`` from rank 0 only, and the SUM is ``H + sum_r w_r g_r``:
+    exact for any number of ranks and calls, with no division. ``w_r`` is 1/W (``op="mean"``), 1
+    (``op="sum"``), or ``n_r / N`` after ``normalize_by`` (which therefore must come before the backward).
+    Tied parameters: each layer reduces its own share; ``reduce_shared_grads`` adds the reduced shares.
+
+    Presence. A parameter without a gradient on this rank contributes zeros (the layout is fixed); the
+    first bucket carries one count per parameter (ranks and calls that had a gradient; rank 0 adds the
+    counts of the step's earlier calls). At the step a parameter whose count is 0 gets ``.grad = None``,
+    as in one process (the optimizer skips it).
+    """
+
+    def __init__(self, owner: DataParallel, groups: List[Any], control: Any, backend_name: str, num_devices: int, max_layers: int) -> None:
+        self.owner = owner
+        self.groups = groups
+        self.control = control
+        self.backend = backend_name
+        self.num_devices = num_devices
+        self.max_layers = max(1, max_layers)
+        self.rank = dist.get_rank(control)
+        self.world_size = dist.get_world_size(control)
+        self.global_rank = dist.get_rank()
+        self.default_weight = 1.0 / self.world_size if owner.op == "mean" else 1.0
+        # Main-thread state of the current step. Device threads read ``weight`` during a call; the main
+        # thread changes it only between calls (normalize_by, step), when no device job is running.
+        self.weight = self.default_weight
+        self.count_given = False
+        self.reduced_this_step = False  # set by device threads, read by the main thread after the call
+        self.steps = 0  # model.step calls so far (main thread)
+        self.calls = 0  # training calls in the current step (main thread)
+        self.slots: List[_LayerSlot] = []
+        self.models: List[RoundPipe] = []
+        self.lock = threading.Lock()
+        self.sequence: Dict[int, List[int]] = {}  # device index -> slots reduced there since the last step
+        self.timings: List[Any] = []  # per layer reduction since the last step: seconds, or (ready, done) events
+        self.last_step_s = 0.0
+        self.adopted_plans = 0  # training calls that ran rank 0's plan instead of this rank's own
+        self.monitor: Optional[_CollectiveMonitor] = _CollectiveMonitor(self) if backend_name == "nccl" else None
+
+    # ---- setup ---------------------------------------------------------------------------------------
+    def install(self, models: List[RoundPipe]) -> None:
+        """Hook every layer of ``models`` (download and upload) and their plan resolution."""
+        for i, rp in enumerate(models):
+            rp.__dict__["_rpp_plan_hook"] = _PlanAgreement(self, i)
+            for lid, attr in enumerate(rp.layer_attrs):
+                slot = _LayerSlot(self, len(self.slots), rp.name, lid)
+                attr.device_grad_reducer = slot  # read by roundpipe.transfer.download_layer
+                self.slots.append(slot)
+        self.models = list(models)
+        _device_reductions[id(self)] = self.owner.model.name
+
+    def uninstall(self) -> None:
+        _device_reductions.pop(id(self), None)
+        for rp in self.models:
+            rp.__dict__.pop("_rpp_plan_hook", None)
+            for attr in rp.layer_attrs:
+                attr.device_grad_reducer = None
+        self.models, self.slots = [], []
+        if self.monitor is not None:
+            self.monitor.stop()
+
+    def error(self, what: str, nbytes: int, waited: float, exc: BaseException) -> DataParallelError:
+        return DataParallelError(
+            f"rank {self.global_rank}/{self.world_size}: {what} ({nbytes / 2**20:.2f} MiB) failed after {waited:.1f} s "
+            f"(collective timeout {timeout_s():g} s, RPP_DIST_TIMEOUT_S): {_first_line(exc)}. "
+            "Another rank probably died or stalled; its own log says why."
+        )
+
+    def _main_collective(self, fn: Any, what: str) -> None:
+        """A collective of the main thread on the control group; failures name the rank and the call."""
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - reported with its context
+            raise DataParallelError(
+                f"rank {self.global_rank}/{self.world_size}: {what} failed after {time.perf_counter() - t0:.1f} s "
+                f"(collective timeout {timeout_s():g} s, RPP_DIST_TIMEOUT_S): {_first_line(exc)}. "
+                "Another rank probably died or stalled; its own log says why."
+            ) from exc
+
+    # ---- main thread ---------------------------------------------------------------------------------
+    def on_step_launch(self) -> None:
+        self.weight = self.default_weight
+        self.count_given = False
+        self.reduced_this_step = False
+        self.steps += 1
+        self.calls = 0
+
+    def normalize_by(self, count: float) -> None:
+        """All-gather the counts now (the weight is applied on the devices during the backward)."""
+        if self.count_given:
+            raise DataParallelError(f"rank {self.global_rank}: normalize_by called twice before one model.step")
+        mine = torch.tensor([count, 1.0 if self.reduced_this_step else 0.0], dtype=torch.float64)
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._main_collective(lambda: dist.all_gather(rows, mine, group=self.control), "normalize_by's all_gather of the counts")
+        counts = [float(r[0]) for r in rows]
+        total = sum(counts)
+        if total <= 0:
+            raise DataParallelError(f"rank {self.global_rank}: normalize_by counts sum to {total} over all ranks; nothing to average")
+        # Every rank sees every count, so every rank takes the same decision below.
+        if any(float(r[1]) > 0 for r in rows) and any(c / total != self.weight for c in counts):
+            raise DataParallelError(
+                f"rank {self.global_rank}/{self.world_size}: normalize_by came after this step's backward had already reduced the "
+                f"gradients on the devices (reduce_on='device') with the weight {self.weight:g} per rank, but the counts "
+                f"({', '.join(f'{c:g}' for c in counts)}) need count/{total:g} per rank. Call normalize_by before the step's "
+                "first forward/backward (that order works with both reduce_on modes), or use reduce_on='host'"
+            )
+        self.weight = count / total
+        self.count_given = True
+        # Units reduced on the host (an AutoRoundPipe's host parameters) use the same weight at the step.
+        optim_stream.launch_optim_kernel(self.owner._set_weight, self.weight)
+
+    def agree_plan(self, index: int, model: RoundPipe, run_type: str, plan: ModelExecutePlan) -> ModelExecutePlan:
+        """The plan of a training call, the same on every rank (rank 0's); see the comment above."""
+        if run_type not in _RUN_CODES:
+            return plan  # inference: no gradients, no collectives (rank-local evaluation is fine)
+        n_dev = device_mod.get_num_devices()
+        header = [self.steps, self.calls, index, model.num_layers, n_dev, device_mod.cur_device, _RUN_CODES[run_type], len(plan.fwd_plan), len(plan.bwd_plan)]
+        mine = _encode_plan(header, plan, self.max_layers)
+        rows_t = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._main_collective(
+            lambda: dist.all_gather(rows_t, mine, group=self.control),
+            f"plan agreement before training call {self.calls + 1} of step {self.steps + 1} (model {model.name!r})",
+        )
+        self.calls += 1
+        rows = [r.tolist() for r in rows_t]
+        self._check_same(rows, model)
+        agreed = _decode_plan(rows[0], self.max_layers)
+        # Jobs take devices round robin from device.cur_device (run._assign): start where rank 0 starts,
+        # so device k gets the same jobs, and issues the same collectives in the same order, everywhere.
+        device_mod.cur_device = int(rows[0][5]) % n_dev
+        if agreed != plan:
+            self.adopted_plans += 1
+            if self.adopted_plans == 1:
+                logger.info("data parallel: rank %d runs rank 0's plan %s instead of its own %s (ranks must run the same plan "
+                            "with reduce_on='device'; auto plans follow each rank's timings)", self.global_rank, agreed, plan)
+        return agreed
+
+    def _check_same(self, rows: List[List[int]], model: RoundPipe) -> None:
+        """Raise on every rank (all see the same rows) when ranks are not at the same call."""
+
+        def differ(k: int) -> bool:
+            return any(r[k] != rows[0][k] for r in rows)
+
+        def per_rank(k: int) -> str:
+            return ", ".join(f"rank {i}: {r[k]}" for i, r in enumerate(rows))
+
+        where = f"rank {self.global_rank}/{self.world_size}: training call {self.calls} of step {self.steps + 1} (model {model.name!r})"
+        if differ(0) or differ(1):
+            at = ", ".join(f"rank {i}: call {r[1] + 1} of step {r[0] + 1}" for i, r in enumerate(rows))
+            raise DataParallelError(
+                f"{where}: the ranks are at different training calls ({at}). With reduce_on='device' "
+                "every rank must run every forward/backward, since the gradients are reduced inside it: a rank may not skip "
+                "a call (e.g. for a share of the batch without rows or without trained tokens). Give every rank at least "
+                "one row (weight its loss 0 if it has nothing to train on), or use reduce_on='host'"
+            )
+        if differ(4):
+            raise DataParallelError(
+                f"{where}: the ranks have different numbers of local devices ({per_rank(4)}); device k of each rank "
+                "reduces with device k of the others, so every rank needs the same number (RPP_DEVICES)"
+            )
+        if differ(2) or differ(3) or differ(6):
+            raise DataParallelError(
+                f"{where}: the ranks run different calls (model index {per_rank(2)}; run type {per_rank(6)}); "
+                "every rank must call the same models in the same order"
+            )
+
+    # ---- device threads --------------------------------------------------------------------------------
+    def _layout(self, pairs: List[Tuple[nn.Parameter, nn.Parameter]]) -> List[_LayerBucket]:
+        """Buckets of one layer: bucket 0 packed, starting with the presence counts; small gradients
+        packed up to ``bucket_mb``; a gradient of at least ``bucket_mb`` (reduced in its own dtype)
+        alone, in place."""
+        rd = self.owner.reduce_dtype
+        first = _LayerBucket([], rd or pairs[0][0].dtype, 0, packed=True, nflags=len(pairs))
+        buckets = [first]
+        cur = first
+        limit = self.owner.bucket_bytes
+        for i, (p, _) in enumerate(pairs):
+            dtype = rd or p.dtype
+            nbytes = p.numel() * dtype.itemsize
+            if nbytes >= limit and dtype == p.dtype:
+                buckets.append(_LayerBucket([i], dtype, p.numel(), packed=False))
+                continue
+            if cur.dtype != dtype or (cur.indices and (cur.numel + p.numel()) * dtype.itemsize > limit):
+                cur = _LayerBucket([], dtype, 0, packed=True)
+                buckets.append(cur)
+            cur.indices.append(i)
+            cur.numel += p.numel()
+        return buckets
+
+    def reduce_layer(self, slot: _LayerSlot, cpu_layer: nn.Module, gpu_layer: nn.Module, layer_id: int, device: Any) -> None:
+        """All-reduce one layer's device gradients (SUM of weighted shares, plus rank 0's seed) in place,
+        on the current (download) stream; see the class and the comment above for the reasoning."""
+        pairs = _trainable_pairs(cpu_layer, gpu_layer)
+        if not pairs:
+            return
+        k = getattr(device, "id", 0)
+        if k >= len(self.groups):
+            raise DataParallelError(
+                f"rank {self.global_rank}: local device #{k} ({device}) has no data-parallel group: devices were re-created "
+                f"after enable_data_parallel ({len(self.groups)} then); call it again after changing RPP_DEVICES"
+            )
+        group = self.groups[k]
+        name = getattr(device, "name", str(k))
+        what = f"all_reduce of the gradients of layer {layer_id} of model {slot.model_name!r} on device {name}"
+        if hasattr(device, "location"):  # where a failure here is reported (DeviceManager._locate)
+            device.location = f"model {slot.model_name!r}: data-parallel gradient all-reduce of layer {layer_id}"
+        weight = self.weight
+        seeding = self.rank == 0
+        host_params = [p for p, _ in pairs]
+        prev = slot.flags_host.tolist() if seeding and slot.flags_valid and slot.flags_params == host_params and slot.flags_host is not None else None
+        flags = [(1.0 if dp.grad is not None else 0.0) + (prev[i] if prev is not None else 0.0) for i, (_, dp) in enumerate(pairs)]
+        for _, dp in pairs:
+            if dp.grad is None:
+                dp.grad = torch.zeros_like(dp)  # a gradient elsewhere, none here: contribute zeros
+        # Rank 0 adds what the step accumulated on the host so far (the reduced sum of earlier calls).
+        seeds = [host_grad(p, layer_id) if seeding else None for p in host_params]
+        cuda = device.device.type == "cuda" if hasattr(device, "device") else False
+        t0 = time.perf_counter()
+        ready = done = None
+        targets: List[torch.Tensor] = []
+        works: List[Any] = []
+        nbytes = 0
+        buckets = self._layout(pairs)
+        for b in buckets:
+            target = self._prepare(b, pairs, flags, seeds, weight)
+            targets.append(target)
+            nbytes += target.numel() * target.element_size()
+            if ready is None and cuda:
+                ready = torch.cuda.Event(enable_timing=True)
+                ready.record()  # on the current stream: this rank's first bucket is ready
+            try:
+                works.append(dist.all_reduce(target, op=dist.ReduceOp.SUM, group=group, async_op=True))
+            except Exception as exc:  # noqa: BLE001 - reported with its context
+                raise self.error(what, nbytes, time.perf_counter() - t0, exc) from exc
+        for work in works:
+            try:
+                work.wait()  # NCCL: the current stream waits (no host block); gloo: blocks this thread
+            except Exception as exc:  # noqa: BLE001 - reported with its context
+                raise self.error(what, nbytes, time.perf_counter() - t0, exc) from exc
+        if cuda:
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+        for b, target in zip(buckets, targets):
+            self._unpack(b, target, pairs, slot)
+        slot.flags_params, slot.flags_valid = host_params, True
+        with self.lock:
+            self.reduced_this_step = True
+            self.sequence.setdefault(k, []).append(slot.index)
+            self.timings.append((ready, done) if cuda else time.perf_counter() - t0)
+        with self.owner.stats_lock:
+            self.owner.stats.collectives += len(works)
+            self.owner.stats.bytes += nbytes
+            if not cuda:
+                self.owner.stats.comm_s += time.perf_counter() - t0
+        if self.monitor is not None and ready is not None:
+            self.monitor.add(ready, done, what, nbytes)
+
+    def _prepare(self, b: _LayerBucket, pairs: List[Tuple[nn.Parameter, nn.Parameter]], flags: List[float], seeds: List[Optional[torch.Tensor]], weight: float) -> torch.Tensor:
+        """This rank's input of one bucket: ``weight * gradient`` (+ rank 0's seed), counts first."""
+        chunk = max(1, self.owner.bucket_bytes // b.dtype.itemsize)
+        if not b.packed:
+            dp = pairs[b.indices[0]][1]
+            target = dp.grad if dp.grad.is_contiguous() else dp.grad.contiguous()
+            if weight != 1.0:
+                target.mul_(weight)
+            seed = seeds[b.indices[0]]
+            if seed is not None:
+                _add_from_host(target.view(-1), seed, chunk)
+            return target
+        dev = pairs[0][1].device
+        flat = torch.empty(b.nflags + b.numel, dtype=b.dtype, device=dev)
+        if b.nflags:
+            flat[: b.nflags].copy_(_staging_host(flags, b.dtype), non_blocking=True)
+        off = b.nflags
+        for i in b.indices:
+            g = pairs[i][1].grad
+            flat[off : off + g.numel()].copy_(g.reshape(-1))
+            off += g.numel()
+        if weight != 1.0 and b.numel:
+            flat[b.nflags :].mul_(weight)
+        off = b.nflags
+        for i in b.indices:
+            n = pairs[i][1].grad.numel()
+            if seeds[i] is not None:
+                _add_from_host(flat[off : off + n], seeds[i], chunk)  # type: ignore[arg-type]
+            off += n
+        return flat
+
+    def _unpack(self, b: _LayerBucket, target: torch.Tensor, pairs: List[Tuple[nn.Parameter, nn.Parameter]], slot: _LayerSlot) -> None:
+        """Reduced values back into the device gradients (downloaded next); counts to the host."""
+        if not b.packed:
+            dp = pairs[b.indices[0]][1]
+            if target is not dp.grad:
+                dp.grad.copy_(target.view_as(dp.grad))
+            return
+        if b.nflags:
+            host = slot.flags_host
+            if host is None or host.numel() != b.nflags or host.dtype != b.dtype:
+                host = slot.flags_host = backend.empty_host_like(target[: b.nflags])
+            # Lands before the layer's grad_downloaded event (recorded after this on the same stream),
+            # which the step waits for before reading the counts.
+            host.copy_(target[: b.nflags], non_blocking=target.device.type != "cpu")
+        off = b.nflags
+        for i in b.indices:
+            g = pairs[i][1].grad
+            g.copy_(target[off : off + g.numel()].view_as(g))
+            off += g.numel()
+
+    # ---- optimizer thread ----------------------------------------------------------------------------
+    def finish_step(self, units: List[Tuple[LayerAttribute, List[nn.Parameter]]]) -> None:
+        """At the step (all downloads landed): drop gradients no rank had, check that every rank reduced
+        the same layers in the same order, and account the step's device time."""
+        present: Dict[int, bool] = {}
+        for slot in self.slots:
+            if slot.flags_valid and slot.flags_host is not None:
+                for p, f in zip(slot.flags_params, slot.flags_host.tolist()):
+                    present[id(p)] = present.get(id(p), False) or f > 0
+                slot.flags_valid = False  # the next call starts the next step's counts
+        for attr, params in units:
+            if _device_reduced(attr):
+                for p in params:
+                    if present.get(id(p)) is False:
+                        p.grad = None  # no rank computed one: the optimizer skips it, as in one process
+        with self.lock:
+            sequence, self.sequence = self.sequence, {}
+            timings, self.timings = self.timings, []
+        self.last_step_s = sum(t if isinstance(t, float) else t[0].elapsed_time(t[1]) / 1e3 for t in timings)
+        h = hashlib.sha256(repr(sorted(sequence.items())).encode()).digest()
+        mine = torch.tensor([int.from_bytes(h[:8], "little", signed=True)], dtype=torch.int64)
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self.owner._count_collective(0)
+        t0 = time.perf_counter()
+        try:
+            dist.all_gather(rows, mine, group=self.owner.group)
+        except Exception as exc:  # noqa: BLE001 - reported with its context
+            raise self.error("the step's check of the device reduction order (all_gather)", 0, time.perf_counter() - t0, exc) from exc
+        bad = [r for r, t in enumerate(rows) if int(t) != int(rows[0])]
+        if bad:
+            raise DataParallelError(
+                f"rank {self.global_rank}/{self.world_size}: the device gradient reductions of this step ran in a different order "
+                f"on ranks {bad} than on rank 0, so gradients of different layers may have been summed; the step is refused. "
+                "Every rank must run the same RoundPipe calls in the same order (no rank-local training calls between a "
+                "forward and its backward)"
+            )
