@@ -15,11 +15,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.parametrize(
     "argv",
     [
-        ["bench/train_bench.py", "--workload", "tiny", "--seq", "32", "--batch", "4", "--warmup", "1", "--iters", "1", "--compare-plans"],
+        ["bench/train_bench.py", "--workload", "tiny", "--seq", "32", "--batch", "4", "--warmup", "1", "--iters", "1", "--compare-plans",
+         "--compare-kernels"],
+        ["bench/train_bench.py", "--workload", "tiny", "--seq", "32", "--batch", "4", "--warmup", "1", "--iters", "1", "--lora", "2"],
         ["bench/core_bench.py", "--layers", "3", "--hidden", "32", "--tokens", "64", "--warmup", "1", "--iters", "1"],
         ["bench/adam_bench.py", "--sizes", "1M", "--repeats", "2", "--threads", "1"],
     ],
-    ids=["train_bench", "core_bench", "adam_bench"],
+    ids=["train_bench", "train_bench_lora", "core_bench", "adam_bench"],
 )
 def test_bench_script_runs(argv: list) -> None:
     env = dict(os.environ, RPP_DEVICES="cpu:2", PYTHONPATH=ROOT)
