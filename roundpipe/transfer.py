@@ -9,8 +9,11 @@ On CPU workers uploads copy too (so layers that modify inputs or parameters in p
 host copies saved for recompute or written by the optimizer thread) and downloads detach.
 
 Attributes:
-    chunked_upload: Whether large layers upload in chunks (one event each) so compute starts earlier.
-    CHUNK_UPLOAD_SIZE: Size threshold in bytes above which a layer's upload is chunked.
+    chunked_upload: Whether large parameters (and gradient seeds) upload in slices of
+        ``CHUNK_UPLOAD_SIZE`` bytes, so that activation uploads, which wait on the critical path on the
+        higher-priority ``upstream``, can be scheduled between the slices instead of behind a whole
+        embedding table.
+    CHUNK_UPLOAD_SIZE: Size in bytes above which a parameter's upload is sliced, and the slice size.
 """
 
 from __future__ import annotations
@@ -37,6 +40,29 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
         # The caching host allocator keeps the staging block until the copy has finished.
         t = t.detach().pin_memory()
     return t.detach().to(device, non_blocking=True)
+
+
+def _copy_in_chunks(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int) -> None:
+    """``dst.copy_(src, non_blocking=True)`` as consecutive slices of at most ``chunk_bytes`` (both
+    contiguous, same shape): the same copy on the same stream, in smaller DMA pieces."""
+    flat_dst, flat_src = dst.view(-1), src.view(-1)
+    step = max(1, chunk_bytes // src.element_size())
+    for a in range(0, src.numel(), step):
+        flat_dst[a : a + step].copy_(flat_src[a : a + step], non_blocking=True)
+
+
+def _upload_param(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``_to_device`` for parameters, buffers and gradient seeds: sliced above ``CHUNK_UPLOAD_SIZE`` on
+    CUDA (see ``chunked_upload``). The destination is allocated on the current (parameter upload) stream
+    like ``.to()`` would; the pinned source's blocks are kept by the caching host allocator until the
+    copies that read them have run."""
+    nbytes = t.numel() * t.element_size()
+    if not (chunked_upload and device.type == "cuda" and t.device.type == "cpu" and nbytes > CHUNK_UPLOAD_SIZE and t.is_contiguous()):
+        return _to_device(t, device)
+    src = t.detach() if t.is_pinned() else t.detach().pin_memory()
+    out = torch.empty(src.shape, dtype=src.dtype, device=device)
+    _copy_in_chunks(out, src, CHUNK_UPLOAD_SIZE)
+    return out
 
 
 def async_h2d(
@@ -169,18 +195,18 @@ def upload_layers(
                     if p is None or id(p) in tensors:
                         continue
                     train = with_grad and p.requires_grad
-                    dp = nn.Parameter(_to_device(p, device.device), requires_grad=train)
+                    dp = nn.Parameter(_upload_param(p, device.device), requires_grad=train)
                     # Data parallel with reduce_on="device" adds the accumulated gradient inside the
                     # reduction, after weighting this rank's share (roundpipe.distributed): no seed here.
                     g = host_grad(p, lid) if train and attr.device_grad_reducer is None else None
                     if g is not None:
-                        dp.grad = _to_device(g, device.device)
+                        dp.grad = _upload_param(g, device.device)
                     tensors[id(p)] = dp
                 for name, b in host_mod._buffers.items():
                     if b is None or id(b) in tensors:
                         continue
                     src = buffers.get(f"{id(host_mod)}.{name}", b) if buffers else b
-                    tensors[id(b)] = _to_device(src, device.device)
+                    tensors[id(b)] = _upload_param(src, device.device)
             attr.param_uploaded = backend.record_event(stream)
             attr.param_upload_started.set()
             out.append(_device_copy(layer, tensors, {}))

@@ -75,3 +75,16 @@ def test_edge_cases():
     assert chunk_layer_params([], 4) == []
     with pytest.raises(ValueError):
         chunk_layer_params(pairs_of([1]), 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex64])
+@pytest.mark.parametrize("numel,chunk_bytes", [(1000, 64), (1000, 4000), (1001, 8), (7, 1), (0, 16)])
+def test_sliced_copy_equals_a_whole_copy(dtype: torch.dtype, numel: int, chunk_bytes: int) -> None:
+    """Parameter uploads above CHUNK_UPLOAD_SIZE are copied in slices (transfer.chunked_upload): every
+    element lands once, whatever the remainder, for any element size."""
+    from roundpipe.transfer import _copy_in_chunks
+
+    src = torch.randn(numel, dtype=torch.float32).to(dtype).reshape(-1, 1) if numel else torch.empty(0, 1, dtype=dtype)
+    dst = torch.full_like(src, 7)
+    _copy_in_chunks(dst, src, chunk_bytes)
+    assert torch.equal(dst, src)
