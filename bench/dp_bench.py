@@ -160,24 +160,20 @@ def measure_network(group: Any, bucket_mb: float, device: Any = "cpu") -> Tuple[
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize(device)
 
+    def seconds_per_all_reduce(t: torch.Tensor, warmup: int, reps: int) -> float:
+        for _ in range(warmup):
+            dist.all_reduce(t, group=group)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dist.all_reduce(t, group=group)
+        sync()
+        return (time.perf_counter() - t0) / reps
+
     w = dist.get_world_size(group)
-    small = torch.zeros(8, device=device)
-    for _ in range(3):
-        dist.all_reduce(small, group=group)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        dist.all_reduce(small, group=group)
-    sync()
-    lat = (time.perf_counter() - t0) / 20 / (2 * (w - 1))
+    lat = seconds_per_all_reduce(torch.zeros(8, device=device), 3, 20) / (2 * (w - 1))
     big = torch.zeros(max(int(bucket_mb * 2**20), 16 * 2**20) // 4, device=device)  # large enough to be bandwidth-bound
-    dist.all_reduce(big, group=group)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(5):
-        dist.all_reduce(big, group=group)
-    sync()
-    dt = (time.perf_counter() - t0) / 5
+    dt = seconds_per_all_reduce(big, 1, 5)
     gbps = 2 * (w - 1) / w * big.numel() * 4 * 8 / 1e9 / max(dt - 2 * (w - 1) * lat, 1e-9)
     return gbps, lat
 

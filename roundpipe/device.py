@@ -50,6 +50,12 @@ class InterStreamMemManager:
         if events:
             self.free_queue.append((events, tensors))
 
+    def free_after(self, events: List[Event], tensors: Any) -> None:
+        """Hold ``tensors`` until ``events`` (already recorded by the caller) have completed."""
+        events = [e for e in events if not isinstance(e, backend.CpuEvent)]
+        if events:
+            self.free_queue.append((events, tensors))
+
     def flush(self) -> None:
         """Release the tensors whose streams have passed their last use (never blocks)."""
         while self.free_queue and all(e.query() for e in self.free_queue[0][0]):

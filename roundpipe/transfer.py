@@ -112,11 +112,12 @@ def async_d2h(
                 out.append(h)
             if keep_requires_grad and isinstance(t, torch.Tensor) and t.requires_grad:
                 out[-1].requires_grad_(True)
-    transfer_finish_event.append(backend.record_event(stream))
+    done = backend.record_event(stream)
+    transfer_finish_event.append(done)
     # The sources were allocated on the compute stream; if the caller drops them now, the caching
     # allocator may hand their memory to the next kernel on the compute stream before this copy has read
     # it (the copy runs on another stream). The memory manager keeps them until the download is done.
-    device.mem_manager.free([t for t in device_tensors if isinstance(t, torch.Tensor) and t.device.type != "cpu"], stream)
+    device.mem_manager.free_after([done], [t for t in device_tensors if isinstance(t, torch.Tensor) and t.device.type != "cpu"])
     return out
 
 
