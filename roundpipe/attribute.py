@@ -8,8 +8,10 @@ on those before touching the host tensors the device copies read or write:
     backward:  the forward fence, then wait grad_copied -> W&C grad_download_started
                -> job [... download grads; set grad_download_started]
     optimizer: (main) W&C param_copied, W&C grad_copied -> optimizer thread [wait param_upload_started,
-               sync param_uploaded -> copy optimizer params into model params -> set param_copied;
-               wait grad_download_started, sync grad_downloaded -> copy grads -> set grad_copied]
+               sync param_uploaded -> copy optimizer params into model params (an asynchronous step
+               swaps in the version the previous one staged) -> set param_copied;
+               wait grad_download_started, sync grad_downloaded -> copy grads -> set grad_copied
+               -> step -> stage the new version in buffers no upload reads]
 
 So an upload never reads host parameters the optimizer is writing, a gradient download never overwrites
 a gradient the optimizer is still reading, and the optimizer never writes parameters an upload in
@@ -94,6 +96,10 @@ class ParamAttribute:
             re-allocation); a second one only while the optimizer reads the first as its ``.grad``.
         optim: The optimizer's copy of the parameter (``optim_dtype``), or the parameter itself.
         optim_grad_buffer: Reusable buffer for the optimizer copy's gradient.
+        staged: The optimizer's newest version in the parameter's dtype, written at the end of an
+            asynchronous step and swapped in as the model parameter by the next one (optimizer
+            thread only; see ``RoundPipeBase._stage_params``).
+        staged_valid: Whether ``staged`` holds the optimizer's current version.
     """
 
     ATTR = "_roundpipe_param_attr"
@@ -104,6 +110,8 @@ class ParamAttribute:
         self.grad_buffer: Dict[int, List[torch.Tensor]] = {}
         self.optim: Optional[torch.nn.Parameter] = None
         self.optim_grad_buffer: Optional[torch.Tensor] = None
+        self.staged: Optional[torch.Tensor] = None
+        self.staged_valid = False
 
     @property
     def shared(self) -> bool:

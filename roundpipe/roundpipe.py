@@ -3,6 +3,7 @@ gives any model the optimizer-side features (optimizer parameters, asynchronous 
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -21,6 +22,19 @@ from roundpipe.timer import ModelTimer
 from roundpipe.utils import get_call_location, get_model_compute_size, get_model_size
 
 _OWN_ATTRS = ("model", "original_model", "_rpp_initialized", "grad_reducer")
+
+STAGE_PARAMS_ENV = "RPP_STAGE_PARAMS"
+
+
+def stage_params_enabled() -> bool:
+    """Whether asynchronous steps stage the updated parameters for the next step (``RPP_STAGE_PARAMS``,
+    default on; see ``RoundPipeBase._stage_params``)."""
+    value = os.environ.get(STAGE_PARAMS_ENV, "1").strip().lower()
+    if value in ("1", "true", "yes", "on", ""):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{STAGE_PARAMS_ENV}={value!r}: expected 1 (stage the next parameters) or 0 (copy them at the next step)")
 
 
 class RoundPipeBase(nn.Module):
@@ -184,7 +198,7 @@ class RoundPipeBase(nn.Module):
         try:
             with OptimizerCtx():
                 if is_async:
-                    self._copy_params_to_model(units)
+                    self._publish_params(units)
                 # Gradients in reverse layer order: the next backward starts from the last layer and
                 # its downloads wait for these copies (``grad_copied``); the next forward needs only
                 # the parameters, copied above in layer order.
@@ -198,7 +212,9 @@ class RoundPipeBase(nn.Module):
                         self._copy_grad_to_optim(p)
                     attr.grad_copied.set()
                 step_fn(*args, **kwargs)
-                if not is_async:
+                if is_async:
+                    self._stage_params(units)
+                else:
                     self._copy_params_to_model(units)
         except BaseException:
             # Never leave the main thread waiting on a step that failed (the failure is raised there).
@@ -213,16 +229,70 @@ class RoundPipeBase(nn.Module):
 
     @staticmethod
     def _copy_params_to_model(units: List[Tuple[LayerAttribute, List[nn.Parameter]]]) -> None:
+        """Write the optimizer parameters into the model parameters (the model is then up to date, and
+        a version staged earlier is obsolete)."""
         for attr, params in units:
             # An upload in flight still reads the model parameters: wait until it has finished.
             attr.param_upload_started.wait()
             attr.param_uploaded.synchronize()
             with torch.no_grad():
                 for p in params:
-                    optim = ParamAttribute.get(p).optim
-                    if optim is not None:
-                        p.data.copy_(optim.data)
+                    pa = ParamAttribute.get(p)
+                    if pa.optim is not None:
+                        p.data.copy_(pa.optim.data)
+                        pa.staged_valid = False
             attr.param_copied.set()
+
+    @staticmethod
+    def _publish_params(units: List[Tuple[LayerAttribute, List[nn.Parameter]]]) -> None:
+        """Start of an asynchronous step: make the model parameters the optimizer's current version.
+
+        The previous asynchronous step left that version in each parameter's staging buffer
+        (``_stage_params``), so publishing it is a swap of two host buffers per parameter: the
+        dtype-converting copy ran on this thread while the devices were busy, and the next forward,
+        which waits for ``param_copied`` layer by layer, no longer waits for it. Parameters without a
+        valid staged version (first step, after ``sync_optim_param``, or staging off) are copied.
+        """
+        for attr, params in units:
+            # An upload in flight still reads the model parameters: wait until it has finished.
+            attr.param_upload_started.wait()
+            attr.param_uploaded.synchronize()
+            with torch.no_grad():
+                for p in params:
+                    pa = ParamAttribute.get(p)
+                    if pa.optim is None:
+                        continue
+                    if pa.staged_valid and pa.staged is not None:
+                        # The old buffer becomes the next staging buffer; nothing reads it any more
+                        # (the uploads of the iteration that used it have finished, above).
+                        p.data, pa.staged = pa.staged, p.data
+                        pa.staged_valid = False
+                    else:
+                        p.data.copy_(pa.optim.data)
+            attr.param_copied.set()
+
+    @staticmethod
+    def _stage_params(units: List[Tuple[LayerAttribute, List[nn.Parameter]]]) -> None:
+        """End of an asynchronous step: write the updated optimizer parameters into each parameter's
+        staging buffer (model dtype, pinned like the parameter), published by the next step.
+
+        Only this thread touches the staging buffers, and the model parameters (read by the running
+        iteration's uploads) are not written, so no event is needed. ``RPP_STAGE_PARAMS=0`` turns
+        staging off (saving one model-dtype copy of the trainable parameters, 2 bytes per bf16
+        parameter, at the price of the copy at the start of the next step).
+        """
+        if not stage_params_enabled():
+            return
+        with torch.no_grad():
+            for _, params in units:
+                for p in params:
+                    pa = ParamAttribute.get(p)
+                    if pa.optim is None:
+                        continue
+                    if pa.staged is None or pa.staged.shape != p.shape or pa.staged.dtype != p.dtype:
+                        pa.staged = torch.empty(p.shape, dtype=p.dtype, pin_memory=p.data.is_pinned())
+                    pa.staged.copy_(pa.optim.data)
+                    pa.staged_valid = True
 
     @staticmethod
     def _copy_grad_to_optim(p: nn.Parameter) -> None:

@@ -38,8 +38,16 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
         # A non_blocking copy from pageable memory synchronises the copy stream (and so this device
         # thread) with everything queued on it; staging through the pinned cache keeps it asynchronous.
         # The caching host allocator keeps the staging block until the copy has finished.
-        t = t.detach().pin_memory()
+        t = _pinned_copy(t)
     return t.detach().to(device, non_blocking=True)
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A pinned, contiguous copy of host tensor ``t``. ``Tensor.pin_memory()`` refuses tensors whose
+    elements overlap in memory (e.g. the expanded ones of ``loss.sum().backward()``); a copy into a
+    fresh pinned block takes any strides."""
+    with torch.no_grad():
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
 
 
 def _copy_in_chunks(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int) -> None:
@@ -59,7 +67,7 @@ def _upload_param(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     nbytes = t.numel() * t.element_size()
     if not (chunked_upload and device.type == "cuda" and t.device.type == "cpu" and nbytes > CHUNK_UPLOAD_SIZE and t.is_contiguous()):
         return _to_device(t, device)
-    src = t.detach() if t.is_pinned() else t.detach().pin_memory()
+    src = t.detach() if t.is_pinned() else _pinned_copy(t)
     out = torch.empty(src.shape, dtype=src.dtype, device=device)
     _copy_in_chunks(out, src, CHUNK_UPLOAD_SIZE)
     return out

@@ -7,23 +7,25 @@ import torch
 from torch import nn
 
 from conftest import use_devices
-from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig, transfer
 
 pytestmark = pytest.mark.gpu
 
 
-def _intervals(prof: torch.profiler.profile):
-    """(kernel intervals, host-to-device copy intervals) in device time, microseconds."""
-    kernels, h2d = [], []
+def _intervals(prof: torch.profiler.profile, by_stream: bool = False):
+    """(kernel intervals, host-to-device copy intervals) in device time, microseconds; with
+    ``by_stream`` the copies are a dict from CUDA stream to its intervals."""
+    kernels, h2d, h2d_by_stream = [], [], {}
     for evt in prof.events():
         if evt.device_type != torch.autograd.DeviceType.CUDA:
             continue
         span = (evt.time_range.start, evt.time_range.end)
         if "Memcpy HtoD" in evt.name:
             h2d.append(span)
+            h2d_by_stream.setdefault(evt.device_resource_id, []).append(span)
         elif not evt.name.startswith(("Memcpy", "Memset")):
             kernels.append(span)
-    return kernels, h2d
+    return kernels, (h2d_by_stream if by_stream else h2d)
 
 
 def _overlap(a, b) -> float:
@@ -56,12 +58,19 @@ def test_parameter_upload_overlaps_compute() -> None:
     for layer in model:
         ref = ref @ layer.weight.cuda().t()
     assert (out.float() - ref.float().cpu()).norm() / ref.float().norm() < 2e-2
-    kernels, h2d = _intervals(prof)
-    assert kernels and h2d, "profiler saw no kernels or uploads"
+    kernels, h2d_by_stream = _intervals(prof, by_stream=True)
+    assert kernels and h2d_by_stream, "profiler saw no kernels or uploads"
+    # The parameter stream carries the most copies (the activation stream only the two inputs). A
+    # 128 MiB weight goes up in slices of transfer.CHUNK_UPLOAD_SIZE, back to back: one upload is
+    # the span from its first slice's start to its last slice's end.
+    slices = sorted(max(h2d_by_stream.values(), key=len))
+    per_layer = -(-width * width * 2 // transfer.CHUNK_UPLOAD_SIZE) if transfer.chunked_upload else 1
+    assert len(slices) == n_layers * per_layer, (len(slices), n_layers, per_layer)
+    uploads = [(slices[i][0], slices[i + per_layer - 1][1]) for i in range(0, len(slices), per_layer)]
     # Uploads issued before the first kernel (the input and layer 0's weights) cannot overlap
     # anything; every later one is a prefetch of group g+1 that should run while group g computes.
     first_kernel = min(s for s, _ in kernels)
-    prefetch = [(s, e) for s, e in h2d if s >= first_kernel]
+    prefetch = [(s, e) for s, e in uploads if s >= first_kernel]
     assert len(prefetch) >= n_layers - 2
     upload_time = sum(e - s for s, e in prefetch)
     overlapped = _overlap(prefetch, kernels)

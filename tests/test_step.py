@@ -80,6 +80,69 @@ def test_async_step_follows_one_step_stale_rule(workers: str) -> None:
     assert any(rel_err(p, q) > 1e-4 for p, q in zip(model.parameters(), make_sync_result(8).parameters()))
 
 
+def _mixed_schedule_losses(model: nn.Module) -> List[float]:
+    """Losses of a run that mixes asynchronous steps, ``synchronize()``, a synchronous step, and an
+    optimizer-parameter edit after ``synchronize()`` (as a checkpoint load would)."""
+    rp = RoundPipe(model, optim_dtype=torch.float64, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    opt = torch.optim.SGD(rp.optim_parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for k, (x, y) in enumerate(batches(12)):
+        losses.append(rp.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn).item())
+        rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=k not in (5, 6))
+        if k == 3:
+            rp.synchronize()
+        if k == 8:
+            rp.synchronize()
+            with torch.no_grad():
+                for q in rp.optim_parameters():
+                    q.mul_(0.5)
+    rp.synchronize()
+    return losses + [p.detach().double().sum().item() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("workers", ["cpu:1", "cpu:3"], indirect=True)
+def test_staged_parameters_equal_copying_at_the_next_step(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asynchronous steps stage the updated parameters for the next step (RPP_STAGE_PARAMS, default
+    on) instead of copying them when it starts: every iteration sees exactly the same parameters,
+    including around synchronize(), synchronous steps and edits of the optimizer parameters."""
+    monkeypatch.setenv("RPP_STAGE_PARAMS", "0")
+    copying = _mixed_schedule_losses(make_model())
+    monkeypatch.setenv("RPP_STAGE_PARAMS", "1")
+    model = make_model()
+    staged = _mixed_schedule_losses(model)
+    assert staged == copying
+    # Pure asynchronous iterations follow the one-step-stale reference loss by loss.
+    rp = RoundPipe(make_model(), model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    opt = torch.optim.SGD(rp.optim_parameters(), lr=0.1, momentum=0.9)
+    ref, master = make_model(), make_model()
+    ref_opt = torch.optim.SGD(master.parameters(), lr=0.1, momentum=0.9)
+    for x, y in batches(6):
+        loss = rp.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
+        ref_loss = loss_fn(ref(x), y)
+        ref_loss.backward()
+        with torch.no_grad():
+            for p, q in zip(ref.parameters(), master.parameters()):
+                p.copy_(q)
+                q.grad, p.grad = p.grad.clone(), None
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert abs(loss.item() - ref_loss.item()) < 1e-6 * max(1.0, abs(ref_loss.item()))
+    rp.synchronize()
+
+
+@pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
+def test_stage_params_env_is_checked(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RPP_STAGE_PARAMS", "maybe")
+    rp = RoundPipe(make_model())
+    opt = torch.optim.SGD(rp.optim_parameters(), lr=0.1)
+    x, y = batches(1)[0]
+    rp.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+    rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
+    with pytest.raises(Exception, match="RPP_STAGE_PARAMS"):
+        rp.synchronize()
+
+
 def make_sync_result(n_iter: int) -> nn.Module:
     ref = make_model()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
