@@ -198,7 +198,7 @@ class RoundPipeBase(nn.Module):
         try:
             with OptimizerCtx():
                 if is_async:
-                    self._publish_params(units)
+                    self._copy_params_to_model(units, use_staged=True)
                 # Gradients in reverse layer order: the next backward starts from the last layer and
                 # its downloads wait for these copies (``grad_copied``); the next forward needs only
                 # the parameters, copied above in layer order.
@@ -228,33 +228,19 @@ class RoundPipeBase(nn.Module):
             self.optim_updated.set()
 
     @staticmethod
-    def _copy_params_to_model(units: List[Tuple[LayerAttribute, List[nn.Parameter]]]) -> None:
-        """Write the optimizer parameters into the model parameters (the model is then up to date, and
-        a version staged earlier is obsolete)."""
-        for attr, params in units:
-            # An upload in flight still reads the model parameters: wait until it has finished.
-            attr.param_upload_started.wait()
-            attr.param_uploaded.synchronize()
-            with torch.no_grad():
-                for p in params:
-                    pa = ParamAttribute.get(p)
-                    if pa.optim is not None:
-                        p.data.copy_(pa.optim.data)
-                        pa.staged_valid = False
-            attr.param_copied.set()
+    def _copy_params_to_model(units: List[Tuple[LayerAttribute, List[nn.Parameter]]], use_staged: bool = False) -> None:
+        """Make the model parameters the optimizer's current version, layer by layer (``param_copied``).
 
-    @staticmethod
-    def _publish_params(units: List[Tuple[LayerAttribute, List[nn.Parameter]]]) -> None:
-        """Start of an asynchronous step: make the model parameters the optimizer's current version.
-
-        The previous asynchronous step left that version in each parameter's staging buffer
-        (``_stage_params``), so publishing it is a swap of two host buffers per parameter: the
-        dtype-converting copy ran on this thread while the devices were busy, and the next forward,
-        which waits for ``param_copied`` layer by layer, no longer waits for it. Parameters without a
-        valid staged version (first step, after ``sync_optim_param``, or staging off) are copied.
+        With ``use_staged`` (the start of an asynchronous step) a parameter whose staging buffer holds
+        that version (``_stage_params``, at the end of the previous asynchronous step) swaps buffers
+        with it: the dtype-converting copy already ran while the devices were busy, and the next
+        forward, which waits for ``param_copied`` layer by layer, does not wait for it. The others
+        (first step, after ``sync_optim_param``, staging off) are copied, which makes any staged
+        version obsolete.
         """
         for attr, params in units:
-            # An upload in flight still reads the model parameters: wait until it has finished.
+            # An upload in flight still reads the model parameters: wait until it has finished. After
+            # that nothing reads the old buffer, so it may become the next staging buffer.
             attr.param_upload_started.wait()
             attr.param_uploaded.synchronize()
             with torch.no_grad():
@@ -262,13 +248,11 @@ class RoundPipeBase(nn.Module):
                     pa = ParamAttribute.get(p)
                     if pa.optim is None:
                         continue
-                    if pa.staged_valid and pa.staged is not None:
-                        # The old buffer becomes the next staging buffer; nothing reads it any more
-                        # (the uploads of the iteration that used it have finished, above).
+                    if use_staged and pa.staged_valid and pa.staged is not None:
                         p.data, pa.staged = pa.staged, p.data
-                        pa.staged_valid = False
                     else:
                         p.data.copy_(pa.optim.data)
+                    pa.staged_valid = False
             attr.param_copied.set()
 
     @staticmethod
@@ -282,6 +266,9 @@ class RoundPipeBase(nn.Module):
         parameter, at the price of the copy at the start of the next step).
         """
         if not stage_params_enabled():
+            for _, params in units:  # turned off during a run: give the buffers back
+                for p in params:
+                    ParamAttribute.get(p).staged = None
             return
         with torch.no_grad():
             for _, params in units:
