@@ -1,8 +1,9 @@
-"""Split a stage's parameter copies into chunks of about equal bytes.
+"""Split a stage's parameter copies into chunks of about equal bytes (greedy number partitioning).
 
-A stage upload is issued as several chunks, each followed by an event, so compute can start on the first
-layers while the rest is still in flight, and the copy engine always has queued work. Chunks of equal
-bytes take about equal time. Re-exported by ``roundpipe.transfer``.
+The spec's helper for issuing a stage upload as several chunks with an event each (chunks of equal
+bytes take about equal time). The runtime does not issue per-chunk events yet: each layer's upload
+records one event, compute waits for the whole stage, and a single large tensor is sliced instead
+(``transfer.chunked_upload``) so activation uploads can pass it. Re-exported by ``roundpipe.transfer``.
 """
 
 from __future__ import annotations
