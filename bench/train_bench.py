@@ -164,12 +164,25 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
         model.model_run_config = RoundPipeRunConfig(num_microbatch=n_mb, execute_plan=ModelExecutePlan.layerwise(model.num_layers, "train"))
     opt = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-5, decoupled_weight_decay=True)
 
+    # Whether the host optimizer keeps up: how long its step takes (on the optimizer thread) and how
+    # long the main thread waits in model.step() for the previous step to release the layers.
+    optim_s: List[float] = []
+    wait_s: List[float] = []
+
+    def step_fn() -> None:
+        t = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        optim_s.append(time.perf_counter() - t)
+
     def step() -> None:
         model.train_step(input_ids=ids, labels=ids)
         if args.no_step:  # diagnostic: the pipeline alone, gradients dropped
             model.zero_grad(set_to_none=True)
             return
-        model.step(lambda: (opt.step(), opt.zero_grad()), is_async=not args.sync_step)
+        t = time.perf_counter()
+        model.step(step_fn, is_async=not args.sync_step)
+        wait_s.append(time.perf_counter() - t)
 
     rss: List[float] = []
 
@@ -188,6 +201,10 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
     peak = torch.cuda.max_memory_allocated() / 1024**3 if torch.cuda.is_available() else float("nan")
     print(f"roundpipe plan: {model.resolve_plan(type('C', (), {'execute_plan': None})(), 'fused')}")
     print(f"roundpipe per-iteration seconds: {[round(t, 3) for t in times]}")
+    if optim_s:
+        timed_steps = slice(args.warmup, args.warmup + args.iters)
+        print(f"roundpipe optimizer step seconds: {[round(t, 3) for t in optim_s[timed_steps]]}; "
+              f"main thread waited in model.step(): {[round(t, 3) for t in wait_s[timed_steps]]}")
     what = f"LoRA r={args.lora}, {n_params / 1e6:.1f}M trainable" if args.lora else f"{host / n_params:.1f} bytes/param host"
     kernels = "" if fused is None else (", fused kernels" if fused else ", HF kernels")
     row = Row(f"roundpipe ({roundpipe.get_num_devices()} device, {plan} plan{kernels})", ids.numel() / (sum(times) / len(times)), peak,
