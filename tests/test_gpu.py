@@ -12,20 +12,18 @@ from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig, transfer
 pytestmark = pytest.mark.gpu
 
 
-def _intervals(prof: torch.profiler.profile, by_stream: bool = False):
-    """(kernel intervals, host-to-device copy intervals) in device time, microseconds; with
-    ``by_stream`` the copies are a dict from CUDA stream to its intervals."""
-    kernels, h2d, h2d_by_stream = [], [], {}
+def _intervals(prof: torch.profiler.profile):
+    """(kernel intervals, host-to-device copy intervals per CUDA stream) in device time, microseconds."""
+    kernels, h2d_by_stream = [], {}
     for evt in prof.events():
         if evt.device_type != torch.autograd.DeviceType.CUDA:
             continue
         span = (evt.time_range.start, evt.time_range.end)
         if "Memcpy HtoD" in evt.name:
-            h2d.append(span)
             h2d_by_stream.setdefault(evt.device_resource_id, []).append(span)
         elif not evt.name.startswith(("Memcpy", "Memset")):
             kernels.append(span)
-    return kernels, (h2d_by_stream if by_stream else h2d)
+    return kernels, h2d_by_stream
 
 
 def _overlap(a, b) -> float:
@@ -58,7 +56,7 @@ def test_parameter_upload_overlaps_compute() -> None:
     for layer in model:
         ref = ref @ layer.weight.cuda().t()
     assert (out.float() - ref.float().cpu()).norm() / ref.float().norm() < 2e-2
-    kernels, h2d_by_stream = _intervals(prof, by_stream=True)
+    kernels, h2d_by_stream = _intervals(prof)
     assert kernels and h2d_by_stream, "profiler saw no kernels or uploads"
     # The parameter stream carries the most copies (the activation stream only the two inputs). A
     # 128 MiB weight goes up in slices of transfer.CHUNK_UPLOAD_SIZE, back to back: one upload is
