@@ -17,7 +17,7 @@ import gc
 import resource
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 import psutil
 import torch
@@ -66,19 +66,22 @@ class Row:
     note: str = ""
 
 
-def timed(step: Callable[[], None], warmup: int, iters: int, sync: Callable[[], None]) -> List[float]:
+def timed(step: Callable[[], None], warmup: int, iters: int, sync: Callable[[], None], progress: Optional[Callable[[int, float], None]] = None) -> List[float]:
     times = []
     for i in range(warmup + iters):
         t0 = time.perf_counter()
         step()
         sync()
         times.append(time.perf_counter() - t0)
+        if progress is not None:
+            progress(i, times[-1])
     return times[warmup:]
 
 
 def cuda_sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    """Wait for every GPU (RoundPipe spreads work over all visible devices)."""
+    for d in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        torch.cuda.synchronize(d)
 
 
 def bench_baseline(args: argparse.Namespace, ids: torch.Tensor) -> Row:
@@ -113,8 +116,9 @@ def bench_baseline(args: argparse.Namespace, ids: torch.Tensor) -> Row:
 
 
 def busy_fraction(step: Callable[[], None], trace: str = "") -> str:
-    """GPU compute busy share of one iteration (merged kernel time / wall time), from the profiler; prints
-    the longest idle gaps with the kernels around them, and writes a chrome trace when ``trace`` is set."""
+    """GPU compute busy share of one iteration (merged kernel time / wall time) per GPU, from the profiler;
+    prints each GPU's longest idle gaps with the kernels around them, and writes a chrome trace when
+    ``trace`` is set (gzipped if it ends in .gz)."""
     acts = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if trace else [])
     with torch.profiler.profile(activities=acts) as prof:
         t0 = time.perf_counter()
@@ -123,24 +127,47 @@ def busy_fraction(step: Callable[[], None], trace: str = "") -> str:
         wall = (time.perf_counter() - t0) * 1e6
     if trace:
         prof.export_chrome_trace(trace)
-    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                     if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")))
-    busy, end, last, gaps = 0.0, None, "", []
-    for s, e, name in kernels:
-        if end is None or s > end:
-            if end is not None:
-                gaps.append((s - end, end - kernels[0][0], last, name))
-            busy, end = busy + e - s, e
-        elif e > end:
-            busy, end = busy + e - end, e
-        if e >= (end or e):
-            last = name
-    gaps.sort(reverse=True)
-    total_gap = sum(g[0] for g in gaps)
-    print(f"GPU idle gaps: {len(gaps)} totalling {total_gap / 1e3:.1f} ms; longest:")
-    for g, at, before, after in gaps[:12]:
-        print(f"  {g / 1e3:7.2f} ms at {at / 1e3:8.1f} ms  after {before[:60]!r}  before {after[:60]!r}")
-    return f"GPU busy {busy / wall:.0%} of {wall / 1e3:.0f} ms"
+    per_device: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")):
+            per_device.setdefault(e.device_index, []).append((e.time_range.start, e.time_range.end, e.name))
+    t_first = min(k[0][0] for k in (sorted(v) for v in per_device.values())) if per_device else 0.0
+    shares = []
+    for dev, kernels in sorted(per_device.items()):
+        kernels.sort()
+        busy, end, last, gaps = 0.0, None, "", []
+        for s, e, name in kernels:
+            if end is None or s > end:
+                if end is not None:
+                    gaps.append((s - end, end - t_first, last, name))
+                busy, end = busy + e - s, e
+            elif e > end:
+                busy, end = busy + e - end, e
+            if e >= (end or e):
+                last = name
+        gaps.sort(reverse=True)
+        total_gap = sum(g[0] for g in gaps)
+        span = (kernels[-1][1] - kernels[0][0]) / 1e3
+        print(f"GPU {dev}: busy {busy / wall:.0%} of the iteration; kernels from {(kernels[0][0] - t_first) / 1e3:.1f} to "
+              f"{(end - t_first) / 1e3:.1f} ms (span {span:.0f} ms); idle gaps: {len(gaps)} totalling {total_gap / 1e3:.1f} ms; longest:")
+        for g, at, before, after in gaps[:12]:
+            print(f"  {g / 1e3:7.2f} ms at {at / 1e3:8.1f} ms  after {before[:60]!r}  before {after[:60]!r}")
+        shares.append(f"{busy / wall:.0%}")
+    return f"GPU busy {'/'.join(shares)} of {wall / 1e3:.0f} ms"
+
+
+def simulated_ms(model: Any, n_mb: int) -> str:
+    """The planner's model of one iteration (compute only, from the timer's per-layer estimates) on this
+    many devices and on one: what the round-robin pipeline would take if transfers were free."""
+    import roundpipe
+    from roundpipe.planner import simulate_iteration
+
+    plan = model.resolve_plan(type("C", (), {"execute_plan": None, "num_microbatch": n_mb})(), "fused")
+    _, fwd_t, bwd_t = model.model_timer.get_estimate("fused")
+    devices = roundpipe.get_num_devices()
+    sim = simulate_iteration("fused", plan.fwd_plan, plan.bwd_plan, fwd_t, bwd_t, devices, n_mb)
+    one = simulate_iteration("fused", plan.fwd_plan, plan.bwd_plan, fwd_t, bwd_t, 1, n_mb)
+    return f"simulated compute-only iteration {sim:.0f} ms on {devices} device(s) ({one:.0f} ms on one)"
 
 
 def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, plan: str = "auto", fused: Optional[bool] = None) -> Row:
@@ -190,7 +217,12 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
         step()
         rss.append(psutil.Process().memory_info().rss / 1024**3)
 
-    times = timed(tracked_step, args.warmup, args.iters, cuda_sync)
+    def progress(i: int, t: float) -> None:
+        # Long runs report as they go (flushed), so a run cut short by a time limit still leaves numbers.
+        if args.iters >= 20 and (i + 1) % 10 == 0:
+            print(f"iteration {i + 1}: {t:.3f} s, host RSS {rss[-1]:.2f} GiB", flush=True)
+
+    times = timed(tracked_step, args.warmup, args.iters, cuda_sync, progress)
     if args.iters >= 20:  # steadiness of host memory over a long run: RSS after warm-up vs at the end
         k = args.warmup
         print(f"host RSS GiB after iteration {k}: {rss[k]:.2f}, {k + args.iters // 2}: {rss[k + args.iters // 2]:.2f}, "
@@ -199,7 +231,8 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
     model.synchronize()
     host = psutil.Process().memory_info().rss - rss0
     peak = torch.cuda.max_memory_allocated() / 1024**3 if torch.cuda.is_available() else float("nan")
-    print(f"roundpipe plan: {model.resolve_plan(type('C', (), {'execute_plan': None})(), 'fused')}")
+    print(f"roundpipe plan: {model.resolve_plan(type('C', (), {'execute_plan': None, 'num_microbatch': n_mb})(), 'fused')}")
+    print(f"roundpipe {simulated_ms(model, n_mb)}")
     print(f"roundpipe per-iteration seconds: {[round(t, 3) for t in times]}")
     if optim_s:
         timed_steps = slice(args.warmup, args.warmup + args.iters)

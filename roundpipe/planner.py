@@ -1,7 +1,9 @@
 """Cut a model's layers into stages (layer groups) for the forward and the backward pass.
 
 This module is the pure algorithm behind ``ModelExecutePlan.auto`` and ``ModelExecutePlan.check_valid``:
-it sees per-layer times and sizes as plain numbers and knows nothing of devices.
+it sees per-layer times and sizes as plain numbers and knows nothing of devices. ``simulate_iteration``
+models what a plan costs under round-robin dispatch over several devices (bench/train_bench.py prints it
+next to the measured iteration, which shows how far the timer's view is from the run).
 
 A stage is a contiguous ``range`` of layers that is uploaded to a device, run, and dropped. Two things
 bound a stage:
@@ -265,6 +267,46 @@ def _prefix(values: Sequence[float]) -> List[float]:
     for v in values:
         out.append(out[-1] + float(v))
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Several devices: the round-robin pipeline
+
+
+def simulate_iteration(
+    run_type: RunType,
+    fwd_plan: Sequence[range],
+    bwd_plan: Sequence[range],
+    fwd_times: Sequence[float],
+    bwd_times: Sequence[float],
+    num_devices: int,
+    num_microbatch: int,
+) -> float:
+    """Device time of one call under RoundPipe's dispatch, from per-layer, per-microbatch costs.
+
+    The jobs (forward groups, the fused group for 'fused', backward groups in reverse) go to the devices
+    round robin; a device runs its jobs in order, each over all microbatches; microbatch m of a job
+    starts when its device is free and the previous job has finished microbatch m. Transfers and
+    parameter uploads are taken as hidden (they run on their own streams). Returns the time the last
+    device finishes: with one device the sum of all costs, with several it adds the waits that a slow
+    job imposes on the jobs after it, and the pipeline's fill and drain.
+    """
+    jobs: List[float] = [math.fsum(fwd_times[i] for i in r) for r in fwd_plan]
+    if run_type == "fused" and bwd_plan:
+        jobs.append(math.fsum(bwd_times[i] for i in bwd_plan[-1]))  # forward + loss + backward
+        jobs += [math.fsum(bwd_times[i] for i in r) for r in reversed(bwd_plan[:-1])]
+    elif run_type == "train":
+        jobs += [math.fsum(bwd_times[i] for i in r) for r in reversed(bwd_plan)]
+    free = [0.0] * max(1, num_devices)
+    ready = [0.0] * max(1, num_microbatch)  # when the previous job finished each microbatch
+    for k, cost in enumerate(jobs):
+        d = k % len(free)
+        t = free[d]
+        for m in range(len(ready)):
+            t = max(t, ready[m]) + cost
+            ready[m] = t
+        free[d] = t
+    return max(free)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -293,3 +293,28 @@ def test_embedding_tables_count_little_in_the_first_time_estimates() -> None:
     head = nn.Linear(16, 1000, bias=False)
     head.weight = emb.weight  # tied: the head's matmul reads the whole table
     assert get_model_compute_size(head) == 1000 * 16 * 4
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Several devices: the simulated round-robin pipeline and the refinement against it
+
+from roundpipe.planner import simulate_iteration  # noqa: E402
+
+
+def test_simulation_of_one_device_is_the_sum_of_all_costs():
+    fwd, bwd = [1.0, 2.0, 3.0], [3.0, 5.0, 7.0]
+    plan = [range(0, 1), range(1, 3)]
+    assert simulate_iteration("train", plan, plan, fwd, bwd, 1, 4) == pytest.approx(4 * (6 + 15))
+    # fused: the last backward group replaces its forward groups
+    assert simulate_iteration("fused", [range(0, 1)], plan, fwd, bwd, 1, 2) == pytest.approx(2 * (1 + 15))
+
+
+def test_simulation_of_two_devices_by_hand():
+    # Jobs f0 (cost 1, device A), f1 (cost 3, device B), two microbatches:
+    # A: mb0 0-1, mb1 1-2. B: mb0 1-4, mb1 4-7.
+    assert simulate_iteration("infer", [range(0, 1), range(1, 2)], [], [1.0, 3.0], [], 2, 2) == pytest.approx(7)
+    # Then a job of cost 1 on A waits for B microbatch by microbatch: mb0 4-5, mb1 7-8.
+    assert simulate_iteration("infer", [range(0, 1), range(1, 2), range(2, 3)], [], [1.0, 3.0, 1.0], [], 2, 2) == pytest.approx(8)
+    # Three devices: the third job runs on its own device as soon as its inputs are ready.
+    assert simulate_iteration("infer", [range(0, 1), range(1, 2), range(2, 3)], [], [1.0, 3.0, 1.0], [], 3, 2) == pytest.approx(8)
+
