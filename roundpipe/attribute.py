@@ -93,7 +93,9 @@ class ParamAttribute:
         layer_ids: Layers (indices in the RoundPipe) that use this parameter.
         grad_cpu: Per-layer gradient shares for shared parameters.
         grad_buffer: Reusable pinned buffers for this parameter's gradient, per layer (avoids
-            re-allocation); a second one only while the optimizer reads the first as its ``.grad``.
+            re-allocation); a second one only while the optimizer reads the first as its ``.grad``
+            (with ``RPP_GRAD_BUFFERS=1`` the download waits for the optimizer instead, see
+            ``transfer._grad_buffer``).
         optim: The optimizer's copy of the parameter (``optim_dtype``), or the parameter itself.
         optim_grad_buffer: Reusable buffer for the optimizer copy's gradient.
         staged: The optimizer's newest version in the parameter's dtype, written at the end of an

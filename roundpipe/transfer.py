@@ -4,6 +4,8 @@ Every copy here is issued on one of the device's copy streams and ordered by eve
 synchronisation: activation uploads on ``upstream``, parameter uploads on ``param_upstream``, all
 downloads on ``downstream``. Callers make the compute stream wait for the upload stream before use,
 and hand device tensors to the device's ``InterStreamMemManager`` so they outlive their last use.
+The one host wait is opt-in: with ``RPP_GRAD_BUFFERS=1`` a gradient download waits on its device thread
+for the optimizer to release the host buffer (``_grad_buffer``).
 
 On CPU workers uploads copy too (so layers that modify inputs or parameters in place never touch the
 host copies saved for recompute or written by the optimizer thread) and downloads detach.
@@ -18,6 +20,7 @@ Attributes:
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -29,6 +32,21 @@ from roundpipe.backend import Event
 
 chunked_upload = True
 CHUNK_UPLOAD_SIZE = 64 * 1024**2
+
+GRAD_BUFFERS_ENV = "RPP_GRAD_BUFFERS"
+
+
+def grad_buffers_limit() -> int:
+    """Host gradient buffers per parameter while an asynchronous step runs (``RPP_GRAD_BUFFERS``).
+
+    2 (default): the next backward downloads into a second buffer while the optimizer still reads the
+    first as its ``.grad``. 1: it waits for the optimizer instead (see ``_grad_buffer``), saving one
+    model-dtype copy of the trainable parameters in host memory at the price of that wait.
+    """
+    value = os.environ.get(GRAD_BUFFERS_ENV, "2").strip() or "2"
+    if value not in ("1", "2"):
+        raise ValueError(f"{GRAD_BUFFERS_ENV}={value!r}: expected 2 (double-buffered gradient downloads) or 1 (one buffer; downloads wait for the optimizer step)")
+    return int(value)
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -280,16 +298,32 @@ def _grad_buffer(attr: ParamAttribute, layer_id: int, dev_grad: torch.Tensor) ->
     still runs, this download takes a second buffer; the two then alternate from step to step. Safe to
     decide here: the backward fence waited for ``grad_copied``, so the optimizer's ``.grad`` already is
     the buffer of the previous step (or None once its ``zero_grad`` ran).
+
+    With ``RPP_GRAD_BUFFERS=1`` this device thread instead waits until the optimizer kernels queued so
+    far have run (the step holding the buffer has then cleared ``.grad`` in its ``zero_grad``) and
+    reuses the buffer. No deadlock: those kernels wait only for downloads of earlier iterations, since
+    the main thread queues the next step only after every job of this call has been issued
+    (``run.guarded``). A step_fn that keeps ``.grad`` across steps still gets a second buffer.
     """
     bufs = [b for b in attr.grad_buffer.get(layer_id, []) if b.shape == dev_grad.shape and b.dtype == dev_grad.dtype]
-    held = attr.optim.grad if attr.optim is not None else None
-    busy = held.data_ptr() if held is not None and held.numel() > 0 else None
-    buf = next((b for b in bufs if busy is None or b.data_ptr() != busy), None)
+    buf = _free_grad_buffer(attr, bufs)
+    if buf is None and bufs and grad_buffers_limit() == 1:
+        from roundpipe import optim_stream
+
+        optim_stream.synchronize_optim()
+        buf = _free_grad_buffer(attr, bufs)
     if buf is None:
         buf = backend.empty_host_like(dev_grad)
         bufs.append(buf)
     attr.grad_buffer[layer_id] = bufs
     return buf
+
+
+def _free_grad_buffer(attr: ParamAttribute, bufs: List[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The first of ``bufs`` that the optimizer does not hold as its ``.grad``, or None."""
+    held = attr.optim.grad if attr.optim is not None else None
+    busy = held.data_ptr() if held is not None and held.numel() > 0 else None
+    return next((b for b in bufs if busy is None or b.data_ptr() != busy), None)
 
 
 def release_layers(gpu_layers: Sequence[nn.Module], device: Any) -> None:

@@ -277,6 +277,52 @@ def test_failing_step_surfaces_and_model_recovers(workers: str) -> None:
 
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
+def test_one_gradient_buffer_waits_for_the_optimizer_and_changes_nothing(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RPP_GRAD_BUFFERS=1: while a slow asynchronous step still reads the bf16 gradient buffers handed to
+    roundpipe.optim.Adam, the next backward's downloads wait for it instead of taking a second buffer.
+    Same parameters as the default double buffering; one buffer per parameter (two by default); with a
+    step that keeps its gradients (no zero_grad) a second buffer is still taken."""
+    import time
+
+    from roundpipe.attribute import ParamAttribute
+    from roundpipe.optim import Adam
+
+    def run(buffers: str, zero_grad: bool = True) -> tuple:
+        monkeypatch.setenv("RPP_GRAD_BUFFERS", buffers)
+        model = make_model().to(torch.bfloat16)
+        rp = RoundPipe(model, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+        opt = Adam(rp.optim_parameters(), lr=1e-2)
+
+        def step() -> None:
+            time.sleep(0.05)  # the next backward's downloads arrive while the step has not read the grads
+            opt.step()
+            if zero_grad:
+                opt.zero_grad()
+
+        for x, y in batches(5):
+            rp.forward_backward(input_args=(x.bfloat16(),), label=y, loss_fn=lambda o, t: ((o.float() - t) ** 2).mean())
+            rp.step(step, is_async=True)
+        rp.synchronize()
+        counts = {len(bufs) for p in model.parameters() for bufs in ParamAttribute.get(p).grad_buffer.values()}
+        return [p.detach().clone() for p in rp.optim_parameters()], counts
+
+    double, counts2 = run("2")
+    single, counts1 = run("1")
+    assert counts2 == {2} and counts1 == {1}
+    for a, b in zip(single, double):
+        assert torch.equal(a, b)
+    _, kept = run("1", zero_grad=False)
+    assert kept == {2}
+
+
+@pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
+def test_grad_buffers_env_is_checked(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RPP_GRAD_BUFFERS", "3")
+    with pytest.raises(ValueError, match="RPP_GRAD_BUFFERS='3'"):
+        RoundPipe(make_model())
+
+
+@pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
 @pytest.mark.parametrize("is_async", [True, False])
 def test_bf16_gradients_are_handed_to_roundpipe_adam_without_a_copy(workers: str, is_async: bool) -> None:
     """bf16 model, fp32 masters: roundpipe.optim.Adam reads the bf16 host gradient buffers as its .grad
