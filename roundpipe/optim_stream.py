@@ -14,6 +14,7 @@ Attributes:
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import queue
 import threading
@@ -32,10 +33,12 @@ _start_lock = threading.Lock()
 
 
 THREADS_ENV = "RPP_OPTIM_THREADS"
+logger = logging.getLogger("roundpipe")
 
 
 def _set_thread_count() -> None:
-    """Give the optimizer thread ``RPP_OPTIM_THREADS`` intra-op threads (default: torch's setting).
+    """Give the optimizer thread ``RPP_OPTIM_THREADS`` intra-op threads (default: torch's setting, or
+    this rank's share of the cores, see ``shared_host_default``).
 
     Fewer than all cores leaves CPU time to the main and device threads, which issue the GPU work while
     the step runs. torch keeps the OpenMP thread count per thread, so this only changes the optimizer
@@ -43,6 +46,12 @@ def _set_thread_count() -> None:
     """
     value = os.environ.get(THREADS_ENV, "").strip()
     if not value:
+        share = shared_host_default()
+        if share is not None:
+            logger.info("roundpipe: %s ranks on this host and one intra-op thread each (torchrun sets "
+                        "OMP_NUM_THREADS=1): the optimizer thread uses %d; set %s to choose",
+                        os.environ.get("LOCAL_WORLD_SIZE"), share, THREADS_ENV)
+            torch.set_num_threads(share)
         return
     try:
         n = int(value)
@@ -51,6 +60,22 @@ def _set_thread_count() -> None:
     if n < 1:
         raise ValueError(f"{THREADS_ENV}={value!r}: expected a positive number of threads")
     torch.set_num_threads(n)
+
+
+def shared_host_default() -> Optional[int]:
+    """The optimizer thread count when several ranks share this host and torch was left with one
+    intra-op thread, else None (keep torch's setting).
+
+    torchrun sets ``OMP_NUM_THREADS=1`` when it starts several ranks per host, which would make the host
+    Adam step single-threaded, several times slower than the iteration it must hide behind. Each rank's
+    optimizer then gets an equal share of the cores this process may run on.
+    """
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if ranks <= 1 or torch.get_num_threads() != 1:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    share = cores // ranks
+    return share if share > 1 else None
 
 
 def controller() -> None:

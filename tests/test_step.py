@@ -364,3 +364,26 @@ def test_bf16_gradients_are_handed_to_roundpipe_adam_without_a_copy(workers: str
         for a, b in zip(handed, copied):
             assert a.dtype == torch.float32
             assert (a - b).abs().max().item() < 1e-6, accumulate
+
+
+def test_ranks_sharing_a_host_give_the_optimizer_a_share_of_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun sets OMP_NUM_THREADS=1 for several ranks per host; the host Adam then gets cores / ranks
+    threads unless RPP_OPTIM_THREADS says otherwise (a count the user chose is kept)."""
+    import os
+
+    from roundpipe import optim_stream
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert optim_stream.shared_host_default() == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert optim_stream.shared_host_default() == 10
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert optim_stream.shared_host_default() is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    assert optim_stream.shared_host_default() is None
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    assert optim_stream.shared_host_default() is None  # one core per rank: nothing to spread
