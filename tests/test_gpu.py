@@ -212,3 +212,42 @@ def test_losses_and_saved_activations_survive_the_download_race() -> None:
             assert torch.allclose(p.grad, q.grad.cpu(), rtol=1e-3, atol=1e-5), (call, name)
             p.grad = None
             q.grad = None
+
+
+def test_one_gradient_buffer_equals_two_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RPP_GRAD_BUFFERS=1 on a GPU: the next backward's (asynchronous) gradient downloads are issued only
+    once the optimizer step has released the single bf16 host buffer; a slow step makes the race likely.
+    The parameters must equal those of the double-buffered default, bit for bit."""
+    import time
+
+    from roundpipe.attribute import ParamAttribute
+    from roundpipe.optim import Adam
+
+    use_devices("cuda:0")
+
+    def run(buffers: str) -> list:
+        monkeypatch.setenv("RPP_GRAD_BUFFERS", buffers)
+        torch.manual_seed(0)
+        body = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(6)]).to(torch.bfloat16)
+        model = RoundPipe(body, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+        opt = Adam(model.optim_parameters(), lr=1e-3)
+
+        def step() -> None:
+            time.sleep(0.05)
+            opt.step()
+            opt.zero_grad()
+
+        g = torch.Generator().manual_seed(1)
+        for _ in range(6):
+            x = torch.randn(4096, 1024, generator=g).bfloat16()
+            model.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.float().pow(2).mean())
+            model.step(step, is_async=True)
+        model.synchronize()
+        counts = {len(b) for p in body.parameters() for b in ParamAttribute.get(p).grad_buffer.values()}
+        # One buffer each with RPP_GRAD_BUFFERS=1; by default a second one wherever the download came
+        # while the slow step still held the first (the layers downloaded first, at least).
+        assert counts == {1} if buffers == "1" else 2 in counts and counts <= {1, 2}, counts
+        return [p.detach().clone() for p in model.optim_parameters()]
+
+    for a, b in zip(run("1"), run("2")):
+        assert torch.equal(a, b)

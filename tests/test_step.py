@@ -308,11 +308,13 @@ def test_one_gradient_buffer_waits_for_the_optimizer_and_changes_nothing(workers
 
     double, counts2 = run("2")
     single, counts1 = run("1")
-    assert counts2 == {2} and counts1 == {1}
+    # A second buffer by default wherever a download came while the slow step held the first (at
+    # least the layers downloaded first); never with RPP_GRAD_BUFFERS=1.
+    assert 2 in counts2 and counts2 <= {1, 2} and counts1 == {1}
     for a, b in zip(single, double):
         assert torch.equal(a, b)
     _, kept = run("1", zero_grad=False)
-    assert kept == {2}
+    assert 2 in kept
 
 
 @pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
