@@ -167,7 +167,12 @@ def simulated_ms(model: Any, n_mb: int) -> str:
     devices = roundpipe.get_num_devices()
     sim = simulate_iteration("fused", plan.fwd_plan, plan.bwd_plan, fwd_t, bwd_t, devices, n_mb)
     one = simulate_iteration("fused", plan.fwd_plan, plan.bwd_plan, fwd_t, bwd_t, 1, n_mb)
-    return f"simulated compute-only iteration {sim:.0f} ms on {devices} device(s) ({one:.0f} ms on one)"
+    mid_f, mid_b = fwd_t[1:-1] or fwd_t, bwd_t[1:-1] or bwd_t
+    per_layer = (f"timer estimates per microbatch (ms): first layer fwd {fwd_t[0]:.2f} / bwd {bwd_t[0]:.2f}, "
+                 f"middle layers fwd {sum(mid_f) / len(mid_f):.2f} ({min(mid_f):.2f}-{max(mid_f):.2f}) / "
+                 f"bwd {sum(mid_b) / len(mid_b):.2f} ({min(mid_b):.2f}-{max(mid_b):.2f}), "
+                 f"last layer fwd {fwd_t[-1]:.2f} / bwd {bwd_t[-1]:.2f}")
+    return f"simulated compute-only iteration {sim:.0f} ms on {devices} device(s) ({one:.0f} ms on one); {per_layer}"
 
 
 def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, plan: str = "auto", fused: Optional[bool] = None) -> Row:
