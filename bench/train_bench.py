@@ -156,13 +156,12 @@ def busy_fraction(step: Callable[[], None], trace: str = "") -> str:
     return f"GPU busy {'/'.join(shares)} of {wall / 1e3:.0f} ms"
 
 
-def simulated_ms(model: Any, n_mb: int) -> str:
+def simulated_ms(model: Any, plan: Any, n_mb: int) -> str:
     """The planner's model of one iteration (compute only, from the timer's per-layer estimates) on this
     many devices and on one: what the round-robin pipeline would take if transfers were free."""
     import roundpipe
     from roundpipe.planner import simulate_iteration
 
-    plan = model.resolve_plan(type("C", (), {"execute_plan": None, "num_microbatch": n_mb})(), "fused")
     _, fwd_t, bwd_t = model.model_timer.get_estimate("fused")
     devices = roundpipe.get_num_devices()
     sim = simulate_iteration("fused", plan.fwd_plan, plan.bwd_plan, fwd_t, bwd_t, devices, n_mb)
@@ -236,8 +235,9 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
     model.synchronize()
     host = psutil.Process().memory_info().rss - rss0
     peak = torch.cuda.max_memory_allocated() / 1024**3 if torch.cuda.is_available() else float("nan")
-    print(f"roundpipe plan: {model.resolve_plan(type('C', (), {'execute_plan': None, 'num_microbatch': n_mb})(), 'fused')}")
-    print(f"roundpipe {simulated_ms(model, n_mb)}")
+    auto_plan = model.resolve_plan(RoundPipeRunConfig(), "fused")  # the model's own (auto) plan
+    print(f"roundpipe plan: {auto_plan}")
+    print(f"roundpipe {simulated_ms(model, auto_plan, n_mb)}")
     print(f"roundpipe per-iteration seconds: {[round(t, 3) for t in times]}")
     if optim_s:
         timed_steps = slice(args.warmup, args.warmup + args.iters)
