@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import gc
 import resource
+import sys
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import psutil
 import torch
@@ -156,6 +158,18 @@ def busy_fraction(step: Callable[[], None], trace: str = "") -> str:
     return f"GPU busy {'/'.join(shares)} of {wall / 1e3:.0f} ms"
 
 
+def thread_cpu_seconds() -> Dict[str, float]:
+    """CPU seconds used so far by each live thread, by name (the main thread, roundpipe's device and
+    optimizer threads): a thread near 1 CPU second per wall second issues work as fast as it can."""
+    out: Dict[str, float] = {}
+    for th in threading.enumerate():
+        try:
+            out[th.name] = time.clock_gettime(time.pthread_getcpuclockid(th.ident))
+        except (OSError, TypeError, AttributeError):
+            pass
+    return out
+
+
 def simulated_ms(model: Any, plan: Any, n_mb: int) -> str:
     """The planner's model of one iteration (compute only, from the timer's per-layer estimates) on this
     many devices and on one: what the round-robin pipeline would take if transfers were free."""
@@ -226,7 +240,18 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
         if args.iters >= 20 and (i + 1) % 10 == 0:
             print(f"iteration {i + 1}: {t:.3f} s, host RSS {rss[-1]:.2f} GiB", flush=True)
 
-    times = timed(tracked_step, args.warmup, args.iters, cuda_sync, progress)
+    cpu0 = thread_cpu_seconds()
+
+    def timed_progress(i: int, t: float) -> None:
+        if i == args.warmup - 1:  # warm-up done: count thread CPU time over the timed iterations only
+            cpu0.update(thread_cpu_seconds())
+        progress(i, t)
+
+    times = timed(tracked_step, args.warmup, args.iters, cuda_sync, timed_progress)
+    cpu1 = thread_cpu_seconds()
+    per_iter = {k: (v - cpu0.get(k, 0.0)) / args.iters for k, v in cpu1.items() if k == "MainThread" or k.startswith("roundpipe")}
+    print(f"thread CPU seconds per iteration (wall {sum(times) / len(times):.3f} s): "
+          + ", ".join(f"{k} {v:.3f}" for k, v in sorted(per_iter.items())))
     if args.iters >= 20:  # steadiness of host memory over a long run: RSS after warm-up vs at the end
         k = args.warmup
         print(f"host RSS GiB after iteration {k}: {rss[k]:.2f}, {k + args.iters // 2}: {rss[k + args.iters // 2]:.2f}, "
@@ -269,7 +294,11 @@ def main() -> None:
     p.add_argument("--trace", default="", help="with --profile: write a chrome trace of that iteration here")
     p.add_argument("--lora", type=int, default=0, help="LoRA rank on all decoder projections (0: full fine-tune)")
     p.add_argument("--no-step", action="store_true", help="diagnostic: skip the optimizer (pipeline alone)")
+    p.add_argument("--switch-interval", type=float, default=0.0,
+                   help="diagnostic: Python's thread switch interval in seconds (sys.setswitchinterval; 0: leave it)")
     args = p.parse_args()
+    if args.switch_interval > 0:
+        sys.setswitchinterval(args.switch_interval)
 
     hidden, inter, layers, heads, kv, tied = WORKLOADS[args.workload]
     probe = build_model(args.workload, "meta")

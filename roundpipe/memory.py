@@ -1,7 +1,9 @@
 """Host memory for the model: pinned (page-locked) storage so uploads run as fast, asynchronous DMA.
 
-'alloc' copies each tensor into a pinned allocation (fastest transfers; the caching host allocator
-rounds sizes up, up to 2x memory for odd sizes). 'register' pins the existing storage in place with
+'alloc' copies each tensor into a fresh pinned allocation (fast transfers). Tensors of at least
+``EXACT_MIN_BYTES`` get an exact-size allocation (``pinned_empty``: an anonymous mapping registered with
+CUDA), because torch's caching host allocator rounds every block up to a power of two, which costs up
+to 2x memory for odd sizes (a 24 MiB weight takes 32 MiB); smaller ones use the caching allocator. 'register' pins the existing storage in place with
 cudaHostRegister (no extra memory, ~10% slower transfers, CUDA only). 'off' leaves memory pageable: with
 mmap-loaded weights Linux pages them in on demand, which lets LoRA train base models larger than RAM.
 Pinning is skipped on CPU workers (there is no device to transfer to).
@@ -9,7 +11,9 @@ Pinning is skipped on CPU workers (there is no device to transfer to).
 
 from __future__ import annotations
 
-from typing import Iterator, Literal
+import mmap
+import weakref
+from typing import Callable, Iterator, Literal, Optional, Sequence
 
 import torch
 from torch import nn
@@ -17,6 +21,79 @@ from torch import nn
 from roundpipe import backend
 
 PinMode = Literal["alloc", "register", "off"]
+
+# Below this size the caching allocator's rounding costs little and its reuse pays.
+EXACT_MIN_BYTES = 1 << 20
+
+Registrar = Callable[[int, int], None]  # (address, bytes) -> None
+Unregistrar = Callable[[int], None]  # address -> None
+
+
+def _cuda_register(ptr: int, nbytes: int) -> None:
+    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister failed ({err}) for {nbytes} bytes of host memory; "
+                           "use pin_model='off' or free host memory")
+
+
+def _cuda_unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def _release_mapping(ptr: int, mapping: mmap.mmap, unregister: Unregistrar) -> None:
+    """Last view of a ``mapped_empty`` tensor died: unpin, then unmap (in that order, so the address
+    range is never reused while still registered)."""
+    unregister(ptr)
+    try:
+        mapping.close()
+    except BufferError:  # an export is still open elsewhere: the mapping goes with its last reference
+        pass
+
+
+def mapped_empty(shape: Sequence[int], dtype: torch.dtype, register: Registrar, unregister: Unregistrar) -> torch.Tensor:
+    """An uninitialised host tensor in its own anonymous mapping of exactly its size (rounded to a page),
+    registered with ``register`` (page-locking it) and unregistered by ``unregister`` once the last
+    tensor viewing it is gone.
+
+    Life cycle: the tensors hold the memoryview ``mv``; a finalizer on ``mv`` owns the mapping, so the
+    mapping outlives every view, and the finalizer runs ``unregister`` before it unmaps. Transparent huge
+    pages are requested before the pages are touched (fewer pages to pin and to translate for DMA).
+    """
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = max(numel * itemsize, 1)
+    mapping = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    mv = memoryview(mapping)
+    flat = torch.frombuffer(mv, dtype=torch.uint8)
+    ptr = flat.data_ptr()
+    register(ptr, nbytes)  # on failure nothing is registered and the mapping goes with ``flat``
+    weakref.finalize(mv, _release_mapping, ptr, mapping, unregister)
+    del mv  # only the tensors keep it now
+    return flat[: numel * itemsize].view(dtype).view(tuple(int(d) for d in shape))
+
+
+def pinned_empty(shape: Sequence[int], dtype: torch.dtype, pin: Optional[bool] = None) -> torch.Tensor:
+    """An uninitialised host tensor for a long-lived buffer (model weights, staged parameters, gradient
+    download buffers): pinned at exactly its size when CUDA is used (``pin`` overrides), else pageable."""
+    pin = backend.pin_enabled() if pin is None else pin
+    if not pin:
+        return torch.empty(tuple(shape), dtype=dtype)
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if nbytes < EXACT_MIN_BYTES:
+        return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
+    return mapped_empty(shape, dtype, _cuda_register, _cuda_unregister)
+
+
+def pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A pinned copy of host tensor ``t`` (exact size, see ``pinned_empty``), contiguous."""
+    return pinned_empty(t.shape, t.dtype, pin=True).copy_(t)
 
 
 def _tensors(mod: nn.Module) -> Iterator[torch.Tensor]:
@@ -31,7 +108,7 @@ def pin_module_alloc(mod: nn.Module) -> None:
     """Move parameters and buffers of ``mod`` into pinned host allocations (tensor objects are kept)."""
     for t in _tensors(mod):
         if t.device.type == "cpu" and not t.is_pinned():
-            t.data = t.data.pin_memory()
+            t.data = pinned_copy(t.data)
 
 
 def pin_module_register(mod: nn.Module) -> None:

@@ -14,7 +14,7 @@ from roundpipe import optim_stream
 from roundpipe.attribute import LayerAttribute, ParamAttribute, reads_low_precision_grad
 from roundpipe.batch import Batch
 from roundpipe.context import OptimizerCtx, doing_optimizer
-from roundpipe.memory import PinMode, pin_module
+from roundpipe.memory import PinMode, pin_module, pinned_empty
 from roundpipe.run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
 from roundpipe.scheduler import ModelExecutePlan, RunType
 from roundpipe.threads import AnnotatedEvent
@@ -278,7 +278,7 @@ class RoundPipeBase(nn.Module):
                     if pa.optim is None:
                         continue
                     if pa.staged is None or pa.staged.shape != p.shape or pa.staged.dtype != p.dtype:
-                        pa.staged = torch.empty(p.shape, dtype=p.dtype, pin_memory=p.data.is_pinned())
+                        pa.staged = pinned_empty(p.shape, p.dtype, pin=p.data.is_pinned())
                     pa.staged.copy_(pa.optim.data)
                     pa.staged_valid = True
 

@@ -29,6 +29,7 @@ from torch import nn
 from roundpipe import backend
 from roundpipe.attribute import LayerAttribute, ParamAttribute
 from roundpipe.backend import Event
+from roundpipe.memory import pinned_empty
 
 chunked_upload = True
 CHUNK_UPLOAD_SIZE = 64 * 1024**2
@@ -313,7 +314,7 @@ def _grad_buffer(attr: ParamAttribute, layer_id: int, dev_grad: torch.Tensor) ->
         optim_stream.synchronize_optim()
         buf = _free_grad_buffer(attr, bufs)
     if buf is None:
-        buf = backend.empty_host_like(dev_grad)
+        buf = pinned_empty(dev_grad.shape, dev_grad.dtype)  # exact size: it lives as long as the model
         bufs.append(buf)
     attr.grad_buffer[layer_id] = bufs
     return buf

@@ -251,3 +251,38 @@ def test_one_gradient_buffer_equals_two_on_gpu(monkeypatch: pytest.MonkeyPatch) 
 
     for a, b in zip(run("1"), run("2")):
         assert torch.equal(a, b)
+
+
+def test_exact_size_pinned_buffers_copy_asynchronously_and_unpin_when_freed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """roundpipe.memory.pinned_empty: registered with CUDA (pinned, exact size), round trips through
+    the GPU with non-blocking copies, and is unregistered once its last view is gone."""
+    import gc
+
+    from roundpipe import memory
+
+    unpinned = []
+    real_unregister = memory._cuda_unregister
+    monkeypatch.setattr(memory, "_cuda_unregister", lambda ptr: (unpinned.append(ptr), real_unregister(ptr)))
+    n = 5 * 2**20 + 3  # an odd size: torch would round the block up to 16 MiB
+    host = memory.pinned_empty((n,), torch.bfloat16)
+    assert host.is_pinned()
+    src = torch.randn(n, device="cuda").to(torch.bfloat16)
+    host.copy_(src, non_blocking=True)
+    back = torch.empty_like(src)
+    back.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, src)
+    ptr = host.data_ptr()
+    view = host[10:]
+    del host
+    gc.collect()
+    assert view.is_pinned() and not unpinned  # still registered while a view lives
+    del view
+    gc.collect()
+    assert unpinned == [ptr]
+    for _ in range(20):  # registering and freeing repeatedly neither fails nor leaks registrations
+        b = memory.pinned_empty((n,), torch.bfloat16)
+        b.fill_(1.0)
+        del b
+    gc.collect()
+    assert len(unpinned) == 21

@@ -1,0 +1,91 @@
+"""Exact-size pinned host buffers (roundpipe.memory.mapped_empty / pinned_empty): shape, dtype, and the
+register/unregister life cycle, checked with recording stand-ins for cudaHostRegister/Unregister."""
+
+from __future__ import annotations
+
+import gc
+from typing import List, Tuple
+
+import pytest
+import torch
+from torch import nn
+
+from roundpipe import memory
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.calls: List[Tuple[str, int, int]] = []
+        self.live: dict = {}
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        assert ptr not in self.live, "address registered twice"
+        self.live[ptr] = nbytes
+        self.calls.append(("reg", ptr, nbytes))
+
+    def unregister(self, ptr: int) -> None:
+        assert ptr in self.live, "unregistering an address that is not registered"
+        del self.live[ptr]
+        self.calls.append(("unreg", ptr, 0))
+
+
+@pytest.mark.parametrize("shape,dtype", [((3, 5), torch.bfloat16), ((1000, 700), torch.float32), ((7,), torch.float16)])
+def test_mapped_empty_has_the_shape_and_holds_values(shape, dtype) -> None:
+    rec = _Recorder()
+    t = memory.mapped_empty(shape, dtype, rec.register, rec.unregister)
+    assert t.shape == torch.Size(shape) and t.dtype == dtype and t.is_contiguous()
+    ref = torch.randn(shape).to(dtype)
+    t.copy_(ref)
+    assert torch.equal(t, ref)
+    ptr, nbytes = rec.calls[0][1], rec.calls[0][2]
+    assert ptr == t.data_ptr() and ptr % 4096 == 0  # its own pages: no page shared with another registration
+    assert nbytes == t.numel() * t.element_size()  # exact size, no power-of-two rounding
+
+
+def test_unregistered_once_after_the_last_view_dies() -> None:
+    rec = _Recorder()
+    t = memory.mapped_empty((64, 64), torch.float32, rec.register, rec.unregister)
+    t.fill_(3.0)
+    views = [t[1:], t.view(-1)[100:200], t.t()]
+    del t
+    gc.collect()
+    assert [c[0] for c in rec.calls] == ["reg"], "unregistered while views were alive"
+    assert float(views[1].sum()) == 300.0
+    del views[:2]
+    gc.collect()
+    assert len(rec.live) == 1
+    views.clear()
+    gc.collect()
+    assert [c[0] for c in rec.calls] == ["reg", "unreg"] and not rec.live
+
+
+def test_many_buffers_come_and_go_without_leaking_registrations() -> None:
+    rec = _Recorder()
+    for i in range(50):
+        bufs = [memory.mapped_empty((1 << 16,), torch.bfloat16, rec.register, rec.unregister) for _ in range(4)]
+        for b in bufs:
+            b.fill_(float(i))
+        del bufs, b
+    gc.collect()
+    assert not rec.live and len(rec.calls) == 400
+
+
+def test_pinned_empty_without_cuda_is_plain_host_memory() -> None:
+    t = memory.pinned_empty((4, 4), torch.float32, pin=False)
+    assert t.device.type == "cpu" and not t.is_pinned() and t.shape == (4, 4)
+
+
+def test_pin_module_alloc_keeps_values_and_tensor_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+    """'alloc' copies each tensor into a fresh exact-size buffer (all of them, with the threshold at 0)."""
+    rec = _Recorder()
+    monkeypatch.setattr(memory, "_cuda_register", rec.register)
+    monkeypatch.setattr(memory, "_cuda_unregister", rec.unregister)
+    monkeypatch.setattr(memory, "EXACT_MIN_BYTES", 0)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: False)  # no CUDA here
+    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64))
+    before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    memory.pin_module_alloc(model)
+    for n, p in model.named_parameters():
+        assert p is before[n][0] and torch.equal(p, before[n][1])
+    assert sorted(rec.live.values()) == [256, 256, 256, 64 * 64 * 4]  # each tensor at exactly its size
+    assert {p.data_ptr() for p in model.parameters()} == set(rec.live)
