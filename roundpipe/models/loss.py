@@ -15,6 +15,12 @@ Heads that are not a plain weight matrix (e.g. a LoRA-wrapped ``lm_head``) fall 
 
 Both return the *sum* of the token losses and the caller divides by the token count of the whole batch,
 so that a batch split into microbatches gives exactly the loss of the unsplit batch.
+
+No host synchronisation: chunks are fixed row ranges of the batch, and tokens whose target is
+``ignore_index`` are computed and then masked out. Gathering only the counted tokens would need their
+number on the host (``nonzero``), which on CUDA blocks the thread that issues the GPU work until the
+device has caught up (twice per iteration for the fused head job: forward and backward recompute).
+The price is the compute of the ignored tokens' logits.
 """
 
 from __future__ import annotations
@@ -49,18 +55,33 @@ def _transform_logits(z: torch.Tensor, logit_scale: float, softcap: Optional[flo
     return z
 
 
+def _mask_rows(
+    h: torch.Tensor, target: torch.Tensor, ignore_index: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's rows as ``(hidden, safe target, counted mask)``, without a host sync.
+
+    Ignored rows get hidden state 0 and target 0 so the chunk math can run on every row: their hidden
+    states may be garbage (fully masked padding can give NaN rows), and a NaN there would otherwise reach
+    the weight gradient through ``d.T @ h`` even with ``d``'s row zeroed (0 * NaN = NaN). Ignored rows
+    thus never influence the result, as when only the counted rows were gathered.
+    """
+    valid = target != ignore_index
+    return torch.where(valid.unsqueeze(1), h, 0), torch.where(valid, target, 0), valid
+
+
 def _chunk_loss(
     h: torch.Tensor,
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
     target: torch.Tensor,
+    valid: torch.Tensor,
     logit_scale: float,
     softcap: Optional[float],
 ) -> torch.Tensor:
-    """Sum of the cross-entropy of one chunk of (valid) tokens; fp32 math like HF's ``ForCausalLMLoss``."""
+    """Sum of the cross-entropy of the ``valid`` rows of one chunk; fp32 math like HF's ``ForCausalLMLoss``."""
     z = _transform_logits(F.linear(h, weight, bias).float(), logit_scale, softcap)
     lse = torch.logsumexp(z, dim=-1)
-    return (lse - z.gather(1, target.unsqueeze(1)).squeeze(1)).sum()
+    return torch.where(valid, lse - z.gather(1, target.unsqueeze(1)).squeeze(1), 0.0).sum()
 
 
 def _chunk_loss_and_dlogits(
@@ -68,20 +89,24 @@ def _chunk_loss_and_dlogits(
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
     target: torch.Tensor,
+    valid: torch.Tensor,
     logit_scale: float,
     softcap: Optional[float],
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Loss sum of one chunk and d(loss sum)/d(raw logits), the latter in ``h``'s dtype."""
+    """Loss sum of the ``valid`` rows of one chunk and d(loss sum)/d(raw logits) in ``h``'s dtype.
+
+    The rows that are not ``valid`` contribute 0 to the loss and get all-zero dlogits.
+    """
     z = _transform_logits(F.linear(h, weight, bias).float(), logit_scale, softcap)
     lse = torch.logsumexp(z, dim=-1, keepdim=True)
-    loss = (lse.squeeze(1) - z.gather(1, target.unsqueeze(1)).squeeze(1)).sum()
+    loss = torch.where(valid, lse.squeeze(1) - z.gather(1, target.unsqueeze(1)).squeeze(1), 0.0).sum()
     d = torch.exp(z - lse)
     d.scatter_add_(1, target.unsqueeze(1), torch.full_like(target, -1, dtype=d.dtype).unsqueeze(1))
     if softcap is not None:
         d = d * (1.0 - (z / softcap) ** 2)
     if logit_scale != 1.0:
         d = d * logit_scale
-    return loss, d.to(h.dtype)
+    return loss, torch.where(valid.unsqueeze(1), d, 0.0).to(h.dtype)
 
 
 _compiled: dict = {}
@@ -107,9 +132,10 @@ def _maybe_compiled(fn: Callable, compile: Optional[bool]) -> Callable:
 class LinearCrossEntropy(torch.autograd.Function):
     """Sum over tokens of ``cross_entropy(hidden @ weight.T + bias, target)``, chunked over tokens.
 
-    Only tokens whose target is not ``ignore_index`` are computed. Gradients are produced chunk by chunk
-    during forward (see the module docstring) and stored: ``hidden``-sized and ``weight``-sized buffers
-    (the weight gradient accumulates in the weight's dtype, as a single autograd matmul would produce).
+    Chunks are fixed row ranges; tokens whose target is ``ignore_index`` are computed but masked out, so
+    nothing waits on the device (see the module docstring). Gradients are produced chunk by chunk during
+    forward and stored: ``hidden``-sized and ``weight``-sized buffers (the weight gradient accumulates in
+    the weight's dtype, as a single autograd matmul would produce).
     """
 
     @staticmethod
@@ -127,18 +153,18 @@ class LinearCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         chunk_fn = _maybe_compiled(_chunk_loss_and_dlogits, compile)
-        valid = (target != ignore_index).nonzero().squeeze(1)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_h = torch.zeros_like(hidden) if need_h else None
+        # Every row of grad_h is written by its chunk (ignored rows get 0 @ weight = 0), so no zero fill.
+        grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
         grad_w = torch.zeros_like(weight) if need_w else None
         grad_b = torch.zeros_like(bias) if need_b else None
-        for start in range(0, valid.numel(), chunk_size):
-            idx = valid[start : start + chunk_size]
-            h = hidden.index_select(0, idx)
-            chunk_loss, d = chunk_fn(h, weight, bias, target.index_select(0, idx), logit_scale, softcap)
+        grad_h_chunks = grad_h.split(chunk_size) if grad_h is not None else None
+        for i, (h, t) in enumerate(zip(hidden.split(chunk_size), target.split(chunk_size))):
+            h, t, valid = _mask_rows(h, t, ignore_index)
+            chunk_loss, d = chunk_fn(h, weight, bias, t, valid, logit_scale, softcap)
             loss += chunk_loss
-            if grad_h is not None:
-                grad_h.index_copy_(0, idx, d @ weight.to(d.dtype))
+            if grad_h_chunks is not None:
+                torch.mm(d, weight.to(d.dtype), out=grad_h_chunks[i])
             if grad_w is not None:
                 grad_w.addmm_(d.t().to(weight.dtype), h.to(weight.dtype))
             if grad_b is not None:
@@ -191,19 +217,29 @@ def linear_cross_entropy(
             hidden, weight, bias, target, chunk_size, ignore_index, logit_scale, softcap, compile
         )
     chunk_fn = _maybe_compiled(_chunk_loss, compile)
-    valid = (target != ignore_index).nonzero().squeeze(1)
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    for start in range(0, valid.numel(), chunk_size):
-        idx = valid[start : start + chunk_size]
-        loss += chunk_fn(hidden.index_select(0, idx), weight, bias, target.index_select(0, idx), logit_scale, softcap)
+    for h, t in zip(hidden.split(chunk_size), target.split(chunk_size)):
+        h, t, valid = _mask_rows(h, t, ignore_index)
+        loss += chunk_fn(h, weight, bias, t, valid, logit_scale, softcap)
     return loss
 
 
 def _module_chunk_loss(
-    head: nn.Module, h: torch.Tensor, target: torch.Tensor, logit_scale: float, softcap: Optional[float]
+    head: nn.Module,
+    h: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    logit_scale: float,
+    softcap: Optional[float],
 ) -> torch.Tensor:
+    """Loss sum of the counted rows of one chunk through ``head``.
+
+    The masking happens in here so that a checkpoint of this function keeps only views of ``hidden``
+    (alive anyway) for backward, not a masked copy per chunk.
+    """
+    h, t, valid = _mask_rows(h, target, ignore_index)
     z = _transform_logits(head(h).float(), logit_scale, softcap)
-    return F.cross_entropy(z, target, reduction="sum")
+    return torch.where(valid, F.cross_entropy(z, t, reduction="none"), 0.0).sum()
 
 
 def chunked_module_cross_entropy(
@@ -219,17 +255,18 @@ def chunked_module_cross_entropy(
     """Like :func:`linear_cross_entropy` for an arbitrary head module (e.g. LoRA-wrapped ``lm_head``).
 
     Each chunk runs under ``torch.utils.checkpoint``, so its logits are dropped after forward and
-    recomputed one chunk at a time in backward.
+    recomputed one chunk at a time in backward. Like :func:`linear_cross_entropy`, chunks are fixed row
+    ranges with the ignored tokens masked out, so there is no host synchronisation.
     """
-    valid = (target != ignore_index).nonzero().squeeze(1)
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    for start in range(0, valid.numel(), chunk_size):
-        idx = valid[start : start + chunk_size]
-        h, t = hidden.index_select(0, idx), target.index_select(0, idx)
+    # split (views) rather than slicing: its backward concatenates the chunks' gradients once instead
+    # of every chunk producing a hidden-sized gradient to accumulate.
+    for h, t in zip(hidden.split(chunk_size), target.split(chunk_size)):
+        args = (head, h, t, ignore_index, logit_scale, softcap)
         if torch.is_grad_enabled():
-            loss = loss + checkpoint(_module_chunk_loss, head, h, t, logit_scale, softcap, use_reentrant=False)
+            loss = loss + checkpoint(_module_chunk_loss, *args, use_reentrant=False)
         else:
-            loss = loss + _module_chunk_loss(head, h, t, logit_scale, softcap)
+            loss = loss + _module_chunk_loss(*args)
     return loss
 
 
