@@ -170,6 +170,59 @@ def thread_cpu_seconds() -> Dict[str, float]:
     return out
 
 
+def sample_stacks(step: Callable[[], None], iters: int = 2, period_s: float = 0.002) -> None:
+    """Where RoundPipe's threads spend one iteration: sample every thread's innermost RoundPipe frame every
+    ``period_s`` and print the most frequent lines per thread (a line that calls into torch counts while
+    the call runs, GIL held or not). The sampler's own oversleep measures how long a thread waits for
+    the GIL: near zero when the GIL is free, milliseconds when Python threads queue for it."""
+    import collections
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    counts: Dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    late: List[float] = []
+    names = {}
+    done = threading.Event()
+
+    def where(frame: Any) -> str:
+        f, inner = frame, None
+        while f is not None:  # innermost frame inside roundpipe/ (skip torch, stdlib)
+            if "/roundpipe/" in f.f_code.co_filename and inner is None:
+                inner = f
+            f = f.f_back
+        f = inner or frame
+        return f"{os.path.relpath(f.f_code.co_filename, root)}:{f.f_lineno} {f.f_code.co_name}"
+
+    def sampler() -> None:
+        while not done.is_set():
+            t = time.perf_counter()
+            time.sleep(period_s)
+            late.append(time.perf_counter() - t - period_s)
+            for ident, frame in sys._current_frames().items():
+                name = names.get(ident)
+                if name is None:
+                    th = next((x for x in threading.enumerate() if x.ident == ident), None)
+                    name = names[ident] = th.name if th else str(ident)
+                if name == "MainThread" or name.startswith("roundpipe"):
+                    counts[name][where(frame)] += 1
+
+    th = threading.Thread(target=sampler, name="stack-sampler", daemon=True)
+    th.start()
+    for _ in range(iters):
+        step()
+    cuda_sync()
+    done.set()
+    th.join()
+    late.sort()
+    print(f"GIL probe: sampler oversleep mean {1e3 * sum(late) / max(len(late), 1):.2f} ms, "
+          f"p90 {1e3 * late[int(0.9 * (len(late) - 1))]:.2f} ms, max {1e3 * late[-1]:.2f} ms over {len(late)} samples")
+    for name, c in sorted(counts.items()):
+        total = sum(c.values())
+        print(f"stacks of {name} ({total} samples):")
+        for line, n in c.most_common(8):
+            print(f"  {100 * n / total:5.1f}%  {line}")
+
+
 def simulated_ms(model: Any, plan: Any, n_mb: int) -> str:
     """The planner's model of one iteration (compute only, from the timer's per-layer estimates) on this
     many devices and on one: what the round-robin pipeline would take if transfers were free."""
@@ -257,6 +310,8 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
         print(f"host RSS GiB after iteration {k}: {rss[k]:.2f}, {k + args.iters // 2}: {rss[k + args.iters // 2]:.2f}, "
               f"{k + args.iters - 1}: {rss[-1]:.2f} (growth {100 * (rss[-1] / rss[k] - 1):+.1f}%)")
     note = busy_fraction(step, args.trace) + "; " if args.profile and torch.cuda.is_available() else ""
+    if args.sample_stacks:
+        sample_stacks(step)
     model.synchronize()
     host = psutil.Process().memory_info().rss - rss0
     peak = torch.cuda.max_memory_allocated() / 1024**3 if torch.cuda.is_available() else float("nan")
@@ -294,6 +349,8 @@ def main() -> None:
     p.add_argument("--trace", default="", help="with --profile: write a chrome trace of that iteration here")
     p.add_argument("--lora", type=int, default=0, help="LoRA rank on all decoder projections (0: full fine-tune)")
     p.add_argument("--no-step", action="store_true", help="diagnostic: skip the optimizer (pipeline alone)")
+    p.add_argument("--sample-stacks", action="store_true",
+                   help="diagnostic: sample the threads' stacks over two more iterations (where they spend time, GIL waits)")
     p.add_argument("--switch-interval", type=float, default=0.0,
                    help="diagnostic: Python's thread switch interval in seconds (sys.setswitchinterval; 0: leave it)")
     args = p.parse_args()
