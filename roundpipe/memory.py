@@ -32,8 +32,11 @@ Unregistrar = Callable[[int], None]  # address -> None
 def _cuda_register(ptr: int, nbytes: int) -> None:
     err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister failed ({err}) for {nbytes} bytes of host memory; "
-                           "use pin_model='off' or free host memory")
+        raise RuntimeError(
+            f"cudaHostRegister failed ({err}) pinning {nbytes / 2**20:.1f} MiB of host memory: the host is out of "
+            "memory it can page-lock. Free host memory, or lower RoundPipe's use of it: pin_model='off' (model "
+            "weights), RPP_STAGE_PARAMS=0 (staged parameters), RPP_GRAD_BUFFERS=1 (gradient buffers); see "
+            "docs/resolve-oom.md")
 
 
 def _cuda_unregister(ptr: int) -> None:
@@ -64,7 +67,11 @@ def mapped_empty(shape: Sequence[int], dtype: torch.dtype, register: Registrar, 
         numel *= int(d)
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = max(numel * itemsize, 1)
-    mapping = mmap.mmap(-1, nbytes)
+    try:
+        mapping = mmap.mmap(-1, nbytes)
+    except OSError as e:  # out of memory, or vm.max_map_count reached
+        raise RuntimeError(f"could not map {nbytes / 2**20:.1f} MiB of host memory ({e}); free host memory or lower "
+                           "RoundPipe's use of it (see docs/resolve-oom.md)") from e
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             mapping.madvise(mmap.MADV_HUGEPAGE)

@@ -89,3 +89,15 @@ def test_pin_module_alloc_keeps_values_and_tensor_objects(monkeypatch: pytest.Mo
         assert p is before[n][0] and torch.equal(p, before[n][1])
     assert sorted(rec.live.values()) == [256, 256, 256, 64 * 64 * 4]  # each tensor at exactly its size
     assert {p.data_ptr() for p in model.parameters()} == set(rec.live)
+
+
+def test_a_failed_registration_raises_and_unregisters_nothing() -> None:
+    rec = _Recorder()
+
+    def refuse(ptr: int, nbytes: int) -> None:
+        raise RuntimeError("cudaHostRegister failed")
+
+    with pytest.raises(RuntimeError, match="cudaHostRegister failed"):
+        memory.mapped_empty((1 << 20,), torch.uint8, refuse, rec.unregister)
+    gc.collect()
+    assert not rec.calls
