@@ -19,7 +19,7 @@ from roundpipe.run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
 from roundpipe.scheduler import ModelExecutePlan, RunType
 from roundpipe.threads import AnnotatedEvent
 from roundpipe.timer import ModelTimer
-from roundpipe.transfer import grad_buffers_limit
+from roundpipe.transfer import device_saved_limit, grad_buffers_limit
 from roundpipe.utils import get_call_location, get_model_compute_size, get_model_size
 
 _OWN_ATTRS = ("model", "original_model", "_rpp_initialized", "grad_reducer")
@@ -405,6 +405,7 @@ class RoundPipe(RoundPipeBase):
             raise ValueError("model_run_config must be a roundpipe.RoundPipeRunConfig")
         self.model_run_config = model_run_config
         grad_buffers_limit()  # a bad RPP_GRAD_BUFFERS fails here, naming the variable
+        device_saved_limit()  # likewise RPP_DEVICE_SAVED_GB
         layers = list(model.children()) if isinstance(model, nn.Sequential) else [model]
         if not layers:
             raise ValueError("RoundPipe needs at least one layer; the nn.Sequential is empty")

@@ -11,7 +11,7 @@ input on the host; backward jobs recompute the stage from it and back-propagate.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -24,9 +24,11 @@ from roundpipe.threads import RoundPipeAborted, raise_if_failed, report_failure
 from roundpipe.transfer import (
     async_d2h,
     async_h2d,
+    device_saved_limit,
     download_layer,
     release_layers,
     snapshot_buffers,
+    tensor_bytes,
     upload_layers,
 )
 
@@ -47,6 +49,8 @@ class RoundPipeRunContext:
     Attributes:
         microbatch_id: Index of this microbatch.
         flatten_inputs: Host copies of each backward stage's input: layer id -> (leaves, spec, events).
+        device_inputs: Backward-stage inputs kept on the device instead (``RPP_DEVICE_SAVED_GB``, one
+            device only): layer id -> (leaves, spec).
         input_requires_grad: For the model input: which leaves the caller wants gradients for.
         recompute_data: Data layers saved for recompute: layer id -> (host leaves, spec, events).
         rng_states: Device RNG state captured before each layer's forward (``preserve_rng_state``).
@@ -57,6 +61,7 @@ class RoundPipeRunContext:
     def __init__(self, microbatch_id: int) -> None:
         self.microbatch_id = microbatch_id
         self.flatten_inputs: Dict[int, Tuple[Leaves, pytree.TreeSpec, List[Any]]] = {}
+        self.device_inputs: Dict[int, Tuple[Leaves, pytree.TreeSpec]] = {}
         self.input_requires_grad: List[bool] = []
         self.recompute_data: Dict[int, Tuple[Leaves, pytree.TreeSpec, List[Any]]] = {}
         self.rng_states: Dict[int, torch.Tensor] = {}
@@ -116,6 +121,13 @@ class Run:
         self.act_handoff: List[Optional[Tuple["DeviceManager", Leaves]]] = [None] * batch.num_microbatch
         self.backward_done = False
         self.loss_is_sequence = False
+        # Bytes of backward-stage inputs this call may still keep on the device (one device only: there
+        # every job runs on the same device thread, the only one that reserves from this budget). The
+        # budget is per call: every call awaiting its backward may hold this much.
+        self.device_saved_left = device_saved_limit() if self.enable_grad and device_mod.get_num_devices() == 1 else 0
+        # Per microbatch: group boundaries whose output the producing job left on the device for the
+        # next job to keep as its saved stage input (no host copy was made).
+        self.kept_inputs: List[Set[int]] = [set() for _ in range(batch.num_microbatch)]
         # Autocast is thread-local: carry the caller's settings into the device threads.
         self.autocast: List[Tuple[str, torch.dtype]] = [
             (dt, torch.get_autocast_dtype(dt)) for dt in ("cuda", "cpu") if torch.is_autocast_enabled(dt)
@@ -124,6 +136,24 @@ class Run:
         self.input_leaves: List[Leaves] = [list(leaves) for leaves in batch.flatten_states]
         for ctx, leaves in zip(self.contexts, batch.flatten_states):
             ctx.input_requires_grad = [isinstance(t, torch.Tensor) and t.requires_grad for t in leaves]
+
+    def keep_on_device(self, leaves: Leaves) -> bool:
+        """Reserve room to keep a backward-stage input on the device (instead of a host copy); the
+        room is not given back within the call (all its forward jobs run before its backward jobs)."""
+        nbytes = tensor_bytes(leaves)
+        if nbytes == 0 or nbytes > self.device_saved_left:
+            return False
+        self.device_saved_left -= nbytes
+        return True
+
+    def take_stage_input(self, ctx: RoundPipeRunContext, layer_id: int, device: "DeviceManager") -> Tuple[Leaves, pytree.TreeSpec]:
+        """Backward stage ``layer_id``'s saved input of ``ctx``'s microbatch on ``device``: kept there in
+        forward, or uploaded from its host copy."""
+        kept = ctx.device_inputs.pop(layer_id, None)
+        if kept is not None:
+            return kept
+        host_in, spec, in_events = ctx.flatten_inputs.pop(layer_id)
+        return async_h2d(device, in_events, host_in), spec
 
     def release(self) -> None:
         """Drop what backward needed (saved inputs, gradients, recompute data) once it has run."""
@@ -235,12 +265,17 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
             for i, layer in zip(layers, gpu_layers):
                 device.location = f"model {model.name!r}: forward of {run.layer_name(i)}, microbatch {m}"
                 if run.enable_grad and tracker.backward_need_input(i):
-                    if i == layers.start:
+                    if i == layers.start and i in run.kept_inputs[m]:
+                        ctx.device_inputs[i] = (dev_leaves, spec)  # the previous job kept no host copy
+                    elif i == layers.start:
                         ctx.flatten_inputs[i] = (host_leaves, spec, events)
                     else:
                         leaves, sp = pytree.tree_flatten(x)
-                        evs: List[Any] = []
-                        ctx.flatten_inputs[i] = (async_d2h(device, evs, leaves), sp, evs)
+                        if run.keep_on_device(leaves):
+                            ctx.device_inputs[i] = (leaves, sp)
+                        else:
+                            evs: List[Any] = []
+                            ctx.flatten_inputs[i] = (async_d2h(device, evs, leaves), sp, evs)
                 if run.enable_grad and cfg.preserve_rng_state:
                     ctx.rng_states[i] = backend.get_rng_state(device.device)
                 save = (lambda i: lambda *d: ctx.save_for_recompute(i, device, *d))(i)
@@ -254,6 +289,10 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
         saved_for_backward = run.enable_grad and tracker.backward_need_input(layers.stop) and not (
             run.run_type == "fused" and layers.stop == run.plan.bwd_plan[-1].start  # the fused job saves nothing
         )
+        if consumer is device and saved_for_backward and run.keep_on_device(out_leaves):
+            # The next job runs here and keeps this output, its stage input, on the device.
+            run.kept_inputs[m].add(layers.stop)
+            saved_for_backward = False
         if consumer is not device or saved_for_backward:
             out_events: List[Any] = []
             batch.flatten_states[m] = async_d2h(device, out_events, out_leaves)
@@ -328,12 +367,11 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int) -> None
         tracker.backward_wait_for(layer_group_id)
         ctx = run.contexts[m]
         device.location = f"model {model.name!r}: backward of {run.layer_name(layers.stop - 1)}, microbatch {m}"
-        host_in, spec, in_events = ctx.flatten_inputs.pop(layers.start)
         if all(g is None for g in ctx.grad_states) and ctx.grad_handoff is None:
-            ctx.grad_states, ctx.grad_events = [None] * len(host_in), []
+            ctx.grad_states, ctx.grad_events = [None] * run.drop_stage_input(ctx, layers.start), []
             tracker.backward_notify(layer_group_id)
             continue
-        dev_in = async_h2d(device, in_events, host_in)
+        dev_in, spec = run.take_stage_input(ctx, layers.start, device)
         dev_grads = _take_grads(device, ctx)
         recompute = {i: ctx.fetch_recompute_data(i, device) for i in layers}
         device.compute_stream.wait_stream(device.upstream)

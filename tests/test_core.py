@@ -346,3 +346,42 @@ def test_recompute_reuses_saved_data(workers: str, grain: str) -> None:
     reference_run(ref, x, 2).pow(2).sum().backward()
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert rel_err(p.grad, q.grad) < 1e-10, n
+
+
+@pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+@pytest.mark.parametrize("budget_gib", ["0", str(1000 / 2**30), "1"])
+def test_stage_inputs_kept_on_the_device_change_nothing(workers: str, grain: str, budget_gib: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RPP_DEVICE_SAVED_GB keeps backward-stage inputs on the device (one device only) up to a budget:
+    results equal plain PyTorch whether all, some (1000 bytes: two 384-byte microbatch inputs per call)
+    or none stay, over two calls (each call has the budget)."""
+    from roundpipe import run as run_mod
+
+    monkeypatch.setenv("RPP_DEVICE_SAVED_GB", budget_gib)
+    kept = []
+    real_keep = run_mod.Run.keep_on_device
+    monkeypatch.setattr(run_mod.Run, "keep_on_device", lambda self, leaves: (lambda r: (kept.append(r), r)[1])(real_keep(self, leaves)))
+    torch.manual_seed(7)
+    model = make_model(torch.float64)
+    recorder = DropoutRecorder(model)
+    ref = with_recorded_dropout(model, recorder)
+    # Forward and backward groups cut at different layers: stage inputs at forward group starts and inside.
+    plan = ModelExecutePlan([range(0, 3), range(3, 6), range(6, 8)], [range(0, 2), range(2, 5), range(5, 8)])
+    rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(execute_plan=plan, recompute_grain=grain, num_microbatch=3))
+    for _ in range(2):
+        x = torch.randn(9, 8, dtype=torch.float64, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_(True)
+        rp(x).pow(2).sum().backward()
+        reference_run(ref, x_ref, 3).pow(2).sum().backward()
+        assert rel_err(x.grad, x_ref.grad) < 1e-10
+    check_grads(model, ref, 1e-10)
+    # Stage inputs of layers 2 and 5, 3 microbatches, 2 calls: 12 candidates.
+    expected = {"0": 0, "1": 12}.get(budget_gib, 4) if workers == "cpu:1" else 0
+    assert sum(kept) == expected
+
+
+def test_device_saved_env_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    for bad in ("-1", "lots", "inf"):
+        monkeypatch.setenv("RPP_DEVICE_SAVED_GB", bad)
+        with pytest.raises(ValueError, match="RPP_DEVICE_SAVED_GB"):
+            RoundPipe(make_model(torch.float32))

@@ -387,6 +387,28 @@ def test_roundpipe_matches_hf(workers: str, family: str, padding: bool) -> None:
     assert_grads_close(grads(model), ref_grads)
 
 
+@pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_stage_inputs_on_the_device_match_hf(workers: str, family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RPP_DEVICE_SAVED_GB on one device: the decoder stages' saved inputs (hidden states with the masks
+    and rotary tables of the state) stay on the device; forward + backward and the fused train_step
+    still equal Hugging Face."""
+    monkeypatch.setenv("RPP_DEVICE_SAVED_GB", "1")
+    model = tiny_model(family)
+    batch = make_batch(True)
+    ref_loss, ref_grads = hf_reference(model, batch)
+    rp = models.wrap_model(model, model_run_config=RUN3)
+    out = rp(**batch)
+    out.loss.backward()
+    assert rel_err(out.loss, ref_loss) < TOL
+    assert_grads_close(grads(model), ref_grads)
+    if rp.preset.spec.moe is not None:
+        ref_loss, ref_grads = hf_microbatch_aux_reference(model, batch, 3)
+    loss = rp.train_step(**batch)
+    assert rel_err(loss, ref_loss) < TOL
+    assert_grads_close(grads(model), ref_grads)
+
+
 @pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
 def test_roundpipe_logits_and_shimming(workers: str, tmp_path) -> None:
     model = tiny_model("qwen3").eval()
