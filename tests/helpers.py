@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from roundpipe.context import doing_recompute
 
@@ -84,3 +85,43 @@ def torchrun(script: str, args: List[str], tmp_path: Any, nproc: int = 2, env: O
     if monitor_s is not None:
         cmd += ["--monitor-interval", str(monitor_s)]
     return subprocess.run(cmd + [script, *args], cwd=str(tmp_path), env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+# Ops whose result the host must wait for on CUDA (data-dependent sizes, or a value read back).
+SYNC_OPS = {
+    "_local_scalar_dense",  # .item(), float(t), int(t), `if t:`
+    "is_nonzero",
+    "nonzero",
+    "masked_select",
+    "equal",
+    "unique_consecutive",
+    "unique_dim",
+    "_unique",
+    "_unique2",
+    "repeat_interleave",
+    "bincount",
+}
+
+
+class SyncRecorder(TorchDispatchMode):
+    """Records every aten op that would synchronise a CUDA stream with the host.
+
+    Works on CPU tensors too, so CI checks the loss for host syncs without a GPU: it sees the ops that
+    C++ issues on behalf of Python (``bool(t)``, ``int(t)``) that monkeypatching Tensor methods misses.
+    Boolean-mask indexing is caught at the ``index`` op, whose internal ``nonzero`` runs below the mode.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: List[str] = []
+        self.syncs: List[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.ops.append(name)
+        bool_index = name in ("index", "index_put", "index_put_") and any(
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None
+        )
+        if name in SYNC_OPS or bool_index:
+            self.syncs.append(name)
+        return func(*args, **(kwargs or {}))

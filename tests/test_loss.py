@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import List, Optional
+from typing import Optional
 
 os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import rel_err
+from helpers import SyncRecorder, rel_err
 from roundpipe.models.loss import (
     causal_lm_loss,
     chunked_module_cross_entropy,
@@ -304,46 +304,6 @@ def test_ignore_index_may_be_a_class_id(head_kind: str) -> None:
     assert rel_err(got, ref) < TOL and rel_err(hidden.grad, ref_h) < TOL
 
 
-# Ops whose result the host must wait for on CUDA (data-dependent sizes, or a value read back).
-_SYNC_OPS = {
-    "_local_scalar_dense",  # .item(), float(t), int(t), `if t:`
-    "is_nonzero",
-    "nonzero",
-    "masked_select",
-    "equal",
-    "unique_consecutive",
-    "unique_dim",
-    "_unique",
-    "_unique2",
-    "repeat_interleave",
-    "bincount",
-}
-
-
-class _SyncRecorder(TorchDispatchMode):
-    """Records every aten op that would synchronise a CUDA stream with the host.
-
-    Works on CPU tensors too, so CI checks the loss for host syncs without a GPU: it sees the ops that
-    C++ issues on behalf of Python (``bool(t)``, ``int(t)``) that monkeypatching Tensor methods misses.
-    Boolean-mask indexing is caught at the ``index`` op, whose internal ``nonzero`` runs below the mode.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: List[str] = []
-        self.syncs: List[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        self.ops.append(name)
-        bool_index = name in ("index", "index_put", "index_put_") and any(
-            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None
-        )
-        if name in _SYNC_OPS or bool_index:
-            self.syncs.append(name)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("head_kind", ["linear", "module"])
 @pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
 def test_no_host_sync(head_kind: str, grad: bool, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -358,7 +318,7 @@ def test_no_host_sync(head_kind: str, grad: bool, monkeypatch: pytest.MonkeyPatc
 
     for method in ("nonzero", "item", "tolist"):
         monkeypatch.setattr(torch.Tensor, method, forbidden)
-    with _SyncRecorder() as rec:
+    with SyncRecorder() as rec:
         loss = _chunked(hidden, head, target, head_kind)
         if grad:
             loss.backward()

@@ -209,6 +209,22 @@ def emulate_forward_backward(
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefix_reads_nothing_back_from_the_device(family: str) -> None:
+    """Without an attention mask or position ids, the first stage (embedding, rotary tables, masks)
+    issues no op that would make the device thread wait for the GPU (transformers' packed-sequence
+    check on default positions did: ``if (...).all()`` on a device tensor, once per microbatch)."""
+    from helpers import SyncRecorder
+
+    preset = models.build_preset(tiny_model(family))
+    ids = make_batch(False)["input_ids"]
+    kwargs = preset.forward_kwargs(input_ids=ids, labels=ids)
+    with torch.no_grad(), SyncRecorder() as rec:
+        state = preset.layers[0](**kwargs)
+    assert state["hidden_states"].shape[:2] == ids.shape
+    assert not rec.syncs, rec.syncs
+
+
 @pytest.mark.parametrize("padding", [False, True], ids=["nopad", "pad"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_preset_forward_matches_hf(family: str, padding: bool) -> None:

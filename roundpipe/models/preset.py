@@ -280,9 +280,13 @@ class CausalLMPrefix(nn.Module):
         self.config = config
         self.spec = spec
 
-    def _masks(self, embeds: torch.Tensor, attention_mask: Optional[torch.Tensor], position_ids: torch.Tensor):
+    def _masks(self, embeds: torch.Tensor, attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor]):
+        """The attention masks per layer type. ``position_ids`` only when the caller gave them: with
+        them and no attention mask, transformers looks for packed sequences, which reads a device value
+        on the host (``if (...).all()``) and stalls the device thread; default positions are never
+        packed, so leaving them out gives the same masks without the wait."""
         kwargs = dict(config=self.config, inputs_embeds=embeds, attention_mask=attention_mask, past_key_values=None)
-        if self.spec.mask_uses_position_ids:
+        if self.spec.mask_uses_position_ids and position_ids is not None:
             kwargs["position_ids"] = position_ids
         fns = _mask_functions()
         return {t: _call_mask_function(fns[t], **kwargs) for t in dict.fromkeys(self.spec.layer_types)}
@@ -303,13 +307,14 @@ class CausalLMPrefix(nn.Module):
             inputs_embeds = self.embed_tokens(input_ids)
         if self.spec.embedding_multiplier != 1.0:
             inputs_embeds = inputs_embeds * self.spec.embedding_multiplier
+        given_positions = position_ids
         if position_ids is None:
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
         saved = _saved_for_recompute()
         if saved is not None:
             masks, position_embeddings = saved
         else:
-            masks = self._masks(inputs_embeds, attention_mask, position_ids)
+            masks = self._masks(inputs_embeds, attention_mask, given_positions)
             position_embeddings = tuple(self.rotary_emb(inputs_embeds, position_ids))
             save_for_recompute(masks, position_embeddings)
         options = dict(options or {})
