@@ -209,20 +209,58 @@ def emulate_forward_backward(
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("mask", ["none", "ones"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_prefix_reads_nothing_back_from_the_device(family: str) -> None:
-    """Without an attention mask or position ids, the first stage (embedding, rotary tables, masks)
-    issues no op that would make the device thread wait for the GPU (transformers' packed-sequence
-    check on default positions did: ``if (...).all()`` on a device tensor, once per microbatch)."""
+def test_prefix_reads_nothing_back_from_the_device(family: str, mask: str) -> None:
+    """Without position ids and without padding (no attention mask, or an all-ones one), the first
+    stage (embedding, rotary tables, masks) issues no op that would make the device thread wait for the
+    GPU (transformers' packed-sequence check on default positions, and its padding check of an all-ones
+    mask, did: ``if (...).all()`` on a device tensor, once per microbatch)."""
     from helpers import SyncRecorder
 
     preset = models.build_preset(tiny_model(family))
     ids = make_batch(False)["input_ids"]
-    kwargs = preset.forward_kwargs(input_ids=ids, labels=ids)
+    ones = torch.ones_like(ids) if mask == "ones" else None
+    kwargs = preset.forward_kwargs(input_ids=ids, labels=ids, attention_mask=ones)
     with torch.no_grad(), SyncRecorder() as rec:
         state = preset.layers[0](**kwargs)
     assert state["hidden_states"].shape[:2] == ids.shape
     assert not rec.syncs, rec.syncs
+
+
+def test_all_ones_attention_mask_equals_no_mask() -> None:
+    """An all-ones mask is dropped on the host (same result as transformers with it); a mask with
+    padding, or one given with position ids, is kept."""
+    model = tiny_model("qwen3")
+    batch = make_batch(False)
+    ref_loss, ref_grads = hf_reference(model, dict(batch, attention_mask=torch.ones_like(batch["input_ids"])))
+    preset = models.build_preset(model)
+    ones = torch.ones_like(batch["input_ids"])
+    assert "attention_mask" not in preset.forward_kwargs(input_ids=batch["input_ids"], attention_mask=ones)
+    assert "attention_mask" in preset.forward_kwargs(input_ids=batch["input_ids"], attention_mask=ones,
+                                                       position_ids=torch.arange(10).expand(6, -1))
+    assert "attention_mask" in preset.forward_kwargs(**make_batch(True))
+    rp = models.wrap_model(model, model_run_config=RUN3)
+    loss = rp.train_step(**dict(batch, attention_mask=ones))
+    assert rel_err(loss, ref_loss) < TOL
+    assert_grads_close(grads(model), ref_grads)
+
+
+def test_router_statistics_read_nothing_back() -> None:
+    """MoE router statistics without a mask count experts with scatter_add (bincount would make a GPU
+    wait for its output size): no syncing op, and the counts of bincount."""
+    from helpers import SyncRecorder
+    from roundpipe.models.preset import MoESpec, accumulate_router_stats
+
+    moe = MoESpec(router_class=nn.Linear, output_index=0, num_experts=8, top_k=2, aux_loss_coef=0.01, output_router_logits=True)
+    logits = torch.randn(50, 8)
+    zero = (torch.zeros(8), torch.zeros(8), torch.zeros(()))
+    with SyncRecorder() as rec:
+        tokens, probs, rows = accumulate_router_stats(zero, logits, None, moe)
+    assert not rec.syncs, rec.syncs
+    selected = torch.topk(torch.softmax(logits, -1), 2, dim=-1).indices
+    assert torch.equal(tokens, torch.bincount(selected.reshape(-1), minlength=8).float())
+    assert float(rows) == 50
 
 
 @pytest.mark.parametrize("padding", [False, True], ids=["nopad", "pad"])

@@ -222,7 +222,10 @@ def accumulate_router_stats(
     weights = torch.softmax(router_logits, dim=-1)
     _, selected = torch.topk(weights, moe.top_k, dim=-1)
     if attention_mask is None:
-        tokens = tokens + torch.bincount(selected.reshape(-1), minlength=moe.num_experts).float()
+        # Expert counts by scatter_add, not bincount: bincount sizes its output from the data, which on
+        # a GPU makes the host wait; the counts are small integers, exact in float32 either way.
+        ones = torch.ones(selected.numel(), dtype=torch.float32, device=weights.device)
+        tokens = tokens + torch.zeros(moe.num_experts, dtype=torch.float32, device=weights.device).scatter_add_(0, selected.reshape(-1), ones)
         probs = probs + weights.float().sum(dim=0)
         rows = rows + weights.shape[0]
     else:
@@ -490,6 +493,13 @@ class CausalLMPreset:
         the loss, and full logits are the largest tensor of the whole step.
         """
         has_labels = labels is not None or shift_labels is not None
+        if (attention_mask is not None and position_ids is None and attention_mask.device.type == "cpu"
+                and attention_mask.dim() == 2 and bool(attention_mask.all())):
+            # An all-ones mask gives transformers' masks for no mask, after a check that reads the mask
+            # back from the device once per microbatch (stalling the device thread); decided here, on
+            # the host copy, for free. (Not with position ids: without a mask transformers would look
+            # for packed sequences in them.)
+            attention_mask = None
         if isinstance(logits_to_keep, torch.Tensor):
             if logits_to_keep.dim() != 1:
                 raise NotImplementedError("logits_to_keep: an int or a 1-D tensor of positions")
