@@ -12,6 +12,7 @@ Pinning is skipped on CPU workers (there is no device to transfer to).
 from __future__ import annotations
 
 import mmap
+import os
 import weakref
 from typing import Callable, Iterator, Literal, Optional, Sequence
 
@@ -43,10 +44,12 @@ def _cuda_unregister(ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
-def _release_mapping(ptr: int, mapping: mmap.mmap, unregister: Unregistrar) -> None:
+def _release_mapping(ptr: int, mapping: mmap.mmap, unregister: Unregistrar, owner_pid: int) -> None:
     """Last view of a ``mapped_empty`` tensor died: unpin, then unmap (in that order, so the address
-    range is never reused while still registered)."""
-    unregister(ptr)
+    range is never reused while still registered). A forked child (a DataLoader worker) inherits the
+    mapping but not the registration, so it only unmaps."""
+    if os.getpid() == owner_pid:
+        unregister(ptr)
     try:
         mapping.close()
     except BufferError:  # an export is still open elsewhere: the mapping goes with its last reference
@@ -81,7 +84,7 @@ def mapped_empty(shape: Sequence[int], dtype: torch.dtype, register: Registrar, 
     flat = torch.frombuffer(mv, dtype=torch.uint8)
     ptr = flat.data_ptr()
     register(ptr, nbytes)  # on failure nothing is registered and the mapping goes with ``flat``
-    weakref.finalize(mv, _release_mapping, ptr, mapping, unregister)
+    weakref.finalize(mv, _release_mapping, ptr, mapping, unregister, os.getpid())
     del mv  # only the tensors keep it now
     return flat[: numel * itemsize].view(dtype).view(tuple(int(d) for d in shape))
 

@@ -4,6 +4,7 @@ register/unregister life cycle, checked with recording stand-ins for cudaHostReg
 from __future__ import annotations
 
 import gc
+import os
 from typing import List, Tuple
 
 import pytest
@@ -101,3 +102,23 @@ def test_a_failed_registration_raises_and_unregisters_nothing() -> None:
         memory.mapped_empty((1 << 20,), torch.uint8, refuse, rec.unregister)
     gc.collect()
     assert not rec.calls
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_unmaps_without_unregistering() -> None:
+    """A forked child (a DataLoader worker) that frees an inherited buffer must not unregister it: the
+    registration belongs to the parent, and CUDA cannot be used in the child."""
+    rec = _Recorder()
+    t = memory.mapped_empty((1 << 16,), torch.float32, rec.register, rec.unregister)
+    t.fill_(1.0)
+    pid = os.fork()
+    if pid == 0:  # child
+        del t
+        gc.collect()
+        os._exit(0 if all(c[0] == "reg" for c in rec.calls) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert float(t.sum()) == float(1 << 16) and [c[0] for c in rec.calls] == ["reg"]
+    del t
+    gc.collect()
+    assert [c[0] for c in rec.calls] == ["reg", "unreg"]
