@@ -1,9 +1,11 @@
 """Device workers: one ``DeviceManager`` per GPU (or CPU worker), each with a controller thread and four
 streams, fed with jobs (one layer group over all microbatches) in round-robin order.
 
-Job life cycle (owned by ``DeviceManager``): the dispatching thread acquires ``is_idle`` (the worker has
-finished issuing its previous job), stores the job and releases ``job_arrived``; the controller runs it
-and releases ``is_idle``. A job that raises records its error, with model, layer, microbatch and device,
+Job life cycle (owned by ``DeviceManager``): the dispatching thread acquires ``is_idle`` (the one-job
+slot is free), stores the job in ``cur_job``, clears ``drained`` and releases ``job_arrived``; the
+controller takes the job out of the slot and releases ``is_idle`` at once, so the next job can be queued
+while this one issues and the worker starts it without waiting for the dispatching thread; when no job
+is left queued or running, the controller sets ``drained``. A job that raises records its error, with model, layer, microbatch and device,
 in the failure slot of ``threads``; every waiter in RoundPipe then aborts within a poll interval.
 
 Streams: ``param_upstream`` (parameter uploads, low priority: prefetch), ``upstream`` (activation
@@ -24,7 +26,7 @@ import torch
 
 from roundpipe import backend
 from roundpipe.backend import Event, Stream
-from roundpipe.threads import AnnotatedSemaphore, RoundPipeOutOfMemoryError, RoundPipeThread, RoundPipeWorkerError, report_failure
+from roundpipe.threads import AnnotatedEvent, AnnotatedSemaphore, RoundPipeOutOfMemoryError, RoundPipeThread, RoundPipeWorkerError, report_failure
 
 
 class InterStreamMemManager:
@@ -72,9 +74,11 @@ class DeviceManager:
     Attributes:
         id: Sequential identifier of this worker.
         device: The torch device (``cuda:i`` or ``cpu``).
-        is_idle: Released when the controller can accept the next job.
+        is_idle: Released when the controller can accept the next job (its one-job slot is free; a job
+            may still be running).
         job_arrived: Released when a job is queued.
-        cur_job: The job to run: (function, args).
+        cur_job: The job to run next: (function, args).
+        drained: Set while no job is queued or running.
         location: What the running job is doing now (layer, microbatch), for error messages.
         recent_jobs: Compute-done events of the last jobs; bounds prefetch to two resident stages.
     """
@@ -94,6 +98,11 @@ class DeviceManager:
         self.is_idle = AnnotatedSemaphore(1, name=f"{self.name}.is_idle")
         self.job_arrived = AnnotatedSemaphore(0, name=f"{self.name}.job_arrived")
         self.cur_job: Optional[Tuple[Callable[..., None], Tuple[Any, ...]]] = None
+        # Jobs queued or running; ``drained`` mirrors ``jobs == 0``. Both change under ``jobs_lock`` (the
+        # dispatching thread adds, the controller removes) so ``drained`` never misses a job.
+        self.jobs = 0
+        self.jobs_lock = threading.Lock()
+        self.drained = AnnotatedEvent(name=f"{self.name}.drained", set=True)
         self.location = ""
         # The stage the running job executes: (model name, layers, bytes on the device), for OOM errors.
         self.stage: Optional[Tuple[str, range, float]] = None
@@ -106,8 +115,12 @@ class DeviceManager:
 
     # ---- job queue -------------------------------------------------------------------------------
     def launch(self, fn: Callable[..., None], *args: Any) -> None:
-        """Queue ``fn(self, *args)`` on this device; blocks while the previous job is still issuing."""
+        """Queue ``fn(self, *args)`` on this device; blocks while an earlier job is still waiting in the
+        slot (at most one job runs and one waits)."""
         self.is_idle.acquire()
+        with self.jobs_lock:
+            self.jobs += 1
+            self.drained.clear()
         self.cur_job = (fn, args)
         self.job_arrived.release()
 
@@ -130,9 +143,8 @@ class DeviceManager:
         self.launch(run_forward_backward, run)
 
     def wait_idle(self) -> None:
-        """Block until this device has finished issuing its queued job."""
-        self.is_idle.acquire()
-        self.is_idle.release()
+        """Block until this device has finished issuing every queued job."""
+        self.drained.wait()
 
     def controller(self) -> None:
         """Background loop: run jobs as they arrive. Errors are reported, never fatal to the loop."""
@@ -144,6 +156,8 @@ class DeviceManager:
             assert self.cur_job is not None
             fn, args = self.cur_job
             self.cur_job = None
+            # The slot is free: the dispatching thread may queue the next job while this one issues.
+            self.is_idle.release()
             self.controller_thread.is_active = True
             try:
                 with torch.inference_mode(False):
@@ -154,7 +168,10 @@ class DeviceManager:
                 self.location = ""
                 self.stage = None
                 self.controller_thread.is_active = False
-                self.is_idle.release()
+                with self.jobs_lock:
+                    self.jobs -= 1
+                    if self.jobs == 0:
+                        self.drained.set()
 
     def _locate(self, exc: BaseException) -> BaseException:
         from roundpipe.threads import RoundPipeAborted

@@ -518,10 +518,10 @@ def guarded(run: Run, what: str, fn: Callable[[], Any]) -> Any:
 
 
 def _wait_plain(d: "DeviceManager") -> None:
+    """Wait, without aborting, until ``d`` has no job queued or running."""
     import threading
 
-    threading.Semaphore.acquire(d.is_idle)
-    d.is_idle.release()
+    threading.Event.wait(d.drained)
 
 
 def _assign(run: Run, jobs: Sequence[Tuple[str, int]]) -> List[Tuple[str, int, "DeviceManager"]]:

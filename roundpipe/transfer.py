@@ -79,6 +79,29 @@ def tensor_bytes(leaves: Iterable[Any]) -> int:
     return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
+class HostScalar:
+    """A device scalar the host reads later without waiting: created right after the kernel that
+    computes it, it queues a copy to pinned host memory and an event on the current stream; ``item()``
+    waits for that event only, which has long completed when it is read stages later. A plain
+    ``.item()`` would instead stall the issuing thread until the device has caught up. A non-tensor,
+    so RoundPipe passes it between stages and devices as it is."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.event: Optional[Any] = None
+        if t.device.type == "cuda":
+            self.host = torch.empty((), dtype=t.dtype, pin_memory=True)
+            self.host.copy_(t.detach(), non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(t.device))
+        else:
+            self.host = t.detach()
+
+    def item(self) -> Any:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.item()
+
+
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu" and t.device.type == "cpu":
         return t.detach().clone()

@@ -321,3 +321,19 @@ def test_stage_inputs_kept_on_the_gpu_equal_host_copies(monkeypatch: pytest.Monk
     # Stage inputs of layers 1-4 (layer 5 is the fused job's), 4096 x 1024 bf16 each: 32 MiB kept
     # across the forward.
     assert peak_kept - peak_host > 16 * 2**20, (peak_host, peak_kept)
+
+
+def test_host_scalar_is_read_later_without_a_sync_when_created() -> None:
+    """transfer.HostScalar: creating it queues a copy and an event (no synchronising call, checked by
+    sync_debug_mode); item() returns the value once the event has passed."""
+    from roundpipe.transfer import HostScalar
+
+    x = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = x @ x  # keeps the GPU busy while the host goes on
+        value = HostScalar((y[0] > 0).sum())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert value.item() == int((y[0] > 0).sum())

@@ -135,6 +135,39 @@ def test_causal_lm_loss_matches_transformers() -> None:
     assert rel_err(s / m, ref) < TOL
 
 
+@pytest.mark.parametrize("head_kind", ["linear", "module"])
+def test_known_count_gathers_the_counted_rows(head_kind: str) -> None:
+    """``num_valid`` (the counted-token number, known on the host): only the counted rows go through the
+    head (the logits matmul sees that many rows), with the loss and gradients of the masked path and no
+    syncing op."""
+    g = torch.Generator().manual_seed(6)
+    B, T = 4, 24
+    hidden = torch.randn(B, T, H, generator=g, dtype=torch.float64, requires_grad=True)
+    linear = nn.Linear(H, V, bias=False).double()
+    head = linear if head_kind == "linear" else nn.Sequential(linear)
+    labels = torch.randint(0, V, (B, T), generator=g)
+    labels[0, :20] = -100  # a prompt
+    labels[2] = -100  # a padded row
+    target = shift_causal_labels(labels)
+    counted = int((target != -100).sum())
+    ref_sum, ref_n = causal_lm_loss(hidden, head, labels, chunk_size=8)
+    ref_sum.backward()
+    ref_h, ref_w = hidden.grad.clone(), linear.weight.grad.clone()
+    hidden.grad = None
+    linear.weight.grad = None
+    with SyncRecorder() as rec:
+        got_sum, got_n = causal_lm_loss(hidden, head, labels, chunk_size=8, num_valid=counted)
+        got_sum.backward()
+    assert rec.syncs == []
+    assert got_n == ref_n and rel_err(got_sum, ref_sum) < TOL
+    assert rel_err(hidden.grad, ref_h) < TOL and rel_err(linear.weight.grad, ref_w) < TOL
+    assert torch.count_nonzero(hidden.grad.abs().sum(-1)) == counted  # ignored rows get no gradient
+    # The head ran on the counted rows only: no op produced a [rows, V] tensor with more rows.
+    with _LargestTensor() as big:
+        causal_lm_loss(hidden.detach(), head, labels, chunk_size=1024, num_valid=counted)
+    assert big.largest <= counted * V
+
+
 class _LargestTensor(TorchDispatchMode):
     """Records the largest tensor any op produces."""
 
@@ -329,7 +362,7 @@ def test_no_host_sync(head_kind: str, grad: bool, monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["linear", "linear_no_grad", "linear_compiled", "module", "causal_lm"])
+@pytest.mark.parametrize("case", ["linear", "linear_no_grad", "linear_compiled", "module", "causal_lm", "causal_lm_counted"])
 def test_no_host_sync_on_cuda(case: str) -> None:
     """On CUDA, forward + backward run under ``set_sync_debug_mode("error")``: any synchronising call
     (nonzero, item, blocking copies) raises. The values are checked against full logits afterwards."""
@@ -340,10 +373,12 @@ def test_no_host_sync_on_cuda(case: str) -> None:
     hidden = torch.randn(N, H, generator=g).to(dev).requires_grad_(case != "linear_no_grad")
     head = nn.Linear(H, V).to(dev)
     target = _ignored_chunks_target().to(dev)
+    counted = int((target != -100).sum().cpu()) if case == "causal_lm_counted" else None  # before the check
 
     def run() -> torch.Tensor:
-        if case == "causal_lm":  # the fused head job's entry point, with pre-shifted targets
-            loss, _ = causal_lm_loss(hidden.unsqueeze(0), head, shift_labels=target.unsqueeze(0), chunk_size=CHUNK)
+        if case.startswith("causal_lm"):  # the fused head job's entry point, with pre-shifted targets
+            loss, _ = causal_lm_loss(hidden.unsqueeze(0), head, shift_labels=target.unsqueeze(0), chunk_size=CHUNK,
+                                     num_valid=counted)
         elif case == "module":
             loss = chunked_module_cross_entropy(hidden, nn.Sequential(head), target, chunk_size=CHUNK)
         else:

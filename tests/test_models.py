@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from helpers import rel_err
+from roundpipe.models.loss import count_loss_tokens
 from roundpipe import models
 from roundpipe.context import ForwardCtx, RecomputeCtx
 from roundpipe.models.preset import CausalLMPreset, CausalLMPrefix
@@ -226,6 +227,8 @@ def test_prefix_reads_nothing_back_from_the_device(family: str, mask: str) -> No
         state = preset.layers[0](**kwargs)
     assert state["hidden_states"].shape[:2] == ids.shape
     assert not rec.syncs, rec.syncs
+    # The counted-token number for the head, read on the host later without a wait.
+    assert state["num_loss_tokens"].item() == count_loss_tokens(ids)
 
 
 def test_all_ones_attention_mask_equals_no_mask() -> None:

@@ -111,3 +111,43 @@ def test_soak_threads_and_memory_stay_flat() -> None:
     rss0, rss1, t0, t1 = map(int, res.stdout.split())
     assert t0 == t1
     assert rss1 < rss0 * 1.05, (rss0, rss1)
+
+
+def test_a_device_holds_one_queued_job_while_one_runs() -> None:
+    """The dispatching thread can queue a device's next job while the current one runs (the worker then
+    starts it without waiting for the dispatcher); a third job waits for the slot; ``wait_idle`` waits
+    for both."""
+    import threading
+
+    from conftest import use_devices
+    from roundpipe import device as device_mod
+
+    use_devices("cpu:1")
+    dev = device_mod._ensure_devices()[0]
+    started = [threading.Event() for _ in range(3)]
+    release = [threading.Event() for _ in range(3)]
+
+    def job(_dev, k: int) -> None:
+        started[k].set()
+        assert release[k].wait(10)
+
+    dev.launch(job, 0)
+    assert started[0].wait(10)
+    t = time.perf_counter()
+    dev.launch(job, 1)  # the slot is free while job 0 runs: returns at once
+    assert time.perf_counter() - t < 1.0 and not started[1].is_set()
+    third = threading.Thread(target=dev.launch, args=(job, 2))
+    third.start()
+    third.join(0.3)
+    assert third.is_alive(), "a third job must wait while one runs and one is queued"
+    assert not dev.drained.is_set()
+    release[0].set()
+    assert started[1].wait(10)  # job 1 starts as soon as job 0 is done
+    third.join(10)
+    assert not third.is_alive()
+    release[1].set()
+    assert started[2].wait(10)
+    assert not dev.drained.is_set()
+    release[2].set()
+    dev.wait_idle()
+    assert dev.drained.is_set()

@@ -20,7 +20,10 @@ No host synchronisation: chunks are fixed row ranges of the batch, and tokens wh
 ``ignore_index`` are computed and then masked out. Gathering only the counted tokens would need their
 number on the host (``nonzero``), which on CUDA blocks the thread that issues the GPU work until the
 device has caught up (twice per iteration for the fused head job: forward and backward recompute).
-The price is the compute of the ignored tokens' logits.
+The price is the compute of the ignored tokens' logits, unless the caller knows the number of counted
+tokens on the host without waiting (``causal_lm_loss(num_valid=...)``; RoundPipe's causal-LM preset
+counts them in its first stage and reads the count stages later, see ``transfer.HostScalar``): then
+only the counted rows are gathered (``torch.nonzero_static``, which needs no sync) and computed.
 """
 
 from __future__ import annotations
@@ -297,6 +300,7 @@ def causal_lm_loss(
     logit_scale: float = 1.0,
     softcap: Optional[float] = None,
     compile: Optional[bool] = None,
+    num_valid: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Causal-LM loss of ``head(hidden)`` without materialising the logits.
 
@@ -306,6 +310,9 @@ def causal_lm_loss(
             path, anything else the checkpointed per-chunk path.
         labels: ``[B, T]`` token labels, shifted here as transformers does (position t predicts t+1).
         shift_labels: Already shifted ``[B, T]`` targets (then ``labels`` is ignored).
+        num_valid: The number of counted targets when the host knows it without waiting for the device
+            (see ``CausalLMPrefix``): the counted rows are then gathered first (``nonzero_static``,
+            no sync), so ignored tokens (prompts, padding) cost no head compute.
 
     Returns:
         ``(loss_sum, num_tokens)``: fp32 sum of the token losses and the fp32 count of counted tokens.
@@ -313,6 +320,10 @@ def causal_lm_loss(
     target = shift_labels if shift_labels is not None else shift_causal_labels(labels, ignore_index)
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     target = target.reshape(-1).to(hidden.device)
+    num_tokens = (target != ignore_index).sum().to(torch.float32)
+    if num_valid is not None and num_valid < target.numel():
+        rows = torch.nonzero_static(target != ignore_index, size=num_valid).squeeze(1)
+        hidden2d, target = hidden2d.index_select(0, rows), target.index_select(0, rows)
     if type(head) is nn.Linear:
         loss = linear_cross_entropy(
             hidden2d,
@@ -335,4 +346,4 @@ def causal_lm_loss(
             logit_scale=logit_scale,
             softcap=softcap,
         )
-    return loss, (target != ignore_index).sum().to(torch.float32)
+    return loss, num_tokens

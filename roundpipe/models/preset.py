@@ -34,7 +34,8 @@ from torch import nn
 
 from roundpipe.context import doing_recompute, get_recompute_data, save_for_recompute
 from roundpipe.models import kernels
-from roundpipe.models.loss import causal_lm_loss, count_loss_tokens
+from roundpipe.models.loss import IGNORE_INDEX, causal_lm_loss, count_loss_tokens, shift_causal_labels
+from roundpipe.transfer import HostScalar
 
 State = Dict[str, Any]
 
@@ -326,8 +327,15 @@ class CausalLMPrefix(nn.Module):
         if moe is not None and options.get("output_router_logits", moe.output_router_logits):
             zeros = functools.partial(torch.zeros, dtype=torch.float32, device=inputs_embeds.device)
             router = (zeros(moe.num_experts), zeros(moe.num_experts), zeros(()))
+        # The head needs the number of counted targets on the host to skip the ignored ones; counted
+        # here and read stages later, it costs the device thread no wait (``HostScalar``).
+        num_loss_tokens = None
+        if labels is not None or shift_labels is not None:
+            target = shift_labels if shift_labels is not None else shift_causal_labels(labels)
+            num_loss_tokens = HostScalar((target != IGNORE_INDEX).sum())
         return {
             "hidden_states": inputs_embeds,
+            "num_loss_tokens": num_loss_tokens,
             "position_ids": position_ids,
             "position_embeddings": position_embeddings,
             "masks": masks,
@@ -400,11 +408,13 @@ class CausalLMHead(nn.Module):
         options = state["options"]
         out: Dict[str, torch.Tensor] = {}
         if state["labels"] is not None or state["shift_labels"] is not None:
+            counted = state.get("num_loss_tokens")
             out["loss_sum"], out["num_tokens"] = causal_lm_loss(
                 hidden,
                 self.lm_head,
                 state["labels"],
                 shift_labels=state["shift_labels"],
+                num_valid=counted.item() if counted is not None else None,
                 chunk_size=options.get("loss_chunk_size"),
                 logit_scale=self.spec.logit_scale,
                 softcap=self.spec.softcap,
