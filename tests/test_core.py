@@ -254,16 +254,21 @@ def test_double_backward_raises(workers: str) -> None:
         out.backward()
 
 
+def _grouped_plan_model(grain: str):
+    """(model, its reference with recorded dropout, RoundPipe) with forward and backward groups cut at
+    different layers: recompute spans forward groups, and stage inputs sit at group starts and inside."""
+    torch.manual_seed(7)
+    model = make_model(torch.float64)
+    ref = with_recorded_dropout(model, DropoutRecorder(model))
+    plan = ModelExecutePlan([range(0, 3), range(3, 6), range(6, 8)], [range(0, 2), range(2, 5), range(5, 8)])
+    rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(execute_plan=plan, recompute_grain=grain, num_microbatch=3))
+    return model, ref, rp
+
+
 @pytest.mark.parametrize("workers", WORKER_SPECS, indirect=True)
 @pytest.mark.parametrize("grain", ["stage", "layer"])
 def test_grouped_plan_matches_layerwise(workers: str, grain: str) -> None:
-    torch.manual_seed(7)
-    model = make_model(torch.float64)
-    recorder = DropoutRecorder(model)
-    ref = with_recorded_dropout(model, recorder)
-    # Forward and backward groups cut at different layers: recompute spans forward groups.
-    plan = ModelExecutePlan([range(0, 3), range(3, 6), range(6, 8)], [range(0, 2), range(2, 5), range(5, 8)])
-    rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(execute_plan=plan, recompute_grain=grain, num_microbatch=3))
+    model, ref, rp = _grouped_plan_model(grain)
     x = torch.randn(9, 8, dtype=torch.float64, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_(True)
     rp(x).pow(2).sum().backward()
@@ -361,13 +366,7 @@ def test_stage_inputs_kept_on_the_device_change_nothing(workers: str, grain: str
     kept = []
     real_keep = run_mod.Run.keep_on_device
     monkeypatch.setattr(run_mod.Run, "keep_on_device", lambda self, leaves: (lambda r: (kept.append(r), r)[1])(real_keep(self, leaves)))
-    torch.manual_seed(7)
-    model = make_model(torch.float64)
-    recorder = DropoutRecorder(model)
-    ref = with_recorded_dropout(model, recorder)
-    # Forward and backward groups cut at different layers: stage inputs at forward group starts and inside.
-    plan = ModelExecutePlan([range(0, 3), range(3, 6), range(6, 8)], [range(0, 2), range(2, 5), range(5, 8)])
-    rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(execute_plan=plan, recompute_grain=grain, num_microbatch=3))
+    model, ref, rp = _grouped_plan_model(grain)
     for _ in range(2):
         x = torch.randn(9, 8, dtype=torch.float64, requires_grad=True)
         x_ref = x.detach().clone().requires_grad_(True)
