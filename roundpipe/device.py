@@ -5,8 +5,9 @@ Job life cycle (owned by ``DeviceManager``): the dispatching thread acquires ``i
 slot is free), stores the job in ``cur_job``, clears ``drained`` and releases ``job_arrived``; the
 controller takes the job out of the slot and releases ``is_idle`` at once, so the next job can be queued
 while this one issues and the worker starts it without waiting for the dispatching thread; when no job
-is left queued or running, the controller sets ``drained``. A job that raises records its error, with model, layer, microbatch and device,
-in the failure slot of ``threads``; every waiter in RoundPipe then aborts within a poll interval.
+is left queued or running, the controller sets ``drained``. A job that raises records its error, with
+model, layer, microbatch and device, in the failure slot of ``threads``; every waiter in RoundPipe then
+aborts within a poll interval.
 
 Streams: ``param_upstream`` (parameter uploads, low priority: prefetch), ``upstream`` (activation
 uploads, high priority: on the critical path), ``compute_stream`` and ``downstream`` (downloads).

@@ -3,8 +3,8 @@
 'alloc' copies each tensor into a fresh pinned allocation (fast transfers). Tensors of at least
 ``EXACT_MIN_BYTES`` get an exact-size allocation (``pinned_empty``: an anonymous mapping registered with
 CUDA), because torch's caching host allocator rounds every block up to a power of two, which costs up
-to 2x memory for odd sizes (a 24 MiB weight takes 32 MiB); smaller ones use the caching allocator. 'register' pins the existing storage in place with
-cudaHostRegister (no extra memory, ~10% slower transfers, CUDA only). 'off' leaves memory pageable: with
+to 2x memory for odd sizes (a 24 MiB weight takes 32 MiB); smaller ones use the caching allocator.
+'register' pins the existing storage in place with cudaHostRegister (no copy, CUDA only). 'off' leaves memory pageable: with
 mmap-loaded weights Linux pages them in on demand, which lets LoRA train base models larger than RAM.
 Pinning is skipped on CPU workers (there is no device to transfer to).
 """
@@ -65,11 +65,8 @@ def mapped_empty(shape: Sequence[int], dtype: torch.dtype, register: Registrar, 
     mapping outlives every view, and the finalizer runs ``unregister`` before it unmaps. Transparent huge
     pages are requested before the pages are touched (fewer pages to pin and to translate for DMA).
     """
-    numel = 1
-    for d in shape:
-        numel *= int(d)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = max(numel * itemsize, 1)
+    size = torch.Size(shape).numel() * dtype.itemsize
+    nbytes = max(size, 1)
     try:
         mapping = mmap.mmap(-1, nbytes)
     except OSError as e:  # out of memory, or vm.max_map_count reached
@@ -86,7 +83,7 @@ def mapped_empty(shape: Sequence[int], dtype: torch.dtype, register: Registrar, 
     register(ptr, nbytes)  # on failure nothing is registered and the mapping goes with ``flat``
     weakref.finalize(mv, _release_mapping, ptr, mapping, unregister, os.getpid())
     del mv  # only the tensors keep it now
-    return flat[: numel * itemsize].view(dtype).view(tuple(int(d) for d in shape))
+    return flat[:size].view(dtype).view(tuple(int(d) for d in shape))
 
 
 def pinned_empty(shape: Sequence[int], dtype: torch.dtype, pin: Optional[bool] = None) -> torch.Tensor:
@@ -95,8 +92,7 @@ def pinned_empty(shape: Sequence[int], dtype: torch.dtype, pin: Optional[bool] =
     pin = backend.pin_enabled() if pin is None else pin
     if not pin:
         return torch.empty(tuple(shape), dtype=dtype)
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    if nbytes < EXACT_MIN_BYTES:
+    if torch.Size(shape).numel() * dtype.itemsize < EXACT_MIN_BYTES:
         return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
     return mapped_empty(shape, dtype, _cuda_register, _cuda_unregister)
 

@@ -4,8 +4,9 @@ Every copy here is issued on one of the device's copy streams and ordered by eve
 synchronisation: activation uploads on ``upstream``, parameter uploads on ``param_upstream``, all
 downloads on ``downstream``. Callers make the compute stream wait for the upload stream before use,
 and hand device tensors to the device's ``InterStreamMemManager`` so they outlive their last use.
-The one host wait is opt-in: with ``RPP_GRAD_BUFFERS=1`` a gradient download waits on its device thread
-for the optimizer to release the host buffer (``_grad_buffer``).
+Host waits: with ``RPP_GRAD_BUFFERS=1`` (opt-in) a gradient download waits on its device thread for
+the optimizer to release the host buffer (``_grad_buffer``); ``HostScalar.item()`` waits for an event
+recorded stages earlier (in practice long complete).
 
 On CPU workers uploads copy too (so layers that modify inputs or parameters in place never touch the
 host copies saved for recompute or written by the optimizer thread) and downloads detach.
