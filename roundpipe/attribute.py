@@ -11,7 +11,8 @@ on those before touching the host tensors the device copies read or write:
                sync param_uploaded -> copy optimizer params into model params (an asynchronous step
                swaps in the version the previous one staged) -> set param_copied;
                wait grad_download_started, sync grad_downloaded -> copy grads -> set grad_copied
-               -> step -> stage the new version in buffers no upload reads]
+               -> step -> stage the new version in buffers no upload reads (the gradient buffers it
+               has just released: host buffers rotate, see transfer._grad_buffer)]
 
 So an upload never reads host parameters the optimizer is writing, a gradient download never overwrites
 a gradient the optimizer is still reading, and the optimizer never writes parameters an upload in
@@ -20,10 +21,12 @@ flight still reads. All "copied"/"started" events are set when nothing is pendin
 
 from __future__ import annotations
 
+import threading
 from typing import Callable, Dict, List, Optional
 
 import torch
 
+from roundpipe import backend
 from roundpipe.backend import CpuEvent, Event
 from roundpipe.threads import AnnotatedEvent
 
@@ -92,10 +95,14 @@ class ParamAttribute:
     Attributes:
         layer_ids: Layers (indices in the RoundPipe) that use this parameter.
         grad_cpu: Per-layer gradient shares for shared parameters.
-        grad_buffer: Reusable pinned buffers for this parameter's gradient, per layer (avoids
-            re-allocation); a second one only while the optimizer reads the first as its ``.grad``
-            (with ``RPP_GRAD_BUFFERS=1`` the download waits for the optimizer instead, see
-            ``transfer._grad_buffer``).
+        grad_buffer: Reusable pinned gradient buffers of a *shared* parameter, per layer; a second
+            one only while the optimizer reads the first as its ``.grad`` (``transfer._grad_buffer``).
+        spare: Host buffers of an unshared parameter's shape and dtype that no role uses now. Its
+            host buffers rotate through three roles (``transfer._grad_buffer`` explains the cycle):
+            gradient download target, the optimizer's ``.grad`` (``held``), staging buffer, model
+            parameter; a buffer leaves a role into ``spare`` and the next role takes it from there.
+        held: The gradient buffer handed to the optimizer as its ``.grad``, until its ``zero_grad``
+            lets go of it (``release_held``).
         optim: The optimizer's copy of the parameter (``optim_dtype``), or the parameter itself.
         optim_grad_buffer: Reusable buffer for the optimizer copy's gradient.
         staged: The optimizer's newest version in the parameter's dtype, written at the end of an
@@ -112,12 +119,53 @@ class ParamAttribute:
         self.grad_buffer: Dict[int, List[torch.Tensor]] = {}
         self.optim: Optional[torch.nn.Parameter] = None
         self.optim_grad_buffer: Optional[torch.Tensor] = None
+        self.spare: List[torch.Tensor] = []
+        self.held: Optional[torch.Tensor] = None
         self.staged: Optional[torch.Tensor] = None
         self.staged_valid = False
 
     @property
     def shared(self) -> bool:
         return len(self.layer_ids) > 1
+
+    def take_spare(self, shape: torch.Size, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """A spare buffer of ``shape`` and ``dtype`` (now owned by the caller), or None."""
+        with _SPARE_LOCK:
+            for i, b in enumerate(self.spare):
+                if b.shape == shape and b.dtype == dtype:
+                    return self.spare.pop(i)
+        return None
+
+    def give_spare(self, buf: torch.Tensor) -> None:
+        """Return ``buf`` (no longer read or written by anything) for the next role to take. A
+        pageable buffer is dropped while pinning is on: downloads and uploads need pinned memory."""
+        if backend.pin_enabled() and not buf.is_pinned():
+            return
+        with _SPARE_LOCK:
+            self.spare.append(buf)
+
+    def release_held(self) -> Optional[torch.Tensor]:
+        """The buffer handed to the optimizer as its ``.grad``, once the optimizer no longer holds it
+        (its ``zero_grad`` ran; ownership passes to the caller); None while it does or if none was."""
+        with _SPARE_LOCK:
+            held = self.held
+            if held is None:
+                return None
+            g = self.optim.grad if self.optim is not None else None
+            if g is not None and g.numel() > 0 and g.data_ptr() == held.data_ptr():
+                return None
+            self.held = None
+            return held
+
+    def host_buffers(self, param: torch.Tensor) -> List[torch.Tensor]:
+        """Every distinct host tensor of the parameter's shape this attribute knows (model data,
+        staging, gradient, spare and per-layer buffers): what its host memory costs, for tests."""
+        found: Dict[int, torch.Tensor] = {}
+        grads = [param.grad, self.held, self.optim.grad if self.optim is not None else None]
+        for t in [param.data, self.staged, *grads, *self.spare, *(b for bufs in self.grad_buffer.values() for b in bufs)]:
+            if t is not None and t.device.type == "cpu" and t.shape == param.shape and t.numel() > 0:
+                found.setdefault(t.data_ptr(), t)
+        return list(found.values())
 
     @classmethod
     def get(cls, t: torch.Tensor) -> "ParamAttribute":
@@ -136,6 +184,11 @@ class ParamAttribute:
         if layer_id is not None and layer_id not in attr.layer_ids:
             attr.layer_ids.append(layer_id)
         return attr
+
+
+# Guards ``ParamAttribute.spare`` and ``held``: device threads take download buffers while the optimizer
+# thread gives buffers back and takes staging buffers.
+_SPARE_LOCK = threading.Lock()
 
 
 # Set (to True) on optimizer parameters whose optimizer reads a gradient of a lower precision than the

@@ -3,7 +3,6 @@ gives any model the optimizer-side features (optimizer parameters, asynchronous 
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -19,24 +18,10 @@ from roundpipe.run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
 from roundpipe.scheduler import ModelExecutePlan, RunType
 from roundpipe.threads import AnnotatedEvent
 from roundpipe.timer import ModelTimer
-from roundpipe.transfer import device_saved_limit, grad_buffers_limit
+from roundpipe.transfer import device_saved_limit, grad_buffers_limit, stage_params_enabled
 from roundpipe.utils import get_call_location, get_model_compute_size, get_model_size
 
 _OWN_ATTRS = ("model", "original_model", "_rpp_initialized", "grad_reducer")
-
-STAGE_PARAMS_ENV = "RPP_STAGE_PARAMS"
-
-
-def stage_params_enabled() -> bool:
-    """Whether asynchronous steps stage the updated parameters for the next step (``RPP_STAGE_PARAMS``,
-    default on; see ``RoundPipeBase._stage_params``)."""
-    value = os.environ.get(STAGE_PARAMS_ENV, "1").strip().lower()
-    if value in ("1", "true", "yes", "on", ""):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{STAGE_PARAMS_ENV}={value!r}: expected 1 (stage the next parameters) or 0 (copy them at the next step)")
-
 
 class RoundPipeBase(nn.Module):
     """Attributes and methods common to RoundPipe and AutoRoundPipe: attribute shimming to the wrapped
@@ -216,6 +201,7 @@ class RoundPipeBase(nn.Module):
                 if is_async:
                     self._stage_params(units)
                 else:
+                    self._release_grad_buffers(units)
                     self._copy_params_to_model(units)
         except BaseException:
             # Never leave the main thread waiting on a step that failed (the failure is raised there).
@@ -250,7 +236,11 @@ class RoundPipeBase(nn.Module):
                     if pa.optim is None:
                         continue
                     if use_staged and pa.staged_valid and pa.staged is not None:
-                        p.data, pa.staged = pa.staged, p.data
+                        # The old model buffer goes to the spares: the wait above ensures no upload
+                        # reads it any more (the next gradient download takes it, see
+                        # transfer._grad_buffer).
+                        old, p.data, pa.staged = p.data, pa.staged, None
+                        pa.give_spare(old)
                     else:
                         p.data.copy_(pa.optim.data)
                     pa.staged_valid = False
@@ -261,26 +251,44 @@ class RoundPipeBase(nn.Module):
         """End of an asynchronous step: write the updated optimizer parameters into each parameter's
         staging buffer (model dtype, pinned like the parameter), published by the next step.
 
-        Only this thread touches the staging buffers, and the model parameters (read by the running
-        iteration's uploads) are not written, so no event is needed. ``RPP_STAGE_PARAMS=0`` turns
-        staging off (saving one model-dtype copy of the trainable parameters, 2 bytes per bf16
-        parameter, at the price of the copy at the start of the next step).
+        The staging buffer is the gradient buffer this step has just read and released (its
+        ``zero_grad`` ran), else a spare: the buffers rotate (``transfer._grad_buffer``), so staging
+        costs no extra host copy. Only this thread touches the staging buffers, and the model
+        parameters (read by the running iteration's uploads) are not written, so no event is needed.
+        ``RPP_STAGE_PARAMS=0`` turns staging off (the next step copies the parameters when it starts).
         """
-        if not stage_params_enabled():
-            for _, params in units:  # turned off during a run: give the buffers back
-                for p in params:
-                    ParamAttribute.get(p).staged = None
-            return
+        stage = stage_params_enabled()
         with torch.no_grad():
             for _, params in units:
                 for p in params:
                     pa = ParamAttribute.get(p)
-                    if pa.optim is None:
+                    freed = pa.release_held()
+                    if not stage or pa.optim is None:
+                        pa.staged = None  # staging turned off during a run: drop the buffer
+                        if freed is not None:
+                            pa.give_spare(freed)
                         continue
                     if pa.staged is None or pa.staged.shape != p.shape or pa.staged.dtype != p.dtype:
-                        pa.staged = pinned_empty(p.shape, p.dtype, pin=p.data.is_pinned())
+                        if freed is not None and freed.shape == p.shape and freed.dtype == p.dtype and (freed.is_pinned() or not p.data.is_pinned()):
+                            pa.staged, freed = freed, None
+                        else:
+                            pa.staged = pa.take_spare(p.shape, p.dtype)
+                            if pa.staged is None:
+                                pa.staged = pinned_empty(p.shape, p.dtype, pin=p.data.is_pinned())
+                    if freed is not None:
+                        pa.give_spare(freed)
                     pa.staged.copy_(pa.optim.data)
                     pa.staged_valid = True
+
+    @staticmethod
+    def _release_grad_buffers(units: List[Tuple[LayerAttribute, List[nn.Parameter]]]) -> None:
+        """After a synchronous step: gradient buffers the optimizer let go of become spares."""
+        for _, params in units:
+            for p in params:
+                pa = ParamAttribute.get(p)
+                freed = pa.release_held()
+                if freed is not None:
+                    pa.give_spare(freed)
 
     @staticmethod
     def _copy_grad_to_optim(p: nn.Parameter) -> None:
@@ -290,8 +298,9 @@ class RoundPipeBase(nn.Module):
         When the optimizer reads bfloat16 gradients of fp32 parameters (``roundpipe.optim.Adam``, see
         ``attribute.reads_low_precision_grad``), the host gradient buffer itself becomes the optimizer's
         ``.grad``: no fp32 copy is made or kept (4 bytes per parameter, and 6 bytes of memory traffic).
-        The optimizer then reads that buffer until its ``zero_grad``; the next gradient download of the
-        layer goes to the layer's other buffer meanwhile (``transfer.download_layer``).
+        The optimizer then reads that buffer until its ``zero_grad``; the next gradient download takes
+        a spare buffer meanwhile, and the released one becomes the staging buffer (the rotation in
+        ``transfer._grad_buffer``). A gradient copied instead gives its buffer back at once.
         """
         attr = ParamAttribute.get(p)
         optim, g = attr.optim, p.grad
@@ -301,6 +310,9 @@ class RoundPipeBase(nn.Module):
             if optim.grad is None and g.dtype is torch.bfloat16 and optim.dtype is torch.float32 and reads_low_precision_grad(optim):
                 optim.grad_dtype = None  # let .grad be bfloat16 on this fp32 parameter
                 optim.grad = g
+                if not attr.shared:
+                    attr.held = g  # released after the step (_stage_params, _release_grad_buffers)
+                g = None
             elif optim.grad is None:
                 buf = attr.optim_grad_buffer
                 if buf is None or buf.shape != optim.shape or buf.dtype != optim.dtype:
@@ -312,8 +324,13 @@ class RoundPipeBase(nn.Module):
                     # A handed-over gradient not yet cleared by zero_grad: accumulate in a copy of the
                     # optimizer's dtype, which also gives the buffer back to the downloads.
                     optim.grad = optim.grad.to(optim.dtype)
+                    freed = attr.release_held()
+                    if freed is not None:
+                        attr.give_spare(freed)
                 optim.grad.add_(g.to(optim.dtype))
         p.grad = None
+        if g is not None and not attr.shared:
+            attr.give_spare(g)  # copied: the download buffer is free for the next role
 
     def sync_optim_param(self) -> None:
         """Copy the optimizer parameters into the model parameters (from the main or optimizer thread)."""

@@ -4,8 +4,8 @@ Every copy here is issued on one of the device's copy streams and ordered by eve
 synchronisation: activation uploads on ``upstream``, parameter uploads on ``param_upstream``, all
 downloads on ``downstream``. Callers make the compute stream wait for the upload stream before use,
 and hand device tensors to the device's ``InterStreamMemManager`` so they outlive their last use.
-Host waits: with ``RPP_GRAD_BUFFERS=1`` (opt-in) a gradient download waits on its device thread for
-the optimizer to release the host buffer (``_grad_buffer``); ``HostScalar.item()`` waits for an event
+Host waits: with ``RPP_GRAD_BUFFERS=1 RPP_STAGE_PARAMS=0`` (opt-in) a gradient download waits on its
+device thread for the optimizer to release the host buffer (``_grad_buffer``); ``HostScalar.item()`` waits for an event
 recorded stages earlier (in practice long complete).
 
 On CPU workers uploads copy too (so layers that modify inputs or parameters in place never touch the
@@ -41,14 +41,30 @@ GRAD_BUFFERS_ENV = "RPP_GRAD_BUFFERS"
 def grad_buffers_limit() -> int:
     """Host gradient buffers per parameter while an asynchronous step runs (``RPP_GRAD_BUFFERS``).
 
-    2 (default): the next backward downloads into a second buffer while the optimizer still reads the
-    first as its ``.grad``. 1: it waits for the optimizer instead (see ``_grad_buffer``), saving one
-    model-dtype copy of the trainable parameters in host memory at the price of that wait.
+    Matters only with staging off (``RPP_STAGE_PARAMS=0``; with staging the gradient download takes
+    the model buffer the step's publish released, see ``_grad_buffer``). 2 (default): the next backward
+    downloads into a second buffer while the optimizer still reads the first as its ``.grad``. 1: it
+    waits for the optimizer instead, so the parameter has two host copies in all (model and gradient),
+    at the price of that wait.
     """
     value = os.environ.get(GRAD_BUFFERS_ENV, "2").strip() or "2"
     if value not in ("1", "2"):
         raise ValueError(f"{GRAD_BUFFERS_ENV}={value!r}: expected 2 (double-buffered gradient downloads) or 1 (one buffer; downloads wait for the optimizer step)")
     return int(value)
+
+
+STAGE_PARAMS_ENV = "RPP_STAGE_PARAMS"
+
+
+def stage_params_enabled() -> bool:
+    """Whether asynchronous steps stage the updated parameters for the next step (``RPP_STAGE_PARAMS``,
+    default on; see ``RoundPipeBase._stage_params``)."""
+    value = os.environ.get(STAGE_PARAMS_ENV, "1").strip().lower()
+    if value in ("1", "true", "yes", "on", ""):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{STAGE_PARAMS_ENV}={value!r}: expected 1 (stage the next parameters) or 0 (copy them at the next step)")
 
 
 DEVICE_SAVED_ENV = "RPP_DEVICE_SAVED_GB"
@@ -334,7 +350,7 @@ def download_layer(
                     if p is None or dp is None or dp.grad is None or id(p) in done:
                         continue
                     done.add(id(p))
-                    buf = _grad_buffer(ParamAttribute.get(p), layer_id, dp.grad)
+                    buf = _grad_buffer(p, ParamAttribute.get(p), layer_id, dp.grad)
                     if dp.grad.device.type == "cpu":
                         buf.copy_(dp.grad)
                     else:
@@ -344,30 +360,52 @@ def download_layer(
             layer_attr.grad_download_started.set()
 
 
-def _grad_buffer(attr: ParamAttribute, layer_id: int, dev_grad: torch.Tensor) -> torch.Tensor:
+def _grad_buffer(p: torch.Tensor, attr: ParamAttribute, layer_id: int, dev_grad: torch.Tensor) -> torch.Tensor:
     """A pinned host buffer to download ``dev_grad`` into: one the optimizer is not reading.
 
-    Usually one buffer per parameter and layer. When the optimizer reads the buffer itself as its
-    ``.grad`` (``RoundPipeBase._copy_grad_to_optim`` hands bf16 buffers over) and its asynchronous step
-    still runs, this download takes a second buffer; the two then alternate from step to step. Safe to
-    decide here: the backward fence waited for ``grad_copied``, so the optimizer's ``.grad`` already is
-    the buffer of the previous step (or None once its ``zero_grad`` ran).
+    A gradient still accumulating on the host (``p.grad``: an earlier microbatch or call of this
+    step, already added into ``dev_grad`` by the upload) is overwritten in place. Otherwise an unshared
+    parameter takes a spare buffer. Its host buffers rotate through the roles, so an asynchronous step
+    costs three copies of the parameter, not four (model, staged, and two gradient buffers):
 
-    With ``RPP_GRAD_BUFFERS=1`` this device thread instead waits until the optimizer kernels queued so
-    far have run (the step holding the buffer has then cleared ``.grad`` in its ``zero_grad``) and
-    reuses the buffer. No deadlock: those kernels wait only for downloads of earlier iterations, since
-    the main thread queues the next step only after every job of this call has been issued
-    (``run.guarded``). A step_fn that keeps ``.grad`` across steps still gets a second buffer.
+        download target (p.grad) -> the optimizer's .grad (held) -> zero_grad releases it, the
+        step stages the new parameters in it (staged) -> the next step publishes it (model) -> that
+        step's publish releases the old model buffer, once no upload reads it (spare) -> the next
+        iteration's downloads take it.
+
+    Safe to take a spare here without waiting: the backward fence waited for ``grad_copied``, which
+    the step sets only after publishing, so this iteration's spare (the old model buffer) exists and
+    nothing reads it. With staging off (``RPP_STAGE_PARAMS=0``) the spare is the gradient buffer the
+    previous step released; while that step still holds it, ``RPP_GRAD_BUFFERS=1`` makes this device
+    thread wait until the optimizer kernels queued so far have run (their ``zero_grad`` releases it)
+    instead of taking a new buffer. No deadlock: those kernels wait only for downloads of earlier
+    iterations, since the main thread queues the next step only after every job of this call has been
+    issued (``run.guarded``). A shared parameter keeps per-layer buffers (``_shared_grad_buffer``).
     """
-    bufs = [b for b in attr.grad_buffer.get(layer_id, []) if b.shape == dev_grad.shape and b.dtype == dev_grad.dtype]
-    buf = _free_grad_buffer(attr, bufs)
-    if buf is None and bufs and grad_buffers_limit() == 1:
+    if attr.shared:
+        return _shared_grad_buffer(attr, layer_id, dev_grad)
+    g = p.grad
+    if g is not None and g.device.type == "cpu" and g.shape == dev_grad.shape and g.dtype == dev_grad.dtype:
+        return g
+    buf = attr.take_spare(dev_grad.shape, dev_grad.dtype)
+    if buf is None and attr.held is not None and grad_buffers_limit() == 1 and not stage_params_enabled():
         from roundpipe import optim_stream
 
         optim_stream.synchronize_optim()
-        buf = _free_grad_buffer(attr, bufs)
+        buf = attr.take_spare(dev_grad.shape, dev_grad.dtype)
     if buf is None:
         buf = pinned_empty(dev_grad.shape, dev_grad.dtype)  # exact size: it lives as long as the model
+    return buf
+
+
+def _shared_grad_buffer(attr: ParamAttribute, layer_id: int, dev_grad: torch.Tensor) -> torch.Tensor:
+    """A buffer for one layer's share of a shared parameter's gradient: the layer's first buffer the
+    optimizer does not hold as its ``.grad`` (the main thread sums the shares into a new tensor, so
+    the optimizer only ever holds one of these when a single layer contributed)."""
+    bufs = [b for b in attr.grad_buffer.get(layer_id, []) if b.shape == dev_grad.shape and b.dtype == dev_grad.dtype]
+    buf = _free_grad_buffer(attr, bufs)
+    if buf is None:
+        buf = pinned_empty(dev_grad.shape, dev_grad.dtype)
         bufs.append(buf)
     attr.grad_buffer[layer_id] = bufs
     return buf

@@ -277,17 +277,23 @@ def test_failing_step_surfaces_and_model_recovers(workers: str) -> None:
 
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
-def test_one_gradient_buffer_waits_for_the_optimizer_and_changes_nothing(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """RPP_GRAD_BUFFERS=1: while a slow asynchronous step still reads the bf16 gradient buffers handed to
-    roundpipe.optim.Adam, the next backward's downloads wait for it instead of taking a second buffer.
-    Same parameters as the default double buffering; one buffer per parameter (two by default); with a
-    step that keeps its gradients (no zero_grad) a second buffer is still taken."""
+def test_host_buffers_rotate_and_one_gradient_buffer_waits(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 model with fp32 masters and roundpipe.optim.Adam, a slow asynchronous step (the next
+    backward's downloads arrive while it still reads the gradient buffers it was handed):
+
+    - default: the host buffers of a parameter rotate (download target, optimizer .grad, staging,
+      model), three copies per parameter instead of four;
+    - RPP_STAGE_PARAMS=0: the download takes a second gradient buffer instead (three again);
+    - RPP_STAGE_PARAMS=0 RPP_GRAD_BUFFERS=1: the download waits for the optimizer, two copies;
+    - a step that keeps its gradients (no zero_grad) still gets its own buffers.
+    Every variant trains exactly the same parameters."""
     import time
 
     from roundpipe.attribute import ParamAttribute
     from roundpipe.optim import Adam
 
-    def run(buffers: str, zero_grad: bool = True) -> tuple:
+    def run(stage: str, buffers: str, zero_grad: bool = True) -> tuple:
+        monkeypatch.setenv("RPP_STAGE_PARAMS", stage)
         monkeypatch.setenv("RPP_GRAD_BUFFERS", buffers)
         model = make_model().to(torch.bfloat16)
         rp = RoundPipe(model, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2))
@@ -299,22 +305,25 @@ def test_one_gradient_buffer_waits_for_the_optimizer_and_changes_nothing(workers
             if zero_grad:
                 opt.zero_grad()
 
-        for x, y in batches(5):
+        most = 0
+        for x, y in batches(6):
             rp.forward_backward(input_args=(x.bfloat16(),), label=y, loss_fn=lambda o, t: ((o.float() - t) ** 2).mean())
             rp.step(step, is_async=True)
+            most = max([most] + [len(ParamAttribute.get(p).host_buffers(p)) for p in model.parameters()])
         rp.synchronize()
-        counts = {len(bufs) for p in model.parameters() for bufs in ParamAttribute.get(p).grad_buffer.values()}
-        return [p.detach().clone() for p in rp.optim_parameters()], counts
+        counts = {len(ParamAttribute.get(p).host_buffers(p)) for p in model.parameters()}
+        return [p.detach().clone() for p in rp.optim_parameters()], max(most, *counts), counts
 
-    double, counts2 = run("2")
-    single, counts1 = run("1")
-    # A second buffer by default wherever a download came while the slow step held the first (at
-    # least the layers downloaded first); never with RPP_GRAD_BUFFERS=1.
-    assert 2 in counts2 and counts2 <= {1, 2} and counts1 == {1}
-    for a, b in zip(single, double):
-        assert torch.equal(a, b)
-    _, kept = run("1", zero_grad=False)
-    assert 2 in kept
+    rotated, most, counts = run("1", "2")
+    assert most == 3 and counts == {3}, (most, counts)
+    copied, most, counts = run("0", "2")
+    assert most == 3 and counts <= {2, 3}, (most, counts)
+    single, most, counts = run("0", "1")
+    assert most == 2 and counts == {2}, (most, counts)
+    for a, b, c in zip(rotated, copied, single):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    _, kept, _ = run("0", "1", zero_grad=False)
+    assert kept > 2  # no release to wait for: it took another buffer (and did not hang)
 
 
 @pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
@@ -357,7 +366,7 @@ def test_bf16_gradients_are_handed_to_roundpipe_adam_without_a_copy(workers: str
             for p in model.parameters():
                 attr = ParamAttribute.get(p)
                 assert attr.optim_grad_buffer is None or accumulate  # handed over, never copied to fp32
-                assert all(len(bufs) <= 2 for bufs in attr.grad_buffer.values())
+                assert len(attr.host_buffers(p)) <= (4 if accumulate else 3), len(attr.host_buffers(p))
         return [p.detach().clone() for p in rp.optim_parameters()]
 
     for accumulate in (False, True):
