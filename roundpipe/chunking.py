@@ -1,9 +1,11 @@
 """Split a stage's parameter copies into chunks of about equal bytes (greedy number partitioning).
 
 The spec's helper for issuing a stage upload as several chunks with an event each (chunks of equal
-bytes take about equal time). The runtime does not issue per-chunk events yet: each layer's upload
-records one event, compute waits for the whole stage, and a single large tensor is sliced instead
-(``transfer.chunked_upload``) so activation uploads can pass it. Re-exported by ``roundpipe.transfer``.
+bytes take about equal time). The runtime's unit is the layer: each layer's upload records one
+event and compute waits for layer k's event just before running layer k (``transfer.wait_layer``), so
+a multi-layer stage starts computing once its first layer is on the device; a single large tensor is
+sliced instead (``transfer.chunked_upload``) so activation uploads can pass it. Chunks smaller than a
+layer would need the layer's forward split. Re-exported by ``roundpipe.transfer``.
 """
 
 from __future__ import annotations

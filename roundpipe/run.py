@@ -30,6 +30,7 @@ from roundpipe.transfer import (
     snapshot_buffers,
     tensor_bytes,
     upload_layers,
+    wait_layer,
 )
 
 if TYPE_CHECKING:
@@ -223,7 +224,10 @@ def _give_grads(device: "DeviceManager", run: Run, ctx: RoundPipeRunContext, gro
     ctx.grad_events = events
 
 
-def _upload_group(device: "DeviceManager", run: Run, layers: range, with_grad: bool, for_recompute: bool) -> List[torch.nn.Module]:
+def _upload_group(
+    device: "DeviceManager", run: Run, layers: range, with_grad: bool, for_recompute: bool, ready: Optional[List[Any]] = None
+) -> List[torch.nn.Module]:
+    """Upload a job's layers; with ``ready``, compute waits layer by layer (``transfer.wait_layer``)."""
     model = run.model
     sizes = model.layer_device_bytes("train" if with_grad else "infer")
     device.stage = (model.name, layers, sum(sizes[i] for i in layers))
@@ -235,6 +239,7 @@ def _upload_group(device: "DeviceManager", run: Run, layers: range, with_grad: b
         device,
         with_grad=with_grad,
         saved_buffers=run.saved_buffers if for_recompute else None,
+        ready=ready,
     )
 
 
@@ -252,7 +257,9 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
                 # The previous forward's buffer download must land before we copy the host buffers.
                 model.layer_attrs[i].buffer_downloaded.synchronize()
                 run.saved_buffers[i] = snapshot_buffers(model.layers[i])
-    gpu_layers = _upload_group(device, run, layers, with_grad=False, for_recompute=False)
+    # Per-layer upload events: the first microbatch starts on the first layer while the rest upload.
+    ready: List[Any] = []
+    gpu_layers = _upload_group(device, run, layers, with_grad=False, for_recompute=False, ready=ready)
     for m in range(batch.num_microbatch):
         tracker.forward_wait_for(layer_group_id)
         ctx = run.contexts[m]
@@ -262,8 +269,10 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
         device.compute_stream.wait_stream(device.upstream)
         with backend.use_stream(device.compute_stream), backend.compute_guard(device.device), torch.no_grad(), run.autocast_ctx(device):
             x = pytree.tree_unflatten(dev_leaves, spec)
-            for i, layer in zip(layers, gpu_layers):
+            for k, (i, layer) in enumerate(zip(layers, gpu_layers)):
                 device.location = f"model {model.name!r}: forward of {run.layer_name(i)}, microbatch {m}"
+                if m == 0:
+                    wait_layer(device, ready, k)
                 if run.enable_grad and tracker.backward_need_input(i):
                     if i == layers.start and i in run.kept_inputs[m]:
                         ctx.device_inputs[i] = (dev_leaves, spec)  # the previous job kept no host copy
@@ -362,7 +371,11 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int) -> None
     the device over microbatches and are downloaded once into the host gradient slots."""
     model, batch, tracker, cfg = run.model, run.batch, run.tracker, run.cfg
     layers = run.plan.bwd_plan[layer_group_id]
-    gpu_layers = _upload_group(device, run, layers, with_grad=True, for_recompute=True)
+    # Per-layer upload events: the first recompute starts on the first layer while the rest upload
+    # (the backward itself runs after the recompute has waited for every layer).
+    ready: List[Any] = []
+    gpu_layers = _upload_group(device, run, layers, with_grad=True, for_recompute=True, ready=ready)
+    first = True  # the first microbatch that computes waits for each layer; later ones find them there
     for m in range(batch.num_microbatch):
         tracker.backward_wait_for(layer_group_id)
         ctx = run.contexts[m]
@@ -381,8 +394,10 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int) -> None
                 with torch.enable_grad():
                     leaves = _grad_leaves(dev_in, flags)
                     x = pytree.tree_unflatten(leaves, spec)
-                    for i, layer in zip(layers, gpu_layers):
+                    for k, (i, layer) in enumerate(zip(layers, gpu_layers)):
                         device.location = f"model {model.name!r}: recompute of {run.layer_name(i)}, microbatch {m}"
+                        if first:
+                            wait_layer(device, ready, k)
                         rng.restore(i)
                         with RecomputeCtx(recompute[i]), run.timer.time_fwd("re", i, device.compute_stream):
                             x = _wrap(_call_layer(layer, x))
@@ -396,8 +411,10 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int) -> None
                 inputs: List[Tuple[Leaves, pytree.TreeSpec]] = []
                 x_leaves, x_spec = dev_in, spec
                 with torch.no_grad():
-                    for i, layer in zip(layers, gpu_layers):
+                    for k, (i, layer) in enumerate(zip(layers, gpu_layers)):
                         device.location = f"model {model.name!r}: recompute of {run.layer_name(i)}, microbatch {m}"
+                        if first:
+                            wait_layer(device, ready, k)
                         inputs.append((x_leaves, x_spec))
                         rng.restore(i)
                         with RecomputeCtx(recompute[i]):
@@ -416,6 +433,7 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int) -> None
                         grads = _input_grads(leaves)
                     del out
                 in_grads = grads
+        first = False
         _give_grads(device, run, ctx, layer_group_id, in_grads)
         device.mem_manager.free((dev_in, dev_grads, in_grads, recompute), device.compute_stream, device.downstream)
         del dev_in, dev_grads, in_grads, recompute

@@ -271,14 +271,20 @@ def upload_layers(
     device: Any,
     with_grad: bool,
     saved_buffers: Optional[Dict[int, Dict[str, torch.Tensor]]] = None,
+    ready: Optional[List[Event]] = None,
 ) -> List[nn.Module]:
     """Copy layers onto ``device`` (parameter upload stream) and return their device copies.
 
     With ``with_grad``, trainable parameters get ``requires_grad`` and start from the host gradient
     (so gradients accumulate across calls exactly as in PyTorch). ``saved_buffers`` replaces host
     buffers (the pre-forward values used for recompute). After issuing a layer's copies its
-    ``param_uploaded`` event is recorded and ``param_upload_started`` set (attribute.py protocol); the
-    compute stream waits for the parameter stream before using the layers.
+    ``param_uploaded`` event is recorded and ``param_upload_started`` set (attribute.py protocol).
+
+    Without ``ready`` the compute stream waits for the whole upload before using any layer. With a
+    list, each layer's event is appended to it instead and the caller makes the compute stream wait
+    for layer k's event before running layer k (``wait_layer``): compute starts on the first layer
+    while the later ones still upload. The caller keeps these events (``param_uploaded`` may be
+    recorded again by another device's upload of the same layer meanwhile).
     """
     stream = device.param_upstream
     out: List[nn.Module] = []
@@ -305,10 +311,20 @@ def upload_layers(
                     src = buffers.get(f"{id(host_mod)}.{name}", b) if buffers else b
                     tensors[id(b)] = _upload_param(src, device.device)
             attr.param_uploaded = backend.record_event(stream)
+            if ready is not None:
+                ready.append(attr.param_uploaded)
             attr.param_upload_started.set()
             out.append(_device_copy(layer, tensors, {}))
-    device.compute_stream.wait_stream(stream)
+    if ready is None:
+        device.compute_stream.wait_stream(stream)
     return out
+
+
+def wait_layer(device: Any, ready: List[Event], k: int) -> None:
+    """Make the compute stream wait until the ``k``-th layer of a group uploaded with ``ready`` is on
+    the device (``upload_layers``). Safe to call once per layer per job: later waits on a completed
+    event are no-ops, so callers wait only on their first microbatch."""
+    device.compute_stream.wait_event(ready[k])
 
 
 def snapshot_buffers(layer: nn.Module) -> Dict[str, torch.Tensor]:

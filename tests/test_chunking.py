@@ -2,6 +2,7 @@
 
 import itertools
 import random
+import threading
 
 import pytest
 import torch
@@ -88,3 +89,72 @@ def test_sliced_copy_equals_a_whole_copy(dtype: torch.dtype, numel: int, chunk_b
     dst = torch.full_like(src, 7)
     _copy_in_chunks(dst, src, chunk_bytes)
     assert torch.equal(dst, src)
+
+
+# ---- layer-by-layer upload waits (transfer.upload_layers(ready=...), transfer.wait_layer) ----------------
+
+
+class _Logged(torch.nn.Module):
+    """A layer that appends ("call", its index) to a shared log when it runs (device copies share it)."""
+
+    def __init__(self, idx: int, log: list) -> None:
+        super().__init__()
+        self.idx, self.log = idx, log
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.log.append(("call", self.idx, threading.current_thread().name))
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_compute_waits_for_each_layer_of_a_group_just_before_running_it(workers: str, grain: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job's compute stream waits for layer k's upload event right before layer k first runs (not for
+    the whole group up front), once per job, in forward and in the recompute of backward."""
+    from roundpipe import RoundPipe, RoundPipeRunConfig
+    from roundpipe import run as run_mod
+    from roundpipe.scheduler import ModelExecutePlan
+
+    log: list = []
+    layer_of_event: dict = {}
+    real_upload, real_wait = run_mod.upload_layers, run_mod.wait_layer
+
+    def upload(layers, layer_ids, attrs, device, with_grad, saved_buffers=None, ready=None):  # type: ignore[no-untyped-def]
+        out = real_upload(layers, layer_ids, attrs, device, with_grad, saved_buffers=saved_buffers, ready=ready)
+        if ready is not None:
+            assert len(ready) == len(layer_ids)
+            layer_of_event.update({id(ev): lid for ev, lid in zip(ready, layer_ids)})
+            log.append(("upload", tuple(layer_ids), threading.current_thread().name))
+        return out
+
+    def wait(device, ready, k):  # type: ignore[no-untyped-def]
+        log.append(("wait", layer_of_event[id(ready[k])], threading.current_thread().name))
+        real_wait(device, ready, k)
+
+    monkeypatch.setattr(run_mod, "upload_layers", upload)
+    monkeypatch.setattr(run_mod, "wait_layer", wait)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_Logged(i, log) for i in range(7)])
+    plan = ModelExecutePlan([range(0, 3), range(3, 7)], [range(0, 3), range(3, 6), range(6, 7)])
+    rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan, recompute_grain=grain))
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+    rp.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, t: ((o - t) ** 2).mean())
+    rp.synchronize()
+
+    # Jobs on two workers interleave in the log: split it per device thread, then per job.
+    per_thread: dict = {}
+    for e in log:
+        per_thread.setdefault(e[-1], []).append(e[:-1])
+    jobs = []
+    for entries in per_thread.values():
+        starts = [k for k, e in enumerate(entries) if e[0] == "upload"]
+        jobs += [(entries[s][1], entries[s + 1 : e]) for s, e in zip(starts, starts[1:] + [len(entries)])]
+    # forward 0-2, forward 3-5 (layer 6 is the fused last job, uploaded whole), backward 3-5, backward 0-2
+    assert sorted(group for group, _ in jobs) == [(0, 1, 2), (0, 1, 2), (3, 4, 5), (3, 4, 5)]
+    for group, events in jobs:
+        waits = [e[1] for e in events if e[0] == "wait"]
+        assert waits == list(group), (group, events)  # each layer once, in order (first microbatch only)
+        for a, b in zip(group, group[1:]):
+            # Layer b is waited for only after layer a has run: compute started before b's upload was needed.
+            assert events.index(("call", a)) < events.index(("wait", b)) < events.index(("call", b)), (group, events)
