@@ -22,7 +22,7 @@ flight still reads. All "copied"/"started" events are set when nothing is pendin
 from __future__ import annotations
 
 import threading
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -97,7 +97,8 @@ class ParamAttribute:
         grad_cpu: Per-layer gradient shares for shared parameters.
         grad_buffer: Reusable pinned gradient buffers of a *shared* parameter, per layer; a second
             one only while the optimizer reads the first as its ``.grad`` (``transfer._grad_buffer``).
-        spare: Host buffers of an unshared parameter's shape and dtype that no role uses now. Its
+        spare: Host buffers of the parameter's shape and dtype that no role uses now, with whether
+            each is pinned. An unshared parameter's
             host buffers rotate through three roles (``transfer._grad_buffer`` explains the cycle):
             gradient download target, the optimizer's ``.grad`` (``held``), staging buffer, model
             parameter; a buffer leaves a role into ``spare`` and the next role takes it from there.
@@ -119,7 +120,7 @@ class ParamAttribute:
         self.grad_buffer: Dict[int, List[torch.Tensor]] = {}
         self.optim: Optional[torch.nn.Parameter] = None
         self.optim_grad_buffer: Optional[torch.Tensor] = None
-        self.spare: List[torch.Tensor] = []
+        self.spare: List[Tuple[torch.Tensor, bool]] = []  # (buffer, whether pinned)
         self.held: Optional[torch.Tensor] = None
         self.staged: Optional[torch.Tensor] = None
         self.staged_valid = False
@@ -128,21 +129,30 @@ class ParamAttribute:
     def shared(self) -> bool:
         return len(self.layer_ids) > 1
 
-    def take_spare(self, shape: torch.Size, dtype: torch.dtype) -> Optional[torch.Tensor]:
-        """A spare buffer of ``shape`` and ``dtype`` (now owned by the caller), or None."""
+    def take_spare(self, shape: torch.Size, dtype: torch.dtype, pinned: bool) -> Optional[torch.Tensor]:
+        """A spare buffer of ``shape`` and ``dtype`` (now owned by the caller), pinned if ``pinned``,
+        or None. A pageable spare that cannot serve a pinned request is dropped (the caller allocates a
+        pinned one instead: with ``pin_model='off'`` the first model buffer is pageable)."""
         with _SPARE_LOCK:
-            for i, b in enumerate(self.spare):
+            for i, (b, is_pinned) in enumerate(self.spare):
                 if b.shape == shape and b.dtype == dtype:
-                    return self.spare.pop(i)
+                    if is_pinned or not pinned:
+                        return self.spare.pop(i)[0]
+                    self.spare.pop(i)
+                    return None
         return None
 
     def give_spare(self, buf: torch.Tensor) -> None:
-        """Return ``buf`` (no longer read or written by anything) for the next role to take. A
-        pageable buffer is dropped while pinning is on: downloads and uploads need pinned memory."""
-        if backend.pin_enabled() and not buf.is_pinned():
-            return
+        """Return ``buf`` (no longer read or written by anything) for the next role to take."""
+        pinned = backend.pin_enabled() and buf.is_pinned()
         with _SPARE_LOCK:
-            self.spare.append(buf)
+            self.spare.append((buf, pinned))
+
+    def trim_spare(self) -> None:
+        """Keep at most one spare (the next gradient download's buffer): an optimizer that kept its
+        ``.grad`` for a step (gradient accumulation) leaves an extra one behind, which is freed here."""
+        with _SPARE_LOCK:
+            del self.spare[1:]
 
     def release_held(self) -> Optional[torch.Tensor]:
         """The buffer handed to the optimizer as its ``.grad``, once the optimizer no longer holds it
@@ -162,7 +172,8 @@ class ParamAttribute:
         staging, gradient, spare and per-layer buffers): what its host memory costs, for tests."""
         found: Dict[int, torch.Tensor] = {}
         grads = [param.grad, self.held, self.optim.grad if self.optim is not None else None]
-        for t in [param.data, self.staged, *grads, *self.spare, *(b for bufs in self.grad_buffer.values() for b in bufs)]:
+        spare = [b for b, _ in self.spare]
+        for t in [param.data, self.staged, *grads, *spare, *(b for bufs in self.grad_buffer.values() for b in bufs)]:
             if t is not None and t.device.type == "cpu" and t.shape == param.shape and t.numel() > 0:
                 found.setdefault(t.data_ptr(), t)
         return list(found.values())

@@ -269,14 +269,17 @@ class RoundPipeBase(nn.Module):
                             pa.give_spare(freed)
                         continue
                     if pa.staged is None or pa.staged.shape != p.shape or pa.staged.dtype != p.dtype:
-                        if freed is not None and freed.shape == p.shape and freed.dtype == p.dtype and (freed.is_pinned() or not p.data.is_pinned()):
+                        # Uploads read the staged buffer once published: pinned if the parameter is.
+                        pinned = p.data.is_pinned()
+                        if freed is not None and freed.shape == p.shape and freed.dtype == p.dtype and (not pinned or freed.is_pinned()):
                             pa.staged, freed = freed, None
                         else:
-                            pa.staged = pa.take_spare(p.shape, p.dtype)
+                            pa.staged = pa.take_spare(p.shape, p.dtype, pinned)
                             if pa.staged is None:
-                                pa.staged = pinned_empty(p.shape, p.dtype, pin=p.data.is_pinned())
+                                pa.staged = pinned_empty(p.shape, p.dtype, pin=pinned)
                     if freed is not None:
                         pa.give_spare(freed)
+                    pa.trim_spare()
                     pa.staged.copy_(pa.optim.data)
                     pa.staged_valid = True
 
@@ -289,6 +292,7 @@ class RoundPipeBase(nn.Module):
                 freed = pa.release_held()
                 if freed is not None:
                     pa.give_spare(freed)
+                pa.trim_spare()
 
     @staticmethod
     def _copy_grad_to_optim(p: nn.Parameter) -> None:

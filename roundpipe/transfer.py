@@ -403,12 +403,13 @@ def _grad_buffer(p: torch.Tensor, attr: ParamAttribute, layer_id: int, dev_grad:
     g = p.grad
     if g is not None and g.device.type == "cpu" and g.shape == dev_grad.shape and g.dtype == dev_grad.dtype:
         return g
-    buf = attr.take_spare(dev_grad.shape, dev_grad.dtype)
+    pinned = backend.pin_enabled()  # asynchronous downloads need pinned memory
+    buf = attr.take_spare(dev_grad.shape, dev_grad.dtype, pinned)
     if buf is None and attr.held is not None and grad_buffers_limit() == 1 and not stage_params_enabled():
         from roundpipe import optim_stream
 
         optim_stream.synchronize_optim()
-        buf = attr.take_spare(dev_grad.shape, dev_grad.dtype)
+        buf = attr.take_spare(dev_grad.shape, dev_grad.dtype, pinned)
     if buf is None:
         buf = pinned_empty(dev_grad.shape, dev_grad.dtype)  # exact size: it lives as long as the model
     return buf

@@ -97,6 +97,11 @@ def _mixed_schedule_losses(model: nn.Module) -> List[float]:
                 for q in rp.optim_parameters():
                     q.mul_(0.5)
     rp.synchronize()
+    # The host buffers of a parameter rotate without piling up across the schedule: the model
+    # buffer, the staging buffer and one spare (the last model buffer, or the copied gradient).
+    from roundpipe.attribute import ParamAttribute
+
+    assert all(len(ParamAttribute.get(p).host_buffers(p)) <= 3 for p in model.parameters())
     return losses + [p.detach().double().sum().item() for p in model.parameters()]
 
 
