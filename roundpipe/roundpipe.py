@@ -363,6 +363,11 @@ class RoundPipeBase(nn.Module):
     def reduce_shared_grads(self) -> None:
         """Add the per-layer gradient shares of shared (tied) parameters into ``param.grad``.
 
+        On one device the shares of layers above the owner (the parameter's lowest layer) were already
+        added into the owner's share on the device (``transfer.download_layer``), so there is usually
+        one share left and nothing to add; with several devices, or with owner and sharer in one
+        stage, the shares are added here.
+
         No copy where possible: ``param.grad`` becomes the share buffer of the parameter's first layer
         (whose optimizer unit and ``grad_copied`` event guard the parameter, see ``_optim_units``), and
         the other shares are added into it in place. ``transfer.host_grad`` then seeds that layer's next

@@ -126,6 +126,9 @@ class Run:
         # every job runs on the same device thread, the only one that reserves from this budget). The
         # budget is per call: every call awaiting its backward may hold this much.
         self.device_saved_left = device_saved_limit() if self.enable_grad and device_mod.get_num_devices() == 1 else 0
+        # Gradient shares of tied parameters kept on the (single) device until their owner layer's
+        # download adds them in (transfer.download_layer); only the device thread touches it.
+        self.device_shares: Optional[Dict[int, torch.Tensor]] = {} if self.enable_grad and device_mod.get_num_devices() == 1 else None
         # Per microbatch: group boundaries whose output the producing job left on the device for the
         # next job to keep as its saved stage input (no host copy was made).
         self.kept_inputs: List[Set[int]] = [set() for _ in range(batch.num_microbatch)]
@@ -439,7 +442,7 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int) -> None
         del dev_in, dev_grads, in_grads, recompute
         tracker.backward_notify(layer_group_id)
     for i, layer in zip(layers, gpu_layers):
-        download_layer(model.layers[i], layer, i, model.layer_attrs[i], device, with_buffer=False, with_grad=True)
+        download_layer(model.layers[i], layer, i, model.layer_attrs[i], device, with_buffer=False, with_grad=True, shares=run.device_shares, job_layers=layers)
     release_layers(gpu_layers, device)
     device.job_done()
 
@@ -502,7 +505,7 @@ def run_forward_backward(device: "DeviceManager", run: Run) -> None:
         tracker.fused_forward_notify()
         tracker.backward_notify(gid)
     for i, layer in zip(layers, gpu_layers):
-        download_layer(model.layers[i], layer, i, model.layer_attrs[i], device, with_buffer=True, with_grad=True)
+        download_layer(model.layers[i], layer, i, model.layer_attrs[i], device, with_buffer=True, with_grad=True, shares=run.device_shares, job_layers=layers)
     release_layers(gpu_layers, device)
     device.job_done()
 

@@ -333,13 +333,29 @@ def snapshot_buffers(layer: nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def download_layer(
-    cpu_layer: nn.Module, gpu_layer: nn.Module, layer_id: int, layer_attr: LayerAttribute, device: Any, with_buffer: bool, with_grad: bool
+    cpu_layer: nn.Module,
+    gpu_layer: nn.Module,
+    layer_id: int,
+    layer_attr: LayerAttribute,
+    device: Any,
+    with_buffer: bool,
+    with_grad: bool,
+    shares: Optional[Dict[int, torch.Tensor]] = None,
+    job_layers: Optional[range] = None,
 ) -> None:
     """Issue copies of a layer's buffers and/or parameter gradients back to the host (no waiting).
 
     Buffers are written into the host buffers in place (``buffer_downloaded`` marks completion; the
     next upload of the layer waits for it). Gradients go to the host gradient slots, reusing the
     parameter's pinned buffer; ``grad_downloaded`` is recorded and ``grad_download_started`` set.
+
+    ``shares`` (one device, the call's dict, see ``Run.device_shares``): the gradient share of a shared
+    (tied) parameter in a layer above its owner (its lowest layer), outside this job (``job_layers``),
+    stays on the device instead of being downloaded; the owner's download, later in the same call on
+    the same device, adds it in before downloading the sum. This saves the host add of the shares
+    (``RoundPipeBase.reduce_shared_grads``), the share's copy over PCIe and its host buffers.
+    Ordering: both are issued on this device's download stream after its compute stream, which ran
+    both backwards in job order.
     """
     stream = device.downstream
     stream.wait_stream(device.compute_stream)
@@ -360,20 +376,63 @@ def download_layer(
                 # reduced gradients (stream ordering: roundpipe.distributed._DeviceReduction.reduce_layer).
                 reducer(cpu_layer, gpu_layer, layer_id, device)
             done = set()
+            hold: List[torch.Tensor] = []
             for host_mod, dev_mod in pairs:
                 for name, p in host_mod._parameters.items():
                     dp = dev_mod._parameters.get(name)
-                    if p is None or dp is None or dp.grad is None or id(p) in done:
+                    if p is None or dp is None or id(p) in done:
+                        continue
+                    attr = ParamAttribute.get(p)
+                    grad = dp.grad
+                    if shares is not None and attr.shared:
+                        grad = _merge_kept_share(p, attr, layer_id, grad, shares, hold)
+                        if grad is not None and _keep_share(attr, layer_id, reducer, job_layers):
+                            done.add(id(p))
+                            kept = shares.get(id(p))
+                            if kept is None:
+                                shares[id(p)] = grad
+                            else:  # a third layer sharing it: one kept sum per parameter
+                                kept.add_(grad)
+                            set_host_grad(p, layer_id, None)
+                            continue
+                    if grad is None:
                         continue
                     done.add(id(p))
-                    buf = _grad_buffer(p, ParamAttribute.get(p), layer_id, dp.grad)
-                    if dp.grad.device.type == "cpu":
-                        buf.copy_(dp.grad)
+                    buf = _grad_buffer(p, attr, layer_id, grad)
+                    if grad.device.type == "cpu":
+                        buf.copy_(grad)
                     else:
-                        buf.copy_(dp.grad, non_blocking=True)
+                        buf.copy_(grad, non_blocking=True)
                     set_host_grad(p, layer_id, buf)
             layer_attr.grad_downloaded = backend.record_event(stream)
+            if hold:
+                device.mem_manager.free_after([layer_attr.grad_downloaded], hold)
             layer_attr.grad_download_started.set()
+
+
+def _keep_share(attr: ParamAttribute, layer_id: int, reducer: Any, job_layers: Optional[range]) -> bool:
+    """Whether this layer's share of a shared parameter stays on the device for its owner's download
+    (``download_layer``): the owner (lowest layer) runs its backward in a later job of this call."""
+    owner = min(attr.layer_ids)
+    return reducer is None and job_layers is not None and owner < layer_id and owner not in job_layers
+
+
+def _merge_kept_share(
+    p: torch.Tensor, attr: ParamAttribute, layer_id: int, grad: Optional[torch.Tensor], shares: Dict[int, torch.Tensor], hold: List[torch.Tensor]
+) -> Optional[torch.Tensor]:
+    """At the owner's download: add the share kept on the device (if any) into its gradient, on the
+    current (download) stream. Returns the gradient to download; the kept share goes to ``hold``
+    (it was allocated on the compute stream and is read on the download stream: the caller keeps it
+    until the download has completed)."""
+    if layer_id != min(attr.layer_ids):
+        return grad
+    kept = shares.pop(id(p), None)
+    if kept is None:
+        return grad
+    hold.append(kept)
+    if grad is None:
+        return kept  # no gradient reached the owner this call: the kept share is the whole of it
+    return grad.add_(kept)
 
 
 def _grad_buffer(p: torch.Tensor, attr: ParamAttribute, layer_id: int, dev_grad: torch.Tensor) -> torch.Tensor:

@@ -343,3 +343,26 @@ def test_host_scalar_is_read_later_without_a_sync_when_created() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert value.item() == int((y[0] > 0).sum())
+
+
+def test_tied_gradient_shares_summed_on_the_gpu_match_pytorch() -> None:
+    """A tied weight in the first and last of many layers, one layer per stage, on one GPU: the last
+    layer's share stays on the GPU and is added into the first layer's gradient before its download
+    (transfer.download_layer). The fp32 gradient equals plain PyTorch's, over calls that accumulate."""
+    import copy
+
+    use_devices("cuda:0")
+    torch.manual_seed(0)
+    emb, head = nn.Linear(1024, 1024, bias=False), nn.Linear(1024, 1024, bias=False)
+    head.weight = emb.weight
+    model = nn.Sequential(emb, *[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(6)], head)
+    ref = copy.deepcopy(model).cuda()
+    plan = ModelExecutePlan.layerwise(len(model), "train")
+    rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(2048, 1024, generator=g)
+        rp(x).pow(2).mean().backward()
+        ref(x.cuda()).pow(2).mean().backward()
+        err = ((emb.weight.grad - ref[0].weight.grad.cpu()).norm() / ref[0].weight.grad.norm()).item()
+        assert err < 1e-5, err
