@@ -159,6 +159,16 @@ class Run:
         host_in, spec, in_events = ctx.flatten_inputs.pop(layer_id)
         return async_h2d(device, in_events, host_in), spec
 
+    def drop_stage_input(self, ctx: RoundPipeRunContext, layer_id: int) -> int:
+        """Drop backward stage ``layer_id``'s saved input of ``ctx``'s microbatch (no gradient reached
+        the stage, so nothing is recomputed) and return how many leaves it had: the stage then hands
+        that many empty gradients on."""
+        kept = ctx.device_inputs.pop(layer_id, None)
+        if kept is not None:
+            return len(kept[0])
+        host_in, _, _ = ctx.flatten_inputs.pop(layer_id)
+        return len(host_in)
+
     def release(self) -> None:
         """Drop what backward needed (saved inputs, gradients, recompute data) once it has run."""
         self.contexts = []
@@ -441,6 +451,12 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int) -> None
         device.mem_manager.free((dev_in, dev_grads, in_grads, recompute), device.compute_stream, device.downstream)
         del dev_in, dev_grads, in_grads, recompute
         tracker.backward_notify(layer_group_id)
+    if first:
+        # No microbatch computed (no gradient reached this stage): the downloads below still read the
+        # gradients uploaded as seeds, so the compute stream (which the download stream follows) must
+        # wait for the uploads.
+        for k in range(len(ready)):
+            wait_layer(device, ready, k)
     for i, layer in zip(layers, gpu_layers):
         download_layer(model.layers[i], layer, i, model.layer_attrs[i], device, with_buffer=False, with_grad=True, shares=run.device_shares, job_layers=layers)
     release_layers(gpu_layers, device)

@@ -158,3 +158,34 @@ def test_compute_waits_for_each_layer_of_a_group_just_before_running_it(workers:
         for a, b in zip(group, group[1:]):
             # Layer b is waited for only after layer a has run: compute started before b's upload was needed.
             assert events.index(("call", a)) < events.index(("wait", b)) < events.index(("call", b)), (group, events)
+
+
+class _Detach(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+
+@pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
+def test_a_backward_stage_without_gradients_still_waits_for_its_uploads(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When no gradient reaches a backward stage (its output was detached) no microbatch computes
+    there (each drops its saved stage input), but the stage still downloads the gradients it was
+    seeded with: the compute stream (which the download stream follows) must have waited for every
+    layer's upload first. On two workers the gradients go through the host, so the stage skips."""
+    from roundpipe import RoundPipe, RoundPipeRunConfig
+    from roundpipe import run as run_mod
+    from roundpipe.scheduler import ModelExecutePlan
+
+    waited: list = []
+    real_wait = run_mod.wait_layer
+    monkeypatch.setattr(run_mod, "wait_layer", lambda device, ready, k: (waited.append((len(ready), k)), real_wait(device, ready, k)))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), _Detach(), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    plan = ModelExecutePlan([range(0, 2), range(2, 4), range(4, 5)], [range(0, 2), range(2, 4), range(4, 5)])
+    rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
+    seed = torch.randn(4, 4)
+    model[0].weight.grad = seed.clone()  # uploaded with the layer, downloaded back unchanged
+    rp(torch.randn(6, 4)).sum().backward()
+    # Forward 0-1 and 2-3 wait for both their layers, backward 2-3 too (its microbatches compute);
+    # backward 0-1 computes nothing and must still wait for both, after its microbatch loop.
+    assert waited.count((2, 0)) == 4 and waited.count((2, 1)) == 4, waited
+    assert torch.equal(model[0].weight.grad, seed)
