@@ -261,6 +261,57 @@ def test_tied_gradient_shares_are_summed_on_the_device(workers: str, plan_kind: 
             assert rel_err(emb.weight, ref[0].weight) < 1e-6, k
 
 
+class _DetachedUse(nn.Module):
+    """Uses a (tied) weight without a gradient path: its layer contributes no gradient share."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.detach().t()
+
+
+@pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
+def test_tied_share_kept_on_the_device_when_the_owner_has_no_gradient(workers: str) -> None:
+    """The owner layer of a tied weight computes no gradient for it: the share kept on the device by
+    the layer above becomes the whole gradient at the owner's download."""
+    from roundpipe.scheduler import ModelExecutePlan
+
+    torch.manual_seed(6)
+    head = nn.Linear(5, 5, bias=False)
+    model = nn.Sequential(_DetachedUse(head.weight), nn.Tanh(), head)
+    ref = copy.deepcopy(model)
+    rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=ModelExecutePlan.layerwise(3, "train")))
+    for _ in range(2):  # the second call accumulates onto the first
+        x = torch.randn(4, 5, requires_grad=True)
+        rp(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        assert rel_err(head.weight.grad, ref[2].weight.grad) < 1e-6
+
+
+def test_spare_buffers_serve_pinned_requests_only_with_pinned_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ParamAttribute spares: a pageable spare (pin_model='off' model buffer) serves staging of a
+    pageable parameter but is dropped, not returned, when a pinned download buffer is asked for."""
+    from roundpipe import backend
+    from roundpipe.attribute import ParamAttribute
+
+    monkeypatch.setattr(backend, "pin_enabled", lambda: True)
+    attr = ParamAttribute()
+    pageable = torch.empty(3, 4)
+    attr.give_spare(pageable)
+    assert attr.take_spare(torch.Size([4, 3]), torch.float32, pinned=False) is None  # other shape
+    assert attr.take_spare(torch.Size([3, 4]), torch.float64, pinned=False) is None  # other dtype
+    assert attr.take_spare(torch.Size([3, 4]), torch.float32, pinned=False) is pageable
+    attr.give_spare(pageable)
+    assert attr.take_spare(torch.Size([3, 4]), torch.float32, pinned=True) is None
+    assert attr.spare == []  # dropped: the caller allocates pinned memory instead
+    attr.give_spare(torch.empty(3, 4))
+    attr.give_spare(torch.empty(3, 4))
+    attr.trim_spare()
+    assert len(attr.spare) == 1
+
+
 @pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
 def test_optimizer_ctx_and_parameters(workers: str) -> None:
     model = make_model().to(torch.bfloat16)
