@@ -363,10 +363,10 @@ class RoundPipeBase(nn.Module):
     def reduce_shared_grads(self) -> None:
         """Add the per-layer gradient shares of shared (tied) parameters into ``param.grad``.
 
-        On one device the shares of layers above the owner (the parameter's lowest layer) were already
-        added into the owner's share on the device (``transfer.download_layer``), so there is usually
-        one share left and nothing to add; with several devices, or with owner and sharer in one
-        stage, the shares are added here.
+        The shares of layers above the owner (the parameter's lowest layer) were already added into the
+        owner's share on its device (``transfer.TiedGrads``), so there is usually one share left and
+        nothing to add; with owner and sharer in one stage, or with data parallel reducing on the
+        device, the shares are added here.
 
         No copy where possible: ``param.grad`` becomes the share buffer of the parameter's first layer
         (whose optimizer unit and ``grad_copied`` event guard the parameter, see ``_optim_units``), and

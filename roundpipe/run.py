@@ -22,6 +22,7 @@ from roundpipe.context import ForwardCtx, RecomputeCtx
 from roundpipe.scheduler import ModelExecutePlan, ModelTracker, RunType
 from roundpipe.threads import RoundPipeAborted, raise_if_failed, report_failure
 from roundpipe.transfer import (
+    TiedGrads,
     async_d2h,
     async_h2d,
     device_saved_limit,
@@ -126,9 +127,8 @@ class Run:
         # every job runs on the same device thread, the only one that reserves from this budget). The
         # budget is per call: every call awaiting its backward may hold this much.
         self.device_saved_left = device_saved_limit() if self.enable_grad and device_mod.get_num_devices() == 1 else 0
-        # Gradient shares of tied parameters kept on the (single) device until their owner layer's
-        # download adds them in (transfer.download_layer); only the device thread touches it.
-        self.device_shares: Optional[Dict[int, torch.Tensor]] = {} if self.enable_grad and device_mod.get_num_devices() == 1 else None
+        # Gradient shares of tied parameters, summed into the owner layer's share on its device.
+        self.tied = TiedGrads(model.layer_attrs, device_mod.get_num_devices() == 1) if self.enable_grad else None
         # Per microbatch: group boundaries whose output the producing job left on the device for the
         # next job to keep as its saved stage input (no host copy was made).
         self.kept_inputs: List[Set[int]] = [set() for _ in range(batch.num_microbatch)]
@@ -458,7 +458,7 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int) -> None
         for k in range(len(ready)):
             wait_layer(device, ready, k)
     for i, layer in zip(layers, gpu_layers):
-        download_layer(model.layers[i], layer, i, model.layer_attrs[i], device, with_buffer=False, with_grad=True, shares=run.device_shares, job_layers=layers)
+        download_layer(model.layers[i], layer, i, model.layer_attrs[i], device, with_buffer=False, with_grad=True, tied=run.tied, job_layers=layers)
     release_layers(gpu_layers, device)
     device.job_done()
 
@@ -521,7 +521,7 @@ def run_forward_backward(device: "DeviceManager", run: Run) -> None:
         tracker.fused_forward_notify()
         tracker.backward_notify(gid)
     for i, layer in zip(layers, gpu_layers):
-        download_layer(model.layers[i], layer, i, model.layer_attrs[i], device, with_buffer=True, with_grad=True, shares=run.device_shares, job_layers=layers)
+        download_layer(model.layers[i], layer, i, model.layer_attrs[i], device, with_buffer=True, with_grad=True, tied=run.tied, job_layers=layers)
     release_layers(gpu_layers, device)
     device.job_done()
 

@@ -340,7 +340,7 @@ def download_layer(
     device: Any,
     with_buffer: bool,
     with_grad: bool,
-    shares: Optional[Dict[int, torch.Tensor]] = None,
+    tied: Optional["TiedGrads"] = None,
     job_layers: Optional[range] = None,
 ) -> None:
     """Issue copies of a layer's buffers and/or parameter gradients back to the host (no waiting).
@@ -349,13 +349,8 @@ def download_layer(
     next upload of the layer waits for it). Gradients go to the host gradient slots, reusing the
     parameter's pinned buffer; ``grad_downloaded`` is recorded and ``grad_download_started`` set.
 
-    ``shares`` (one device, the call's dict, see ``Run.device_shares``): the gradient share of a shared
-    (tied) parameter in a layer above its owner (its lowest layer), outside this job (``job_layers``),
-    stays on the device instead of being downloaded; the owner's download, later in the same call on
-    the same device, adds it in before downloading the sum. This saves the host add of the shares
-    (``RoundPipeBase.reduce_shared_grads``), the share's copy over PCIe and its host buffers.
-    Ordering: both are issued on this device's download stream after its compute stream, which ran
-    both backwards in job order.
+    ``tied`` (the call's ``TiedGrads``) sums the gradient shares of tied parameters into the owner
+    layer's share before its download (``job_layers``: the layers of this job).
     """
     stream = device.downstream
     stream.wait_stream(device.compute_stream)
@@ -384,15 +379,10 @@ def download_layer(
                         continue
                     attr = ParamAttribute.get(p)
                     grad = dp.grad
-                    if shares is not None and attr.shared:
-                        grad = _merge_kept_share(p, attr, layer_id, grad, shares, hold)
-                        if grad is not None and _keep_share(attr, layer_id, reducer, job_layers):
+                    if tied is not None and attr.shared and reducer is None and job_layers is not None:
+                        grad = tied.merge(p, attr, layer_id, grad, job_layers, device, hold)
+                        if grad is not None and tied.keep(p, attr, layer_id, grad, job_layers):
                             done.add(id(p))
-                            kept = shares.get(id(p))
-                            if kept is None:
-                                shares[id(p)] = grad
-                            else:  # a third layer sharing it: one kept sum per parameter
-                                kept.add_(grad)
                             set_host_grad(p, layer_id, None)
                             continue
                     if grad is None:
@@ -410,29 +400,75 @@ def download_layer(
             layer_attr.grad_download_started.set()
 
 
-def _keep_share(attr: ParamAttribute, layer_id: int, reducer: Any, job_layers: Optional[range]) -> bool:
-    """Whether this layer's share of a shared parameter stays on the device for its owner's download
-    (``download_layer``): the owner (lowest layer) runs its backward in a later job of this call."""
-    owner = min(attr.layer_ids)
-    return reducer is None and job_layers is not None and owner < layer_id and owner not in job_layers
+class TiedGrads:
+    """One call's gradient shares of tied parameters (a parameter used by several layers), summed on
+    the owner's device into the share of the owner (the parameter's lowest layer, whose backward job
+    runs last) before the owner's download. The host then holds one share, and
+    ``RoundPipeBase.reduce_shared_grads`` has nothing left to add on the main thread between
+    iterations (qwen3-1.7b's tied embedding: 311M elements).
 
+    One device: a sharer's share (a layer above the owner, in an earlier job) is not downloaded at all;
+    it stays on the device (``keep``) and the owner's download stream adds it in (``merge``). Both are
+    issued on that device's download stream after its compute stream, which ran both backwards in job
+    order, so no event is needed. This also saves the share's copy over PCIe and its host buffers.
 
-def _merge_kept_share(
-    p: torch.Tensor, attr: ParamAttribute, layer_id: int, grad: Optional[torch.Tensor], shares: Dict[int, torch.Tensor], hold: List[torch.Tensor]
-) -> Optional[torch.Tensor]:
-    """At the owner's download: add the share kept on the device (if any) into its gradient, on the
-    current (download) stream. Returns the gradient to download; the kept share goes to ``hold``
-    (it was allocated on the compute stream and is read on the download stream: the caller keeps it
-    until the download has completed)."""
-    if layer_id != min(attr.layer_ids):
+    Several devices: the sharer's share is downloaded as usual; the owner's device thread waits until
+    that download is issued (``grad_download_started``, host side), its download stream waits for the
+    download's event (device side, across devices), uploads the host copy and adds it in. The sharer's
+    host buffer is not written again before this call's ``finish_backward`` has waited for every
+    gradient download, the owner's included.
+
+    Only the device threads touch it; a share is merged by the owner's job, which runs after the
+    sharer's (backward runs from the last layer to the first), never in the same job (``job_layers``).
+    """
+
+    def __init__(self, layer_attrs: Sequence[LayerAttribute], one_device: bool) -> None:
+        self.layer_attrs = layer_attrs
+        self.one_device = one_device
+        self.kept: Dict[int, torch.Tensor] = {}  # id(param) -> its sharers' shares summed on the device
+
+    def keep(self, p: torch.Tensor, attr: ParamAttribute, layer_id: int, grad: torch.Tensor, job_layers: range) -> bool:
+        """One device: keep this sharer's share on the device for the owner's download (True), or let
+        it be downloaded (False)."""
+        owner = min(attr.layer_ids)
+        if not self.one_device or layer_id == owner or owner in job_layers:
+            return False
+        kept = self.kept.get(id(p))
+        if kept is None:
+            self.kept[id(p)] = grad
+        else:  # a third layer sharing it: one kept sum per parameter
+            kept.add_(grad)
+        return True
+
+    def merge(
+        self, p: torch.Tensor, attr: ParamAttribute, layer_id: int, grad: Optional[torch.Tensor], job_layers: range, device: Any, hold: List[torch.Tensor]
+    ) -> Optional[torch.Tensor]:
+        """At the owner's download (the current stream is its download stream): add the sharers'
+        shares into ``grad`` and return the gradient to download. Device tensors read here go to
+        ``hold``: the caller keeps them until the download has completed."""
+        if layer_id != min(attr.layer_ids):
+            return grad
+        shares: List[torch.Tensor] = []
+        kept = self.kept.pop(id(p), None)
+        if kept is not None:
+            shares.append(kept)
+        if not self.one_device:
+            stream = device.downstream
+            for lid in sorted(attr.layer_ids):
+                if lid == layer_id or lid in job_layers:
+                    continue
+                sharer = self.layer_attrs[lid]
+                sharer.grad_download_started.wait()  # its download is issued (an earlier job)
+                host = attr.grad_cpu.get(lid)
+                if host is None:
+                    continue
+                stream.wait_event(sharer.grad_downloaded)  # ... and lands before we read it
+                shares.append(_to_device(host, device.device))
+                attr.grad_cpu[lid] = None  # summed here: reduce_shared_grads must not add it again
+        for share in shares:
+            hold.append(share)
+            grad = share if grad is None else grad.add_(share)
         return grad
-    kept = shares.pop(id(p), None)
-    if kept is None:
-        return grad
-    hold.append(kept)
-    if grad is None:
-        return kept  # no gradient reached the owner this call: the kept share is the whole of it
-    return grad.add_(kept)
 
 
 def _grad_buffer(p: torch.Tensor, attr: ParamAttribute, layer_id: int, dev_grad: torch.Tensor) -> torch.Tensor:

@@ -345,13 +345,18 @@ def test_host_scalar_is_read_later_without_a_sync_when_created() -> None:
     assert value.item() == int((y[0] > 0).sum())
 
 
-def test_tied_gradient_shares_summed_on_the_gpu_match_pytorch() -> None:
-    """A tied weight in the first and last of many layers, one layer per stage, on one GPU: the last
-    layer's share stays on the GPU and is added into the first layer's gradient before its download
-    (transfer.download_layer). The fp32 gradient equals plain PyTorch's, over calls that accumulate."""
+@pytest.mark.parametrize("spec", ["cuda:0", "cuda:0,1"])
+def test_tied_gradient_shares_summed_on_the_gpu_match_pytorch(spec: str) -> None:
+    """A tied weight in the first and last of many layers, one layer per stage: the last layer's
+    share is added into the first layer's gradient on the GPU before its download
+    (transfer.TiedGrads; on one GPU the share never leaves it, on two the owner's download stream
+    waits for the share's download on the other GPU and uploads it). The fp32 gradient equals plain
+    PyTorch's, over calls that accumulate."""
     import copy
 
-    use_devices("cuda:0")
+    if spec == "cuda:0,1" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    use_devices(spec)
     torch.manual_seed(0)
     emb, head = nn.Linear(1024, 1024, bias=False), nn.Linear(1024, 1024, bias=False)
     head.weight = emb.weight
