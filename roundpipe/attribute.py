@@ -134,13 +134,16 @@ class ParamAttribute:
         or None. A pageable spare that cannot serve a pinned request is dropped (the caller allocates a
         pinned one instead: with ``pin_model='off'`` the first model buffer is pageable)."""
         with _SPARE_LOCK:
-            for i, (b, is_pinned) in enumerate(self.spare):
-                if b.shape == shape and b.dtype == dtype:
+            keep: List[Tuple[torch.Tensor, bool]] = []
+            found: Optional[torch.Tensor] = None
+            for b, is_pinned in self.spare:
+                if found is None and b.shape == shape and b.dtype == dtype:
                     if is_pinned or not pinned:
-                        return self.spare.pop(i)[0]
-                    self.spare.pop(i)
-                    return None
-        return None
+                        found = b
+                    continue  # taken, or a pageable one that cannot serve: dropped
+                keep.append((b, is_pinned))
+            self.spare = keep
+        return found
 
     def give_spare(self, buf: torch.Tensor) -> None:
         """Return ``buf`` (no longer read or written by anything) for the next role to take."""

@@ -318,6 +318,11 @@ def test_spare_buffers_serve_pinned_requests_only_with_pinned_memory(monkeypatch
     attr.give_spare(pageable)
     assert attr.take_spare(torch.Size([3, 4]), torch.float32, pinned=True) is None
     assert attr.spare == []  # dropped: the caller allocates pinned memory instead
+    pinned = torch.empty(3, 4)
+    attr.give_spare(pageable)
+    attr.spare.append((pinned, True))  # as give_spare records a pinned buffer
+    assert attr.take_spare(torch.Size([3, 4]), torch.float32, pinned=True) is pinned  # past the pageable one
+    assert attr.spare == []
     attr.give_spare(torch.empty(3, 4))
     attr.give_spare(torch.empty(3, 4))
     attr.trim_spare()
