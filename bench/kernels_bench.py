@@ -1,7 +1,10 @@
 """One Qwen3 decoder layer, Hugging Face eager vs RoundPipe's fused kernels (roundpipe.models.kernels).
 
 Times what RoundPipe runs per layer and microbatch: a forward without grad (the pipelined forward), and
-a forward with grad + backward (the recompute and backward). Default shape: Qwen3-1.7B (hidden 2048,
+a forward with grad + backward (the recompute and backward), for Hugging Face's layer, the fused ops per
+module (``RPP_FUSED_LAYERS=0``) and the whole layer as one fused op (the default). Besides the time
+until the GPU is done it reports the host CPU time spent issuing the work (the calling thread's CPU
+time): on several GPUs the device threads share one interpreter lock, so that is what bounds them. Default shape: Qwen3-1.7B (hidden 2048,
 intermediate 6144, 16 heads, 8 kv heads, head_dim 128, qk-norm), 4 x 4096 tokens, bf16, sdpa. Checks
 that the fused layer's output and gradients (input and every parameter) agree with Hugging Face's
 within bf16 rounding: both are compared with an fp32 copy of the layer, and the fused error must not
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import time
 from typing import Callable, Dict, List, Tuple
 
@@ -94,19 +98,43 @@ def errors(got, ref) -> Dict[str, float]:
     return errs
 
 
-def timed(fn: Callable[[], object], warmup: int, iters: int, device: torch.device) -> float:
-    """Median milliseconds of ``fn``."""
+def timed(fn: Callable[[], object], warmup: int, iters: int, device: torch.device) -> Tuple[float, float]:
+    """Median milliseconds of ``fn`` until the device is done, and median host CPU milliseconds of this
+    thread while it issues ``fn`` (before the wait for the device)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
         fn()
     sync()
     times: List[float] = []
+    cpu: List[float] = []
     for _ in range(iters):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         fn()
+        cpu.append((time.thread_time() - c0) * 1e3)
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
+    return sorted(times)[len(times) // 2], sorted(cpu)[len(cpu) // 2]
+
+
+class whole_layer:
+    """Within the block, fused layers run as one op (``on``) or per module (``RPP_FUSED_LAYERS``)."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+
+    def __enter__(self) -> None:
+        from roundpipe.models import kernels
+
+        self.old = os.environ.get(kernels.WHOLE_LAYER_ENV)
+        os.environ[kernels.WHOLE_LAYER_ENV] = "1" if self.on else "0"
+
+    def __exit__(self, *exc: object) -> None:
+        from roundpipe.models import kernels
+
+        if self.old is None:
+            os.environ.pop(kernels.WHOLE_LAYER_ENV, None)
+        else:
+            os.environ[kernels.WHOLE_LAYER_ENV] = self.old
 
 
 def main(argv=None) -> Dict[str, float]:
@@ -142,20 +170,26 @@ def main(argv=None) -> Dict[str, float]:
         x, pos, mask, position_ids, grad_out = layer_inputs(config, rotary, batch, seq, dtype, device)
         pos32 = tuple(t.float() for t in pos)
 
-        # Correctness (the first fused calls also compile: timed separately).
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            run_layer(fused, x, pos, mask, position_ids)
-        got = run_layer(fused, x, pos, mask, position_ids, grad_out)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        compile_s = time.perf_counter() - t0
+        # Correctness of both fused variants (their first calls also compile: timed separately).
         eager = run_layer(hf, x, pos, mask, position_ids, grad_out)
         ref = run_layer(ref32, x.float(), pos32, mask, position_ids, grad_out.float())
-        e_fused, e_eager, e_vs = errors(got, ref), errors(eager, ref), errors(got, eager)
-        worst = max(e_fused, key=lambda k: e_fused[k] - 1.25 * e_eager[k])
-        margin = 1.25 * e_eager[worst] + (2e-3 if dtype == torch.bfloat16 else 1e-6)
-        ok = e_fused[worst] <= margin
+        e_eager = errors(eager, ref)
+        checks: Dict[str, Dict[str, object]] = {}
+        for variant, on in (("modules", False), ("layer", True)):
+            with whole_layer(on):
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    run_layer(fused, x, pos, mask, position_ids)
+                got = run_layer(fused, x, pos, mask, position_ids, grad_out)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                compile_s = time.perf_counter() - t0
+            e_fused, e_vs = errors(got, ref), errors(got, eager)
+            worst = max(e_fused, key=lambda k: e_fused[k] - 1.25 * e_eager[k])
+            margin = 1.25 * e_eager[worst] + (2e-3 if dtype == torch.bfloat16 else 1e-6)
+            checks[variant] = dict(ok=e_fused[worst] <= margin, worst=worst, err=e_fused[worst], margin=margin,
+                                   fused_err=max(e_fused.values()), vs=max(e_vs.values()), compile_s=compile_s)
+        ok = all(c["ok"] for c in checks.values())
 
         # Timing.
         def fwd(layer: nn.Module) -> Callable[[], object]:
@@ -168,30 +202,41 @@ def main(argv=None) -> Dict[str, float]:
             return lambda: run_layer(layer, x, pos, mask, position_ids, grad_out, collect=False)
 
         res = {}
-        for name, layer in (("hf", hf), ("fused", fused)):
-            res[f"{name}_fwd_ms"] = timed(fwd(layer), warmup, iters, device)
-            res[f"{name}_fwd_bwd_ms"] = timed(fwd_bwd(layer), warmup, iters, device)
+        for name, layer, on in (("hf", hf, True), ("modules", fused, False), ("layer", fused, True)):
+            with whole_layer(on):
+                res[f"{name}_fwd_ms"], res[f"{name}_fwd_cpu_ms"] = timed(fwd(layer), warmup, iters, device)
+                res[f"{name}_fwd_bwd_ms"], res[f"{name}_fwd_bwd_cpu_ms"] = timed(fwd_bwd(layer), warmup, iters, device)
     finally:
         models.DISABLE_TORCH_COMPILE = old_disable
 
     dev_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"Qwen3 decoder layer {shape} {SHAPES[shape]}, {batch} x {seq} tokens, {args.dtype}, sdpa, {dev_name}, "
-          f"torch {torch.__version__}; fused: {', '.join(swapped)}; compile {'off' if args.no_compile else 'on'}")
-    print(f"first fused forward + backward (incl. compile): {compile_s:.1f} s")
-    print("| pass | HF eager ms | fused ms | speed-up |")
-    print("|---|---|---|---|")
-    for label, key in (("forward, no grad", "fwd_ms"), ("forward + backward", "fwd_bwd_ms")):
-        print(f"| {label} | {res['hf_' + key]:.3f} | {res['fused_' + key]:.3f} | {res['hf_' + key] / res['fused_' + key]:.2f}x |")
-    hf_layer = res["hf_fwd_ms"] + res["hf_fwd_bwd_ms"]
-    fused_layer = res["fused_fwd_ms"] + res["fused_fwd_bwd_ms"]
-    print(f"| RoundPipe per layer (both) | {hf_layer:.3f} | {fused_layer:.3f} | {hf_layer / fused_layer:.2f}x |")
-    print(f"rel. error vs fp32 layer, worst of output/grads: fused {max(e_fused.values()):.2e}, HF eager {max(e_eager.values()):.2e}; "
-          f"fused vs HF eager {max(e_vs.values()):.2e}")
-    print(f"agreement {'OK' if ok else 'FAILED'}: worst relative to eager is {worst!r}: fused {e_fused[worst]:.2e} vs eager "
-          f"{e_eager[worst]:.2e} (limit {margin:.2e}); total {time.perf_counter() - t_start:.1f} s")
+          f"torch {torch.__version__}; fused: {', '.join(n or '(layer)' for n in swapped)}; compile {'off' if args.no_compile else 'on'}")
+    print("first fused forward + backward (incl. compile): "
+          + ", ".join(f"{v} {c['compile_s']:.1f} s" for v, c in checks.items()))
+    print("| pass | HF eager ms | fused modules ms | fused layer ms | layer speed-up | host CPU ms: HF / modules / layer |")
+    print("|---|---|---|---|---|---|")
+    for label, key in (("forward, no grad", "fwd"), ("forward + backward", "fwd_bwd")):
+        ms = [res[f"{n}_{key}_ms"] for n in ("hf", "modules", "layer")]
+        cpu = [res[f"{n}_{key}_cpu_ms"] for n in ("hf", "modules", "layer")]
+        print(f"| {label} | {ms[0]:.3f} | {ms[1]:.3f} | {ms[2]:.3f} | {ms[0] / ms[2]:.2f}x | "
+              f"{cpu[0]:.2f} / {cpu[1]:.2f} / {cpu[2]:.2f} |")
+    per_layer = {n: res[f"{n}_fwd_ms"] + res[f"{n}_fwd_bwd_ms"] for n in ("hf", "modules", "layer")}
+    per_layer_cpu = {n: res[f"{n}_fwd_cpu_ms"] + res[f"{n}_fwd_bwd_cpu_ms"] for n in ("hf", "modules", "layer")}
+    print(f"| RoundPipe per layer (both) | {per_layer['hf']:.3f} | {per_layer['modules']:.3f} | {per_layer['layer']:.3f} | "
+          f"{per_layer['hf'] / per_layer['layer']:.2f}x | {per_layer_cpu['hf']:.2f} / {per_layer_cpu['modules']:.2f} / "
+          f"{per_layer_cpu['layer']:.2f} |")
+    for variant, c in checks.items():
+        print(f"fused {variant}: rel. error vs fp32 layer, worst of output/grads {c['fused_err']:.2e} (HF eager "
+              f"{max(e_eager.values()):.2e}), vs HF eager {c['vs']:.2e}; agreement {'OK' if c['ok'] else 'FAILED'}: worst "
+              f"relative to eager is {c['worst']!r}: {c['err']:.2e} vs eager {e_eager[c['worst']]:.2e} (limit {c['margin']:.2e})")
+    print(f"agreement {'OK' if ok else 'FAILED'}; total {time.perf_counter() - t_start:.1f} s")
     if not ok:
         raise SystemExit(1)
-    return dict(res, ok=float(ok), speedup=hf_layer / fused_layer, compile_s=compile_s, fused_vs_hf=max(e_vs.values()))
+    return dict(res, ok=float(ok), speedup=per_layer["hf"] / per_layer["layer"],
+                speedup_modules=per_layer["hf"] / per_layer["modules"],
+                compile_s=max(c["compile_s"] for c in checks.values()),
+                fused_vs_hf=max(c["vs"] for c in checks.values()))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import resource
 import sys
 import threading
@@ -324,7 +325,10 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
         print(f"roundpipe optimizer step seconds: {[round(t, 3) for t in optim_s[timed_steps]]}; "
               f"main thread waited in model.step(): {[round(t, 3) for t in wait_s[timed_steps]]}")
     what = f"LoRA r={args.lora}, {n_params / 1e6:.1f}M trainable" if args.lora else f"{host / n_params:.1f} bytes/param host"
-    kernels = "" if fused is None else (", fused kernels" if fused else ", HF kernels")
+    from roundpipe.models import kernels as fused_ops
+
+    kernels = ", HF kernels" if not model.preset.fused_kernels else (
+        ", fused layers" if fused_ops.whole_layer_enabled() else ", fused ops per module")
     row = Row(f"roundpipe ({roundpipe.get_num_devices()} device, {plan} plan{kernels})", ids.numel() / (sum(times) / len(times)), peak,
               host / 1024**3, f"{note}{what}")
     model = opt = hf = None  # noqa: F841
@@ -345,6 +349,8 @@ def main() -> None:
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--compare-plans", action="store_true", help="also run roundpipe with the one-layer-per-group plan")
     p.add_argument("--compare-kernels", action="store_true", help="also run roundpipe with Hugging Face's own kernels")
+    p.add_argument("--compare-layers", action="store_true",
+                   help="also run roundpipe with the fused ops per module instead of one op per decoder layer (RPP_FUSED_LAYERS=0)")
     p.add_argument("--profile", action="store_true", help="report the GPU busy share of one iteration")
     p.add_argument("--trace", default="", help="with --profile: write a chrome trace of that iteration here")
     p.add_argument("--lora", type=int, default=0, help="LoRA rank on all decoder projections (0: full fine-tune)")
@@ -374,6 +380,18 @@ def main() -> None:
         rows.append(bench_roundpipe(args, ids, n_params, plan="layerwise"))
     if args.compare_kernels:
         rows.append(bench_roundpipe(args, ids, n_params, fused=False))
+    if args.compare_layers:
+        from roundpipe.models import kernels
+
+        saved = os.environ.get(kernels.WHOLE_LAYER_ENV)
+        os.environ[kernels.WHOLE_LAYER_ENV] = "0"
+        try:
+            rows.append(bench_roundpipe(args, ids, n_params))
+        finally:
+            if saved is None:
+                os.environ.pop(kernels.WHOLE_LAYER_ENV)
+            else:
+                os.environ[kernels.WHOLE_LAYER_ENV] = saved
     base = rows[0].tokens_per_s
     print(f"\n{args.workload}: {n_params / 1e9:.2f}B params, batch {args.batch} x {args.seq}, device "
           f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, peak RSS "

@@ -156,7 +156,156 @@ def test_compiled_path_and_bench_tiny_mode(compiled: None, capsys: pytest.Captur
     assert res["ok"] == 1.0 and "agreement OK" in out and "| forward + backward |" in out
     assert res["fused_vs_hf"] < 1e-2  # bf16 rounding (bitwise equal on the CPU: emulate_precision_casts)
     assert all(not op.failed for op in kernels.OPS)
-    assert {op.fn.__name__ for op in kernels.OPS if op.compiled} == {"rms_norm_reference", "qk_norm_rope", "swiglu"}
+    # both variants ran compiled: the ops per module, and the whole layer as one op
+    assert {op.fn.__name__ for op in kernels.OPS if op.compiled} == {"rms_norm_reference", "qk_norm_rope", "swiglu", "decoder_layer"}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The whole decoder layer as one op
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _decoder_layer(family: str, dtype: torch.dtype, **config: Any) -> Tuple[nn.Module, Tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A Hugging Face decoder layer with non-trivial weights, its rotary tables and an input."""
+    cfg = _config(family)
+    for k, v in config.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(0)
+    cls = (llama.LlamaDecoderLayer, llama.LlamaRotaryEmbedding) if family == "llama" else (qwen3.Qwen3DecoderLayer, qwen3.Qwen3RotaryEmbedding)
+    layer = cls[0](cfg, layer_idx=0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if p.dim() == 1 else 0.3 * torch.randn_like(p))
+    x = torch.randn(2, 5, 32)
+    pos = tuple(t.to(dtype) for t in cls[1](cfg)(x, torch.arange(5).unsqueeze(0)))
+    return layer.to(dtype), pos, x.to(dtype)
+
+
+def _layer_results(layer: nn.Module, x: torch.Tensor, **kwargs: Any) -> Dict[str, torch.Tensor]:
+    x = x.detach().requires_grad_(True)
+    out = layer(x, **kwargs)
+    out = out[0] if isinstance(out, tuple) else out
+    out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape))
+    res = {"out": out.detach(), "grad x": x.grad}
+    res.update({f"grad {n}": p.grad for n, p in layer.named_parameters() if p.requires_grad})
+    return res
+
+
+@pytest.fixture
+def op_calls(monkeypatch: pytest.MonkeyPatch) -> Dict[str, int]:
+    """Counts of fused-op calls by function name."""
+    calls: Dict[str, int] = {}
+    original = kernels.FusedOp.__call__
+
+    def counting(op: kernels.FusedOp, *args: Any) -> Any:
+        calls[op.fn.__name__] = calls.get(op.fn.__name__, 0) + 1
+        return original(op, *args)
+
+    monkeypatch.setattr(kernels.FusedOp, "__call__", counting)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["fp32", "fp64", "bf16"])
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_whole_layer_matches_hf(eager: None, op_calls: Dict[str, int], family: str, dtype: torch.dtype) -> None:
+    """An unmasked call runs the whole layer as one op; on the eager path its output and every gradient
+    are bitwise Hugging Face's (the same ops in the same order), in all three dtypes."""
+    hf, pos, x = _decoder_layer(family, dtype)
+    fused = copy.deepcopy(hf)
+    assert "" in kernels.fuse_layer(fused) and kernels.is_fused(fused)
+    ref = _layer_results(hf, x, attention_mask=None, position_embeddings=pos)
+    assert not op_calls
+    got = _layer_results(fused, x, attention_mask=None, position_embeddings=pos)
+    assert op_calls == {"decoder_layer": 1}
+    assert ref.keys() == got.keys()
+    for name in ref:
+        assert torch.equal(got[name], ref[name]), f"{family} {dtype} {name}: {rel_err(got[name], ref[name]):.2e}"
+
+
+def _causal_mask(n: int) -> torch.Tensor:
+    return torch.full((n, n), float("-inf")).triu(1)[None, None]
+
+
+FALLBACKS = ["mask", "env off", "hook", "lora", "dropout", "kwargs", "bias", "eager attention"]
+
+
+@pytest.mark.parametrize("case", FALLBACKS)
+def test_whole_layer_falls_back_to_modules(eager: None, op_calls: Dict[str, int], case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls the one op would not compute as Hugging Face does run the fused modules instead: a mask,
+    ``RPP_FUSED_LAYERS=0``, a hook on a submodule (it still fires), PEFT adapters, attention dropout in
+    training, extra keyword arguments, projection biases, another attention implementation."""
+    config = {"attention_bias": True} if case == "bias" else {"attention_dropout": 0.5} if case == "dropout" else {}
+    hf, pos, x = _decoder_layer("llama" if case == "bias" else "qwen3", torch.float64, **config)
+    if case == "eager attention":
+        hf.self_attn.config._attn_implementation = "eager"
+    fused = copy.deepcopy(hf)
+    kernels.fuse_layer(fused)
+    kwargs: Dict[str, Any] = dict(attention_mask=None, position_embeddings=pos)
+    fired = []
+    if case == "mask":
+        kwargs["attention_mask"] = _causal_mask(x.shape[1]).to(x.dtype)
+    elif case == "env off":
+        monkeypatch.setenv(kernels.WHOLE_LAYER_ENV, "0")
+    elif case == "hook":
+        fused.mlp.register_forward_hook(lambda m, i, o: fired.append(1))
+    elif case == "lora":
+        peft = pytest.importorskip("peft")
+        cfg = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], init_lora_weights=False)
+        hf, fused = peft.get_peft_model(hf, cfg), peft.get_peft_model(fused, copy.deepcopy(cfg))
+        fused.load_state_dict(hf.state_dict())
+    elif case == "dropout":  # eval: no dropout, the one op; training: HF's own dropout path
+        hf.eval(), fused.eval()
+        _layer_results(fused, x, **kwargs)
+        fused.zero_grad(set_to_none=True)
+        assert op_calls.pop("decoder_layer") == 1
+        hf.train(), fused.train()
+        torch.manual_seed(3)
+    elif case == "kwargs":
+        kwargs["output_attentions"] = False
+    ref = _layer_results(hf, x, **kwargs) if case != "dropout" else None
+    if case == "dropout":
+        torch.manual_seed(3)
+        ref = _layer_results(hf, x, **kwargs)
+        torch.manual_seed(3)
+    got = _layer_results(fused, x, **kwargs)
+    assert "decoder_layer" not in op_calls and op_calls, op_calls  # the fused modules ran
+    if case == "hook":
+        assert fired == [1]
+    for name in ref:
+        assert rel_err(got[name], ref[name]) < OP_TOL[torch.float64], name
+
+
+def test_whole_layer_compiles_once_for_all_layers(compiled: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers of one shape share one graph per grad mode: the function takes the weights as tensors.
+    aot_eager: dynamo's guards and caches without code generation."""
+    monkeypatch.setattr(kernels, "COMPILE_BACKEND", "aot_eager")
+    layers = []
+    for seed in range(3):
+        hf, pos, x = _decoder_layer("qwen3", torch.float32)
+        with torch.no_grad():
+            for p in hf.parameters():
+                p.add_(seed * 0.01)
+        fused = copy.deepcopy(hf)
+        kernels.fuse_layer(fused)
+        layers.append((hf, fused))
+    for hf, fused in layers:
+        with torch.no_grad():
+            torch.testing.assert_close(fused(x, position_embeddings=pos), hf(x, position_embeddings=pos), rtol=1e-6, atol=1e-6)
+        got, ref = _layer_results(fused, x, position_embeddings=pos), _layer_results(hf, x, position_embeddings=pos)
+        for name in ref:
+            assert rel_err(got[name], ref[name]) < OP_TOL[torch.float32], name
+    assert _cache_entries(kernels.DECODER_LAYER) == 2 and not kernels.DECODER_LAYER.failed  # no_grad, grad
+    # Another sequence length: the dimension becomes dynamic (one more graph per mode), still compiled.
+    hf, fused = layers[0]
+    cos, sin = pos
+    pos7 = (torch.cat([cos, cos[:, :2]], 1), torch.cat([sin, sin[:, :2]], 1))
+    x7 = torch.randn(2, 7, x.shape[-1])
+    got, ref = _layer_results(fused, x7, position_embeddings=pos7), _layer_results(hf, x7, position_embeddings=pos7)
+    for name in ref:
+        assert rel_err(got[name], ref[name]) < OP_TOL[torch.float32], name
+    # (dynamo remembers dynamic dimensions per function name across copies: after the other tests the
+    # first graphs may already be dynamic and serve this length too)
+    assert 2 <= _cache_entries(kernels.DECODER_LAYER) <= 3 and not kernels.DECODER_LAYER.failed
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -170,10 +319,14 @@ def _cache_entries(op: kernels.FusedOp) -> int:
     return sum(len(_debug_get_cache_entry_list(fn.__code__)) for fn in op.copies.values())
 
 
+@pytest.mark.parametrize("padding", [True, False], ids=["mask", "causal"])
 @pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
-def test_no_recompile_per_layer_upload_or_iteration(workers: str, compiled: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_recompile_per_layer_upload_or_iteration(workers: str, compiled: None, padding: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Through RoundPipe (new device copies of every layer at every upload), each op compiles once per
     grad mode (forward without grad, recompute with grad), whatever the number of layers and steps.
+    Either way the sliding-window layer (its mask is not None) runs the ops per module and the
+    full-attention layers (0 and 2) run as one op where a microbatch has no padding (with padding: the
+    middle one of three).
     aot_eager: dynamo's guards and caches as with inductor, without code generation."""
     from torch._dynamo.utils import counters
 
@@ -182,7 +335,7 @@ def test_no_recompile_per_layer_upload_or_iteration(workers: str, compiled: None
     monkeypatch.setattr(kernels, "COMPILE_BACKEND", "aot_eager")
     monkeypatch.setattr(loss, "_maybe_compiled", lambda fn, compile: fn)  # the loss stays eager here
     model = tiny_model("qwen3")  # 3 layers
-    batch = make_batch(padding=True)
+    batch = make_batch(padding=padding)
     ref_loss, ref_grads = hf_reference(model, batch)
     rp = models.wrap_model(model, model_run_config=RUN3, fused_kernels=True)
     counters.clear()
@@ -190,7 +343,7 @@ def test_no_recompile_per_layer_upload_or_iteration(workers: str, compiled: None
     out.loss.backward()
     assert rel_err(out.loss, ref_loss) < TOL
     assert_grads_close(grads(model), ref_grads)
-    ops = (kernels.RMS_NORM, kernels.QK_NORM_ROPE, kernels.SWIGLU)
+    ops = (kernels.RMS_NORM, kernels.QK_NORM_ROPE, kernels.SWIGLU, kernels.DECODER_LAYER)
     first = [_cache_entries(op) for op in ops]
     graphs = counters["stats"]["unique_graphs"]
     assert all(1 <= n <= 2 for n in first), first  # forward without grad, recompute with grad
@@ -257,10 +410,37 @@ def test_roundpipe_with_fused_kernels_matches_hf(workers: str, eager: None, fami
     loss = rp.train_step(**batch)
     assert rel_err(loss, ref_loss) < TOL
     assert_grads_close(grads(model), ref_grads)
-    # The device copies ran the fused forwards: at least once per layer (3), microbatch (3) and pass (2).
+    # The device copies ran the fused forwards: the padded microbatches (0 and 2 of 3) per module, at
+    # least once per layer (3), padded microbatch (2) and pass (2); the microbatch without padding has
+    # no mask (Hugging Face skips an all-ones one), so its full-attention layers run as one op.
     attention = "qk_norm_rope" if family == "qwen3" else "rope"
-    assert calls.keys() == {"rms_norm_reference", attention, "swiglu"}
-    assert calls["rms_norm_reference"] == 2 * calls[attention] == 2 * calls["swiglu"] >= 2 * 3 * 3 * 2
+    assert calls.keys() == {"rms_norm_reference", attention, "swiglu", "decoder_layer"}
+    assert calls["rms_norm_reference"] == 2 * calls[attention] == 2 * calls["swiglu"] >= 2 * 3 * 2 * 2
+
+
+@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_roundpipe_with_whole_fused_layers_matches_hf(workers: str, eager: None, family: str, op_calls: Dict[str, int]) -> None:
+    """Without padding the full-attention layers run as one op each (Qwen3's sliding-window layer, whose
+    mask is not None, per module); loss and gradients as Hugging Face's, forward and train_step."""
+    model = tiny_model(family)
+    batch = make_batch(padding=False)
+    ref_loss, ref_grads = hf_reference(model, batch)
+    rp = models.wrap_model(model, model_run_config=RUN3, fused_kernels=True)
+    out = rp(**batch)
+    out.loss.backward()
+    assert rel_err(out.loss, ref_loss) < TOL
+    assert_grads_close(grads(model), ref_grads)
+    loss = rp.train_step(**batch)
+    assert rel_err(loss, ref_loss) < TOL
+    assert_grads_close(grads(model), ref_grads)
+    whole = 2 if family == "qwen3" else 3  # layers per pass that run as one op
+    # forward (no grad) + train_step (forward, recompute); 3 microbatches each; at least once per layer
+    assert op_calls["decoder_layer"] >= whole * 3 * 3
+    if family == "qwen3":
+        assert op_calls["decoder_layer"] == 2 * op_calls["swiglu"]  # layer 1 per module
+    else:
+        assert op_calls.keys() == {"decoder_layer"}
 
 
 @pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)

@@ -16,6 +16,11 @@ Fused ops (each the same math, in the same order, as Hugging Face's code):
   one function, so query and key each take one read and one write.
 * :func:`rope` (Llama) -- the rotary embedding of queries and keys.
 * :func:`swiglu` -- ``silu(gate) * up``.
+* :func:`decoder_layer` -- the whole decoder layer (norms, projections, q/k norms and rotary, sdpa,
+  SwiGLU MLP, residuals) as one op, for the calls RoundPipe's training makes (causal attention, no
+  mask, cache, dropout or hooks; ``RPP_FUSED_LAYERS=0`` keeps the per-module ops). A layer then costs
+  one Python call and one autograd node instead of about twenty: what bounds several GPUs is the
+  Python that issues each layer's kernels, and the device threads share one interpreter lock.
 
 Each op runs compiled (``torch.compile``, one fused Triton kernel forward and a few backward; inductor
 is told to round intermediates to bf16/fp16 where eager does, ``emulate_precision_casts``) unless
@@ -109,6 +114,59 @@ def _qk_norm_rope_eager(q, k, q_weight, k_weight, q_eps, k_eps, cos, sin):  # ty
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``: the elementwise part of the SwiGLU MLP."""
     return F.silu(gate) * up
+
+
+def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Hugging Face's ``repeat_kv``: ``[batch, kv heads, seq, dim]`` -> ``[batch, kv heads * n_rep, seq, dim]``."""
+    b, h, s, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
+
+
+def _decoder_layer_math(
+    norm: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    weights: Tuple[Optional[torch.Tensor], ...],
+    eps: Tuple[float, float, float, float],
+    head_dim: int,
+    scaling: float,
+    is_causal: bool,
+    kv_groups: int,
+    gqa: bool,
+) -> torch.Tensor:
+    """A Qwen3 / Llama decoder layer without mask, cache or dropout, op for op as Hugging Face's
+    ``*DecoderLayer.forward`` with sdpa attention; ``norm`` is the RMSNorm to use. ``is_causal``,
+    ``kv_groups`` (query heads per key/value head) and ``gqa`` (sdpa's ``enable_gqa``) are decided by
+    the caller: computed here from shapes they would be symbolic once a shape is dynamic, which sdpa's
+    flags do not accept."""
+    ln1_w, q_w, k_w, v_w, o_w, qn_w, kn_w, ln2_w, gate_w, up_w, down_w = weights
+    eps1, eps2, q_eps, k_eps = eps
+    b, s = x.shape[0], x.shape[1]
+    h = norm(x, ln1_w, eps1)
+    q = F.linear(h, q_w).view(b, s, -1, head_dim)
+    k = F.linear(h, k_w).view(b, s, -1, head_dim)
+    v = F.linear(h, v_w).view(b, s, -1, head_dim).transpose(1, 2)
+    if qn_w is not None:
+        q, k = norm(q, qn_w, q_eps), norm(k, kn_w, k_eps)
+    q, k = rope(q, k, cos, sin)
+    if kv_groups > 1 and not gqa:
+        k, v = _repeat_kv(k, kv_groups), _repeat_kv(v, kv_groups)
+    a = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, scale=scaling, is_causal=is_causal, enable_gqa=gqa)
+    a = a.transpose(1, 2).reshape(b, s, -1)
+    x = x + F.linear(a, o_w)
+    h = norm(x, ln2_w, eps2)
+    return x + F.linear(swiglu(F.linear(h, gate_w), F.linear(h, up_w)), down_w)
+
+
+def decoder_layer(x, cos, sin, weights, eps, head_dim, scaling, is_causal, kv_groups, gqa):  # type: ignore[no-untyped-def]
+    """The whole decoder layer with :func:`rms_norm_reference` (what gets compiled: one graph, one
+    autograd node and one Python call per layer instead of about twenty)."""
+    return _decoder_layer_math(rms_norm_reference, x, cos, sin, weights, eps, head_dim, scaling, is_causal, kv_groups, gqa)
+
+
+def _decoder_layer_eager(x, cos, sin, weights, eps, head_dim, scaling, is_causal, kv_groups, gqa):  # type: ignore[no-untyped-def]
+    return _decoder_layer_math(rms_norm_eager, x, cos, sin, weights, eps, head_dim, scaling, is_causal, kv_groups, gqa)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -218,7 +276,8 @@ RMS_NORM = FusedOp(rms_norm_reference, rms_norm_eager)
 QK_NORM_ROPE = FusedOp(qk_norm_rope, _qk_norm_rope_eager)
 ROPE = FusedOp(rope, rope)
 SWIGLU = FusedOp(swiglu, swiglu)
-OPS = (RMS_NORM, QK_NORM_ROPE, ROPE, SWIGLU)
+DECODER_LAYER = FusedOp(decoder_layer, _decoder_layer_eager)
+OPS = (RMS_NORM, QK_NORM_ROPE, ROPE, SWIGLU, DECODER_LAYER)
 
 
 def reset() -> None:
@@ -311,6 +370,102 @@ class _AttentionForward:
         return attn_output, attn_weights
 
 
+WHOLE_LAYER_ENV = "RPP_FUSED_LAYERS"
+
+
+def whole_layer_enabled() -> bool:
+    """Whether fused decoder layers run as one op (``$RPP_FUSED_LAYERS``, default on; ``0`` keeps the
+    per-module fused ops, to compare)."""
+    return os.environ.get(WHOLE_LAYER_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+_gqa_cache: Dict[int, bool] = {}
+
+
+def _sdpa_uses_gqa(head_dim: int) -> bool:
+    """Whether Hugging Face's sdpa attention passes ``enable_gqa`` (rather than repeating the key/value
+    heads) for an unmasked call with this head size: the same choice keeps the same kernel."""
+    if head_dim not in _gqa_cache:
+        try:
+            from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
+
+            k = torch.empty(1, 1, 1, head_dim, device="meta")
+            try:
+                _gqa_cache[head_dim] = bool(use_gqa_in_sdpa(None, k, k))
+            except TypeError:  # transformers versions taking (mask, key)
+                _gqa_cache[head_dim] = bool(use_gqa_in_sdpa(None, k))  # type: ignore[call-arg]
+        except Exception:  # noqa: BLE001 -- no such helper: repeat the heads, as older versions did
+            _gqa_cache[head_dim] = False
+    return _gqa_cache[head_dim]
+
+
+def _has_hooks(modules: Tuple[nn.Module, ...]) -> bool:
+    from torch.nn.modules import module as module_mod
+
+    if module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+class _DecoderLayerForward:
+    """``forward`` of a fused ``Qwen3DecoderLayer`` / ``LlamaDecoderLayer``: the whole layer as one fused
+    op (:data:`DECODER_LAYER`) when the call is what RoundPipe's training runs - causal attention without
+    mask, cache or dropout, plain bias-free projections, sdpa, no hooks on the submodules -, else
+    Hugging Face's forward over the fused submodules. One op per layer matters on several GPUs, where
+    the device threads share one interpreter lock and the Python issued per layer bounds the speed."""
+
+    self_attn: nn.Module
+    mlp: nn.Module
+    input_layernorm: nn.Module
+    post_attention_layernorm: nn.Module
+
+    def _whole_layer_weights(self) -> Optional[Tuple[Optional[torch.Tensor], ...]]:
+        """The layer's weights in :func:`decoder_layer`'s order, or None when the whole-layer op does not
+        compute what Hugging Face's forward would."""
+        attn, mlp = self.self_attn, self.mlp
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        if not (is_fused(attn) and is_fused(mlp) and all(is_fused(n) for n in norms)):
+            return None
+        if (attn.training and attn.attention_dropout > 0) or attn.config._attn_implementation != "sdpa" or not getattr(attn, "is_causal", True):
+            return None
+        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        if any(type(m) is not nn.Linear or m.bias is not None for m in linears):
+            return None  # PEFT adapters, biases, quantized layers: the submodules' own forwards
+        qk = (attn.q_norm, attn.k_norm) if attn._rpp_qk_norm else ()
+        if _has_hooks((*norms, attn, mlp, *linears, *qk)):
+            return None
+        qn_w, kn_w = (attn.q_norm.weight, attn.k_norm.weight) if qk else (None, None)
+        return (self.input_layernorm.weight, *(m.weight for m in linears[:4]), qn_w, kn_w,
+                self.post_attention_layernorm.weight, *(m.weight for m in linears[4:]))
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        past_key_values: Optional[Any] = None,
+        use_cache: Optional[bool] = False,
+        position_embeddings: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        weights = None
+        if attention_mask is None and past_key_values is None and position_embeddings is not None and not kwargs and whole_layer_enabled():
+            weights = self._whole_layer_weights()
+        if weights is None:
+            return super().forward(  # type: ignore[misc]
+                hidden_states, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+                use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
+            )
+        attn = self.self_attn
+        # The rotary tables carry no gradient (see _AttentionForward.forward).
+        cos, sin = (t.detach() for t in position_embeddings)
+        qk = (attn.q_norm.variance_epsilon, attn.k_norm.variance_epsilon) if attn._rpp_qk_norm else (0.0, 0.0)
+        eps = (self.input_layernorm.variance_epsilon, self.post_attention_layernorm.variance_epsilon, *qk)
+        groups = attn.num_key_value_groups
+        return DECODER_LAYER(hidden_states, cos, sin, weights, eps, attn.head_dim, attn.scaling,
+                             hidden_states.shape[1] > 1, groups, groups > 1 and _sdpa_uses_gqa(attn.head_dim))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Swapping classes per instance
 # ---------------------------------------------------------------------------------------------------------
@@ -341,6 +496,8 @@ def _registry() -> Dict[type, Tuple[type, Dict[str, Any]]]:
                 _AttentionForward,
                 dict(_rpp_qk_norm=False, _rpp_sliding_window=False, _rpp_eager_attention=staticmethod(llama.eager_attention_forward)),
             ),
+            qwen3.Qwen3DecoderLayer: (_DecoderLayerForward, {}),
+            llama.LlamaDecoderLayer: (_DecoderLayerForward, {}),
         }
     return _registry_cache
 
@@ -459,6 +616,7 @@ def resolve(mode: FusedKernels) -> bool:
 
 __all__ = [
     "COMPILE_BACKEND",
+    "DECODER_LAYER",
     "ENV",
     "FusedKernels",
     "FusedOp",
@@ -469,6 +627,7 @@ __all__ = [
     "SWIGLU",
     "auto_enabled",
     "base_class",
+    "decoder_layer",
     "fuse_layer",
     "is_fused",
     "qk_norm_rope",
@@ -479,4 +638,5 @@ __all__ = [
     "rope",
     "swiglu",
     "unfuse_layer",
+    "whole_layer_enabled",
 ]
