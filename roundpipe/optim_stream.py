@@ -68,14 +68,27 @@ def shared_host_default() -> Optional[int]:
 
     torchrun sets ``OMP_NUM_THREADS=1`` when it starts several ranks per host, which would make the host
     Adam step single-threaded, several times slower than the iteration it must hide behind. Each rank's
-    optimizer then gets an equal share of the cores this process may run on.
+    optimizer then gets its share of the cores this process may run on (:func:`rank_share`).
     """
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     if ranks <= 1 or torch.get_num_threads() != 1:
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    share = cores // ranks
+    share = rank_share(cores, ranks)
     return share if share > 1 else None
+
+
+RESERVED_PER_RANK = 2
+
+
+def rank_share(cores: int, ranks: int) -> int:
+    """Optimizer threads of one of ``ranks`` ranks sharing ``cores``: an equal share, less two cores for
+    the rank's device and main threads (they issue the GPU work while the step runs) when the share is
+    at least 6. Measured on a 16-core host (qwen3-1.7b, one rank beside a second host Adam as a
+    second rank would run): 6 threads each instead of 8 slowed the iteration by 21% instead of 35%,
+    and cost nothing alone (docs/benchmarks.md)."""
+    share = max(1, cores // ranks)
+    return share - RESERVED_PER_RANK if share >= 6 else share
 
 
 def controller() -> None:
