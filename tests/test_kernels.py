@@ -226,14 +226,15 @@ def _causal_mask(n: int) -> torch.Tensor:
     return torch.full((n, n), float("-inf")).triu(1)[None, None]
 
 
-FALLBACKS = ["mask", "env off", "hook", "lora", "dropout", "kwargs", "bias", "eager attention"]
+FALLBACKS = ["mask", "env off", "hook", "backward hook", "lora", "dropout", "kwargs", "bias", "eager attention"]
 
 
 @pytest.mark.parametrize("case", FALLBACKS)
 def test_whole_layer_falls_back_to_modules(eager: None, op_calls: Dict[str, int], case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Calls the one op would not compute as Hugging Face does run the fused modules instead: a mask,
-    ``RPP_FUSED_LAYERS=0``, a hook on a submodule (it still fires), PEFT adapters, attention dropout in
-    training, extra keyword arguments, projection biases, another attention implementation."""
+    ``RPP_FUSED_LAYERS=0``, a forward or backward hook on a submodule (it still fires), PEFT adapters,
+    attention dropout in training, extra keyword arguments, projection biases, another attention
+    implementation."""
     config = {"attention_bias": True} if case == "bias" else {"attention_dropout": 0.5} if case == "dropout" else {}
     hf, pos, x = _decoder_layer("llama" if case == "bias" else "qwen3", torch.float64, **config)
     if case == "eager attention":
@@ -248,6 +249,8 @@ def test_whole_layer_falls_back_to_modules(eager: None, op_calls: Dict[str, int]
         monkeypatch.setenv(kernels.WHOLE_LAYER_ENV, "0")
     elif case == "hook":
         fused.mlp.register_forward_hook(lambda m, i, o: fired.append(1))
+    elif case == "backward hook":
+        fused.self_attn.o_proj.register_full_backward_hook(lambda m, gi, go: fired.append(1))
     elif case == "lora":
         peft = pytest.importorskip("peft")
         cfg = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], init_lora_weights=False)
@@ -269,7 +272,7 @@ def test_whole_layer_falls_back_to_modules(eager: None, op_calls: Dict[str, int]
         torch.manual_seed(3)
     got = _layer_results(fused, x, **kwargs)
     assert "decoder_layer" not in op_calls and op_calls, op_calls  # the fused modules ran
-    if case == "hook":
+    if case in ("hook", "backward hook"):
         assert fired == [1]
     for name in ref:
         assert rel_err(got[name], ref[name]) < OP_TOL[torch.float64], name
@@ -388,19 +391,14 @@ def test_compile_failure_falls_back_once(compiled: None, caplog: pytest.LogCaptu
 
 
 @pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
+@pytest.mark.parametrize("padding", [True, False], ids=["padding", "no padding"])
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_roundpipe_with_fused_kernels_matches_hf(workers: str, eager: None, family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_roundpipe_with_fused_kernels_matches_hf(workers: str, eager: None, family: str, padding: bool, op_calls: Dict[str, int]) -> None:
+    """Loss and gradients as Hugging Face's, forward and train_step, with the fused layers running as
+    one op where a microbatch has no mask and per module where it has one."""
     model = tiny_model(family)
-    batch = make_batch(padding=True)
+    batch = make_batch(padding=padding)
     ref_loss, ref_grads = hf_reference(model, batch)
-    calls: Dict[str, int] = {}
-    original = kernels.FusedOp.__call__
-
-    def counting(op: kernels.FusedOp, *args: Any) -> Any:
-        calls[op.fn.__name__] = calls.get(op.fn.__name__, 0) + 1
-        return original(op, *args)
-
-    monkeypatch.setattr(kernels.FusedOp, "__call__", counting)
     rp = models.wrap_model(model, model_run_config=RUN3, fused_kernels=True)
     assert rp.preset.fused_kernels
     out = rp(**batch)
@@ -410,37 +408,23 @@ def test_roundpipe_with_fused_kernels_matches_hf(workers: str, eager: None, fami
     loss = rp.train_step(**batch)
     assert rel_err(loss, ref_loss) < TOL
     assert_grads_close(grads(model), ref_grads)
-    # The device copies ran the fused forwards: the padded microbatches (0 and 2 of 3) per module, at
-    # least once per layer (3), padded microbatch (2) and pass (2); the microbatch without padding has
-    # no mask (Hugging Face skips an all-ones one), so its full-attention layers run as one op.
+    calls = op_calls
     attention = "qk_norm_rope" if family == "qwen3" else "rope"
-    assert calls.keys() == {"rms_norm_reference", attention, "swiglu", "decoder_layer"}
-    assert calls["rms_norm_reference"] == 2 * calls[attention] == 2 * calls["swiglu"] >= 2 * 3 * 2 * 2
-
-
-@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_roundpipe_with_whole_fused_layers_matches_hf(workers: str, eager: None, family: str, op_calls: Dict[str, int]) -> None:
-    """Without padding the full-attention layers run as one op each (Qwen3's sliding-window layer, whose
-    mask is not None, per module); loss and gradients as Hugging Face's, forward and train_step."""
-    model = tiny_model(family)
-    batch = make_batch(padding=False)
-    ref_loss, ref_grads = hf_reference(model, batch)
-    rp = models.wrap_model(model, model_run_config=RUN3, fused_kernels=True)
-    out = rp(**batch)
-    out.loss.backward()
-    assert rel_err(out.loss, ref_loss) < TOL
-    assert_grads_close(grads(model), ref_grads)
-    loss = rp.train_step(**batch)
-    assert rel_err(loss, ref_loss) < TOL
-    assert_grads_close(grads(model), ref_grads)
-    whole = 2 if family == "qwen3" else 3  # layers per pass that run as one op
-    # forward (no grad) + train_step (forward, recompute); 3 microbatches each; at least once per layer
-    assert op_calls["decoder_layer"] >= whole * 3 * 3
-    if family == "qwen3":
-        assert op_calls["decoder_layer"] == 2 * op_calls["swiglu"]  # layer 1 per module
+    if padding:
+        # The padded microbatches (0 and 2 of 3) per module, at least once per layer (3), padded
+        # microbatch (2) and pass (forward, recompute); the microbatch without padding has no mask
+        # (Hugging Face skips an all-ones one), so its full-attention layers run as one op.
+        assert calls.keys() == {"rms_norm_reference", attention, "swiglu", "decoder_layer"}
+        assert calls["rms_norm_reference"] == 2 * calls[attention] == 2 * calls["swiglu"] >= 2 * 3 * 2 * 2
     else:
-        assert op_calls.keys() == {"decoder_layer"}
+        # Every full-attention layer (Qwen3: 0 and 2; the sliding-window layer 1 has a mask) as one op,
+        # at least once per layer, microbatch (3) and pass (forward without grad, forward, recompute).
+        whole = 2 if family == "qwen3" else 3
+        assert calls["decoder_layer"] >= whole * 3 * 3
+        if family == "qwen3":
+            assert calls["decoder_layer"] == 2 * calls["swiglu"] == 2 * calls[attention]
+        else:
+            assert calls.keys() == {"decoder_layer"}
 
 
 @pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)

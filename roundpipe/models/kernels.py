@@ -122,13 +122,17 @@ def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None, :, :].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
 
 
+LayerWeights = Tuple[Optional[torch.Tensor], ...]
+LayerEps = Tuple[float, float, float, float]
+
+
 def _decoder_layer_math(
     norm: Callable[..., torch.Tensor],
     x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    weights: Tuple[Optional[torch.Tensor], ...],
-    eps: Tuple[float, float, float, float],
+    weights: LayerWeights,
+    eps: LayerEps,
     head_dim: int,
     scaling: float,
     is_causal: bool,
@@ -159,13 +163,19 @@ def _decoder_layer_math(
     return x + F.linear(swiglu(F.linear(h, gate_w), F.linear(h, up_w)), down_w)
 
 
-def decoder_layer(x, cos, sin, weights, eps, head_dim, scaling, is_causal, kv_groups, gqa):  # type: ignore[no-untyped-def]
+def decoder_layer(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: LayerWeights, eps: LayerEps,
+    head_dim: int, scaling: float, is_causal: bool, kv_groups: int, gqa: bool,
+) -> torch.Tensor:
     """The whole decoder layer with :func:`rms_norm_reference` (what gets compiled: one graph, one
     autograd node and one Python call per layer instead of about twenty)."""
     return _decoder_layer_math(rms_norm_reference, x, cos, sin, weights, eps, head_dim, scaling, is_causal, kv_groups, gqa)
 
 
-def _decoder_layer_eager(x, cos, sin, weights, eps, head_dim, scaling, is_causal, kv_groups, gqa):  # type: ignore[no-untyped-def]
+def _decoder_layer_eager(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: LayerWeights, eps: LayerEps,
+    head_dim: int, scaling: float, is_causal: bool, kv_groups: int, gqa: bool,
+) -> torch.Tensor:
     return _decoder_layer_math(rms_norm_eager, x, cos, sin, weights, eps, head_dim, scaling, is_causal, kv_groups, gqa)
 
 
@@ -400,11 +410,14 @@ def _sdpa_uses_gqa(head_dim: int) -> bool:
 
 
 def _has_hooks(modules: Tuple[nn.Module, ...]) -> bool:
+    """Whether a forward or backward hook (global, or on one of ``modules``) would run if the modules
+    were called: the whole-layer op does not call them."""
     from torch.nn.modules import module as module_mod
 
-    if module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks:
+    if (module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks
+            or module_mod._global_backward_hooks or module_mod._global_backward_pre_hooks):
         return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in modules)
 
 
 class _DecoderLayerForward:
@@ -419,7 +432,7 @@ class _DecoderLayerForward:
     input_layernorm: nn.Module
     post_attention_layernorm: nn.Module
 
-    def _whole_layer_weights(self) -> Optional[Tuple[Optional[torch.Tensor], ...]]:
+    def _whole_layer_weights(self) -> Optional[LayerWeights]:
         """The layer's weights in :func:`decoder_layer`'s order, or None when the whole-layer op does not
         compute what Hugging Face's forward would."""
         attn, mlp = self.self_attn, self.mlp
