@@ -122,14 +122,34 @@ def busy_fraction(step: Callable[[], None], trace: str = "") -> str:
     """GPU compute busy share of one iteration (merged kernel time / wall time) per GPU, from the profiler;
     prints each GPU's longest idle gaps with the kernels around them, and writes a chrome trace when
     ``trace`` is set (gzipped if it ends in .gz)."""
-    acts = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if trace else [])
-    with torch.profiler.profile(activities=acts) as prof:
+    # With RPP_PROFILER=torch RoundPipe marks each job (layer group) on its device thread; recording CPU
+    # activity on all threads then lets gpu_gaps give every kernel its group (costs some host time).
+    by_group = os.environ.get("RPP_PROFILER") == "torch"
+    acts = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if trace or by_group else [])
+    config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True) if by_group else None
+    with torch.profiler.profile(activities=acts, experimental_config=config) as prof:
         t0 = time.perf_counter()
         step()
         cuda_sync()
         wall = (time.perf_counter() - t0) * 1e6
-    if trace:
-        prof.export_chrome_trace(trace)
+    if trace or by_group:
+        import json
+        import tempfile
+
+        from gpu_gaps import split_gaps
+
+        path = trace or os.path.join(tempfile.mkdtemp(), "trace.json")
+        prof.export_chrome_trace(path)
+        if by_group:  # kernels only: the job ranges also appear on the GPU timeline and are not work
+            opener = __import__("gzip").open if path.endswith(".gz") else open
+            with opener(path, "rt") as f:
+                devices = split_gaps(json.load(f)["traceEvents"])
+            if not trace:
+                os.remove(path)
+            for d in devices:
+                print(d.describe(wall))
+            shares = [f"{d.busy_us / wall:.0%}, idle between groups {d.between_us / wall:.1%}" for d in devices]
+            return f"GPU busy {'/'.join(shares)} of {wall / 1e3:.0f} ms (CPU also profiled)"
     per_device: dict = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")):
@@ -310,7 +330,8 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
         k = args.warmup
         print(f"host RSS GiB after iteration {k}: {rss[k]:.2f}, {k + args.iters // 2}: {rss[k + args.iters // 2]:.2f}, "
               f"{k + args.iters - 1}: {rss[-1]:.2f} (growth {100 * (rss[-1] / rss[k] - 1):+.1f}%)")
-    note = busy_fraction(step, args.trace) + "; " if args.profile and torch.cuda.is_available() else ""
+    notes = [busy_fraction(step, args.trace) for _ in range(args.profile_iters)] if args.profile and torch.cuda.is_available() else []
+    note = " | ".join(notes) + "; " if notes else ""
     if args.sample_stacks:
         sample_stacks(step)
     model.synchronize()
@@ -352,6 +373,7 @@ def main() -> None:
     p.add_argument("--compare-layers", action="store_true",
                    help="also run roundpipe with the fused ops per module instead of one op per decoder layer (RPP_FUSED_LAYERS=0)")
     p.add_argument("--profile", action="store_true", help="report the GPU busy share of one iteration")
+    p.add_argument("--profile-iters", type=int, default=1, help="with --profile: profile this many iterations, one by one")
     p.add_argument("--trace", default="", help="with --profile: write a chrome trace of that iteration here")
     p.add_argument("--lora", type=int, default=0, help="LoRA rank on all decoder projections (0: full fine-tune)")
     p.add_argument("--no-step", action="store_true", help="diagnostic: skip the optimizer (pipeline alone)")

@@ -25,7 +25,7 @@ from typing import Any, Callable, Deque, List, Optional, Tuple
 
 import torch
 
-from roundpipe import backend
+from roundpipe import backend, profile
 from roundpipe.backend import Event, Stream
 from roundpipe.threads import AnnotatedEvent, AnnotatedSemaphore, RoundPipeOutOfMemoryError, RoundPipeThread, RoundPipeWorkerError, report_failure
 
@@ -78,7 +78,7 @@ class DeviceManager:
         is_idle: Released when the controller can accept the next job (its one-job slot is free; a job
             may still be running).
         job_arrived: Released when a job is queued.
-        cur_job: The job to run next: (function, args).
+        cur_job: The job to run next: (function, args, profiler label).
         drained: Set while no job is queued or running.
         location: What the running job is doing now (layer, microbatch), for error messages.
         recent_jobs: Compute-done events of the last jobs; bounds prefetch to two resident stages.
@@ -98,7 +98,7 @@ class DeviceManager:
         self.recent_jobs: Deque[Event] = collections.deque()
         self.is_idle = AnnotatedSemaphore(1, name=f"{self.name}.is_idle")
         self.job_arrived = AnnotatedSemaphore(0, name=f"{self.name}.job_arrived")
-        self.cur_job: Optional[Tuple[Callable[..., None], Tuple[Any, ...]]] = None
+        self.cur_job: Optional[Tuple[Callable[..., None], Tuple[Any, ...], str]] = None
         # Jobs queued or running; ``drained`` mirrors ``jobs == 0``. Both change under ``jobs_lock`` (the
         # dispatching thread adds, the controller removes) so ``drained`` never misses a job.
         self.jobs = 0
@@ -115,33 +115,33 @@ class DeviceManager:
         return f"DeviceManager({self.name})"
 
     # ---- job queue -------------------------------------------------------------------------------
-    def launch(self, fn: Callable[..., None], *args: Any) -> None:
+    def launch(self, fn: Callable[..., None], *args: Any, label: str = "") -> None:
         """Queue ``fn(self, *args)`` on this device; blocks while an earlier job is still waiting in the
-        slot (at most one job runs and one waits)."""
+        slot (at most one job runs and one waits). ``label`` names the job on profiler timelines."""
         self.is_idle.acquire()
         with self.jobs_lock:
             self.jobs += 1
             self.drained.clear()
-        self.cur_job = (fn, args)
+        self.cur_job = (fn, args, label)
         self.job_arrived.release()
 
     def launch_forward(self, layer_group_id: int, run: Any) -> None:
         """Schedule forward of one layer group for all microbatches of ``run``."""
         from roundpipe.run import run_forward
 
-        self.launch(run_forward, run, layer_group_id)
+        self.launch(run_forward, run, layer_group_id, label=_job_label(run, "forward", run.plan.fwd_plan[layer_group_id]))
 
     def launch_backward(self, layer_group_id: int, run: Any) -> None:
         """Schedule recompute + backward of one layer group for all microbatches of ``run``."""
         from roundpipe.run import run_backward
 
-        self.launch(run_backward, run, layer_group_id)
+        self.launch(run_backward, run, layer_group_id, label=_job_label(run, "backward", run.plan.bwd_plan[layer_group_id]))
 
     def launch_forward_backward(self, run: Any) -> None:
         """Schedule the fused forward + loss + backward of the last layer group."""
         from roundpipe.run import run_forward_backward
 
-        self.launch(run_forward_backward, run)
+        self.launch(run_forward_backward, run, label=_job_label(run, "fused forward-backward", run.plan.bwd_plan[-1]))
 
     def wait_idle(self) -> None:
         """Block until this device has finished issuing every queued job."""
@@ -155,13 +155,15 @@ class DeviceManager:
             if self.shutdown:
                 return
             assert self.cur_job is not None
-            fn, args = self.cur_job
+            fn, args, label = self.cur_job
             self.cur_job = None
             # The slot is free: the dispatching thread may queue the next job while this one issues.
             self.is_idle.release()
             self.controller_thread.is_active = True
             try:
-                with torch.inference_mode(False):
+                # One profiler range per job (RPP_PROFILER): kernels launched inside it belong to this
+                # layer group, which is how bench/train_bench.py tells idle time between groups apart.
+                with torch.inference_mode(False), profile.annotate(label):
                     fn(self, *args)
             except BaseException as exc:  # noqa: BLE001 - surfaced in the dispatching thread
                 report_failure(self._locate(exc))
@@ -289,3 +291,12 @@ def reset_devices() -> None:
         d.shutdown_controller()
     device_list = []
     cur_device = 0
+
+
+def _job_label(run: Any, what: str, layers: range) -> str:
+    """The profiler label of a job, e.g. ``roundpipe model 'qwen' forward layers 3-4``; empty (not built)
+    when no profiler is selected."""
+    if profile.PROFILER_TYPE is None:
+        return ""
+    span = f"layer {layers.start}" if len(layers) == 1 else f"layers {layers.start}-{layers.stop - 1}"
+    return f"roundpipe model {run.model.name!r} {what} {span}"

@@ -22,6 +22,8 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
+from roundpipe.profile import annotate
+
 POLL_S = 0.05
 
 roundpipe_threads: List["RoundPipeThread"] = []
@@ -158,7 +160,8 @@ class AnnotatedEvent(threading.Event):
     def wait(self, timeout: Optional[float] = None) -> bool:
         if self.is_set():
             return True
-        return _poll(super().wait, timeout)
+        with annotate(f"wait {self.name}"):  # a blocking wait shows on profiler timelines (RPP_PROFILER)
+            return _poll(super().wait, timeout)
 
 
 class AnnotatedSemaphore(threading.Semaphore):
@@ -173,7 +176,8 @@ class AnnotatedSemaphore(threading.Semaphore):
             return super().acquire(False)
         if super().acquire(False):
             return True
-        return _poll(lambda step: super(AnnotatedSemaphore, self).acquire(True, step), timeout)
+        with annotate(f"wait {self.name}"):
+            return _poll(lambda step: super(AnnotatedSemaphore, self).acquire(True, step), timeout)
 
     __enter__ = acquire
 

@@ -28,3 +28,66 @@ def test_bench_script_runs(argv: list) -> None:
     res = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "|" in res.stdout  # the results table
+
+
+def _x(cat: str, ts: float, dur: float, tid: int = 1, name: str = "k", **args: object) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1, "args": args}
+
+
+def test_gpu_gaps_split_between_and_inside_groups() -> None:
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        from gpu_gaps import split_gaps
+    finally:
+        sys.path.pop(0)
+    job_a, job_b = "roundpipe model 'm' forward layer 0", "roundpipe model 'm' forward layer 1"
+    events = [
+        _x("user_annotation", 0, 100, tid=7, name=job_a),
+        _x("user_annotation", 0, 5, tid=7, name="wait cpu.is_idle"),  # nested, not a job: ignored
+        _x("user_annotation", 100, 100, tid=8, name=job_b),
+        # launches on the device threads (runtime and driver API), correlation ids 1..5
+        _x("cuda_runtime", 10, 1, tid=7, correlation=1),
+        _x("cuda_driver", 20, 1, tid=7, correlation=2),
+        _x("cuda_runtime", 110, 1, tid=8, correlation=3),
+        _x("cuda_runtime", 300, 1, tid=8, correlation=4),  # outside any job
+        # device 0: k1 [50, 60), k2 [65, 80) same job -> 5 us inside; k3 [90, 95) other job -> 10 us between;
+        # an overlapping kernel [58, 62) extends k1's busy interval; memcpy is not compute
+        _x("kernel", 50, 10, correlation=1, device=0),
+        _x("kernel", 58, 4, correlation=1, device=0),
+        _x("gpu_memcpy", 62, 30, correlation=9, device=0),
+        _x("kernel", 65, 15, correlation=2, device=0),
+        _x("kernel", 90, 5, correlation=3, device=0),
+        # device 1: a kernel with no job next to one with a job -> between (never flatters the planner)
+        _x("kernel", 0, 10, correlation=3, device=1),
+        _x("kernel", 30, 10, correlation=4, device=1),
+    ]
+    d0, d1 = split_gaps(events)
+    assert (d0.device, d0.busy_us, d0.span_us) == (0, 12 + 15 + 5, 45)
+    assert (d0.within_us, d0.within_count, d0.between_us, d0.between_count) == (3, 1, 10, 1)
+    assert (d0.kernels, d0.unattributed) == (4, 0)
+    assert (d1.between_us, d1.within_us, d1.unattributed) == (20, 0, 1)
+    assert "idle between layer groups 0.0 ms (10.0%" in d0.describe(wall_us=100)
+
+
+def test_gpu_gaps_backward_kernels_from_autograd_thread_get_the_running_job() -> None:
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        from gpu_gaps import split_gaps
+    finally:
+        sys.path.pop(0)
+    job_a, job_b = "roundpipe model 'm' backward layer 1", "roundpipe model 'm' backward layer 0"
+    events = [
+        _x("user_annotation", 0, 100, tid=7, name=job_a),
+        _x("user_annotation", 100, 100, tid=7, name=job_b),
+        _x("user_annotation", 0, 200, tid=9, name="roundpipe model 'other' forward layer 0"),  # another GPU's thread
+        _x("cuda_runtime", 10, 1, tid=7, correlation=1),  # device thread
+        _x("cuda_runtime", 20, 1, tid=8, correlation=2),  # autograd's worker thread, during job a
+        _x("cuda_runtime", 120, 1, tid=8, correlation=3),  # during job b
+        _x("cuda_runtime", 130, 1, tid=9, correlation=4),
+        _x("kernel", 10, 5, correlation=1, device=0),
+        _x("kernel", 20, 5, correlation=2, device=0),
+        _x("kernel", 120, 5, correlation=3, device=0),
+        _x("kernel", 130, 5, correlation=4, device=1),
+    ]
+    d0, _ = split_gaps(events)
+    assert (d0.unattributed, d0.within_us, d0.between_us) == (0, 5, 95)

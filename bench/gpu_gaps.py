@@ -1,0 +1,109 @@
+"""Idle time of each GPU in a profiled iteration, split into gaps between layer groups and gaps inside one.
+
+RoundPipe marks each job (one layer group over all microbatches) on its device thread with a profiler
+range when ``RPP_PROFILER=torch`` (``roundpipe.device``). In a chrome trace of a ``torch.profiler`` run
+that records CPU and CUDA activity on all threads, each kernel carries the correlation id of the runtime
+call that launched it, and that call lies on the launching thread's timeline, inside the job's range.
+Kernels that autograd's worker thread launches during a job's backward are given the job that runs on
+the GPU's device thread at that moment. So every kernel can be given its job, and every idle gap on a GPU (no kernel running; copies are not
+compute) falls either between two jobs or inside one. The planner's acceptance (issue 5) is about the
+first kind: time a GPU waits because one group ended and the next was not ready.
+
+    from gpu_gaps import split_gaps
+    for d in split_gaps(json.load(open("trace.json"))["traceEvents"]):
+        print(d)
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+JOB_PREFIX = "roundpipe model "
+_LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+
+
+@dataclass
+class DeviceGaps:
+    """One GPU's kernel time and idle gaps in microseconds, from its first kernel to its last.
+
+    A gap counts as between groups when the kernels on either side belong to different jobs, or when
+    either kernel could not be given a job (so the split never flatters the planner)."""
+
+    device: int
+    busy_us: float
+    span_us: float
+    between_us: float
+    within_us: float
+    between_count: int
+    within_count: int
+    kernels: int
+    unattributed: int
+
+    def describe(self, wall_us: float) -> str:
+        """One line: busy share and the two kinds of idle time as shares of ``wall_us`` (the iteration)."""
+        return (
+            f"GPU {self.device}: busy {self.busy_us / wall_us:.1%} of the iteration; idle between layer groups "
+            f"{self.between_us / 1e3:.1f} ms ({self.between_us / wall_us:.1%}, {self.between_count} gaps), inside groups "
+            f"{self.within_us / 1e3:.1f} ms ({self.within_us / wall_us:.1%}, {self.within_count} gaps); "
+            f"{self.kernels - self.unattributed}/{self.kernels} kernels attributed to a job"
+        )
+
+
+def split_gaps(events: Iterable[Dict[str, Any]], job_prefix: str = JOB_PREFIX) -> List[DeviceGaps]:
+    """Per GPU, busy time and idle gaps between / inside jobs, from chrome-trace events (``traceEvents``)."""
+    jobs: Dict[Any, List[Tuple[float, float, str]]] = {}
+    launches: Dict[int, Tuple[Any, float]] = {}
+    kernels: Dict[int, List[Tuple[float, float, int]]] = {}
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        cat = e.get("cat", "")
+        args = e.get("args") or {}
+        if cat == "user_annotation" and str(e.get("name", "")).startswith(job_prefix):
+            jobs.setdefault(e.get("tid"), []).append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["name"]))
+        elif cat in _LAUNCH_CATEGORIES and "correlation" in args:
+            launches[int(args["correlation"])] = (e.get("tid"), float(e["ts"]))
+        elif cat == "kernel":
+            dev = int(args.get("device", 0))
+            kernels.setdefault(dev, []).append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), int(args.get("correlation", -1))))
+    for ranges in jobs.values():
+        ranges.sort()
+    starts = {tid: [r[0] for r in ranges] for tid, ranges in jobs.items()}
+
+    def job_at(tid: Any, ts: float) -> Optional[str]:
+        if tid not in jobs:
+            return None
+        i = bisect.bisect_right(starts[tid], ts) - 1
+        return jobs[tid][i][2] if i >= 0 and jobs[tid][i][1] >= ts else None
+
+    out = []
+    for dev, ks in sorted(kernels.items()):
+        ks.sort()
+        launch_of = [launches.get(c) for _, _, c in ks]
+        owners = [job_at(*launch) if launch is not None else None for launch in launch_of]
+        # Backward kernels are launched by autograd's worker thread for the GPU while the device thread
+        # waits inside its job; give such a kernel the job running at its launch time on the device
+        # threads that launched this GPU's other kernels (only where exactly one such job runs).
+        job_tids = {launch[0] for launch, owner in zip(launch_of, owners) if owner is not None and launch is not None}
+        for i, (launch, owner) in enumerate(zip(launch_of, owners)):
+            if owner is None and launch is not None:
+                found = {job for job in (job_at(tid, launch[1]) for tid in job_tids) if job is not None}
+                if len(found) == 1:
+                    owners[i] = found.pop()
+        busy = between = within = 0.0
+        n_between = n_within = 0
+        end, last_owner = ks[0][1], owners[0]
+        busy = ks[0][1] - ks[0][0]
+        for (s, e, _), owner in zip(ks[1:], owners[1:]):
+            if s > end:  # idle from ``end`` to ``s``
+                if owner is not None and owner == last_owner:
+                    within, n_within = within + s - end, n_within + 1
+                else:
+                    between, n_between = between + s - end, n_between + 1
+                busy, end, last_owner = busy + e - s, e, owner
+            elif e > end:
+                busy, end, last_owner = busy + e - end, e, owner
+        out.append(DeviceGaps(dev, busy, end - ks[0][0], between, within, n_between, n_within, len(ks), owners.count(None)))
+    return out
