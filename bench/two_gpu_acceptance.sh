@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The acceptance runs that need two GPUs of one host and 256 GiB of host memory (nvidia-h200-x2):
+# issue 5 (plans on 2 GPUs), issue 6 (qwen3-4b on 1 vs 2 GPUs, qwen3-8b), issue 9 (two data-parallel
+# ranks vs one). Each part fits one 10-minute device call; run them one by one:
+#
+#     bash bench/two_gpu_acceptance.sh tests|4b|8b|8b2|plans|dp
+#
+# Results go to stdout (the tables of docs/benchmarks.md) and, for dp, to JSON files in $OUT (or .).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+out=${OUT:-.}
+bench() { python3 bench/train_bench.py "$@" 2>&1 | grep -v -i "warn" | grep -v "^ *[0-9.]* ms at"; }
+
+case "${1:-}" in
+  tests)  # the GPU tests, the 2-GPU ones included
+    python3 -m pytest -m gpu tests/test_gpu.py tests/test_loss.py -q -p no:cacheprovider 2>&1 | tail -5 ;;
+  4b)  # issue 6: qwen3-4b on 2 GPUs >= 1.85x one GPU of the same machine
+    CUDA_VISIBLE_DEVICES=0 bench --workload qwen3-4b --skip-baseline --warmup 3 --iters 3 | tail -4
+    bench --workload qwen3-4b --skip-baseline --compare-layers --warmup 3 --iters 3 | tail -5 ;;
+  8b)  # issue 6: qwen3-8b on 1 GPU with the baseline, within 18 bytes/param of host memory
+    CUDA_VISIBLE_DEVICES=0 RPP_STAGE_PARAMS=0 RPP_GRAD_BUFFERS=1 bench --workload qwen3-8b --warmup 2 --iters 3 | tail -5 ;;
+  8b2)  # issue 6: qwen3-8b on 2 GPUs
+    RPP_STAGE_PARAMS=0 RPP_GRAD_BUFFERS=1 bench --workload qwen3-8b --skip-baseline --warmup 2 --iters 3 | tail -4 ;;
+  plans)  # issue 5 on 2 GPUs: auto plan vs one layer per group, idle time between groups
+    RPP_PROFILER=torch bench --workload qwen3-1.7b --skip-baseline --compare-plans --profile --profile-iters 3 --warmup 3 --iters 4 | tail -20 ;;
+  dp)  # issue 9: two ranks (one GPU each) vs one on qwen3-1.7b, and the loss curve vs one process
+    A="--model qwen3-1.7b --seq 4096 --steps 20 --warmup 4"
+    torchrun --standalone --nproc-per-node 1 bench/dp_bench.py $A --batch-per-rank 4 --out "$out/one.json" 2>&1 | tail -3
+    torchrun --standalone --nproc-per-node 1 bench/dp_bench.py $A --batch-per-rank 8 --out "$out/ref.json" 2>&1 | tail -3
+    torchrun --standalone --nproc-per-node 2 bench/dp_bench.py $A --batch-per-rank 4 --out "$out/two.json" 2>&1 | tail -3
+    python3 bench/dp_bench.py --compare "$out/one.json" "$out/two.json" --loss-ref "$out/ref.json" ;;
+  *)
+    echo "usage: bash bench/two_gpu_acceptance.sh tests|4b|8b|8b2|plans|dp" >&2; exit 2 ;;
+esac
