@@ -30,16 +30,20 @@ def test_bench_script_runs(argv: list) -> None:
     assert "|" in res.stdout  # the results table
 
 
-def _x(cat: str, ts: float, dur: float, tid: int = 1, name: str = "k", **args: object) -> dict:
-    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1, "args": args}
-
-
-def test_gpu_gaps_split_between_and_inside_groups() -> None:
+def _split_gaps(events: list) -> list:
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     try:
         from gpu_gaps import split_gaps
     finally:
         sys.path.pop(0)
+    return split_gaps(events)
+
+
+def _x(cat: str, ts: float, dur: float, tid: int = 1, name: str = "k", **args: object) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1, "args": args}
+
+
+def test_gpu_gaps_split_between_and_inside_groups() -> None:
     job_a, job_b = "roundpipe model 'm' forward layer 0", "roundpipe model 'm' forward layer 1"
     events = [
         _x("user_annotation", 0, 100, tid=7, name=job_a),
@@ -61,7 +65,7 @@ def test_gpu_gaps_split_between_and_inside_groups() -> None:
         _x("kernel", 0, 10, correlation=3, device=1),
         _x("kernel", 30, 10, correlation=4, device=1),
     ]
-    d0, d1 = split_gaps(events)
+    d0, d1 = _split_gaps(events)
     assert (d0.device, d0.busy_us, d0.span_us) == (0, 12 + 15 + 5, 45)
     assert (d0.within_us, d0.within_count, d0.between_us, d0.between_count) == (3, 1, 10, 1)
     assert (d0.kernels, d0.unattributed) == (4, 0)
@@ -70,11 +74,6 @@ def test_gpu_gaps_split_between_and_inside_groups() -> None:
 
 
 def test_gpu_gaps_backward_kernels_from_autograd_thread_get_the_running_job() -> None:
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    try:
-        from gpu_gaps import split_gaps
-    finally:
-        sys.path.pop(0)
     job_a, job_b = "roundpipe model 'm' backward layer 1", "roundpipe model 'm' backward layer 0"
     events = [
         _x("user_annotation", 0, 100, tid=7, name=job_a),
@@ -89,5 +88,5 @@ def test_gpu_gaps_backward_kernels_from_autograd_thread_get_the_running_job() ->
         _x("kernel", 120, 5, correlation=3, device=0),
         _x("kernel", 130, 5, correlation=4, device=1),
     ]
-    d0, _ = split_gaps(events)
+    d0, _ = _split_gaps(events)
     assert (d0.unattributed, d0.within_us, d0.between_us) == (0, 5, 95)
