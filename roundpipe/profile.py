@@ -1,7 +1,8 @@
 """Profiler annotations: named ranges in NVTX (nsys) or torch.profiler timelines.
 
-``RPP_PROFILER=nvtx`` emits NVTX ranges, ``RPP_PROFILER=torch`` ``record_function`` ranges; unset, the
-annotations cost nothing.
+``RPP_PROFILER=nvtx`` emits NVTX ranges, ``RPP_PROFILER=torch`` ``record_function`` ranges; unset (or
+0 / off), the annotations cost nothing; any other value is an error. RoundPipe marks each device job
+(``roundpipe.device``) and each blocking wait (``roundpipe.threads``).
 
 Attributes:
     PROFILER_TYPE: The profiler selected from the environment, or None.
@@ -15,7 +16,19 @@ from typing import ContextManager, Optional
 
 import torch
 
-PROFILER_TYPE: Optional[str] = os.environ.get("RPP_PROFILER") or None
+PROFILER_ENV = "RPP_PROFILER"
+
+
+def _profiler_from_env() -> Optional[str]:
+    value = os.environ.get(PROFILER_ENV, "").strip().lower()
+    if value in ("", "0", "off", "none"):
+        return None
+    if value not in ("torch", "nvtx"):
+        raise ValueError(f"{PROFILER_ENV}={value!r}: expected 'torch' (torch.profiler ranges), 'nvtx' (Nsight) or unset")
+    return value
+
+
+PROFILER_TYPE: Optional[str] = _profiler_from_env()
 
 
 def annotate(name: str, color: Optional[str] = None) -> ContextManager[object]:

@@ -52,3 +52,12 @@ def test_no_labels_without_a_profiler(workers: str, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(profile, "PROFILER_TYPE", None)
     assert _train_once(ModelExecutePlan.layerwise(4, "fused")) == []
     assert profile.annotate("x").__class__.__name__ == "nullcontext"
+
+
+def test_profiler_env_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    for value, expected in [("torch", "torch"), (" NVTX ", "nvtx"), ("", None), ("0", None)]:
+        monkeypatch.setenv("RPP_PROFILER", value)
+        assert profile._profiler_from_env() == expected
+    monkeypatch.setenv("RPP_PROFILER", "nsys")
+    with pytest.raises(ValueError, match="RPP_PROFILER='nsys': expected 'torch'"):
+        profile._profiler_from_env()
