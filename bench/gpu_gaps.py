@@ -92,18 +92,17 @@ def split_gaps(events: Iterable[Dict[str, Any]], job_prefix: str = JOB_PREFIX) -
                 found = {job for job in (job_at(tid, launch[1]) for tid in job_tids) if job is not None}
                 if len(found) == 1:
                     owners[i] = found.pop()
-        busy = between = within = 0.0
+        between = within = 0.0
         n_between = n_within = 0
-        end, last_owner = ks[0][1], owners[0]
-        busy = ks[0][1] - ks[0][0]
-        for (s, e, _), owner in zip(ks[1:], owners[1:]):
-            if s > end:  # idle from ``end`` to ``s``
+        busy, end, last_owner = ks[0][1] - ks[0][0], ks[0][1], owners[0]
+        for (start, stop, _), owner in zip(ks[1:], owners[1:]):
+            if start > end:  # idle from ``end`` to ``start``
                 if owner is not None and owner == last_owner:
-                    within, n_within = within + s - end, n_within + 1
+                    within, n_within = within + start - end, n_within + 1
                 else:
-                    between, n_between = between + s - end, n_between + 1
-                busy, end, last_owner = busy + e - s, e, owner
-            elif e > end:
-                busy, end, last_owner = busy + e - end, e, owner
+                    between, n_between = between + start - end, n_between + 1
+                busy, end, last_owner = busy + stop - start, stop, owner
+            elif stop > end:
+                busy, end, last_owner = busy + stop - end, stop, owner
         out.append(DeviceGaps(dev, busy, end - ks[0][0], between, within, n_between, n_within, len(ks), owners.count(None)))
     return out
