@@ -40,6 +40,8 @@ class DeviceGaps:
     within_count: int
     kernels: int
     unattributed: int
+    head_us: Optional[float] = None  # with a window: idle from its start to the first kernel
+    tail_us: Optional[float] = None  # and from the last kernel to its end
 
     def describe(self, wall_us: float) -> str:
         """One line: busy share and the two kinds of idle time as shares of ``wall_us`` (the iteration)."""
@@ -48,11 +50,19 @@ class DeviceGaps:
             f"{self.between_us / 1e3:.1f} ms ({self.between_us / wall_us:.1%}, {self.between_count} gaps), inside groups "
             f"{self.within_us / 1e3:.1f} ms ({self.within_us / wall_us:.1%}, {self.within_count} gaps); "
             f"{self.kernels - self.unattributed}/{self.kernels} kernels attributed to a job"
+            + ("" if self.head_us is None or self.tail_us is None else
+               f"; idle before the first kernel {self.head_us / 1e3:.1f} ms ({self.head_us / wall_us:.1%}), "
+               f"after the last {self.tail_us / 1e3:.1f} ms ({self.tail_us / wall_us:.1%})")
         )
 
 
-def split_gaps(events: Iterable[Dict[str, Any]], job_prefix: str = JOB_PREFIX) -> List[DeviceGaps]:
-    """Per GPU, busy time and idle gaps between / inside jobs, from chrome-trace events (``traceEvents``)."""
+def split_gaps(events: Iterable[Dict[str, Any]], job_prefix: str = JOB_PREFIX, window: str = "") -> List[DeviceGaps]:
+    """Per GPU, busy time and idle gaps between / inside jobs, from chrome-trace events (``traceEvents``).
+
+    ``window`` names a host range around the profiled iteration (a ``record_function``): then the idle
+    time from its start to each GPU's first kernel and from the last kernel to its end is reported too
+    (the trace puts host and GPU events on one clock)."""
+    span: Optional[Tuple[float, float]] = None
     jobs: Dict[Any, List[Tuple[float, float, str]]] = {}
     launches: Dict[int, Tuple[Any, float]] = {}
     kernels: Dict[int, List[Tuple[float, float, int]]] = {}
@@ -61,7 +71,9 @@ def split_gaps(events: Iterable[Dict[str, Any]], job_prefix: str = JOB_PREFIX) -
             continue
         cat = e.get("cat", "")
         args = e.get("args") or {}
-        if cat == "user_annotation" and str(e.get("name", "")).startswith(job_prefix):
+        if cat == "user_annotation" and window and e.get("name") == window:
+            span = (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+        elif cat == "user_annotation" and str(e.get("name", "")).startswith(job_prefix):
             jobs.setdefault(e.get("tid"), []).append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["name"]))
         elif cat in _LAUNCH_CATEGORIES and "correlation" in args:
             launches[int(args["correlation"])] = (e.get("tid"), float(e["ts"]))
@@ -104,5 +116,6 @@ def split_gaps(events: Iterable[Dict[str, Any]], job_prefix: str = JOB_PREFIX) -
                 busy, end, last_owner = busy + stop - start, stop, owner
             elif stop > end:
                 busy, end, last_owner = busy + stop - end, stop, owner
-        out.append(DeviceGaps(dev, busy, end - ks[0][0], between, within, n_between, n_within, len(ks), owners.count(None)))
+        head, tail = (ks[0][0] - span[0], span[1] - end) if span is not None else (None, None)
+        out.append(DeviceGaps(dev, busy, end - ks[0][0], between, within, n_between, n_within, len(ks), owners.count(None), head, tail))
     return out

@@ -118,6 +118,9 @@ def bench_baseline(args: argparse.Namespace, ids: torch.Tensor) -> Row:
     return row
 
 
+ITERATION = "train_bench iteration"  # the profiler range around the profiled iteration
+
+
 def busy_fraction(step: Callable[[], None], trace: str = "") -> str:
     """GPU compute busy share of one iteration (merged kernel time / wall time) per GPU, from the profiler;
     prints each GPU's longest idle gaps with the kernels around them, and writes a chrome trace when
@@ -129,8 +132,9 @@ def busy_fraction(step: Callable[[], None], trace: str = "") -> str:
     config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True) if by_group else None
     with torch.profiler.profile(activities=acts, experimental_config=config) as prof:
         t0 = time.perf_counter()
-        step()
-        cuda_sync()
+        with torch.profiler.record_function(ITERATION):
+            step()
+            cuda_sync()
         wall = (time.perf_counter() - t0) * 1e6
     if trace or by_group:
         import json
@@ -143,7 +147,7 @@ def busy_fraction(step: Callable[[], None], trace: str = "") -> str:
         if by_group:  # kernels only: the job ranges also appear on the GPU timeline and are not work
             opener = __import__("gzip").open if path.endswith(".gz") else open
             with opener(path, "rt") as f:
-                devices = split_gaps(json.load(f)["traceEvents"])
+                devices = split_gaps(json.load(f)["traceEvents"], window=ITERATION)
             if not trace:
                 os.remove(path)
             for d in devices:

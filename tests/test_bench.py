@@ -30,13 +30,13 @@ def test_bench_script_runs(argv: list) -> None:
     assert "|" in res.stdout  # the results table
 
 
-def _split_gaps(events: list) -> list:
+def _split_gaps(events: list, **kwargs: str) -> list:
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     try:
         from gpu_gaps import split_gaps
     finally:
         sys.path.pop(0)
-    return split_gaps(events)
+    return split_gaps(events, **kwargs)
 
 
 def _x(cat: str, ts: float, dur: float, tid: int = 1, name: str = "k", **args: object) -> dict:
@@ -90,3 +90,8 @@ def test_gpu_gaps_backward_kernels_from_autograd_thread_get_the_running_job() ->
     ]
     d0, _ = _split_gaps(events)
     assert (d0.unattributed, d0.within_us, d0.between_us) == (0, 5, 95)
+    assert d0.head_us is None and "before the first kernel" not in d0.describe(200)
+    # With a window around the iteration: idle before the first kernel and after the last.
+    d0, d1 = _split_gaps(events + [_x("user_annotation", -4, 150, tid=1, name="iteration")], window="iteration")
+    assert (d0.head_us, d0.tail_us, d1.head_us, d1.tail_us) == (14, 21, 134, 11)
+    assert "idle before the first kernel 0.0 ms (7.0%), after the last 0.0 ms (10.5%)" in d0.describe(200)
