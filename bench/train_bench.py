@@ -124,10 +124,13 @@ ITERATION = "train_bench iteration"  # the profiler range around the profiled it
 def busy_fraction(step: Callable[[], None], trace: str = "") -> str:
     """GPU compute busy share of one iteration (merged kernel time / wall time) per GPU, from the profiler;
     prints each GPU's longest idle gaps with the kernels around them, and writes a chrome trace when
-    ``trace`` is set (gzipped if it ends in .gz)."""
+    ``trace`` is set (gzipped if it ends in .gz). With ``RPP_PROFILER=torch`` it prints instead each
+    GPU's idle time between layer groups, inside them, and before / after its kernels (``gpu_gaps``)."""
+    from roundpipe import profile
+
     # With RPP_PROFILER=torch RoundPipe marks each job (layer group) on its device thread; recording CPU
     # activity on all threads then lets gpu_gaps give every kernel its group (costs some host time).
-    by_group = os.environ.get("RPP_PROFILER") == "torch"
+    by_group = profile.PROFILER_TYPE == "torch"
     acts = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if trace or by_group else [])
     config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True) if by_group else None
     with torch.profiler.profile(activities=acts, experimental_config=config) as prof:
