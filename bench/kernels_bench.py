@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import time
 from typing import Callable, Dict, List, Tuple
 
 import torch
 from torch import nn
+
+from roundpipe import settings
 
 SHAPES = {
     # hidden, intermediate, heads, kv heads, head_dim
@@ -123,18 +124,11 @@ class whole_layer:
         self.on = on
 
     def __enter__(self) -> None:
-        from roundpipe.models import kernels
-
-        self.old = os.environ.get(kernels.WHOLE_LAYER_ENV)
-        os.environ[kernels.WHOLE_LAYER_ENV] = "1" if self.on else "0"
+        self.block = settings.overridden(fused_layers=self.on)
+        self.block.__enter__()
 
     def __exit__(self, *exc: object) -> None:
-        from roundpipe.models import kernels
-
-        if self.old is None:
-            os.environ.pop(kernels.WHOLE_LAYER_ENV, None)
-        else:
-            os.environ[kernels.WHOLE_LAYER_ENV] = self.old
+        self.block.__exit__(None, None, None)
 
 
 def main(argv=None) -> Dict[str, float]:
@@ -149,7 +143,6 @@ def main(argv=None) -> Dict[str, float]:
     p.add_argument("--iters", type=int, default=None)
     args = p.parse_args(argv)
 
-    from roundpipe import models
     from roundpipe.models import kernels
 
     t_start = time.perf_counter()
@@ -160,8 +153,7 @@ def main(argv=None) -> Dict[str, float]:
     seq = args.seq or (32 if args.tiny else 4096)
     warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
     iters = args.iters if args.iters is not None else (2 if args.tiny else 10)
-    old_disable = models.DISABLE_TORCH_COMPILE
-    models.DISABLE_TORCH_COMPILE = args.no_compile
+    settings.configure(compile=not args.no_compile)
     try:
         hf, rotary, config = build_layer(shape, dtype, device)
         fused = copy.deepcopy(hf)
@@ -207,7 +199,7 @@ def main(argv=None) -> Dict[str, float]:
                 res[f"{name}_fwd_ms"], res[f"{name}_fwd_cpu_ms"] = timed(fwd(layer), warmup, iters, device)
                 res[f"{name}_fwd_bwd_ms"], res[f"{name}_fwd_bwd_cpu_ms"] = timed(fwd_bwd(layer), warmup, iters, device)
     finally:
-        models.DISABLE_TORCH_COMPILE = old_disable
+        settings.unconfigure(settings.DISABLE_TORCH_COMPILE.name)
 
     dev_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"Qwen3 decoder layer {shape} {SHAPES[shape]}, {batch} x {seq} tokens, {args.dtype}, sdpa, {dev_name}, "

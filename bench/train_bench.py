@@ -25,6 +25,8 @@ from typing import Any, Callable, Dict, List, Optional
 import psutil
 import torch
 
+from roundpipe import settings
+
 WORKLOADS = {
     # name: hidden, intermediate, layers, heads, kv heads, tied
     "tiny": (64, 128, 2, 4, 2, True),
@@ -410,17 +412,8 @@ def main() -> None:
     if args.compare_kernels:
         rows.append(bench_roundpipe(args, ids, n_params, fused=False))
     if args.compare_layers:
-        from roundpipe.models import kernels
-
-        saved = os.environ.get(kernels.WHOLE_LAYER_ENV)
-        os.environ[kernels.WHOLE_LAYER_ENV] = "0"
-        try:
+        with settings.overridden(fused_layers=False):
             rows.append(bench_roundpipe(args, ids, n_params))
-        finally:
-            if saved is None:
-                os.environ.pop(kernels.WHOLE_LAYER_ENV)
-            else:
-                os.environ[kernels.WHOLE_LAYER_ENV] = saved
     base = rows[0].tokens_per_s
     print(f"\n{args.workload}: {n_params / 1e9:.2f}B params, batch {args.batch} x {args.seq}, device "
           f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, peak RSS "

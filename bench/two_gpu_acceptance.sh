@@ -3,7 +3,7 @@
 # issue 5 (plans on 2 GPUs), issue 6 (qwen3-4b on 1 vs 2 GPUs, qwen3-8b), issue 9 (two data-parallel
 # ranks vs one). Each part fits one 10-minute device call; run them one by one:
 #
-#     bash bench/two_gpu_acceptance.sh tests|4b|8b|8b2|plans|dp
+#     bash bench/two_gpu_acceptance.sh tests|scale|4b|8b|8b2|plans|dp
 #
 # Results go to stdout (the tables of docs/benchmarks.md) and, for dp, to JSON files in $OUT (or .).
 set -uo pipefail
@@ -15,6 +15,11 @@ bench() { python3 bench/train_bench.py "$@" 2>&1 | grep -v -i "warn" | grep -v "
 case "${1:-}" in
   tests)  # the GPU tests, the 2-GPU ones included
     python3 -m pytest -m gpu tests/test_gpu.py tests/test_loss.py -q -p no:cacheprovider 2>&1 | tail -5 ;;
+  scale)  # issue 19: qwen3-1.7b and qwen3-4b, 16 x 4096, 2 GPUs >= 1.85x one GPU of the same machine
+    for w in qwen3-1.7b qwen3-4b; do
+      CUDA_VISIBLE_DEVICES=0 bench --workload $w --batch 16 --skip-baseline --warmup 3 --iters 4 | tee -a "$out/scale.log" | tail -4
+      bench --workload $w --batch 16 --skip-baseline --warmup 3 --iters 4 --sample-stacks | tee -a "$out/scale.log" | tail -4
+    done ;;
   4b)  # issue 6: qwen3-4b on 2 GPUs >= 1.85x one GPU of the same machine
     CUDA_VISIBLE_DEVICES=0 bench --workload qwen3-4b --skip-baseline --warmup 3 --iters 3 | tail -4
     bench --workload qwen3-4b --skip-baseline --compare-layers --warmup 3 --iters 3 | tail -5 ;;
@@ -31,5 +36,5 @@ case "${1:-}" in
     torchrun --standalone --nproc-per-node 2 bench/dp_bench.py $A --batch-per-rank 4 --out "$out/two.json" 2>&1 | tail -3
     python3 bench/dp_bench.py --compare "$out/one.json" "$out/two.json" --loss-ref "$out/ref.json" ;;
   *)
-    echo "usage: bash bench/two_gpu_acceptance.sh tests|4b|8b|8b2|plans|dp" >&2; exit 2 ;;
+    echo "usage: bash bench/two_gpu_acceptance.sh tests|scale|4b|8b|8b2|plans|dp" >&2; exit 2 ;;
 esac

@@ -13,6 +13,7 @@ from roundpipe.device import get_num_devices
 from roundpipe.roundpipe import AutoRoundPipe, RoundPipe
 from roundpipe.run_config import RoundPipeRunConfig
 from roundpipe.scheduler import ModelExecutePlan
+from roundpipe.settings import configure
 
 __version__ = "0.1.0"
 
@@ -22,6 +23,7 @@ __all__ = [
     "ModelExecutePlan",
     "RoundPipe",
     "RoundPipeRunConfig",
+    "configure",
     "doing_recompute",
     "get_num_devices",
     "get_recompute_data",

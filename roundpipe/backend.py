@@ -67,7 +67,11 @@ cpu_compute_lock = threading.RLock()
 
 def parse_devices(spec: Optional[str] = None) -> List[torch.device]:
     """Resolve ``RPP_DEVICES`` (or ``spec``) into the list of devices to run on."""
-    spec = (spec if spec is not None else os.environ.get("RPP_DEVICES", "")).strip().lower()
+    if spec is None:
+        from roundpipe import settings
+
+        spec = settings.DEVICES.get()
+    spec = spec.strip().lower()
     if not spec:
         spec = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "cpu:1"
     kind, _, rest = spec.partition(":")

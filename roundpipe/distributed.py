@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from roundpipe import optim_stream
+from roundpipe import optim_stream, settings
 from roundpipe import device as device_mod
 from roundpipe.attribute import LayerAttribute, ParamAttribute
 from roundpipe.roundpipe import RoundPipe, RoundPipeBase
@@ -74,8 +74,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("roundpipe")
 
-DEFAULT_TIMEOUT_S = 60.0
-DEFAULT_MAIN_TIMEOUT_S = 1800.0
+DEFAULT_TIMEOUT_S = settings.DIST_TIMEOUT_S.default
+DEFAULT_MAIN_TIMEOUT_S = settings.DIST_MAIN_TIMEOUT_S.default
 _NCCL_GRACE_S = 30.0  # NCCL groups time out this much later than RPP_DIST_TIMEOUT_S (see _CollectiveMonitor)
 
 T = TypeVar("T")
@@ -93,17 +93,11 @@ class DataParallelError(RuntimeError):
 _timeouts_in_use: Dict[str, float] = {}  # what init_from_env used, by environment variable
 
 
-def _timeout_from_env(name: str, default: float) -> float:
-    if name in _timeouts_in_use:
-        return _timeouts_in_use[name]
-    raw = os.environ.get(name, "")
-    try:
-        value = float(raw) if raw.strip() else default
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected a number of seconds, e.g. {name}=120") from None
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r}: must be positive (a dead or stalled rank must not hang the others)")
-    return value
+def _timeout_from_env(setting: "settings.Setting[float]") -> float:
+    """The timeout ``init_from_env`` used (so later readers agree with the group), else the setting."""
+    if setting.name in _timeouts_in_use:
+        return _timeouts_in_use[setting.name]
+    return setting.get()
 
 
 def timeout_s() -> float:
@@ -112,13 +106,13 @@ def timeout_s() -> float:
     Short on purpose: ranks meet there every step, so waiting longer than a step or two means a peer
     is stuck. Raise it if a rank can legitimately lag that long (first-step compilation skew).
     """
-    return _timeout_from_env("RPP_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S)
+    return _timeout_from_env(settings.DIST_TIMEOUT_S)
 
 
 def main_timeout_s() -> float:
     """Timeout of the main thread's collectives (setup, barriers): ``RPP_DIST_MAIN_TIMEOUT_S``, default
     1800 s, long enough for rank 0 to write a checkpoint while the others wait at a barrier."""
-    return _timeout_from_env("RPP_DIST_MAIN_TIMEOUT_S", DEFAULT_MAIN_TIMEOUT_S)
+    return _timeout_from_env(settings.DIST_MAIN_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
@@ -177,7 +171,7 @@ def _assign_local_devices(local_rank: int, local_world_size: int) -> None:
     Only when ``RPP_DEVICES`` is unset: an explicit choice wins. Ranks of one host must not share a GPU,
     or each would plan with the whole GPU's memory. CPU workers need no split (each rank has its own).
     """
-    if local_world_size <= 1 or os.environ.get("RPP_DEVICES", "").strip() or not torch.cuda.is_available():
+    if local_world_size <= 1 or settings.DEVICES.is_set() or not torch.cuda.is_available():
         return
     count = torch.cuda.device_count()
     per = count // local_world_size
@@ -187,12 +181,8 @@ def _assign_local_devices(local_rank: int, local_world_size: int) -> None:
             "or set RPP_DEVICES per rank"
         )
     ids = list(range(local_rank * per, (local_rank + 1) * per))
-    os.environ["RPP_DEVICES"] = "cuda:" + ",".join(str(i) for i in ids)
     torch.cuda.set_device(ids[0])  # NCCL in the default group (if asked for) binds to this GPU
-    from roundpipe import device
-
-    if device.device_list:  # created before the split: re-create from the new RPP_DEVICES
-        device.reset_devices()
+    settings.configure(devices="cuda:" + ",".join(str(i) for i in ids))  # re-creates existing workers
 
 
 def init_from_env(
@@ -221,7 +211,7 @@ def init_from_env(
         return DistEnv()  # not launched by torchrun: a plain single process
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
-    backend = backend or os.environ.get("RPP_DIST_BACKEND", "").strip() or "gloo"
+    backend = backend or settings.DIST_BACKEND.get()
     if backend == "nccl":
         backend = "cpu:gloo,cuda:nccl"
     if assign_devices:

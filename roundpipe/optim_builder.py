@@ -91,7 +91,9 @@ def get_cpu_flags_hash() -> str:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("RPP_CACHE_DIR")
+    from roundpipe import settings
+
+    root = settings.CACHE_DIR.get()
     if root:
         base = Path(root)
     else:

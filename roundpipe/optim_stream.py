@@ -22,6 +22,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from roundpipe import settings
+
 from roundpipe.threads import OptimizerStepError, RoundPipeThread, note_progress, report_failure
 
 KernelQueueType = "queue.Queue[Tuple[Callable, Tuple, Dict[str, Any]]]"
@@ -32,7 +34,6 @@ optim_thread: Optional[RoundPipeThread] = None
 _start_lock = threading.Lock()
 
 
-THREADS_ENV = "RPP_OPTIM_THREADS"
 logger = logging.getLogger("roundpipe")
 
 
@@ -44,21 +45,15 @@ def _set_thread_count() -> None:
     the step runs. torch keeps the OpenMP thread count per thread, so this only changes the optimizer
     thread's parallel regions (its copies and the Adam kernel, which asks ``torch.get_num_threads()``).
     """
-    value = os.environ.get(THREADS_ENV, "").strip()
-    if not value:
+    n = settings.OPTIM_THREADS.get()
+    if n is None:
         share = shared_host_default()
         if share is not None:
             logger.info("roundpipe: %s ranks on this host and one intra-op thread each (torchrun sets "
                         "OMP_NUM_THREADS=1): the optimizer thread uses %d; set %s to choose",
-                        os.environ.get("LOCAL_WORLD_SIZE"), share, THREADS_ENV)
+                        os.environ.get("LOCAL_WORLD_SIZE"), share, settings.OPTIM_THREADS.name)
             torch.set_num_threads(share)
         return
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"{THREADS_ENV}={value!r}: expected a positive number of threads")
     torch.set_num_threads(n)
 
 

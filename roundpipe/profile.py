@@ -11,24 +11,14 @@ Attributes:
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import ContextManager, Optional
 
 import torch
 
-PROFILER_ENV = "RPP_PROFILER"
+from roundpipe import settings
 
-
-def _profiler_from_env() -> Optional[str]:
-    value = os.environ.get(PROFILER_ENV, "").strip().lower()
-    if value in ("", "0", "off", "none"):
-        return None
-    if value not in ("torch", "nvtx"):
-        raise ValueError(f"{PROFILER_ENV}={value!r}: expected 'torch' (torch.profiler ranges), 'nvtx' (Nsight) or unset")
-    return value
-
-
-PROFILER_TYPE: Optional[str] = _profiler_from_env()
+# Read once: the choice decides at import whether job labels are built at all.
+PROFILER_TYPE: Optional[str] = settings.PROFILER.get()
 
 
 def annotate(name: str, color: Optional[str] = None) -> ContextManager[object]:

@@ -62,6 +62,7 @@ class FullRoundPipeRunConfig:
     """A per-call config merged with the model's config and the defaults: every field resolved."""
 
     def __init__(self, function_run_config: RoundPipeRunConfig, model_run_config: RoundPipeRunConfig) -> None:
+        from roundpipe import settings
         from roundpipe.device import get_num_devices
 
         for f in fields(RoundPipeRunConfig):
@@ -73,7 +74,7 @@ class FullRoundPipeRunConfig:
         self.output_device: torch.device = torch.device("cpu") if self.output_device is None else self.output_device
         self.preserve_rng_state: bool = True if self.preserve_rng_state is None else bool(self.preserve_rng_state)
         self.recompute_grain: Literal["stage", "layer"] = self.recompute_grain or "stage"
-        self.num_microbatch: int = self.num_microbatch or get_num_devices() + 1
+        self.num_microbatch: int = self.num_microbatch or settings.default_num_microbatch(get_num_devices())
         self.merge_output: Any = True if self.merge_output is None else self.merge_output
         self.split_input: Optional[Callable[..., Any]]
         self.split_label: Optional[Callable[..., Any]]

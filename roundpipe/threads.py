@@ -12,7 +12,6 @@ Attributes:
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -110,7 +109,9 @@ def _ensure_watchdog() -> None:
     global _watchdog
     if _watchdog is not None:
         return
-    limit = float(os.environ.get("RPP_WATCHDOG_S", "0") or 0)
+    from roundpipe import settings
+
+    limit = settings.WATCHDOG_S.get()
     if limit <= 0:
         _watchdog = threading.current_thread()  # marks "checked, disabled"
         return
@@ -227,14 +228,6 @@ def dump_all_active_threads() -> None:
             state = "active" if t.is_active else "idle"
             print(f"--- roundpipe thread {t.name} ({state}) ---", file=sys.stderr)
             print_trimmed_traceback(frames.get(t.ident))  # type: ignore[arg-type]
-
-
-def env_flag(name: str, default: bool = False) -> bool:
-    """Read a boolean ``RPP_*`` environment variable."""
-    val = os.environ.get(name)
-    if val is None:
-        return default
-    return val.strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def raise_if_failed(where: str = "") -> None:

@@ -29,7 +29,6 @@ Times are in milliseconds.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -37,6 +36,8 @@ from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Literal, Optional, Sequence, Tuple
 
 import torch
+
+from roundpipe import settings
 
 RunType = Literal["infer", "train", "fused"]
 TimeKind = Literal["fwd", "re", "bwd"]
@@ -176,7 +177,7 @@ class ModelTimer:
 
     SMOOTH_RATE: float = 0.9
     BACKWARD_MULTIPLIER: float = 2.0
-    VERBOSE: bool = os.environ.get("RPP_VERBOSE_TIMER", "0") == "1"
+    VERBOSE: bool = settings.VERBOSE_TIMER.get()
 
     def __init__(self, n_layers: int, layer_sizes: Sequence[float]) -> None:
         if len(layer_sizes) != n_layers:

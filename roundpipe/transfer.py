@@ -21,13 +21,12 @@ Attributes:
 
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from roundpipe import backend
+from roundpipe import backend, settings
 from roundpipe.attribute import LayerAttribute, ParamAttribute
 from roundpipe.backend import Event
 from roundpipe.memory import pinned_empty
@@ -35,7 +34,6 @@ from roundpipe.memory import pinned_empty
 chunked_upload = True
 CHUNK_UPLOAD_SIZE = 64 * 1024**2
 
-GRAD_BUFFERS_ENV = "RPP_GRAD_BUFFERS"
 
 
 def grad_buffers_limit() -> int:
@@ -47,27 +45,17 @@ def grad_buffers_limit() -> int:
     waits for the optimizer instead, so the parameter has two host copies in all (model and gradient),
     at the price of that wait.
     """
-    value = os.environ.get(GRAD_BUFFERS_ENV, "2").strip() or "2"
-    if value not in ("1", "2"):
-        raise ValueError(f"{GRAD_BUFFERS_ENV}={value!r}: expected 2 (double-buffered gradient downloads) or 1 (one buffer; downloads wait for the optimizer step)")
-    return int(value)
+    return settings.GRAD_BUFFERS.get()
 
 
-STAGE_PARAMS_ENV = "RPP_STAGE_PARAMS"
 
 
 def stage_params_enabled() -> bool:
     """Whether asynchronous steps stage the updated parameters for the next step (``RPP_STAGE_PARAMS``,
     default on; see ``RoundPipeBase._stage_params``)."""
-    value = os.environ.get(STAGE_PARAMS_ENV, "1").strip().lower()
-    if value in ("1", "true", "yes", "on", ""):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{STAGE_PARAMS_ENV}={value!r}: expected 1 (stage the next parameters) or 0 (copy them at the next step)")
+    return settings.STAGE_PARAMS.get()
 
 
-DEVICE_SAVED_ENV = "RPP_DEVICE_SAVED_GB"
 
 
 def device_saved_limit() -> int:
@@ -80,14 +68,7 @@ def device_saved_limit() -> int:
     8 x 4096) and both copies, at the price of the same amount of GPU memory. With several devices the
     backward of a stage may run on another device, so they always go through the host.
     """
-    value = os.environ.get(DEVICE_SAVED_ENV, "0").strip() or "0"
-    try:
-        gib = float(value)
-    except ValueError:
-        gib = -1.0
-    if not gib >= 0 or gib == float("inf"):
-        raise ValueError(f"{DEVICE_SAVED_ENV}={value!r}: expected the GiB of backward-stage inputs to keep on the device "
-                         "(a number >= 0; 0 keeps them all on the host)")
+    gib = settings.DEVICE_SAVED_GB.get()
     return int(gib * 2**30)
 
 

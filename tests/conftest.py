@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from typing import Iterator
 
 import pytest
 import torch
 
-from roundpipe import device, threads
+from roundpipe import device, settings, threads
 
 CUDA = torch.cuda.is_available()
 # CPU workers always; the CUDA variant of the same tests runs where a GPU exists.
@@ -17,8 +16,19 @@ WORKER_SPECS = ["cpu:1", "cpu:2", "cpu:3"] + (["cuda:0"] if CUDA else [])
 
 def use_devices(spec: str) -> None:
     """Re-create the device pool from ``spec`` (an RPP_DEVICES value)."""
-    os.environ["RPP_DEVICES"] = spec
-    device.reset_devices()
+    settings.configure(devices=spec)
+
+
+@pytest.fixture(autouse=True)
+def _isolate_settings() -> Iterator[None]:
+    """Whatever a test chooses through ``roundpipe.configure`` (an in-process CLI run included) ends with
+    it: later tests see the environment's settings and a fresh device pool."""
+    saved = dict(settings._overrides)
+    yield
+    if settings._overrides != saved:
+        settings._overrides.clear()
+        settings._overrides.update(saved)
+        device.reset_devices()
 
 
 @pytest.fixture
@@ -27,14 +37,10 @@ def workers(request: pytest.FixtureRequest) -> Iterator[str]:
     spec = request.param
     if spec.startswith("cuda") and not CUDA:
         pytest.skip("needs CUDA")
-    old = os.environ.get("RPP_DEVICES")
     use_devices(spec)
     yield spec
     threads.clear_failure()
-    if old is None:
-        os.environ.pop("RPP_DEVICES", None)
-    else:
-        os.environ["RPP_DEVICES"] = old
+    settings.unconfigure(settings.DEVICES.name)
     device.reset_devices()
 
 
@@ -47,19 +53,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
 
 @pytest.fixture
 def restore_process_state() -> Iterator[None]:
-    """In-process training runs (the CLI) set RPP_DEVICES and the torch.compile switch for the process,
-    and may leave a worker failure recorded: undo all of it afterwards."""
-    from roundpipe import models  # imported here: test_models sets RPP_DISABLE_TORCH_COMPILE before its import
-
-    old_env = {k: os.environ.get(k) for k in ("RPP_DEVICES", "RPP_PROGRESS")}
-    old_compile = models.DISABLE_TORCH_COMPILE
-    os.environ["RPP_PROGRESS"] = "0"
+    """In-process training runs (the CLI) choose devices and the torch.compile switch for the process
+    (``roundpipe.configure``, undone by ``_isolate_settings``) and may leave a worker failure recorded:
+    undo that too, with progress bars off meanwhile."""
+    saved = dict(settings._overrides)
+    settings.configure(progress=False)
     yield
     threads.clear_failure()
-    for k, v in old_env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    models.DISABLE_TORCH_COMPILE = old_compile
+    settings._overrides.clear()
+    settings._overrides.update(saved)
     device.reset_devices()

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import roundpipe.optim.adam as adam_mod
-from roundpipe import optim_builder
+from roundpipe import optim_builder, settings
 from roundpipe.optim import Adam
 
 TOL = dict(rtol=1e-6, atol=1e-6)
@@ -42,7 +42,7 @@ def _kernel_available() -> bool:
 def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "cpp" and not _kernel_available():
         pytest.skip("no C++ compiler: the C++ kernel cannot be built")
-    monkeypatch.setenv(adam_mod.IMPL_ENV, request.param)
+    monkeypatch.setenv(settings.ADAM_IMPL.name, request.param)
     return request.param
 
 
@@ -302,7 +302,7 @@ def test_auto_falls_back_without_compiler(monkeypatch, caplog) -> None:
     monkeypatch.setattr(optim_builder, "_build_errors", {})
     monkeypatch.setattr(optim_builder, "_compiler", lambda: None)
     monkeypatch.setattr(adam_mod, "_kernel_error", None)
-    monkeypatch.setenv(adam_mod.IMPL_ENV, "auto")
+    monkeypatch.setenv(settings.ADAM_IMPL.name, "auto")
     ps = make_params(2)
     qs = clone_params(ps)
     ours, ref = Adam(ps, lr=0.01), torch.optim.Adam(qs, lr=0.01)
@@ -314,7 +314,7 @@ def test_auto_falls_back_without_compiler(monkeypatch, caplog) -> None:
     warnings = [r for r in caplog.records if "C++ kernel unavailable" in r.getMessage()]
     assert len(warnings) == 1
     assert_same_state(ours, ref, ps, qs)
-    monkeypatch.setenv(adam_mod.IMPL_ENV, "cpp")
+    monkeypatch.setenv(settings.ADAM_IMPL.name, "cpp")
     with pytest.raises(optim_builder.OptimBuildError, match="no C\\+\\+ compiler"):
         ours.step()
     # The failure is remembered: no rebuild attempt per step, even once a compiler would be found.

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from helpers import rel_err
-from roundpipe import models
+from roundpipe import models, settings
 from roundpipe.models import kernels
 from roundpipe.run_config import RoundPipeRunConfig
 
@@ -44,13 +44,13 @@ RUN3 = RoundPipeRunConfig(num_microbatch=3)
 @pytest.fixture
 def eager(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fused ops on their eager path (torch.compile off)."""
-    monkeypatch.setattr(models, "DISABLE_TORCH_COMPILE", True)
+    settings.configure(compile=False)
 
 
 @pytest.fixture
 def compiled(monkeypatch: pytest.MonkeyPatch):
     """Fused ops compiled (inductor) with fresh caches."""
-    monkeypatch.setattr(models, "DISABLE_TORCH_COMPILE", False)
+    settings.configure(compile=True)
     kernels.reset()
     yield
     kernels.reset()
@@ -246,7 +246,7 @@ def test_whole_layer_falls_back_to_modules(eager: None, op_calls: Dict[str, int]
     if case == "mask":
         kwargs["attention_mask"] = _causal_mask(x.shape[1]).to(x.dtype)
     elif case == "env off":
-        monkeypatch.setenv(kernels.WHOLE_LAYER_ENV, "0")
+        monkeypatch.setenv(settings.FUSED_LAYERS.name, "0")
     elif case == "hook":
         fused.mlp.register_forward_hook(lambda m, i, o: fired.append(1))
     elif case == "backward hook":
@@ -452,18 +452,18 @@ def test_lora_with_fused_kernels_matches_peft(workers: str, eager: None) -> None
 
 def test_resolve(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RPP_DEVICES", "cpu:2")
-    monkeypatch.delenv(kernels.ENV, raising=False)
+    monkeypatch.delenv(settings.FUSED_KERNELS.name, raising=False)
     assert kernels.resolve(None) is False and kernels.resolve("auto") is False  # CPU workers: off
     assert kernels.resolve(True) is True and kernels.resolve("on") is True and kernels.resolve(False) is False
-    monkeypatch.setenv(kernels.ENV, "1")
+    monkeypatch.setenv(settings.FUSED_KERNELS.name, "1")
     assert kernels.resolve(None) is True
-    monkeypatch.setenv(kernels.ENV, "0")
+    monkeypatch.setenv(settings.FUSED_KERNELS.name, "0")
     assert kernels.resolve(None) is False
     with pytest.raises(ValueError, match="fused_kernels"):
         kernels.resolve("sometimes")
     # auto on GPUs needs torch.compile (and Triton)
     monkeypatch.setenv("RPP_DEVICES", "cuda")
-    monkeypatch.setattr(models, "DISABLE_TORCH_COMPILE", True)
+    settings.configure(compile=False)
     assert kernels.auto_enabled() is False
 
 

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from helpers import rel_err
 from roundpipe.models.loss import count_loss_tokens
-from roundpipe import models
+from roundpipe import models, settings
 from roundpipe.context import ForwardCtx, RecomputeCtx
 from roundpipe.models.preset import CausalLMPreset, CausalLMPrefix
 from roundpipe.run_config import RoundPipeRunConfig
@@ -414,7 +414,7 @@ def test_unverified_layout_gets_generic_preset_with_warning(caplog: pytest.LogCa
 
 
 def test_disable_torch_compile_flag() -> None:
-    assert models.DISABLE_TORCH_COMPILE == (os.environ.get("RPP_DISABLE_TORCH_COMPILE") == "1")
+    assert settings.DISABLE_TORCH_COMPILE.get() == (os.environ.get("RPP_DISABLE_TORCH_COMPILE") == "1")
 
 
 # ---------------------------------------------------------------------------------------------------------

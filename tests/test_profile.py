@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig, profile
+from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig, profile, settings
 
 
 @pytest.fixture
@@ -57,7 +57,7 @@ def test_no_labels_without_a_profiler(workers: str, monkeypatch: pytest.MonkeyPa
 def test_profiler_env_values(monkeypatch: pytest.MonkeyPatch) -> None:
     for value, expected in [("torch", "torch"), (" NVTX ", "nvtx"), ("", None), ("0", None)]:
         monkeypatch.setenv("RPP_PROFILER", value)
-        assert profile._profiler_from_env() == expected
+        assert settings.PROFILER.get() == expected
     monkeypatch.setenv("RPP_PROFILER", "nsys")
-    with pytest.raises(ValueError, match="RPP_PROFILER='nsys': expected 'torch'"):
-        profile._profiler_from_env()
+    with pytest.raises(ValueError, match="RPP_PROFILER='nsys': expected `torch`"):
+        settings.PROFILER.get()

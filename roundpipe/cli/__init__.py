@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 from typing import Iterator, List, Optional
 
+from roundpipe import settings
 from roundpipe.cli.config import ConfigError
 from roundpipe.cli.parallel import PeerFailed, rank_prefix
 
@@ -74,7 +74,7 @@ def export_main(argv: List[str]) -> int:
 
 def progress_enabled() -> bool:
     """Progress bars only on a terminal, and not with ``RPP_PROGRESS=0`` (the project convention)."""
-    return sys.stderr.isatty() and os.environ.get("RPP_PROGRESS", "1") != "0"
+    return sys.stderr.isatty() and settings.PROGRESS.get()
 
 
 @contextlib.contextmanager

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from roundpipe import distributed as rdist
+from roundpipe import settings
 from roundpipe.cli import checkpoint as ckpt
 from roundpipe.cli import parallel
 from roundpipe.cli.config import ConfigError, TrainConfig, merge, to_yaml
@@ -228,7 +229,7 @@ class PipelineModel:
         """Inference run config: no more microbatches than rows."""
         from roundpipe import RoundPipeRunConfig, get_num_devices
 
-        n = self.rp.model_run_config.num_microbatch or get_num_devices() + 1
+        n = self.rp.model_run_config.num_microbatch or settings.default_num_microbatch(get_num_devices())
         return RoundPipeRunConfig(num_microbatch=max(1, min(n, batch_size)))
 
     @torch.no_grad()
@@ -388,7 +389,7 @@ class Recipe:
         from roundpipe import get_num_devices
 
         # validate() rejects an explicit microbatches above batch_size; the default adapts to the batch.
-        self.microbatches = cfg.microbatches or min(get_num_devices() + 1, cfg.batch_size)
+        self.microbatches = cfg.microbatches or min(settings.default_num_microbatch(get_num_devices()), cfg.batch_size)
         self.resume_from: Optional[str] = None
         if cfg.resume is not None:
             self.resume_from = ckpt.resolve_checkpoint(cfg.resume, cfg.output_dir)
@@ -432,7 +433,8 @@ class Recipe:
         self._master_sha: Optional[str] = None
 
     def _set_devices(self) -> None:
-        from roundpipe import backend, device
+        import roundpipe
+        from roundpipe import backend, settings
 
         spec = self.cfg.devices
         if spec is not None and spec.strip().startswith("cuda") and self.env.local_world_size > 1:
@@ -440,20 +442,14 @@ class Recipe:
                 f"devices={spec} would make the {self.env.local_world_size} ranks on this host share those GPUs",
                 "drop --devices (each rank then gets its share of the host's GPUs) or launch one rank per host",
             )
-        if spec is not None:
-            os.environ["RPP_DEVICES"] = spec
         try:
-            backend.parse_devices()
+            devices = backend.parse_devices(spec)
         except (ValueError, RuntimeError) as exc:
             raise ConfigError(str(exc).split(";")[0], "use --devices cuda, cuda:0,1 or cpu:N") from None
-        if spec is not None:
-            device.reset_devices()
-        from roundpipe import models
-
-        if self.cfg.compile is not None:
-            models.DISABLE_TORCH_COMPILE = not self.cfg.compile
-        elif "RPP_DISABLE_TORCH_COMPILE" not in os.environ:  # auto: compile for GPUs only
-            models.DISABLE_TORCH_COMPILE = not any(d.type == "cuda" for d in backend.parse_devices())
+        compile_ = self.cfg.compile
+        if compile_ is None and not settings.DISABLE_TORCH_COMPILE.is_set():  # auto: compile for GPUs only
+            compile_ = any(d.type == "cuda" for d in devices)
+        roundpipe.configure(devices=spec, compile=compile_)
 
     def _data(self, model_config: Any) -> Union[TaskStream, "FileStream"]:
         """The batch stream; the sequence length is checked against the model before any tokenizing."""
@@ -695,7 +691,7 @@ class Recipe:
 
         self.log(
             f"roundpipe train: {cfg.model} ({n_params / 1e6:.2f}M params, {n_train / 1e6:.2f}M trained, {str(self.dtype).replace('torch.', '')}"
-            f"{', LoRA r=%d' % cfg.lora_r if cfg.lora_r else ''}) on {get_num_devices()} device(s) [{os.environ.get('RPP_DEVICES') or 'default'}]"
+            f"{', LoRA r=%d' % cfg.lora_r if cfg.lora_r else ''}) on {get_num_devices()} device(s) [{settings.DEVICES.get() or 'default'}]"
         )
         self.log(f"data: {self.stream.describe()}")
         self.log(

@@ -5,7 +5,6 @@ layer, norm + loss head) that share the model's own parameters; :func:`wrap_mode
 :class:`~roundpipe.models.causal_lm.RoundPipeForCausalLM`.
 
 Attributes:
-    DISABLE_TORCH_COMPILE: Whether torch.compile is off in models (``RPP_DISABLE_TORCH_COMPILE=1``).
     SUPPORTED_MODELS: ``config.model_type`` -> module holding that family's preset. Model types not
         listed but laid out like Llama (``model.embed_tokens/layers/norm/rotary_emb`` + ``lm_head``) use
         the generic preset, with a warning that the family was not verified.
@@ -15,15 +14,12 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 from types import ModuleType
 from typing import Any, Dict
 
 from torch import nn
 
 from roundpipe.models import generic
-
-DISABLE_TORCH_COMPILE: bool = os.environ.get("RPP_DISABLE_TORCH_COMPILE", "0") == "1"
 
 _GENERIC = "roundpipe.models.generic"
 
@@ -97,4 +93,4 @@ def wrap_model(model: nn.Module, **roundpipe_kwargs: Any) -> "RoundPipeForCausal
     return RoundPipeForCausalLM(model, preset=build_preset(model), **roundpipe_kwargs)
 
 
-__all__ = ["DISABLE_TORCH_COMPILE", "SUPPORTED_MODELS", "build_preset", "wrap_model"]
+__all__ = ["SUPPORTED_MODELS", "build_preset", "wrap_model"]

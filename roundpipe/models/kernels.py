@@ -40,7 +40,6 @@ instead of recompiling for every length.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import types
@@ -49,6 +48,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from roundpipe import settings
 
 logger = logging.getLogger("roundpipe")
 
@@ -185,10 +186,9 @@ def _decoder_layer_eager(
 
 
 def compile_enabled() -> bool:
-    """Whether fused ops may compile now (``roundpipe.models.DISABLE_TORCH_COMPILE``, read per call)."""
-    from roundpipe import models
-
-    return not models.DISABLE_TORCH_COMPILE
+    """Whether fused ops may compile now (``RPP_DISABLE_TORCH_COMPILE`` / ``roundpipe.configure(compile=)``,
+    read per call)."""
+    return not settings.DISABLE_TORCH_COMPILE.get()
 
 
 def _copy_function(fn: Callable[..., Any], tag: str) -> Callable[..., Any]:
@@ -380,13 +380,10 @@ class _AttentionForward:
         return attn_output, attn_weights
 
 
-WHOLE_LAYER_ENV = "RPP_FUSED_LAYERS"
-
-
 def whole_layer_enabled() -> bool:
     """Whether fused decoder layers run as one op (``$RPP_FUSED_LAYERS``, default on; ``0`` keeps the
     per-module fused ops, to compare)."""
-    return os.environ.get(WHOLE_LAYER_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    return settings.FUSED_LAYERS.get()
 
 
 _gqa_cache: Dict[int, bool] = {}
@@ -614,7 +611,7 @@ def resolve(mode: FusedKernels) -> bool:
     """Whether fused kernels are on for ``mode``: True / False, ``"auto"`` (see :func:`auto_enabled`), or
     None for ``$RPP_FUSED_KERNELS`` (``auto`` when unset; also ``1``/``0``)."""
     if mode is None:
-        mode = os.environ.get(ENV, "auto")
+        mode = settings.FUSED_KERNELS.get()
     if isinstance(mode, str):
         word = mode.strip().lower()
         if word in ("1", "true", "on", "yes"):

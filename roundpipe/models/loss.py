@@ -122,9 +122,9 @@ def _maybe_compiled(fn: Callable, compile: Optional[bool]) -> Callable:
     few kernels; the matmul stays with cuBLAS.
     """
     if compile is None:
-        from roundpipe import models
+        from roundpipe import settings
 
-        compile = not models.DISABLE_TORCH_COMPILE
+        compile = not settings.DISABLE_TORCH_COMPILE.get()
     if not compile:
         return fn
     if fn not in _compiled:

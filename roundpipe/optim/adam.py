@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import array
 import logging
-import os
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 from torch.optim.adam import adam as _torch_adam
 from torch.optim.optimizer import Optimizer, ParamsT
+
+from roundpipe import settings
 
 from roundpipe.optim_builder import OptimBuildError, get_optim_function
 
@@ -47,9 +48,7 @@ _kernel_error: Optional[str] = None  # why the C++ kernel is unavailable in this
 def _adam_kernel() -> Optional[Callable[..., int]]:
     """The C++ step function, or None when ``RPP_ADAM_IMPL`` selects torch or the build failed (auto)."""
     global _kernel_error
-    impl = os.environ.get(IMPL_ENV, "auto").strip().lower() or "auto"
-    if impl not in _IMPLS:
-        raise ValueError(f"{IMPL_ENV}={impl!r}: expected one of {_IMPLS}")
+    impl = settings.ADAM_IMPL.get()
     if impl == "torch":
         return None
     if impl == "auto" and _kernel_error is not None:

@@ -1,0 +1,261 @@
+"""Every ``RPP_*`` setting in one place: its type, default, accepted range and one line of doc.
+
+A setting is read from the environment each time it is asked for (so a test or a launcher may change
+the variable between runs), unless :func:`configure` has set it in this process, which wins. Bad
+values raise ``ValueError`` naming the variable and what it accepts. Nothing else in roundpipe reads
+``os.environ`` for an ``RPP_*`` variable; ``markdown_table()`` renders the table of the user guide.
+
+    from roundpipe import settings
+    settings.GRAD_BUFFERS.get()          # -> 2
+    roundpipe.configure(devices="cpu:2", compile=False)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Generic, Iterator, List, Optional, Tuple, TypeVar
+
+T = TypeVar("T")
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+_overrides: Dict[str, Any] = {}
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Setting(Generic[T]):
+    """One ``RPP_*`` variable."""
+
+    name: str
+    """The environment variable."""
+    parse: Callable[[str], T]
+    """Turns the variable's text into the value; raises ``ValueError`` with the accepted values."""
+    default: T
+    """The value when the variable is unset or empty."""
+    default_text: str
+    """The default as the user guide shows it."""
+    accepts: str
+    """What the variable accepts, for the user guide."""
+    doc: str
+    """One line: what it changes."""
+
+    def get(self) -> T:
+        """The value: ``configure``'s if set in this process, else the environment's, else the default."""
+        if self.name in _overrides:
+            return _overrides[self.name]
+        raw = os.environ.get(self.name)
+        if raw is None or not raw.strip():
+            return self.default
+        try:
+            return self.parse(raw.strip())
+        except ValueError as exc:
+            raise ValueError(f"{self.name}={raw!r}: expected {self.accepts}{'; ' + str(exc) if str(exc) else ''}") from None
+
+    def is_set(self) -> bool:
+        """Whether the user chose a value (environment or ``configure``), as opposed to the default."""
+        return self.name in _overrides or bool(os.environ.get(self.name, "").strip())
+
+
+def _bool(raw: str) -> bool:
+    word = raw.lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise ValueError("")
+
+
+def _tristate(raw: str) -> str:
+    """``auto``, or a boolean word as ``"1"`` / ``"0"``."""
+    return "auto" if raw.lower() == "auto" else ("1" if _bool(raw) else "0")
+
+
+def _choice(*options: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        word = raw.lower()
+        if word not in options:
+            raise ValueError("")
+        return word
+
+    return parse
+
+
+def _number(low: float, low_inclusive: bool = True) -> Callable[[str], float]:
+    def parse(raw: str) -> float:
+        value = float(raw)
+        if value != value or value == float("inf") or value < low or (value == low and not low_inclusive):
+            raise ValueError("")
+        return value
+
+    return parse
+
+
+def _int(low: int, high: Optional[int] = None) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        value = int(raw)
+        if value < low or (high is not None and value > high):
+            raise ValueError("")
+        return value
+
+    return parse
+
+
+def _profiler(raw: str) -> Optional[str]:
+    word = raw.lower()
+    if word in ("0", "off", "none"):
+        return None
+    if word not in ("torch", "nvtx"):
+        raise ValueError("")
+    return word
+
+
+def _size_gib(raw: str) -> float:
+    """``24GiB``, ``24GB``, ``24G``, ``24576MiB`` or a plain number of GiB -> GiB."""
+    text = raw.strip().lower().replace(" ", "")
+    units = {"gib": 1.0, "gb": 1e9 / 2**30, "g": 1.0, "mib": 1 / 1024, "mb": 1e6 / 2**30, "m": 1 / 1024, "tib": 1024.0, "tb": 1e12 / 2**30}
+    for suffix in sorted(units, key=len, reverse=True):
+        if text.endswith(suffix):
+            value = float(text[: -len(suffix)]) * units[suffix]
+            break
+    else:
+        value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise ValueError("")
+    return value
+
+
+REGISTRY: Dict[str, Setting[Any]] = {}
+
+
+def _register(setting: Setting[T]) -> Setting[T]:
+    REGISTRY[setting.name] = setting
+    return setting
+
+
+# ---- devices and runtime ----------------------------------------------------------------------------
+DEVICES: Setting[str] = _register(Setting(
+    "RPP_DEVICES", str, "", "all GPUs, else `cpu:1`", "`cuda`, `cuda:0,2`, `cpu:N`",
+    "The devices RoundPipe runs on: GPUs, or N CPU workers."))
+DEVICE_SAVED_GB: Setting[float] = _register(Setting(
+    "RPP_DEVICE_SAVED_GB", _number(0.0), 0.0, "0", "a number of GiB >= 0",
+    "Backward-stage inputs a call may keep on its (single) device instead of the host."))
+GRAD_BUFFERS: Setting[int] = _register(Setting(
+    "RPP_GRAD_BUFFERS", _int(1, 2), 2, "2", "`2` (double-buffered gradient downloads) or `1` (downloads wait for the step)",
+    "Host gradient buffers per parameter while an asynchronous step runs (staging off)."))
+STAGE_PARAMS: Setting[bool] = _register(Setting(
+    "RPP_STAGE_PARAMS", _bool, True, "1", "`1` or `0`",
+    "Asynchronous steps stage the updated parameters for the next step (off: copied when it starts)."))
+WATCHDOG_S: Setting[float] = _register(Setting(
+    "RPP_WATCHDOG_S", _number(0.0), 0.0, "0 (off)", "seconds >= 0",
+    "Print every RoundPipe thread's stack when waits make no progress for this long."))
+PROFILER: Setting[Optional[str]] = _register(Setting(
+    "RPP_PROFILER", _profiler, None, "off", "`torch`, `nvtx` or unset",
+    "Mark each device job and blocking wait as a profiler range (read at import)."))
+VERBOSE_TIMER: Setting[bool] = _register(Setting(
+    "RPP_VERBOSE_TIMER", _bool, False, "0", "`1` or `0`",
+    "Log the timer's per-layer estimates as they change (read at import)."))
+
+# ---- optimizer ------------------------------------------------------------------------------------
+OPTIM_THREADS: Setting[Optional[int]] = _register(Setting(
+    "RPP_OPTIM_THREADS", _int(1), None, "torch's thread count, or this rank's share of the cores", "a positive integer",
+    "Intra-op threads of the host optimizer thread."))
+ADAM_IMPL: Setting[str] = _register(Setting(
+    "RPP_ADAM_IMPL", _choice("auto", "cpp", "torch"), "auto", "auto", "`auto`, `cpp` or `torch`",
+    "Host Adam kernel: the C++ one (auto falls back to torch when it cannot build) or torch's fused one."))
+CACHE_DIR: Setting[Optional[str]] = _register(Setting(
+    "RPP_CACHE_DIR", str, None, "`$XDG_CACHE_HOME/roundpipe`", "a directory",
+    "Where the C++ optimizer kernels are built and cached."))
+
+# ---- models ---------------------------------------------------------------------------------------
+DISABLE_TORCH_COMPILE: Setting[bool] = _register(Setting(
+    "RPP_DISABLE_TORCH_COMPILE", _bool, False, "0", "`1` or `0`",
+    "Run the fused kernels and the chunked loss eagerly instead of through torch.compile."))
+FUSED_KERNELS: Setting[str] = _register(Setting(
+    "RPP_FUSED_KERNELS", _tristate, "auto", "auto", "`auto`, `1` or `0`",
+    "Fused RMSNorm / rotary / SwiGLU kernels for Qwen3 and Llama layers (auto: on GPUs with Triton)."))
+FUSED_LAYERS: Setting[bool] = _register(Setting(
+    "RPP_FUSED_LAYERS", _bool, True, "1", "`1` or `0`",
+    "Fused decoder layers run as one compiled op (0: the fused ops per module)."))
+
+# ---- data parallel and CLI ------------------------------------------------------------------------
+DIST_BACKEND: Setting[str] = _register(Setting(
+    "RPP_DIST_BACKEND", str, "gloo", "gloo", "a torch.distributed backend (`gloo`, `nccl`)",
+    "Backend of the default process group under torchrun."))
+DIST_TIMEOUT_S: Setting[float] = _register(Setting(
+    "RPP_DIST_TIMEOUT_S", _number(0.0, low_inclusive=False), 60.0, "60", "seconds > 0",
+    "How long a rank waits for a peer in a gradient collective before failing."))
+DIST_MAIN_TIMEOUT_S: Setting[float] = _register(Setting(
+    "RPP_DIST_MAIN_TIMEOUT_S", _number(0.0, low_inclusive=False), 1800.0, "1800", "seconds > 0",
+    "Timeout of the main thread's collectives (setup, barriers, checkpoint waits)."))
+PROGRESS: Setting[bool] = _register(Setting(
+    "RPP_PROGRESS", _bool, True, "1", "`1` or `0`",
+    "Progress bars of `roundpipe train` (also off when stderr is not a terminal)."))
+
+
+def configure(devices: Optional[str] = None, compile: Optional[bool] = None, **values: Any) -> None:  # noqa: A002
+    """Choose settings for this process instead of through environment variables.
+
+    ``devices`` is ``RPP_DEVICES`` (re-creating the device workers if they exist), ``compile`` the
+    inverse of ``RPP_DISABLE_TORCH_COMPILE``; other settings by lower-case name without the prefix,
+    e.g. ``configure(grad_buffers=1)``. Values are checked as the environment's text would be.
+    """
+    chosen: List[Tuple[Setting[Any], Any]] = []
+    if devices is not None:
+        chosen.append((DEVICES, str(devices)))
+    if compile is not None:
+        chosen.append((DISABLE_TORCH_COMPILE, not compile))
+    for key, value in values.items():
+        setting = REGISTRY.get("RPP_" + key.upper())
+        if setting is None:
+            raise TypeError(f"configure() got an unknown setting {key!r}; known: {sorted(n[4:].lower() for n in REGISTRY)}")
+        chosen.append((setting, setting.parse(str(value)) if isinstance(value, str) else value))
+    if devices is not None:
+        from roundpipe import backend
+
+        backend.parse_devices(str(devices))  # a bad spec fails here, naming RPP_DEVICES
+    with _lock:
+        for setting, value in chosen:
+            _overrides[setting.name] = value
+    if devices is not None:
+        from roundpipe import device
+
+        device.reset_devices()
+
+
+def unconfigure(*names: str) -> None:
+    """Forget ``configure``'s choices (all, or the named variables): the environment applies again."""
+    with _lock:
+        for name in names or list(_overrides):
+            _overrides.pop(name, None)
+
+
+@contextlib.contextmanager
+def overridden(**values: Any) -> Iterator[None]:
+    """``configure(**values)`` for the duration of a ``with`` block (tests, benchmarks)."""
+    saved = dict(_overrides)
+    configure(**values)
+    try:
+        yield
+    finally:
+        with _lock:
+            _overrides.clear()
+            _overrides.update(saved)
+
+
+def default_num_microbatch(num_devices: int) -> int:
+    """Microbatches per call when the run configuration names none: one more than the devices, so a
+    device that finishes a group finds the next microbatch ready while the others still run."""
+    return num_devices + 1
+
+
+def markdown_table() -> str:
+    """The settings as the markdown table of the user guide."""
+    rows = ["| variable | accepts | default | what it does |", "|---|---|---|---|"]
+    for s in REGISTRY.values():
+        rows.append(f"| `{s.name}` | {s.accepts} | {s.default_text} | {s.doc} |")
+    return "\n".join(rows)

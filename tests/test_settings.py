@@ -1,0 +1,88 @@
+"""The settings module: every RPP_* variable typed in one place, ``configure`` over the environment."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+import roundpipe
+from roundpipe import device, settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_user_guide_table_is_the_registry() -> None:
+    text = (ROOT / "docs" / "user-guide.md").read_text()
+    table = text.split("<!-- settings table: begin -->\n", 1)[1].split("\n<!-- settings table: end -->", 1)[0]
+    assert table == settings.markdown_table()
+
+
+def test_no_module_reads_rpp_variables_from_the_environment() -> None:
+    """Only settings.py turns RPP_* text into values (the rest asks it)."""
+    offenders = []
+    for path in (ROOT / "roundpipe").rglob("*.py"):
+        if path.name == "settings.py":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"environ(\.get)?[\[(]\s*[\"']RPP_", line):
+                offenders.append(f"{path.relative_to(ROOT)}:{n}")
+    assert not offenders
+
+
+@pytest.mark.parametrize("setting, good, value, bad", [
+    (settings.GRAD_BUFFERS, "1", 1, "3"),
+    (settings.STAGE_PARAMS, "off", False, "maybe"),
+    (settings.DEVICE_SAVED_GB, "1.5", 1.5, "-1"),
+    (settings.WATCHDOG_S, "30", 30.0, "soon"),
+    (settings.PROFILER, " NVTX ", "nvtx", "nsys"),
+    (settings.OPTIM_THREADS, "4", 4, "0"),
+    (settings.ADAM_IMPL, "CPP", "cpp", "fast"),
+    (settings.FUSED_KERNELS, "on", "1", "sometimes"),
+    (settings.FUSED_LAYERS, "0", False, "2"),
+    (settings.DIST_TIMEOUT_S, "12.5", 12.5, "0"),
+    (settings.DIST_MAIN_TIMEOUT_S, "60", 60.0, "inf"),
+])
+def test_values_defaults_and_errors(monkeypatch: pytest.MonkeyPatch, setting: settings.Setting, good: str, value: object, bad: str) -> None:
+    monkeypatch.delenv(setting.name, raising=False)
+    assert setting.get() == setting.default and not setting.is_set()
+    monkeypatch.setenv(setting.name, "  ")
+    assert setting.get() == setting.default
+    monkeypatch.setenv(setting.name, good)
+    assert setting.get() == value and setting.is_set()
+    monkeypatch.setenv(setting.name, bad)
+    with pytest.raises(ValueError, match=re.escape(f"{setting.name}={bad!r}: expected {setting.accepts}")):
+        setting.get()
+
+
+def test_configure_wins_over_the_environment_and_is_undone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RPP_GRAD_BUFFERS", "2")
+    roundpipe.configure(grad_buffers=1, devices="cpu:2", compile=False)
+    assert settings.GRAD_BUFFERS.get() == 1 and settings.DISABLE_TORCH_COMPILE.get() is True
+    assert roundpipe.get_num_devices() == 2
+    assert os.environ.get("RPP_DEVICES") != "cpu:2"  # chosen for this process, not written to the environment
+    with settings.overridden(grad_buffers="2"):
+        assert settings.GRAD_BUFFERS.get() == 2
+    assert settings.GRAD_BUFFERS.get() == 1
+    settings.unconfigure()
+    device.reset_devices()
+    assert settings.GRAD_BUFFERS.get() == 2 and settings.DISABLE_TORCH_COMPILE.get() is False
+
+
+def test_configure_rejects_unknown_names_and_bad_values() -> None:
+    with pytest.raises(TypeError, match="unknown setting 'grad_buffer'"):
+        roundpipe.configure(grad_buffer=1)
+    with pytest.raises(ValueError, match="RPP_DEVICES='gpu:1'"):
+        roundpipe.configure(devices="gpu:1")
+    with pytest.raises(ValueError):
+        roundpipe.configure(grad_buffers="3")
+    assert not settings._overrides
+
+
+def test_default_microbatch_count_is_one_function() -> None:
+    from roundpipe.run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
+
+    full = FullRoundPipeRunConfig(RoundPipeRunConfig(), RoundPipeRunConfig())
+    assert full.num_microbatch == settings.default_num_microbatch(roundpipe.get_num_devices())
