@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     if args.pin_cores:  # CPU weak scaling: rank r owns cores [r*k, (r+1)*k), whatever its thread count
         k = args.pin_cores
         os.sched_setaffinity(0, set(range(local_rank * k, (local_rank + 1) * k)))
-    from roundpipe.optim_stream import rank_share
+    from roundpipe.optim.thread import rank_share
 
     threads = args.threads or (rank_share(os.cpu_count() or 1, local_world) if local_world > 1 else (os.cpu_count() or 1))
     torch.set_num_threads(threads)
@@ -387,7 +387,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--in-flight", type=int, default=2, help="gradient buckets in flight at once")
     p.add_argument("--sync", action="store_true", help="synchronous optimizer step")
     p.add_argument("--threads", type=int, default=0,
-                   help="torch threads per rank (default: all cores for one rank; for several, roundpipe.optim_stream.rank_share)")
+                   help="torch threads per rank (default: all cores for one rank; for several, roundpipe.optim_thread.rank_share)")
     p.add_argument("--gpus-per-rank", type=int, default=1, help="rank r uses GPUs r*k..; 0: leave RPP_DEVICES alone")
     p.add_argument("--pin-cores", type=int, default=0, help="pin rank r to cores [r*k, (r+1)*k) (CPU scaling runs)")
     p.add_argument("--reduce-only", action="store_true", help="time the host gradient all-reduce alone (random gradients)")

@@ -12,7 +12,7 @@ from roundpipe.context import doing_recompute, get_recompute_data, save_for_reco
 from roundpipe.device import get_num_devices
 from roundpipe.roundpipe import AutoRoundPipe, RoundPipe
 from roundpipe.run_config import RoundPipeRunConfig
-from roundpipe.scheduler import ModelExecutePlan
+from roundpipe.plan import ModelExecutePlan
 from roundpipe.settings import configure
 
 __version__ = "0.1.0"
@@ -40,7 +40,7 @@ def __getattr__(name: str) -> Any:
 
         return wrap_model_to_roundpipe
     if name == "GradScaler":
-        from roundpipe.grad_scaler import GradScaler
+        from roundpipe.optim.grad_scaler import GradScaler
 
         return GradScaler
     if name == "optim":

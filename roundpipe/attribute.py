@@ -22,7 +22,7 @@ flight still reads. All "copied"/"started" events are set when nothing is pendin
 from __future__ import annotations
 
 import threading
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -55,10 +55,6 @@ class LayerAttribute:
         # Device event: the latest forward's buffer download (e.g. BatchNorm running stats) has landed.
         # Owned by the device thread that downloads; the next upload of the layer waits for it.
         self.buffer_downloaded: Event = CpuEvent()
-        # Data parallel with reduce_on="device" (roundpipe.distributed): called by the gradient download
-        # as ``reducer(host_layer, device_layer, layer_id, device)`` to all-reduce the layer's device
-        # gradients first. Set while data parallel is enabled, None otherwise.
-        self.device_grad_reducer: Optional[Callable[..., None]] = None
 
     def forward_fence(self, clear: bool = True) -> None:
         """Before a job uploads this layer: the optimizer's writes are done and the previous upload was issued."""
@@ -108,7 +104,7 @@ class ParamAttribute:
         optim_grad_buffer: Reusable buffer for the optimizer copy's gradient.
         staged: The optimizer's newest version in the parameter's dtype, written at the end of an
             asynchronous step and swapped in as the model parameter by the next one (optimizer
-            thread only; see ``RoundPipeBase._stage_params``).
+            thread only; see ``roundpipe.optim.step.stage_params``).
         staged_valid: Whether ``staged`` holds the optimizer's current version.
     """
 
@@ -203,16 +199,3 @@ class ParamAttribute:
 # Guards ``ParamAttribute.spare`` and ``held``: device threads take download buffers while the optimizer
 # thread gives buffers back and takes staging buffers.
 _SPARE_LOCK = threading.Lock()
-
-
-# Set (to True) on optimizer parameters whose optimizer reads a gradient of a lower precision than the
-# parameter (``roundpipe.optim.Adam`` does, widening bfloat16 gradients on the fly). For those RoundPipe
-# hands the host gradient buffer over as the optimizer's ``.grad`` instead of copying it to the
-# parameter's dtype (see ``RoundPipeBase._copy_grad_to_optim``).
-LOW_PRECISION_GRAD_OK = "_roundpipe_reads_low_precision_grad"
-
-
-def reads_low_precision_grad(t: torch.Tensor) -> bool:
-    """Whether ``t``'s optimizer takes a low-precision ``.grad`` and this torch lets ``.grad`` differ
-    from the tensor's dtype (``Tensor.grad_dtype``, torch >= 2.10)."""
-    return bool(getattr(t, LOW_PRECISION_GRAD_OK, False)) and hasattr(t, "grad_dtype")

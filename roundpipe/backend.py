@@ -65,12 +65,8 @@ Event = Union[torch.cuda.Event, CpuEvent]
 cpu_compute_lock = threading.RLock()
 
 
-def parse_devices(spec: Optional[str] = None) -> List[torch.device]:
-    """Resolve ``RPP_DEVICES`` (or ``spec``) into the list of devices to run on."""
-    if spec is None:
-        from roundpipe import settings
-
-        spec = settings.DEVICES.get()
+def parse_devices(spec: str) -> List[torch.device]:
+    """Resolve an ``RPP_DEVICES`` value (empty: the default) into the list of devices to run on."""
     spec = spec.strip().lower()
     if not spec:
         spec = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "cpu:1"

@@ -1,5 +1,7 @@
 """Device workers: one ``DeviceManager`` per GPU (or CPU worker), each with a controller thread and four
-streams, fed with jobs (one layer group over all microbatches) in round-robin order.
+streams. A worker runs whatever callable it is handed (``launch(fn, *args, label=...)``); what a job
+does (forward, backward of a layer group) is the run's business (``roundpipe.jobs``), and which device
+gets which job is the dispatcher's (``roundpipe.dispatch``).
 
 Job life cycle (owned by ``DeviceManager``): the dispatching thread acquires ``is_idle`` (the one-job
 slot is free), stores the job in ``cur_job``, clears ``drained`` and releases ``job_arrived``; the
@@ -14,7 +16,6 @@ uploads, high priority: on the critical path), ``compute_stream`` and ``downstre
 
 Attributes:
     device_list: The instantiated DeviceManager objects (created on first use from ``RPP_DEVICES``).
-    cur_device: Index of the next device to schedule work on.
 """
 
 from __future__ import annotations
@@ -25,9 +26,17 @@ from typing import Any, Callable, Deque, List, Optional, Tuple
 
 import torch
 
-from roundpipe import backend, profile
+from roundpipe import backend, profile, settings
 from roundpipe.backend import Event, Stream
-from roundpipe.threads import AnnotatedEvent, AnnotatedSemaphore, RoundPipeOutOfMemoryError, RoundPipeThread, RoundPipeWorkerError, report_failure
+from roundpipe.threads import (
+    AnnotatedEvent,
+    AnnotatedSemaphore,
+    RoundPipeAborted,
+    RoundPipeOutOfMemoryError,
+    RoundPipeThread,
+    RoundPipeWorkerError,
+    report_failure,
+)
 
 
 class InterStreamMemManager:
@@ -125,24 +134,6 @@ class DeviceManager:
         self.cur_job = (fn, args, label)
         self.job_arrived.release()
 
-    def launch_forward(self, layer_group_id: int, run: Any) -> None:
-        """Schedule forward of one layer group for all microbatches of ``run``."""
-        from roundpipe.run import run_forward
-
-        self.launch(run_forward, run, layer_group_id, label=_job_label(run, "forward", run.plan.fwd_plan[layer_group_id]))
-
-    def launch_backward(self, layer_group_id: int, run: Any) -> None:
-        """Schedule recompute + backward of one layer group for all microbatches of ``run``."""
-        from roundpipe.run import run_backward
-
-        self.launch(run_backward, run, layer_group_id, label=_job_label(run, "backward", run.plan.bwd_plan[layer_group_id]))
-
-    def launch_forward_backward(self, run: Any) -> None:
-        """Schedule the fused forward + loss + backward of the last layer group."""
-        from roundpipe.run import run_forward_backward
-
-        self.launch(run_forward_backward, run, label=_job_label(run, "fused forward-backward", run.plan.bwd_plan[-1]))
-
     def wait_idle(self) -> None:
         """Block until this device has finished issuing every queued job."""
         self.drained.wait()
@@ -177,8 +168,6 @@ class DeviceManager:
                         self.drained.set()
 
     def _locate(self, exc: BaseException) -> BaseException:
-        from roundpipe.threads import RoundPipeAborted
-
         if isinstance(exc, (RoundPipeAborted, KeyboardInterrupt)):
             return exc
         where = f"{self.location} on device {self.name}" if self.location else f"on device {self.name}"
@@ -230,43 +219,28 @@ class DeviceManager:
 
 
 device_list: List[DeviceManager] = []
-cur_device = 0
 _init_lock = threading.Lock()
+_reset_callbacks: List[Callable[[], None]] = []
 
 
-def _ensure_devices() -> List[DeviceManager]:
+def get_devices() -> List[DeviceManager]:
+    """The device pool, created from ``RPP_DEVICES`` on first use."""
     global device_list
     if not device_list:
         with _init_lock:
             if not device_list:
-                device_list = [DeviceManager(i, d) for i, d in enumerate(backend.parse_devices())]
+                device_list = [DeviceManager(i, d) for i, d in enumerate(backend.parse_devices(settings.DEVICES.get()))]
     return device_list
 
 
 def get_num_devices() -> int:
     """Number of devices (GPUs or CPU workers) RoundPipe runs on."""
-    return len(_ensure_devices())
-
-
-def get_next_device() -> DeviceManager:
-    """The next device in round-robin order."""
-    global cur_device
-    devices = _ensure_devices()
-    dev = devices[cur_device % len(devices)]
-    cur_device = (cur_device + 1) % len(devices)
-    return dev
+    return len(get_devices())
 
 
 def get_min_gpu_memory() -> float:
     """Minimum free memory across the devices, in GB (host memory for CPU workers)."""
-    return min(backend.free_memory_bytes(d.device) for d in _ensure_devices()) / 1024**3
-
-
-def threads_failure() -> Optional[BaseException]:
-    """The failure recorded by a worker in this run, if any (see ``threads``)."""
-    from roundpipe.threads import current_failure
-
-    return current_failure()
+    return min(backend.free_memory_bytes(d.device) for d in get_devices()) / 1024**3
 
 
 def wait_all_idle() -> None:
@@ -284,19 +258,19 @@ def gc_collect() -> None:
         d.recent_jobs.clear()
 
 
+def on_reset(callback: Callable[[], None]) -> None:
+    """Call ``callback()`` whenever the pool is re-created (the dispatcher starts again at device 0)."""
+    _reset_callbacks.append(callback)
+
+
 def reset_devices() -> None:
     """Shut the workers down so the next use re-reads ``RPP_DEVICES`` (tests and interactive use)."""
-    global device_list, cur_device
+    global device_list
     for d in device_list:
         d.shutdown_controller()
     device_list = []
-    cur_device = 0
+    for callback in _reset_callbacks:
+        callback()
 
 
-def _job_label(run: Any, what: str, layers: range) -> str:
-    """The profiler label of a job, e.g. ``roundpipe model 'qwen' forward layers 3-4``; empty (not built)
-    when no profiler is selected."""
-    if profile.PROFILER_TYPE is None:
-        return ""
-    span = f"layer {layers.start}" if len(layers) == 1 else f"layers {layers.start}-{layers.stop - 1}"
-    return f"roundpipe model {run.model.name!r} {what} {span}"
+settings.on_change(settings.DEVICES, reset_devices)

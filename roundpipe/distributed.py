@@ -15,7 +15,7 @@ weights, so the replicas stay identical without ever exchanging weights.
 
 Two places to reduce (``enable_data_parallel(reduce_on=...)``):
 
-* ``"host"``: :class:`DataParallel` is the model's ``grad_reducer`` (see ``RoundPipeBase._step_kernel``)
+* ``"host"``: :class:`DataParallel` is the model's ``grad_sync`` (``roundpipe.grad_sync``; see ``roundpipe.optim.step``)
   and all-reduces the host gradients with gloo on the optimizer thread, after they have landed on the
   host and before they are copied into the optimizer's master copies. It works on any accelerator,
   CPU workers included, adds no device traffic, and the asynchronous step hides it behind the next
@@ -64,7 +64,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from roundpipe import optim_stream, settings
+from roundpipe import settings
+from roundpipe.optim import thread as optim_thread
 from roundpipe import device as device_mod
 from roundpipe.attribute import LayerAttribute, ParamAttribute
 from roundpipe.roundpipe import RoundPipe, RoundPipeBase
@@ -418,13 +419,9 @@ class DataParallelStats:
     history: Deque[float] = field(default_factory=lambda: deque(maxlen=4096))
 
 
-def _device_reduced(attr: LayerAttribute) -> bool:
-    """Whether this unit's gradients are reduced on the devices (it has a ``device_grad_reducer``)."""
-    return attr.device_grad_reducer is not None
-
 
 class DataParallel:
-    """The ``grad_reducer`` of a data-parallel RoundPipe model (built by :func:`enable_data_parallel`).
+    """The ``grad_sync`` of a data-parallel RoundPipe model (built by :func:`enable_data_parallel`).
 
     ``reduce_on == "host"``: per optimizer step, on the optimizer thread, with units (layers) handed over
     one by one by the step kernel:
@@ -536,7 +533,7 @@ class DataParallel:
         if self.device is not None:
             self.device.normalize_by(count)
             return
-        optim_stream.launch_optim_kernel(self._set_count, count)
+        optim_thread.submit(self._set_count, count)
 
     def on_step_launch(self) -> None:
         """Main-thread hook of ``model.step`` (``RoundPipeBase.step``): the step boundary. The device
@@ -549,8 +546,8 @@ class DataParallel:
         if self.device is not None:
             self.device.uninstall()
             self.device = None
-        if self.model.grad_reducer is self:
-            self.model.grad_reducer = None
+        if self.model.grad_sync is self:
+            self.model.grad_sync = None
 
     # ---- optimizer thread --------------------------------------------------------------------------
     def _set_count(self, count: float) -> None:
@@ -562,8 +559,18 @@ class DataParallel:
         """Device reduction: this rank's ``normalize_by`` weight, for the units reduced here on the host."""
         self._pending_weight = weight
 
-    def __call__(self, params: List[nn.Parameter]) -> None:
-        """``grad_reducer`` hook: called once for each unit of a step, on the optimizer thread."""
+    def agree_plan(self, model: Any, run_type: str, plan: Any) -> Any:
+        """``GradSync.agree_plan``: with the device reduction, the plan every rank runs (rank 0's)."""
+        if self.device is None:
+            return plan
+        return self.device.agree_plan(model, run_type, plan)
+
+    def layer_reducer(self, model: Any, layer_id: int) -> Any:
+        """``GradSync.layer_reducer``: the device reduction of ``model``'s layer, if reduced there."""
+        return None if self.device is None else self.device.layer_reducer(model, layer_id)
+
+    def reduce_host(self, params: List[nn.Parameter]) -> None:
+        """``GradSync.reduce_host``: called once for each unit of a step, on the optimizer thread."""
         if self._broken is not None:
             raise DataParallelError(f"rank {self.global_rank}: data parallel stopped after an earlier failure: {self._broken}") from self._broken
         try:
@@ -593,7 +600,7 @@ class DataParallel:
         u = self._unit_index.get(tuple(id(p) for p in params))
         if u is None or u in self._seen or self._cursor >= len(self._units):
             raise DataParallelError(
-                f"rank {self.global_rank}: grad_reducer called with an unexpected unit (call #{self._cursor} of the step); "
+                f"rank {self.global_rank}: reduce_host called with an unexpected unit (call #{self._cursor} of the step); "
                 "was requires_grad changed during training without model.synchronize()?"
             )
         self._seen.add(u)
@@ -602,7 +609,7 @@ class DataParallel:
     def _begin_step(self) -> None:
         t0 = time.perf_counter()
         self._t_step = t0
-        self._units = self.model._optim_units()
+        self._units = self.model.optim_units()
         self._unit_index = {tuple(id(p) for p in ps): u for u, (_, ps) in enumerate(self._units) if ps}
         self._seen = set()
         # Every unit's gradients must be on the host before the metadata says who has which gradient.
@@ -615,7 +622,7 @@ class DataParallel:
         if self.device is not None:
             # The device layers were reduced during the backward: settle presence, check the order.
             self.device.finish_step(self._units)
-            entries = [(u, p) for u, (attr, ps) in enumerate(self._units) if not _device_reduced(attr) for p in ps]
+            entries = [(u, p) for u, (attr, ps) in enumerate(self._units) if not self.device.reduces(attr) for p in ps]
         else:
             entries = [(u, p) for u, (_, ps) in enumerate(self._units) for p in ps]
         self._reduced, self._buckets, self._need = [], [], {}
@@ -815,7 +822,7 @@ def _layout_signature(model: RoundPipeBase) -> str:
     """Hash of the reduction layout: units and their trainable parameters' shapes and dtypes."""
     h = hashlib.sha256()
     names = {id(p): n for n, p in model.model.named_parameters(remove_duplicate=False)}
-    for u, (_, params) in enumerate(model._optim_units()):
+    for u, (_, params) in enumerate(model.optim_units()):
         for p in params:
             h.update(f"{u}:{names.get(id(p), '?')}:{tuple(p.shape)}:{p.dtype}|".encode())
     return h.hexdigest()[:16]
@@ -963,10 +970,10 @@ def enable_data_parallel(
         )
     if bucket_mb <= 0 or max_in_flight < 1 or op not in ("mean", "sum"):
         raise ValueError(f"bucket_mb={bucket_mb} (> 0), max_in_flight={max_in_flight} (>= 1), op={op!r} ('mean' or 'sum')")
-    if isinstance(model.grad_reducer, DataParallel):
+    if isinstance(model.grad_sync, DataParallel):
         raise ValueError(f"model {model.name!r} is already data parallel")
-    if model.grad_reducer is not None:
-        raise ValueError(f"model {model.name!r} already has a grad_reducer ({model.grad_reducer!r})")
+    if model.grad_sync is not None:
+        raise ValueError(f"model {model.name!r} already has a grad_sync ({model.grad_sync!r})")
     if reduce_on == "device" and process_group is not None:
         raise ValueError("reduce_on='device' reduces over all ranks (one group per local device); process_group works with reduce_on='host' only")
     n_devices = device_mod.get_num_devices()  # creates the local devices (RPP_DEVICES) if needed
@@ -984,7 +991,7 @@ def enable_data_parallel(
         if "gloo" not in pg_backend:
             raise ValueError(f"process_group has backend {pg_backend!r}; host gradients need a gloo group (dist.new_group(backend='gloo'))")
     # Nothing may be in flight on the optimizer thread while the main thread uses the group below.
-    optim_stream.synchronize_optim()
+    optim_thread.synchronize()
     ranks = dist.get_world_size(process_group)
     signature = _layout_signature(model)
     gathered: List[Any] = [None] * ranks
@@ -1011,7 +1018,7 @@ def enable_data_parallel(
     if mode == "device" and ranks > 1:
         assert device_backend is not None
         dp.device = _setup_device_reduction(dp, model, device_backend)
-    model.grad_reducer = dp
+    model.grad_sync = dp
     if mode == "device":
         logger.info("data parallel: model %r over %d ranks, reduced on the devices (%s, %d per rank, buckets of %g MiB, %s)",
                     model.name, ranks, device_backend, n_devices, bucket_mb, op)

@@ -2,8 +2,8 @@
 download (NCCL on GPUs, gloo on CPU workers), for :mod:`roundpipe.distributed`.
 
 ``enable_data_parallel(model, reduce_on="device")`` (in ``roundpipe.distributed``) creates the groups
-and a :class:`_DeviceReduction`, which hooks every layer's ``LayerAttribute.device_grad_reducer``;
-``transfer.download_layer`` calls it at the end of each backward job. The comment below explains the
+and a :class:`_DeviceReduction`, which gives every layer a reducer through the model's ``grad_sync``
+(``roundpipe.grad_sync``); ``transfer.download_layer`` calls it at the end of each backward job. The comment below explains the
 streams, the ordering of collectives across ranks and the plan agreement.
 """
 
@@ -15,26 +15,27 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from roundpipe import backend, optim_stream
+from roundpipe import backend
+from roundpipe.optim import thread as optim_thread
 from roundpipe import device as device_mod
+from roundpipe.dispatch import dispatcher
 from roundpipe.attribute import LayerAttribute
 from roundpipe.distributed import (
     DataParallel,
     DataParallelError,
-    _device_reduced,
     _device_reductions,
     _first_line,
     logger,
     timeout_s,
 )
 from roundpipe.roundpipe import RoundPipe
-from roundpipe.scheduler import ModelExecutePlan
+from roundpipe.plan import ModelExecutePlan
 from roundpipe.threads import report_failure, thread_exception_print_lock
 from roundpipe.transfer import host_grad
 
@@ -62,7 +63,7 @@ from roundpipe.transfer import host_grad
 # Order. Collectives on one group must be issued in the same order on every rank. There is one group per
 # local device index k (device k of every rank), used only by device k's controller thread, which
 # reduces each layer at the end of its job: the sequence is the device's job order. Jobs go to the
-# devices round robin in dispatch order (``run._assign``), fixed before launch, so device k runs the same
+# devices round robin in dispatch order (``roundpipe.dispatch``), fixed before launch, so device k runs the same
 # jobs on every rank when every rank (1) runs the same training calls in the same order, (2) with the
 # same plan and (3) from the same round-robin position, and (4) has the same number of devices. Before
 # every training call, the ranks all-gather their step and call index, model, device count, round-robin
@@ -74,7 +75,7 @@ from roundpipe.transfer import host_grad
 
 
 class _LayerSlot:
-    """One layer's device reduction: the ``device_grad_reducer`` hook that ``transfer.download_layer``
+    """One layer's device reduction: the ``grad_sync`` layer reducer that ``transfer.download_layer``
     calls, and the layer's presence counts between the download and the step.
 
     Attributes:
@@ -95,17 +96,6 @@ class _LayerSlot:
 
     def __call__(self, cpu_layer: nn.Module, gpu_layer: nn.Module, layer_id: int, device: Any) -> None:
         self.red.reduce_layer(self, cpu_layer, gpu_layer, layer_id, device)
-
-
-class _PlanAgreement:
-    """``RoundPipe._rpp_plan_hook``: the plan every rank runs (see :meth:`_DeviceReduction.agree_plan`)."""
-
-    def __init__(self, red: "_DeviceReduction", index: int) -> None:
-        self.red = red
-        self.index = index
-
-    def __call__(self, model: RoundPipe, run_type: str, plan: ModelExecutePlan) -> ModelExecutePlan:
-        return self.red.agree_plan(self.index, model, run_type, plan)
 
 
 @dataclass
@@ -285,25 +275,41 @@ class _DeviceReduction:
 
     # ---- setup ---------------------------------------------------------------------------------------
     def install(self, models: List[RoundPipe]) -> None:
-        """Hook every layer of ``models`` (download and upload) and their plan resolution."""
+        """Reduce every layer of ``models`` on the devices: each becomes reachable through the owner's
+        ``grad_sync`` calls (``layer_reducer``, ``agree_plan``); RoundPipe submodels of an
+        AutoRoundPipe get the owner as their ``grad_sync`` too."""
+        self.index_of: Dict[int, int] = {}
+        self.slot_of: Dict[Tuple[int, int], _LayerSlot] = {}
+        self.reduced_attrs: Set[int] = set()
         for i, rp in enumerate(models):
-            rp.__dict__["_rpp_plan_hook"] = _PlanAgreement(self, i)
+            self.index_of[id(rp)] = i
             for lid, attr in enumerate(rp.layer_attrs):
                 slot = _LayerSlot(self, len(self.slots), rp.name, lid)
-                attr.device_grad_reducer = slot  # read by roundpipe.transfer.download_layer
+                self.slot_of[(id(rp), lid)] = slot
+                self.reduced_attrs.add(id(attr))
                 self.slots.append(slot)
+            if rp.grad_sync is None:
+                rp.grad_sync = self.owner
         self.models = list(models)
         _device_reductions[id(self)] = self.owner.model.name
 
     def uninstall(self) -> None:
         _device_reductions.pop(id(self), None)
         for rp in self.models:
-            rp.__dict__.pop("_rpp_plan_hook", None)
-            for attr in rp.layer_attrs:
-                attr.device_grad_reducer = None
+            if rp.grad_sync is self.owner and rp is not self.owner.model:
+                rp.grad_sync = None
         self.models, self.slots = [], []
+        self.index_of, self.slot_of, self.reduced_attrs = {}, {}, set()
         if self.monitor is not None:
             self.monitor.stop()
+
+    def reduces(self, attr: LayerAttribute) -> bool:
+        """Whether the unit guarded by ``attr`` is reduced on the devices (a layer RoundPipe runs)."""
+        return id(attr) in self.reduced_attrs
+
+    def layer_reducer(self, model: Any, layer_id: int) -> Optional["_LayerSlot"]:
+        """The reduction of ``model``'s layer ``layer_id`` (None for a model this reduction does not cover)."""
+        return self.slot_of.get((id(model), layer_id))
 
     def error(self, what: str, nbytes: int, waited: float, exc: BaseException) -> DataParallelError:
         return DataParallelError(
@@ -354,14 +360,15 @@ class _DeviceReduction:
         self.weight = count / total
         self.count_given = True
         # Units reduced on the host (an AutoRoundPipe's host parameters) use the same weight at the step.
-        optim_stream.launch_optim_kernel(self.owner._set_weight, self.weight)
+        optim_thread.submit(self.owner._set_weight, self.weight)
 
-    def agree_plan(self, index: int, model: RoundPipe, run_type: str, plan: ModelExecutePlan) -> ModelExecutePlan:
+    def agree_plan(self, model: RoundPipe, run_type: str, plan: ModelExecutePlan) -> ModelExecutePlan:
         """The plan of a training call, the same on every rank (rank 0's); see the comment above."""
-        if run_type not in _RUN_CODES:
+        index = self.index_of.get(id(model))
+        if run_type not in _RUN_CODES or index is None:
             return plan  # inference: no gradients, no collectives (rank-local evaluation is fine)
         n_dev = device_mod.get_num_devices()
-        header = [self.steps, self.calls, index, model.num_layers, n_dev, device_mod.cur_device, _RUN_CODES[run_type], len(plan.fwd_plan), len(plan.bwd_plan)]
+        header = [self.steps, self.calls, index, model.num_layers, n_dev, dispatcher.position(), _RUN_CODES[run_type], len(plan.fwd_plan), len(plan.bwd_plan)]
         mine = _encode_plan(header, plan, self.max_layers)
         rows_t = [torch.empty_like(mine) for _ in range(self.world_size)]
         self._main_collective(
@@ -372,9 +379,9 @@ class _DeviceReduction:
         rows = [r.tolist() for r in rows_t]
         self._check_same(rows, model)
         agreed = _decode_plan(rows[0], self.max_layers)
-        # Jobs take devices round robin from device.cur_device (run._assign): start where rank 0 starts,
-        # so device k gets the same jobs, and issues the same collectives in the same order, everywhere.
-        device_mod.cur_device = int(rows[0][5]) % n_dev
+        # Jobs take devices round robin from the dispatcher's position: start where rank 0 starts, so
+        # device k gets the same jobs, and issues the same collectives in the same order, everywhere.
+        dispatcher.seek(int(rows[0][5]))
         if agreed != plan:
             self.adopted_plans += 1
             if self.adopted_plans == 1:
@@ -564,7 +571,7 @@ class _DeviceReduction:
                     present[id(p)] = present.get(id(p), False) or f > 0
                 slot.flags_valid = False  # the next call starts the next step's counts
         for attr, params in units:
-            if _device_reduced(attr):
+            if self.reduces(attr):
                 for p in params:
                     if present.get(id(p)) is False:
                         p.grad = None  # no rank computed one: the optimizer skips it, as in one process

@@ -9,19 +9,24 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from roundpipe import optim_stream
-from roundpipe.attribute import LayerAttribute, ParamAttribute, reads_low_precision_grad
+from roundpipe import settings
+from roundpipe.attribute import LayerAttribute, ParamAttribute
 from roundpipe.batch import Batch
-from roundpipe.context import OptimizerCtx, doing_optimizer
-from roundpipe.memory import PinMode, pin_module, pinned_empty
-from roundpipe.run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
-from roundpipe.scheduler import ModelExecutePlan, RunType
-from roundpipe.threads import AnnotatedEvent
+from roundpipe.context import doing_optimizer
+from roundpipe.grad_sync import GradSync
+from roundpipe.memory import PinMode, pin_module
+from roundpipe.optim import step as optim_step
+from roundpipe.optim import thread as optim_thread
+from roundpipe.pipeline import RoundPipeBatchedBackward, dispatch_forward, dispatch_fused, finish_backward, guarded
+from roundpipe.plan import ModelExecutePlan, RunType
+from roundpipe.run import Run
+from roundpipe.run_config import ResolvedRunConfig, RoundPipeRunConfig
+from roundpipe.threads import AnnotatedEvent, raise_if_failed
 from roundpipe.timer import ModelTimer
-from roundpipe.transfer import device_saved_limit, grad_buffers_limit, stage_params_enabled
-from roundpipe.utils import get_call_location, get_model_compute_size, get_model_size
+from roundpipe.transfer import fold_shared_grads
+from roundpipe.utils import get_call_location, get_model_active_size, get_model_compute_size, get_model_size
 
-_OWN_ATTRS = ("model", "original_model", "_rpp_initialized", "grad_reducer")
+_OWN_ATTRS = ("model", "original_model", "_rpp_initialized", "grad_sync")
 
 class RoundPipeBase(nn.Module):
     """Attributes and methods common to RoundPipe and AutoRoundPipe: attribute shimming to the wrapped
@@ -44,9 +49,8 @@ class RoundPipeBase(nn.Module):
         self.optim_dtype = optim_dtype
         self.layer_attrs: List[LayerAttribute] = []
         self.optim_updated = AnnotatedEvent(f"{self.name}.optim_updated", set=True)
-        # Called on the optimizer thread with each unit's parameters once their gradients are on the
-        # host, before they are copied to the optimizer (data parallel all-reduce, see distributed.py).
-        self.grad_reducer: Optional[Callable[[List[nn.Parameter]], None]] = None
+        # Gradient synchronisation across processes (data parallel), or None: see roundpipe.grad_sync.
+        self.grad_sync: Optional[GradSync] = None
         self._rpp_initialized = True
 
     # ---- attribute shimming ------------------------------------------------------------------------
@@ -142,8 +146,9 @@ class RoundPipeBase(nn.Module):
         return super().named_parameters(prefix, recurse, remove_duplicate)
 
     # ---- optimizer step ----------------------------------------------------------------------------
-    def _optim_units(self) -> List[Tuple[LayerAttribute, List[nn.Parameter]]]:
-        """Trainable parameters grouped by the layer whose events guard them, each listed once."""
+    def optim_units(self) -> List[Tuple[LayerAttribute, List[nn.Parameter]]]:
+        """Trainable parameters grouped by the layer whose events guard them, each listed once: the
+        units of the optimizer step protocol (``roundpipe.optim.step``)."""
         raise NotImplementedError
 
     def step(self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any) -> None:
@@ -158,201 +163,22 @@ class RoundPipeBase(nn.Module):
         parameters back, and returns when done: every iteration sees the latest parameters, as a
         plain PyTorch loop does. ``synchronize()`` brings the model up to date either way.
         """
-        from roundpipe.threads import raise_if_failed
-
         raise_if_failed(f"model {self.name!r} optimizer step")
-        # Data parallel (roundpipe.distributed) learns the step boundary on the main thread here.
-        on_step = getattr(self.grad_reducer, "on_step_launch", None)
-        if on_step is not None:
-            on_step()
-        units = self._optim_units()
-        # W&C: the previous step finished with these layers; its kernel sets them again.
-        for attr, _ in units:
-            attr.param_copied.wait()
-            attr.param_copied.clear()
-            attr.grad_copied.wait()
-            attr.grad_copied.clear()
-        self.optim_updated.clear()
-        optim_stream.launch_optim_kernel(self._step_kernel, units, step_fn, is_async, args, kwargs)
-        if not is_async:
-            optim_stream.synchronize_optim()
-
-    def _step_kernel(
-        self, units: List[Tuple[LayerAttribute, List[nn.Parameter]]], step_fn: Callable[..., Any], is_async: bool, args: Tuple[Any, ...], kwargs: Dict[str, Any]
-    ) -> None:
-        """Optimizer-thread body of ``step`` (the protocol in ``attribute``)."""
-        try:
-            with OptimizerCtx():
-                if is_async:
-                    self._copy_params_to_model(units, use_staged=True)
-                # Gradients in reverse layer order: the next backward starts from the last layer and
-                # its downloads wait for these copies (``grad_copied``); the next forward needs only
-                # the parameters, copied above in layer order.
-                for attr, params in reversed(units):
-                    # The gradient download of this layer must have landed before we read it.
-                    attr.grad_download_started.wait()
-                    attr.grad_downloaded.synchronize()
-                    if self.grad_reducer is not None:
-                        self.grad_reducer(params)
-                    for p in params:
-                        self._copy_grad_to_optim(p)
-                    attr.grad_copied.set()
-                step_fn(*args, **kwargs)
-                if is_async:
-                    self._stage_params(units)
-                else:
-                    self._release_grad_buffers(units)
-                    self._copy_params_to_model(units)
-        except BaseException:
-            # Never leave the main thread waiting on a step that failed (the failure is raised there).
-            # Only on failure: on success each event was set once above, and by now the main thread
-            # may already have cleared it again for the next step.
-            for attr, _ in units:
-                attr.param_copied.set()
-                attr.grad_copied.set()
-            raise
-        finally:
-            self.optim_updated.set()
-
-    @staticmethod
-    def _copy_params_to_model(units: List[Tuple[LayerAttribute, List[nn.Parameter]]], use_staged: bool = False) -> None:
-        """Make the model parameters the optimizer's current version, layer by layer (``param_copied``).
-
-        With ``use_staged`` (the start of an asynchronous step) a parameter whose staging buffer holds
-        that version (``_stage_params``, at the end of the previous asynchronous step) swaps buffers
-        with it: the dtype-converting copy already ran while the devices were busy, and the next
-        forward, which waits for ``param_copied`` layer by layer, does not wait for it. The others
-        (first step, after ``sync_optim_param``, staging off) are copied, which makes any staged
-        version obsolete.
-        """
-        for attr, params in units:
-            # An upload in flight still reads the model parameters: wait until it has finished. After
-            # that nothing reads the old buffer, so it may become the next staging buffer.
-            attr.param_upload_started.wait()
-            attr.param_uploaded.synchronize()
-            with torch.no_grad():
-                for p in params:
-                    pa = ParamAttribute.get(p)
-                    if pa.optim is None:
-                        continue
-                    if use_staged and pa.staged_valid and pa.staged is not None:
-                        # The old model buffer goes to the spares: the wait above ensures no upload
-                        # reads it any more (the next gradient download takes it, see
-                        # transfer._grad_buffer).
-                        old, p.data, pa.staged = p.data, pa.staged, None
-                        pa.give_spare(old)
-                    else:
-                        p.data.copy_(pa.optim.data)
-                    pa.staged_valid = False
-            attr.param_copied.set()
-
-    @staticmethod
-    def _stage_params(units: List[Tuple[LayerAttribute, List[nn.Parameter]]]) -> None:
-        """End of an asynchronous step: write the updated optimizer parameters into each parameter's
-        staging buffer (model dtype, pinned like the parameter), published by the next step.
-
-        The staging buffer is the gradient buffer this step has just read and released (its
-        ``zero_grad`` ran), else a spare: the buffers rotate (``transfer._grad_buffer``), so staging
-        costs no extra host copy. Only this thread touches the staging buffers, and the model
-        parameters (read by the running iteration's uploads) are not written, so no event is needed.
-        ``RPP_STAGE_PARAMS=0`` turns staging off (the next step copies the parameters when it starts).
-        """
-        stage = stage_params_enabled()
-        with torch.no_grad():
-            for _, params in units:
-                for p in params:
-                    pa = ParamAttribute.get(p)
-                    freed = pa.release_held()
-                    if not stage or pa.optim is None:
-                        pa.staged = None  # staging turned off during a run: drop the buffer
-                        if freed is not None:
-                            pa.give_spare(freed)
-                        continue
-                    if pa.staged is None or pa.staged.shape != p.shape or pa.staged.dtype != p.dtype:
-                        # Uploads read the staged buffer once published: pinned if the parameter is.
-                        pinned = p.data.is_pinned()
-                        if freed is not None and freed.shape == p.shape and freed.dtype == p.dtype and (not pinned or freed.is_pinned()):
-                            pa.staged, freed = freed, None
-                        else:
-                            pa.staged = pa.take_spare(p.shape, p.dtype, pinned)
-                            if pa.staged is None:
-                                pa.staged = pinned_empty(p.shape, p.dtype, pin=pinned)
-                    if freed is not None:
-                        pa.give_spare(freed)
-                    pa.trim_spare()
-                    pa.staged.copy_(pa.optim.data)
-                    pa.staged_valid = True
-
-    @staticmethod
-    def _release_grad_buffers(units: List[Tuple[LayerAttribute, List[nn.Parameter]]]) -> None:
-        """After a synchronous step: gradient buffers the optimizer let go of become spares."""
-        for _, params in units:
-            for p in params:
-                pa = ParamAttribute.get(p)
-                freed = pa.release_held()
-                if freed is not None:
-                    pa.give_spare(freed)
-                pa.trim_spare()
-
-    @staticmethod
-    def _copy_grad_to_optim(p: nn.Parameter) -> None:
-        """Add the model gradient into the optimizer copy's gradient and clear the model gradient (the
-        next backward starts from zero; the optimizer's .grad accumulates until ``zero_grad``).
-
-        When the optimizer reads bfloat16 gradients of fp32 parameters (``roundpipe.optim.Adam``, see
-        ``attribute.reads_low_precision_grad``), the host gradient buffer itself becomes the optimizer's
-        ``.grad``: no fp32 copy is made or kept (4 bytes per parameter, and 6 bytes of memory traffic).
-        The optimizer then reads that buffer until its ``zero_grad``; the next gradient download takes
-        a spare buffer meanwhile, and the released one becomes the staging buffer (the rotation in
-        ``transfer._grad_buffer``). A gradient copied instead gives its buffer back at once.
-        """
-        attr = ParamAttribute.get(p)
-        optim, g = attr.optim, p.grad
-        if optim is None or g is None:
-            return
-        with torch.no_grad():
-            if optim.grad is None and g.dtype is torch.bfloat16 and optim.dtype is torch.float32 and reads_low_precision_grad(optim):
-                optim.grad_dtype = None  # let .grad be bfloat16 on this fp32 parameter
-                optim.grad = g
-                if not attr.shared:
-                    attr.held = g  # released after the step (_stage_params, _release_grad_buffers)
-                g = None
-            elif optim.grad is None:
-                buf = attr.optim_grad_buffer
-                if buf is None or buf.shape != optim.shape or buf.dtype != optim.dtype:
-                    buf = attr.optim_grad_buffer = torch.empty_like(optim)
-                buf.copy_(g)
-                optim.grad = buf
-            else:
-                if optim.grad.dtype != optim.dtype:
-                    # A handed-over gradient not yet cleared by zero_grad: accumulate in a copy of the
-                    # optimizer's dtype, which also gives the buffer back to the downloads.
-                    optim.grad = optim.grad.to(optim.dtype)
-                    freed = attr.release_held()
-                    if freed is not None:
-                        attr.give_spare(freed)
-                optim.grad.add_(g.to(optim.dtype))
-        p.grad = None
-        if g is not None and not attr.shared:
-            attr.give_spare(g)  # copied: the download buffer is free for the next role
+        sync = self.grad_sync
+        if sync is not None:
+            sync.on_step_launch()
+        optim_step.launch(self.optim_units(), step_fn, is_async, args, kwargs, self.optim_updated,
+                          sync.reduce_host if sync is not None else None)
 
     def sync_optim_param(self) -> None:
         """Copy the optimizer parameters into the model parameters (from the main or optimizer thread)."""
-        units = self._optim_units()
-        if optim_stream.on_optim_stream():
-            self._copy_params_to_model(units)
-            return
-        for attr, _ in units:
-            attr.param_copied.wait()
-            attr.param_copied.clear()
-        optim_stream.launch_optim_kernel(self._copy_params_to_model, units)
-        optim_stream.synchronize_optim()
+        optim_step.sync_params(self.optim_units())
 
     def synchronize(self) -> None:
         """Wait for pending optimizer work and bring model parameters up to date with the optimizer
         copies (for inspection, evaluation or saving)."""
-        optim_stream.synchronize_optim()
-        if any(ParamAttribute.get(p).optim is not None for _, params in self._optim_units() for p in params):
+        optim_thread.synchronize()
+        if any(ParamAttribute.get(p).optim is not None for _, params in self.optim_units() for p in params):
             self.sync_optim_param()
 
     def reset_events(self) -> None:
@@ -361,36 +187,9 @@ class RoundPipeBase(nn.Module):
             a.reset()
 
     def reduce_shared_grads(self) -> None:
-        """Add the per-layer gradient shares of shared (tied) parameters into ``param.grad``.
-
-        The shares of layers above the owner (the parameter's lowest layer) were already added into the
-        owner's share on its device (``transfer.TiedGrads``), so there is usually one share left and
-        nothing to add; with owner and sharer in one stage, or with data parallel reducing on the
-        device, the shares are added here.
-
-        No copy where possible: ``param.grad`` becomes the share buffer of the parameter's first layer
-        (whose optimizer unit and ``grad_copied`` event guard the parameter, see ``_optim_units``), and
-        the other shares are added into it in place. ``transfer.host_grad`` then seeds that layer's next
-        upload from ``param.grad``, so gradients accumulate across calls as in PyTorch. (A fresh clone
-        here cost ~45 ms of page faults per iteration on a 151k x 2048 tied embedding, on the critical
-        path between iterations.)
-        """
-        for p in self._shared_params:
-            attr = ParamAttribute.get(p)
-            owner = min(attr.layer_ids)
-            shares = [(lid, g) for lid, g in sorted(attr.grad_cpu.items()) if g is not None]
-            if not shares:
-                continue
-            if p.grad is None:
-                lid, g = shares.pop(0)
-                # Only the owner's buffer may be aliased: another layer's buffer is overwritten by its
-                # next download, which does not wait for this parameter's optimizer copy.
-                p.grad = g if lid == owner else g.clone()
-            for _, g in shares:
-                if g is not p.grad:
-                    p.grad.add_(g)
-            for lid in attr.grad_cpu:
-                attr.grad_cpu[lid] = None
+        """Fold the per-layer gradient shares of shared (tied) parameters into ``param.grad``
+        (``transfer.fold_shared_grads``)."""
+        fold_shared_grads(self._shared_params)
 
     @property
     def _shared_params(self) -> List[nn.Parameter]:
@@ -430,8 +229,8 @@ class RoundPipe(RoundPipeBase):
         if not isinstance(model_run_config, RoundPipeRunConfig):
             raise ValueError("model_run_config must be a roundpipe.RoundPipeRunConfig")
         self.model_run_config = model_run_config
-        grad_buffers_limit()  # a bad RPP_GRAD_BUFFERS fails here, naming the variable
-        device_saved_limit()  # likewise RPP_DEVICE_SAVED_GB
+        settings.GRAD_BUFFERS.get()  # a bad RPP_GRAD_BUFFERS fails here, naming the variable
+        settings.DEVICE_SAVED_GB.get()  # likewise RPP_DEVICE_SAVED_GB
         layers = list(model.children()) if isinstance(model, nn.Sequential) else [model]
         if not layers:
             raise ValueError("RoundPipe needs at least one layer; the nn.Sequential is empty")
@@ -454,7 +253,7 @@ class RoundPipe(RoundPipeBase):
     def _shared_params(self) -> List[nn.Parameter]:
         return self.__dict__["_shared_list"]
 
-    def _optim_units(self) -> List[Tuple[LayerAttribute, List[nn.Parameter]]]:
+    def optim_units(self) -> List[Tuple[LayerAttribute, List[nn.Parameter]]]:
         seen: set = set()
         units = []
         for attr, layer in zip(self.layer_attrs, self.layers):
@@ -467,26 +266,20 @@ class RoundPipe(RoundPipeBase):
     def layer_device_bytes(self, run_type: RunType) -> List[float]:
         """Bytes each layer occupies on a device while it runs: parameters and buffers, plus gradients
         of trainable parameters when training. Computed once per run type (the layer list is fixed)."""
-        from roundpipe.utils import get_model_active_size
-
         key = "infer" if run_type == "infer" else "train"
         cache = self.__dict__.setdefault("_device_bytes", {})
         if key not in cache:
             cache[key] = [float(get_model_size(l) + (get_model_active_size(l) if key == "train" else 0)) for l in self.layers]
         return cache[key]
 
-    def resolve_plan(self, cfg: FullRoundPipeRunConfig, run_type: RunType) -> ModelExecutePlan:
-        """The plan for this call: the user's (validated) or the model's default for ``run_type``.
-
-        With data parallel reducing on the devices, every rank must run the same plan (each device's
-        collectives follow its job order): ``_rpp_plan_hook`` (set by ``roundpipe.distributed``) then
-        replaces this rank's plan by the one all ranks agree on.
-        """
+    def resolve_plan(self, cfg: ResolvedRunConfig, run_type: RunType) -> ModelExecutePlan:
+        """The plan for this call: the user's (validated) or the model's default for ``run_type``, or
+        the one the model's ``grad_sync`` agrees on across processes (data parallel reducing on the
+        devices: every rank must run the same jobs)."""
         plan = self._local_plan(cfg, run_type)
-        hook = self.__dict__.get("_rpp_plan_hook")
-        return plan if hook is None else hook(self, run_type, plan)
+        return plan if self.grad_sync is None else self.grad_sync.agree_plan(self, run_type, plan)
 
-    def _local_plan(self, cfg: FullRoundPipeRunConfig, run_type: RunType) -> ModelExecutePlan:
+    def _local_plan(self, cfg: ResolvedRunConfig, run_type: RunType) -> ModelExecutePlan:
         """This process's plan: the user's (validated) or the model's default for ``run_type``."""
         if cfg.execute_plan is not None:
             plan = cfg.execute_plan.for_run_type(run_type, self.num_layers)
@@ -511,9 +304,8 @@ class RoundPipe(RoundPipeBase):
     def forward(self, *args: Any, roundpipe_run_config: RoundPipeRunConfig = RoundPipeRunConfig(), **kwargs: Any) -> Any:
         """Run the model over all microbatches; with gradients enabled the result is connected to
         autograd, and ``backward()`` on it runs the pipelined backward."""
-        from roundpipe.run import Run, RoundPipeBatchedBackward, dispatch_forward, guarded
 
-        cfg = FullRoundPipeRunConfig(roundpipe_run_config, self.model_run_config)
+        cfg = ResolvedRunConfig(roundpipe_run_config, self.model_run_config)
         if cfg.requires_grad and not torch.is_grad_enabled():
             raise RuntimeError("RoundPipeRunConfig(requires_grad=True) but gradients are disabled (torch.no_grad); enable grad or drop requires_grad")
         self._check_optimizer_idle()
@@ -548,13 +340,12 @@ class RoundPipe(RoundPipeBase):
         gradients are those of the sum over microbatches, accumulated into ``.grad`` as ``backward``
         does. Returns the summed loss (detached), and the merged outputs when ``return_outputs``.
         """
-        from roundpipe.run import Run, dispatch_fused, finish_backward, guarded
 
         if not torch.is_grad_enabled():
             raise RuntimeError("forward_backward needs gradients enabled; it was called under torch.no_grad()")
         if not isinstance(input_args, tuple):
             input_args = (input_args,)
-        cfg = FullRoundPipeRunConfig(run_config, self.model_run_config)
+        cfg = ResolvedRunConfig(run_config, self.model_run_config)
         self._check_optimizer_idle()
         batch = Batch(input_args, dict(input_kwargs), cfg, label)
         run = Run(self, cfg, batch, "fused", self.resolve_plan(cfg, "fused"), loss_fn, return_outputs)
@@ -578,8 +369,6 @@ class RoundPipe(RoundPipeBase):
 
     def _check_optimizer_idle(self) -> None:
         """Raise a worker failure from an earlier asynchronous step before starting a new run."""
-        from roundpipe.threads import raise_if_failed
-
         raise_if_failed(f"model {self.name!r} optimizer step")
 
 
@@ -599,11 +388,11 @@ class AutoRoundPipe(RoundPipeBase):
     def _submodels(self) -> List[RoundPipe]:
         return [m for m in self.model.modules() if isinstance(m, RoundPipe)]
 
-    def _optim_units(self) -> List[Tuple[LayerAttribute, List[nn.Parameter]]]:
+    def optim_units(self) -> List[Tuple[LayerAttribute, List[nn.Parameter]]]:
         units: List[Tuple[LayerAttribute, List[nn.Parameter]]] = []
         inside: set = set()
         for sub in self._submodels():
-            sub_units = sub._optim_units()
+            sub_units = sub.optim_units()
             units.extend(sub_units)
             inside.update(id(p) for p in sub.model.parameters())
         host = [p for p in self.model.parameters() if p.requires_grad and id(p) not in inside]

@@ -52,14 +52,15 @@ class RoundPipeRunConfig:
         if self.merge_output is not None and not (isinstance(self.merge_output, bool) or callable(self.merge_output)):
             raise ValueError("merge_output: expected True, False or a callable merging the list of microbatch outputs")
         if self.execute_plan is not None:
-            from roundpipe.scheduler import ModelExecutePlan
+            from roundpipe.plan import ModelExecutePlan
 
             if not isinstance(self.execute_plan, ModelExecutePlan):
-                raise ValueError("execute_plan: expected a roundpipe.scheduler.ModelExecutePlan")
+                raise ValueError("execute_plan: expected a roundpipe.ModelExecutePlan")
 
 
-class FullRoundPipeRunConfig:
-    """A per-call config merged with the model's config and the defaults: every field resolved."""
+class ResolvedRunConfig:
+    """A per-call config merged with the model's config and the defaults: every field resolved (the
+    spec's ``FullRoundPipeRunConfig``)."""
 
     def __init__(self, function_run_config: RoundPipeRunConfig, model_run_config: RoundPipeRunConfig) -> None:
         from roundpipe import settings
@@ -78,3 +79,6 @@ class FullRoundPipeRunConfig:
         self.merge_output: Any = True if self.merge_output is None else self.merge_output
         self.split_input: Optional[Callable[..., Any]]
         self.split_label: Optional[Callable[..., Any]]
+
+
+FullRoundPipeRunConfig = ResolvedRunConfig  # the spec's name

@@ -70,6 +70,17 @@ def _bool(raw: str) -> bool:
     raise ValueError("")
 
 
+def _device_spec(raw: str) -> str:
+    """``cuda``, ``cuda:0,2`` or ``cpu:N`` (syntax only; the device layer checks what exists)."""
+    spec = raw.strip().lower()
+    kind, sep, rest = spec.partition(":")
+    if kind == "cpu" and (not sep or (rest.isdigit() and int(rest) >= 1)):
+        return spec
+    if kind == "cuda" and (not sep or (rest and all(x.strip().isdigit() for x in rest.split(",")))):
+        return spec
+    raise ValueError("")
+
+
 def _tristate(raw: str) -> str:
     """``auto``, or a boolean word as ``"1"`` / ``"0"``."""
     return "auto" if raw.lower() == "auto" else ("1" if _bool(raw) else "0")
@@ -139,7 +150,7 @@ def _register(setting: Setting[T]) -> Setting[T]:
 
 # ---- devices and runtime ----------------------------------------------------------------------------
 DEVICES: Setting[str] = _register(Setting(
-    "RPP_DEVICES", str, "", "all GPUs, else `cpu:1`", "`cuda`, `cuda:0,2`, `cpu:N`",
+    "RPP_DEVICES", _device_spec, "", "all GPUs, else `cpu:1`", "`cuda`, `cuda:0,2`, `cpu:N`",
     "The devices RoundPipe runs on: GPUs, or N CPU workers."))
 DEVICE_SAVED_GB: Setting[float] = _register(Setting(
     "RPP_DEVICE_SAVED_GB", _number(0.0), 0.0, "0", "a number of GiB >= 0",
@@ -213,25 +224,45 @@ def configure(devices: Optional[str] = None, compile: Optional[bool] = None, **v
         setting = REGISTRY.get("RPP_" + key.upper())
         if setting is None:
             raise TypeError(f"configure() got an unknown setting {key!r}; known: {sorted(n[4:].lower() for n in REGISTRY)}")
-        chosen.append((setting, setting.parse(str(value)) if isinstance(value, str) else value))
+        chosen.append((setting, _checked(setting, value) if isinstance(value, str) else value))
     if devices is not None:
-        from roundpipe import backend
-
-        backend.parse_devices(str(devices))  # a bad spec fails here, naming RPP_DEVICES
+        chosen[0] = (DEVICES, _checked(DEVICES, str(devices)))
     with _lock:
         for setting, value in chosen:
             _overrides[setting.name] = value
-    if devices is not None:
-        from roundpipe import device
-
-        device.reset_devices()
+    _notify([setting.name for setting, _ in chosen])
 
 
 def unconfigure(*names: str) -> None:
     """Forget ``configure``'s choices (all, or the named variables): the environment applies again."""
     with _lock:
-        for name in names or list(_overrides):
-            _overrides.pop(name, None)
+        dropped = [name for name in (names or list(_overrides)) if _overrides.pop(name, _MISSING) is not _MISSING]
+    _notify(dropped)
+
+
+def _checked(setting: Setting[T], raw: str) -> T:
+    """``setting.parse(raw)`` with the error message of a bad environment value."""
+    try:
+        return setting.parse(raw.strip())
+    except ValueError:
+        raise ValueError(f"{setting.name}={raw!r}: expected {setting.accepts}") from None
+
+
+_MISSING = object()
+# Who must know when a setting changes in this process: the device layer re-creates its workers when
+# RPP_DEVICES changes. Registered by the modules that own the state (this module imports none of them).
+_observers: Dict[str, List[Callable[[], None]]] = {}
+
+
+def on_change(setting: Setting[Any], callback: Callable[[], None]) -> None:
+    """Call ``callback()`` after ``configure`` / ``unconfigure`` changes ``setting`` in this process."""
+    _observers.setdefault(setting.name, []).append(callback)
+
+
+def _notify(names: List[str]) -> None:
+    for name in dict.fromkeys(names):
+        for callback in _observers.get(name, []):
+            callback()
 
 
 @contextlib.contextmanager
@@ -242,9 +273,22 @@ def overridden(**values: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        with _lock:
-            _overrides.clear()
-            _overrides.update(saved)
+        restore(saved)
+
+
+def snapshot() -> Dict[str, Any]:
+    """``configure``'s current choices (for :func:`restore`)."""
+    with _lock:
+        return dict(_overrides)
+
+
+def restore(saved: Dict[str, Any]) -> None:
+    """Make ``configure``'s choices ``saved`` again (a :func:`snapshot`), notifying what changed."""
+    with _lock:
+        changed = [n for n in set(_overrides) | set(saved) if _overrides.get(n, _MISSING) is not saved.get(n, _MISSING)]
+        _overrides.clear()
+        _overrides.update(saved)
+    _notify(changed)
 
 
 def default_num_microbatch(num_devices: int) -> int:

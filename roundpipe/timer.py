@@ -38,8 +38,8 @@ from typing import Any, Callable, Deque, Dict, List, Literal, Optional, Sequence
 import torch
 
 from roundpipe import settings
+from roundpipe.planner import RunType
 
-RunType = Literal["infer", "train", "fused"]
 TimeKind = Literal["fwd", "re", "bwd"]
 EventPair = Tuple[Any, Any]  # (start, end): torch.cuda.Event or WallClockEvent
 TimerFwdEventsType = Dict[Tuple[str, int], List[EventPair]]  # ('fwd' | 're', layer) -> one pair per run

@@ -21,7 +21,7 @@ Attributes:
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -52,7 +52,7 @@ def grad_buffers_limit() -> int:
 
 def stage_params_enabled() -> bool:
     """Whether asynchronous steps stage the updated parameters for the next step (``RPP_STAGE_PARAMS``,
-    default on; see ``RoundPipeBase._stage_params``)."""
+    default on; see ``roundpipe.optim.step.stage_params``)."""
     return settings.STAGE_PARAMS.get()
 
 
@@ -198,16 +198,6 @@ def async_d2h(
     return out
 
 
-def chunk_layer_params(tensor_pair: List[Tuple[torch.Tensor, torch.Tensor]], n_chunks: int) -> List[List[Tuple[torch.Tensor, torch.Tensor]]]:
-    """Split (src, dst) copies into ``n_chunks`` balanced groups (greedy number partitioning)."""
-    from roundpipe.chunking import chunk_layer_params as impl
-
-    return impl(tensor_pair, n_chunks)
-
-
-# ---- layers ------------------------------------------------------------------------------------------
-
-
 def _device_copy(mod: nn.Module, tensors: Dict[int, torch.Tensor], memo: Dict[int, nn.Module]) -> nn.Module:
     """A shallow copy of ``mod`` (and its submodules) whose parameters and buffers are ``tensors[id(t)]``.
 
@@ -253,6 +243,7 @@ def upload_layers(
     with_grad: bool,
     saved_buffers: Optional[Dict[int, Dict[str, torch.Tensor]]] = None,
     ready: Optional[List[Event]] = None,
+    seed_grads: Optional[Sequence[bool]] = None,
 ) -> List[nn.Module]:
     """Copy layers onto ``device`` (parameter upload stream) and return their device copies.
 
@@ -266,11 +257,16 @@ def upload_layers(
     for layer k's event before running layer k (``wait_layer``): compute starts on the first layer
     while the later ones still upload. The caller keeps these events (``param_uploaded`` may be
     recorded again by another device's upload of the same layer meanwhile).
+
+    ``seed_grads[k]`` False: layer k's trainable parameters start without a gradient (data parallel
+    reducing on the device adds the accumulated host gradient inside the reduction, after weighting
+    this rank's share; see ``roundpipe.grad_sync``). Default: all seeded.
     """
     stream = device.param_upstream
     out: List[nn.Module] = []
     with torch.no_grad(), backend.use_stream(stream):
-        for layer, lid, attr in zip(layers, layer_ids, layer_attrs):
+        seeds = seed_grads if seed_grads is not None else [True] * len(layers)
+        for layer, lid, attr, seed in zip(layers, layer_ids, layer_attrs, seeds):
             stream.wait_event(attr.buffer_downloaded)
             tensors: Dict[int, torch.Tensor] = {}
             buffers = (saved_buffers or {}).get(lid)
@@ -280,9 +276,7 @@ def upload_layers(
                         continue
                     train = with_grad and p.requires_grad
                     dp = nn.Parameter(_upload_param(p, device.device), requires_grad=train)
-                    # Data parallel with reduce_on="device" adds the accumulated gradient inside the
-                    # reduction, after weighting this rank's share (roundpipe.distributed): no seed here.
-                    g = host_grad(p, lid) if train and attr.device_grad_reducer is None else None
+                    g = host_grad(p, lid) if train and seed else None
                     if g is not None:
                         dp.grad = _upload_param(g, device.device)
                     tensors[id(p)] = dp
@@ -323,6 +317,7 @@ def download_layer(
     with_grad: bool,
     tied: Optional["TiedGrads"] = None,
     job_layers: Optional[range] = None,
+    reducer: Optional[Callable[[nn.Module, nn.Module, int, Any], None]] = None,
 ) -> None:
     """Issue copies of a layer's buffers and/or parameter gradients back to the host (no waiting).
 
@@ -331,7 +326,8 @@ def download_layer(
     parameter's pinned buffer; ``grad_downloaded`` is recorded and ``grad_download_started`` set.
 
     ``tied`` (the call's ``TiedGrads``) sums the gradient shares of tied parameters into the owner
-    layer's share before its download (``job_layers``: the layers of this job).
+    layer's share before its download (``job_layers``: the layers of this job). ``reducer``
+    (``roundpipe.grad_sync``) reduces the layer's device gradients across processes before the download.
     """
     stream = device.downstream
     stream.wait_stream(device.compute_stream)
@@ -345,11 +341,9 @@ def download_layer(
                         b.copy_(db, non_blocking=True)
             layer_attr.buffer_downloaded = backend.record_event(stream)
         if with_grad:
-            reducer = layer_attr.device_grad_reducer
             if reducer is not None:
-                # Data parallel with reduce_on="device": all-reduce this layer's device gradients over the
-                # ranks here, on the download stream after the compute, so the copies below download the
-                # reduced gradients (stream ordering: roundpipe.distributed._DeviceReduction.reduce_layer).
+                # Reduce this layer's device gradients across processes here, queued on the download
+                # stream after the compute, so the copies below (same stream) download reduced values.
                 reducer(cpu_layer, gpu_layer, layer_id, device)
             done = set()
             hold: List[torch.Tensor] = []
@@ -482,9 +476,9 @@ def _grad_buffer(p: torch.Tensor, attr: ParamAttribute, layer_id: int, dev_grad:
     pinned = backend.pin_enabled()  # asynchronous downloads need pinned memory
     buf = attr.take_spare(dev_grad.shape, dev_grad.dtype, pinned)
     if buf is None and attr.held is not None and grad_buffers_limit() == 1 and not stage_params_enabled():
-        from roundpipe import optim_stream
+        from roundpipe.optim import thread as optim_thread
 
-        optim_stream.synchronize_optim()
+        optim_thread.synchronize()
         buf = attr.take_spare(dev_grad.shape, dev_grad.dtype, pinned)
     if buf is None:
         buf = pinned_empty(dev_grad.shape, dev_grad.dtype)  # exact size: it lives as long as the model
@@ -522,3 +516,36 @@ def release_layers(gpu_layers: Sequence[nn.Module], device: Any) -> None:
                 held.append(p.grad)
         held.extend(layer.buffers())
     device.mem_manager.free(held, device.compute_stream, device.downstream)
+
+
+def fold_shared_grads(shared: Sequence[nn.Parameter]) -> None:
+    """Add the per-layer gradient shares of shared (tied) parameters into ``param.grad``.
+
+    The shares of layers above the owner (the parameter's lowest layer) were already added into the
+    owner's share on its device (``transfer.TiedGrads``), so there is usually one share left and
+    nothing to add; with owner and sharer in one stage, or with data parallel reducing on the
+    device, the shares are added here.
+
+    No copy where possible: ``param.grad`` becomes the share buffer of the parameter's first layer
+    (whose optimizer unit and ``grad_copied`` event guard the parameter, see ``optim_units``), and
+    the other shares are added into it in place. ``host_grad`` then seeds that layer's next
+    upload from ``param.grad``, so gradients accumulate across calls as in PyTorch. (A fresh clone
+    here cost ~45 ms of page faults per iteration on a 151k x 2048 tied embedding, on the critical
+    path between iterations.)
+    """
+    for p in shared:
+        attr = ParamAttribute.get(p)
+        owner = min(attr.layer_ids)
+        shares = [(lid, g) for lid, g in sorted(attr.grad_cpu.items()) if g is not None]
+        if not shares:
+            continue
+        if p.grad is None:
+            lid, g = shares.pop(0)
+            # Only the owner's buffer may be aliased: another layer's buffer is overwritten by its
+            # next download, which does not wait for this parameter's optimizer copy.
+            p.grad = g if lid == owner else g.clone()
+        for _, g in shares:
+            if g is not p.grad:
+                p.grad.add_(g)
+        for lid in attr.grad_cpu:
+            attr.grad_cpu[lid] = None

@@ -23,12 +23,9 @@ def use_devices(spec: str) -> None:
 def _isolate_settings() -> Iterator[None]:
     """Whatever a test chooses through ``roundpipe.configure`` (an in-process CLI run included) ends with
     it: later tests see the environment's settings and a fresh device pool."""
-    saved = dict(settings._overrides)
+    saved = settings.snapshot()
     yield
-    if settings._overrides != saved:
-        settings._overrides.clear()
-        settings._overrides.update(saved)
-        device.reset_devices()
+    settings.restore(saved)  # re-creates the device pool if RPP_DEVICES changed
 
 
 @pytest.fixture
@@ -56,10 +53,9 @@ def restore_process_state() -> Iterator[None]:
     """In-process training runs (the CLI) choose devices and the torch.compile switch for the process
     (``roundpipe.configure``, undone by ``_isolate_settings``) and may leave a worker failure recorded:
     undo that too, with progress bars off meanwhile."""
-    saved = dict(settings._overrides)
+    saved = settings.snapshot()
     settings.configure(progress=False)
     yield
     threads.clear_failure()
-    settings._overrides.clear()
-    settings._overrides.update(saved)
+    settings.restore(saved)
     device.reset_devices()

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 import roundpipe.optim.adam as adam_mod
-from roundpipe import optim_builder, settings
+from roundpipe import settings
+from roundpipe.optim import build as optim_builder
 from roundpipe.optim import Adam
 
 TOL = dict(rtol=1e-6, atol=1e-6)
@@ -354,14 +355,14 @@ def test_state_of_the_wrong_shape_raises(impl) -> None:
 
 def test_step_on_the_optimizer_thread(impl) -> None:
     """Where RoundPipe runs it: queued on the optimizer stream, large enough for the threaded kernel."""
-    from roundpipe import optim_stream
+    from roundpipe.optim import thread as optim_thread
 
     ps = make_params(4, real_shapes=[(5,), (400, 400)], complex_shapes=[(3,)])
     qs = clone_params(ps)
     ours, ref = Adam(ps, lr=0.01, weight_decay=0.01), torch.optim.Adam(qs, lr=0.01, weight_decay=0.01)
     for step in range(4):
         set_grads([ps, qs], step, seed=4)
-        optim_stream.launch_optim_kernel(ours.step)
+        optim_thread.submit(ours.step)
         ref.step()
-        optim_stream.synchronize_optim()
+        optim_thread.synchronize()
     assert_same_state(ours, ref, ps, qs)

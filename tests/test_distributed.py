@@ -279,12 +279,12 @@ def test_one_rank_data_parallel_is_plain_training(workers: str, one_rank_group: 
     ref = _train(_mlp(), 4)
     model = _mlp()
     dp = rdist.enable_data_parallel(model)
-    assert model.grad_reducer is dp
+    assert model.grad_sync is dp
     got = _train(model, 4, dp)
     assert torch.equal(got, ref)
     assert dp.stats.steps == 4 and dp.stats.collectives == 0  # nothing to exchange with one rank
     dp.close()
-    assert model.grad_reducer is None
+    assert model.grad_sync is None
 
 
 @pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
@@ -300,12 +300,12 @@ def test_setup_errors(workers: str, one_rank_group: None) -> None:
     with pytest.raises(ValueError, match="already data parallel"):
         rdist.enable_data_parallel(model)
     with pytest.raises(ValueError, match=">= 0"):
-        model.grad_reducer.normalize_by(-1)
+        model.grad_sync.normalize_by(-1)
 
 
 @pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
 def test_normalize_by_twice_in_one_step_is_reported(workers: str, one_rank_group: None) -> None:
-    from roundpipe.optim_stream import OptimizerStepError
+    from roundpipe.optim.thread import OptimizerStepError
 
     model = _mlp()
     dp = rdist.enable_data_parallel(model)
@@ -327,12 +327,22 @@ def _slow_kernel_run(slow: bool) -> torch.Tensor:
     opt = torch.optim.SGD(list(model.optim_parameters()), lr=0.05)
     calls = [0]
 
-    def reducer(params: List[nn.Parameter]) -> None:  # a data-parallel all-reduce waiting for a slow peer
-        if slow and calls[0] % model.num_layers == 0:
-            _time.sleep(0.1)
-        calls[0] += 1
+    class SlowSync:  # a data-parallel all-reduce waiting for a slow peer (roundpipe.grad_sync.GradSync)
+        def on_step_launch(self) -> None:
+            pass
 
-    model.grad_reducer = reducer
+        def reduce_host(self, params: List[nn.Parameter]) -> None:
+            if slow and calls[0] % model.num_layers == 0:
+                _time.sleep(0.1)
+            calls[0] += 1
+
+        def agree_plan(self, model: Any, run_type: str, plan: Any) -> Any:
+            return plan
+
+        def layer_reducer(self, model: Any, layer_id: int) -> None:
+            return None
+
+    model.grad_sync = SlowSync()
 
     def step_fn() -> None:
         if slow:

@@ -35,7 +35,7 @@ import helpers
 from roundpipe import RoundPipe, RoundPipeRunConfig
 from roundpipe import distributed as rdist
 from roundpipe import dp_device
-from roundpipe.scheduler import ModelExecutePlan
+from roundpipe.plan import ModelExecutePlan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "dist_scripts", "dp_device.py")

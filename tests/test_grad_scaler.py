@@ -15,8 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from roundpipe import optim_stream, threads
-from roundpipe.grad_scaler import GradScaler
+from roundpipe import threads
+from roundpipe.optim import thread as optim_thread
+from roundpipe.optim.grad_scaler import GradScaler
 from roundpipe.optim import Adam
 
 INF_STEP = 6
@@ -26,7 +27,7 @@ INF_STEP = 6
 def _clean_optimizer_stream():
     yield
     try:
-        optim_stream.synchronize_optim()
+        optim_thread.synchronize()
     finally:
         threads.clear_failure()
 
@@ -100,7 +101,7 @@ def run_roundpipe(
     scales = []
 
     def step_fn(grads: List[torch.Tensor]) -> None:
-        assert optim_stream.on_optim_stream()
+        assert optim_thread.on_thread()
         s.load_grads(grads)
         if clip:
             scaler.unscale_(s.opt)
@@ -112,10 +113,10 @@ def run_roundpipe(
     for it in range(start, start + iters):
         scales.append(scaler.get_scale())
         scaler.scale(s.loss(it)).backward()
-        optim_stream.launch_optim_kernel(step_fn, s.take_grads(it))
+        optim_thread.submit(step_fn, s.take_grads(it))
         scaler.update()
         # The synchronous form of model.step (is_async=False): the next iteration sees the update.
-        optim_stream.synchronize_optim()
+        optim_thread.synchronize()
     scales.append(scaler.get_scale())
     return s, scales, scaler
 
@@ -196,9 +197,9 @@ def test_state_dict_round_trips_with_torch() -> None:
             if sc is ref:
                 sc.step(opt)
             else:
-                optim_stream.launch_optim_kernel(sc.step, opt)
+                optim_thread.submit(sc.step, opt)
             sc.update()
-            optim_stream.synchronize_optim()
+            optim_thread.synchronize()
         assert fresh.get_scale() == ref.get_scale()
     assert fresh.state_dict() == ref.state_dict()
 
@@ -230,7 +231,7 @@ def test_lagging_optimizer_unscales_by_the_scale_applied() -> None:
     x = torch.tensor([1.0, -2.0, 0.5, 3.0])
     scaler = GradScaler(init_scale=2.0**8)
     gate = threading.Event()
-    optim_stream.launch_optim_kernel(gate.wait, 30)  # the optimizer thread is busy until the gate opens
+    optim_thread.submit(gate.wait, 30)  # the optimizer thread is busy until the gate opens
 
     def step_fn(grad: torch.Tensor) -> None:
         master.grad = grad
@@ -242,14 +243,14 @@ def test_lagging_optimizer_unscales_by_the_scale_applied() -> None:
         scaled = scaler.scale(loss)
         applied.append(scaled.item() / loss.item() if it else scaler.get_scale())
         scaled.backward()
-        optim_stream.launch_optim_kernel(step_fn, w.grad.clone())
+        optim_thread.submit(step_fn, w.grad.clone())
         w.grad = None
         scaler.update()
         # Non-blocking: the getters answer while the optimizer thread is still stuck.
         assert scaler.get_scale() == 2.0**8
         assert scaler.get_growth_interval() == 2000
     gate.set()
-    optim_stream.synchronize_optim()
+    optim_thread.synchronize()
     # Iteration 0 overflowed and was skipped; 1..3 used the stale 2^8 and come out exact (not 2x).
     assert applied == [2.0**8] * 4
     assert len(opt.seen) == 3
@@ -275,23 +276,23 @@ def test_one_scale_per_iteration_even_if_an_update_lands_mid_iteration() -> None
         scaler.step(opt)
 
     # Iteration 0 overflows; its step and update wait behind the gate.
-    optim_stream.launch_optim_kernel(gate.wait, 30)
+    optim_thread.submit(gate.wait, 30)
     scaler.scale(w.sum() * float("inf")).backward()
-    optim_stream.launch_optim_kernel(step_fn, w.grad.clone())
+    optim_thread.submit(step_fn, w.grad.clone())
     w.grad = None
     scaler.update()
     # Iteration 1: first loss, then the optimizer catches up and publishes 2^7, then the second loss.
     first = scaler.scale(w[0] * 1.0)
     gate.set()
-    optim_stream.synchronize_optim()
+    optim_thread.synchronize()
     assert scaler.get_scale() == 2.0**8  # what scale() applies in this iteration
     assert scaler.get_scale(up_to_date=True) == 2.0**7  # the dynamic scale, for the next iteration
     second = scaler.scale(w[1] * 1.0)
     assert first.item() == second.item() == 2.0**8
     (first + second).backward()
-    optim_stream.launch_optim_kernel(step_fn, w.grad.clone())
+    optim_thread.submit(step_fn, w.grad.clone())
     scaler.update()
-    optim_stream.synchronize_optim()
+    optim_thread.synchronize()
     assert len(opt.seen) == 1 and torch.equal(opt.seen[0], torch.ones(2))
     assert scaler.scale(torch.tensor(1.0)).item() == 2.0**7
 
@@ -306,9 +307,9 @@ def test_update_inside_the_step_function_is_refused() -> None:
         scaler.step(opt)
         scaler.update()
 
-    optim_stream.launch_optim_kernel(bad_step)
-    with pytest.raises(optim_stream.OptimizerStepError, match="main thread"):
-        optim_stream.synchronize_optim()
+    optim_thread.submit(bad_step)
+    with pytest.raises(optim_thread.OptimizerStepError, match="main thread"):
+        optim_thread.synchronize()
 
 
 def test_set_factors_are_ordered_with_updates() -> None:
@@ -319,7 +320,7 @@ def test_set_factors_are_ordered_with_updates() -> None:
     scaler.set_growth_factor(3.0)
     assert scaler.get_growth_interval() == 1 and scaler.get_growth_factor() == 3.0
     scaler.scale(p.sum()).backward()
-    optim_stream.launch_optim_kernel(scaler.step, opt)
+    optim_thread.submit(scaler.step, opt)
     scaler.update()
     assert scaler.get_scale(up_to_date=True) == 24.0
     scaler.set_backoff_factor(0.25)
@@ -335,11 +336,11 @@ def test_main_thread_step_and_unscale() -> None:
     scaler.unscale_(opt)
     assert torch.equal(p.grad, torch.tensor([1.0, 2.0]))
     assert scaler.step(opt) is None
-    optim_stream.synchronize_optim()
+    optim_thread.synchronize()
     assert torch.equal(p.detach(), torch.tensor([0.5, 0.0]))
-    with pytest.raises(optim_stream.OptimizerStepError, match="already been called"):
-        optim_stream.launch_optim_kernel(scaler.step, opt)
-        optim_stream.synchronize_optim()
+    with pytest.raises(optim_thread.OptimizerStepError, match="already been called"):
+        optim_thread.submit(scaler.step, opt)
+        optim_thread.synchronize()
 
 
 def test_disabled_is_a_pass_through() -> None:

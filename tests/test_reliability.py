@@ -123,7 +123,7 @@ def test_a_device_holds_one_queued_job_while_one_runs() -> None:
     from roundpipe import device as device_mod
 
     use_devices("cpu:1")
-    dev = device_mod._ensure_devices()[0]
+    dev = device_mod.get_devices()[0]
     started = [threading.Event() for _ in range(3)]
     release = [threading.Event() for _ in range(3)]
 

@@ -59,6 +59,7 @@ def test_values_defaults_and_errors(monkeypatch: pytest.MonkeyPatch, setting: se
 
 def test_configure_wins_over_the_environment_and_is_undone(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RPP_GRAD_BUFFERS", "2")
+    monkeypatch.delenv("RPP_DISABLE_TORCH_COMPILE", raising=False)
     roundpipe.configure(grad_buffers=1, devices="cpu:2", compile=False)
     assert settings.GRAD_BUFFERS.get() == 1 and settings.DISABLE_TORCH_COMPILE.get() is True
     assert roundpipe.get_num_devices() == 2
@@ -78,7 +79,7 @@ def test_configure_rejects_unknown_names_and_bad_values() -> None:
         roundpipe.configure(devices="gpu:1")
     with pytest.raises(ValueError):
         roundpipe.configure(grad_buffers="3")
-    assert not settings._overrides
+    assert not settings.snapshot()
 
 
 def test_default_microbatch_count_is_one_function() -> None:

@@ -229,7 +229,7 @@ def test_tied_gradient_shares_are_summed_on_the_device(workers: str, plan_kind: 
     thread finds one share left to fold; where owner and sharer run in one job it still adds them.
     Gradients equal plain PyTorch, across calls (accumulation) and steps."""
     from roundpipe.attribute import ParamAttribute
-    from roundpipe.scheduler import ModelExecutePlan
+    from roundpipe.plan import ModelExecutePlan
 
     torch.manual_seed(5)
     emb, mid, head = (nn.Linear(5, 5, bias=False) for _ in range(3))
@@ -288,7 +288,7 @@ class _DetachedUse(nn.Module):
 def test_tied_share_kept_on_the_device_when_the_owner_has_no_gradient(workers: str) -> None:
     """The owner layer of a tied weight computes no gradient for it: the share kept on the device by
     the layer above becomes the whole gradient at the owner's download."""
-    from roundpipe.scheduler import ModelExecutePlan
+    from roundpipe.plan import ModelExecutePlan
 
     torch.manual_seed(6)
     head = nn.Linear(5, 5, bias=False)
@@ -498,21 +498,21 @@ def test_ranks_sharing_a_host_give_the_optimizer_a_share_of_the_cores(monkeypatc
     RPP_OPTIM_THREADS says otherwise (a count the user chose is kept)."""
     import os
 
-    from roundpipe import optim_stream
+    from roundpipe.optim import thread as optim_thread
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert optim_stream.shared_host_default() == 14  # 16 each, two left to the device and main threads
+    assert optim_thread.shared_host_default() == 14  # 16 each, two left to the device and main threads
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    assert optim_stream.shared_host_default() == 8
+    assert optim_thread.shared_host_default() == 8
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert optim_stream.shared_host_default() == 4  # a share under 6 is kept whole
+    assert optim_thread.shared_host_default() == 4  # a share under 6 is kept whole
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert optim_stream.shared_host_default() is None
+    assert optim_thread.shared_host_default() is None
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
-    assert optim_stream.shared_host_default() is None
+    assert optim_thread.shared_host_default() is None
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
-    assert optim_stream.shared_host_default() is None  # one core per rank: nothing to spread
+    assert optim_thread.shared_host_default() is None  # one core per rank: nothing to spread

@@ -84,10 +84,11 @@ def stop(failed: bool) -> None:
     within ``RPP_DIST_TIMEOUT_S``).
     """
     if failed:
-        from roundpipe import optim_stream, threads
+        from roundpipe import threads
+        from roundpipe.optim import thread as optim_thread
 
         try:
-            optim_stream.synchronize_optim()
+            optim_thread.synchronize()
         except Exception:  # noqa: BLE001 - this rank is already failing with a better error
             pass
         threads.clear_failure()

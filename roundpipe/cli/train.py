@@ -443,7 +443,7 @@ class Recipe:
                 "drop --devices (each rank then gets its share of the host's GPUs) or launch one rank per host",
             )
         try:
-            devices = backend.parse_devices(spec)
+            devices = backend.parse_devices(spec if spec is not None else settings.DEVICES.get())
         except (ValueError, RuntimeError) as exc:
             raise ConfigError(str(exc).split(";")[0], "use --devices cuda, cuda:0,1 or cpu:N") from None
         compile_ = self.cfg.compile
@@ -509,9 +509,9 @@ class Recipe:
         one copy (with every rank's RNG state); the others wait until it is complete, and a failed
         write stops every rank.
         """
-        from roundpipe import optim_stream
+        from roundpipe.optim import thread as optim_thread
 
-        optim_stream.synchronize_optim()
+        optim_thread.synchronize()
         self._flush_rows()
         cfg = self.cfg
         rngs = parallel.gather_to_main(rng_state(), f"checkpoint of step {self.step}") if self.env.distributed else None

@@ -601,7 +601,7 @@ def auto_enabled() -> bool:
     if not compile_enabled():
         return False
     try:
-        devices = backend.parse_devices()
+        devices = backend.parse_devices(settings.DEVICES.get())
     except (ValueError, RuntimeError):
         return False
     return bool(devices) and all(d.type == "cuda" for d in devices) and has_triton()

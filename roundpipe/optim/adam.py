@@ -31,7 +31,8 @@ from torch.optim.optimizer import Optimizer, ParamsT
 
 from roundpipe import settings
 
-from roundpipe.optim_builder import OptimBuildError, get_optim_function
+from roundpipe.optim.build import OptimBuildError, get_optim_function
+from roundpipe.optim.step import accept_low_precision_grad
 
 logger = logging.getLogger(__name__)
 
@@ -149,10 +150,8 @@ class Adam(Optimizer):
         """As ``torch.optim.Optimizer.add_param_group``; also marks the parameters as taking bfloat16
         gradients for fp32 parameters, so RoundPipe hands its bf16 host gradients over uncopied."""
         super().add_param_group(param_group)
-        from roundpipe.attribute import LOW_PRECISION_GRAD_OK
-
         for p in self.param_groups[-1]["params"]:
-            setattr(p, LOW_PRECISION_GRAD_OK, True)
+            accept_low_precision_grad(p)
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         """Restore pickled or older state: fill group keys missing from it, make ``step`` a tensor."""

@@ -37,7 +37,8 @@ import torch
 from torch import nn
 
 import roundpipe
-from roundpipe import AutoRoundPipe, RoundPipe, RoundPipeRunConfig, optim_stream
+from roundpipe import AutoRoundPipe, RoundPipe, RoundPipeRunConfig
+from roundpipe.optim import thread as optim_thread
 from roundpipe import distributed as rdist
 
 torch.set_num_threads(1)
@@ -169,7 +170,7 @@ class Trainer:
     # Checkpoints: fp32 masters, the model's weights as the devices compute with them (one step old in
     # async mode) and the optimizer state, so a resumed run repeats the uninterrupted one exactly.
     def save(self, path: str, step: int) -> None:
-        optim_stream.synchronize_optim()  # the step kernels are done; model weights stay one step old
+        optim_thread.synchronize()  # the step kernels are done; model weights stay one step old
         state = {
             "step": step,
             "masters": {n: m.detach().clone() for n, m in self.named},

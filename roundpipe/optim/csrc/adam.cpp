@@ -1,6 +1,6 @@
 // Host Adam/AdamW step for fp32 tensors: one pass over memory per parameter.
 //
-// Built on first use by roundpipe/optim_builder.py (plain C ABI, loaded with ctypes: no torch headers,
+// Built on first use by roundpipe/optim/build.py (plain C ABI, loaded with ctypes: no torch headers,
 // so the build takes about a second instead of the ~30 s a torch extension needs). The Python caller
 // passes raw data pointers of contiguous fp32 tensors (complex64 as their real view) and keeps the
 // tensors alive for the duration of the call.
@@ -133,7 +133,7 @@ RangeFn pick(int grad_kind, bool amsgrad, bool maximize, int wd, bool small_weig
 
 extern "C" {
 
-// Bumped whenever the signature below changes; optim_builder refuses a library of another version.
+// Bumped whenever the signature below changes; optim/build.py refuses a library of another version.
 int32_t rpp_abi_version() { return 2; }
 
 // One Adam step over n_tensors fp32 tensors of one parameter group.

@@ -1,15 +1,20 @@
-"""Execution plans (how layers are grouped into stages) and the tracker that orders stages across devices."""
+"""Execution plans: how a model's layers are grouped into stages (layer groups) for forward and backward.
+
+``ModelExecutePlan`` is the record (and what users write by hand); ``roundpipe.planner`` holds the pure
+algorithms that choose one (``auto``) and check one (``check_valid``).
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Literal, Optional
+from typing import TYPE_CHECKING, List, Optional
 
-from roundpipe.threads import AnnotatedSemaphore, note_progress
+from roundpipe import device
+from roundpipe.planner import RunType, plan_stages, validate_plan
 
 if TYPE_CHECKING:
     from roundpipe.roundpipe import RoundPipe
 
-RunType = Literal["infer", "train", "fused"]
+__all__ = ["ModelExecutePlan", "RunType"]
 
 
 class ModelExecutePlan:
@@ -64,8 +69,6 @@ class ModelExecutePlan:
 
     def check_valid(self, num_layers: int, run_type: RunType) -> None:
         """Raise ``ValueError`` naming the offending layers unless the plans cover every layer once, in order."""
-        from roundpipe.planner import validate_plan
-
         validate_plan(self.fwd_plan, self.bwd_plan, num_layers, run_type)
 
     @classmethod
@@ -93,15 +96,12 @@ class ModelExecutePlan:
         model_memory_limit: Optional[float] = None,
     ) -> List["ModelExecutePlan"]:
         """Plans for several models sharing one device memory budget."""
-        from roundpipe.device import get_min_gpu_memory, get_num_devices
-        from roundpipe.planner import plan_stages
-
         if not models:
             raise ValueError("ModelExecutePlan.auto needs at least one RoundPipe model")
         if min_stages is None:
-            min_stages = get_num_devices()
+            min_stages = device.get_num_devices()
         if model_memory_limit is None:
-            model_memory_limit = get_min_gpu_memory() * 0.6
+            model_memory_limit = device.get_min_gpu_memory() * 0.6
         total = sum(sum(m.layer_size) for m in models) or 1.0
         plans = []
         for m in models:
@@ -120,66 +120,3 @@ class ModelExecutePlan:
             )
             plans.append(cls(fwd, bwd))
         return plans
-
-
-class ModelTracker:
-    """Orders layer groups across devices within one run.
-
-    Group g of microbatch m may start only after group g-1 has issued microbatch m's output (forward),
-    or group g+1 has issued microbatch m's input gradient (backward). Each group has a counting semaphore
-    released once per finished microbatch; the next group acquires it once per microbatch, in order.
-
-    Attributes:
-        fwd_plan / bwd_plan: The plan of this run.
-        fwd_sem / bwd_sem: Per-group semaphores counting finished microbatches.
-        fused_fwd_sem: Released when the forward part of a fused job finished a microbatch.
-    """
-
-    def __init__(self, execute_plan: ModelExecutePlan) -> None:
-        self.fwd_plan = execute_plan.fwd_plan
-        self.bwd_plan = execute_plan.bwd_plan
-        self.fwd_sem = [AnnotatedSemaphore(0, name=f"fwd_group{g}") for g in range(len(self.fwd_plan))]
-        self.bwd_sem = [AnnotatedSemaphore(0, name=f"bwd_group{g}") for g in range(len(self.bwd_plan))]
-        self.fused_fwd_sem = AnnotatedSemaphore(0, name="fused_fwd")
-        self._bwd_starts = {r.start for r in self.bwd_plan}
-
-    def backward_need_input(self, layer_id: int) -> bool:
-        """Whether ``layer_id`` starts a backward group (its input is saved for recompute)."""
-        return layer_id in self._bwd_starts
-
-    def forward_wait_for(self, layer_group_id: int) -> None:
-        """Block until forward group ``layer_group_id - 1`` finished the next microbatch."""
-        if layer_group_id > 0:
-            self.fwd_sem[layer_group_id - 1].acquire()
-
-    def forward_notify(self, layer_group_id: int) -> None:
-        note_progress()
-        self.fwd_sem[layer_group_id].release()
-
-    def forward_wait_complete(self, num_microbatch: int) -> None:
-        """Block until the last forward group finished ``num_microbatch`` microbatches."""
-        if self.fwd_plan:
-            for _ in range(num_microbatch):
-                self.fwd_sem[-1].acquire()
-
-    def backward_wait_for(self, layer_group_id: int) -> None:
-        """Block until backward group ``layer_group_id + 1`` finished the next microbatch."""
-        if layer_group_id + 1 < len(self.bwd_plan):
-            self.bwd_sem[layer_group_id + 1].acquire()
-
-    def backward_notify(self, layer_group_id: int) -> None:
-        note_progress()
-        self.bwd_sem[layer_group_id].release()
-
-    def backward_wait_complete(self, num_microbatch: int) -> None:
-        """Block until backward group 0 finished ``num_microbatch`` microbatches."""
-        if self.bwd_plan:
-            for _ in range(num_microbatch):
-                self.bwd_sem[0].acquire()
-
-    def fused_forward_notify(self) -> None:
-        self.fused_fwd_sem.release()
-
-    def fused_forward_wait_complete(self, num_microbatch: int) -> None:
-        for _ in range(num_microbatch):
-            self.fused_fwd_sem.acquire()

@@ -1,81 +1,9 @@
-"""Tests for roundpipe.chunking.chunk_layer_params (greedy number partitioning of parameter copies)."""
+"""Transfer layer: sliced parameter uploads and the per-layer upload waits of a job."""
 
-import itertools
-import random
 import threading
 
 import pytest
 import torch
-
-from roundpipe.chunking import chunk_layer_params
-
-
-def pairs_of(numels, dtype=torch.float32):
-    return [(torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)) for n in numels]
-
-
-def chunk_bytes(chunks):
-    return [sum(src.numel() * src.element_size() for src, _ in chunk) for chunk in chunks]
-
-
-def ids(chunks):
-    return sorted(id(src) for chunk in chunks for src, _ in chunk)
-
-
-def test_greedy_partition_of_a_known_case():
-    # Largest first into the lightest chunk: 7->A, 5->B, 4->B, 3->A, 3->B, 2->A: A = B = 12 elements.
-    chunks = chunk_layer_params(pairs_of([3, 7, 2, 5, 4, 3]), 2)
-    assert sorted(chunk_bytes(chunks)) == [48, 48]
-
-
-@pytest.mark.parametrize("seed", range(30))
-def test_every_pair_once_and_within_4_3_of_the_best_split(seed):
-    rng = random.Random(seed)
-    numels = [rng.randint(0, 1000) for _ in range(rng.randint(1, 9))]
-    n_chunks = rng.randint(1, 4)
-    pairs = pairs_of(numels)
-    chunks = chunk_layer_params(pairs, n_chunks)
-
-    assert ids(chunks) == sorted(id(src) for src, _ in pairs)
-    assert all(dst is dict(pairs)[src] for chunk in chunks for src, dst in chunk)
-    assert len(chunks) == min(n_chunks, len(pairs)) and all(chunks)
-    best = min(
-        max(sum(numels[i] for i in range(len(numels)) if assign[i] == c) for c in range(n_chunks))
-        for assign in itertools.product(range(n_chunks), repeat=len(numels))
-    )
-    assert max(chunk_bytes(chunks)) / 4 <= 4 / 3 * best  # float32: 4 bytes per element
-
-
-def test_more_chunks_than_pairs_gives_one_pair_per_chunk():
-    pairs = pairs_of([5, 1, 3])
-    chunks = chunk_layer_params(pairs, 8)
-    assert len(chunks) == 3 and all(len(chunk) == 1 for chunk in chunks)
-    assert ids(chunks) == sorted(id(src) for src, _ in pairs)
-
-
-def test_empty_tensors_still_fill_every_chunk():
-    chunks = chunk_layer_params(pairs_of([0, 0, 0, 10]), 3)
-    assert len(chunks) == 3 and all(chunks)
-
-
-def test_cost_counts_bytes_not_elements():
-    # 4 float64 elements (32 bytes) outweigh 6 float16 elements (12 bytes) + 6 more (12 bytes).
-    pairs = pairs_of([6], torch.float16) + pairs_of([4], torch.float64) + pairs_of([6], torch.float16)
-    chunks = chunk_layer_params(pairs, 2)
-    assert sorted(chunk_bytes(chunks)) == [24, 32]
-
-
-def test_copies_keep_their_input_order_within_a_chunk():
-    pairs = pairs_of([1, 9, 2, 8, 3])
-    for chunk in chunk_layer_params(pairs, 2):
-        positions = [next(i for i, p in enumerate(pairs) if p[0] is src) for src, _ in chunk]
-        assert positions == sorted(positions)
-
-
-def test_edge_cases():
-    assert chunk_layer_params([], 4) == []
-    with pytest.raises(ValueError):
-        chunk_layer_params(pairs_of([1]), 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex64])
@@ -113,15 +41,15 @@ def test_compute_waits_for_each_layer_of_a_group_just_before_running_it(workers:
     """A job's compute stream waits for layer k's upload event right before layer k first runs (not for
     the whole group up front), once per job, in forward and in the recompute of backward."""
     from roundpipe import RoundPipe, RoundPipeRunConfig
-    from roundpipe import run as run_mod
-    from roundpipe.scheduler import ModelExecutePlan
+    from roundpipe import jobs as jobs_mod
+    from roundpipe.plan import ModelExecutePlan
 
     log: list = []
     layer_of_event: dict = {}
-    real_upload, real_wait = run_mod.upload_layers, run_mod.wait_layer
+    real_upload, real_wait = jobs_mod.upload_layers, jobs_mod.wait_layer
 
-    def upload(layers, layer_ids, attrs, device, with_grad, saved_buffers=None, ready=None):  # type: ignore[no-untyped-def]
-        out = real_upload(layers, layer_ids, attrs, device, with_grad, saved_buffers=saved_buffers, ready=ready)
+    def upload(layers, layer_ids, attrs, device, with_grad, saved_buffers=None, ready=None, seed_grads=None):  # type: ignore[no-untyped-def]
+        out = real_upload(layers, layer_ids, attrs, device, with_grad, saved_buffers=saved_buffers, ready=ready, seed_grads=seed_grads)
         if ready is not None:
             assert len(ready) == len(layer_ids)
             layer_of_event.update({id(ev): lid for ev, lid in zip(ready, layer_ids)})
@@ -132,8 +60,8 @@ def test_compute_waits_for_each_layer_of_a_group_just_before_running_it(workers:
         log.append(("wait", layer_of_event[id(ready[k])], threading.current_thread().name))
         real_wait(device, ready, k)
 
-    monkeypatch.setattr(run_mod, "upload_layers", upload)
-    monkeypatch.setattr(run_mod, "wait_layer", wait)
+    monkeypatch.setattr(jobs_mod, "upload_layers", upload)
+    monkeypatch.setattr(jobs_mod, "wait_layer", wait)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[_Logged(i, log) for i in range(7)])
     plan = ModelExecutePlan([range(0, 3), range(3, 7)], [range(0, 3), range(3, 6), range(6, 7)])
@@ -172,12 +100,12 @@ def test_a_backward_stage_without_gradients_still_waits_for_its_uploads(workers:
     seeded with: the compute stream (which the download stream follows) must have waited for every
     layer's upload first. On two workers the gradients go through the host, so the stage skips."""
     from roundpipe import RoundPipe, RoundPipeRunConfig
-    from roundpipe import run as run_mod
-    from roundpipe.scheduler import ModelExecutePlan
+    from roundpipe import jobs as jobs_mod
+    from roundpipe.plan import ModelExecutePlan
 
     waited: list = []
-    real_wait = run_mod.wait_layer
-    monkeypatch.setattr(run_mod, "wait_layer", lambda device, ready, k: (waited.append((len(ready), k)), real_wait(device, ready, k)))
+    real_wait = jobs_mod.wait_layer
+    monkeypatch.setattr(jobs_mod, "wait_layer", lambda device, ready, k: (waited.append((len(ready), k)), real_wait(device, ready, k)))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), _Detach(), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     plan = ModelExecutePlan([range(0, 2), range(2, 4), range(4, 5)], [range(0, 2), range(2, 4), range(4, 5)])

@@ -41,7 +41,7 @@ from typing import Any, Dict, Final, Iterable, List, Optional, Union
 import torch
 from torch import Tensor
 
-from roundpipe import optim_stream
+from roundpipe.optim import thread as optim_thread
 from roundpipe.threads import AnnotatedEvent
 
 __all__ = ["GradScaler"]
@@ -174,7 +174,7 @@ class GradScaler:
         """
         if not self.enabled:
             return outputs
-        if optim_stream.on_optim_stream():
+        if optim_thread.on_thread():
             raise RuntimeError(
                 "GradScaler.scale() runs on the main thread (or in a loss function on a device thread), "
                 "not inside the optimizer step function."
@@ -209,7 +209,7 @@ class GradScaler:
         if torch.equal(self.next_scale, sc.scale):
             return  # unchanged: the optimizer thread already unscales by this value
         sc.scale = self.next_scale.clone()
-        optim_stream.launch_optim_kernel(self._set_applied_scale_kernel, sc.scale)
+        optim_thread.submit(self._set_applied_scale_kernel, sc.scale)
 
     def _set_applied_scale_kernel(self, scale: Tensor) -> None:
         self.main_scaler.applied_scale = scale
@@ -224,12 +224,12 @@ class GradScaler:
         """
         if not self.enabled:
             return
-        if optim_stream.on_optim_stream():
+        if optim_thread.on_thread():
             self._unscale_kernel(optimizer)
             return
-        optim_stream.launch_optim_kernel(self._unscale_kernel, optimizer)
+        optim_thread.submit(self._unscale_kernel, optimizer)
         # The caller wants to look at the unscaled gradients next: wait for them.
-        optim_stream.synchronize_optim()
+        optim_thread.synchronize()
 
     def _unscale_kernel(self, optimizer: torch.optim.Optimizer) -> None:
         ms = self.main_scaler
@@ -255,9 +255,9 @@ class GradScaler:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        if optim_stream.on_optim_stream():
+        if optim_thread.on_thread():
             return self._step_kernel(optimizer, args, kwargs)
-        optim_stream.launch_optim_kernel(self._step_kernel, optimizer, args, kwargs)
+        optim_thread.submit(self._step_kernel, optimizer, args, kwargs)
         return None
 
     def _step_kernel(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: Dict[str, Any]) -> Optional[float]:
@@ -288,7 +288,7 @@ class GradScaler:
         """
         if not self.enabled:
             return
-        if optim_stream.on_optim_stream():
+        if optim_thread.on_thread():
             raise RuntimeError(
                 "GradScaler.update() must be called on the main thread after model.step(...), not inside the "
                 "step function: it marks the iteration boundary at which the next scale() may adopt a new scale."
@@ -301,7 +301,7 @@ class GradScaler:
                 new_scale = new_scale.detach().to("cpu", torch.float32, copy=True).reshape(())
             else:
                 new_scale = float(new_scale)
-        optim_stream.launch_optim_kernel(self.update_kernel, new_scale)
+        optim_thread.submit(self.update_kernel, new_scale)
         with self._lock:
             self.scale_scaler.boundary_pending = True
 
@@ -348,10 +348,10 @@ class GradScaler:
         """
         if not self.enabled:
             return 1.0
-        if optim_stream.on_optim_stream():
+        if optim_thread.on_thread():
             return self.main_scaler.scale.item()
         if up_to_date:
-            optim_stream.synchronize_optim()
+            optim_thread.synchronize()
             return self.main_scaler.scale.item()  # the optimizer stream is idle now
         with self._lock:
             sc = self.scale_scaler
@@ -362,10 +362,10 @@ class GradScaler:
     def _get_factor(self, name: str, up_to_date: bool) -> Any:
         if not self.enabled:
             return self._disabled_factors[name]
-        if optim_stream.on_optim_stream():
+        if optim_thread.on_thread():
             return getattr(self.main_scaler, name)
         if up_to_date:
-            optim_stream.synchronize_optim()
+            optim_thread.synchronize()
             # The optimizer stream is idle now: reading its (immutable) Python number is safe.
             return getattr(self.main_scaler, name)
         return getattr(self.scale_scaler, name)
@@ -374,13 +374,13 @@ class GradScaler:
         if not self.enabled:
             self._disabled_factors[name] = value
             return
-        if optim_stream.on_optim_stream():
+        if optim_thread.on_thread():
             setattr(self.main_scaler, name, value)
             return
         with self._lock:
             setattr(self.scale_scaler, name, value)
         # Ordered with the queued updates: updates queued before use the old value, as in torch.
-        optim_stream.launch_optim_kernel(setattr, self.main_scaler, name, value)
+        optim_thread.submit(setattr, self.main_scaler, name, value)
 
     def get_growth_factor(self, up_to_date: bool = False) -> float:
         """Return the scale growth factor (main thread: the last value set there, unless ``up_to_date``)."""
@@ -420,8 +420,8 @@ class GradScaler:
         """
         if not self.enabled:
             return {}
-        if not optim_stream.on_optim_stream():
-            optim_stream.synchronize_optim()
+        if not optim_thread.on_thread():
+            optim_thread.synchronize()
         ms = self.main_scaler  # the optimizer stream is idle (or is us)
         return {
             "scale": ms.scale.item(),
@@ -443,12 +443,12 @@ class GradScaler:
             raise RuntimeError(
                 "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
             )
-        if optim_stream.on_optim_stream():
+        if optim_thread.on_thread():
             raise RuntimeError("GradScaler.load_state_dict() must be called on the main thread.")
         scale = float(state_dict["scale"])
-        optim_stream.launch_optim_kernel(self._load_kernel, dict(state_dict))
+        optim_thread.submit(self._load_kernel, dict(state_dict))
         # Nothing may be queued behind the load while the main side is reset below: wait for it.
-        optim_stream.synchronize_optim()
+        optim_thread.synchronize()
         with self._lock:
             sc = self.scale_scaler
             sc.scale = _scalar(scale)

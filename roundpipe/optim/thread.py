@@ -1,14 +1,14 @@
-"""The optimizer stream: one host thread that runs optimizer work in submission order.
+"""The optimizer thread: one host thread that runs optimizer work in submission order.
 
-``launch_optim_kernel(fn, ...)`` queues ``fn`` and returns at once; the thread runs kernels one after
+``submit(fn, ...)`` queues ``fn`` and returns at once; the thread runs kernels one after
 another, so work queued by one ``model.step`` is ordered after the previous step's. The main thread
-waits for all queued work with ``synchronize_optim()``. A kernel that raises is recorded in the
-RoundPipe failure slot (see ``threads``), and the next ``synchronize_optim`` or RoundPipe call raises it.
+waits for all queued work with ``synchronize()``. A kernel that raises is recorded in the
+RoundPipe failure slot (see ``threads``), and the next ``synchronize`` or RoundPipe call raises it.
 
 Attributes:
     kernel_queue: Queue of optimizer kernel tasks.
-    OPTIM_STOP: Sentinel object to signal optimizer stream shutdown.
-    optim_thread: Daemon thread that executes optimizer tasks (started on first use).
+    OPTIM_STOP: Sentinel object that stops the thread.
+    _thread: Daemon thread that executes optimizer tasks (started on first use).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ KernelQueueType = "queue.Queue[Tuple[Callable, Tuple, Dict[str, Any]]]"
 
 kernel_queue: "queue.Queue[Any]" = queue.Queue()
 OPTIM_STOP = object()
-optim_thread: Optional[RoundPipeThread] = None
+_thread: Optional[RoundPipeThread] = None
 _start_lock = threading.Lock()
 
 
@@ -88,7 +88,7 @@ def rank_share(cores: int, ranks: int) -> int:
 
 def controller() -> None:
     """Optimizer stream thread function: run queued kernels in order until OPTIM_STOP."""
-    assert optim_thread is not None
+    assert _thread is not None
     try:
         _set_thread_count()
     except ValueError as exc:
@@ -100,7 +100,7 @@ def controller() -> None:
             if item is OPTIM_STOP:
                 return
             fn, args, kwargs = item
-            optim_thread.is_active = True
+            _thread.is_active = True
             try:
                 fn(*args, **kwargs)
             except BaseException as exc:  # noqa: BLE001 - surfaced in the caller's thread
@@ -108,59 +108,59 @@ def controller() -> None:
                 err.__cause__ = exc
                 report_failure(err)
             finally:
-                optim_thread.is_active = False
+                _thread.is_active = False
                 note_progress()
         finally:
             kernel_queue.task_done()
 
 
 def _ensure_started() -> None:
-    global optim_thread
+    global _thread
     with _start_lock:
-        if optim_thread is None or not optim_thread.is_alive():
-            optim_thread = RoundPipeThread(controller, name="roundpipe-optimizer")
-            optim_thread.start()
+        if _thread is None or not _thread.is_alive():
+            _thread = RoundPipeThread(controller, name="roundpipe-optimizer")
+            _thread.start()
 
 
-def launch_optim_kernel(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+def submit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
     """Queue ``fn(*args, **kwargs)`` on the optimizer stream; runs inline when already on it."""
-    if on_optim_stream():
+    if on_thread():
         fn(*args, **kwargs)
         return
     _ensure_started()
     kernel_queue.put((fn, args, kwargs))
 
 
-def on_optim_stream() -> bool:
+def on_thread() -> bool:
     """Whether the current thread is the optimizer stream."""
-    return optim_thread is not None and threading.current_thread() is optim_thread
+    return _thread is not None and threading.current_thread() is _thread
 
 
-def synchronize_optim() -> None:
+def synchronize() -> None:
     """Block until every queued optimizer kernel has run, then raise the first failure, if any."""
     from roundpipe.threads import POLL_S, current_failure
 
-    if on_optim_stream() or optim_thread is None:
+    if on_thread() or _thread is None:
         return
     # Queue.join() cannot time out, so wait on an event that a marker kernel sets; poll the failure
     # slot meanwhile so a crashed kernel never leaves the caller hanging.
     done = threading.Event()
     kernel_queue.put((done.set, (), {}))
     while not done.wait(POLL_S):
-        if current_failure() is not None or not optim_thread.is_alive():
+        if current_failure() is not None or not _thread.is_alive():
             break
     from roundpipe.threads import raise_if_failed
 
     raise_if_failed("optimizer step")
 
 
-def shutdown_optim() -> None:
+def shutdown() -> None:
     """Stop the optimizer thread after the queued work."""
-    global optim_thread
-    if optim_thread is not None and optim_thread.is_alive():
+    global _thread
+    if _thread is not None and _thread.is_alive():
         kernel_queue.put(OPTIM_STOP)
-        optim_thread.join(timeout=10)
-    optim_thread = None
+        _thread.join(timeout=10)
+    _thread = None
 
 
-atexit.register(shutdown_optim)
+atexit.register(shutdown)

@@ -1,0 +1,51 @@
+"""The interface through which the core synchronises gradients across processes.
+
+The runtime knows nothing of torch.distributed: a model's ``grad_sync`` attribute (None for local
+training) is an object with the four calls below, made at fixed points of an iteration. Data parallel
+(``roundpipe.distributed``) implements it; so could any other scheme (a parameter server, gradient
+compression). The core calls, and nothing else:
+
+* ``on_step_launch()``: main thread, at the start of ``model.step``: a step boundary.
+* ``reduce_host(params)``: optimizer thread, once per optimizer unit (a layer's trainable parameters,
+  in the order the step visits them), after the unit's gradients have landed on the host and before
+  they are copied into the optimizer's parameters. It may change ``p.grad`` in place.
+* ``agree_plan(model, run_type, plan)``: main thread, before each call of a RoundPipe model: the plan
+  to run instead of the local one (ranks reducing on the devices must run the same jobs), and it may
+  move the dispatcher (``roundpipe.dispatch.dispatcher.seek``) so every rank starts at the same device.
+* ``layer_reducer(model, layer_id)``: main thread, once per call: a callable that reduces the layer's
+  gradients on the device at the end of its backward job, or None (the host reduces them). The device
+  thread calls it as ``reduce(host_layer, device_layer, layer_id, device)`` on the download stream,
+  right after that stream waited for the compute, before the gradient download. A layer with a reducer
+  gets no gradient seed on upload: the reducer adds the accumulated host gradient itself (after
+  weighting this rank's share).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Protocol, runtime_checkable
+
+from torch import nn
+
+from roundpipe.plan import ModelExecutePlan, RunType
+
+if TYPE_CHECKING:
+    from roundpipe.device import DeviceManager
+
+LayerReducer = Callable[[nn.Module, nn.Module, int, "DeviceManager"], None]
+
+
+@runtime_checkable
+class GradSync(Protocol):
+    """Gradient synchronisation hooks of a RoundPipe model (see the module docstring)."""
+
+    def on_step_launch(self) -> None:
+        """Main thread, at the start of ``model.step``."""
+
+    def reduce_host(self, params: List[nn.Parameter]) -> None:
+        """Optimizer thread: reduce one unit's host gradients before the optimizer reads them."""
+
+    def agree_plan(self, model: Any, run_type: RunType, plan: ModelExecutePlan) -> ModelExecutePlan:
+        """Main thread, before a call of ``model``: the plan to run."""
+
+    def layer_reducer(self, model: Any, layer_id: int) -> Optional[LayerReducer]:
+        """Main thread: the device reduction of ``model``'s layer ``layer_id``, or None."""

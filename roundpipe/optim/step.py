@@ -1,0 +1,256 @@
+"""The optimizer step protocol: what ``model.step`` runs on the optimizer thread, as functions over the
+model's optimizer units (a layer's trainable parameters with the ``LayerAttribute`` whose events guard
+them; ``RoundPipeBase.optim_units()``).
+
+One step, on the optimizer thread (``roundpipe.optim.thread``):
+
+1. (asynchronous steps) publish the parameters the previous step staged into the model, layer by layer
+   in forward order, setting ``param_copied`` so the next forward's uploads of that layer may start;
+2. per unit, last layer first: wait for the unit's gradient download (``grad_downloaded``), let the
+   model's ``grad_sync`` reduce it across processes, copy it into the optimizer parameter's ``.grad``,
+   set ``grad_copied`` (the next backward's download of that layer may overwrite the host buffer);
+3. run the user's ``step_fn`` (``optimizer.step(); optimizer.zero_grad()``) on the optimizer copies;
+4. (asynchronous) stage the updated parameters in the model's dtype for the next step's publish;
+   (synchronous) copy them into the model at once.
+
+The main thread clears ``param_copied`` / ``grad_copied`` of every unit before it queues the step
+(``launch``) and the step sets each exactly once, so each event has one owner per phase: cleared by the
+main thread at launch, set by the optimizer thread when it is done with the layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from roundpipe import settings
+from roundpipe.attribute import LayerAttribute, ParamAttribute
+from roundpipe.context import OptimizerCtx
+from roundpipe.memory import pinned_empty
+from roundpipe.optim import thread as optim_thread
+from roundpipe.threads import AnnotatedEvent
+
+Units = List[Tuple[LayerAttribute, List[nn.Parameter]]]
+
+# Marks optimizer parameters whose optimizer reads a gradient of a lower precision than the parameter
+# (``roundpipe.optim.Adam`` widens bfloat16 gradients on the fly). For those the host gradient buffer
+# itself becomes the optimizer's ``.grad`` instead of a copy in the parameter's dtype. Kept on the
+# tensor (it lives as long as the parameter), written and read only through the two functions below.
+_LOW_PRECISION_MARK = "_roundpipe_reads_low_precision_grad"
+
+
+def accept_low_precision_grad(param: torch.Tensor) -> None:
+    """Declare that ``param``'s optimizer reads a bfloat16 ``.grad`` of an fp32 parameter correctly (an
+    optimizer calls this for the parameters it owns, as ``roundpipe.optim.Adam`` does)."""
+    setattr(param, _LOW_PRECISION_MARK, True)
+
+
+def reads_low_precision_grad(param: torch.Tensor) -> bool:
+    """Whether ``param``'s optimizer takes a low-precision ``.grad`` and this torch lets ``.grad`` differ
+    from the tensor's dtype (``Tensor.grad_dtype``, torch >= 2.10)."""
+    return bool(getattr(param, _LOW_PRECISION_MARK, False)) and hasattr(param, "grad_dtype")
+
+
+def launch(
+    units: Units,
+    step_fn: Callable[..., Any],
+    is_async: bool,
+    args: Tuple[Any, ...],
+    kwargs: Dict[str, Any],
+    done: AnnotatedEvent,
+    reduce_host: Optional[Callable[[List[nn.Parameter]], None]] = None,
+) -> None:
+    """Queue one step on the optimizer thread (main thread; see the module docstring).
+
+    ``done`` (the model's ``optim_updated``) is cleared now and set when the step ends, failed or not.
+    ``reduce_host`` (the model's ``grad_sync.reduce_host``) is called per unit on the optimizer thread.
+    Without ``is_async`` this returns when the step has finished.
+    """
+    # The previous step must be done with these layers before this one clears their events: its
+    # kernel sets them again (W&C).
+    for attr, _ in units:
+        attr.param_copied.wait()
+        attr.param_copied.clear()
+        attr.grad_copied.wait()
+        attr.grad_copied.clear()
+    done.clear()
+    optim_thread.submit(_step_kernel, units, step_fn, is_async, args, kwargs, done, reduce_host)
+    if not is_async:
+        optim_thread.synchronize()
+
+
+def _step_kernel(
+    units: Units,
+    step_fn: Callable[..., Any],
+    is_async: bool,
+    args: Tuple[Any, ...],
+    kwargs: Dict[str, Any],
+    done: AnnotatedEvent,
+    reduce_host: Optional[Callable[[List[nn.Parameter]], None]],
+) -> None:
+    """Optimizer-thread body of a step (the protocol in the module docstring)."""
+    try:
+        with OptimizerCtx():
+            if is_async:
+                copy_params_to_model(units, use_staged=True)
+            # Gradients in reverse layer order: the next backward starts from the last layer and
+            # its downloads wait for these copies (``grad_copied``); the next forward needs only
+            # the parameters, copied above in layer order.
+            for attr, params in reversed(units):
+                # The gradient download of this layer must have landed before we read it.
+                attr.grad_download_started.wait()
+                attr.grad_downloaded.synchronize()
+                if reduce_host is not None:
+                    reduce_host(params)
+                for p in params:
+                    copy_grad_to_optim(p)
+                attr.grad_copied.set()
+            step_fn(*args, **kwargs)
+            if is_async:
+                stage_params(units)
+            else:
+                release_grad_buffers(units)
+                copy_params_to_model(units)
+    except BaseException:
+        # Never leave the main thread waiting on a step that failed (the failure is raised there).
+        # Only on failure: on success each event was set once above, and by now the main thread
+        # may already have cleared it again for the next step.
+        for attr, _ in units:
+            attr.param_copied.set()
+            attr.grad_copied.set()
+        raise
+    finally:
+        done.set()
+
+
+def sync_params(units: Units) -> None:
+    """Copy the optimizer parameters into the model parameters now (main or optimizer thread)."""
+    if optim_thread.on_thread():
+        copy_params_to_model(units)
+        return
+    for attr, _ in units:
+        attr.param_copied.wait()
+        attr.param_copied.clear()
+    optim_thread.submit(copy_params_to_model, units)
+    optim_thread.synchronize()
+
+
+def copy_params_to_model(units: Units, use_staged: bool = False) -> None:
+    """Make the model parameters the optimizer's current version, layer by layer (``param_copied``).
+
+    With ``use_staged`` (the start of an asynchronous step) a parameter whose staging buffer holds
+    that version (``stage_params``, at the end of the previous asynchronous step) swaps buffers
+    with it: the dtype-converting copy already ran while the devices were busy, and the next
+    forward, which waits for ``param_copied`` layer by layer, does not wait for it. The others
+    (first step, after ``sync_optim_param``, staging off) are copied, which makes any staged
+    version obsolete.
+    """
+    for attr, params in units:
+        # An upload in flight still reads the model parameters: wait until it has finished. After
+        # that nothing reads the old buffer, so it may become the next staging buffer.
+        attr.param_upload_started.wait()
+        attr.param_uploaded.synchronize()
+        with torch.no_grad():
+            for p in params:
+                pa = ParamAttribute.get(p)
+                if pa.optim is None:
+                    continue
+                if use_staged and pa.staged_valid and pa.staged is not None:
+                    # The old model buffer goes to the spares: the wait above ensures no upload
+                    # reads it any more (the next gradient download takes it, see
+                    # transfer._grad_buffer).
+                    old, p.data, pa.staged = p.data, pa.staged, None
+                    pa.give_spare(old)
+                else:
+                    p.data.copy_(pa.optim.data)
+                pa.staged_valid = False
+        attr.param_copied.set()
+
+def stage_params(units: Units) -> None:
+    """End of an asynchronous step: write the updated optimizer parameters into each parameter's
+    staging buffer (model dtype, pinned like the parameter), published by the next step.
+
+    The staging buffer is the gradient buffer this step has just read and released (its
+    ``zero_grad`` ran), else a spare: the buffers rotate (``transfer._grad_buffer``), so staging
+    costs no extra host copy. Only this thread touches the staging buffers, and the model
+    parameters (read by the running iteration's uploads) are not written, so no event is needed.
+    ``RPP_STAGE_PARAMS=0`` turns staging off (the next step copies the parameters when it starts).
+    """
+    stage = settings.STAGE_PARAMS.get()
+    with torch.no_grad():
+        for _, params in units:
+            for p in params:
+                pa = ParamAttribute.get(p)
+                freed = pa.release_held()
+                if not stage or pa.optim is None:
+                    pa.staged = None  # staging turned off during a run: drop the buffer
+                    if freed is not None:
+                        pa.give_spare(freed)
+                    continue
+                if pa.staged is None or pa.staged.shape != p.shape or pa.staged.dtype != p.dtype:
+                    # Uploads read the staged buffer once published: pinned if the parameter is.
+                    pinned = p.data.is_pinned()
+                    if freed is not None and freed.shape == p.shape and freed.dtype == p.dtype and (not pinned or freed.is_pinned()):
+                        pa.staged, freed = freed, None
+                    else:
+                        pa.staged = pa.take_spare(p.shape, p.dtype, pinned)
+                        if pa.staged is None:
+                            pa.staged = pinned_empty(p.shape, p.dtype, pin=pinned)
+                if freed is not None:
+                    pa.give_spare(freed)
+                pa.trim_spare()
+                pa.staged.copy_(pa.optim.data)
+                pa.staged_valid = True
+
+def release_grad_buffers(units: Units) -> None:
+    """After a synchronous step: gradient buffers the optimizer let go of become spares."""
+    for _, params in units:
+        for p in params:
+            pa = ParamAttribute.get(p)
+            freed = pa.release_held()
+            if freed is not None:
+                pa.give_spare(freed)
+            pa.trim_spare()
+
+def copy_grad_to_optim(p: nn.Parameter) -> None:
+    """Add the model gradient into the optimizer copy's gradient and clear the model gradient (the
+    next backward starts from zero; the optimizer's .grad accumulates until ``zero_grad``).
+
+    When the optimizer reads bfloat16 gradients of fp32 parameters (``roundpipe.optim.Adam``, see
+    ``reads_low_precision_grad``), the host gradient buffer itself becomes the optimizer's
+    ``.grad``: no fp32 copy is made or kept (4 bytes per parameter, and 6 bytes of memory traffic).
+    The optimizer then reads that buffer until its ``zero_grad``; the next gradient download takes
+    a spare buffer meanwhile, and the released one becomes the staging buffer (the rotation in
+    ``transfer._grad_buffer``). A gradient copied instead gives its buffer back at once.
+    """
+    attr = ParamAttribute.get(p)
+    optim, g = attr.optim, p.grad
+    if optim is None or g is None:
+        return
+    with torch.no_grad():
+        if optim.grad is None and g.dtype is torch.bfloat16 and optim.dtype is torch.float32 and reads_low_precision_grad(optim):
+            optim.grad_dtype = None  # let .grad be bfloat16 on this fp32 parameter
+            optim.grad = g
+            if not attr.shared:
+                attr.held = g  # released after the step (stage_params, release_grad_buffers)
+            g = None
+        elif optim.grad is None:
+            buf = attr.optim_grad_buffer
+            if buf is None or buf.shape != optim.shape or buf.dtype != optim.dtype:
+                buf = attr.optim_grad_buffer = torch.empty_like(optim)
+            buf.copy_(g)
+            optim.grad = buf
+        else:
+            if optim.grad.dtype != optim.dtype:
+                # A handed-over gradient not yet cleared by zero_grad: accumulate in a copy of the
+                # optimizer's dtype, which also gives the buffer back to the downloads.
+                optim.grad = optim.grad.to(optim.dtype)
+                freed = attr.release_held()
+                if freed is not None:
+                    attr.give_spare(freed)
+            optim.grad.add_(g.to(optim.dtype))
+    p.grad = None
+    if g is not None and not attr.shared:
+        attr.give_spare(g)  # copied: the download buffer is free for the next role

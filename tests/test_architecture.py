@@ -1,0 +1,150 @@
+"""The package's shape, checked from the source so it stays that way: no import cycle between roundpipe's
+modules, no module importing a private name of another, no file over the size limit."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Dict, List, Set, Tuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "roundpipe"
+MAX_LINES = 600
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES: Dict[str, Path] = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _resolve(current: str, is_package: bool, level: int, target: str) -> str:
+    """The absolute name of ``from <level dots><target> import ...`` inside module ``current``."""
+    if level == 0:
+        return target
+    base = current.split(".") if is_package else current.split(".")[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([target] if target else []))
+
+
+def _type_checking_block(node: ast.AST) -> bool:
+    """``if TYPE_CHECKING:`` (annotations only: never imported at run time)."""
+    return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING" or (
+        isinstance(node, ast.If) and isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING"
+    )
+
+
+def imports_of(name: str) -> List[Tuple[str, List[str]]]:
+    """(imported roundpipe module, names imported from it) for every run-time import in ``name``,
+    function-level imports included (they are real dependencies, only deferred)."""
+    path = MODULES[name]
+    tree = ast.parse(path.read_text(), str(path))
+    is_package = path.name == "__init__.py"
+    out: List[Tuple[str, List[str]]] = []
+
+    def visit(node: ast.AST) -> None:
+        if _type_checking_block(node):
+            return
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "roundpipe":
+                    out.append((alias.name, []))
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(name, is_package, node.level, node.module or "")
+            if target.split(".")[0] == "roundpipe":
+                names = [a.name for a in node.names]
+                # ``from roundpipe import device`` imports a submodule, not a name.
+                subs = [f"{target}.{n}" for n in names if f"{target}.{n}" in MODULES]
+                out.extend((s, []) for s in subs)
+                rest = [n for n in names if f"{target}.{n}" not in MODULES]
+                if rest:
+                    out.append((target, rest))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return out
+
+
+def graph() -> Dict[str, Set[str]]:
+    """Module -> the roundpipe modules it imports. Importing ``a.b`` runs ``a/__init__`` too, but that
+    is the package's own business: an edge goes to the module named, not to its parents."""
+    edges: Dict[str, Set[str]] = {}
+    for name in MODULES:
+        deps = set()
+        for target, _ in imports_of(name):
+            while target not in MODULES and "." in target:
+                target = target.rsplit(".", 1)[0]
+            if target != name and target in MODULES:
+                deps.add(target)
+        edges[name] = deps
+    return edges
+
+
+def find_cycle(edges: Dict[str, Set[str]]) -> List[str]:
+    """One cycle of the graph as a list of modules (empty when there is none)."""
+    state: Dict[str, int] = {}
+    stack: List[str] = []
+
+    def dfs(node: str) -> List[str]:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = dfs(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return []
+
+    for node in sorted(edges):
+        if node not in state:
+            found = dfs(node)
+            if found:
+                return found
+    return []
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+
+
+def test_no_import_cycle() -> None:
+    # A package's __init__ may re-export its own submodules (``roundpipe.optim`` exports Adam): those
+    # edges point down, so they cannot close a cycle unless a submodule imports its package back.
+    cycle = find_cycle(graph())
+    assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_module_imports_a_private_name_of_another() -> None:
+    offenders = []
+    for name in MODULES:
+        for target, names in imports_of(name):
+            if target == name:
+                continue
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if private:
+                offenders.append(f"{name} imports {private} from {target}")
+    assert not offenders
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_files_stay_under_the_size_limit(name: str) -> None:
+    lines = len(MODULES[name].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{MODULES[name].relative_to(ROOT)} has {lines} lines (limit {MAX_LINES}); split it along its joints"
+
+
+def test_the_device_layer_knows_nothing_of_runs() -> None:
+    """Dispatch goes run -> device, never back: the worker runs callables."""
+    deps = graph()["roundpipe.device"]
+    assert not deps & {"roundpipe.run", "roundpipe.jobs", "roundpipe.pipeline", "roundpipe.roundpipe", "roundpipe.plan"}
