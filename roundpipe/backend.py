@@ -148,10 +148,35 @@ def compute_guard(device: torch.device) -> ContextManager[Any]:
     return cpu_compute_lock
 
 
+def gpu_memory_cap_bytes() -> Optional[int]:
+    """The per-GPU memory cap (``RPP_GPU_MEMORY``), or None for the whole GPU."""
+    from roundpipe import settings
+
+    gib = settings.GPU_MEMORY_GIB.get()
+    return None if gib is None else int(gib * 2**30)
+
+
+def apply_memory_cap(device: torch.device) -> None:
+    """Limit this process's caching allocator on ``device`` to ``RPP_GPU_MEMORY`` (a no-op without a cap
+    or on CPU workers), so a run on a large GPU behaves as on a smaller card: allocations beyond the cap
+    raise ``torch.OutOfMemoryError`` as they would there."""
+    cap = gpu_memory_cap_bytes()
+    if cap is None or not is_cuda(device):
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    if cap > total:
+        raise ValueError(f"RPP_GPU_MEMORY={cap / 2**30:.1f} GiB is more than {device}'s {total / 2**30:.1f} GiB; lower it or unset it")
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+
+
 def free_memory_bytes(device: torch.device) -> int:
-    """Free memory on ``device`` in bytes (host available memory for CPU workers)."""
+    """Free memory on ``device`` in bytes (host available memory for CPU workers); under a GPU memory
+    cap, what this process may still allocate: the cap less what its allocator holds."""
     if is_cuda(device):
         free, _ = torch.cuda.mem_get_info(device)
+        cap = gpu_memory_cap_bytes()
+        if cap is not None:
+            free = min(free, max(0, cap - torch.cuda.memory_reserved(device)))
         return int(free)
     try:
         import psutil

@@ -96,6 +96,7 @@ class DeviceManager:
     def __init__(self, id: int, device: torch.device) -> None:  # noqa: A002 - spec name
         self.id = id
         self.device = device
+        backend.apply_memory_cap(device)
         self.name = f"{device.type}:{device.index}" if backend.is_cuda(device) else f"cpu-worker{id}"
         # Lower number = higher priority on CUDA: activation uploads are on the critical path and must
         # not queue behind a parameter prefetch.

@@ -23,7 +23,7 @@ from roundpipe.run import Run
 from roundpipe.run_config import ResolvedRunConfig, RoundPipeRunConfig
 from roundpipe.threads import AnnotatedEvent, raise_if_failed
 from roundpipe.timer import ModelTimer
-from roundpipe.transfer import fold_shared_grads
+from roundpipe.transfer import fold_shared_grads, preallocate_host_buffers
 from roundpipe.utils import get_call_location, get_model_active_size, get_model_compute_size, get_model_size
 
 _OWN_ATTRS = ("model", "original_model", "_rpp_initialized", "grad_sync")
@@ -231,6 +231,7 @@ class RoundPipe(RoundPipeBase):
         self.model_run_config = model_run_config
         settings.GRAD_BUFFERS.get()  # a bad RPP_GRAD_BUFFERS fails here, naming the variable
         settings.DEVICE_SAVED_GB.get()  # likewise RPP_DEVICE_SAVED_GB
+        settings.STAGE_PARAMS.get()  # and RPP_STAGE_PARAMS
         layers = list(model.children()) if isinstance(model, nn.Sequential) else [model]
         if not layers:
             raise ValueError("RoundPipe needs at least one layer; the nn.Sequential is empty")
@@ -309,6 +310,7 @@ class RoundPipe(RoundPipeBase):
         if cfg.requires_grad and not torch.is_grad_enabled():
             raise RuntimeError("RoundPipeRunConfig(requires_grad=True) but gradients are disabled (torch.no_grad); enable grad or drop requires_grad")
         self._check_optimizer_idle()
+        self._prepare_host_buffers()
         batch = Batch(args, kwargs, cfg)
         train = cfg.requires_grad and self._needs_graph(batch)
         run_type: RunType = "train" if train else "infer"
@@ -347,6 +349,7 @@ class RoundPipe(RoundPipeBase):
             input_args = (input_args,)
         cfg = ResolvedRunConfig(run_config, self.model_run_config)
         self._check_optimizer_idle()
+        self._prepare_host_buffers()
         batch = Batch(input_args, dict(input_kwargs), cfg, label)
         run = Run(self, cfg, batch, "fused", self.resolve_plan(cfg, "fused"), loss_fn, return_outputs)
         guarded(run, f"model {self.name!r} forward_backward", lambda: dispatch_fused(run))
@@ -366,6 +369,16 @@ class RoundPipe(RoundPipeBase):
         if return_outputs:
             return loss, batch.dump(cfg, outputs=run.outputs)
         return loss
+
+    def _prepare_host_buffers(self) -> None:
+        """At the first call after the optimizer copies exist, start allocating the host buffers the
+        first steps need (``transfer.preallocate_host_buffers``), in the background."""
+        if self.__dict__.get("_host_buffers_started") or not torch.is_grad_enabled():
+            return
+        params = [p for _, ps in self.optim_units() for p in ps if ParamAttribute.get(p).optim is not None]
+        if params:
+            self.__dict__["_host_buffers_started"] = True
+            self.__dict__["host_buffers_thread"] = preallocate_host_buffers(params, self.name)
 
     def _check_optimizer_idle(self) -> None:
         """Raise a worker failure from an earlier asynchronous step before starting a new run."""

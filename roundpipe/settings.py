@@ -152,6 +152,9 @@ def _register(setting: Setting[T]) -> Setting[T]:
 DEVICES: Setting[str] = _register(Setting(
     "RPP_DEVICES", _device_spec, "", "all GPUs, else `cpu:1`", "`cuda`, `cuda:0,2`, `cpu:N`",
     "The devices RoundPipe runs on: GPUs, or N CPU workers."))
+GPU_MEMORY_GIB: Setting[Optional[float]] = _register(Setting(
+    "RPP_GPU_MEMORY", _size_gib, None, "the whole GPU", "a size such as `24GiB`, `24GB`, `20000MiB`",
+    "Cap each GPU this process uses to this much memory (a per-process limit); the planner plans to it."))
 DEVICE_SAVED_GB: Setting[float] = _register(Setting(
     "RPP_DEVICE_SAVED_GB", _number(0.0), 0.0, "0", "a number of GiB >= 0",
     "Backward-stage inputs a call may keep on its (single) device instead of the host."))

@@ -21,6 +21,7 @@ Attributes:
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
@@ -483,6 +484,37 @@ def _grad_buffer(p: torch.Tensor, attr: ParamAttribute, layer_id: int, dev_grad:
     if buf is None:
         buf = pinned_empty(dev_grad.shape, dev_grad.dtype)  # exact size: it lives as long as the model
     return buf
+
+
+def preallocate_host_buffers(params: Sequence[nn.Parameter], name: str) -> threading.Thread:
+    """Allocate, in a background thread, the host buffers the first iterations would otherwise allocate
+    on their critical path: per trainable unshared parameter, the spares that the first gradient
+    download and the first staging take (``_grad_buffer``'s rotation needs two besides the model
+    buffer with staging on, one without), pinned and faulted in. Started by a model's first training
+    call, it runs while the devices compute the first forward, so the first iterations after warm-up
+    run at the steady pace. A buffer the download needs before the thread reaches its parameter is
+    allocated there as before (the extra spare is trimmed after the step); a failure to pin is left to
+    that path, which reports it with advice."""
+    want = 2 if settings.STAGE_PARAMS.get() else settings.GRAD_BUFFERS.get() - 1
+
+    def run() -> None:
+        for p in params:
+            attr = ParamAttribute.get(p)
+            if attr.shared or not p.requires_grad:
+                continue
+            have = sum(1 for b, _ in attr.spare if b.shape == p.shape and b.dtype == p.dtype)
+            for _ in range(max(0, want - have)):
+                try:
+                    buf = pinned_empty(p.shape, p.dtype)
+                except RuntimeError:
+                    return
+                if not buf.is_pinned():
+                    buf.zero_()  # fault the pages in now (pinning does that for pinned ones)
+                attr.give_spare(buf)
+
+    thread = threading.Thread(target=run, name=f"roundpipe-host-buffers-{name}", daemon=True)
+    thread.start()
+    return thread
 
 
 def _shared_grad_buffer(attr: ParamAttribute, layer_id: int, dev_grad: torch.Tensor) -> torch.Tensor:

@@ -138,14 +138,10 @@ def test_staged_parameters_equal_copying_at_the_next_step(workers: str, monkeypa
 
 @pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
 def test_stage_params_env_is_checked(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad value fails when the model is built, naming the variable (not at some later step)."""
     monkeypatch.setenv("RPP_STAGE_PARAMS", "maybe")
-    rp = RoundPipe(make_model())
-    opt = torch.optim.SGD(rp.optim_parameters(), lr=0.1)
-    x, y = batches(1)[0]
-    rp.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
-    rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
-    with pytest.raises(Exception, match="RPP_STAGE_PARAMS"):
-        rp.synchronize()
+    with pytest.raises(ValueError, match="RPP_STAGE_PARAMS='maybe': expected"):
+        RoundPipe(make_model())
 
 
 def make_sync_result(n_iter: int) -> nn.Module:
@@ -516,3 +512,37 @@ def test_ranks_sharing_a_host_give_the_optimizer_a_share_of_the_cores(monkeypatc
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
     assert optim_thread.shared_host_default() is None  # one core per rank: nothing to spread
+
+
+@pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
+@pytest.mark.parametrize("stage", ["1", "0"])
+def test_host_buffers_exist_before_the_second_iteration(workers: str, stage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The buffers the first steps rotate through are allocated in the background from the first
+    training call on: once that is done, no later iteration or step allocates a host buffer (the first
+    iterations after warm-up run at the steady pace), and training is unchanged."""
+    from roundpipe import transfer
+    from roundpipe.optim import Adam
+    from roundpipe.optim import step as optim_step
+
+    monkeypatch.setenv("RPP_STAGE_PARAMS", stage)
+    allocations: list = []
+    for mod in (transfer, optim_step):
+        real = mod.pinned_empty
+        monkeypatch.setattr(mod, "pinned_empty", lambda *a, real=real, **k: (allocations.append(a[0]), real(*a, **k))[1])
+    model = make_model().to(torch.bfloat16)
+    rp = RoundPipe(model, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    opt = Adam(rp.optim_parameters(), lr=1e-2)
+    data = batches(5)
+
+    def train(x: torch.Tensor, y: torch.Tensor) -> None:
+        rp.forward_backward(input_args=(x.bfloat16(),), label=y, loss_fn=lambda o, t: ((o.float() - t) ** 2).mean())
+        rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
+
+    train(*data[0])
+    rp.__dict__["host_buffers_thread"].join()
+    rp.synchronize()
+    allocations.clear()
+    for x, y in data[1:]:
+        train(x, y)
+    rp.synchronize()
+    assert allocations == []
