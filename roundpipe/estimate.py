@@ -1,0 +1,289 @@
+"""Memory estimate of a training run before it starts: peak GPU and host bytes of a decoder-only causal
+LM under RoundPipe, the bytes each token costs, and the longest context a machine fits.
+
+The model of memory follows what the runtime keeps (see docs/resolve-oom.md):
+
+* Host. Model weights (pinned, in the model dtype); per trainable parameter the optimizer's copies
+  (fp32 master and Adam m, v: 12 bytes) and the host gradient buffers the asynchronous step rotates
+  through (two more model-dtype buffers besides the weights); and the activation checkpoints: the input
+  of every backward stage is kept on the host from the forward to the backward, ``tokens x hidden``
+  values plus the rotary tables handed along with them.
+* GPU, the largest of: a backward stage (its layers' weights and the next stage's prefetched ones,
+  gradients of the trainable ones, the tensors the recompute keeps for backward: with sequence tiling a
+  decoder layer keeps its input, q, k, v and the attention output at full length, the rest one tile at
+  a time; and the backward's own transients: the output gradient, the attention backward's gradients
+  and fp32 accumulator, the input gradient); and the head (final norm and the chunked loss).
+
+Sizes are counted exactly from the shapes; two constants cover what shapes do not tell (the CUDA
+context and allocator slack on the GPU, the interpreter and libraries on the host); they are fitted to
+measured peaks (docs/benchmarks.md, "Long context") and ``bench/long_context.py`` prints estimate and
+measurement side by side.
+
+    from roundpipe import estimate
+    e = estimate.estimate(estimate.ModelShape.builtin("qwen3-8b"), seq_len=262144, lora_rank=16)
+    print(e.describe())
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+GiB = float(1 << 30)
+
+# What shapes do not tell, fitted to measured peaks (see the module docstring).
+GPU_OVERHEAD_BYTES = int(1.0 * GiB)  # CUDA context, cuBLAS workspaces, allocator rounding
+HOST_OVERHEAD_BYTES = int(3.0 * GiB)  # the interpreter, torch, transformers, CUDA host state
+
+# Tokens per chunk of the chunked loss head (roundpipe.models.loss): fp32 logits of one chunk and their
+# gradient are the head's transient.
+LOSS_CHUNK_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions that decide memory (a Hugging Face config's names in brackets)."""
+
+    hidden: int
+    """Model width (``hidden_size``)."""
+    intermediate: int
+    """MLP width (``intermediate_size``)."""
+    layers: int
+    """Decoder layers (``num_hidden_layers``)."""
+    heads: int
+    """Query heads (``num_attention_heads``)."""
+    kv_heads: int
+    """Key / value heads (``num_key_value_heads``)."""
+    head_dim: int
+    """Width of one head (``head_dim``, else hidden / heads)."""
+    vocab: int
+    """Vocabulary size (``vocab_size``)."""
+    tied: bool = False
+    """Whether the output head shares the embedding's weights (``tie_word_embeddings``)."""
+
+    BUILTIN = {
+        # name: hidden, intermediate, layers, heads, kv heads, tied (head_dim 128, vocab 151936)
+        "qwen3-0.6b": (1024, 3072, 28, 16, 8, True),
+        "qwen3-1.7b": (2048, 6144, 28, 16, 8, True),
+        "qwen3-4b": (2560, 9728, 36, 32, 8, True),
+        "qwen3-8b": (4096, 12288, 36, 32, 8, False),
+        "qwen3-14b": (5120, 17408, 40, 40, 8, False),
+        "qwen3-32b": (5120, 25600, 64, 64, 8, False),
+    }
+
+    @classmethod
+    def builtin(cls, name: str) -> "ModelShape":
+        """One of the Qwen3 shapes of ``bench/WORKLOADS.md`` (and qwen3-32b)."""
+        if name not in cls.BUILTIN:
+            raise ValueError(f"unknown model shape {name!r}; built in: {sorted(cls.BUILTIN)} (or give a model directory)")
+        hidden, inter, layers, heads, kv, tied = cls.BUILTIN[name]
+        return cls(hidden, inter, layers, heads, kv, 128, 151936, tied)
+
+    @classmethod
+    def from_config(cls, config: Any) -> "ModelShape":
+        """From a Hugging Face config of a decoder-only causal LM."""
+        heads = int(config.num_attention_heads)
+        hidden = int(config.hidden_size)
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        return cls(
+            hidden=hidden,
+            intermediate=int(config.intermediate_size),
+            layers=int(config.num_hidden_layers),
+            heads=heads,
+            kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+            head_dim=int(head_dim),
+            vocab=int(config.vocab_size),
+            tied=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer (attention, MLP, norms incl. q/k norms)."""
+        attn = self.hidden * self.q_dim + 2 * self.hidden * self.kv_dim + self.q_dim * self.hidden
+        return attn + 3 * self.hidden * self.intermediate + 2 * self.hidden + 2 * self.head_dim
+
+    def lora_params(self, rank: int) -> int:
+        """LoRA parameters of one decoder layer with adapters on all seven projections."""
+        shapes = [(self.hidden, self.q_dim), (self.hidden, self.kv_dim), (self.hidden, self.kv_dim), (self.q_dim, self.hidden),
+                  (self.hidden, self.intermediate), (self.hidden, self.intermediate), (self.intermediate, self.hidden)]
+        return sum(rank * (a + b) for a, b in shapes)
+
+    def params(self) -> int:
+        """All parameters (embedding, layers, final norm, output head unless tied)."""
+        embed = self.vocab * self.hidden
+        return embed * (1 if self.tied else 2) + self.layers * self.layer_params() + self.hidden
+
+
+@dataclass
+class Estimate:
+    """Peak memory of one training step and what it is made of (bytes)."""
+
+    seq_len: int
+    batch_size: int
+    microbatches: int
+    lora_rank: int
+    layers_per_stage: int
+    gpu_parts: Dict[str, float] = field(default_factory=dict)
+    host_parts: Dict[str, float] = field(default_factory=dict)
+    gpu_bytes_per_token: float = 0.0
+    host_bytes_per_token: float = 0.0
+
+    @property
+    def peak_gpu_bytes(self) -> float:
+        return sum(self.gpu_parts.values())
+
+    @property
+    def peak_host_bytes(self) -> float:
+        return sum(self.host_parts.values())
+
+    def describe(self) -> str:
+        """A few lines for people: the peaks, their parts, the cost per token."""
+        def parts(d: Dict[str, float]) -> str:
+            return ", ".join(f"{k} {v / GiB:.1f}" for k, v in d.items() if v >= 0.05 * GiB)
+
+        mode = f"LoRA r={self.lora_rank}" if self.lora_rank else "full fine-tune"
+        return "\n".join([
+            f"{mode}, {self.batch_size} x {self.seq_len:,} tokens, {self.microbatches} microbatch(es), "
+            f"{self.layers_per_stage} decoder layer(s) per backward stage",
+            f"peak GPU  {self.peak_gpu_bytes / GiB:6.1f} GiB  ({parts(self.gpu_parts)}); {self.gpu_bytes_per_token / 1024:.1f} KiB per token",
+            f"peak host {self.peak_host_bytes / GiB:6.1f} GiB  ({parts(self.host_parts)}); {self.host_bytes_per_token / 1024:.1f} KiB per token",
+        ])
+
+
+def estimate(
+    shape: ModelShape,
+    seq_len: int,
+    batch_size: int = 1,
+    lora_rank: int = 0,
+    microbatches: int = 1,
+    dtype_bytes: int = 2,
+    tile: Optional[int] = None,
+    layers_per_stage: int = 1,
+    recompute_grain: str = "stage",
+    optimizer_bytes_per_param: int = 12,
+    grad_buffers: int = 2,
+) -> Estimate:
+    """The peak GPU and host memory of one training step (see the module docstring).
+
+    Args:
+        shape: The model's dimensions.
+        seq_len / batch_size: Tokens of one step (``batch_size`` rows of ``seq_len``).
+        lora_rank: LoRA rank on all decoder projections (0: full fine-tune).
+        microbatches: Microbatches per step (rows are split between them).
+        dtype_bytes: Bytes of the model dtype (2 for bf16).
+        tile: Sequence tile of the decoder layers (``RPP_SEQ_TILE``; None: the setting).
+        layers_per_stage: Decoder layers per backward stage: more layers keep fewer checkpoints on the
+            host and more activations on the GPU.
+        recompute_grain: 'stage' keeps the recompute graph of the whole stage; 'layer' only the
+            inputs of its layers and one layer's graph.
+        optimizer_bytes_per_param: Optimizer state and master bytes per trainable parameter (12: fp32
+            master + Adam m, v).
+        grad_buffers: Host buffers per trainable parameter besides the weights (gradient download and
+            staging; 2 with the asynchronous step's rotation).
+    """
+    if seq_len < 1 or batch_size < 1 or microbatches < 1 or layers_per_stage < 1:
+        raise ValueError("seq_len, batch_size, microbatches and layers_per_stage must be positive")
+    if recompute_grain not in ("stage", "layer"):
+        raise ValueError(f"recompute_grain={recompute_grain!r}: expected 'stage' or 'layer'")
+    if tile is None:
+        from roundpipe import settings
+
+        tile = settings.SEQ_TILE.get() if hasattr(settings, "SEQ_TILE") else 0
+    b = dtype_bytes
+    rows = math.ceil(batch_size / microbatches)
+    t = rows * seq_len  # tokens of one microbatch: what one job holds at once
+    total_tokens = batch_size * seq_len
+    h, q, kv, inter = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate
+    tiled = bool(tile) and seq_len > tile
+    work = min(t, rows * tile) if tiled else t  # tokens of the position-wise working set
+
+    # ---- GPU ---------------------------------------------------------------------------------------
+    layer_w = shape.layer_params() * b
+    trainable_layer = shape.lora_params(lora_rank) if lora_rank else shape.layer_params()
+    g = layers_per_stage
+    weights = 2 * g * layer_w  # the stage and the prefetched next one
+    grads = g * trainable_layer * b
+    rotary = t * shape.head_dim * 2 * b  # cos and sin, handed along with the hidden states
+    # What the recompute keeps per layer for its backward: input, q, k, v, attention output (+ fp32 lse).
+    kept = t * (h + 2 * q + 2 * kv) * b + t * shape.heads * 4
+    if not tiled:  # untiled: the norms, projections and the MLP's three seq x intermediate tensors too
+        kept += t * (3 * h + 3 * inter) * b
+    graph = (g if recompute_grain == "stage" else 1) * kept + (g - 1 if recompute_grain == "layer" else 0) * t * h * b
+    # Backward transients of one layer: output and input gradients, dq/dk/dv, the attention output's
+    # gradient and the attention backward's fp32 dq accumulator.
+    transient = t * (2 * h + 2 * q + 2 * kv) * b + t * q * 4
+    # One tile of the position-wise parts under recompute and backward (gate, up, activation and their
+    # gradients; the norms and projections of the tile).
+    tile_ws = work * (4 * inter + 6 * h) * b
+    head_ws = t * 2 * h * b + 2 * min(t, LOSS_CHUNK_TOKENS) * shape.vocab * 4
+    head_w = shape.vocab * h * b * (2 if not shape.tied and not lora_rank else 1)
+    stage_peak = weights + grads + graph + transient + tile_ws + rotary + t * h * b
+    head_peak = head_w + layer_w + head_ws + rotary + transient
+    gpu = {
+        "weights": weights + grads if stage_peak >= head_peak else head_w + layer_w,
+        "activations": (graph + transient + tile_ws + rotary + t * h * b) if stage_peak >= head_peak else head_ws + rotary + transient,
+        "runtime": float(GPU_OVERHEAD_BYTES),
+    }
+
+    # ---- host --------------------------------------------------------------------------------------
+    n = shape.params()
+    trainable = shape.layers * shape.lora_params(lora_rank) if lora_rank else n
+    boundaries = max(1, math.ceil(shape.layers / g))  # backward stages whose input waits on the host
+    checkpoints = boundaries * total_tokens * (h * b + shape.head_dim * 2 * b)
+    host = {
+        "weights": float(n * b),
+        "optimizer": float(trainable * (optimizer_bytes_per_param + grad_buffers * b)),
+        "checkpoints": float(checkpoints),
+        "runtime": float(HOST_OVERHEAD_BYTES),
+    }
+    per_token_gpu = (gpu["activations"]) / t
+    per_token_host = checkpoints / total_tokens
+    return Estimate(seq_len, batch_size, microbatches, lora_rank, layers_per_stage, gpu, host, per_token_gpu, per_token_host)
+
+
+def longest_context(
+    shape: ModelShape,
+    gpu_bytes: float,
+    host_bytes: float,
+    batch_size: int = 1,
+    lora_rank: int = 0,
+    max_layers_per_stage: int = 4,
+    **kwargs: Any,
+) -> Tuple[int, Optional[Estimate]]:
+    """The longest sequence (a multiple of 1024) whose step fits ``gpu_bytes`` per GPU and ``host_bytes``,
+    over backward stages of 1 to ``max_layers_per_stage`` decoder layers; with the estimate that fits."""
+    best: Tuple[int, Optional[Estimate]] = (0, None)
+    for g in range(1, max_layers_per_stage + 1):
+        def fits(seq: int) -> Optional[Estimate]:
+            e = estimate(shape, seq, batch_size, lora_rank, layers_per_stage=g, **kwargs)
+            return e if e.peak_gpu_bytes <= gpu_bytes and e.peak_host_bytes <= host_bytes else None
+
+        lo, hi = 0, 1 << 10
+        while fits(hi * 1024) is not None and hi < (1 << 14):
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid * 1024) is not None:
+                lo = mid
+            else:
+                hi = mid
+        if lo * 1024 > best[0]:
+            best = (lo * 1024, fits(lo * 1024))
+    return best
+
+
+def describe_fit(shape: ModelShape, gpu_bytes: float, host_bytes: float, **kwargs: Any) -> List[str]:
+    """Lines saying the longest context that fits these budgets and how (for ``roundpipe plan``)."""
+    seq, e = longest_context(shape, gpu_bytes, host_bytes, **kwargs)
+    if e is None:
+        return [f"no sequence of 1,024 tokens or more fits {gpu_bytes / GiB:.1f} GiB per GPU and {host_bytes / GiB:.1f} GiB of host memory"]
+    return [f"longest context that fits {gpu_bytes / GiB:.1f} GiB per GPU and {host_bytes / GiB:.1f} GiB of host memory: "
+            f"{seq:,} tokens ({e.layers_per_stage} decoder layer(s) per backward stage)"]
