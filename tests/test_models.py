@@ -10,9 +10,10 @@ Everything is fp32 with tiny random models; rel. error is ||a - b|| / ||b|| per 
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, Iterator, List
 
 os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
@@ -24,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from helpers import rel_err
 from roundpipe.models.loss import count_loss_tokens
 from roundpipe import models, settings
+from roundpipe.models import families
 from roundpipe.context import ForwardCtx, RecomputeCtx
 from roundpipe.models.preset import CausalLMPreset, CausalLMPrefix
 from roundpipe.run_config import RoundPipeRunConfig
@@ -371,9 +373,10 @@ def _shrunk_config(model_type: str) -> Any:
     return config
 
 
-@pytest.mark.parametrize("model_type", models.generic.VERIFIED_MODEL_TYPES)
-def test_generic_preset_verified_families(model_type: str) -> None:
-    """Every family the generic preset claims: whole-batch loss and gradients over 2 microbatches."""
+@pytest.mark.parametrize("model_type", families.verified_model_types())
+def test_verified_families(model_type: str) -> None:
+    """Every model type the family table calls verified: whole-batch loss and gradients over 2
+    microbatches, from the type's default config shrunk."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if model_type not in CONFIG_MAPPING:
@@ -486,3 +489,283 @@ def test_roundpipe_recompute_reuses_prefix_masks(workers: str, monkeypatch: pyte
     rp = models.wrap_model(tiny_model("qwen3"), model_run_config=RUN3)
     rp(**make_batch(padding=True)).loss.backward()
     assert len(calls) == 3
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The family table, SUPPORTED_MODELS and third-party presets
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_supported_models_is_the_table() -> None:
+    """SUPPORTED_MODELS lists the verified types of the table, each mapped to the built-in preset; every
+    model type is in one record only; the fused-kernel classes are the ones the table names."""
+    from roundpipe.models import kernels
+
+    assert models.SUPPORTED_MODELS == {t: models.BUILTIN for t in families.verified_model_types()}
+    assert {"qwen3", "llama", "qwen3_moe", "gpt_oss", "mistral", "cohere"} <= set(models.SUPPORTED_MODELS)
+    assert not {"nanochat", "granitemoe", "hyperclovax"} & set(models.SUPPORTED_MODELS)
+    listed = [t for f in families.FAMILIES for t in f.model_types]
+    assert len(listed) == len(set(listed)) == len(families.BY_MODEL_TYPE)
+    with pytest.raises(ValueError, match="'qwen3' is in families 'qwen3' and 'again'"):
+        families._index((*families.FAMILIES, families.ModelFamily("again", ("qwen3",))))
+    named = {
+        getattr(importlib.import_module(f.fused_kernels.module), cls)
+        for f in families.FAMILIES if f.fused_kernels is not None
+        for cls in (f.fused_kernels.decoder_layer, f.fused_kernels.attention, f.fused_kernels.mlp, f.fused_kernels.norm)
+    }
+    assert set(kernels.fused_base_classes()) == named and len(named) == 8  # Qwen3 and Llama
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_specs(family: str) -> None:
+    """What the records say reaches the spec: fused kernels (Qwen3, Llama), mask quirk (GPT-OSS), MoE."""
+    spec = models.build_preset(tiny_model(family)).spec
+    assert spec.fused_kernels == (family in ("qwen3", "llama"))
+    assert spec.mask_uses_position_ids == (family != "gpt_oss")
+    assert (spec.moe is not None) == (family in ("qwen3_moe", "gpt_oss"))
+
+
+def test_moe_family_without_router_recorder_is_refused() -> None:
+    with pytest.raises(NotImplementedError, match="LlamaForCausalLM: router logits recorder not found"):
+        models.family_spec(tiny_model("llama"), families.family_of("qwen3_moe"))
+
+
+def test_unverified_table_entries_get_overrides_with_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """Granite-MoE: not verified (warning), but Granite's multipliers from its record."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "granitemoe" not in CONFIG_MAPPING:
+        pytest.skip("granitemoe not in this transformers")
+    config = _shrunk_config("granitemoe")
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with caplog.at_level(logging.WARNING, logger="roundpipe"):
+        spec = models.build_preset(model).spec
+    assert "not verified" in caplog.text
+    assert spec.embedding_multiplier == config.embedding_multiplier and spec.logit_scale == 1.0 / config.logits_scaling
+
+
+def test_incompatible_types_are_refused() -> None:
+    model = tiny_model("llama")
+    model.config.model_type = "diffllama"
+    with pytest.raises(NotImplementedError, match=r"LlamaForCausalLM: no RoundPipe sequential preset \(model_type='diffllama'\)"):
+        models.build_preset(model)
+
+
+def test_registering_a_type_for_the_builtin_preset(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``SUPPORTED_MODELS[type] = SUPPORTED_MODELS["llama"]``: the standard preset, without the warning."""
+    model = tiny_model("llama")
+    model.config.model_type = "my_llama_fork"
+    monkeypatch.setitem(models.SUPPORTED_MODELS, "my_llama_fork", models.SUPPORTED_MODELS["llama"])
+    with caplog.at_level(logging.WARNING, logger="roundpipe"):
+        preset = models.build_preset(model)
+    assert isinstance(preset, CausalLMPreset) and "not verified" not in caplog.text
+
+
+def test_disable_torch_compile_is_a_view_of_the_setting() -> None:
+    """Reading ``roundpipe.models.DISABLE_TORCH_COMPILE`` reads the setting; assigning it configures it."""
+    import roundpipe
+
+    assert models.DISABLE_TORCH_COMPILE is settings.DISABLE_TORCH_COMPILE.get()
+    roundpipe.configure(compile=True)
+    assert models.DISABLE_TORCH_COMPILE is False
+    roundpipe.configure(compile=False)
+    assert models.DISABLE_TORCH_COMPILE is True
+    models.DISABLE_TORCH_COMPILE = False
+    assert settings.DISABLE_TORCH_COMPILE.get() is False and models.DISABLE_TORCH_COMPILE is False
+    models.DISABLE_TORCH_COMPILE = True
+    assert settings.DISABLE_TORCH_COMPILE.get() is True
+    from roundpipe.models import DISABLE_TORCH_COMPILE
+
+    assert DISABLE_TORCH_COMPILE is True and "DISABLE_TORCH_COMPILE" not in vars(models)
+
+
+SPEC_PRESET = '''
+"""A third-party preset in RoundPipe's layout: a spec builder."""
+from roundpipe.models.preset import default_spec
+
+MODEL_CLASS = {model_class!r}
+CALLS = []
+
+
+def build_spec(model):
+    CALLS.append(type(model).__name__)
+    return default_spec(model, logit_scale=0.5)
+'''
+
+WRAP_PRESET = '''
+"""A third-party preset in the public layout: wrap_model."""
+from roundpipe.models.causal_lm import RoundPipeForCausalLM
+from roundpipe.models.preset import CausalLMPreset, default_spec
+
+CALLS = []
+
+
+def wrap_model(model, **roundpipe_kwargs):
+    wrapped = RoundPipeForCausalLM(model, preset=CausalLMPreset(model, default_spec(model)), **roundpipe_kwargs)
+    CALLS.append((wrapped, roundpipe_kwargs))
+    return wrapped
+'''
+
+
+class MyForCausalLM(transformers.LlamaForCausalLM):
+    """A user's subclass of a built-in family's class: the Llama preset refuses it by name."""
+
+
+@pytest.fixture
+def third_party(tmp_path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, str], Any]]:
+    """``register(source, key)``: write ``source`` as a module in ``tmp_path`` (put on ``sys.path``),
+    register it as ``SUPPORTED_MODELS[key]`` and return it imported; all undone after the test."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    names: List[str] = []
+
+    def register(source: str, key: str) -> Any:
+        name = f"my_preset_{len(names)}"
+        names.append(name)
+        (tmp_path / f"{name}.py").write_text(source)
+        monkeypatch.setitem(models.SUPPORTED_MODELS, key, name)
+        return importlib.import_module(name)
+
+    yield register
+    for name in names:
+        sys.modules.pop(name, None)
+
+
+def _my_model(kind: str) -> nn.Module:
+    """``class``: a subclass of LlamaForCausalLM (model type llama); ``type``: a Llama with its own model type."""
+    torch.manual_seed(0)
+    if kind == "class":
+        return MyForCausalLM(tiny_config("llama")).float()
+    model = tiny_model("llama")
+    model.config.model_type = "my_type"
+    return model
+
+
+@pytest.mark.parametrize("kind", ["type", "class"])
+def test_third_party_spec_preset(kind: str, third_party: Callable[[str, str], Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module exposing ``build_spec``, registered under the model type or the class name, builds the
+    preset of ``build_preset`` / ``wrap_model`` / ``wrap_model_to_roundpipe``; its spec is used (a logit
+    scale the Hugging Face model does not have, checked against its logits)."""
+    import roundpipe
+
+    model = _my_model(kind)
+    key = "MyForCausalLM" if kind == "class" else "my_type"
+    module = third_party(SPEC_PRESET.format(model_class=type(model).__name__), key)
+    if kind == "class":  # the table alone refuses the subclass
+        with pytest.raises(NotImplementedError, match="MyForCausalLM: the 'llama' preset supports LlamaForCausalLM only"):
+            with monkeypatch.context() as m:
+                m.delitem(models.SUPPORTED_MODELS, key)
+                models.build_preset(model)
+    preset = models.build_preset(model)
+    assert preset.spec.logit_scale == 0.5 and module.CALLS == [type(model).__name__]
+    batch = make_batch(padding=True)
+    del batch["labels"]
+    with torch.no_grad():
+        ref = model(**batch).logits * 0.5
+        got = preset.build_output(emulate_forward(preset.layers, preset.forward_kwargs(**batch), 3)).logits
+    assert rel_err(got, ref) < TOL
+    rp = models.wrap_model(model, model_run_config=RUN3)
+    assert rp.preset.spec.logit_scale == 0.5
+    rp = roundpipe.wrap_model_to_roundpipe(model, model_run_config=RUN3)
+    assert rp.preset.spec.logit_scale == 0.5 and len(module.CALLS) == 3
+
+
+@pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
+@pytest.mark.parametrize("kind", ["type", "class"])
+def test_third_party_wrap_model_preset(workers: str, kind: str, third_party: Callable[[str, str], Any]) -> None:
+    """A module exposing ``wrap_model(model, **roundpipe_kwargs)``, registered under the model type or the
+    class name: ``roundpipe.models.wrap_model`` returns what it returns, keyword arguments passed on."""
+    model = _my_model(kind)
+    module = third_party(WRAP_PRESET, "MyForCausalLM" if kind == "class" else "my_type")
+    rp = models.wrap_model(model, model_run_config=RUN3, name="mine")
+    assert module.CALLS == [(rp, {"model_run_config": RUN3, "name": "mine"})]
+    batch = make_batch(padding=True)
+    ref_loss, ref_grads = hf_reference(model, batch)
+    out = rp(**batch)
+    out.loss.backward()
+    assert rel_err(out.loss, ref_loss) < TOL
+    assert_grads_close(grads(model), ref_grads)
+    with pytest.raises(TypeError, match="wraps models itself"):
+        models.build_preset(model)
+
+
+@pytest.mark.xfail(strict=True, raises=TypeError, reason="roundpipe/wrapper.py builds presets with build_preset; "
+                   "it must call roundpipe.models.preset_wrapper (see the models-table branch's report)")
+def test_wrap_model_to_roundpipe_uses_a_third_party_wrap_model(third_party: Callable[[str, str], Any]) -> None:
+    import roundpipe
+
+    model = _my_model("type")
+    module = third_party(WRAP_PRESET, "my_type")
+    rp = roundpipe.wrap_model_to_roundpipe(model, model_run_config=RUN3)
+    assert module.CALLS and module.CALLS[0][0] is rp
+
+
+def test_bad_registrations_name_the_entry(third_party: Callable[[str, str], Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _my_model("type")
+    monkeypatch.setitem(models.SUPPORTED_MODELS, "my_type", "no_such_preset_module")
+    with pytest.raises(ImportError, match=r"SUPPORTED_MODELS\['my_type'\] = 'no_such_preset_module'"):
+        models.wrap_model(model)
+    third_party("X = 1\n", "my_type")
+    with pytest.raises(TypeError, match="exposes neither build_spec"):
+        models.wrap_model(model)
+    third_party(SPEC_PRESET.format(model_class="OtherForCausalLM"), "my_type")
+    with pytest.raises(NotImplementedError, match="LlamaForCausalLM: the 'my_type' preset .* supports OtherForCausalLM only"):
+        models.build_preset(model)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The forward arguments, defined once
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_forward_signatures_come_from_one_definition() -> None:
+    """``forward``, ``train_step`` and ``forward_kwargs`` take the arguments of ``CausalLMInputs`` (what
+    Hugging Face's Trainer reads to keep dataset columns), positionally or by name."""
+    import dataclasses
+    import inspect
+
+    from roundpipe.models.causal_lm import RoundPipeForCausalLM
+    from roundpipe.models.inputs import ALL_ARGS, BATCH_ARGS, CausalLMInputs
+
+    assert ALL_ARGS == tuple(f.name for f in dataclasses.fields(CausalLMInputs))
+    assert BATCH_ARGS == ("input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels", "shift_labels")
+    forward = list(inspect.signature(RoundPipeForCausalLM.forward).parameters)
+    assert forward == ["self", *ALL_ARGS, "roundpipe_run_config", "unused"]
+    step = list(inspect.signature(RoundPipeForCausalLM.train_step).parameters)
+    assert step[:4] == ["self", "input_ids", "attention_mask", "labels"] and set(step[1:-1]) <= set(ALL_ARGS)
+    assert list(inspect.signature(CausalLMPreset.forward_kwargs).parameters) == ["self", *ALL_ARGS]
+
+    preset = models.build_preset(tiny_model("llama"))
+    batch = make_batch(padding=True)
+    by_name = preset.forward_kwargs(**batch, logits_to_keep=2)
+    positional = preset.forward_kwargs(batch["input_ids"], batch["attention_mask"], None, None, batch["labels"], None, None, 2)
+    assert by_name.keys() == positional.keys() == {"input_ids", "attention_mask", "labels", "options"}
+    assert by_name["options"] == positional["options"] == {"return_logits": False, "logits_to_keep": 2, "loss_chunk_size": None}
+    with pytest.raises(TypeError, match="labelz"):
+        preset.forward_kwargs(input_ids=batch["input_ids"], labelz=batch["labels"])
+    with pytest.raises(TypeError, match="options"):
+        preset.layers[0](input_ids=batch["input_ids"], options={}, labelz=batch["labels"])
+
+
+@pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
+def test_train_step_positional_and_forward_extras(workers: str) -> None:
+    """``train_step(ids, mask, labels)`` as before; Hugging Face-only arguments: ignored when unset,
+    refused otherwise."""
+    model = tiny_model("llama")
+    batch = make_batch(padding=True)
+    ref_loss, ref_grads = hf_reference(model, batch)
+    rp = models.wrap_model(model, model_run_config=RUN3)
+    import inspect
+
+    assert list(inspect.signature(rp.forward).parameters)[:3] == ["input_ids", "attention_mask", "position_ids"]
+    loss = rp.train_step(batch["input_ids"], batch["attention_mask"], batch["labels"])
+    assert rel_err(loss, ref_loss) < TOL
+    assert_grads_close(grads(model), ref_grads)
+    with torch.no_grad():
+        out = rp(**batch, use_cache=False, return_dict=True, past_key_values=None)
+    assert rel_err(out.loss, ref_loss) < TOL
+    with pytest.raises(NotImplementedError, match="KV cache"):
+        rp(**batch, use_cache=True)
+    with pytest.raises(TypeError, match="output_attentions"):
+        rp(**batch, output_attentions=True)

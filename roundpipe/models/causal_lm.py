@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+import dataclasses
+import inspect
+from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
 
+from roundpipe.models.inputs import CausalLMInputs, takes_inputs
 from roundpipe.models.kernels import FusedKernels
 from roundpipe.models.preset import CausalLMPreset
 from roundpipe.roundpipe import RoundPipe
 from roundpipe.run_config import RoundPipeRunConfig
+
+_KW = inspect.Parameter.KEYWORD_ONLY
+# RoundPipe's per-call run configuration, after the causal-LM arguments.
+_RUN_CONFIG = inspect.Parameter("roundpipe_run_config", _KW, default=RoundPipeRunConfig(), annotation=RoundPipeRunConfig)
+_RUN_CONFIG_TRAIN = inspect.Parameter("run_config", _KW, default=RoundPipeRunConfig(), annotation=RoundPipeRunConfig)
+# Hugging Face arguments accepted and ignored when unset (use_cache=False, return_dict, ...).
+_HF_ONLY = inspect.Parameter("unused", inspect.Parameter.VAR_KEYWORD, annotation=Any)
+# train_step's positional order (labels third, as `train_step(ids, mask, labels)` calls pass them); it
+# always computes the loss without logits, so return_logits and logits_to_keep are not among them.
+_TRAIN_STEP_ARGS = (
+    "input_ids", "attention_mask", "labels", "position_ids", "inputs_embeds", "shift_labels",
+    "output_router_logits", "loss_chunk_size",
+)
 
 
 class RoundPipeForCausalLM(RoundPipe):
@@ -50,23 +66,11 @@ class RoundPipeForCausalLM(RoundPipe):
     def preset(self) -> CausalLMPreset:
         return self._preset
 
-    def forward(
-        self,
-        input_ids: Optional[torch.Tensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.Tensor] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
-        shift_labels: Optional[torch.Tensor] = None,
-        return_logits: Optional[bool] = None,
-        logits_to_keep: Union[int, torch.Tensor] = 0,
-        output_router_logits: Optional[bool] = None,
-        loss_chunk_size: Optional[int] = None,
-        roundpipe_run_config: RoundPipeRunConfig = RoundPipeRunConfig(),
-        **unused: Any,
-    ) -> Any:
-        """Like the Hugging Face model's forward; returns ``CausalLMOutputWithPast`` (MoE:
-        ``MoeCausalLMOutputWithPast``) whose loss equals the unsplit model's.
+    @takes_inputs(extra=(_RUN_CONFIG, _HF_ONLY))
+    def forward(self, inputs: CausalLMInputs, roundpipe_run_config: RoundPipeRunConfig, unused: Dict[str, Any]) -> Any:
+        """Like the Hugging Face model's forward (arguments: :class:`~roundpipe.models.inputs.CausalLMInputs`);
+        returns ``CausalLMOutputWithPast`` (MoE: ``MoeCausalLMOutputWithPast``) whose loss equals the
+        unsplit model's.
 
         Differences: ``return_logits`` defaults to False when labels are given (the loss never needs
         full logits); no KV cache (``use_cache`` and ``past_key_values`` must be unset). With gradients
@@ -77,33 +81,12 @@ class RoundPipeForCausalLM(RoundPipe):
         extra = {k for k, v in unused.items() if v is not None and k not in ("use_cache", "past_key_values", "return_dict")}
         if extra:
             raise TypeError(f"RoundPipeForCausalLM.forward: unsupported arguments {sorted(extra)}")
-        kwargs = self._preset.forward_kwargs(
-            input_ids,
-            attention_mask,
-            position_ids,
-            inputs_embeds,
-            labels,
-            shift_labels,
-            return_logits,
-            logits_to_keep,
-            output_router_logits,
-            loss_chunk_size,
-        )
+        kwargs = self._preset.layer_kwargs(inputs)
         merged = super().forward(roundpipe_run_config=roundpipe_run_config, **kwargs)
         return self._preset.build_output(merged)
 
-    def train_step(
-        self,
-        input_ids: Optional[torch.Tensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.Tensor] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        shift_labels: Optional[torch.Tensor] = None,
-        output_router_logits: Optional[bool] = None,
-        loss_chunk_size: Optional[int] = None,
-        run_config: RoundPipeRunConfig = RoundPipeRunConfig(),
-    ) -> torch.Tensor:
+    @takes_inputs(_TRAIN_STEP_ARGS, extra=(_RUN_CONFIG_TRAIN,))
+    def train_step(self, inputs: CausalLMInputs, run_config: RoundPipeRunConfig) -> torch.Tensor:
         """Forward + backward of the batch-mean token loss in one pipelined pass (``forward_backward``).
 
         Gradients accumulate into ``.grad`` like ``loss.backward()``; the (detached) loss is returned.
@@ -112,20 +95,9 @@ class RoundPipeForCausalLM(RoundPipe):
         :meth:`CausalLMPreset.microbatch_loss_fn`); ``forward(labels=...).loss.backward()`` uses the
         whole batch's.
         """
-        if labels is None and shift_labels is None:
+        if inputs.labels is None and inputs.shift_labels is None:
             raise ValueError("train_step needs labels (or shift_labels)")
-        kwargs = self._preset.forward_kwargs(
-            input_ids,
-            attention_mask,
-            position_ids,
-            inputs_embeds,
-            labels,
-            shift_labels,
-            False,
-            0,
-            output_router_logits,
-            loss_chunk_size,
-        )
+        kwargs = self._preset.layer_kwargs(dataclasses.replace(inputs, return_logits=False, logits_to_keep=0))
         return self.forward_backward(
             input_kwargs=kwargs, loss_fn=self._preset.microbatch_loss_fn(kwargs), run_config=run_config
         )

@@ -1,4 +1,5 @@
-"""Fused kernels for the decoder layers of the Qwen3 and Llama presets.
+"""Fused kernels for the decoder layers of the Qwen3 and Llama presets (the families whose
+``fused_kernels`` entry in :data:`roundpipe.models.families.FAMILIES` names their classes).
 
 Hugging Face's eager decoder layer spends a large share of its GPU time outside the matmuls: its
 RMSNorm upcasts to fp32 in about six separate kernels (four norms per Qwen3 layer, counting
@@ -39,6 +40,7 @@ instead of recompiling for every length.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 import threading
@@ -50,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from roundpipe import settings
+from roundpipe.models import families
 
 logger = logging.getLogger("roundpipe")
 
@@ -486,30 +489,33 @@ _registry_lock = threading.Lock()
 
 
 def _registry() -> Dict[type, Tuple[type, Dict[str, Any]]]:
-    """Hugging Face class -> (fused forward mixin, class attributes). Exact classes only: a subclass or
+    """Hugging Face class -> (fused forward mixin, class attributes), from the ``fused_kernels`` entries of
+    the family table (:data:`roundpipe.models.families.FAMILIES`). Exact classes only: a subclass or
     another family's look-alike may compute something else."""
     global _registry_cache
     if _registry_cache is None:
-        from transformers.models.llama import modeling_llama as llama
-        from transformers.models.qwen3 import modeling_qwen3 as qwen3
-
-        _registry_cache = {
-            qwen3.Qwen3RMSNorm: (_RMSNormForward, {}),
-            llama.LlamaRMSNorm: (_RMSNormForward, {}),
-            qwen3.Qwen3MLP: (_SwiGLUMLPForward, {}),
-            llama.LlamaMLP: (_SwiGLUMLPForward, {}),
-            qwen3.Qwen3Attention: (
-                _AttentionForward,
-                dict(_rpp_qk_norm=True, _rpp_sliding_window=True, _rpp_eager_attention=staticmethod(qwen3.eager_attention_forward)),
-            ),
-            llama.LlamaAttention: (
-                _AttentionForward,
-                dict(_rpp_qk_norm=False, _rpp_sliding_window=False, _rpp_eager_attention=staticmethod(llama.eager_attention_forward)),
-            ),
-            qwen3.Qwen3DecoderLayer: (_DecoderLayerForward, {}),
-            llama.LlamaDecoderLayer: (_DecoderLayerForward, {}),
-        }
+        registry: Dict[type, Tuple[type, Dict[str, Any]]] = {}
+        for family in families.FAMILIES:
+            classes = family.fused_kernels
+            if classes is None:
+                continue
+            module = importlib.import_module(classes.module)
+            attention_attrs = dict(
+                _rpp_qk_norm=classes.qk_norm,
+                _rpp_sliding_window=classes.sliding_window,
+                _rpp_eager_attention=staticmethod(getattr(module, classes.eager_attention)),
+            )
+            registry[getattr(module, classes.norm)] = (_RMSNormForward, {})
+            registry[getattr(module, classes.mlp)] = (_SwiGLUMLPForward, {})
+            registry[getattr(module, classes.attention)] = (_AttentionForward, attention_attrs)
+            registry[getattr(module, classes.decoder_layer)] = (_DecoderLayerForward, {})
+        _registry_cache = registry
     return _registry_cache
+
+
+def fused_base_classes() -> Tuple[type, ...]:
+    """The Hugging Face classes that get fused kernels (those the family table names)."""
+    return tuple(_registry())
 
 
 def _fused_class(base: type) -> type:
@@ -639,6 +645,7 @@ __all__ = [
     "base_class",
     "decoder_layer",
     "fuse_layer",
+    "fused_base_classes",
     "is_fused",
     "qk_norm_rope",
     "reset",

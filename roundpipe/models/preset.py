@@ -16,12 +16,13 @@ later stages need (masks, rotary tables, labels, MoE router statistics). The hea
 sums (loss sum, token count, router statistics) that RoundPipe merges, and :class:`CausalLMPreset` turns
 the merged sums into the loss of the whole batch, identical to the unsplit Hugging Face model's.
 
-This module does not depend on the RoundPipe runtime; :mod:`roundpipe.models.generic` wraps a preset into
-a RoundPipe.
+This module does not depend on the RoundPipe runtime; :mod:`roundpipe.models.causal_lm` wraps a preset into
+a RoundPipe, and :mod:`roundpipe.models.families` says which spec each family gets.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -34,6 +35,7 @@ from torch import nn
 
 from roundpipe.context import doing_recompute, get_recompute_data, save_for_recompute
 from roundpipe.models import kernels
+from roundpipe.models.inputs import BATCH_ARGS, CausalLMInputs, takes_inputs
 from roundpipe.models.loss import IGNORE_INDEX, causal_lm_loss, count_loss_tokens, shift_causal_labels
 from roundpipe.transfer import HostScalar
 
@@ -77,7 +79,7 @@ class CausalLMSpec:
         softcap: Final logit soft-capping, ``config.final_logit_softcapping`` (Gemma 2).
         moe: Router aux-loss description for MoE models, None for dense ones.
         fused_kernels: Whether the family's decoder layers can use :mod:`roundpipe.models.kernels`
-            (checked against transformers for Qwen3 and Llama).
+            (the families with ``fused_kernels`` classes in :data:`roundpipe.models.families.FAMILIES`).
     """
 
     layer_types: Tuple[str, ...]
@@ -295,16 +297,15 @@ class CausalLMPrefix(nn.Module):
         fns = _mask_functions()
         return {t: _call_mask_function(fns[t], **kwargs) for t in dict.fromkeys(self.spec.layer_types)}
 
-    def forward(
-        self,
-        input_ids: Optional[torch.Tensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.Tensor] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
-        shift_labels: Optional[torch.Tensor] = None,
-        options: Optional[Dict[str, Any]] = None,
-    ) -> State:
+    def forward(self, options: Optional[Dict[str, Any]] = None, **batch: Any) -> State:
+        """``batch``: a microbatch of the :data:`~roundpipe.models.inputs.BATCH_ARGS` (what
+        :meth:`CausalLMPreset.forward_kwargs` returns, split); ``options``: the other arguments."""
+        unknown = set(batch) - set(BATCH_ARGS)
+        if unknown:
+            raise TypeError(f"CausalLMPrefix.forward: unexpected arguments {sorted(unknown)}; takes {list(BATCH_ARGS)} and options")
+        inputs = CausalLMInputs(**batch)
+        input_ids, attention_mask, position_ids = inputs.input_ids, inputs.attention_mask, inputs.position_ids
+        inputs_embeds, labels, shift_labels = inputs.inputs_embeds, inputs.labels, inputs.shift_labels
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -484,55 +485,43 @@ class CausalLMPreset:
         self.fused_kernels = bool(on)
         return self.fused_kernels
 
-    def forward_kwargs(
-        self,
-        input_ids: Optional[torch.Tensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.Tensor] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
-        shift_labels: Optional[torch.Tensor] = None,
-        return_logits: Optional[bool] = None,
-        logits_to_keep: Union[int, torch.Tensor] = 0,
-        output_router_logits: Optional[bool] = None,
-        loss_chunk_size: Optional[int] = None,
-    ) -> Dict[str, Any]:
-        """Keyword arguments for the first layer (what RoundPipe splits into microbatches).
+    @takes_inputs()
+    def forward_kwargs(self, inputs: CausalLMInputs) -> Dict[str, Any]:
+        """:meth:`layer_kwargs` from the causal-LM arguments themselves (positionally or by name)."""
+        return self.layer_kwargs(inputs)
+
+    def layer_kwargs(self, inputs: CausalLMInputs) -> Dict[str, Any]:
+        """Keyword arguments for the first layer (what RoundPipe splits into microbatches): the
+        :data:`~roundpipe.models.inputs.BATCH_ARGS` that are set, and ``options`` for the others.
 
         ``return_logits`` defaults to True without labels and False with them: a training forward needs
         the loss, and full logits are the largest tensor of the whole step.
         """
-        has_labels = labels is not None or shift_labels is not None
-        if (attention_mask is not None and position_ids is None and attention_mask.device.type == "cpu"
+        has_labels = inputs.labels is not None or inputs.shift_labels is not None
+        attention_mask = inputs.attention_mask
+        if (attention_mask is not None and inputs.position_ids is None and attention_mask.device.type == "cpu"
                 and attention_mask.dim() == 2 and bool(attention_mask.all())):
             # An all-ones mask gives transformers' masks for no mask, after a check that reads the mask
             # back from the device once per microbatch (stalling the device thread); decided here, on
             # the host copy, for free. (Not with position ids: without a mask transformers would look
             # for packed sequences in them.)
-            attention_mask = None
+            inputs = dataclasses.replace(inputs, attention_mask=None)
+        logits_to_keep: Union[int, torch.Tensor, Tuple[int, ...]] = inputs.logits_to_keep
         if isinstance(logits_to_keep, torch.Tensor):
             if logits_to_keep.dim() != 1:
                 raise NotImplementedError("logits_to_keep: an int or a 1-D tensor of positions")
             logits_to_keep = tuple(int(i) for i in logits_to_keep.tolist())
         options = {
-            "return_logits": (not has_labels) if return_logits is None else bool(return_logits),
+            "return_logits": (not has_labels) if inputs.return_logits is None else bool(inputs.return_logits),
             "logits_to_keep": logits_to_keep,
-            "loss_chunk_size": loss_chunk_size,
+            "loss_chunk_size": inputs.loss_chunk_size,
         }
         if self.spec.moe is not None:
+            output_router_logits = inputs.output_router_logits
             options["output_router_logits"] = (
                 self.spec.moe.output_router_logits if output_router_logits is None else bool(output_router_logits)
             )
-        kwargs = dict(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            labels=labels,
-            shift_labels=shift_labels,
-            options=options,
-        )
-        return {k: v for k, v in kwargs.items() if v is not None}
+        return dict(inputs.batch_kwargs(), options=options)
 
     def build_output(self, merged: Dict[str, torch.Tensor]) -> Any:
         """Hugging Face output from the merged head outputs of all microbatches.
