@@ -125,14 +125,12 @@ def wrap_model_to_roundpipe(
         name = get_call_location(1)
     if use_sequential_preset is not False:
         try:
-            preset = models.build_preset(model)
+            wrap = models.preset_wrapper(model)
         except NotImplementedError:
             if use_sequential_preset:
                 raise
         else:
-            from roundpipe.models.causal_lm import RoundPipeForCausalLM
-
-            return RoundPipeForCausalLM(model, preset=preset, model_run_config=model_run_config, name=name, **roundpipe_kwargs)
+            return wrap(model_run_config=model_run_config, name=name, **roundpipe_kwargs)
     if upper_threshold is None:
         from roundpipe.device import get_num_devices
 

@@ -690,8 +690,6 @@ def test_third_party_wrap_model_preset(workers: str, kind: str, third_party: Cal
         models.build_preset(model)
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="roundpipe/wrapper.py builds presets with build_preset; "
-                   "it must call roundpipe.models.preset_wrapper (see the models-table branch's report)")
 def test_wrap_model_to_roundpipe_uses_a_third_party_wrap_model(third_party: Callable[[str, str], Any]) -> None:
     import roundpipe
 

@@ -52,7 +52,7 @@ class RoundPipeForCausalLM(RoundPipe):
         **roundpipe_kwargs: Any,
     ) -> None:
         if preset is None:
-            from roundpipe.models import build_preset
+            from roundpipe.models.registry import build_preset
 
             preset = build_preset(model)
         if fused_kernels is not None:
