@@ -30,6 +30,7 @@ from torch import nn
 import helpers
 from roundpipe import RoundPipe, RoundPipeRunConfig
 from roundpipe import distributed as rdist
+from roundpipe.grad_sync import GradSync
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "dist_scripts", "dp_train.py")
@@ -240,6 +241,19 @@ def test_timeout_settings(monkeypatch: pytest.MonkeyPatch, var: str, fn: Any, de
             fn()
 
 
+def test_the_package_exports_its_public_names() -> None:
+    """``roundpipe.distributed`` is a package; its ``__init__`` re-exports the public API, nothing private."""
+    assert set(rdist.__all__) == {
+        "DEFAULT_MAIN_TIMEOUT_S", "DEFAULT_TIMEOUT_S", "DataParallel", "DataParallelError", "DataParallelStats", "DistEnv",
+        "ReduceOn", "all_reduce_scalars", "any_across_ranks", "assert_same_across_ranks", "barrier", "broadcast_object",
+        "current_env", "destroy", "enable_data_parallel", "get_rank", "get_world_size", "init_from_env", "is_main_process",
+        "main_timeout_s", "shard", "shard_bounds", "timeout_s",
+    }
+    assert all(hasattr(rdist, name) for name in rdist.__all__)
+    # Errors print under the public name, wherever the class is defined.
+    assert f"{rdist.DataParallelError.__module__}.{rdist.DataParallelError.__qualname__}" == "roundpipe.distributed.DataParallelError"
+
+
 def _mlp() -> RoundPipe:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
@@ -280,6 +294,7 @@ def test_one_rank_data_parallel_is_plain_training(workers: str, one_rank_group: 
     model = _mlp()
     dp = rdist.enable_data_parallel(model)
     assert model.grad_sync is dp
+    assert isinstance(dp, GradSync)  # the one interface the core calls
     got = _train(model, 4, dp)
     assert torch.equal(got, ref)
     assert dp.stats.steps == 4 and dp.stats.collectives == 0  # nothing to exchange with one rank

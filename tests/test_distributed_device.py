@@ -34,7 +34,7 @@ from torch import nn
 import helpers
 from roundpipe import RoundPipe, RoundPipeRunConfig
 from roundpipe import distributed as rdist
-from roundpipe import dp_device
+from roundpipe.distributed import device_order, device_reduce, enable, sharding
 from roundpipe.plan import ModelExecutePlan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -177,26 +177,20 @@ def test_plans_survive_the_encoding_of_the_agreement(run_type: str) -> None:
     for plan in (ModelExecutePlan.layerwise(7, run_type),
                  ModelExecutePlan([range(0, 3), range(3, 7)], [range(0, 2), range(2, 5), range(5, 7)]).for_run_type(run_type, 7)):
         header = [0, 0, 0, 7, 1, 0, 1, len(plan.fwd_plan), len(plan.bwd_plan)]  # step, call, model, layers, devices, position, type
-        row = dp_device._encode_plan(header, plan, 9).tolist()
-        assert dp_device._decode_plan(row, 9) == plan
+        row = device_order.encode_plan(header, plan, 9).tolist()
+        assert device_order.decode_plan(row, 9) == plan
 
 
 def test_layer_buckets_depend_only_on_the_parameters() -> None:
     """Bucket 0 is packed and starts with one presence count per parameter; a gradient of at least a
     bucket is reduced in place; small ones are packed up to the bucket size, in parameter order."""
 
-    class Owner:
-        reduce_dtype = None
-        bucket_bytes = 256  # 64 fp32 values
-
-    red = dp_device._DeviceReduction.__new__(dp_device._DeviceReduction)
-    red.owner = Owner()  # type: ignore[assignment]
+    bucket_bytes = 256  # 64 fp32 values
     shapes = [(8,), (100,), (4, 4), (10,), (70,), (3,), (60,)]
-    pairs = [(nn.Parameter(torch.zeros(s)), None) for s in shapes]
-    got = [(x.indices, x.packed, x.nflags, x.numel) for x in red._layout(pairs)]  # type: ignore[arg-type]
+    params = [nn.Parameter(torch.zeros(s)) for s in shapes]
+    got = [(x.indices, x.packed, x.nflags, x.numel) for x in device_reduce.layer_buckets(params, None, bucket_bytes)]
     assert got == [([0, 2, 3, 5], True, 7, 37), ([1], False, 0, 100), ([4], False, 0, 70), ([6], True, 0, 60)]
-    Owner.reduce_dtype = torch.float64  # type: ignore[assignment]
-    got = [(x.indices, x.packed, x.dtype) for x in red._layout(pairs)]  # type: ignore[arg-type]
+    got = [(x.indices, x.packed, x.dtype) for x in device_reduce.layer_buckets(params, torch.float64, bucket_bytes)]
     # Another reduction dtype: nothing in place (a copy is needed anyway), packed up to 32 doubles.
     assert all(p for _, p, _ in got) and all(d == torch.float64 for _, _, d in got)
     assert [i for idx, _, _ in got for i in idx] == list(range(len(shapes)))
@@ -204,12 +198,12 @@ def test_layer_buckets_depend_only_on_the_parameters() -> None:
 
 @pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
 def test_reduce_on_choice_on_cpu_workers(workers: str) -> None:
-    assert rdist._choose_reduce_on("auto", False) == ("host", None)  # nothing to gain on CPU workers
-    assert rdist._choose_reduce_on("device", False) == ("device", "gloo")
-    assert rdist._choose_reduce_on("host", False) == ("host", None)
-    assert rdist._choose_reduce_on("auto", True) == ("host", None)
+    assert enable.choose_reduce_on("auto", False) == ("host", None)  # nothing to gain on CPU workers
+    assert enable.choose_reduce_on("device", False) == ("device", "gloo")
+    assert enable.choose_reduce_on("host", False) == ("host", None)
+    assert enable.choose_reduce_on("auto", True) == ("host", None)
     with pytest.raises(ValueError, match="reduce_on='gpu'"):
-        rdist._choose_reduce_on("gpu", False)
+        enable.choose_reduce_on("gpu", False)
 
 
 @pytest.fixture
@@ -272,9 +266,9 @@ def test_a_stalled_nccl_collective_is_named_by_the_monitor(monkeypatch: pytest.M
         def error(self, what: str, nbytes: int, waited: float, exc: BaseException) -> rdist.DataParallelError:
             return rdist.DataParallelError(f"rank 0/2: {what} failed after {waited:.1f} s: {exc}")
 
-    monkeypatch.setattr(dp_device, "timeout_s", lambda: 0.3)
+    monkeypatch.setattr(device_reduce, "timeout_s", lambda: 0.3)
     threads.clear_failure()
-    mon = dp_device._CollectiveMonitor(Red())  # type: ignore[arg-type]
+    mon = device_reduce.CollectiveMonitor(Red())  # type: ignore[arg-type]
     try:
         mon.add(Ev(True), Ev(True), "finished", 8)
         mon.add(Ev(True), Ev(False), "all_reduce of the gradients of layer 3 of model 'm' on device cuda:0", 8)
@@ -290,10 +284,10 @@ def test_a_stalled_nccl_collective_is_named_by_the_monitor(monkeypatch: pytest.M
 
 def test_a_share_without_rows_is_refused_on_every_rank_in_device_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every rank computes the same bounds, so every rank raises before any collective."""
-    monkeypatch.setattr(rdist, "_device_reductions", {1: "m"})
+    monkeypatch.setattr(sharding, "_device_reductions", {1: "m"})
     for rank in (0, 1):
         with pytest.raises(rdist.DataParallelError, match=r"a batch of 1 rows for 2 ranks leaves rank\(s\) \[0\] without rows"):
             rdist.shard((torch.zeros(1, 3), torch.zeros(1)), rank, 2)
     assert rdist.shard(torch.zeros(2, 3), 1, 2).shape == (1, 3)
-    monkeypatch.setattr(rdist, "_device_reductions", {})
+    monkeypatch.setattr(sharding, "_device_reductions", {})
     assert rdist.shard(torch.zeros(1, 3), 0, 2).shape == (0, 3)  # host reduction: the rank may skip its call

@@ -1,10 +1,12 @@
-"""Data parallel, reduce_on="device": all-reduce each layer's gradients on its device before the
-download (NCCL on GPUs, gloo on CPU workers), for :mod:`roundpipe.distributed`.
+"""The device gradient reduction (``reduce_on="device"``): each layer's gradients are all-reduced on its
+device at the end of its backward job, before the gradient download (NCCL on GPUs, gloo on CPU workers).
 
-``enable_data_parallel(model, reduce_on="device")`` (in ``roundpipe.distributed``) creates the groups
-and a :class:`_DeviceReduction`, which gives every layer a reducer through the model's ``grad_sync``
-(``roundpipe.grad_sync``); ``transfer.download_layer`` calls it at the end of each backward job. The comment below explains the
-streams, the ordering of collectives across ranks and the plan agreement.
+``enable_data_parallel(model, reduce_on="device")`` calls :func:`setup_device_reduction`, which creates
+the groups (one per local device index, joining device k of every rank) and a :class:`DeviceReduction`;
+that gives every layer a reducer through the model's ``grad_sync`` (``roundpipe.grad_sync``), which
+``transfer.download_layer`` calls at the end of each backward job. The comment above
+:meth:`DeviceReduction.reduce_layer` explains the streams; ``roundpipe.distributed.device_order``, why
+every rank issues the same collectives in the same order.
 """
 
 from __future__ import annotations
@@ -15,66 +17,40 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional, Set, Tuple
+from datetime import timedelta
+from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from roundpipe import backend
-from roundpipe.optim import thread as optim_thread
 from roundpipe import device as device_mod
-from roundpipe.dispatch import dispatcher
 from roundpipe.attribute import LayerAttribute
-from roundpipe.distributed import (
-    DataParallel,
+from roundpipe.distributed.device_order import RUN_CODES, PlanAgreement
+from roundpipe.distributed.env import timeout_s
+from roundpipe.distributed.errors import (
     DataParallelError,
-    _device_reductions,
-    _first_line,
-    logger,
-    timeout_s,
+    collective_failure,
+    exception_summary,
+    run_collective,
 )
-from roundpipe.roundpipe import RoundPipe
+from roundpipe.distributed.reduction import ReduceOptions, StatsCounter
+from roundpipe.distributed.sharding import (
+    register_device_reduction,
+    unregister_device_reduction,
+)
+from roundpipe.grad_sync import GradSync
+from roundpipe.optim import thread as optim_thread
 from roundpipe.plan import ModelExecutePlan
+from roundpipe.roundpipe import RoundPipe, RoundPipeBase
 from roundpipe.threads import report_failure, thread_exception_print_lock
 from roundpipe.transfer import host_grad
 
-# Reduction on the devices (reduce_on="device")
-#
-# Streams (CUDA). ``transfer.download_layer`` calls ``_LayerSlot`` at the end of a backward job with
-# the download stream current, right after ``downstream.wait_stream(compute_stream)``: everything
-# below is queued on ``downstream`` behind the layer's backward of all microbatches, so the packing
-# reads final gradients. ``dist.all_reduce`` on an NCCL group makes NCCL's internal stream wait for the
-# current stream (``downstream``) before the collective, and ``work.wait()`` makes the current stream
-# wait for the collective's end, without blocking the host. So the unpacking and the gradient download
-# queued next on ``downstream`` see the reduced values, the device thread never blocks (it goes on
-# issuing its next job while NCCL runs), and the compute stream never waits for communication
-# (later downloads on this device, e.g. of its next job's activations, queue behind it: that is where
-# a rank waits for a slower peer). No deadlock: host threads never wait for NCCL (only the main thread,
-# after the backward, and the optimizer thread wait for downloads), and every stream dependency,
-# collectives included, points to work of an earlier-dispatched job, in the same dispatch order on
-# every rank, so the dependency graph across ranks has no cycle. Tensors stay alive as long as streams use
-# them: the flat buffers are allocated on ``downstream`` (the caching allocator reuses them only for
-# later work on that stream) and NCCL records its own use of its inputs; device gradients are released
-# through the memory manager, which waits for ``downstream``. Host buffers read by an upload on
-# ``downstream`` (the seeds) are written again only by the gradient download queued after it on the
-# same stream. On CPU workers the same code runs with gloo; ``work.wait()`` blocks the device thread.
-#
-# Order. Collectives on one group must be issued in the same order on every rank. There is one group per
-# local device index k (device k of every rank), used only by device k's controller thread, which
-# reduces each layer at the end of its job: the sequence is the device's job order. Jobs go to the
-# devices round robin in dispatch order (``roundpipe.dispatch``), fixed before launch, so device k runs the same
-# jobs on every rank when every rank (1) runs the same training calls in the same order, (2) with the
-# same plan and (3) from the same round-robin position, and (4) has the same number of devices. Before
-# every training call, the ranks all-gather their step and call index, model, device count, round-robin
-# position and plan (one small gloo collective on the main thread): a mismatch in (1) or (4) raises on every
-# rank; for (2) and (3) every rank adopts rank 0's plan and position (auto plans are re-tuned from each
-# rank's own timings, and rank-local inference calls, e.g. an evaluation on rank 0, move the position).
-# At each step a hash of the sequence of layers each device reduced is compared between ranks before
-# the optimizer runs, so a disagreement that slipped through can never be summed into the weights.
+NCCL_GRACE_S = 30.0  # NCCL groups time out this much later than RPP_DIST_TIMEOUT_S (see CollectiveMonitor)
 
 
-class _LayerSlot:
+class LayerSlot:
     """One layer's device reduction: the ``grad_sync`` layer reducer that ``transfer.download_layer``
     calls, and the layer's presence counts between the download and the step.
 
@@ -85,7 +61,7 @@ class _LayerSlot:
         flags_valid: Whether the counts belong to the current step (cleared when the step reads them).
     """
 
-    def __init__(self, red: "_DeviceReduction", index: int, model_name: str, layer_id: int) -> None:
+    def __init__(self, red: "DeviceReduction", index: int, model_name: str, layer_id: int) -> None:
         self.red = red
         self.index = index
         self.model_name = model_name
@@ -95,11 +71,12 @@ class _LayerSlot:
         self.flags_valid = False
 
     def __call__(self, cpu_layer: nn.Module, gpu_layer: nn.Module, layer_id: int, device: Any) -> None:
+        """``grad_sync.LayerReducer``: reduce this layer (device thread, download stream current)."""
         self.red.reduce_layer(self, cpu_layer, gpu_layer, layer_id, device)
 
 
 @dataclass
-class _LayerBucket:
+class LayerBucket:
     """One collective of a layer's reduction: packed (flat buffer, presence counts first in bucket 0)
     or one large gradient reduced in place. Depends only on the layer's parameters: the same on all ranks."""
 
@@ -110,9 +87,25 @@ class _LayerBucket:
     nflags: int = 0
 
 
-_RUN_CODES = {"train": 1, "fused": 2}
-# step, call within the step, model, layers, devices, round-robin position, run type, forward groups, backward groups
-_HEADER = 9
+def layer_buckets(params: List[nn.Parameter], reduce_dtype: Optional[torch.dtype], bucket_bytes: int) -> List[LayerBucket]:
+    """Buckets of one layer with trainable parameters ``params``: bucket 0 packed, starting with the
+    presence counts; small gradients packed up to ``bucket_bytes``; a gradient of at least
+    ``bucket_bytes`` (reduced in its own dtype) alone, in place."""
+    first = LayerBucket([], reduce_dtype or params[0].dtype, 0, packed=True, nflags=len(params))
+    buckets = [first]
+    cur = first
+    for i, p in enumerate(params):
+        dtype = reduce_dtype or p.dtype
+        nbytes = p.numel() * dtype.itemsize
+        if nbytes >= bucket_bytes and dtype == p.dtype:
+            buckets.append(LayerBucket([i], dtype, p.numel(), packed=False))
+            continue
+        if cur.dtype != dtype or (cur.indices and (cur.numel + p.numel()) * dtype.itemsize > bucket_bytes):
+            cur = LayerBucket([], dtype, 0, packed=True)
+            buckets.append(cur)
+        cur.indices.append(i)
+        cur.numel += p.numel()
+    return buckets
 
 
 def _trainable_pairs(cpu_layer: nn.Module, gpu_layer: nn.Module) -> List[Tuple[nn.Parameter, nn.Parameter]]:
@@ -157,23 +150,7 @@ def _add_from_host(dst: torch.Tensor, host: torch.Tensor, chunk_elems: int) -> N
         dst[a:b].add_(stage[: b - a])
 
 
-def _encode_plan(header: List[int], plan: ModelExecutePlan, max_layers: int) -> torch.Tensor:
-    t = torch.full((_HEADER + 4 * max_layers,), -1, dtype=torch.int64)
-    t[:_HEADER] = torch.tensor(header, dtype=torch.int64)
-    for base, groups in ((_HEADER, plan.fwd_plan), (_HEADER + 2 * max_layers, plan.bwd_plan)):
-        for i, r in enumerate(groups):
-            t[base + 2 * i], t[base + 2 * i + 1] = r.start, r.stop
-    return t
-
-
-def _decode_plan(row: List[int], max_layers: int) -> ModelExecutePlan:
-    def groups(base: int, n: int) -> List[range]:
-        return [range(row[base + 2 * i], row[base + 2 * i + 1]) for i in range(n)]
-
-    return ModelExecutePlan(groups(_HEADER, row[7]), groups(_HEADER + 2 * max_layers, row[8]))
-
-
-class _CollectiveMonitor:
+class CollectiveMonitor:
     """Names a stalled NCCL collective (CUDA only).
 
     NCCL collectives never block the host, so a peer that stalls shows as a hang in some later event
@@ -181,24 +158,26 @@ class _CollectiveMonitor:
     saying which layer was being reduced. This thread watches the reductions in issue order: once one
     has been waiting on the device for ``RPP_DIST_TIMEOUT_S`` since this rank's gradients were ready,
     it prints a :class:`DataParallelError` naming rank, collective, layer and device, and records it in
-    RoundPipe's failure slot. The NCCL groups' own timeout is longer (``_NCCL_GRACE_S`` more), so the
+    RoundPipe's failure slot. The NCCL groups' own timeout is longer (``NCCL_GRACE_S`` more), so the
     message comes first; NCCL's watchdog then aborts the communicators and ends the process (no hang).
     """
 
-    def __init__(self, red: "_DeviceReduction") -> None:
+    def __init__(self, red: "DeviceReduction") -> None:
         self.red = red
         self.pending: Deque[List[Any]] = deque()  # [ready event, done event, what, bytes, first seen ready]
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # device threads add, the monitor thread pops
         self.fired = False
         self.stopped = False
         self.thread = threading.Thread(target=self._run, name="roundpipe-dp-monitor", daemon=True)
         self.thread.start()
 
     def add(self, ready: Any, done: Any, what: str, nbytes: int) -> None:
+        """Watch a collective: ``ready`` recorded before it, ``done`` after it, on the download stream."""
         with self.lock:
             self.pending.append([ready, done, what, nbytes, None])
 
     def stop(self) -> None:
+        """End the thread (at its next poll)."""
         self.stopped = True
 
     def _run(self) -> None:
@@ -223,9 +202,10 @@ class _CollectiveMonitor:
                 report_failure(err)
 
 
-class _DeviceReduction:
+class DeviceReduction:
     """``reduce_on="device"``: each layer's gradients are all-reduced on its device at the end of its
-    backward job, before the gradient download (streams and ordering: the comment above).
+    backward job, before the gradient download (streams: the comment above :meth:`reduce_layer`;
+    ordering: ``roundpipe.distributed.device_order``).
 
     Per layer, the collectives are a few flat buckets (``bucket_mb``; presence counts first) plus, in
     place, each gradient larger than a bucket: every rank issues them with the same sizes, in the same
@@ -244,59 +224,77 @@ class _DeviceReduction:
     first bucket carries one count per parameter (ranks and calls that had a gradient; rank 0 adds the
     counts of the step's earlier calls). At the step a parameter whose count is 0 gets ``.grad = None``,
     as in one process (the optimizer skips it).
+
+    Args:
+        options: Bucket size, op and reduction dtype.
+        counter: Where collectives, bytes and times are counted.
+        host_group: The host reduction's gloo group (optimizer thread): the step's order check runs on it.
+        host_weight: Sets the host reduction's weight for a step (queued on the optimizer thread).
+        groups: One group per local device index (device k of every rank).
+        control: A gloo group of all ranks for the main thread's agreement and ``normalize_by``.
     """
 
-    def __init__(self, owner: DataParallel, groups: List[Any], control: Any, backend_name: str, num_devices: int, max_layers: int) -> None:
-        self.owner = owner
+    def __init__(self, options: ReduceOptions, counter: StatsCounter, host_group: Any, host_weight: Callable[[float], None],
+                 groups: List[Any], control: Any, backend_name: str, num_devices: int, max_layers: int) -> None:
+        self.options = options
+        self.counter = counter
+        self.host_group = host_group
+        self.host_weight = host_weight
         self.groups = groups
         self.control = control
         self.backend = backend_name
         self.num_devices = num_devices
-        self.max_layers = max(1, max_layers)
         self.rank = dist.get_rank(control)
         self.world_size = dist.get_world_size(control)
         self.global_rank = dist.get_rank()
-        self.default_weight = 1.0 / self.world_size if owner.op == "mean" else 1.0
+        self.where = f"rank {self.global_rank}/{self.world_size}"
+        self.default_weight = options.default_weight(self.world_size)
+        self.agreement = PlanAgreement(control, max_layers)
         # Main-thread state of the current step. Device threads read ``weight`` during a call; the main
         # thread changes it only between calls (normalize_by, step), when no device job is running.
         self.weight = self.default_weight
         self.count_given = False
         self.reduced_this_step = False  # set by device threads, read by the main thread after the call
-        self.steps = 0  # model.step calls so far (main thread)
-        self.calls = 0  # training calls in the current step (main thread)
-        self.slots: List[_LayerSlot] = []
+        self.slots: List[LayerSlot] = []
         self.models: List[RoundPipe] = []
+        self.grad_sync: Optional[GradSync] = None
+        self.index_of: Dict[int, int] = {}  # id(model) -> its index among the reduced models
+        self.slot_of: Dict[Tuple[int, int], LayerSlot] = {}
+        self.reduced_attrs: Set[int] = set()
         self.lock = threading.Lock()
         self.sequence: Dict[int, List[int]] = {}  # device index -> slots reduced there since the last step
         self.timings: List[Any] = []  # per layer reduction since the last step: seconds, or (ready, done) events
         self.last_step_s = 0.0
-        self.adopted_plans = 0  # training calls that ran rank 0's plan instead of this rank's own
-        self.monitor: Optional[_CollectiveMonitor] = _CollectiveMonitor(self) if backend_name == "nccl" else None
+        self.monitor: Optional[CollectiveMonitor] = CollectiveMonitor(self) if backend_name == "nccl" else None
+
+    @property
+    def adopted_plans(self) -> int:
+        """Training calls that ran rank 0's plan instead of this rank's own."""
+        return self.agreement.adopted_plans
 
     # ---- setup ---------------------------------------------------------------------------------------
-    def install(self, models: List[RoundPipe]) -> None:
-        """Reduce every layer of ``models`` on the devices: each becomes reachable through the owner's
-        ``grad_sync`` calls (``layer_reducer``, ``agree_plan``); RoundPipe submodels of an
-        AutoRoundPipe get the owner as their ``grad_sync`` too."""
-        self.index_of: Dict[int, int] = {}
-        self.slot_of: Dict[Tuple[int, int], _LayerSlot] = {}
-        self.reduced_attrs: Set[int] = set()
+    def install(self, models: List[RoundPipe], grad_sync: GradSync, model_name: str) -> None:
+        """Reduce every layer of ``models`` on the devices: each becomes reachable through ``grad_sync``'s
+        calls (``layer_reducer``, ``agree_plan``); RoundPipe submodels of an AutoRoundPipe without a
+        ``grad_sync`` get this one."""
+        self.grad_sync = grad_sync
         for i, rp in enumerate(models):
             self.index_of[id(rp)] = i
             for lid, attr in enumerate(rp.layer_attrs):
-                slot = _LayerSlot(self, len(self.slots), rp.name, lid)
+                slot = LayerSlot(self, len(self.slots), rp.name, lid)
                 self.slot_of[(id(rp), lid)] = slot
                 self.reduced_attrs.add(id(attr))
                 self.slots.append(slot)
             if rp.grad_sync is None:
-                rp.grad_sync = self.owner
+                rp.grad_sync = grad_sync
         self.models = list(models)
-        _device_reductions[id(self)] = self.owner.model.name
+        register_device_reduction(id(self), model_name)
 
-    def uninstall(self) -> None:
-        _device_reductions.pop(id(self), None)
+    def uninstall(self, root: RoundPipeBase) -> None:
+        """Undo :meth:`install` (``root``, the data-parallel model, keeps its ``grad_sync``: its owner's to drop)."""
+        unregister_device_reduction(id(self))
         for rp in self.models:
-            if rp.grad_sync is self.owner and rp is not self.owner.model:
+            if rp.grad_sync is self.grad_sync and rp is not root:
                 rp.grad_sync = None
         self.models, self.slots = [], []
         self.index_of, self.slot_of, self.reduced_attrs = {}, {}, set()
@@ -307,36 +305,21 @@ class _DeviceReduction:
         """Whether the unit guarded by ``attr`` is reduced on the devices (a layer RoundPipe runs)."""
         return id(attr) in self.reduced_attrs
 
-    def layer_reducer(self, model: Any, layer_id: int) -> Optional["_LayerSlot"]:
+    def layer_reducer(self, model: Any, layer_id: int) -> Optional[LayerSlot]:
         """The reduction of ``model``'s layer ``layer_id`` (None for a model this reduction does not cover)."""
         return self.slot_of.get((id(model), layer_id))
 
     def error(self, what: str, nbytes: int, waited: float, exc: BaseException) -> DataParallelError:
-        return DataParallelError(
-            f"rank {self.global_rank}/{self.world_size}: {what} ({nbytes / 2**20:.2f} MiB) failed after {waited:.1f} s "
-            f"(collective timeout {timeout_s():g} s, RPP_DIST_TIMEOUT_S): {_first_line(exc)}. "
-            "Another rank probably died or stalled; its own log says why."
-        )
-
-    def _main_collective(self, fn: Any, what: str) -> None:
-        """A collective of the main thread on the control group; failures name the rank and the call."""
-        t0 = time.perf_counter()
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - reported with its context
-            raise DataParallelError(
-                f"rank {self.global_rank}/{self.world_size}: {what} failed after {time.perf_counter() - t0:.1f} s "
-                f"(collective timeout {timeout_s():g} s, RPP_DIST_TIMEOUT_S): {_first_line(exc)}. "
-                "Another rank probably died or stalled; its own log says why."
-            ) from exc
+        """The error of a failed collective of this reduction, naming rank, collective and size."""
+        return collective_failure(self.where, f"{what} ({nbytes / 2**20:.2f} MiB)", waited, exc)
 
     # ---- main thread ---------------------------------------------------------------------------------
     def on_step_launch(self) -> None:
+        """A new step: default weight again, ``normalize_by`` allowed again."""
         self.weight = self.default_weight
         self.count_given = False
         self.reduced_this_step = False
-        self.steps += 1
-        self.calls = 0
+        self.agreement.on_step_launch()
 
     def normalize_by(self, count: float) -> None:
         """All-gather the counts now (the weight is applied on the devices during the backward)."""
@@ -344,7 +327,7 @@ class _DeviceReduction:
             raise DataParallelError(f"rank {self.global_rank}: normalize_by called twice before one model.step")
         mine = torch.tensor([count, 1.0 if self.reduced_this_step else 0.0], dtype=torch.float64)
         rows = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self._main_collective(lambda: dist.all_gather(rows, mine, group=self.control), "normalize_by's all_gather of the counts")
+        run_collective(lambda: dist.all_gather(rows, mine, group=self.control), self.where, "normalize_by's all_gather of the counts")
         counts = [float(r[0]) for r in rows]
         total = sum(counts)
         if total <= 0:
@@ -359,89 +342,37 @@ class _DeviceReduction:
             )
         self.weight = count / total
         self.count_given = True
-        # Units reduced on the host (an AutoRoundPipe's host parameters) use the same weight at the step.
-        optim_thread.submit(self.owner._set_weight, self.weight)
+        # Units reduced on the host (an AutoRoundPipe's host parameters) use the same weight at the step:
+        # queued on the optimizer thread, it applies to the next step kernel.
+        optim_thread.submit(self.host_weight, self.weight)
 
     def agree_plan(self, model: RoundPipe, run_type: str, plan: ModelExecutePlan) -> ModelExecutePlan:
-        """The plan of a training call, the same on every rank (rank 0's); see the comment above."""
+        """The plan of a training call, the same on every rank (rank 0's; ``device_order``)."""
         index = self.index_of.get(id(model))
-        if run_type not in _RUN_CODES or index is None:
+        if run_type not in RUN_CODES or index is None:
             return plan  # inference: no gradients, no collectives (rank-local evaluation is fine)
-        n_dev = device_mod.get_num_devices()
-        header = [self.steps, self.calls, index, model.num_layers, n_dev, dispatcher.position(), _RUN_CODES[run_type], len(plan.fwd_plan), len(plan.bwd_plan)]
-        mine = _encode_plan(header, plan, self.max_layers)
-        rows_t = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self._main_collective(
-            lambda: dist.all_gather(rows_t, mine, group=self.control),
-            f"plan agreement before training call {self.calls + 1} of step {self.steps + 1} (model {model.name!r})",
-        )
-        self.calls += 1
-        rows = [r.tolist() for r in rows_t]
-        self._check_same(rows, model)
-        agreed = _decode_plan(rows[0], self.max_layers)
-        # Jobs take devices round robin from the dispatcher's position: start where rank 0 starts, so
-        # device k gets the same jobs, and issues the same collectives in the same order, everywhere.
-        dispatcher.seek(int(rows[0][5]))
-        if agreed != plan:
-            self.adopted_plans += 1
-            if self.adopted_plans == 1:
-                logger.info("data parallel: rank %d runs rank 0's plan %s instead of its own %s (ranks must run the same plan "
-                            "with reduce_on='device'; auto plans follow each rank's timings)", self.global_rank, agreed, plan)
-        return agreed
-
-    def _check_same(self, rows: List[List[int]], model: RoundPipe) -> None:
-        """Raise on every rank (all see the same rows) when ranks are not at the same call."""
-
-        def differ(k: int) -> bool:
-            return any(r[k] != rows[0][k] for r in rows)
-
-        def per_rank(k: int) -> str:
-            return ", ".join(f"rank {i}: {r[k]}" for i, r in enumerate(rows))
-
-        where = f"rank {self.global_rank}/{self.world_size}: training call {self.calls} of step {self.steps + 1} (model {model.name!r})"
-        if differ(0) or differ(1):
-            at = ", ".join(f"rank {i}: call {r[1] + 1} of step {r[0] + 1}" for i, r in enumerate(rows))
-            raise DataParallelError(
-                f"{where}: the ranks are at different training calls ({at}). With reduce_on='device' "
-                "every rank must run every forward/backward, since the gradients are reduced inside it: a rank may not skip "
-                "a call (e.g. for a share of the batch without rows or without trained tokens). Give every rank at least "
-                "one row (weight its loss 0 if it has nothing to train on), or use reduce_on='host'"
-            )
-        if differ(4):
-            raise DataParallelError(
-                f"{where}: the ranks have different numbers of local devices ({per_rank(4)}); device k of each rank "
-                "reduces with device k of the others, so every rank needs the same number (RPP_DEVICES)"
-            )
-        if differ(2) or differ(3) or differ(6):
-            raise DataParallelError(
-                f"{where}: the ranks run different calls (model index {per_rank(2)}; run type {per_rank(6)}); "
-                "every rank must call the same models in the same order"
-            )
+        return self.agreement.agree(model, index, run_type, plan)
 
     # ---- device threads --------------------------------------------------------------------------------
-    def _layout(self, pairs: List[Tuple[nn.Parameter, nn.Parameter]]) -> List[_LayerBucket]:
-        """Buckets of one layer: bucket 0 packed, starting with the presence counts; small gradients
-        packed up to ``bucket_mb``; a gradient of at least ``bucket_mb`` (reduced in its own dtype)
-        alone, in place."""
-        rd = self.owner.reduce_dtype
-        first = _LayerBucket([], rd or pairs[0][0].dtype, 0, packed=True, nflags=len(pairs))
-        buckets = [first]
-        cur = first
-        limit = self.owner.bucket_bytes
-        for i, (p, _) in enumerate(pairs):
-            dtype = rd or p.dtype
-            nbytes = p.numel() * dtype.itemsize
-            if nbytes >= limit and dtype == p.dtype:
-                buckets.append(_LayerBucket([i], dtype, p.numel(), packed=False))
-                continue
-            if cur.dtype != dtype or (cur.indices and (cur.numel + p.numel()) * dtype.itemsize > limit):
-                cur = _LayerBucket([], dtype, 0, packed=True)
-                buckets.append(cur)
-            cur.indices.append(i)
-            cur.numel += p.numel()
-        return buckets
-
-    def reduce_layer(self, slot: _LayerSlot, cpu_layer: nn.Module, gpu_layer: nn.Module, layer_id: int, device: Any) -> None:
+    # Streams (CUDA). ``transfer.download_layer`` calls the ``LayerSlot`` at the end of a backward job with
+    # the download stream current, right after ``downstream.wait_stream(compute_stream)``: everything
+    # below is queued on ``downstream`` behind the layer's backward of all microbatches, so the packing
+    # reads final gradients. ``dist.all_reduce`` on an NCCL group makes NCCL's internal stream wait for the
+    # current stream (``downstream``) before the collective, and ``work.wait()`` makes the current stream
+    # wait for the collective's end, without blocking the host. So the unpacking and the gradient download
+    # queued next on ``downstream`` see the reduced values, the device thread never blocks (it goes on
+    # issuing its next job while NCCL runs), and the compute stream never waits for communication
+    # (later downloads on this device, e.g. of its next job's activations, queue behind it: that is where
+    # a rank waits for a slower peer). No deadlock: host threads never wait for NCCL (only the main thread,
+    # after the backward, and the optimizer thread wait for downloads), and every stream dependency,
+    # collectives included, points to work of an earlier-dispatched job, in the same dispatch order on
+    # every rank, so the dependency graph across ranks has no cycle. Tensors stay alive as long as streams
+    # use them: the flat buffers are allocated on ``downstream`` (the caching allocator reuses them only for
+    # later work on that stream) and NCCL records its own use of its inputs; device gradients are released
+    # through the memory manager, which waits for ``downstream``. Host buffers read by an upload on
+    # ``downstream`` (the seeds) are written again only by the gradient download queued after it on the
+    # same stream. On CPU workers the same code runs with gloo; ``work.wait()`` blocks the device thread.
+    def reduce_layer(self, slot: LayerSlot, cpu_layer: nn.Module, gpu_layer: nn.Module, layer_id: int, device: Any) -> None:
         """All-reduce one layer's device gradients (SUM of weighted shares, plus rank 0's seed) in place,
         on the current (download) stream; see the class and the comment above for the reasoning."""
         pairs = _trainable_pairs(cpu_layer, gpu_layer)
@@ -474,7 +405,7 @@ class _DeviceReduction:
         targets: List[torch.Tensor] = []
         works: List[Any] = []
         nbytes = 0
-        buckets = self._layout(pairs)
+        buckets = layer_buckets(host_params, self.options.reduce_dtype, self.options.bucket_bytes)
         for b in buckets:
             target = self._prepare(b, pairs, flags, seeds, weight)
             targets.append(target)
@@ -501,17 +432,13 @@ class _DeviceReduction:
             self.reduced_this_step = True
             self.sequence.setdefault(k, []).append(slot.index)
             self.timings.append((ready, done) if cuda else time.perf_counter() - t0)
-        with self.owner.stats_lock:
-            self.owner.stats.collectives += len(works)
-            self.owner.stats.bytes += nbytes
-            if not cuda:
-                self.owner.stats.comm_s += time.perf_counter() - t0
+        self.counter.count(collectives=len(works), nbytes=nbytes, comm_s=0.0 if cuda else time.perf_counter() - t0)
         if self.monitor is not None and ready is not None:
             self.monitor.add(ready, done, what, nbytes)
 
-    def _prepare(self, b: _LayerBucket, pairs: List[Tuple[nn.Parameter, nn.Parameter]], flags: List[float], seeds: List[Optional[torch.Tensor]], weight: float) -> torch.Tensor:
+    def _prepare(self, b: LayerBucket, pairs: List[Tuple[nn.Parameter, nn.Parameter]], flags: List[float], seeds: List[Optional[torch.Tensor]], weight: float) -> torch.Tensor:
         """This rank's input of one bucket: ``weight * gradient`` (+ rank 0's seed), counts first."""
-        chunk = max(1, self.owner.bucket_bytes // b.dtype.itemsize)
+        chunk = max(1, self.options.bucket_bytes // b.dtype.itemsize)
         if not b.packed:
             dp = pairs[b.indices[0]][1]
             target = dp.grad if dp.grad.is_contiguous() else dp.grad.contiguous()
@@ -540,7 +467,7 @@ class _DeviceReduction:
             off += n
         return flat
 
-    def _unpack(self, b: _LayerBucket, target: torch.Tensor, pairs: List[Tuple[nn.Parameter, nn.Parameter]], slot: _LayerSlot) -> None:
+    def _unpack(self, b: LayerBucket, target: torch.Tensor, pairs: List[Tuple[nn.Parameter, nn.Parameter]], slot: LayerSlot) -> None:
         """Reduced values back into the device gradients (downloaded next); counts to the host."""
         if not b.packed:
             dp = pairs[b.indices[0]][1]
@@ -563,7 +490,8 @@ class _DeviceReduction:
     # ---- optimizer thread ----------------------------------------------------------------------------
     def finish_step(self, units: List[Tuple[LayerAttribute, List[nn.Parameter]]]) -> None:
         """At the step (all downloads landed): drop gradients no rank had, check that every rank reduced
-        the same layers in the same order, and account the step's device time."""
+        the same layers in the same order (the last guard of ``device_order``), and account the step's
+        device time."""
         present: Dict[int, bool] = {}
         for slot in self.slots:
             if slot.flags_valid and slot.flags_host is not None:
@@ -582,10 +510,10 @@ class _DeviceReduction:
         h = hashlib.sha256(repr(sorted(sequence.items())).encode()).digest()
         mine = torch.tensor([int.from_bytes(h[:8], "little", signed=True)], dtype=torch.int64)
         rows = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self.owner._count_collective(0)
+        self.counter.count(collectives=1)
         t0 = time.perf_counter()
         try:
-            dist.all_gather(rows, mine, group=self.owner.group)
+            dist.all_gather(rows, mine, group=self.host_group)
         except Exception as exc:  # noqa: BLE001 - reported with its context
             raise self.error("the step's check of the device reduction order (all_gather)", 0, time.perf_counter() - t0, exc) from exc
         bad = [r for r, t in enumerate(rows) if int(t) != int(rows[0])]
@@ -596,3 +524,39 @@ class _DeviceReduction:
                 "Every rank must run the same RoundPipe calls in the same order (no rank-local training calls between a "
                 "forward and its backward)"
             )
+
+
+def setup_device_reduction(model: RoundPipeBase, options: ReduceOptions, counter: StatsCounter, host_group: Any,
+                           host_weight: Callable[[float], None], backend_name: str) -> DeviceReduction:
+    """Create the control group and one group per local device (every rank, same order: ``new_group``
+    is a collective of the default group), connect them, and return the reduction of ``model``'s
+    RoundPipe layers (to :meth:`DeviceReduction.install`)."""
+    secs = timeout_s()
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=secs))
+    # NCCL's watchdog ends the process after the group timeout; ours names the layer first (monitor).
+    grad_secs = secs + (NCCL_GRACE_S if backend_name == "nccl" else 0.0)
+    devices = list(device_mod.device_list)
+    if backend_name == "nccl" and torch.cuda.current_device() not in [d.device.index for d in devices]:
+        # This rank's GPUs came from RPP_DEVICES: make the first one current, so nothing NCCL or CUDA
+        # does on the main thread lands on another rank's GPU (init_from_env does the same).
+        torch.cuda.set_device(devices[0].device)
+    groups = [dist.new_group(backend=backend_name, timeout=timedelta(seconds=grad_secs)) for _ in devices]
+    world = dist.get_world_size()
+    for k, (d, group) in enumerate(zip(devices, groups)):
+        # Connect now, group by group in the same order on every rank (NCCL would otherwise create its
+        # communicators lazily inside the first backward): a broken setup fails here, clearly.
+        try:
+            t = torch.ones(1, device=d.device)
+            dist.all_reduce(t, group=group)
+            got = float(t.item())  # synchronises with the collective
+        except Exception as exc:  # noqa: BLE001 - reported with its context
+            raise DataParallelError(f"rank {dist.get_rank()}/{world}: connecting the {backend_name} group of local device #{k} ({d.device}) failed: {exception_summary(exc)}") from exc
+        if got != world:
+            raise DataParallelError(f"rank {dist.get_rank()}/{world}: the {backend_name} group of local device #{k} ({d.device}) summed {got:g} instead of {world}")
+    models = roundpipes_of(model)
+    return DeviceReduction(options, counter, host_group, host_weight, groups, control, backend_name, len(devices), max((m.num_layers for m in models), default=1))
+
+
+def roundpipes_of(model: RoundPipeBase) -> List[RoundPipe]:
+    """The RoundPipe models whose layers run on the devices: ``model`` itself, or an AutoRoundPipe's parts."""
+    return [model] if isinstance(model, RoundPipe) else [m for m in model.model.modules() if isinstance(m, RoundPipe)]
