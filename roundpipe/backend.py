@@ -187,6 +187,34 @@ def free_memory_bytes(device: torch.device) -> int:
         return int(pages * os.sysconf("SC_PAGE_SIZE"))
 
 
+def capacity_bytes(device: torch.device) -> int:
+    """What this process could hold on ``device`` at most now: free memory plus what its own allocator
+    caches unused (CUDA, under ``RPP_GPU_MEMORY``), or the host's available memory for CPU workers."""
+    if not is_cuda(device):
+        return free_memory_bytes(device)
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    total = free + cached
+    cap = gpu_memory_cap_bytes()
+    if cap is not None:
+        total = min(total, cap - torch.cuda.memory_allocated(device))
+    return int(max(0, total))
+
+
+def host_budget_bytes() -> int:
+    """Host bytes this process may still allocate: ``RPP_HOST_MEMORY`` less what it holds now, else the
+    available memory less a margin (5% of the total, at least 2 GiB) for the rest of the system."""
+    import psutil
+
+    from roundpipe import settings
+
+    gib = settings.HOST_MEMORY_GIB.get()
+    if gib is not None:
+        return int(max(0, gib * 2**30 - psutil.Process().memory_info().rss))
+    vm = psutil.virtual_memory()
+    return int(max(0, vm.available - max(2 * 2**30, 0.05 * vm.total)))
+
+
 def pin_enabled() -> bool:
     """Pinned host memory only pays (and only works) when CUDA is present."""
     return torch.cuda.is_available()

@@ -244,6 +244,11 @@ def get_min_gpu_memory() -> float:
     return min(backend.free_memory_bytes(d.device) for d in get_devices()) / 1024**3
 
 
+def get_min_capacity() -> int:
+    """The least any device could hold for this process now, in bytes (``backend.capacity_bytes``)."""
+    return min(backend.capacity_bytes(d.device) for d in get_devices())
+
+
 def wait_all_idle() -> None:
     """Block until every device has finished issuing its jobs."""
     for d in device_list:

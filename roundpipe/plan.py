@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, List, Optional
 
 from roundpipe import device
-from roundpipe.planner import RunType, plan_stages, validate_plan
+from roundpipe.planner import ActivationCosts, RunType, plan_stages, validate_plan
 
 if TYPE_CHECKING:
     from roundpipe.roundpipe import RoundPipe
@@ -80,10 +80,12 @@ class ModelExecutePlan:
         min_stages: Optional[int] = None,
         upper_threshold: float = 1.1,
         model_memory_limit: Optional[float] = None,
+        activations: Optional[ActivationCosts] = None,
     ) -> "ModelExecutePlan":
         """Plan from the models' timers (see ``roundpipe.planner``); one plan per model is returned by
         ``auto_many``. With one model this returns its plan."""
-        plans = cls.auto_many(run_type, *models, min_stages=min_stages, upper_threshold=upper_threshold, model_memory_limit=model_memory_limit)
+        plans = cls.auto_many(run_type, *models, min_stages=min_stages, upper_threshold=upper_threshold, model_memory_limit=model_memory_limit,
+                              activations=[activations] * len(models) if activations is not None else None)
         return plans[0]
 
     @classmethod
@@ -94,8 +96,10 @@ class ModelExecutePlan:
         min_stages: Optional[int] = None,
         upper_threshold: float = 1.1,
         model_memory_limit: Optional[float] = None,
+        activations: Optional[List[Optional[ActivationCosts]]] = None,
     ) -> List["ModelExecutePlan"]:
-        """Plans for several models sharing one device memory budget."""
+        """Plans for several models sharing one device memory budget; ``activations`` (per model) also
+        budgets a training call's activations (``planner.ActivationCosts``)."""
         if not models:
             raise ValueError("ModelExecutePlan.auto needs at least one RoundPipe model")
         if min_stages is None:
@@ -104,7 +108,7 @@ class ModelExecutePlan:
             model_memory_limit = device.get_min_gpu_memory() * 0.6
         total = sum(sum(m.layer_size) for m in models) or 1.0
         plans = []
-        for m in models:
+        for k, m in enumerate(models):
             # Several models share the budget in proportion to their size.
             share = model_memory_limit * (sum(m.layer_size) / total) if len(models) > 1 else model_memory_limit
             _, fwd_t, bwd_t = m.model_timer.get_estimate(run_type)
@@ -117,6 +121,7 @@ class ModelExecutePlan:
                 min_stages=min_stages,
                 upper_threshold=upper_threshold,
                 memory_limit_bytes=share * 1024**3,
+                activations=activations[k] if activations is not None else None,
             )
             plans.append(cls(fwd, bwd))
         return plans

@@ -23,6 +23,7 @@ possible, then spreads the remaining time evenly.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import List, Literal, Optional, Sequence, Tuple
 
 RunType = Literal["infer", "train", "fused"]
@@ -38,6 +39,44 @@ class PlanMemoryError(ValueError):
     """A single layer does not fit in the per-stage memory budget, so no plan exists."""
 
 
+class ActivationMemoryError(PlanMemoryError):
+    """No plan keeps a call's activations within the GPU or the host budget (``plan_stages`` with
+    ``activations``). ``gpu_needed`` / ``host_needed``: the bytes the best plan would need."""
+
+    def __init__(self, message: str, gpu_needed: float, host_needed: float) -> None:
+        super().__init__(message)
+        self.gpu_needed = gpu_needed
+        self.host_needed = host_needed
+
+
+@dataclass(frozen=True)
+class ActivationCosts:
+    """What a call's activations cost per layer, for planning under GPU and host budgets.
+
+    With sequence lengths of tens of thousands of tokens a stage's activations, not its weights, decide
+    whether it fits, and the inputs of the backward stages (kept on the host from the forward to the
+    backward) decide the host memory. Per layer ``i`` (bytes):
+    """
+
+    kept: Sequence[float]
+    """GPU bytes the recompute of layer ``i`` keeps for the backward while later layers of its stage
+    run (one microbatch)."""
+    peak: Sequence[float]
+    """GPU bytes while layer ``i`` itself is back-propagated (its kept bytes and its transients)."""
+    checkpoint: Sequence[float]
+    """Host bytes kept when a backward stage starts at layer ``i``: its input, all microbatches."""
+    gpu_limit: float
+    """GPU bytes per device for one stage's activations (beyond the weights)."""
+    host_limit: float
+    """Host bytes for all backward stages' inputs."""
+
+    def stage_bytes(self, start: int, stop: int) -> float:
+        """GPU activation bytes of a backward stage of layers [start, stop): the layer back-propagated
+        at the time needs its peak, the others what their recompute keeps."""
+        kept = sum(self.kept[start:stop])
+        return kept + max(self.peak[i] - self.kept[i] for i in range(start, stop))
+
+
 def plan_stages(
     run_type: RunType,
     fwd_times: Sequence[float],
@@ -47,6 +86,7 @@ def plan_stages(
     min_stages: int,
     upper_threshold: float,
     memory_limit_bytes: float,
+    activations: Optional[ActivationCosts] = None,
 ) -> Tuple[List[range], List[range]]:
     """Plan forward and backward layer groups.
 
@@ -62,6 +102,10 @@ def plan_stages(
         upper_threshold: A group's time may be at most this multiple of the slowest layer's time (>= 1).
         memory_limit_bytes: Device memory for model parameters (and gradients); each group gets half of it
             because the current and the prefetched group are resident at once.
+        activations: A call's activation costs (training runs at long context): each backward group's
+            activations must fit ``gpu_limit``, and the backward groups' input checkpoints together
+            ``host_limit``. Under host pressure groups grow beyond the time cap (fewer, longer stages
+            cost no throughput on the round-robin pipeline, only device memory).
 
     Returns:
         ``(fwd_plan, bwd_plan)``, each a list of contiguous ranges in layer order. For 'infer' the
@@ -70,6 +114,7 @@ def plan_stages(
 
     Raises:
         PlanMemoryError: A single layer is larger than ``memory_limit_bytes / 2``.
+        ActivationMemoryError: No backward plan fits the activation budgets (``activations``).
         ValueError: Inputs of the wrong length, negative or non-finite costs, or a threshold below 1.
 
     Fused choice: the fused group runs forward + backward of its layers, and its cost is estimated by the
@@ -105,6 +150,25 @@ def plan_stages(
     if run_type == "infer":
         return _partition(fwd_times, layer_bytes, min_stages, upper_threshold, mem_cap), []
 
+    if activations is not None:
+        _check_activations(activations, n)
+        plain = _plain_training_plan(run_type, fwd_times, bwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
+        if _within(plain[1], activations, run_type == "fused"):
+            return plain
+        return _plan_with_activations(run_type, fwd_times, bwd_times, layer_bytes, min_stages, upper_threshold, mem_cap, activations)
+    return _plain_training_plan(run_type, fwd_times, bwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
+
+
+def _plain_training_plan(
+    run_type: RunType,
+    fwd_times: Sequence[float],
+    bwd_times: Sequence[float],
+    layer_bytes: Sequence[int],
+    min_stages: int,
+    upper_threshold: float,
+    mem_cap: float,
+) -> Tuple[List[range], List[range]]:
+    """The time-balanced training plan under the weight cap (activations not budgeted)."""
     bwd_plan = _partition(bwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
     if run_type == "train":
         fwd_plan = _partition(fwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
@@ -128,6 +192,123 @@ def plan_stages(
     # only per-group overhead and costs device memory (two groups are resident at once).
     fwd_plan = _partition(fwd_times[:fused_start], layer_bytes[:fused_start], min_stages - 1, upper_threshold, mem_cap)
     return fwd_plan, bwd_plan
+
+
+def checkpoint_bytes(bwd_plan: Sequence[range], a: ActivationCosts, fused: bool) -> float:
+    """Host bytes of a backward plan's input checkpoints: every stage's but the first layer's (the model
+    input is on the host anyway) and, for a fused run, the fused stage's (handed over on the device)."""
+    groups = list(bwd_plan[:-1]) if fused and bwd_plan else list(bwd_plan)
+    return float(sum(a.checkpoint[r.start] for r in groups if r.start > 0))
+
+
+def _within(bwd_plan: Sequence[range], a: ActivationCosts, fused: bool) -> bool:
+    """Whether every backward stage fits the GPU activation budget and the checkpoints the host one."""
+    return all(a.stage_bytes(r.start, r.stop) <= a.gpu_limit * (1 + _REL_TOL) for r in bwd_plan) and (
+        checkpoint_bytes(bwd_plan, a, fused) <= a.host_limit * (1 + _REL_TOL))
+
+
+def _check_activations(a: ActivationCosts, n: int) -> None:
+    for name in ("kept", "peak", "checkpoint"):
+        _check_costs(f"activations.{name}", getattr(a, name), n)
+    if not (a.gpu_limit >= 0 and a.host_limit >= 0):
+        raise ValueError(f"plan_stages: activation limits must be >= 0, got gpu {a.gpu_limit}, host {a.host_limit}")
+
+
+def _plan_with_activations(
+    run_type: RunType,
+    fwd_times: Sequence[float],
+    bwd_times: Sequence[float],
+    layer_bytes: Sequence[int],
+    min_stages: int,
+    upper_threshold: float,
+    mem_cap: float,
+    a: ActivationCosts,
+) -> Tuple[List[range], List[range]]:
+    """``plan_stages`` for a training call whose activations are budgeted (see ``ActivationCosts``).
+
+    The backward plan: the time-balanced plan when its stages fit the GPU budget and its checkpoints
+    the host budget; under host pressure the fewest stages the GPU budget allows, cut so their
+    checkpoints fit (groups may then exceed the time cap). For 'fused' the last stage is the fused
+    one, whose input is handed over on the device (no checkpoint). The forward plan is cut as without
+    activations (forward jobs keep no graph).
+    """
+    n = len(fwd_times)
+    if any(a.peak[i] > a.gpu_limit for i in range(n)):
+        worst = max(range(n), key=lambda i: a.peak[i])
+        raise ActivationMemoryError(
+            f"layer {worst} alone needs {a.peak[worst] / GiB:.1f} GiB of device memory for its activations; "
+            f"{a.gpu_limit / GiB:.1f} GiB are available", a.peak[worst], 0.0)
+    bwd = _activation_partition(layer_bytes, mem_cap, a, n, run_type == "fused")
+    if run_type == "train":
+        fwd = _partition(fwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
+        return fwd, bwd
+    fused_start = bwd[-1].start
+    if fused_start == 0:
+        return [], bwd
+    fwd = _partition(fwd_times[:fused_start], layer_bytes[:fused_start], min_stages - 1, upper_threshold, mem_cap)
+    return fwd, bwd
+
+
+def _activation_partition(sizes: Sequence[float], mem_cap: float, a: ActivationCosts, n: int, last_free: bool) -> List[range]:
+    """Contiguous backward groups of all ``n`` layers under the weight cap and the GPU activation budget
+    whose checkpoints fit the host budget, as many groups as possible (smaller stages keep less on the
+    device): a dynamic program over (groups, end) of the fewest checkpoint bytes, exact for contiguous
+    groups. Raises ``ActivationMemoryError`` when no such plan exists."""
+    s_prefix = _prefix(sizes)
+    k_prefix = _prefix(a.kept)
+    extra = [float(a.peak[i]) - float(a.kept[i]) for i in range(n)]
+    gpu_lim = a.gpu_limit * (1 + _REL_TOL)
+    w_lim = mem_cap * (1 + _REL_TOL)
+    # starts[j]: the group starts i such that [i, j) fits, nearest first.
+    starts: List[List[int]] = [[] for _ in range(n + 1)]
+    for j in range(1, n + 1):
+        worst = -math.inf
+        for i in range(j - 1, -1, -1):
+            worst = max(worst, extra[i])
+            if s_prefix[j] - s_prefix[i] > w_lim or k_prefix[j] - k_prefix[i] + worst > gpu_lim:
+                break  # longer groups ending at j only grow
+            starts[j].append(i)
+    if not starts[n] or any(not starts[j] for j in range(1, n + 1)):
+        worst_layer = max(range(n), key=lambda i: a.peak[i])
+        raise ActivationMemoryError(
+            f"no backward stage plan fits {a.gpu_limit / GiB:.1f} GiB of device memory for activations "
+            f"(layer {worst_layer} needs {a.peak[worst_layer] / GiB:.1f} GiB)", a.peak[worst_layer], 0.0)
+
+    def add(i: int, j: int) -> float:
+        return 0.0 if i == 0 or (j == n and last_free) else float(a.checkpoint[i])
+
+    INF = math.inf
+    # cost[k][j]: fewest checkpoint bytes covering layers [0, j) with k groups; back[k][j]: its last start.
+    cost = [[INF] * (n + 1) for _ in range(n + 1)]
+    back = [[-1] * (n + 1) for _ in range(n + 1)]
+    cost[0][0] = 0.0
+    for k in range(1, n + 1):
+        for j in range(k, n + 1):
+            for i in starts[j]:
+                c = cost[k - 1][i] + add(i, j)
+                if c < cost[k][j]:
+                    cost[k][j], back[k][j] = c, i
+    feasible = [k for k in range(1, n + 1) if cost[k][n] <= a.host_limit * (1 + _REL_TOL)]
+    if not feasible:
+        fewest = min(cost[k][n] for k in range(1, n + 1))
+        k_min = min(range(1, n + 1), key=lambda k: cost[k][n])
+        plan = _backtrack(back, k_min, n)
+        gpu = max(a.stage_bytes(r.start, r.stop) for r in plan)
+        raise ActivationMemoryError(
+            f"the backward stages' input checkpoints need at least {fewest / GiB:.1f} GiB of host memory "
+            f"(with stages of up to {max(len(r) for r in plan)} layers, which need {gpu / GiB:.1f} GiB of device memory); "
+            f"{a.host_limit / GiB:.1f} GiB are available", gpu, fewest)
+    return _backtrack(back, max(feasible), n)
+
+
+def _backtrack(back: List[List[int]], k: int, n: int) -> List[range]:
+    plan: List[range] = []
+    j = n
+    while k > 0:
+        i = back[k][j]
+        plan.append(range(i, j))
+        j, k = i, k - 1
+    return plan[::-1]
 
 
 def validate_plan(

@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from roundpipe import settings
+from roundpipe import budget, settings
 from roundpipe.attribute import LayerAttribute, ParamAttribute
 from roundpipe.batch import Batch
 from roundpipe.context import doing_optimizer
@@ -273,28 +273,40 @@ class RoundPipe(RoundPipeBase):
             cache[key] = [float(get_model_size(l) + (get_model_active_size(l) if key == "train" else 0)) for l in self.layers]
         return cache[key]
 
-    def resolve_plan(self, cfg: ResolvedRunConfig, run_type: RunType) -> ModelExecutePlan:
-        """The plan for this call: the user's (validated) or the model's default for ``run_type``, or
-        the one the model's ``grad_sync`` agrees on across processes (data parallel reducing on the
-        devices: every rank must run the same jobs)."""
-        plan = self._local_plan(cfg, run_type)
+    def resolve_plan(self, cfg: ResolvedRunConfig, run_type: RunType, batch: Optional[Batch] = None) -> ModelExecutePlan:
+        """The plan for this call: the user's (validated) or the model's default for ``run_type`` (for a
+        training call over ``batch``, within the activation budgets: ``roundpipe.budget``), or the one
+        the model's ``grad_sync`` agrees on across processes (data parallel reducing on the devices:
+        every rank must run the same jobs)."""
+        plan = self._local_plan(cfg, run_type, batch)
         return plan if self.grad_sync is None else self.grad_sync.agree_plan(self, run_type, plan)
 
-    def _local_plan(self, cfg: ResolvedRunConfig, run_type: RunType) -> ModelExecutePlan:
+    def _local_plan(self, cfg: ResolvedRunConfig, run_type: RunType, batch: Optional[Batch] = None) -> ModelExecutePlan:
         """This process's plan: the user's (validated) or the model's default for ``run_type``."""
         if cfg.execute_plan is not None:
             plan = cfg.execute_plan.for_run_type(run_type, self.num_layers)
             plan.check_valid(self.num_layers, run_type)
             return plan
+        profile = self.activation_profile(batch, cfg.recompute_grain) if batch is not None and run_type != "infer" else None
         # Auto plan: from size estimates at first, re-planned once real timings exist and then every
-        # REPLAN_EVERY timer updates (plans do not churn every iteration).
+        # REPLAN_EVERY timer updates (plans do not churn every iteration); per size of the call's
+        # activations (rounded up to a power of two of tokens) when the model reports them.
+        key = (run_type, 1 << max(0, profile.tokens - 1).bit_length()) if profile is not None else (run_type, 0)
         version = self.model_timer.version if self.model_timer.has_measurements(run_type) else -1
-        cached = self._plans.get(run_type)
+        cached = self._plans.get(key)
         if cached is None or (cached[1] != version and (cached[1] < 0 or version - cached[1] >= self.REPLAN_EVERY)):
-            plan = ModelExecutePlan.auto(run_type, self)
+            layer_bytes = self.layer_device_bytes(run_type)
+            plan = budget.plan_or_refuse(self.name, profile, layer_bytes,
+                                         lambda costs: ModelExecutePlan.auto(run_type, self, activations=costs))
+            assert isinstance(plan, ModelExecutePlan)
             plan.check_valid(self.num_layers, run_type)
-            self._plans[run_type] = (plan, version)
-        return self._plans[run_type][0]
+            self._plans[key] = (plan, version)
+        return self._plans[key][0]
+
+    def activation_profile(self, batch: Batch, recompute_grain: str) -> Optional["budget.ActivationProfile"]:
+        """What a training call over ``batch`` keeps per layer (``roundpipe.budget``), or None when the
+        model cannot tell: a plain RoundPipe is planned by its weights alone. Presets override it."""
+        return None
 
     # ---- running -------------------------------------------------------------------------------------
     def _needs_graph(self, batch: Batch) -> bool:
@@ -314,7 +326,7 @@ class RoundPipe(RoundPipeBase):
         batch = Batch(args, kwargs, cfg)
         train = cfg.requires_grad and self._needs_graph(batch)
         run_type: RunType = "train" if train else "infer"
-        run = Run(self, cfg, batch, run_type, self.resolve_plan(cfg, run_type))
+        run = Run(self, cfg, batch, run_type, self.resolve_plan(cfg, run_type, batch))
         if not train:
             with torch.no_grad():
                 guarded(run, f"model {self.name!r} forward", lambda: dispatch_forward(run))
@@ -351,7 +363,7 @@ class RoundPipe(RoundPipeBase):
         self._check_optimizer_idle()
         self._prepare_host_buffers()
         batch = Batch(input_args, dict(input_kwargs), cfg, label)
-        run = Run(self, cfg, batch, "fused", self.resolve_plan(cfg, "fused"), loss_fn, return_outputs)
+        run = Run(self, cfg, batch, "fused", self.resolve_plan(cfg, "fused", batch), loss_fn, return_outputs)
         guarded(run, f"model {self.name!r} forward_backward", lambda: dispatch_fused(run))
         finish_backward(run)
         for evs in batch.forward_events:

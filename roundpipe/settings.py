@@ -155,6 +155,9 @@ DEVICES: Setting[str] = _register(Setting(
 GPU_MEMORY_GIB: Setting[Optional[float]] = _register(Setting(
     "RPP_GPU_MEMORY", _size_gib, None, "the whole GPU", "a size such as `24GiB`, `24GB`, `20000MiB`",
     "Cap each GPU this process uses to this much memory (a per-process limit); the planner plans to it."))
+HOST_MEMORY_GIB: Setting[Optional[float]] = _register(Setting(
+    "RPP_HOST_MEMORY", _size_gib, None, "available memory less 5% (at least 2 GiB)", "a size such as `100GiB`",
+    "Host memory this process may use in all; the planner keeps activation checkpoints within it."))
 DEVICE_SAVED_GB: Setting[float] = _register(Setting(
     "RPP_DEVICE_SAVED_GB", _number(0.0), 0.0, "0", "a number of GiB >= 0",
     "Backward-stage inputs a call may keep on its (single) device instead of the host."))
