@@ -102,17 +102,20 @@ def _assert_close(got: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor], to
 
 class _CallCounter:
     """Counts calls of a module's forward by wrapping the instance's ``forward`` (no hook: a hook would
-    turn tiling off)."""
+    turn tiling off), and of the fused op that replaces the module's part when the layer is plain and
+    fused (``op``: a name in roundpipe.models.tiling)."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, op: str, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls = 0
-        inner = module.forward
+        module.forward = self._counted(module.forward)
+        monkeypatch.setattr(tiling, op, self._counted(getattr(tiling, op)))
 
-        def forward(*args: Any, **kwargs: Any) -> Any:
+    def _counted(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
             self.calls += 1
             return inner(*args, **kwargs)
 
-        module.forward = forward
+        return call
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -127,7 +130,7 @@ def test_tiles_cover_the_sequence_and_the_setting_decides() -> None:
     assert tiling.rows_per_tile(1, 8193, 8192) == 8192
     assert tiling.rows_per_tile(4, 4096, 8192) == 2048  # a tile counts the tokens of every row
     assert tiling.rows_per_tile(1, 100_000, 0) == 100_000  # 0: off
-    assert settings.SEQ_TILE.get() == 8192 or settings.SEQ_TILE.is_set()
+    assert settings.SEQ_TILE.get() == 16384 or settings.SEQ_TILE.is_set()
     with settings.overridden(seq_tile=16):
         assert tiling.rows_per_tile(2, 10) == 8
     with pytest.raises(ValueError, match="RPP_SEQ_TILE"):
@@ -155,10 +158,12 @@ LAYER_CASES = [
 
 
 @pytest.mark.parametrize("family,lora,padding,layer_type,fused", LAYER_CASES)
-@pytest.mark.parametrize("recompute", [False, True])
-def test_tiled_layer_equals_untiled(family: str, lora: bool, padding: bool, layer_type: str, fused: bool, recompute: bool) -> None:
+@pytest.mark.parametrize("mode", ["grad", "recompute", "recompute-pre-tiled"])
+def test_tiled_layer_equals_untiled(family: str, lora: bool, padding: bool, layer_type: str, fused: bool, mode: str,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Output, input gradient and every trainable parameter's gradient of one layer, 13 positions in
-    tiles of 4 (last tile 1). As a recompute the output is deferred: unfilled until materialize()."""
+    tiles of 4 (last tile 1). As a recompute the output is deferred (a placeholder without memory until
+    materialize()), and the pre-attention part runs untiled below PRE_TILES_IN_RECOMPUTE tiles."""
     base, layer = _make_layer(family, lora=lora, layer_type=layer_type)
     if fused:
         settings.configure(compile=False)
@@ -171,16 +176,54 @@ def test_tiled_layer_equals_untiled(family: str, lora: bool, padding: bool, laye
     ref_grads = dict(_param_grads(layer), x=x.grad)
     x.grad = None
 
-    mlp = _CallCounter(layer.mlp)
-    with RecomputeCtx(None) if recompute else torch.enable_grad():
+    if mode == "recompute-pre-tiled":
+        monkeypatch.setattr(tiling, "PRE_TILES_IN_RECOMPUTE", 1)
+    mlp = _CallCounter(layer.mlp, "POST_ATTENTION", monkeypatch)
+    q_proj = _CallCounter(layer.self_attn.q_proj, "PRE_ATTENTION", monkeypatch)
+    with RecomputeCtx(None) if mode != "grad" else torch.enable_grad():
         out = tiling.tiled_forward(layer, x, mask, pos, pe, rows=4)
-    assert mlp.calls == (0 if recompute else 4)  # deferred: the MLP has not run
-    assert tiling.materialize(out) is out
-    assert mlp.calls == 4
+    assert q_proj.calls == (1 if mode == "recompute" else 4)
+    if mode == "grad":
+        assert mlp.calls == 4 and tiling.materialize(out) is out
+    else:
+        assert mlp.calls == 0 and out.untyped_storage().nbytes() <= 8  # deferred: a placeholder
+        out = tiling.materialize(out)
+        assert mlp.calls == 4
     assert rel_err(out, ref) < TOL
     out.backward(g)
     assert mlp.calls == 8  # the backward recomputes each tile once
+    assert q_proj.calls == (1 if mode == "recompute" else 8)
     _assert_close(dict(_param_grads(layer), x=x.grad), ref_grads)
+
+
+def test_compiled_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With fused kernels and plain projections each tile's pre- and post-attention part is one
+    compiled op (aot_eager here: the same graphs as inductor without code generation): forward, a
+    recompute and its backward equal Hugging Face's in fp32; the ops compiled, they did not fall back."""
+    monkeypatch.setattr(kernels, "COMPILE_BACKEND", "aot_eager")
+    settings.configure(compile=True)
+    tiling.PRE_ATTENTION.reset()
+    tiling.POST_ATTENTION.reset()
+    base, layer = _make_layer("qwen3")
+    layer.float()
+    assert kernels.fuse_layer(layer)
+    x, mask, pos, pe = _inputs(base, 1, 13, False)
+    x = x.detach().float().requires_grad_()
+    pe = tuple(t.float() for t in pe)
+    ref = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=pe)
+    ref.backward(torch.ones_like(ref))
+    ref_grads = dict(_param_grads(layer), x=x.grad)
+    x.grad = None
+    with torch.no_grad():
+        assert rel_err(tiling.tiled_forward(layer, x, mask, pos, pe, rows=4), ref) < 1e-5
+    with RecomputeCtx(None):
+        out = tiling.materialize(tiling.tiled_forward(layer, x, mask, pos, pe, rows=4))
+    out.backward(torch.ones_like(out))
+    assert rel_err(out, ref) < 1e-5
+    _assert_close(dict(_param_grads(layer), x=x.grad), ref_grads, tol=1e-5)
+    for op in (tiling.PRE_ATTENTION, tiling.POST_ATTENTION):
+        assert op.compiled and not op.failed
+        op.reset()
 
 
 def test_no_grad_forward_and_frozen_input() -> None:
@@ -259,9 +302,10 @@ def test_tiling_bounds_the_intermediate_tensors(lora: bool) -> None:
 
 
 def test_dropout_masks_replay_in_backward() -> None:
-    """LoRA dropout (training mode) draws a mask per tile. Each tile's backward recompute draws the
-    forward's masks again, and the gradients equal those of the untiled layer applying the tiles'
-    masks concatenated; the caller's RNG state is given back after the backward."""
+    """LoRA dropout (training mode) draws a mask per tile. A recompute from the forward pass's RNG state
+    draws the same masks (so the pre-attention part stays tiled there), each tile's backward draws them
+    again, and the gradients equal those of the untiled layer applying the tiles' masks concatenated;
+    the caller's RNG state is given back after the backward."""
     base, layer = _make_layer("qwen3", lora=True, dropout=0.3)
     layer.train()
     x, mask, pos, pe = _inputs(base, 2, 7, False)
@@ -277,9 +321,17 @@ def test_dropout_masks_replay_in_backward() -> None:
         mod.forward = forward  # no hook: a hook would turn tiling off
 
     torch.manual_seed(123)
-    out = tiling.tiled_forward(layer, x, mask, pos, pe, rows=3)  # tiles of 3, 3, 1 positions
+    with torch.no_grad():  # RoundPipe's forward pass, then the recompute from the same RNG state
+        plain = tiling.tiled_forward(layer, x, mask, pos, pe, rows=3)  # tiles of 3, 3, 1 positions
     forward_masks = {n: list(v) for n, v in drawn.items()}
     assert all(len(v) == 3 for v in forward_masks.values())
+    for v in drawn.values():
+        v.clear()
+    torch.manual_seed(123)
+    with RecomputeCtx(None):
+        out = tiling.materialize(tiling.tiled_forward(layer, x, mask, pos, pe, rows=3))
+    assert torch.equal(out, plain)
+    assert all(all(torch.equal(a, b) for a, b in zip(drawn[n], forward_masks[n])) for n in drawn)
     g = torch.randn_like(out)
     state = torch.get_rng_state()
     out.backward(g)
@@ -372,11 +424,12 @@ def _reference(model: nn.Module, batch: Dict[str, Optional[torch.Tensor]]) -> Tu
 STAGED = ModelExecutePlan([range(0, 5)], [range(0, 2), range(2, 5)])
 
 MODEL_CASES = [
-    # family, lora, padding (Qwen3's tiny config has sliding-window layers: masks either way)
-    ("qwen3", False, True),
-    ("qwen3", True, False),
-    ("llama", False, False),
-    ("llama", True, True),
+    # family, lora, padding (Qwen3's tiny config has sliding-window layers: masks either way), tiles from
+    # which the recompute tiles the pre-attention part too (3 tiles here)
+    ("qwen3", False, True, 16),
+    ("qwen3", True, False, 1),
+    ("llama", False, False, 1),
+    ("llama", True, True, 16),
 ]
 
 
@@ -396,8 +449,8 @@ def _roundpipe_run(model: nn.Module, batch: Dict[str, Optional[torch.Tensor]], r
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
 @pytest.mark.parametrize("grain", ["stage", "layer"])
-@pytest.mark.parametrize("family,lora,padding", MODEL_CASES)
-def test_roundpipe_tiled_equals_untiled(workers: str, grain: str, family: str, lora: bool, padding: bool,
+@pytest.mark.parametrize("family,lora,padding,pre_tiles", MODEL_CASES)
+def test_roundpipe_tiled_equals_untiled(workers: str, grain: str, family: str, lora: bool, padding: bool, pre_tiles: int,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """fp64, 6 x 10 tokens in 3 microbatches of 2 x 10, tiles of 8 tokens (4 + 4 + 2 positions):
     ``train_step`` and ``forward`` + ``loss.backward()`` give the untiled run's loss and gradients to
@@ -409,6 +462,7 @@ def test_roundpipe_tiled_equals_untiled(workers: str, grain: str, family: str, l
     run = RoundPipeRunConfig(num_microbatch=3, recompute_grain=grain, execute_plan=STAGED)
     untiled = _roundpipe_run(model, batch, run, tile=0)
     calls = _count_tiled(monkeypatch)
+    monkeypatch.setattr(tiling, "PRE_TILES_IN_RECOMPUTE", pre_tiles)
     tiled = _roundpipe_run(model, batch, run, tile=8)
     assert calls[0] > 0
     for (loss, got), (loss0, got0) in zip(tiled, untiled):

@@ -410,7 +410,7 @@ class CausalLMHead(nn.Module):
         self.spec = spec
 
     def forward(self, state: State) -> Dict[str, torch.Tensor]:
-        hidden = self.norm(tiling.materialize(state["hidden_states"]))  # a tiled layer may defer its output
+        hidden = self.norm(tiling.materialize(state["hidden_states"]))  # a tiled layer may have deferred it
         options = state["options"]
         out: Dict[str, torch.Tensor] = {}
         if state["labels"] is not None or state["shift_labels"] is not None:

@@ -4,34 +4,38 @@ A Qwen3 / Llama decoder layer holds many tensors proportional to the sequence le
 are *position-wise* (each token's value depends on that token only): the norms, the q/k/v projections
 and q/k norms, the rotary embedding, the o projection, the residual adds and, largest of all, the MLP's
 ``seq x intermediate`` gate, up and activation tensors. Only attention mixes positions. Above
-``RPP_SEQ_TILE`` tokens a layer runs as three parts:
+``RPP_SEQ_TILE`` tokens (counted over the batch rows) a layer runs as three parts:
 
-(a) :class:`_PreAttention`: ``x -> (q, k, v)`` (input norm, projections, q/k norms, rotary) tile by tile,
-    written into preallocated full-length ``q``, ``k``, ``v``;
+(a) pre-attention, ``x -> (q, k, v)`` (input norm, projections, q/k norms, rotary), tile by tile into
+    preallocated full-length ``q``, ``k``, ``v`` (:class:`_PreAttention`);
 (b) attention over the full length through the model's own attention function (sdpa by default:
     causal flash / memory-efficient kernels without a mask, never a ``seq x seq`` score matrix);
-(c) :class:`_PostAttention`: ``(x, attn) -> y = x + o_proj(attn) -> y + mlp(norm(y))`` tile by tile.
+(c) post-attention, ``(x, attn) -> y = x + o_proj(attn) -> y + mlp(norm(y))``, tile by tile
+    (:class:`_PostAttention`).
 
 (a) and (c) are autograd Functions that save only their full-length inputs; their backward recomputes
 one tile at a time under grad, back-propagates it with the tile's slice of the output gradient, writes
 the tile's input gradient into a preallocated full-length gradient and sums the parameter gradients
-over tiles (returned to autograd like any input's). The Hugging Face submodules are called per tile, so
-PEFT adapters, the fused kernels (:mod:`roundpipe.models.kernels`) and any activation function work
-unchanged. A layer's working set beyond the layer input, ``q``/``k``/``v``, the attention output and the
-layer output is then one tile.
+over tiles (returned to autograd like any input's). Per tile they call the Hugging Face submodules, so
+PEFT adapters, the fused kernels (:mod:`roundpipe.models.kernels`) and any activation function work;
+with fused kernels and plain projections each part is one compiled op instead
+(:data:`PRE_ATTENTION`, :data:`POST_ATTENTION`, as ``kernels.DECODER_LAYER`` is for a whole layer).
 
-RoundPipe already recomputes a layer before its backward (the forward keeps no graph). During that
-recompute the value of (c)'s output is usually never read - it is only back-propagated through (the
-layer is the last of its stage, or ``recompute_grain='layer'``) - so (c) *defers* it: the output is
-allocated but left unfilled, and :func:`materialize` (called by every preset stage before it reads
-hidden states) fills it when a next layer of the same stage does read it. So (c) costs one forward per
-training step more only where a value is really needed, and (a) one recompute of its projections.
+RoundPipe recomputes a layer right before its backward (the forward pass keeps no graph), so the
+recompute avoids work the tiles would repeat:
+
+* (c)'s output is usually only back-propagated through there (the layer ends its stage, or
+  ``recompute_grain='layer'``): (c) *defers* it, returning a placeholder without memory, and
+  :func:`materialize` (through which every preset stage reads hidden states) computes it when a next
+  layer of the same stage does read it. The MLP then runs once per recompute + backward, as untiled.
+* (a) runs untiled, with its graph, below :data:`PRE_TILES_IN_RECOMPUTE` tiles: its activations are
+  O(seq x hidden), and recomputing its projections once more per tile would cost ~5% at 32K tokens.
 
 Dropout inside the tiled parts (PEFT ``lora_dropout`` in training) draws per tile; each tile's RNG state
 is recorded in forward and replayed by its backward recompute (the masks then differ from an untiled
 run's, but forward, recompute and backward agree). Layers the tiles cannot reproduce exactly fall back
 to the untiled forward: other families, hooks on the layer or its submodules (they would see tiles),
-projections that are not ``nn.Linear`` (or PEFT layers around one), a cache or extra arguments.
+projections that are not ``nn.Linear`` (or PEFT layers around one).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from roundpipe import backend, settings
@@ -50,6 +55,14 @@ from roundpipe.models import kernels
 Tiles = List[Tuple[int, int]]
 
 _FILL_ATTR = "_rpp_tiling_fill"
+
+PRE_TILES_IN_RECOMPUTE = 16
+"""In a recompute (its backward follows at once) the pre-attention part runs untiled, keeping its graph,
+below this many tiles: tiled, its backward would recompute the q/k/v projections once more, ~5% of the
+layer's time at 16K-32K tokens (Qwen3-8B, H100); from 16 tiles (256K tokens at the default tile)
+attention dominates, that recompute costs ~1%, and the activations it saves matter more: hidden + q +
+k columns per token (18 KB for Qwen3-8B in bf16 with fused kernels, ~55 KB with Hugging Face's eager
+norms)."""
 
 # ---------------------------------------------------------------------------------------------------------
 # Which layers tile
@@ -141,6 +154,74 @@ def tile_bounds(seq: int, rows: int) -> Tiles:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Each part as one compiled op (fused kernels on, plain projections): what kernels.DECODER_LAYER is for
+# an untiled layer, one graph instead of a dozen module calls, residual adds fused into the norms
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _pre_math(norm: Callable[..., torch.Tensor], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              weights: Tuple[Optional[torch.Tensor], ...], eps: Tuple[float, float, float], head_dim: int
+              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Input norm, q/k/v projections, q/k norms, rotary: ``q``, ``k``, ``v`` as ``[batch, seq, heads,
+    head_dim]`` (op for op as Hugging Face's layer)."""
+    ln1_w, q_w, k_w, v_w, qn_w, kn_w = weights
+    eps1, q_eps, k_eps = eps
+    b, s = x.shape[0], x.shape[1]
+    h = norm(x, ln1_w, eps1)
+    q = F.linear(h, q_w).view(b, s, -1, head_dim)
+    k = F.linear(h, k_w).view(b, s, -1, head_dim)
+    v = F.linear(h, v_w).view(b, s, -1, head_dim)
+    if qn_w is not None:
+        q, k = norm(q, qn_w, q_eps), norm(k, kn_w, k_eps)
+    q, k = kernels.rope(q, k, cos, sin)
+    return q.transpose(1, 2), k.transpose(1, 2), v
+
+
+def _post_math(norm: Callable[..., torch.Tensor], x: torch.Tensor, a: torch.Tensor,
+               weights: Tuple[torch.Tensor, ...], eps: float) -> torch.Tensor:
+    """``y = x + o_proj(a); y + down(silu(gate(norm(y))) * up(norm(y)))``."""
+    o_w, ln2_w, gate_w, up_w, down_w = weights
+    y = x + F.linear(a, o_w)
+    h = norm(y, ln2_w, eps)
+    return y + F.linear(kernels.swiglu(F.linear(h, gate_w), F.linear(h, up_w)), down_w)
+
+
+def pre_attention(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: Tuple[Optional[torch.Tensor], ...],
+                  eps: Tuple[float, float, float], head_dim: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_pre_math` with :func:`kernels.rms_norm_reference` (what gets compiled)."""
+    return _pre_math(kernels.rms_norm_reference, x, cos, sin, weights, eps, head_dim)
+
+
+def _pre_attention_eager(x, cos, sin, weights, eps, head_dim):  # type: ignore[no-untyped-def]
+    return _pre_math(kernels.rms_norm_eager, x, cos, sin, weights, eps, head_dim)
+
+
+def post_attention(x: torch.Tensor, a: torch.Tensor, weights: Tuple[torch.Tensor, ...], eps: float) -> torch.Tensor:
+    """:func:`_post_math` with :func:`kernels.rms_norm_reference` (what gets compiled)."""
+    return _post_math(kernels.rms_norm_reference, x, a, weights, eps)
+
+
+def _post_attention_eager(x, a, weights, eps):  # type: ignore[no-untyped-def]
+    return _post_math(kernels.rms_norm_eager, x, a, weights, eps)
+
+
+PRE_ATTENTION = kernels.FusedOp(pre_attention, _pre_attention_eager)
+POST_ATTENTION = kernels.FusedOp(post_attention, _post_attention_eager)
+
+
+def _plain(modules: Sequence[nn.Module]) -> bool:
+    """Fused kernels on for these modules and every projection a bias-free ``nn.Linear`` (no adapter):
+    the compiled parts compute what the modules would."""
+    for m in modules:
+        if isinstance(m, nn.Linear):
+            if type(m) is not nn.Linear or m.bias is not None:
+                return False
+        elif not kernels.is_fused(m):
+            return False
+    return kernels.whole_layer_enabled()
+
+
+# ---------------------------------------------------------------------------------------------------------
 # One layer's tiled computation
 # ---------------------------------------------------------------------------------------------------------
 
@@ -160,6 +241,18 @@ class _LayerTiles:
         self.post_modules: Tuple[nn.Module, ...] = (attn.o_proj, layer.post_attention_layernorm, layer.mlp)
         self.pre_dropout = _dropout_active(self.pre_modules)
         self.post_dropout = _dropout_active(self.post_modules)
+        ln1, ln2, mlp = layer.input_layernorm, layer.post_attention_layernorm, layer.mlp
+        self.pre_op: Optional[Tuple[Any, ...]] = None  # (weights, eps) of the compiled part, when it applies
+        if _plain(self.pre_modules):
+            qn, kn = (attn.q_norm, attn.k_norm) if self.qk_norm else (None, None)
+            self.pre_op = ((ln1.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
+                            qn.weight if qn is not None else None, kn.weight if kn is not None else None),
+                           (ln1.variance_epsilon, qn.variance_epsilon if qn is not None else 0.0,
+                            kn.variance_epsilon if kn is not None else 0.0))
+        self.post_op: Optional[Tuple[Any, ...]] = None
+        if _plain((attn.o_proj, ln2, mlp, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            self.post_op = ((attn.o_proj.weight, ln2.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight),
+                            ln2.variance_epsilon)
 
     # ---- per tile ----
 
@@ -167,6 +260,8 @@ class _LayerTiles:
         """Hugging Face's attention input for one tile: ``q``, ``k``, ``v`` as ``[batch, rows, heads,
         head_dim]`` views (the projection layout, which sdpa reads through a transpose)."""
         attn = self.attn
+        if self.pre_op is not None:
+            return PRE_ATTENTION(x, cos, sin, self.pre_op[0], self.pre_op[1], attn.head_dim)
         h = self.layer.input_layernorm(x)
         shape = (x.shape[0], x.shape[1], -1, attn.head_dim)
         q, k = attn.q_proj(h).view(shape), attn.k_proj(h).view(shape)
@@ -186,6 +281,9 @@ class _LayerTiles:
 
     def post_tile(self, x: torch.Tensor, a: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``y = x + o_proj(a); y + mlp(post_attention_layernorm(y))`` for one tile, into ``out`` if given."""
+        if self.post_op is not None:
+            result = POST_ATTENTION(x, a, self.post_op[0], self.post_op[1])
+            return result if out is None else out.copy_(result)
         y = x + self.attn.o_proj(a)
         m = self.layer.mlp(self.layer.post_attention_layernorm(y))
         return torch.add(y, m) if out is None else torch.add(y, m, out=out)
@@ -326,7 +424,8 @@ class _PreAttention(torch.autograd.Function):
 
 class _PostAttention(torch.autograd.Function):
     """``(x, attn) -> x + o_proj(attn) -> + mlp(norm(.))`` tile by tile; saves ``x`` and ``attn`` only.
-    With ``defer`` the output is allocated but not computed (see :func:`materialize`)."""
+    With ``defer`` nothing is computed and the output is a placeholder without memory of its own (see
+    :func:`materialize`)."""
 
     @staticmethod
     def forward(ctx: Any, lt: _LayerTiles, defer: bool, x: torch.Tensor, a: torch.Tensor, *params: torch.Tensor):  # type: ignore[override]
@@ -334,10 +433,9 @@ class _PostAttention(torch.autograd.Function):
         ctx.autocast = _autocast_state(x.device)
         ctx.rng = [] if lt.post_dropout else None
         ctx.save_for_backward(x, a, *params)
-        out = torch.empty_like(x)
-        if not defer:
-            lt.post_forward(x, a, out, ctx.rng)
-        return out
+        if defer:
+            return x.new_empty(()).expand(x.shape)
+        return lt.post_forward(x, a, torch.empty_like(x), ctx.rng)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor):  # type: ignore[override]
@@ -369,27 +467,34 @@ class _PostAttention(torch.autograd.Function):
 
 
 class _Deferred:
-    """How to fill a deferred layer output: the post-attention part's inputs (no reference to the
+    """How to compute a deferred layer output: the post-attention part's inputs (no reference to the
     output itself, so nothing keeps it alive)."""
 
     def __init__(self, lt: _LayerTiles, x: torch.Tensor, a: torch.Tensor) -> None:
-        self.lt, self.x, self.a = lt, x, a
-        self.autocast = _autocast_state(x.device)
+        self.lt, self.x, self.a = lt, x.detach(), a.detach()
 
-    def fill(self, out: torch.Tensor) -> None:
-        with torch.no_grad(), _autocast(out.device, self.autocast):
-            self.lt.post_forward(self.x.detach(), self.a.detach(), out.detach(), None)
+
+class _Materialize(torch.autograd.Function):
+    """The deferred output's value, computed now; its gradient passes to the placeholder unchanged (the
+    placeholder's backward, :class:`_PostAttention`'s, recomputes what it needs itself)."""
+
+    @staticmethod
+    def forward(ctx: Any, placeholder: torch.Tensor, deferred: _Deferred) -> torch.Tensor:  # type: ignore[override]
+        return deferred.lt.post_forward(deferred.x, deferred.a, torch.empty_like(deferred.x), None)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
 
 
 def materialize(hidden: Any) -> Any:
-    """Fill ``hidden`` if it is a layer output whose computation a tiled layer deferred (a recompute
-    whose output value may never be read); returns ``hidden``. Every preset stage calls it before it
-    reads hidden states."""
+    """``hidden`` itself, or, when it is the placeholder of a layer output a tiled layer deferred (in a
+    recompute, where the value may never be read), the computed output, connected to autograd through
+    the placeholder. Every preset stage reads hidden states through this."""
     deferred = getattr(hidden, _FILL_ATTR, None)
-    if deferred is not None:
-        delattr(hidden, _FILL_ATTR)
-        deferred.fill(hidden)
-    return hidden
+    if deferred is None:
+        return hidden
+    return _Materialize.apply(hidden, deferred)
 
 
 def tiled_forward(
@@ -407,8 +512,13 @@ def tiled_forward(
     # float tensor it hands a recompute as requiring grad).
     cos, sin = (t.detach() for t in position_embeddings)
     grad = torch.is_grad_enabled()
+    recompute = grad and doing_recompute()
     pre_params = _trainable(lt.pre_modules) if grad else []
-    if grad and (hidden.requires_grad or pre_params):
+    # Untiled with its graph (see PRE_TILES_IN_RECOMPUTE); not with dropout, which must draw the masks
+    # the forward pass drew, per tile.
+    if recompute and len(lt.tiles) < PRE_TILES_IN_RECOMPUTE and not lt.pre_dropout:
+        q, k, v = lt.pre_tile(hidden, cos, sin)
+    elif grad and (hidden.requires_grad or pre_params):
         q, k, v = _PreAttention.apply(lt, hidden, cos, sin, *pre_params)
     else:
         q, k, v = lt.pre_forward(hidden, cos, sin, None)
@@ -417,8 +527,8 @@ def tiled_forward(
     post_params = _trainable(lt.post_modules) if grad else []
     if grad and (hidden.requires_grad or a.requires_grad or post_params):
         # In a recompute the output is usually only back-propagated through: leave it to materialize().
-        # Not with dropout in the tiled part: a later fill would draw other masks than the forward did.
-        defer = doing_recompute() and not lt.post_dropout
+        # Not with dropout in the tiled part: a later computation would draw other masks.
+        defer = recompute and not lt.post_dropout
         out = _PostAttention.apply(lt, defer, hidden, a, *post_params)
         if defer:
             setattr(out, _FILL_ATTR, _Deferred(lt, hidden, a))
@@ -444,4 +554,16 @@ def maybe_tiled_forward(
     return tiled_forward(layer, hidden, attention_mask, position_ids, position_embeddings, rows)
 
 
-__all__ = ["materialize", "maybe_tiled_forward", "rows_per_tile", "tile_bounds", "tileable", "tiled_forward"]
+__all__ = [
+    "POST_ATTENTION",
+    "PRE_ATTENTION",
+    "PRE_TILES_IN_RECOMPUTE",
+    "materialize",
+    "maybe_tiled_forward",
+    "post_attention",
+    "pre_attention",
+    "rows_per_tile",
+    "tile_bounds",
+    "tileable",
+    "tiled_forward",
+]
