@@ -123,7 +123,8 @@ def tileable(layer: nn.Module) -> bool:
     """Whether ``layer`` (a decoder layer, possibly fused or PEFT-adapted) can run tiled."""
     if not _is(layer, "layer"):
         return False
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    attn: Any = getattr(layer, "self_attn", None)
+    mlp: Any = getattr(layer, "mlp", None)
     if not (_is(attn, "attention") and _is(mlp, "mlp")):
         return False
     if not (_is(getattr(layer, "input_layernorm", None), "norm") and _is(getattr(layer, "post_attention_layernorm", None), "norm")):
@@ -160,7 +161,7 @@ def tile_bounds(seq: int, rows: int) -> Tiles:
 
 
 def _pre_math(norm: Callable[..., torch.Tensor], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              weights: Tuple[Optional[torch.Tensor], ...], eps: Tuple[float, float, float], head_dim: int
+              weights: Tuple[Any, ...], eps: Tuple[float, float, float], head_dim: int
               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Input norm, q/k/v projections, q/k norms, rotary: ``q``, ``k``, ``v`` as ``[batch, seq, heads,
     head_dim]`` (op for op as Hugging Face's layer)."""
@@ -186,7 +187,7 @@ def _post_math(norm: Callable[..., torch.Tensor], x: torch.Tensor, a: torch.Tens
     return y + F.linear(kernels.swiglu(F.linear(h, gate_w), F.linear(h, up_w)), down_w)
 
 
-def pre_attention(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: Tuple[Optional[torch.Tensor], ...],
+def pre_attention(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: Tuple[Any, ...],
                   eps: Tuple[float, float, float], head_dim: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_pre_math` with :func:`kernels.rms_norm_reference` (what gets compiled)."""
     return _pre_math(kernels.rms_norm_reference, x, cos, sin, weights, eps, head_dim)
@@ -230,18 +231,18 @@ class _LayerTiles:
     """What the tiled parts of one layer call need: the modules, the tiles and how each tile runs."""
 
     def __init__(self, layer: nn.Module, tiles: Tiles) -> None:
-        self.layer = layer
-        self.attn = layer.self_attn
-        self.tiles = tiles
-        attn = self.attn
+        # Any: the Hugging Face submodules are attributes that nn.Module does not type
+        lay: Any = layer
+        attn: Any = lay.self_attn
+        self.layer, self.attn, self.tiles = lay, attn, tiles
         self.qk_norm = hasattr(attn, "q_norm")
         self.fused_rope = kernels.is_fused(attn)
-        self.pre_modules: Tuple[nn.Module, ...] = (layer.input_layernorm, attn.q_proj, attn.k_proj, attn.v_proj) + (
+        self.pre_modules: Tuple[nn.Module, ...] = (lay.input_layernorm, attn.q_proj, attn.k_proj, attn.v_proj) + (
             (attn.q_norm, attn.k_norm) if self.qk_norm else ())
-        self.post_modules: Tuple[nn.Module, ...] = (attn.o_proj, layer.post_attention_layernorm, layer.mlp)
+        self.post_modules: Tuple[nn.Module, ...] = (attn.o_proj, lay.post_attention_layernorm, lay.mlp)
         self.pre_dropout = _dropout_active(self.pre_modules)
         self.post_dropout = _dropout_active(self.post_modules)
-        ln1, ln2, mlp = layer.input_layernorm, layer.post_attention_layernorm, layer.mlp
+        ln1, ln2, mlp = lay.input_layernorm, lay.post_attention_layernorm, lay.mlp
         self.pre_op: Optional[Tuple[Any, ...]] = None  # (weights, eps) of the compiled part, when it applies
         if _plain(self.pre_modules):
             qn, kn = (attn.q_norm, attn.k_norm) if self.qk_norm else (None, None)
@@ -294,21 +295,17 @@ class _LayerTiles:
                     rng: Optional[List[torch.Tensor]]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Full-length ``q``, ``k``, ``v`` (``[batch, seq, heads, head_dim]``) filled tile by tile;
         ``rng`` collects each tile's RNG state when given."""
-        q = k = v = None
+        full: List[torch.Tensor] = []
         for s, e in self.tiles:
             if rng is not None:
                 rng.append(backend.get_rng_state(x.device))
-            qt, kt, vt = self.pre_tile(x[:, s:e], cos[:, s:e], sin[:, s:e])
-            if q is None:  # shapes (heads) known after the first tile
-                b, n = x.shape[0], x.shape[1]
-                q = qt.new_empty((b, n) + qt.shape[2:])
-                k = kt.new_empty((b, n) + kt.shape[2:])
-                v = vt.new_empty((b, n) + vt.shape[2:])
-            q[:, s:e].copy_(qt)
-            k[:, s:e].copy_(kt)
-            v[:, s:e].copy_(vt)
-            del qt, kt, vt
-        assert q is not None and k is not None and v is not None
+            parts = self.pre_tile(x[:, s:e], cos[:, s:e], sin[:, s:e])
+            if not full:  # shapes (heads) known after the first tile
+                full = [t.new_empty(x.shape[:2] + t.shape[2:]) for t in parts]
+            for buf, t in zip(full, parts):
+                buf[:, s:e].copy_(t)
+            del parts
+        q, k, v = full
         return q, k, v
 
     def post_forward(self, x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, rng: Optional[List[torch.Tensor]]) -> torch.Tensor:
@@ -378,9 +375,21 @@ def _tile_grads(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[torch.
 
 
 def _accumulate(acc: List[Optional[torch.Tensor]], grads: Sequence[Optional[torch.Tensor]]) -> None:
+    """Add one tile's parameter gradients to the running sums (the first tile's become the sums)."""
     for i, g in enumerate(grads):
+        prev = acc[i]
         if g is not None:
-            acc[i] = g if acc[i] is None else acc[i].add_(g)
+            acc[i] = g if prev is None else prev.add_(g)
+
+
+def _write(buf: Optional[torch.Tensor], s: int, e: int, grad: Optional[torch.Tensor]) -> None:
+    """One tile's input gradient into the full-length gradient (zeros where the tile had none)."""
+    if buf is None:
+        return
+    if grad is None:
+        buf[:, s:e].zero_()
+    else:
+        buf[:, s:e].copy_(grad)
 
 
 class _PreAttention(torch.autograd.Function):
@@ -409,14 +418,10 @@ class _PreAttention(torch.autograd.Function):
                 replay(k)
                 outs = lt.pre_tile(xt, ctx.cos[:, s:e], ctx.sin[:, s:e])
                 gouts = [None if g is None else g[:, s:e] for g in (dq, dk, dv)]
-                got = _tile_grads(outs, gouts, ([xt] if need_x else []) + wanted)
+                got = list(_tile_grads(outs, gouts, ([xt] if need_x else []) + wanted))
                 del outs
                 if need_x:
-                    if got[0] is None:
-                        dx[:, s:e].zero_()
-                    else:
-                        dx[:, s:e].copy_(got[0])
-                    got = got[1:]
+                    _write(dx, s, e, got.pop(0))
                 _accumulate(acc, got)
         it = iter(acc)
         return (None, dx, None, None, *[next(it) if need else None for need in ctx.needs_input_grad[4:]])
@@ -454,13 +459,10 @@ class _PostAttention(torch.autograd.Function):
                 out = lt.post_tile(xt, at)
                 got = list(_tile_grads([out], [dout[:, s:e]], ([xt] if need_x else []) + ([at] if need_a else []) + wanted))
                 del out
-                for flag, buf in ((need_x, dx), (need_a, da)):
-                    if flag:
-                        g = got.pop(0)
-                        if g is None:
-                            buf[:, s:e].zero_()
-                        else:
-                            buf[:, s:e].copy_(g)
+                if need_x:
+                    _write(dx, s, e, got.pop(0))
+                if need_a:
+                    _write(da, s, e, got.pop(0))
                 _accumulate(acc, got)
         it = iter(acc)
         return (None, None, dx, da, *[next(it) if need else None for need in ctx.needs_input_grad[4:]])
