@@ -198,6 +198,9 @@ FUSED_KERNELS: Setting[str] = _register(Setting(
 FUSED_LAYERS: Setting[bool] = _register(Setting(
     "RPP_FUSED_LAYERS", _bool, True, "1", "`1` or `0`",
     "Fused decoder layers run as one compiled op (0: the fused ops per module)."))
+SEQ_TILE: Setting[int] = _register(Setting(
+    "RPP_SEQ_TILE", _int(0), 16384, "16384", "tokens per tile, an integer >= 0 (`0`: off)",
+    "Qwen3 / Llama layers longer than this run norms, projections and MLP in tiles of this many tokens."))
 
 # ---- data parallel and CLI ------------------------------------------------------------------------
 DIST_BACKEND: Setting[str] = _register(Setting(

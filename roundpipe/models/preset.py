@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from roundpipe.context import doing_recompute, get_recompute_data, save_for_recompute
-from roundpipe.models import kernels
+from roundpipe.models import kernels, tiling
 from roundpipe.models.inputs import BATCH_ARGS, CausalLMInputs, takes_inputs
 from roundpipe.models.loss import IGNORE_INDEX, causal_lm_loss, count_loss_tokens, shift_causal_labels
 from roundpipe.transfer import HostScalar
@@ -364,14 +364,20 @@ class DecoderLayerStage(nn.Module):
         if collect:
             _router_sink.logits = sink
         try:
-            out = self.layer(
-                state["hidden_states"],
-                attention_mask=state["masks"][self.attention_type],
-                position_ids=state["position_ids"],
-                past_key_values=None,
-                use_cache=False,
-                position_embeddings=state["position_embeddings"],
-            )
+            # ---- sequence tiling (roundpipe.models.tiling): above RPP_SEQ_TILE tokens ----
+            hidden = tiling.materialize(state["hidden_states"])
+            mask = state["masks"][self.attention_type]
+            out = tiling.maybe_tiled_forward(self.layer, hidden, mask, state["position_ids"], state["position_embeddings"])
+            # ---- end sequence tiling ----
+            if out is None:
+                out = self.layer(
+                    hidden,
+                    attention_mask=mask,
+                    position_ids=state["position_ids"],
+                    past_key_values=None,
+                    use_cache=False,
+                    position_embeddings=state["position_embeddings"],
+                )
         finally:
             if collect:
                 _router_sink.logits = None
@@ -405,7 +411,7 @@ class CausalLMHead(nn.Module):
         self.spec = spec
 
     def forward(self, state: State) -> Dict[str, torch.Tensor]:
-        hidden = self.norm(state["hidden_states"])
+        hidden = self.norm(tiling.materialize(state["hidden_states"]))  # a tiled layer may have deferred it
         options = state["options"]
         out: Dict[str, torch.Tensor] = {}
         if state["labels"] is not None or state["shift_labels"] is not None:
