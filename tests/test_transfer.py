@@ -117,3 +117,52 @@ def test_a_backward_stage_without_gradients_still_waits_for_its_uploads(workers:
     # backward 0-1 computes nothing and must still wait for both, after its microbatch loop.
     assert waited.count((2, 0)) == 4 and waited.count((2, 1)) == 4, waited
     assert torch.equal(model[0].weight.grad, seed)
+
+
+class _PassThrough(torch.nn.Module):
+    """A layer of a dict state: changes ``x``, hands ``pos`` (a large side input) along unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, state: dict) -> dict:
+        return {"x": torch.tanh(self.lin(state["x"])) + state["pos"][..., :4], "pos": state["pos"]}
+
+
+class _Start(torch.nn.Module):
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> dict:
+        return {"x": x, "pos": pos}
+
+
+@pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
+def test_unchanged_side_inputs_are_downloaded_once(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor a layer hands along unchanged (a causal LM's position ids, rotary tables, labels) keeps
+    its first host copy at every later stage boundary: one download per call, not one per backward
+    stage; gradients are those of plain PyTorch."""
+    from roundpipe import RoundPipe, RoundPipeRunConfig
+    from roundpipe import jobs as jobs_mod
+    from roundpipe.plan import ModelExecutePlan
+
+    downloaded: list = []
+    real = jobs_mod.async_d2h
+    monkeypatch.setattr(jobs_mod, "async_d2h", lambda device, ev, ts: (downloaded.extend(t for t in ts if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[-1] == 64), real(device, ev, ts))[1])
+    torch.manual_seed(0)
+    layers = [_Start()] + [_PassThrough() for _ in range(6)]
+    ref = torch.nn.Sequential(*layers)
+    model = RoundPipe(torch.nn.Sequential(*[l for l in layers]), model_run_config=RoundPipeRunConfig(
+        num_microbatch=2, execute_plan=ModelExecutePlan.layerwise(7, "train")))
+    x, pos, y = torch.randn(4, 4), torch.randn(4, 64), torch.randn(4, 4)
+    loss = model.forward_backward(input_args=(x, pos), label=y, loss_fn=lambda o, t: ((o["x"] - t) ** 2).sum())
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    state = layers[0](x, pos)
+    for layer in layers[1:]:
+        state = layer(state)
+    expected = ((state["x"] - y) ** 2).sum()
+    expected.backward()
+    assert torch.allclose(loss, expected, rtol=1e-6)
+    assert all(torch.allclose(g, p.grad, rtol=1e-5, atol=1e-7) for g, p in zip(grads, ref.parameters()))
+    # The side input is an input of the call: its microbatch slices come from the host and are never
+    # downloaded again, whatever the number of stages.
+    assert not [t for t in downloaded if any(t.shape == half.shape and torch.equal(t, half) for half in pos.chunk(2))]
