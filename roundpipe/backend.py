@@ -220,6 +220,19 @@ def pin_enabled() -> bool:
     return torch.cuda.is_available()
 
 
+def empty_host_cache() -> None:
+    """Give the pinned blocks torch's host caching allocator holds unused back to the system. Activation
+    checkpoints come from that allocator, which keeps every block it ever served for reuse by a request
+    of the same (power-of-two) size: after calls of another length the old blocks would stay pinned."""
+    if not torch.cuda.is_available():
+        return
+    for fn in (getattr(getattr(torch, "accelerator", None), "memory", None) and getattr(torch.accelerator.memory, "empty_host_cache", None),
+               getattr(torch._C, "_accelerator_emptyHostCache", None), getattr(torch._C, "_host_emptyCache", None)):
+        if fn is not None:
+            fn()
+            return
+
+
 def empty_host_like(t: torch.Tensor) -> torch.Tensor:
     """An uninitialised host tensor shaped like ``t``, pinned when CUDA is in use (fast async copies)."""
     return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin_enabled())

@@ -158,6 +158,46 @@ class Estimate:
         ])
 
 
+def decoder_layer_bytes(shape: ModelShape, tokens: int, tile: int, tiled: bool, e: int = 2) -> Tuple[float, float]:
+    """(kept, peak) GPU bytes of one decoder layer's recompute + backward for a microbatch of ``tokens``,
+    beyond its weights, its input and its output gradient (those are counted by the caller).
+
+    Tiled (``roundpipe.models.tiling``, measured on one Qwen3-8B layer within 0.1%: docs/models.md):
+    the attention backward holds the layer input, q, k, v, the attention output, their gradients and
+    sdpa's fp32 dq; an MLP tile holds one tile's graph; below 16 tiles the pre-attention graph stays.
+    ``kept`` is what the layer's recompute leaves for the backward while a later layer of its stage
+    runs. Untiled, the norms, projections and the MLP's ``tokens x intermediate`` tensors stay too
+    (Hugging Face's layer: ~187 KB per token on Qwen3-8B, measured).
+    """
+    n, h, q, k, i, a = tokens, shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.heads
+    attention = n * (e * (h + 4 * q + 4 * k) + 4 * q + 2 * e * q + 8 * a)
+    kept = n * (e * (h + 2 * q + 2 * k) + 4 * a)
+    if not tiled:
+        full = n * e * (3 * i + 2 * h + q + k)
+        return float(kept + full), float(attention + full)
+    mlp_tile = n * (e * (h + 3 * q + 2 * k) + 4 * a) + min(tile, n) * e * (5 * i + 4 * h)
+    pre = n * e * (h + q + k) if math.ceil(n / tile) < 16 else 0
+    return float(kept + pre), float(max(attention, mlp_tile) + pre)
+
+
+def checkpoint_bytes_per_token(shape: ModelShape, e: int = 2) -> float:
+    """Host bytes per token of a decoder layer's input kept from the forward to the backward: the hidden
+    states (the rotary tables, position ids and labels handed along with them keep one host copy per
+    call, see ``roundpipe.jobs``)."""
+    return float(shape.hidden * e)
+
+
+def side_bytes_per_token(shape: ModelShape, e: int = 2) -> float:
+    """Host bytes per token of what a causal LM hands along once per call: rotary cos / sin, position
+    ids and labels (int64)."""
+    return float(2 * shape.head_dim * e + 16)
+
+
+def _pinned_block(nbytes: float) -> float:
+    """The size torch's pinned caching allocator gives a request of ``nbytes``: the next power of two."""
+    return float(1 << max(0, int(math.ceil(nbytes)) - 1).bit_length())
+
+
 def estimate(
     shape: ModelShape,
     seq_len: int,
@@ -196,55 +236,46 @@ def estimate(
     if tile is None:
         from roundpipe import settings
 
-        tile = settings.SEQ_TILE.get() if hasattr(settings, "SEQ_TILE") else 0
+        tile = settings.SEQ_TILE.get()
     b = dtype_bytes
     rows = math.ceil(batch_size / microbatches)
     t = rows * seq_len  # tokens of one microbatch: what one job holds at once
     total_tokens = batch_size * seq_len
     h, q, kv, inter = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate
-    tiled = bool(tile) and seq_len > tile
-    work = min(t, rows * tile) if tiled else t  # tokens of the position-wise working set
+    tiled = bool(tile) and t > tile
 
-    # ---- GPU ---------------------------------------------------------------------------------------
+    # ---- GPU ----------------------------------------------------------------------------------------
     layer_w = shape.layer_params() * b
     trainable_layer = shape.lora_params(lora_rank) if lora_rank else shape.layer_params()
     g = layers_per_stage
-    weights = 2 * g * layer_w  # the stage and the prefetched next one
-    grads = g * trainable_layer * b
-    rotary = t * shape.head_dim * 2 * b  # cos and sin, handed along with the hidden states
-    # What the recompute keeps per layer for its backward: input, q, k, v, attention output (+ fp32 lse).
-    kept = t * (h + 2 * q + 2 * kv) * b + t * shape.heads * 4
-    if not tiled:  # untiled: the norms, projections and the MLP's three seq x intermediate tensors too
-        kept += t * (3 * h + 3 * inter) * b
-    graph = (g if recompute_grain == "stage" else 1) * kept + (g - 1 if recompute_grain == "layer" else 0) * t * h * b
-    # Backward transients of one layer: output and input gradients, dq/dk/dv, the attention output's
-    # gradient and the attention backward's fp32 dq accumulator.
-    transient = t * (2 * h + 2 * q + 2 * kv) * b + t * q * 4
-    # One tile of the position-wise parts under recompute and backward (gate, up, activation and their
-    # gradients; the norms and projections of the tile).
-    tile_ws = work * (4 * inter + 6 * h) * b
-    head_ws = t * 2 * h * b + 2 * min(t, LOSS_CHUNK_TOKENS) * shape.vocab * 4
-    head_w = shape.vocab * h * b * (2 if not shape.tied and not lora_rank else 1)
-    stage_peak = weights + grads + graph + transient + tile_ws + rotary + t * h * b
-    head_peak = head_w + layer_w + head_ws + rotary + transient
-    gpu = {
-        "weights": weights + grads if stage_peak >= head_peak else head_w + layer_w,
-        "activations": (graph + transient + tile_ws + rotary + t * h * b) if stage_peak >= head_peak else head_ws + rotary + transient,
-        "runtime": float(GPU_OVERHEAD_BYTES),
-    }
+    weights = 2 * g * layer_w + g * trainable_layer * b  # the stage and the prefetched one; gradients
+    kept, peak = decoder_layer_bytes(shape, t, tile, tiled, b)
+    io = 2 * t * h * b  # the stage input and the output gradient
+    side = t * side_bytes_per_token(shape, b)
+    others = (g - 1) * (kept if recompute_grain == "stage" else t * h * b)
+    stage = peak + others + io + side
+    head_w = shape.vocab * h * b * (1 if shape.tied or lora_rank else 2) + (shape.vocab * h * b if not lora_rank else 0)
+    head = t * 3 * h * b + 2 * min(t, LOSS_CHUNK_TOKENS) * shape.vocab * 4 + side
+    if stage + weights >= head + head_w:
+        gpu = {"weights": float(weights), "activations": float(stage), "runtime": float(GPU_OVERHEAD_BYTES)}
+    else:
+        gpu = {"weights": float(head_w), "activations": float(head), "runtime": float(GPU_OVERHEAD_BYTES)}
 
     # ---- host --------------------------------------------------------------------------------------
     n = shape.params()
     trainable = shape.layers * shape.lora_params(lora_rank) if lora_rank else n
     boundaries = max(1, math.ceil(shape.layers / g))  # backward stages whose input waits on the host
-    checkpoints = boundaries * total_tokens * (h * b + shape.head_dim * 2 * b)
+    # One host tensor per stage and microbatch, from torch's pinned caching allocator, which rounds each
+    # block up to a power of two (GPU runs; see roundpipe.backend.empty_host_cache).
+    per_microbatch = _pinned_block(rows * seq_len * checkpoint_bytes_per_token(shape, b))
+    checkpoints = boundaries * microbatches * per_microbatch + total_tokens * side_bytes_per_token(shape, b)
     host = {
         "weights": float(n * b),
         "optimizer": float(trainable * (optimizer_bytes_per_param + grad_buffers * b)),
         "checkpoints": float(checkpoints),
         "runtime": float(HOST_OVERHEAD_BYTES),
     }
-    per_token_gpu = (gpu["activations"]) / t
+    per_token_gpu = gpu["activations"] / t
     per_token_host = checkpoints / total_tokens
     return Estimate(seq_len, batch_size, microbatches, lora_rank, layers_per_stage, gpu, host, per_token_gpu, per_token_host)
 

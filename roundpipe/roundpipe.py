@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from roundpipe import budget, settings
+from roundpipe import backend, budget, settings
 from roundpipe.attribute import LayerAttribute, ParamAttribute
 from roundpipe.batch import Batch
 from roundpipe.context import doing_optimizer
@@ -292,6 +292,12 @@ class RoundPipe(RoundPipeBase):
         # REPLAN_EVERY timer updates (plans do not churn every iteration); per size of the call's
         # activations (rounded up to a power of two of tokens) when the model reports them.
         key = (run_type, 1 << max(0, profile.tokens - 1).bit_length()) if profile is not None else (run_type, 0)
+        if profile is not None and self.__dict__.get("_last_activation_key", key) != key:
+            # Another length than the last call: the pinned blocks cached for its checkpoints would
+            # stay next to this call's (the host caching allocator reuses blocks of one size only).
+            backend.empty_host_cache()
+        if profile is not None:
+            self.__dict__["_last_activation_key"] = key
         version = self.model_timer.version if self.model_timer.has_measurements(run_type) else -1
         cached = self._plans.get(key)
         if cached is None or (cached[1] != version and (cached[1] < 0 or version - cached[1] >= self.REPLAN_EVERY)):

@@ -125,7 +125,7 @@ def _profiler(raw: str) -> Optional[str]:
     return word
 
 
-def _size_gib(raw: str) -> float:
+def parse_size_gib(raw: str) -> float:
     """``24GiB``, ``24GB``, ``24G``, ``24576MiB`` or a plain number of GiB -> GiB."""
     text = raw.strip().lower().replace(" ", "")
     units = {"gib": 1.0, "gb": 1e9 / 2**30, "g": 1.0, "mib": 1 / 1024, "mb": 1e6 / 2**30, "m": 1 / 1024, "tib": 1024.0, "tb": 1e12 / 2**30}
@@ -153,10 +153,10 @@ DEVICES: Setting[str] = _register(Setting(
     "RPP_DEVICES", _device_spec, "", "all GPUs, else `cpu:1`", "`cuda`, `cuda:0,2`, `cpu:N`",
     "The devices RoundPipe runs on: GPUs, or N CPU workers."))
 GPU_MEMORY_GIB: Setting[Optional[float]] = _register(Setting(
-    "RPP_GPU_MEMORY", _size_gib, None, "the whole GPU", "a size such as `24GiB`, `24GB`, `20000MiB`",
+    "RPP_GPU_MEMORY", parse_size_gib, None, "the whole GPU", "a size such as `24GiB`, `24GB`, `20000MiB`",
     "Cap each GPU this process uses to this much memory (a per-process limit); the planner plans to it."))
 HOST_MEMORY_GIB: Setting[Optional[float]] = _register(Setting(
-    "RPP_HOST_MEMORY", _size_gib, None, "available memory less 5% (at least 2 GiB)", "a size such as `100GiB`",
+    "RPP_HOST_MEMORY", parse_size_gib, None, "available memory less 5% (at least 2 GiB)", "a size such as `100GiB`",
     "Host memory this process may use in all; the planner keeps activation checkpoints within it."))
 DEVICE_SAVED_GB: Setting[float] = _register(Setting(
     "RPP_DEVICE_SAVED_GB", _number(0.0), 0.0, "0", "a number of GiB >= 0",

@@ -9,6 +9,9 @@ from typing import Any, Dict, Optional
 import torch
 from torch import nn
 
+from roundpipe import budget, estimate, settings
+from roundpipe.batch import Batch
+from roundpipe.models import tiling
 from roundpipe.models.inputs import CausalLMInputs, takes_inputs
 from roundpipe.models.kernels import FusedKernels
 from roundpipe.models.preset import CausalLMPreset
@@ -65,6 +68,50 @@ class RoundPipeForCausalLM(RoundPipe):
     @property
     def preset(self) -> CausalLMPreset:
         return self._preset
+
+    def activation_profile(self, batch: Batch, recompute_grain: str) -> Optional[budget.ActivationProfile]:
+        """What a training call over ``batch`` keeps per layer (``roundpipe.budget``), from the model's
+        dimensions (``roundpipe.estimate``): the prefix and the head keep little, each decoder layer
+        what its (tiled) recompute and backward hold; the host keeps every backward stage's input.
+        None when the batch has no ``[rows, seq]`` token input to size it by."""
+        sizes = []
+        for m in range(batch.num_microbatch):
+            args, kwargs = batch.stage_input(m)
+            x = kwargs.get("input_ids", kwargs.get("inputs_embeds", args[0] if args else None))
+            if not isinstance(x, torch.Tensor) or x.dim() < 2:
+                return None
+            sizes.append((int(x.shape[0]), int(x.shape[1])))
+        rows, seq = max(sizes)
+        total = sum(r * s for r, s in sizes)
+        try:
+            shape = estimate.ModelShape.from_config(self.preset.model.config)
+        except (AttributeError, TypeError):
+            return None
+        tile = settings.SEQ_TILE.get()
+        decoder = [i for i, layer in enumerate(self.layers) if hasattr(layer, "layer")]
+        tileable = {i: tiling.tileable(self.layers[i].layer) for i in decoder}
+        e = next((p.element_size() for p in self.preset.model.parameters() if p.is_floating_point()), 2)
+
+        def profile(seq_len: int) -> budget.ActivationProfile:
+            t = rows * seq_len
+            tokens = total * seq_len // seq
+            kept, peak, checkpoint = [0.0] * self.num_layers, [0.0] * self.num_layers, [0.0] * self.num_layers
+            side = t * estimate.side_bytes_per_token(shape, e)
+            io = 2 * t * shape.hidden * e
+            for i in decoder:
+                tiled = tileable[i] and tile > 0 and t > tile
+                k, p = estimate.decoder_layer_bytes(shape, t, tile, tiled, e)
+                kept[i], peak[i] = k, p + io + side
+                # The host copy of a stage input: one tensor per microbatch from torch's pinned caching
+                # allocator, which rounds each block up to a power of two.
+                checkpoint[i] = float(len(sizes) * (1 << max(0, rows * seq_len * shape.hidden * e - 1).bit_length()))
+            head = self.num_layers - 1
+            peak[head] = t * 3 * shape.hidden * e + 2 * min(t, estimate.LOSS_CHUNK_TOKENS) * shape.vocab * 4 + side
+            checkpoint[head] = checkpoint[decoder[-1]] if decoder else 0.0
+            peak[0] = io + side
+            return budget.ActivationProfile(kept, peak, checkpoint, tokens, seq_len, profile)
+
+        return profile(seq)
 
     @takes_inputs(extra=(_RUN_CONFIG, _HF_ONLY))
     def forward(self, inputs: CausalLMInputs, roundpipe_run_config: RoundPipeRunConfig, unused: Dict[str, Any]) -> Any:

@@ -1,0 +1,155 @@
+"""Activation memory planned, not discovered: host and GPU budgets in the plan of a training call, the
+refusal before the first job, and the estimate against what the runtime really keeps (CPU workers)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
+
+import roundpipe  # noqa: E402
+from roundpipe import budget, estimate  # noqa: E402
+from roundpipe.plan import ModelExecutePlan  # noqa: E402
+from roundpipe.run_config import RoundPipeRunConfig  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+from test_models import assert_grads_close, grads, hf_reference, make_batch, tiny_model  # noqa: E402
+
+SEQ = 40
+BATCH = 4
+
+
+def _wrapped(model: torch.nn.Module) -> Any:
+    return roundpipe.wrap_model_to_roundpipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+
+
+def _profile(rp: Any, batch: Dict[str, torch.Tensor]) -> budget.ActivationProfile:
+    from roundpipe.batch import Batch
+    from roundpipe.run_config import ResolvedRunConfig
+
+    cfg = ResolvedRunConfig(RoundPipeRunConfig(), rp.model_run_config)
+    profile = rp.activation_profile(Batch((), {k: v for k, v in batch.items() if v is not None}, cfg), "stage")
+    assert profile is not None
+    return profile
+
+
+@pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
+def test_host_budget_merges_backward_stages_and_training_is_unchanged(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With room for two stage-input checkpoints only, the plan cuts the decoder layers into stages of
+    several layers (fewer checkpoints); loss and gradients stay those of Hugging Face."""
+    hf = tiny_model("qwen3")
+    batch = make_batch(False, batch=BATCH, seq=SEQ)
+    ref_loss, ref_grads = hf_reference(hf, batch)
+    rp = _wrapped(hf)
+    ckpt = max(_profile(rp, batch).checkpoint)
+    monkeypatch.setattr(budget, "host_budget", lambda: 2.5 * ckpt)
+    loss = rp.train_step(**{k: v for k, v in batch.items() if v is not None})
+    plan = rp._plans[next(iter(rp._plans))][0]
+    starts = [r.start for r in plan.bwd_plan[:-1] if r.start > 0]
+    assert len(starts) <= 2 and max(len(r) for r in plan.bwd_plan) >= 2, plan
+    assert torch.allclose(loss, ref_loss, rtol=1e-5)
+    assert_grads_close(grads(hf), ref_grads)
+
+
+@pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
+def test_a_call_that_cannot_fit_is_refused_before_its_first_job(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Too little host memory for any plan the GPU budget allows: one MemoryError before any job runs,
+    naming what the step needs, what is available and the longest sequence that fits; nothing ran."""
+    hf = tiny_model("qwen3")
+    batch = make_batch(False, batch=BATCH, seq=SEQ)
+    rp = _wrapped(hf)
+    profile = _profile(rp, batch)
+    decoder_peak = max(profile.peak[1:-1])
+    monkeypatch.setattr(budget, "gpu_budget", lambda layer_bytes: 1.05 * decoder_peak)  # one decoder layer per stage
+    monkeypatch.setattr(budget, "host_budget", lambda: 0.5 * max(profile.checkpoint))  # room for none
+    launched: List[Any] = []
+    from roundpipe import pipeline
+
+    real = pipeline._launch
+    monkeypatch.setattr(pipeline, "_launch", lambda run, jobs: (launched.append(jobs), real(run, jobs))[1])
+    with pytest.raises(MemoryError) as err:
+        rp.train_step(**{k: v for k, v in batch.items() if v is not None})
+    msg = str(err.value)
+    assert "does not fit" in msg and "GiB of host memory for activation checkpoints" in msg and "available" in msg
+    longest = int(msg.split("The longest sequence of this batch shape that fits: ")[1].split(" tokens")[0].replace(",", ""))
+    assert 0 < longest < SEQ
+    assert launched == []
+    # The sequence it names does fit (the same budgets plan it).
+    short = {k: (v[:, :longest] if v is not None else None) for k, v in batch.items()}
+    rp.train_step(**{k: v for k, v in short.items() if v is not None})
+
+
+def test_estimate_counts_the_checkpoints_the_runtime_keeps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host part of the estimate against the bytes of every backward-stage input the runtime saved
+    (one CPU worker, one decoder layer per stage, no pinned rounding on CPU workers)."""
+    from roundpipe import jobs as jobs_mod
+    from roundpipe import settings
+
+    settings.configure(devices="cpu:1")
+    hf = tiny_model("qwen3")
+    config = hf.config
+    batch = make_batch(False, batch=BATCH, seq=SEQ)
+    rp = roundpipe.wrap_model_to_roundpipe(hf, model_run_config=RoundPipeRunConfig(
+        num_microbatch=2, execute_plan=ModelExecutePlan.layerwise(config.num_hidden_layers + 2, "fused")))
+    saved: Dict[int, int] = {}  # storage -> bytes, over every saved stage input of every microbatch
+    stages = set()
+    real = jobs_mod.run_forward
+
+    def spy(device: Any, run: Any, gid: int) -> None:
+        real(device, run, gid)
+        for ctx in run.contexts:
+            for lid, (leaves, _, _) in ctx.flatten_inputs.items():
+                stages.add(lid)
+                for t in leaves:
+                    if isinstance(t, torch.Tensor):
+                        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+    from roundpipe import pipeline
+
+    monkeypatch.setattr(pipeline, "run_forward", spy)
+    rp.train_step(**{k: v for k, v in batch.items() if v is not None})
+    shape = estimate.ModelShape.from_config(config)
+    assert len([lid for lid in stages if lid > 0]) == config.num_hidden_layers
+    e = estimate.estimate(shape, SEQ, BATCH, dtype_bytes=4, tile=0)
+    measured = sum(saved.values()) - sum(t.numel() * t.element_size() for t in batch.values() if t is not None)  # not the model input
+    assert abs(e.host_parts["checkpoints"] - measured) / measured < 0.15, (e.host_parts["checkpoints"], measured)
+
+
+def test_decoder_layer_estimate_matches_the_saved_tensors_of_a_tiled_layer() -> None:
+    """The ``kept`` bytes of ``estimate.decoder_layer_bytes`` against what autograd saves for a tiled
+    Qwen3 layer's backward (saved-tensor hooks, deduplicated by storage): within 15%."""
+    from roundpipe.models import tiling
+    from test_tiling import _inputs, _make_layer
+
+    base, layer = _make_layer("qwen3")
+    base = base.to(torch.bfloat16)
+    seq, tile = 1024, 64  # 16 tiles: the pre-attention part is tiled in the recompute too
+    x, mask, pos, (cos, sin) = _inputs(base, 1, seq, padding=False)
+    x = x.detach().to(torch.bfloat16).requires_grad_(True)
+    pe = (cos.to(torch.bfloat16), sin.to(torch.bfloat16))
+    storages: Dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.numel() >= seq:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    from roundpipe.context import RecomputeCtx
+
+    # As the runtime runs it before the backward: a recompute (the layer's last in its stage).
+    with roundpipe.settings.overridden(seq_tile=tile), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), RecomputeCtx(None):
+        out = tiling.maybe_tiled_forward(layer, x, mask, pos, pe)
+        assert out is not None, "the layer did not tile"
+    config = base.config
+    shape = estimate.ModelShape.from_config(config)
+    kept, _ = estimate.decoder_layer_bytes(shape, seq, tile, True, 2)
+    # What the recompute leaves for the backward besides the layer input (counted by the caller) and the
+    # rotary tables (handed along, counted once per call).
+    skip = {x.untyped_storage().data_ptr()} | {t.untyped_storage().data_ptr() for t in pe}
+    measured = sum(v for k, v in storages.items() if k not in skip)
+    expected = kept - seq * shape.hidden * 2
+    assert abs(measured - expected) / measured < 0.15, (measured, expected)
