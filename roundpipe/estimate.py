@@ -210,6 +210,7 @@ def estimate(
     recompute_grain: str = "stage",
     optimizer_bytes_per_param: int = 12,
     grad_buffers: int = 2,
+    pinned: bool = True,
 ) -> Estimate:
     """The peak GPU and host memory of one training step (see the module docstring).
 
@@ -228,6 +229,8 @@ def estimate(
             master + Adam m, v).
         grad_buffers: Host buffers per trainable parameter besides the weights (gradient download and
             staging; 2 with the asynchronous step's rotation).
+        pinned: Whether checkpoints come from the pinned caching allocator (GPU runs; CPU workers keep
+            them unrounded).
     """
     if seq_len < 1 or batch_size < 1 or microbatches < 1 or layers_per_stage < 1:
         raise ValueError("seq_len, batch_size, microbatches and layers_per_stage must be positive")
@@ -267,7 +270,8 @@ def estimate(
     boundaries = max(1, math.ceil(shape.layers / g))  # backward stages whose input waits on the host
     # One host tensor per stage and microbatch, from torch's pinned caching allocator, which rounds each
     # block up to a power of two (GPU runs; see roundpipe.backend.empty_host_cache).
-    per_microbatch = _pinned_block(rows * seq_len * checkpoint_bytes_per_token(shape, b))
+    per_microbatch = rows * seq_len * checkpoint_bytes_per_token(shape, b)
+    per_microbatch = _pinned_block(per_microbatch) if pinned else per_microbatch
     checkpoints = boundaries * microbatches * per_microbatch + total_tokens * side_bytes_per_token(shape, b)
     host = {
         "weights": float(n * b),
