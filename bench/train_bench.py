@@ -89,8 +89,17 @@ def cuda_sync() -> None:
         torch.cuda.synchronize(d)
 
 
-def bench_baseline(args: argparse.Namespace, ids: torch.Tensor) -> Row:
-    """The same model resident on one GPU, gradient checkpointing, fused AdamW on the GPU."""
+def bench_baseline(args: argparse.Namespace, ids: torch.Tensor, liger: bool = False) -> Row:
+    """The same model resident on one GPU, gradient checkpointing, fused AdamW on the GPU; with ``liger``
+    Liger's kernels (fused RMSNorm, rotary, SwiGLU, linear cross-entropy: WORKLOADS.md baseline b).
+    Liger patches transformers' Qwen3 classes for the rest of the process, so it runs last."""
+    name = "gpu-resident HF baseline" + (" + Liger" if liger else "")
+    if liger:
+        try:
+            from liger_kernel.transformers import apply_liger_kernel_to_qwen3
+        except ImportError:
+            return Row(name, float("nan"), float("nan"), float("nan"), "liger-kernel is not installed")
+        apply_liger_kernel_to_qwen3()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     try:
@@ -109,10 +118,10 @@ def bench_baseline(args: argparse.Namespace, ids: torch.Tensor) -> Row:
             opt.zero_grad(set_to_none=True)
 
         times = timed(step, args.warmup, args.iters, cuda_sync)
-        row = Row(f"gpu-resident HF baseline ({len(chunks)} microbatches)", ids.numel() / (sum(times) / len(times)),
+        row = Row(f"{name} ({len(chunks)} microbatches)", ids.numel() / (sum(times) / len(times)),
                   torch.cuda.max_memory_allocated() / 1024**3, float("nan"))
     except torch.OutOfMemoryError:
-        row = Row("gpu-resident HF baseline", float("nan"), float("nan"), float("nan"), "does not fit on the GPU")
+        row = Row(name, float("nan"), float("nan"), float("nan"), "does not fit on the GPU")
     finally:
         model = opt = None  # noqa: F841
         gc.collect()
@@ -377,6 +386,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--sync-step", action="store_true")
     p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument("--baselines", default="eager,liger", help="GPU-resident baselines, run after roundpipe: eager, liger (WORKLOADS.md)")
+    p.add_argument("--compare-tiling", action="store_true", help="also run roundpipe with sequence tiling off (RPP_SEQ_TILE=0)")
     p.add_argument("--compare-plans", action="store_true", help="also run roundpipe with the one-layer-per-group plan")
     p.add_argument("--compare-kernels", action="store_true", help="also run roundpipe with Hugging Face's own kernels")
     p.add_argument("--compare-layers", action="store_true",
@@ -404,9 +415,9 @@ def main() -> None:
     if torch.cuda.is_available():
         ids = ids.pin_memory()
     rows: List[Row] = []
-    if torch.cuda.is_available() and not args.skip_baseline and not args.lora:
-        rows.append(bench_baseline(args, ids))
+    t_load = time.perf_counter()
     rows.append(bench_roundpipe(args, ids, n_params))
+    print(f"roundpipe: model build + wrap + warm-up + timed iterations {time.perf_counter() - t_load:.1f} s")
     if args.compare_plans:
         rows.append(bench_roundpipe(args, ids, n_params, plan="layerwise"))
     if args.compare_kernels:
@@ -414,15 +425,26 @@ def main() -> None:
     if args.compare_layers:
         with settings.overridden(fused_layers=False):
             rows.append(bench_roundpipe(args, ids, n_params))
-    base = rows[0].tokens_per_s
+    if args.compare_tiling:
+        with settings.overridden(seq_tile=0):
+            row = bench_roundpipe(args, ids, n_params)
+            row.system += " untiled (RPP_SEQ_TILE=0)"
+            rows.append(row)
+    baselines: List[Row] = []
+    if torch.cuda.is_available() and not args.skip_baseline and not args.lora:
+        for kind in args.baselines.split(","):
+            baselines.append(bench_baseline(args, ids, liger=kind.strip() == "liger"))
+    rows = baselines + rows
     print(f"\n{args.workload}: {n_params / 1e9:.2f}B params, batch {args.batch} x {args.seq}, device "
           f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, peak RSS "
           f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2:.1f} GiB")
-    print("| system | tokens/s | TFLOP/s | peak GPU GiB | host GiB | ratio | note |")
-    print("|---|---|---|---|---|---|---|")
+    refs = [b for b in baselines if b.tokens_per_s == b.tokens_per_s] or rows[:1]
+    print("| system | tokens/s | TFLOP/s | peak GPU GiB | host GiB | " + " | ".join(f"ratio to {b.system.split(' (')[0]}" for b in refs) + " | note |")
+    print("|---|---|---|---|---|" + "---|" * len(refs) + "---|")
     for r in rows:
+        ratios = " | ".join(f"{r.tokens_per_s / b.tokens_per_s:.2f}" for b in refs)
         print(f"| {r.system} | {r.tokens_per_s:,.0f} | {6 * n_params * r.tokens_per_s / 1e12:.1f} | {r.peak_gpu_gib:.1f} | "
-              f"{r.host_gib:.1f} | {r.tokens_per_s / base:.2f} | {r.note} |")
+              f"{r.host_gib:.1f} | {ratios} | {r.note} |")
 
 
 if __name__ == "__main__":
