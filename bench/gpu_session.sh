@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# GPU runs of this session's issues, one part per device call (see docs/benchmarks.md):
+#   bash bench/gpu_session.sh refactor|context8b|context17b|capped
+# "refactor" compares the tree in .old/ (the commit before the restructuring, carried as a folder) with
+# this one in one call; "context*" are the long-context rows of issue 21.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+out=${OUT:-.}
+quiet() { grep -v -i "warn" | grep -v "^ *[0-9.]* ms at"; }
+case "${1:-}" in
+  refactor)
+    nvidia-smi -L; free -g | head -2
+    timeout 240 python3 -m pytest -m gpu tests/test_gpu.py tests/test_loss.py tests/test_tiling.py -q -p no:cacheprovider 2>&1 | tail -4
+    for i in 1; do
+      (cd .old && PYTHONPATH=$PWD:/tmp/site python3 bench/train_bench.py --workload qwen3-1.7b --skip-baseline --warmup 3 --iters 4 2>&1 | quiet | tail -2)
+      python3 bench/train_bench.py --workload qwen3-1.7b --skip-baseline --warmup 3 --iters 4 2>&1 | quiet | tail -2
+    done
+    python3 bench/train_bench.py --workload qwen3-1.7b --batch 2 --seq 32768 --microbatches 2 --skip-baseline --compare-tiling --warmup 2 --iters 3 2>&1 | quiet | tail -4 ;;
+  context8b)
+    python3 bench/long_context.py --workload qwen3-8b --lora 16 --lengths 131072,262144 --skip-baseline --out "$out/context8b.json" 2>&1 | quiet | tail -8 ;;
+  context17b)
+    python3 bench/long_context.py --workload qwen3-1.7b --lengths 524288 --skip-baseline --out "$out/context17b.json" 2>&1 | quiet | tail -6 ;;
+  capped)
+    RPP_GPU_MEMORY=24GiB python3 bench/long_context.py --workload qwen3-1.7b --lengths 262144 --skip-baseline --out "$out/capped17b.json" 2>&1 | quiet | tail -5
+    RPP_GPU_MEMORY=24GiB python3 bench/long_context.py --workload qwen3-8b --lora 16 --lengths 131072 --skip-baseline --out "$out/capped8b.json" 2>&1 | quiet | tail -5 ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped" >&2; exit 2 ;;
+esac
