@@ -97,7 +97,7 @@ class RoundPipeForCausalLM(RoundPipe):
             tokens = total * seq_len // seq
             kept, peak, checkpoint = [0.0] * self.num_layers, [0.0] * self.num_layers, [0.0] * self.num_layers
             side = t * estimate.side_bytes_per_token(shape, e)
-            io = 2 * t * shape.hidden * e
+            io = (2 + estimate.OVERLAP_TENSORS) * t * shape.hidden * e
             for i in decoder:
                 tiled = tileable[i] and tile > 0 and t > tile
                 k, p = estimate.decoder_layer_bytes(shape, t, tile, tiled, e)
@@ -106,7 +106,7 @@ class RoundPipeForCausalLM(RoundPipe):
                 # allocator, which rounds each block up to a power of two.
                 checkpoint[i] = float(len(sizes) * (1 << max(0, rows * seq_len * shape.hidden * e - 1).bit_length()))
             head = self.num_layers - 1
-            peak[head] = t * 3 * shape.hidden * e + 2 * min(t, estimate.LOSS_CHUNK_TOKENS) * shape.vocab * 4 + side
+            peak[head] = estimate.head_activation_bytes(shape, t, e) + io + side
             checkpoint[head] = checkpoint[decoder[-1]] if decoder else 0.0
             peak[0] = io + side
             return budget.ActivationProfile(kept, peak, checkpoint, tokens, seq_len, profile)
