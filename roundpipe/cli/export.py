@@ -16,12 +16,9 @@ import os
 import shutil
 from typing import Any, List, Optional
 
-import torch
-
 from roundpipe.cli import checkpoint as ckpt
 from roundpipe.cli.config import ConfigError
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from roundpipe.cli.model_loading import DTYPES
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -34,7 +31,7 @@ def parse_export_args(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory (…/checkpoints/step-N), or a run's output_dir for its latest")
     parser.add_argument("out", metavar="OUT", help="directory to write (must not exist, or be empty)")
     parser.add_argument("--merge-lora", action=argparse.BooleanOptionalAction, default=True, help="merge LoRA into the base weights (default); --no-merge-lora writes a PEFT adapter")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast the weights (default: the training dtype)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast the weights (default: the training dtype)")
     return parser.parse_args(argv)
 
 
@@ -44,7 +41,7 @@ def load_checkpoint_model(path: str) -> Any:
 
     with open(os.path.join(path, "source.json")) as f:
         source = json.load(f)
-    dtype = _DTYPES[source["dtype"]]
+    dtype = DTYPES[source["dtype"]]
     weights = ckpt.load_tensors(os.path.join(path, "model.safetensors"))
     if source["weights"] == "trainable":  # LoRA on a local model: frozen weights from the model directory
         if not os.path.isdir(source["path"]):
@@ -90,7 +87,7 @@ def export(checkpoint: str, out: str, merge_lora: bool = True, dtype: Optional[s
             if json.load(f)["kind"] != "local":
                 raise ConfigError("an unmerged LoRA adapter needs a base model directory, but this run's base was a built-in architecture", "export with --merge-lora")
     if dtype is not None:
-        model = model.to(_DTYPES[dtype])
+        model = model.to(DTYPES[dtype])
     tmp = out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)

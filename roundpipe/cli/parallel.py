@@ -75,23 +75,20 @@ def start() -> rdist.DistEnv:
     return env
 
 
-def stop(failed: bool) -> None:
+def stop(failed: bool, model: Any = None) -> None:
     """Leave the job that :func:`start` joined (call it only when that returned a distributed env).
 
     After a failure the optimizer thread may still be reducing an asynchronous step's gradients on
-    the data-parallel group; tearing the group down under it can abort the process, so it is waited
-    for first (the peers stop at the same step, so the reduction completes; if a peer is gone it fails
-    within ``RPP_DIST_TIMEOUT_S``).
+    the data-parallel group; tearing the group down under it can abort the process, so ``model``'s
+    pending optimizer work (a RoundPipe model, if one was built) is waited for first, and the failure
+    it re-raises dropped: this rank is already failing with a better error (the peers stop at the same
+    step, so the reduction completes; if a peer is gone it fails within ``RPP_DIST_TIMEOUT_S``).
     """
-    if failed:
-        from roundpipe import threads
-        from roundpipe.optim import thread as optim_thread
-
+    if failed and model is not None:
         try:
-            optim_thread.synchronize()
+            model.synchronize()
         except Exception:  # noqa: BLE001 - this rank is already failing with a better error
             pass
-        threads.clear_failure()
     global _step_group
     _step_group = None
     rdist.destroy()

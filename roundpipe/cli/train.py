@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
-from torch import nn
 
 from roundpipe import distributed as rdist
 from roundpipe import settings
@@ -47,243 +46,16 @@ from roundpipe.cli import checkpoint as ckpt
 from roundpipe.cli import parallel
 from roundpipe.cli.config import ConfigError, TrainConfig, merge, to_yaml
 from roundpipe.cli.metrics import MetricsWriter, device_peak_memory_gib, format_rate, host_peak_rss_gib, plot_metrics
-from roundpipe.cli.tasks import BYTE_VOCAB_SIZE, EOS_ID, TASKS, TaskStream, byte_tokenizer, exact_match, held_out_examples
+from roundpipe.cli.model_loading import apply_lora, build_model, load_model_config, load_tokenizer, lora_config, model_source, resolve_dtype
+from roundpipe.cli.optimizer import HostOptimizer
+from roundpipe.cli.pipeline import PipelineModel
+from roundpipe.cli.tasks import TASKS, TaskStream, exact_match, held_out_examples
+from roundpipe.cli.train_state import Progress, read_payload, rng_state, write_payload
 
 if TYPE_CHECKING:
     from roundpipe.cli.data import FileStream
 
 logger = logging.getLogger("roundpipe")
-
-# ---------------------------------------------------------------------------------------------------------
-# Models
-# ---------------------------------------------------------------------------------------------------------
-
-_QWEN3_COMMON = dict(head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960, vocab_size=151936)
-
-#: Built-in Qwen3 architectures (random init): the WORKLOADS.md sizes plus ``tiny`` for the default task.
-BUILTIN_MODELS: Dict[str, Dict[str, Any]] = {
-    "tiny": dict(
-        hidden_size=192, intermediate_size=576, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=6,
-        head_dim=32, vocab_size=BYTE_VOCAB_SIZE, max_position_embeddings=1024, rope_theta=10_000.0, tie_word_embeddings=True,
-    ),
-    "qwen3-0.6b": dict(_QWEN3_COMMON, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
-    "qwen3-1.7b": dict(_QWEN3_COMMON, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
-    "qwen3-4b": dict(_QWEN3_COMMON, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
-    "qwen3-8b": dict(_QWEN3_COMMON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
-    "qwen3-14b": dict(_QWEN3_COMMON, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False),
-}
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def builtin_config(name: str) -> Any:
-    from transformers import Qwen3Config
-
-    return Qwen3Config(**BUILTIN_MODELS[name], use_cache=False, eos_token_id=EOS_ID, pad_token_id=EOS_ID + 1, bos_token_id=None)
-
-
-def model_source(cfg: TrainConfig) -> Dict[str, str]:
-    """Where the model comes from: ``{"kind": "builtin", "name"}`` or ``{"kind": "local", "path"}``."""
-    if cfg.model in BUILTIN_MODELS:
-        return {"kind": "builtin", "name": cfg.model}
-    if os.path.isdir(cfg.model):
-        if not os.path.isfile(os.path.join(cfg.model, "config.json")):
-            raise ConfigError(f"{cfg.model} has no config.json", "pass a Hugging Face model directory (save_pretrained output)")
-        return {"kind": "local", "path": os.path.abspath(cfg.model)}
-    raise ConfigError(
-        f"model {cfg.model!r} is neither a local directory nor a built-in architecture",
-        f"pass a Hugging Face model directory or one of: {', '.join(BUILTIN_MODELS)}",
-    )
-
-
-def load_model_config(source: Dict[str, str]) -> Any:
-    if source["kind"] == "builtin":
-        return builtin_config(source["name"])
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(source["path"], local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read the model config in {source['path']} ({exc})", "pass a directory written by save_pretrained") from None
-
-
-def resolve_dtype(cfg: TrainConfig, model_config: Any) -> torch.dtype:
-    if cfg.dtype != "auto":
-        return _DTYPES[cfg.dtype]
-    if cfg.model == "tiny":
-        return torch.float32
-    own = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
-    if isinstance(own, str):
-        own = _DTYPES.get(own)
-    if own in _DTYPES.values():
-        return own
-    return torch.bfloat16 if cfg.model in BUILTIN_MODELS else torch.float32
-
-
-def build_model(source: Dict[str, str], model_config: Any, dtype: torch.dtype) -> nn.Module:
-    """The Hugging Face causal LM (random init for built-ins; weights on the host)."""
-    from transformers import AutoModelForCausalLM
-
-    if source["kind"] == "builtin":
-        return AutoModelForCausalLM.from_config(model_config, dtype=dtype)
-    try:
-        return AutoModelForCausalLM.from_pretrained(source["path"], dtype=dtype, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot load the model in {source['path']} ({str(exc).splitlines()[0]})", "pass a directory written by save_pretrained with its weights") from None
-
-
-def load_tokenizer(source: Dict[str, str], cfg: TrainConfig) -> Any:
-    """The byte tokenizer for the built-in task and built-in models, the model's own otherwise."""
-    if cfg.data is None or source["kind"] == "builtin":
-        return byte_tokenizer()
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(source["path"], local_files_only=True)
-    except (OSError, ValueError, TypeError) as exc:
-        raise ConfigError(f"no usable tokenizer in {source['path']} ({str(exc).splitlines()[0]})", "save one there with tokenizer.save_pretrained(model_dir)") from None
-
-
-def lora_config(cfg: TrainConfig) -> Any:
-    from peft import LoraConfig
-
-    targets: Any = cfg.lora_targets
-    if targets == ["all-linear"]:
-        targets = "all-linear"
-    return LoraConfig(
-        r=cfg.lora_r,
-        lora_alpha=cfg.lora_alpha if cfg.lora_alpha is not None else 2 * cfg.lora_r,
-        lora_dropout=cfg.lora_dropout,
-        target_modules=targets,
-        task_type="CAUSAL_LM",
-    )
-
-
-def apply_lora(model: nn.Module, lcfg: Any) -> nn.Module:
-    from peft import get_peft_model
-
-    try:
-        return get_peft_model(model, lcfg)
-    except ValueError as exc:
-        raise ConfigError(f"LoRA: {str(exc).splitlines()[0]}", "set --lora-targets to module names of this model (e.g. q_proj v_proj) or all-linear") from None
-
-
-# ---------------------------------------------------------------------------------------------------------
-# RoundPipe glue
-# ---------------------------------------------------------------------------------------------------------
-
-
-class PipelineModel:
-    """A causal LM on RoundPipe (``RoundPipeForCausalLM``), with the calls training needs.
-
-    Attributes:
-        hf_model: The Hugging Face model (inside PEFT when LoRA is on); its parameters are the ones
-            RoundPipe streams, so it reflects training after ``synchronize()``.
-        rp: The RoundPipe model (``optim_parameters``, ``step``, ``synchronize``).
-    """
-
-    def __init__(self, hf_model: nn.Module, num_microbatch: Optional[int], plan: str = "auto") -> None:
-        import roundpipe
-        from roundpipe import ModelExecutePlan, RoundPipeRunConfig
-
-        self.hf_model = hf_model
-        try:
-            self.rp = roundpipe.wrap_model_to_roundpipe(
-                hf_model,
-                use_sequential_preset=True,
-                optim_dtype=torch.float32,
-                name="train",
-                model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch),
-            )
-        except NotImplementedError as exc:
-            raise ConfigError(f"this model is not supported by RoundPipe ({str(exc).splitlines()[0]})", "use a decoder-only causal LM (Qwen3, Llama, Mistral, ...)") from None
-        n = self.rp.num_layers
-        if plan == "single":  # one stage: forward, loss and backward of the whole model in one job
-            self.rp.model_run_config.execute_plan = ModelExecutePlan([range(0, n)], [range(0, n)])
-        elif plan == "layerwise":
-            self.rp.model_run_config.execute_plan = ModelExecutePlan.layerwise(n, "train")
-
-    def forward_backward(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, weight: float, scale: Callable[[torch.Tensor], torch.Tensor], num_microbatch: Optional[int] = None
-    ) -> torch.Tensor:
-        """Accumulate the gradients of ``scale(weight x batch-mean token loss)``; returns that
-        (scaled, weighted) loss. ``weight`` = this batch's share of the step's loss tokens.
-
-        ``weight`` 0 (rows without a trained token, e.g. a data-parallel rank's share) still runs the
-        call, with a zero loss: a batch mean over no token would be 0/0, and with gradients reduced on
-        the devices every rank must run every training call. ``num_microbatch`` overrides the model's
-        microbatch count for this call.
-        """
-        from roundpipe import RoundPipeRunConfig
-
-        preset = self.rp.preset
-        kwargs = preset.forward_kwargs(input_ids=input_ids, labels=labels, return_logits=False)
-        if weight == 0:
-            loss_fn: Callable[[Any, Any], torch.Tensor] = lambda out, label: scale(out["loss_sum"] * 0.0)
-        else:
-            base = preset.microbatch_loss_fn(kwargs)
-            loss_fn = lambda out, label: scale(base(out, label) * weight)
-        return self.rp.forward_backward(input_kwargs=kwargs, loss_fn=loss_fn, run_config=RoundPipeRunConfig(num_microbatch=num_microbatch))
-
-    def _infer_config(self, batch_size: int) -> Any:
-        """Inference run config: no more microbatches than rows."""
-        from roundpipe import RoundPipeRunConfig, get_num_devices
-
-        n = self.rp.model_run_config.num_microbatch or settings.default_num_microbatch(get_num_devices())
-        return RoundPipeRunConfig(num_microbatch=max(1, min(n, batch_size)))
-
-    @torch.no_grad()
-    def last_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits of the last position, ``[B, V]``."""
-        return self.rp(input_ids=input_ids, logits_to_keep=1, roundpipe_run_config=self._infer_config(input_ids.shape[0])).logits[:, -1]
-
-    @torch.no_grad()
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits of all positions, ``[B, T, V]``."""
-        return self.rp(input_ids=input_ids, roundpipe_run_config=self._infer_config(input_ids.shape[0])).logits
-
-    def masters(self) -> Dict[int, torch.Tensor]:
-        """``id(model parameter) -> fp32 optimizer master`` for the trainable parameters."""
-        from roundpipe.attribute import ParamAttribute
-
-        out = {}
-        for p in self.hf_model.parameters():
-            if p.requires_grad and ParamAttribute.has(p) and ParamAttribute.get(p).optim is not None:
-                out[id(p)] = ParamAttribute.get(p).optim
-        return out
-
-
-def make_optimizer(masters: List[nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW (RoundPipe's host Adam, decoupled weight decay) on the fp32 masters; no weight decay on
-    vectors (norm weights, biases)."""
-    from roundpipe.optim import Adam
-
-    decay = [p for p in masters if p.ndim >= 2]
-    no_decay = [p for p in masters if p.ndim < 2]
-    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-    return Adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), decoupled_weight_decay=True)
-
-
-class WarmupCosine:
-    """LR multiplier: linear warmup to 1, then cosine decay to ``min_ratio`` at ``total`` steps.
-
-    A class (not a lambda) so that ``LambdaLR.state_dict()`` saves it.
-    """
-
-    def __init__(self, warmup: int, total: int, min_ratio: float) -> None:
-        self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup:
-            return (step + 1) / (self.warmup + 1)
-        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
-        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The recipe
-# ---------------------------------------------------------------------------------------------------------
-
 
 @dataclass
 class TrainResult:
@@ -300,28 +72,6 @@ class TrainResult:
     model: Optional[PipelineModel] = None
     tokenizer: Any = None
     ranks: int = 1
-
-
-def rng_state() -> Dict[str, Any]:
-    import numpy as np
-
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))  # torch.load(weights_only)-safe
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_state}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: Dict[str, Any]) -> None:
-    import numpy as np
-
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _fmt_time(s: float) -> str:
@@ -399,42 +149,32 @@ class Recipe:
         self.source = model_source(cfg)
         model_config = load_model_config(self.source)
         self.dtype = resolve_dtype(cfg, model_config)
-        if self.dtype == torch.float16:
-            from roundpipe import GradScaler
-
-            self.scaler: Any = GradScaler()
-        else:
-            self.scaler = None
         self.tokenizer = load_tokenizer(self.source, cfg)
         self.stream = self._data(model_config)
         vocab = getattr(model_config, "vocab_size", None)
         if vocab is not None and len(self.tokenizer) > vocab:
             raise ConfigError(f"the tokenizer has {len(self.tokenizer)} tokens but the model's vocab_size is {vocab}", "use the model's own tokenizer")
         hf_model = build_model(self.source, model_config, self.dtype)
-        self.lora = lora_config(cfg) if cfg.lora_r else None
-        if self.lora is not None:
-            hf_model = apply_lora(hf_model, self.lora)
+        if cfg.lora_r:
+            hf_model = apply_lora(hf_model, lora_config(cfg))
         self.model = PipelineModel(hf_model, self.microbatches, cfg.plan)
-        named = [(n, p) for n, p in hf_model.named_parameters() if p.requires_grad]
-        if not named:
+        if not self.model.trainable_named():
             raise ConfigError("the model has no trainable parameters", "check --lora-targets")
-        self.optim_params = list(self.model.rp.optim_parameters())  # creates the fp32 masters
-        masters_by_id = self.model.masters()
-        self.master_named = [(n, masters_by_id[id(p)]) for n, p in named]  # by Hugging Face name
-        self.optimizer = make_optimizer([m for _, m in self.master_named], cfg)
+        clip_params = list(self.model.rp.optim_parameters())  # creates the fp32 masters
         self.total_steps = self._total_steps()
         self.warmup_steps = cfg.warmup_steps if cfg.warmup_steps is not None else round(0.05 * self.total_steps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, WarmupCosine(self.warmup_steps, self.total_steps, cfg.min_lr_ratio))
+        masters = [m for _, m in self.model.master_named()]  # by Hugging Face name
+        self.optim = HostOptimizer(masters, clip_params, cfg, self.total_steps, self.warmup_steps, float16=self.dtype == torch.float16)
         self.step = 0
         self.skipped_steps = 0
+        self.steps_launched = 0  # optimizer steps handed to the optimizer thread by this process
         self.tokens_seen = 0
         self.elapsed_before = 0.0
-        self.grad_norms: Dict[int, float] = {}
         self._master_sha: Optional[str] = None
 
     def _set_devices(self) -> None:
+        """Choose this process's devices and torch.compile switch (``roundpipe.configure``)."""
         import roundpipe
-        from roundpipe import backend, settings
 
         spec = self.cfg.devices
         if spec is not None and spec.strip().startswith("cuda") and self.env.local_world_size > 1:
@@ -442,14 +182,14 @@ class Recipe:
                 f"devices={spec} would make the {self.env.local_world_size} ranks on this host share those GPUs",
                 "drop --devices (each rank then gets its share of the host's GPUs) or launch one rank per host",
             )
-        try:
-            devices = backend.parse_devices(spec if spec is not None else settings.DEVICES.get())
-        except (ValueError, RuntimeError) as exc:
-            raise ConfigError(str(exc).split(";")[0], "use --devices cuda, cuda:0,1 or cpu:N") from None
         compile_ = self.cfg.compile
         if compile_ is None and not settings.DISABLE_TORCH_COMPILE.is_set():  # auto: compile for GPUs only
-            compile_ = any(d.type == "cuda" for d in devices)
-        roundpipe.configure(devices=spec, compile=compile_)
+            compile_ = _uses_gpus(spec)
+        try:
+            roundpipe.configure(devices=spec, compile=compile_)
+            roundpipe.get_num_devices()  # starts the workers; reads RPP_DEVICES when --devices is not given
+        except (ValueError, RuntimeError) as exc:
+            raise ConfigError(str(exc).split(";")[0], "use --devices cuda, cuda:0,1 or cpu:N") from None
 
     def _data(self, model_config: Any) -> Union[TaskStream, "FileStream"]:
         """The batch stream; the sequence length is checked against the model before any tokenizing."""
@@ -479,29 +219,6 @@ class Recipe:
         return max(1, math.ceil(epochs * self.stream.num_rows / rows_per_step))
 
     # ---- checkpoints -------------------------------------------------------------------------------
-    def _current_weights(self, trainable_only: bool) -> Dict[str, torch.Tensor]:
-        """Up-to-date weights by Hugging Face name: masters in the training dtype for trainable
-        parameters (what ``synchronize`` would copy), the parameters themselves otherwise."""
-        masters = self.model.masters()
-        out = {}
-        for name, p in self.model.hf_model.named_parameters():
-            if trainable_only and not p.requires_grad:
-                continue
-            m = masters.get(id(p))
-            out[name] = m.detach().to(p.dtype) if m is not None else p.detach()
-        if not trainable_only:
-            params = dict(self.model.hf_model.named_parameters(remove_duplicate=False))
-            for name, t in self.model.hf_model.state_dict().items():
-                if name not in params:
-                    out[name] = t  # persistent buffers
-        return out
-
-    @property
-    def _weights_kind(self) -> str:
-        """'trainable' when the frozen weights can be reloaded from the model directory (LoRA on a
-        local model): checkpoints then stay adapter-sized."""
-        return "trainable" if self.lora is not None and self.source["kind"] == "local" else "full"
-
     def save_checkpoint(self, loss: float) -> str:
         """Wait for the optimizer thread, then write a checkpoint (see the module docstring).
 
@@ -509,41 +226,15 @@ class Recipe:
         one copy (with every rank's RNG state); the others wait until it is complete, and a failed
         write stops every rank.
         """
-        from roundpipe.optim import thread as optim_thread
-
-        optim_thread.synchronize()
+        launched = self.steps_launched
+        self.model.wait_for_step(lambda: self.optim.steps_completed == launched)
         self._flush_rows()
         cfg = self.cfg
         rngs = parallel.gather_to_main(rng_state(), f"checkpoint of step {self.step}") if self.env.distributed else None
+        progress = Progress(self.step, self.total_steps, self.tokens_seen, self.elapsed_before + (time.time() - self.t_start))
 
         def write(d: str) -> None:
-            os.makedirs(os.path.join(d, "optim"))
-            with open(os.path.join(d, "config.yaml"), "w") as f:
-                f.write(to_yaml(cfg))
-            with open(os.path.join(d, "source.json"), "w") as f:
-                json.dump({**self.source, "weights": self._weights_kind, "dtype": str(self.dtype).replace("torch.", "")}, f, indent=1)
-            hf_dir = os.path.join(d, "hf")
-            self.model.rp.preset.model.config.save_pretrained(hf_dir)
-            self.tokenizer.save_pretrained(hf_dir)
-            if self.lora is not None:
-                self.model.hf_model.peft_config["default"].save_pretrained(os.path.join(d, "lora"))
-            ckpt.save_tensors(self._current_weights(self._weights_kind == "trainable"), os.path.join(d, "model.safetensors"), {"format": "pt"})
-            named = [(n, p) for n, p in self.model.hf_model.named_parameters() if p.requires_grad]
-            ckpt.save_tensors({n: p for n, p in named}, os.path.join(d, "optim", "device.safetensors"))
-            ckpt.save_tensors(dict(self.master_named), os.path.join(d, "optim", "master.safetensors"))
-            ckpt.save_torch(self.optimizer.state_dict(), os.path.join(d, "optim", "state.pt"))
-            trainer = {
-                "step": self.step,
-                "total_steps": self.total_steps,
-                "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                "data": self.stream.state_dict(),
-                "rng": rng_state(),
-                **({"rng_by_rank": rngs} if rngs is not None else {}),
-                "tokens_seen": self.tokens_seen,
-                "elapsed": self.elapsed_before + (time.time() - self.t_start),
-            }
-            ckpt.save_torch(trainer, os.path.join(d, "trainer.pt"))
+            write_payload(d, cfg, self.source, self.dtype, self.model, self.tokenizer, self.optim, self.stream, progress, rngs)
 
         step = self.step
         path = parallel.on_main(lambda: ckpt.save_checkpoint(cfg.output_dir, step, write, cfg.keep_checkpoints, {"loss": loss}), f"the checkpoint of step {step}")
@@ -551,62 +242,12 @@ class Recipe:
         return path
 
     def _load_checkpoint(self, path: str) -> None:
-        from roundpipe.cli.checkpoint import load_tensors, load_torch
-
+        """Continue from checkpoint ``path``: weights, optimizer, schedule, data position, RNGs."""
         self._master_sha = str(ckpt.verify_checkpoint(path)["files"]["optim/master.safetensors"]["sha256"])  # type: ignore[index]
-        device_w = load_tensors(os.path.join(path, "optim", "device.safetensors"))
-        master_w = load_tensors(os.path.join(path, "optim", "master.safetensors"))
-        named = [(n, p) for n, p in self.model.hf_model.named_parameters() if p.requires_grad]
-        if set(device_w) != {n for n, _ in named}:
-            raise ConfigError(f"checkpoint {path} was saved for other trainable parameters (different model or LoRA settings)", "resume with the config the checkpoint was trained with")
-        full = load_tensors(os.path.join(path, "model.safetensors"))
-        with torch.no_grad():
-            params = dict(self.model.hf_model.named_parameters())
-            for name, t in full.items():  # frozen weights (and buffers) of full checkpoints
-                if name in params and not params[name].requires_grad:
-                    params[name].copy_(t)
-            for name, p in named:
-                p.copy_(device_w[name])
-            for name, m in self.master_named:
-                m.copy_(master_w[name])
-        self.optimizer.load_state_dict(load_torch(os.path.join(path, "optim", "state.pt")))
-        trainer = load_torch(os.path.join(path, "trainer.pt"))
-        self.scheduler.load_state_dict(trainer["scheduler"])
-        # The schedule is a function of the config and the step: keep this run's (steps, lr and warmup
-        # may have been changed on resume), and only the step count from the checkpoint.
-        self.scheduler.lr_lambdas = [WarmupCosine(self.warmup_steps, self.total_steps, self.cfg.min_lr_ratio) for _ in self.optimizer.param_groups]
-        self.scheduler.base_lrs = [self.cfg.lr] * len(self.optimizer.param_groups)
-        for group in self.optimizer.param_groups:
-            group["initial_lr"] = self.cfg.lr
-            group["lr"] = self.cfg.lr * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
-        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
-        if self.scaler is not None and trainer.get("scaler") is not None:
-            self.scaler.load_state_dict(trainer["scaler"])
-        self.stream.load_state_dict(trainer["data"])  # the global data position: the same on every rank
-        by_rank = trainer.get("rng_by_rank")
-        same_layout = isinstance(by_rank, list) and len(by_rank) == self.env.world_size
-        set_rng_state(by_rank[self.env.rank] if same_layout else trainer["rng"])  # type: ignore[index]
-        self.step = int(trainer["step"])
-        self.tokens_seen = int(trainer["tokens_seen"])
-        self.elapsed_before = float(trainer["elapsed"])
-        if self.step >= self.total_steps:
-            raise ConfigError(f"checkpoint {path} is at step {self.step}, the end of a {self.total_steps}-step run", "raise --steps to train further")
+        progress = read_payload(path, self.model, self.optim, self.stream, self.env.rank, self.env.world_size, self.total_steps)
+        self.step, self.tokens_seen, self.elapsed_before = progress.step, progress.tokens_seen, progress.elapsed
 
     # ---- training ----------------------------------------------------------------------------------
-    def _step_fn(self, step: int) -> None:
-        """Optimizer-thread body of one step: clip the host gradients' global norm, step, schedule."""
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.optim_params, max_norm)
-        self.grad_norms[step] = float(norm)
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-        else:
-            self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
     def _train_step(self) -> Tuple[float, int]:
         """One optimizer step (see the module docstring); returns its loss and its token count (both
         of the global batch: every rank returns the same)."""
@@ -616,7 +257,8 @@ class Recipe:
         counted = sum(count_loss_tokens(labels) for _, labels in batches)
         if counted == 0:
             raise ConfigError(f"step {self.step + 1} has no trained token", "check the data's loss masks (seq_len may cut off the responses)")
-        scale = self.scaler.scale if self.scaler is not None else (lambda t: t)
+        scaler = self.optim.scaler
+        scale = self.optim.scale
 
         def local_loss() -> float:
             """Forward and backward of this rank's rows, each batch weighted by its share of the
@@ -629,8 +271,8 @@ class Recipe:
                         continue  # no rows here (batch_size < ranks): no call; the step still reduces
                 n = count_loss_tokens(labels)
                 loss += self.model.forward_backward(ids, labels, n / counted, scale, self.microbatches).detach().float()
-            if self.scaler is not None:
-                loss /= self.scaler.get_scale()
+            if scaler is not None:
+                loss /= scaler.get_scale()
             return float(loss)
 
         if self.env.distributed:
@@ -642,28 +284,29 @@ class Recipe:
             self._stop_now = self._stop_requested
         # Checked before the step, so non-finite gradients never reach the optimizer (with a
         # GradScaler the scaler skips such steps itself and backs its scale off).
-        if not math.isfinite(value) and self.scaler is None:
+        if not math.isfinite(value) and scaler is None:
             if self.cfg.on_nonfinite == "stop":
                 raise ConfigError(f"the loss is {value} at step {self.step + 1}", "lower --lr (or --max-grad-norm), check the data, or pass --on-nonfinite skip; earlier checkpoints are intact")
             # Backward has completed and no step reads these gradients yet: dropping them is safe.
             for p in self.model.rp.model.parameters():
                 p.grad = None
             self.skipped_steps += 1
-            self.grad_norms[self.step + 1] = math.nan  # its metrics row has no gradient norm
+            self.optim.grad_norms[self.step + 1] = math.nan  # its metrics row has no gradient norm
             self.log(f"roundpipe: step {self.step + 1}: loss is {value}; its gradients were dropped (on_nonfinite=skip)")
         else:
-            self.model.rp.step(self._step_fn, self.cfg.async_step, self.step + 1)
-        if self.scaler is not None:
-            self.scaler.update()
+            self.model.rp.step(self.optim.step_fn, self.cfg.async_step, self.step + 1)
+            self.steps_launched += 1
+        if scaler is not None:
+            scaler.update()
         self.step += 1
         return value, sum(ids.numel() for ids, _ in batches)
 
     def _flush_rows(self, force: bool = False) -> None:
         """Write pending metric rows whose gradient norm the optimizer thread has produced (rank 0;
         the other ranks only drop them)."""
-        while self._pending and (force or self._pending[0]["step"] in self.grad_norms):
+        while self._pending and (force or self._pending[0]["step"] in self.optim.grad_norms):
             row = self._pending.pop(0)
-            row["grad_norm"] = self.grad_norms.pop(row["step"], None)
+            row["grad_norm"] = self.optim.grad_norms.pop(row["step"], None)
             if self.metrics is not None:
                 self.metrics.write(row)
 
@@ -686,7 +329,7 @@ class Recipe:
         self._pending: List[Dict[str, Any]] = []
         self.last_checkpoint: Optional[str] = None
         n_params = sum(p.numel() for p in self.model.hf_model.parameters())
-        n_train = sum(m.numel() for _, m in self.master_named)
+        n_train = sum(m.numel() for _, m in self.model.master_named())
         from roundpipe import get_num_devices
 
         self.log(
@@ -721,7 +364,7 @@ class Recipe:
         loss_value = math.nan
         try:
             while self.step < end:
-                lr = self.scheduler.lr_lambdas[0](self.step) * cfg.lr
+                lr = self.optim.lr_at(self.step)
                 loss_value, step_tokens = self._train_step()
                 self.tokens_seen += step_tokens
                 tokens_this_run += step_tokens
@@ -834,6 +477,15 @@ class Recipe:
         self.log("wrote " + ", ".join(files))
 
 
+def _uses_gpus(spec: Optional[str]) -> bool:
+    """Whether device spec ``spec`` (None: ``RPP_DEVICES``, whose default is all GPUs when there are
+    any) selects GPUs rather than CPU workers."""
+    chosen = (spec if spec is not None else settings.DEVICES.get()).strip().lower()
+    if not chosen:
+        return torch.cuda.is_available() and torch.cuda.device_count() > 0
+    return chosen.startswith("cuda")
+
+
 def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
@@ -871,6 +523,7 @@ def run(cfg: TrainConfig, given: Optional[Dict[str, Any]] = None, out: Callable[
     if quiet:
         logger.setLevel(logging.WARNING)  # the ranks' INFO lines would repeat rank 0's
     failed = True
+    recipe: Optional[Recipe] = None
     try:
         if cfg.resume is not None:
             ref, out_dir = cfg.resume, cfg.output_dir
@@ -885,9 +538,10 @@ def run(cfg: TrainConfig, given: Optional[Dict[str, Any]] = None, out: Callable[
         return result
     finally:
         if env.distributed:
-            parallel.stop(failed)
+            model: Optional[PipelineModel] = getattr(recipe, "model", None)  # None if setup failed before building it
+            parallel.stop(failed, model.rp if model is not None else None)
         if quiet:
             logger.setLevel(old_level)
 
 
-__all__ = ["BUILTIN_MODELS", "PipelineModel", "Recipe", "TrainResult", "WarmupCosine", "run"]
+__all__ = ["Recipe", "TrainResult", "resume_config", "run"]

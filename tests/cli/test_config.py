@@ -12,6 +12,8 @@ import yaml
 from roundpipe.cli import main
 from roundpipe.cli.config import TASK_PROFILE, ConfigError, TrainConfig, parse_train_args
 
+from helpers import ROOT
+
 
 def write(path, text: str) -> str:
     path.write_text(text)
@@ -72,7 +74,7 @@ def test_help_lists_every_key(capsys) -> None:
 
 
 def test_every_key_is_documented() -> None:
-    path = os.path.join(os.path.dirname(__file__), "..", "docs", "training.md")
+    path = os.path.join(ROOT, "docs", "training.md")
     with open(path) as f:
         text = f.read()
     assert [k for k in TrainConfig().to_dict() if f"| `{k}` |" not in text] == []
