@@ -9,6 +9,7 @@ failure a user can fix is a :class:`ConfigError` naming the directory and what t
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Dict
 
 import torch
@@ -32,7 +33,7 @@ BUILTIN_MODELS: Dict[str, Dict[str, Any]] = {
     "qwen3-14b": dict(_QWEN3_COMMON, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False),
 }
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def builtin_config(name: str) -> Any:
@@ -72,13 +73,13 @@ def resolve_dtype(cfg: TrainConfig, model_config: Any) -> torch.dtype:
     """The dtype the devices compute with: ``--dtype``, else the model config's own (float32 for
     ``tiny``, bfloat16 for the other built-ins, float32 when the config names none)."""
     if cfg.dtype != "auto":
-        return DTYPES[cfg.dtype]
+        return TORCH_DTYPES[cfg.dtype]
     if cfg.model == "tiny":
         return torch.float32
     own = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
     if isinstance(own, str):
-        own = DTYPES.get(own)
-    if own in DTYPES.values():
+        own = TORCH_DTYPES.get(own)
+    if own in TORCH_DTYPES.values():
         return own
     return torch.bfloat16 if cfg.model in BUILTIN_MODELS else torch.float32
 
@@ -95,16 +96,29 @@ def build_model(source: Dict[str, str], model_config: Any, dtype: torch.dtype) -
         raise ConfigError(f"cannot load the model in {source['path']} ({str(exc).splitlines()[0]})", "pass a directory written by save_pretrained with its weights") from None
 
 
+#: Vocabulary files of Hugging Face tokenizers (fast, SentencePiece, BPE, WordPiece, tiktoken): a model
+#: directory with none of them has no tokenizer. transformers would then build an empty one from the
+#: model type, and the data would fail later with a misleading error (no chat template, too few tokens).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "sentencepiece.bpe.model", "tiktoken.model")
+
+
 def load_tokenizer(source: Dict[str, str], cfg: TrainConfig) -> Any:
     """The byte tokenizer for the built-in task and built-in models, the model's own otherwise."""
     if cfg.data is None or source["kind"] == "builtin":
         return byte_tokenizer()
     from transformers import AutoTokenizer
 
+    path = source["path"]
+    fix = "save the model's tokenizer there with tokenizer.save_pretrained(model_dir)"
+    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        raise ConfigError(f"the model directory {path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)})", fix)
     try:
-        return AutoTokenizer.from_pretrained(source["path"], local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, TypeError) as exc:
-        raise ConfigError(f"no usable tokenizer in {source['path']} ({str(exc).splitlines()[0]})", "save one there with tokenizer.save_pretrained(model_dir)") from None
+        raise ConfigError(f"no usable tokenizer in {path} ({str(exc).splitlines()[0]})", fix) from None
+    if len(tokenizer) <= 1:
+        raise ConfigError(f"the tokenizer in {path} is empty ({len(tokenizer)} tokens)", fix)
+    return tokenizer
 
 
 def lora_config(cfg: TrainConfig) -> Any:
@@ -123,14 +137,23 @@ def lora_config(cfg: TrainConfig) -> Any:
     )
 
 
-def apply_lora(model: nn.Module, lcfg: Any) -> nn.Module:
-    """``model`` inside a PEFT model with adapters ``lcfg`` (only the adapters train)."""
+def peft_model(model: nn.Module, lcfg: Any) -> nn.Module:
+    """``peft.get_peft_model(model, lcfg)`` without the FutureWarning transformers 5 gives for PEFT's
+    read of ``is_gradient_checkpointing`` (a deprecated alias; nothing a user can act on). Only that
+    warning is filtered, and only during the call."""
     from peft import get_peft_model
 
-    try:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         return get_peft_model(model, lcfg)
+
+
+def apply_lora(model: nn.Module, lcfg: Any) -> nn.Module:
+    """``model`` inside a PEFT model with adapters ``lcfg`` (only the adapters train)."""
+    try:
+        return peft_model(model, lcfg)
     except ValueError as exc:
         raise ConfigError(f"LoRA: {str(exc).splitlines()[0]}", "set --lora-targets to module names of this model (e.g. q_proj v_proj) or all-linear") from None
 
 
-__all__ = ["BUILTIN_MODELS", "DTYPES", "apply_lora", "build_model", "builtin_config", "load_model_config", "load_tokenizer", "lora_config", "model_source", "resolve_dtype"]
+__all__ = ["BUILTIN_MODELS", "TOKENIZER_FILES", "TORCH_DTYPES", "apply_lora", "build_model", "builtin_config", "load_model_config", "load_tokenizer", "lora_config", "model_source", "peft_model", "resolve_dtype"]
