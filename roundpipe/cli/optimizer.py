@@ -3,7 +3,8 @@ rate schedule, the GradScaler of float16 runs, and the step function that runs o
 
 One optimizer step (``HostOptimizer.step_fn``, called by ``RoundPipe.step`` on the optimizer thread
 once the gradients are on the host): unscale (float16), clip the global gradient norm to
-``max_grad_norm``, step, advance the schedule, zero the gradients.
+``max_grad_norm``, step, advance the schedule, zero the gradients. A non-finite gradient norm drops
+the step's gradients instead (no update, no schedule step).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class HostOptimizer:
         scaler: RoundPipe's ``GradScaler`` for float16 runs, else None.
         grad_norms: ``step -> global gradient norm before clipping``, filled by the optimizer thread;
             the training loop pops them into its metrics rows.
+        nonfinite: ``step -> gradient norm`` of the steps whose gradient norm was NaN or infinite
+            (without a GradScaler): their gradients were dropped, no update, no schedule step.
         steps_completed: Steps whose :meth:`step_fn` ran to its end (a failed step leaves it behind).
     """
 
@@ -70,6 +73,7 @@ class HostOptimizer:
 
             self.scaler = GradScaler()
         self.grad_norms: Dict[int, float] = {}
+        self.nonfinite: Dict[int, float] = {}
         self.steps_completed = 0
 
     def lr_at(self, step: int) -> float:
@@ -86,8 +90,16 @@ class HostOptimizer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.clip_params, max_norm)
-        self.grad_norms[step] = float(norm)
+        norm = float(torch.nn.utils.clip_grad_norm_(self.clip_params, max_norm))
+        self.grad_norms[step] = norm
+        if self.scaler is None and not math.isfinite(norm):
+            # Dropped before any update, so the weights never see them (with a GradScaler the scaler
+            # skips such steps itself). The training loop stops the run or counts the step as skipped
+            # (on_nonfinite) once it learns of it, see Recipe._check_gradients.
+            self.optimizer.zero_grad(set_to_none=True)
+            self.nonfinite[step] = norm
+            self.steps_completed += 1
+            return
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
         else:

@@ -11,6 +11,9 @@ One optimizer step:
 With ``async_step`` (the default) step 3 returns at once and the optimizer overlaps the next step's
 compute; that step then computes at weights one step old (see ``RoundPipeBase.step``).
 
+A non-finite loss is caught before its step, a non-finite gradient norm on the optimizer thread (its
+step is not applied); ``on_nonfinite`` then stops the run with one error line or skips the step.
+
 Checkpoints do not perturb training: they wait for the optimizer thread and save the fp32 masters,
 the optimizer state *and* the weights the devices currently compute with (in async mode the previous
 step's), so a resumed run repeats the uninterrupted run's computation bit for bit on CPU workers,
@@ -22,11 +25,14 @@ rank draws the same global batches (same seed) and trains on its contiguous shar
 rank's loss is its tokens' loss sum over the token count of the *global* step, and the ranks'
 gradients are summed (:func:`roundpipe.distributed.enable_data_parallel` with ``op="sum"``), so every
 rank takes the one-process step on the whole batch. Rank 0 alone prints, writes metrics and checkpoints; all ranks resume from the same checkpoint.
+
+Before the model loads, the output directory is checked (:mod:`roundpipe.cli.run_dir`): writable, and
+not holding an earlier run unless ``--resume`` continues it or ``--overwrite`` replaces it.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import math
 import os
@@ -44,13 +50,14 @@ from roundpipe import distributed as rdist
 from roundpipe import settings
 from roundpipe.cli import checkpoint as ckpt
 from roundpipe.cli import parallel
-from roundpipe.cli.config import ConfigError, TrainConfig, merge, to_yaml
-from roundpipe.cli.metrics import MetricsWriter, device_peak_memory_gib, format_rate, host_peak_rss_gib, plot_metrics
+from roundpipe.cli.config import ConfigError, TrainConfig, to_yaml
+from roundpipe.cli.metrics import MetricsWriter, format_duration, format_rate, write_summary
 from roundpipe.cli.model_loading import apply_lora, build_model, load_model_config, load_tokenizer, lora_config, model_source, resolve_dtype
 from roundpipe.cli.optimizer import HostOptimizer
 from roundpipe.cli.pipeline import PipelineModel
+from roundpipe.cli.run_dir import check_output_dir, clear_earlier_run
 from roundpipe.cli.tasks import TASKS, TaskStream, exact_match, held_out_examples
-from roundpipe.cli.train_state import Progress, read_payload, rng_state, write_payload
+from roundpipe.cli.train_state import Progress, read_payload, resume_config, rng_state, write_payload
 
 if TYPE_CHECKING:
     from roundpipe.cli.data import FileStream
@@ -72,11 +79,6 @@ class TrainResult:
     model: Optional[PipelineModel] = None
     tokenizer: Any = None
     ranks: int = 1
-
-
-def _fmt_time(s: float) -> str:
-    s = int(s)
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
 class Recipe:
@@ -132,8 +134,10 @@ class Recipe:
             parallel.everywhere(lambda: self._load_checkpoint(path), f"the loading of checkpoint {path}")
             rdist.assert_same_across_ranks((os.path.basename(os.path.normpath(path)), self.step, self._master_sha), "the resumed checkpoint (name, step, sha256 of its master weights)")
 
-    def _build(self) -> None:
-        """Model, data, optimizer and schedule: this process's work alone (no collectives)."""
+    def _plan(self) -> None:
+        """Devices, model source and config, tokenizer, data, and the numbers a run derives from them
+        (microbatches, sequence length, steps, warmup): everything but the model and the optimizer.
+        ``--print-config`` stops here (:func:`resolved_config`)."""
         cfg = self.cfg
         self._set_devices()
         from roundpipe import get_num_devices
@@ -147,22 +151,45 @@ class Recipe:
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self.source = model_source(cfg)
-        model_config = load_model_config(self.source)
-        self.dtype = resolve_dtype(cfg, model_config)
+        self.model_config = load_model_config(self.source)
+        self.dtype = resolve_dtype(cfg, self.model_config)
         self.tokenizer = load_tokenizer(self.source, cfg)
-        self.stream = self._data(model_config)
-        vocab = getattr(model_config, "vocab_size", None)
+        self.stream = self._data(self.model_config)
+        vocab = getattr(self.model_config, "vocab_size", None)
         if vocab is not None and len(self.tokenizer) > vocab:
             raise ConfigError(f"the tokenizer has {len(self.tokenizer)} tokens but the model's vocab_size is {vocab}", "use the model's own tokenizer")
-        hf_model = build_model(self.source, model_config, self.dtype)
+        self.total_steps = self._total_steps()
+        self.warmup_steps = cfg.warmup_steps if cfg.warmup_steps is not None else round(0.05 * self.total_steps)
+        self.notes: List[str] = []  # logged when training starts
+        if self.warmup_steps >= self.total_steps:
+            # Warmup reaches the peak learning rate at step warmup + 1: never, in a shorter run.
+            capped = self.total_steps - 1
+            self.notes.append(f"warmup_steps={self.warmup_steps} is not shorter than the run ({self.total_steps} steps): capped at {capped}, so the learning rate reaches its peak at the last step")
+            self.warmup_steps = capped
+
+    def resolved(self) -> TrainConfig:
+        """The config with the values :meth:`_plan` derived in place of the unset ones (steps stays
+        unset when ``epochs`` gives the length: both together are an error)."""
+        cfg = self.cfg
+        return dataclasses.replace(
+            cfg,
+            microbatches=self.microbatches,
+            seq_len=self.stream.seq_len,
+            steps=self.total_steps if cfg.epochs is None else cfg.steps,
+            warmup_steps=self.warmup_steps,
+        )
+
+    def _build(self) -> None:
+        """Model, data, optimizer and schedule: this process's work alone (no collectives)."""
+        cfg = self.cfg
+        self._plan()
+        hf_model = build_model(self.source, self.model_config, self.dtype)
         if cfg.lora_r:
             hf_model = apply_lora(hf_model, lora_config(cfg))
         self.model = PipelineModel(hf_model, self.microbatches, cfg.plan)
         if not self.model.trainable_named():
             raise ConfigError("the model has no trainable parameters", "check --lora-targets")
         clip_params = list(self.model.rp.optim_parameters())  # creates the fp32 masters
-        self.total_steps = self._total_steps()
-        self.warmup_steps = cfg.warmup_steps if cfg.warmup_steps is not None else round(0.05 * self.total_steps)
         masters = [m for _, m in self.model.master_named()]  # by Hugging Face name
         self.optim = HostOptimizer(masters, clip_params, cfg, self.total_steps, self.warmup_steps, float16=self.dtype == torch.float16)
         self.step = 0
@@ -189,7 +216,14 @@ class Recipe:
             roundpipe.configure(devices=spec, compile=compile_)
             roundpipe.get_num_devices()  # starts the workers; reads RPP_DEVICES when --devices is not given
         except (ValueError, RuntimeError) as exc:
-            raise ConfigError(str(exc).split(";")[0], "use --devices cuda, cuda:0,1 or cpu:N") from None
+            where = f"--devices {spec}" if spec is not None else f"RPP_DEVICES={settings.DEVICES.get()}"
+            if _uses_gpus(spec) and not torch.cuda.is_available():
+                raise ConfigError(
+                    f"{where} asks for GPUs, but torch.cuda.is_available() is False (a CPU build of torch, or no GPU visible)",
+                    "train on CPU workers with --devices cpu:N" + ("" if spec is not None else " (or RPP_DEVICES=cpu:N)") + ", or install a CUDA build of torch",
+                ) from None
+            detail = str(exc).split(";")[0].split(": ", 1)[-1].split(", e.g.")[0]  # the core's message names RPP_DEVICES
+            raise ConfigError(f"{where} is not a device list ({detail})", "use --devices cuda, cuda:0,1 or cpu:N") from None
 
     def _data(self, model_config: Any) -> Union[TaskStream, "FileStream"]:
         """The batch stream; the sequence length is checked against the model before any tokenizing."""
@@ -228,6 +262,7 @@ class Recipe:
         """
         launched = self.steps_launched
         self.model.wait_for_step(lambda: self.optim.steps_completed == launched)
+        self._check_gradients(self.step)
         self._flush_rows()
         cfg = self.cfg
         rngs = parallel.gather_to_main(rng_state(), f"checkpoint of step {self.step}") if self.env.distributed else None
@@ -282,6 +317,9 @@ class Recipe:
         else:
             value = local_loss()
             self._stop_now = self._stop_requested
+        # Iteration s computes at the weights after step s-2 (async) or s-1 (sync), so those steps are
+        # complete now: the same point of the run on every rank, whatever the thread timing.
+        self._check_gradients(self.step - 1 if self.cfg.async_step else self.step)
         # Checked before the step, so non-finite gradients never reach the optimizer (with a
         # GradScaler the scaler skips such steps itself and backs its scale off).
         if not math.isfinite(value) and scaler is None:
@@ -300,6 +338,19 @@ class Recipe:
             scaler.update()
         self.step += 1
         return value, sum(ids.numel() for ids, _ in batches)
+
+    def _check_gradients(self, upto: int) -> None:
+        """Act on the steps up to ``upto`` whose gradient norm was not finite (the optimizer thread
+        dropped their gradients): stop the run at the first, or log them as skipped (on_nonfinite)."""
+        for step in sorted(s for s in list(self.optim.nonfinite) if s <= upto):
+            norm = self.optim.nonfinite.pop(step)
+            if self.cfg.on_nonfinite == "stop":
+                raise ConfigError(
+                    f"the gradient norm is {norm} at step {step} (the loss was finite)",
+                    "lower --lr, check the data, or pass --on-nonfinite skip; the step was not applied and earlier checkpoints are intact",
+                )
+            self.skipped_steps += 1
+            self.log(f"roundpipe: step {step}: gradient norm is {norm}; its gradients were dropped (on_nonfinite=skip)")
 
     def _flush_rows(self, force: bool = False) -> None:
         """Write pending metric rows whose gradient norm the optimizer thread has produced (rank 0;
@@ -342,6 +393,8 @@ class Recipe:
             f"{self.microbatches} microbatches, {'async' if cfg.async_step else 'sync'} optimizer step"
             + (f"; resuming at step {self.step} from {self.resume_from}" if resumed else "")
         )
+        for note in self.notes:
+            self.log(f"note: {note}")
         if self.env.distributed:
             w = self.env.world_size
             low, high = cfg.batch_size // w, -(-cfg.batch_size // w)
@@ -376,7 +429,7 @@ class Recipe:
                     self._bar.set_postfix_str(f"loss {loss_value:.4f}, {format_rate(tps)} tok/s", refresh=False)
                     self._bar.update(1)
                 if self.step % cfg.log_every == 0 or self.step == end:
-                    self.log(f"step {self.step}/{self.total_steps} | loss {loss_value:.4f} | lr {lr:.2e} | {format_rate(tps)} tok/s | {_fmt_time(self.elapsed_before + elapsed)}")
+                    self.log(f"step {self.step}/{self.total_steps} | loss {loss_value:.4f} | lr {lr:.2e} | {format_rate(tps)} tok/s | {format_duration(self.elapsed_before + elapsed)}")
                 at_save = cfg.save_every and self.step % cfg.save_every == 0
                 if at_save or self.step == end or self._stop_now:
                     path = self.save_checkpoint(loss_value)
@@ -392,6 +445,7 @@ class Recipe:
                 self._bar = None
         seconds = time.time() - t_run
         self.model.rp.synchronize()
+        self._check_gradients(self.step)
         self._flush_rows(force=True)
         if self.metrics is not None:
             self.metrics.close()
@@ -412,7 +466,11 @@ class Recipe:
         if self.dp is not None:
             self.dp.close()  # the returned model trains locally again (the process group ends with run)
         if self.is_main:
-            self._summary(result)
+            assert self.metrics is not None
+            summary = {"step": result.step, "total_steps": result.total_steps, "final_loss": result.loss, "tokens_per_s": result.tokens_per_s,
+                       "seconds": result.seconds, "accuracy": result.accuracy, "checkpoint": result.checkpoint}
+            for line in write_summary(cfg.output_dir, self.metrics, summary):
+                self.log(line)
         if self.step < self.total_steps and self.last_checkpoint is not None:
             why = "interrupted" if self._stop_now else "stop_at reached"
             resume_cmd = "torchrun ... -m roundpipe train" if self.env.distributed else "roundpipe train"
@@ -448,34 +506,6 @@ class Recipe:
         self.log(f"held-out exact match: {acc:.1%} ({correct}/{total})")
         return acc
 
-    def _summary(self, r: TrainResult) -> None:
-        """Plot, ``summary.json`` and the closing lines (rank 0)."""
-        cfg = self.cfg
-        assert self.metrics is not None
-        plot = plot_metrics(self.metrics.path, os.path.join(cfg.output_dir, "loss.png"))
-        gpu = device_peak_memory_gib()
-        summary = {
-            "step": r.step,
-            "total_steps": r.total_steps,
-            "final_loss": r.loss,
-            "tokens_per_s": r.tokens_per_s,
-            "seconds": r.seconds,
-            "peak_gpu_memory_gib": gpu,
-            "host_peak_rss_gib": host_peak_rss_gib(),
-            "accuracy": r.accuracy,
-            "checkpoint": r.checkpoint,
-        }
-        with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
-        self.log(
-            f"done: step {r.step}/{r.total_steps} in {_fmt_time(r.seconds)}, {format_rate(r.tokens_per_s)} tokens/s, final loss {r.loss:.4f}; "
-            f"peak GPU memory {'%.2f GiB' % gpu if gpu is not None else 'n/a (CPU workers)'}, host peak RSS {summary['host_peak_rss_gib']:.2f} GiB"
-        )
-        files = [f"metrics {self.metrics.path}"] + ([f"plot {plot}"] if plot else []) + ([f"checkpoint {r.checkpoint}"] if r.checkpoint else [])
-        if self.metrics.tensorboard_dir:
-            files.append(f"tensorboard {self.metrics.tensorboard_dir}")
-        self.log("wrote " + ", ".join(files))
-
 
 def _uses_gpus(spec: Optional[str]) -> bool:
     """Whether device spec ``spec`` (None: ``RPP_DEVICES``, whose default is all GPUs when there are
@@ -490,33 +520,16 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def resume_config(cfg: TrainConfig, given: Dict[str, Any], path: Optional[str] = None) -> TrainConfig:
-    """With ``--resume``, the checkpoint's config is the base and only keys given now override it
-    (``stop_at`` of the interrupted run is dropped). ``path``: the checkpoint, when already resolved
-    (by rank 0, for all ranks)."""
-    from roundpipe.cli.config import from_yaml_text
-
-    if path is None:
-        path = ckpt.resolve_checkpoint(cfg.resume or "latest", cfg.output_dir)
-    ckpt.verify_checkpoint(path)
-    with open(os.path.join(path, "config.yaml")) as f:
-        saved = from_yaml_text(f.read()).to_dict()
-    saved["stop_at"] = None
-    if rdist.current_env().local_world_size > 1 and "devices" not in given:
-        saved["devices"] = None  # several ranks per host: each takes its share of the GPUs (init_from_env)
-    changed = sorted(k for k, v in given.items() if k not in ("resume", "stop_at", "output_dir", "progress", "log_every", "save_every", "keep_checkpoints", "devices", "tensorboard") and saved.get(k) != getattr(cfg, k))
-    if changed and rdist.is_main_process():
-        logger.warning("resuming with changed %s: the run will not repeat the uninterrupted one exactly", ", ".join(changed))
-    merged = merge({}, {**saved, **{k: getattr(cfg, k) for k in given}, "resume": path})
-    return merged
-
-
-def run(cfg: TrainConfig, given: Optional[Dict[str, Any]] = None, out: Callable[[str], None] = print) -> TrainResult:
+def run(cfg: TrainConfig, given: Optional[Dict[str, Any]] = None, out: Callable[[str], None] = print, overwrite: bool = False) -> TrainResult:
     """Train with ``cfg``; ``given`` are the keys set explicitly (by YAML or flags), used on resume.
+    ``overwrite``: delete an earlier run's files in ``output_dir`` first (without it, and without
+    ``resume``, such a directory is refused, see :mod:`roundpipe.cli.run_dir`).
 
     Launched by torchrun with several ranks, this joins the job first (data parallel, see
     :mod:`roundpipe.cli.parallel`) and leaves it at the end, also when training fails.
     """
+    if overwrite and cfg.resume is not None:
+        raise ConfigError("--overwrite and --resume are both given", "pass --resume to continue the run in output_dir, or --overwrite to replace it")
     env = parallel.start()
     quiet = env.distributed and not env.is_main
     old_level = logger.level
@@ -531,8 +544,14 @@ def run(cfg: TrainConfig, given: Optional[Dict[str, Any]] = None, out: Callable[
             # then reads it: it must exist at that path on every node (shared filesystem or a copy).
             path = parallel.on_main(lambda: ckpt.resolve_checkpoint(ref, out_dir), "the choice of the checkpoint to resume from")
             cfg = parallel.everywhere(lambda: resume_config(cfg, given or {}, path), f"the reading of checkpoint {path}")
+        checked = cfg  # before the model loads: a mistake here should not cost its loading time
+        parallel.on_main(lambda: check_output_dir(checked.output_dir, checked.resume is not None, overwrite), "the check of output_dir")
         recipe = Recipe(cfg, out)
         recipe.setup()
+        if overwrite:
+            removed = parallel.on_main(lambda: clear_earlier_run(checked.output_dir), "the removal of the earlier run")
+            if removed:
+                recipe.log(f"--overwrite: deleted the earlier run's {', '.join(removed)} in {cfg.output_dir}")
         result = recipe.train()
         failed = False
         return result
@@ -544,4 +563,15 @@ def run(cfg: TrainConfig, given: Optional[Dict[str, Any]] = None, out: Callable[
             logger.setLevel(old_level)
 
 
-__all__ = ["Recipe", "TrainResult", "resume_config", "run"]
+def resolved_config(cfg: TrainConfig, given: Optional[Dict[str, Any]] = None) -> TrainConfig:
+    """The config a run of ``cfg`` would use, with the values it derives (sequence length, steps,
+    microbatches, warmup) filled in: ``--print-config``. Reads the model config, the tokenizer and the
+    data (the step count of a data file depends on it), builds no model and writes nothing."""
+    if cfg.resume is not None:
+        cfg = resume_config(cfg, given or {})
+    recipe = Recipe(cfg, out=lambda msg: None)
+    recipe._plan()
+    return recipe.resolved()
+
+
+__all__ = ["Recipe", "TrainResult", "resolved_config", "run"]

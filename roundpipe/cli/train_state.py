@@ -17,6 +17,7 @@ repeat the uninterrupted run's computation exactly (see :mod:`roundpipe.cli.trai
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 from dataclasses import dataclass
@@ -24,10 +25,13 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from roundpipe import distributed as rdist
 from roundpipe.cli import checkpoint as ckpt
-from roundpipe.cli.config import ConfigError, TrainConfig, to_yaml
+from roundpipe.cli.config import ConfigError, TrainConfig, from_yaml_text, merge, to_yaml
 from roundpipe.cli.optimizer import HostOptimizer
 from roundpipe.cli.pipeline import PipelineModel
+
+logger = logging.getLogger("roundpipe")
 
 
 def rng_state() -> Dict[str, Any]:
@@ -116,6 +120,27 @@ def write_payload(
     ckpt.save_torch(trainer, os.path.join(d, "trainer.pt"))
 
 
+def resume_config(cfg: TrainConfig, given: Dict[str, Any], path: Optional[str] = None) -> TrainConfig:
+    """With ``--resume``, the checkpoint's config is the base and only keys given now override it
+    (``stop_at`` of the interrupted run is dropped). ``path``: the checkpoint, when already resolved
+    (by rank 0, for all ranks)."""
+    if path is None:
+        path = ckpt.resolve_checkpoint(cfg.resume or "latest", cfg.output_dir)
+    ckpt.verify_checkpoint(path)
+    with open(os.path.join(path, "config.yaml")) as f:
+        saved = from_yaml_text(f.read()).to_dict()
+    saved["stop_at"] = None
+    if saved.get("data") is not None:
+        saved.pop("task", None)  # unused with a data file (configs saved before it was left out name it)
+    if rdist.current_env().local_world_size > 1 and "devices" not in given:
+        saved["devices"] = None  # several ranks per host: each takes its share of the GPUs (init_from_env)
+    changed = sorted(k for k, v in given.items() if k not in ("resume", "stop_at", "output_dir", "progress", "log_every", "save_every", "keep_checkpoints", "devices", "tensorboard") and saved.get(k) != getattr(cfg, k))
+    if changed and rdist.is_main_process():
+        logger.warning("resuming with changed %s: the run will not repeat the uninterrupted one exactly", ", ".join(changed))
+    merged = merge({}, {**saved, **{k: getattr(cfg, k) for k in given}, "resume": path})
+    return merged
+
+
 def read_payload(path: str, model: PipelineModel, optim: HostOptimizer, stream: Any, rank: int, world_size: int, total_steps: int) -> Progress:
     """Load checkpoint ``path`` (already verified) into the model, optimizer, data stream and RNGs;
     returns the counters to continue with. ``rank``/``world_size``: this process's place in a data
@@ -147,4 +172,4 @@ def read_payload(path: str, model: PipelineModel, optim: HostOptimizer, stream: 
     return Progress(step=step, total_steps=total_steps, tokens_seen=int(trainer["tokens_seen"]), elapsed=float(trainer["elapsed"]))
 
 
-__all__ = ["Progress", "read_payload", "rng_state", "set_rng_state", "weights_kind", "write_payload"]
+__all__ = ["Progress", "read_payload", "resume_config", "rng_state", "set_rng_state", "weights_kind", "write_payload"]

@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from roundpipe.cli import main
-from roundpipe.cli.checkpoint import load_tensors, resolve_checkpoint
+from roundpipe.cli.checkpoint import load_tensors, load_torch, resolve_checkpoint
 from roundpipe.cli.config import merge, parse_train_args
 from roundpipe.cli.export import export
 from roundpipe.cli.tasks import IGNORE_INDEX, byte_tokenizer
 from roundpipe.cli.train import Recipe, run
+
+from .local_model import chat_rows, make_local_model, word_tokenizer
 
 
 @pytest.fixture(autouse=True)
@@ -34,53 +36,6 @@ def losses(output_dir: str) -> Dict[int, str]:
     """step -> loss as written (repr of the float: equal strings = bitwise equal losses)."""
     with open(os.path.join(output_dir, "metrics.csv"), newline="") as f:
         return {int(r["step"]): r["loss"] for r in csv.DictReader(f)}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# A local Hugging Face model with a tokenizer built here (no download)
-# ---------------------------------------------------------------------------------------------------------
-
-WORDS = "what is the color of sky grass sun snow blue green yellow white it say hello hi please thanks".split()
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% if m['role'] == 'assistant' %}<eos> {% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
-)
-
-
-def word_tokenizer():
-    """A word-level tokenizer with a chat template, built in code."""
-    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<unk>", "<pad>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>"]
-    vocab = {w: i for i, w in enumerate(specials + WORDS)}
-    tok = Tokenizer(tok_models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>", additional_special_tokens=specials[3:])
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
-def make_local_model(path: str, tokenizer: Any, tie: bool = True) -> str:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=128, tie_word_embeddings=tie, use_cache=False,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
-    Qwen3ForCausalLM(cfg).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-def chat_rows() -> List[Dict[str, Any]]:
-    facts = [("sky", "blue"), ("grass", "green"), ("sun", "yellow"), ("snow", "white")]
-    rows = [{"messages": [{"role": "user", "content": f"what is the color of the {x}"}, {"role": "assistant", "content": f"it is {c}"}]} for x, c in facts]
-    rows.append({"messages": [{"role": "system", "content": "say hello"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-                              {"role": "user", "content": "thanks"}, {"role": "assistant", "content": "hello please"}]})
-    return rows
 
 
 def compare_export(result: Any, out_dir: str, ids: torch.Tensor, atol: float) -> None:
@@ -159,8 +114,8 @@ def test_resume_is_bitwise_exact(tmp_path, async_step: bool, devices: str, data:
     full = run(config(output_dir=str(tmp_path / "full"), **keys), out=lambda m: None)
     first = run(config(output_dir=str(tmp_path / "split"), stop_at=6, **keys), out=lambda m: None)
     assert first.step == 6 and first.checkpoint.endswith("step-0000006")
-    resumed_cfg, _, given = parse_train_args(["--resume", "--output-dir", str(tmp_path / "split")])
-    second = run(resumed_cfg, given, out=lambda m: None)
+    args = parse_train_args(["--resume", "--output-dir", str(tmp_path / "split")])
+    second = run(args.cfg, args.given, out=lambda m: None)
     assert second.step == 12
     a, b = losses(str(tmp_path / "full")), losses(str(tmp_path / "split"))
     assert sorted(b) == list(range(1, 13)) and a == b  # rows 7..12 written by the resumed run
@@ -200,7 +155,7 @@ def test_model_errors_are_one_line(tmp_path, capsys) -> None:
         (["--model", model_dir, "--data", str(data), "--seq-len", "256"], "seq_len=256 exceeds the model's limit (max_position_embeddings=128) — lower --seq-len to at most 128"),
         (["--model", model_dir, "--data", str(data), "--lora-r", "4", "--lora-targets", "qkv_fused"], "LoRA:"),
         (["--data", str(data), "--seq-len", "1000"], "the data has 501 tokens, fewer than one sequence of seq_len=1000"),
-        (["--devices", "tpu:3"], "RPP_DEVICES='tpu:3'"),
+        (["--devices", "tpu:3"], "--devices tpu:3 is not a device list (expected 'cpu:N', 'cuda' or 'cuda:0,1') — use --devices cuda, cuda:0,1 or cpu:N"),
     ]
     for args, expect in cases:
         assert main(["train", "--output-dir", str(tmp_path / "o"), *args]) == 2, args
@@ -208,12 +163,30 @@ def test_model_errors_are_one_line(tmp_path, capsys) -> None:
         assert len(err) == 1 and err[0].startswith("roundpipe: error: ") and expect in err[0], (args, err)
 
 
-def test_nonfinite_loss_stops_or_skips(tmp_path, capsys) -> None:
-    """A NaN loss stops the run with one line (before any step uses it), or with on_nonfinite=skip drops
-    that step's gradients: the weights stay finite and training goes on."""
-    from roundpipe.cli import train as train_mod
+def checkpoint_tensors(output_dir: str, step: int, rel: str = "optim/master.safetensors") -> Dict[str, torch.Tensor]:
+    return load_tensors(os.path.join(output_dir, "checkpoints", f"step-{step:07d}", rel))
 
-    original = train_mod.Recipe._train_step
+
+def adam_steps(output_dir: str, step: int) -> List[float]:
+    """The Adam step counts of a checkpoint's optimizer state."""
+    state = torch.load(os.path.join(output_dir, "checkpoints", f"step-{step:07d}", "optim", "state.pt"), weights_only=True)["state"]
+    return sorted({float(s["step"]) for s in state.values()})
+
+
+def assert_step_skipped(output_dir: str, skipped: int) -> None:
+    """Step ``skipped`` changed nothing (sync steps, a checkpoint per step): same masters and Adam step
+    count as the step before, while the next step moves on again."""
+    before, at, after = (checkpoint_tensors(output_dir, s) for s in (skipped - 1, skipped, skipped + 1))
+    assert all(torch.equal(before[k], at[k]) for k in before)
+    assert adam_steps(output_dir, skipped) == adam_steps(output_dir, skipped - 1) == [float(skipped - 1)]
+    assert any(not torch.equal(at[k], after[k]) for k in at) and adam_steps(output_dir, skipped + 1) == [float(skipped)]
+    assert all(torch.isfinite(t).all() for t in after.values())
+
+
+def test_nonfinite_loss_stops_or_skips(tmp_path, capsys, monkeypatch) -> None:
+    """A NaN loss stops the run with one line (before any step uses it), or with on_nonfinite=skip drops
+    that step's gradients: no update, and training goes on."""
+    original = Recipe._train_step
     poisoned = {"done": False}
 
     def poison_once(self):
@@ -229,14 +202,132 @@ def test_nonfinite_loss_stops_or_skips(tmp_path, capsys) -> None:
                 head.data.copy_(saved)
         return original(self)
 
-    train_mod.Recipe._train_step = poison_once
-    try:
-        assert main(["train", "--output-dir", str(tmp_path / "stop"), "--steps", "4", "--batch-size", "4", "--eval-examples", "4", "--no-async-step"]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and "the loss is nan at step 3" in err[0], err
-        poisoned["done"] = False
-        res = run(config(output_dir=str(tmp_path / "skip"), steps=4, batch_size=4, on_nonfinite="skip", async_step=False), out=lambda m: None)
-        assert res.step == 4
-        assert all(torch.isfinite(p).all() for p in res.model.hf_model.parameters())
-    finally:
-        train_mod.Recipe._train_step = original
+    monkeypatch.setattr(Recipe, "_train_step", poison_once)
+    assert main(["train", "--output-dir", str(tmp_path / "stop"), "--steps", "4", "--batch-size", "4", "--eval-examples", "4", "--no-async-step"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the loss is nan at step 3" in err[0], err
+    poisoned["done"] = False
+    logs: List[str] = []
+    res = run(config(output_dir=str(tmp_path / "skip"), steps=4, batch_size=4, on_nonfinite="skip", async_step=False, save_every=1, keep_checkpoints=10), out=logs.append)
+    assert res.step == 4 and "roundpipe: step 3: loss is nan; its gradients were dropped (on_nonfinite=skip)" in logs
+    assert_step_skipped(str(tmp_path / "skip"), 3)
+
+
+def poison_gradient(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
+    """Make the host gradients of optimizer step ``step`` NaN (the loss stays finite), as an overflow in
+    backward would."""
+    from roundpipe.cli.optimizer import HostOptimizer
+
+    original = HostOptimizer.step_fn
+
+    def step_fn(self: HostOptimizer, s: int) -> None:
+        if s == step:
+            next(p for p in self.clip_params if p.grad is not None).grad.view(-1)[0] = float("nan")
+        original(self, s)
+
+    monkeypatch.setattr(HostOptimizer, "step_fn", step_fn)
+
+
+def test_nonfinite_gradient_norm_stops_or_skips(tmp_path, capsys, monkeypatch) -> None:
+    """A NaN gradient norm under a finite loss: the step is never applied, and the run stops at it with
+    one line (async steps: found two steps later, still naming it), or skips it and goes on."""
+    poison_gradient(monkeypatch, 3)
+    out = str(tmp_path / "stop")
+    assert main(["train", "--output-dir", out, "--steps", "8", "--batch-size", "4", "--eval-examples", "0", "--save-every", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["roundpipe: error: the gradient norm is nan at step 3 (the loss was finite) — lower --lr, check the data, or pass --on-nonfinite skip; the step was not applied and earlier checkpoints are intact"]
+    assert resolve_checkpoint("latest", out).endswith("step-0000002")  # step 4's checkpoint was not written
+    rows = {int(r["step"]): r for r in csv.DictReader(open(os.path.join(out, "metrics.csv")))}
+    assert max(rows) <= 4 and all(float(r["loss"]) == float(r["loss"]) for r in rows.values())
+    logs: List[str] = []
+    skip = str(tmp_path / "skip")
+    res = run(config(output_dir=skip, steps=4, batch_size=4, on_nonfinite="skip", async_step=False, save_every=1, keep_checkpoints=10), out=logs.append)
+    assert res.step == 4 and "roundpipe: step 3: gradient norm is nan; its gradients were dropped (on_nonfinite=skip)" in logs
+    assert_step_skipped(skip, 3)
+    assert losses(skip)[3] != "nan" and {int(r["step"]): r["grad_norm"] for r in csv.DictReader(open(os.path.join(skip, "metrics.csv")))}[3] == "nan"
+
+
+def test_warmup_longer_than_the_run_is_capped(tmp_path) -> None:
+    """warmup_steps >= steps would never reach the peak learning rate: it is capped, and the log says so."""
+    logs: List[str] = []
+    run(config(output_dir=str(tmp_path / "run"), steps=4, warmup_steps=10, batch_size=4, lr=1e-3), out=logs.append)
+    assert "note: warmup_steps=10 is not shorter than the run (4 steps): capped at 3, so the learning rate reaches its peak at the last step" in logs
+    with open(os.path.join(tmp_path, "run", "metrics.csv"), newline="") as f:
+        lrs = [float(r["lr"]) for r in csv.DictReader(f)]
+    assert lrs == sorted(lrs) and lrs[-1] == 1e-3 and lrs[0] < 1e-3
+
+
+def test_gradient_accumulation_weights_batches_by_token_count(tmp_path) -> None:
+    """Accumulated batches with different numbers of trained tokens: every step equals a plain Hugging
+    Face model + torch Adam on the token-weighted loss (sum of the token losses of all the step's
+    batches over their token count), not the mean of the batches' means: same losses, gradient norms
+    and weights."""
+    from transformers import AutoModelForCausalLM
+
+    from roundpipe.cli.data import file_stream
+
+    tok = word_tokenizer()
+    model_dir = make_local_model(str(tmp_path / "model"), tok)
+    answers = ["blue", "it is green", "hello", "it is white please thanks", "hi", "it is the color of the sky", "yellow", "snow is white"]
+    data = tmp_path / "qa.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": "what is the color", "response": a}) for a in answers) + "\n")
+    lr, steps = 1e-3, 3
+    keys = dict(model=model_dir, data=str(data), seq_len=16, pack=False, batch_size=2, grad_accum=2, steps=steps, lr=lr, warmup_steps=0,
+                min_lr_ratio=1.0, max_grad_norm=0.0, async_step=False, output_dir=str(tmp_path / "run"))
+    result = run(config(**keys), out=lambda m: None)
+
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+    opt = torch.optim.Adam(ref.parameters(), lr=lr)  # the run's AdamW without weight decay, constant LR
+    stream = file_stream(str(data), tok, 16, False, 2, 0)  # the batches the run drew (same seed)
+    want, want_norms, equal_weighted = [], [], []
+    for _ in range(steps):
+        batches = [stream.next_batch() for _ in range(2)]
+        sums, counts = [], []
+        for ids, labels in batches:
+            logits = ref(input_ids=ids).logits[:, :-1].float()
+            target = labels[:, 1:]
+            sums.append(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"))
+            counts.append(int((target != IGNORE_INDEX).sum()))
+        loss = sum(sums) / sum(counts)
+        want.append(loss.item())
+        equal_weighted.append(sum(s.item() / c for s, c in zip(sums, counts)) / len(counts))
+        loss.backward()
+        want_norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])))
+        opt.step()
+        opt.zero_grad()
+    got = [float(v) for _, v in sorted(losses(keys["output_dir"]).items())]
+    assert len(got) == steps and all(abs(g - w) <= 1e-5 * w for g, w in zip(got, want)), (got, want)
+    # The test can fail: the batches' token counts differ enough that the unweighted mean is far off.
+    assert all(abs(e - w) > 1e-3 * w for e, w in zip(equal_weighted, want)), (equal_weighted, want)
+    with open(os.path.join(keys["output_dir"], "metrics.csv"), newline="") as f:
+        got_norms = [float(r["grad_norm"]) for r in csv.DictReader(f)]
+    assert all(abs(g - w) <= 1e-5 * w for g, w in zip(got_norms, want_norms)), (got_norms, want_norms)
+    # Weights after 3 Adam steps, by how far they moved: Adam divides each gradient by its own running
+    # magnitude, so an element whose gradient is ~0 moves by up to lr on float32 rounding alone (here one
+    # element of one matrix does); the update as a whole agrees to 1e-3.
+    masters = load_tensors(os.path.join(result.checkpoint, "optim", "master.safetensors"))
+    params = dict(ref.named_parameters())
+    init = dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True).named_parameters())
+    assert set(masters) == set(params)
+    for name, m in masters.items():
+        moved_rp, moved_ref = (m - init[name]).double(), (params[name] - init[name]).detach().double()
+        assert (moved_rp - moved_ref).norm() <= 1e-3 * moved_ref.norm(), name
+
+
+def test_float16_resume_restores_the_grad_scaler(tmp_path) -> None:
+    """float16 trains with a GradScaler; its state (scale, growth tracker) goes into the checkpoint and
+    comes back on resume, so stop at 3 + resume to 6 equals an uninterrupted float16 run, scaler included."""
+    keys: Dict[str, Any] = dict(dtype="float16", steps=6, batch_size=8, microbatches=2, warmup_steps=2)
+    full = run(config(output_dir=str(tmp_path / "full"), **keys), out=lambda m: None)
+    first = run(config(output_dir=str(tmp_path / "split"), stop_at=3, **keys), out=lambda m: None)
+    assert load_torch(os.path.join(first.checkpoint, "trainer.pt"))["scaler"]["_growth_tracker"] == 3  # type: ignore[index]
+    args = parse_train_args(["--resume", "--output-dir", str(tmp_path / "split")])
+    second = run(args.cfg, args.given, out=lambda m: None)
+    want = load_torch(os.path.join(full.checkpoint, "trainer.pt"))["scaler"]  # type: ignore[index]
+    got = load_torch(os.path.join(second.checkpoint, "trainer.pt"))["scaler"]  # type: ignore[index]
+    assert got == want and want["_growth_tracker"] == 6 and want["scale"] == 2.0**16, (got, want)  # a fresh scaler would count 3
+    assert losses(str(tmp_path / "full")) == losses(str(tmp_path / "split"))
+    for rel in ("optim/master.safetensors", "optim/device.safetensors"):
+        x, y = load_tensors(os.path.join(full.checkpoint, rel)), load_tensors(os.path.join(second.checkpoint, rel))
+        assert all(torch.equal(x[k], y[k]) for k in x), rel
+    assert next(iter(load_tensors(os.path.join(full.checkpoint, "optim/device.safetensors")).values())).dtype == torch.float16
