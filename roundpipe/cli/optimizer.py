@@ -56,7 +56,6 @@ class HostOptimizer:
             the training loop pops them into its metrics rows.
         nonfinite: ``step -> gradient norm`` of the steps whose gradient norm was NaN or infinite
             (without a GradScaler): their gradients were dropped, no update, no schedule step.
-        steps_completed: Steps whose :meth:`step_fn` ran to its end (a failed step leaves it behind).
     """
 
     def __init__(self, masters: List[torch.Tensor], clip_params: List[nn.Parameter], cfg: TrainConfig, total_steps: int, warmup_steps: int, float16: bool) -> None:
@@ -74,7 +73,6 @@ class HostOptimizer:
             self.scaler = GradScaler()
         self.grad_norms: Dict[int, float] = {}
         self.nonfinite: Dict[int, float] = {}
-        self.steps_completed = 0
 
     def lr_at(self, step: int) -> float:
         """The learning rate of the step after ``step`` steps."""
@@ -98,7 +96,6 @@ class HostOptimizer:
             # (on_nonfinite) once it learns of it, see Recipe._check_gradients.
             self.optimizer.zero_grad(set_to_none=True)
             self.nonfinite[step] = norm
-            self.steps_completed += 1
             return
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
@@ -106,7 +103,6 @@ class HostOptimizer:
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.steps_completed += 1
 
     # ---- checkpoints -------------------------------------------------------------------------------
     def state_dicts(self) -> Dict[str, Any]:

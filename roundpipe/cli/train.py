@@ -194,7 +194,6 @@ class Recipe:
         self.optim = HostOptimizer(masters, clip_params, cfg, self.total_steps, self.warmup_steps, float16=self.dtype == torch.float16)
         self.step = 0
         self.skipped_steps = 0
-        self.steps_launched = 0  # optimizer steps handed to the optimizer thread by this process
         self.tokens_seen = 0
         self.elapsed_before = 0.0
         self._master_sha: Optional[str] = None
@@ -260,8 +259,7 @@ class Recipe:
         one copy (with every rank's RNG state); the others wait until it is complete, and a failed
         write stops every rank.
         """
-        launched = self.steps_launched
-        self.model.wait_for_step(lambda: self.optim.steps_completed == launched)
+        self.model.wait_for_step()
         self._check_gradients(self.step)
         self._flush_rows()
         cfg = self.cfg
@@ -333,7 +331,6 @@ class Recipe:
             self.log(f"roundpipe: step {self.step + 1}: loss is {value}; its gradients were dropped (on_nonfinite=skip)")
         else:
             self.model.rp.step(self.optim.step_fn, self.cfg.async_step, self.step + 1)
-            self.steps_launched += 1
         if scaler is not None:
             scaler.update()
         self.step += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import time
 from typing import Any, Dict, List
 
 import pytest
@@ -331,3 +332,23 @@ def test_float16_resume_restores_the_grad_scaler(tmp_path) -> None:
         x, y = load_tensors(os.path.join(full.checkpoint, rel)), load_tensors(os.path.join(second.checkpoint, rel))
         assert all(torch.equal(x[k], y[k]) for k in x), rel
     assert next(iter(load_tensors(os.path.join(full.checkpoint, "optim/device.safetensors")).values())).dtype == torch.float16
+
+
+def test_checkpoint_waits_for_a_slow_optimizer_step(tmp_path, monkeypatch) -> None:
+    """Async steps overlap: step k is launched while step k-1 still runs on the optimizer thread. A
+    checkpoint of step k must hold step k's update (optimizer state, masters), however slow the
+    optimizer is: here each step takes 0.3 s, far longer than the tiny model's forward and backward."""
+    from roundpipe.cli.optimizer import HostOptimizer
+
+    original = HostOptimizer.step_fn
+
+    def slow_step_fn(self: HostOptimizer, step: int) -> None:
+        time.sleep(0.3)
+        original(self, step)
+
+    monkeypatch.setattr(HostOptimizer, "step_fn", slow_step_fn)
+    out = str(tmp_path / "run")
+    run(config(output_dir=out, steps=4, batch_size=4, save_every=2, keep_checkpoints=10), out=lambda m: None)
+    assert adam_steps(out, 2) == [2.0] and adam_steps(out, 4) == [4.0]
+    with open(os.path.join(out, "metrics.csv"), newline="") as f:
+        assert all(r["grad_norm"] not in ("", "nan") for r in csv.DictReader(f))
