@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Dict, Iterable, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Sequence, Set, Tuple
 
 import torch
 
@@ -201,7 +201,8 @@ def load_examples(path: str, tokenizer: Any, text_field: str = "text") -> List[E
         return [_from_segments(tokenizer, [(text, True)], add_eos=True)]
     examples: List[Example] = []
     rows = read_rows(path)
-    dropped, roles = 0, set()
+    dropped = 0
+    roles: Set[str] = set()
     for where, row in rows:
         found = row_examples(row, tokenizer, text_field, where)
         if not found:  # a chat row without an assistant turn
