@@ -14,7 +14,6 @@ import logging
 import sys
 from typing import Iterator, List, Optional
 
-from roundpipe import settings
 from roundpipe.cli.config import ConfigError
 from roundpipe.cli.parallel import PeerFailed, rank_prefix
 
@@ -79,15 +78,12 @@ def export_main(argv: List[str]) -> int:
     return 0
 
 
-def progress_enabled() -> bool:
-    """Progress bars only on a terminal, and not with ``RPP_PROGRESS=0`` (the project convention)."""
-    return sys.stderr.isatty() and settings.PROGRESS.get()
-
-
 @contextlib.contextmanager
 def _hf_quiet() -> Iterator[None]:
     """No Hugging Face loading/saving bars where ours are off (they would clutter logs and error
     reports). Entered once the arguments are parsed: it imports transformers."""
+    from roundpipe.cli.metrics import progress_enabled
+
     if progress_enabled():
         yield
         return

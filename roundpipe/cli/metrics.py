@@ -1,4 +1,5 @@
-"""Run metrics: ``metrics.csv`` (always), TensorBoard (when installed), a PNG plot and the end summary.
+"""Run metrics: ``metrics.csv`` (always), TensorBoard (when installed), a PNG plot, the end summary, and
+whether progress bars are shown.
 
 The CSV is the source of truth: one row per optimizer step, appended and flushed as training goes, so
 it survives a crash. On resume, rows after the checkpoint's step (written by the interrupted run after
@@ -17,6 +18,8 @@ import sys
 from typing import Any, Dict, List, Optional
 
 import torch
+
+from roundpipe import settings
 
 logger = logging.getLogger("roundpipe")
 
@@ -113,6 +116,11 @@ def plot_metrics(csv_path: str, png_path: str) -> Optional[str]:
     return png_path
 
 
+def progress_enabled() -> bool:
+    """Progress bars only on a terminal, and not with ``RPP_PROGRESS=0`` (the project convention)."""
+    return sys.stderr.isatty() and settings.PROGRESS.get()
+
+
 def host_peak_rss_gib() -> float:
     """Peak resident memory of this process (GiB)."""
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -157,4 +165,4 @@ def write_summary(output_dir: str, metrics: MetricsWriter, result: Dict[str, Any
     ]
 
 
-__all__ = ["COLUMNS", "MetricsWriter", "device_peak_memory_gib", "format_duration", "format_rate", "host_peak_rss_gib", "plot_metrics", "read_metrics", "write_summary"]
+__all__ = ["COLUMNS", "MetricsWriter", "device_peak_memory_gib", "format_duration", "format_rate", "host_peak_rss_gib", "plot_metrics", "progress_enabled", "read_metrics", "write_summary"]

@@ -51,7 +51,7 @@ from roundpipe import settings
 from roundpipe.cli import checkpoint as ckpt
 from roundpipe.cli import parallel
 from roundpipe.cli.config import ConfigError, TrainConfig, to_yaml
-from roundpipe.cli.metrics import MetricsWriter, format_duration, format_rate, write_summary
+from roundpipe.cli.metrics import MetricsWriter, format_duration, format_rate, progress_enabled, write_summary
 from roundpipe.cli.model_loading import apply_lora, build_model, load_model_config, load_tokenizer, lora_config, model_source, resolve_dtype
 from roundpipe.cli.optimizer import HostOptimizer
 from roundpipe.cli.pipeline import PipelineModel
@@ -400,8 +400,6 @@ class Recipe:
                 "losses and tokens/s are over all ranks; rank 0 writes metrics and checkpoints"
             )
         end = self.total_steps if cfg.stop_at is None else min(cfg.stop_at, self.total_steps)
-        from roundpipe.cli import progress_enabled
-
         bar_on = cfg.progress and progress_enabled() and self.is_main
         if bar_on:
             from tqdm import tqdm
