@@ -6,13 +6,9 @@
     model.step(lambda: (optimizer.step(), optimizer.zero_grad()))
 """
 
+import importlib
 from typing import Any
 
-from roundpipe.context import doing_recompute, get_recompute_data, save_for_recompute
-from roundpipe.device import get_num_devices
-from roundpipe.roundpipe import AutoRoundPipe, RoundPipe
-from roundpipe.run_config import RoundPipeRunConfig
-from roundpipe.plan import ModelExecutePlan
 from roundpipe.settings import configure
 
 __version__ = "0.1.0"
@@ -32,19 +28,27 @@ __all__ = [
     "wrap_model_to_roundpipe",
 ]
 
+# Imported on first use, so that ``import roundpipe`` (and the ``roundpipe`` command's --help, --version
+# and configuration errors) does not pay for torch, transformers or extension builds.
+_LAZY = {
+    "AutoRoundPipe": "roundpipe.roundpipe",
+    "GradScaler": "roundpipe.optim.grad_scaler",
+    "ModelExecutePlan": "roundpipe.plan",
+    "RoundPipe": "roundpipe.roundpipe",
+    "RoundPipeRunConfig": "roundpipe.run_config",
+    "doing_recompute": "roundpipe.context",
+    "get_num_devices": "roundpipe.device",
+    "get_recompute_data": "roundpipe.context",
+    "save_for_recompute": "roundpipe.context",
+    "wrap_model_to_roundpipe": "roundpipe.wrapper",
+}
+
 
 def __getattr__(name: str) -> Any:
-    # Imported on first use: these pull in transformers / build extensions.
-    if name == "wrap_model_to_roundpipe":
-        from roundpipe.wrapper import wrap_model_to_roundpipe
-
-        return wrap_model_to_roundpipe
-    if name == "GradScaler":
-        from roundpipe.optim.grad_scaler import GradScaler
-
-        return GradScaler
     if name == "optim":
-        import roundpipe.optim as optim
-
-        return optim
+        return importlib.import_module("roundpipe.optim")
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'roundpipe' has no attribute {name!r}")

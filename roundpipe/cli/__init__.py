@@ -14,7 +14,6 @@ import logging
 import sys
 from typing import Iterator, List, Optional
 
-from roundpipe import settings
 from roundpipe.cli.config import ConfigError
 from roundpipe.cli.parallel import PeerFailed, rank_prefix
 
@@ -24,7 +23,7 @@ commands:
   train    train or fine-tune a causal LM (no options: a small model learns to reverse strings)
   export   write a checkpoint as a Hugging Face model directory
 
-'roundpipe <command> --help' describes each command's options."""
+'roundpipe <command> --help' describes each command's options; 'roundpipe --version' prints the version."""
 
 
 @contextlib.contextmanager
@@ -47,39 +46,47 @@ def _cli_logging() -> Iterator[None]:
 
 
 def train_main(argv: List[str]) -> int:
+    """``roundpipe train``: parse, then train (or print the resolved config)."""
     from roundpipe.cli.config import parse_train_args, to_yaml
 
-    cfg, print_config, given = parse_train_args(argv)
-    if print_config:
-        print(to_yaml(cfg), end="")
-        return 0
-    from roundpipe.cli.train import run
+    args = parse_train_args(argv)  # before anything heavy is imported: --help and config errors answer at once
+    with _hf_quiet():
+        if args.print_config:
+            from roundpipe.cli.train import resolved_config
 
-    try:
-        run(cfg, given)
-    except KeyboardInterrupt:
-        print(f"roundpipe: {rank_prefix()}interrupted", file=sys.stderr)
-        return 130
+            print(to_yaml(resolved_config(args.cfg, args.given)), end="")
+            return 0
+        from roundpipe.cli.train import run
+
+        try:
+            run(args.cfg, args.given, overwrite=args.overwrite)
+        except KeyboardInterrupt:
+            print(f"roundpipe: {rank_prefix()}interrupted", file=sys.stderr)
+            return 130
     return 0
 
 
 def export_main(argv: List[str]) -> int:
-    from roundpipe.cli.export import parse_export_args, export
+    """``roundpipe export``: a checkpoint as a Hugging Face model directory."""
+    from roundpipe.cli.export import check_export, export, parse_export_args
 
     args = parse_export_args(argv)
-    path = export(args.checkpoint, args.out, merge_lora=args.merge_lora, dtype=args.dtype)
+    check_export(args.checkpoint, args.out)  # a mistake answers before transformers is imported
+    with _hf_quiet():
+        path = export(args.checkpoint, args.out, merge_lora=args.merge_lora, dtype=args.dtype)
     print(f"exported {args.checkpoint} -> {path}")
     return 0
 
 
-def progress_enabled() -> bool:
-    """Progress bars only on a terminal, and not with ``RPP_PROGRESS=0`` (the project convention)."""
-    return sys.stderr.isatty() and settings.PROGRESS.get()
-
-
 @contextlib.contextmanager
-def _quiet_hf_progress() -> Iterator[None]:
-    """No Hugging Face loading/saving bars where ours are off: they would clutter logs and error reports."""
+def _hf_quiet() -> Iterator[None]:
+    """No Hugging Face loading/saving bars where ours are off (they would clutter logs and error
+    reports). Entered once the arguments are parsed: it imports transformers."""
+    from roundpipe.cli.metrics import progress_enabled
+
+    if progress_enabled():
+        yield
+        return
     try:
         from transformers.utils import logging as hf_logging
     except ImportError:
@@ -103,11 +110,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from roundpipe.cli.config import version
+
+        print(f"roundpipe {version()}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         print(f"roundpipe: error: unknown command {command!r} — use one of: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    with _cli_logging(), (contextlib.nullcontext() if progress_enabled() else _quiet_hf_progress()):
+    with _cli_logging():
         try:
             return COMMANDS[command](rest)
         except ConfigError as exc:

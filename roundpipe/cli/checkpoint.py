@@ -6,9 +6,12 @@ A checkpoint is a directory ``<output_dir>/checkpoints/step-<N>`` written in thr
 2. ``manifest.json`` lists each file with its size and sha256, then everything is fsync'ed;
 3. the directory is renamed to ``step-<N>`` (atomic on POSIX) and ``latest`` is replaced atomically.
 
-Only then are checkpoints beyond ``keep`` deleted. Loading verifies the manifest first, so a partial
-or corrupted checkpoint is reported as such (with what to do) instead of failing somewhere in
-``torch.load`` or, worse, resuming from wrong weights.
+Only then are checkpoints beyond ``keep`` deleted. Re-saving a step that exists (a run resumed
+before it) moves the old copy to ``step-<N>.old`` first and deletes it only once the new one is in
+place; a crash between the two moves leaves ``step-<N>.old`` as that step's only copy, and it is
+found, listed and kept as such. Loading verifies the manifest first, so a partial or corrupted
+checkpoint is reported as such (with what to do) instead of failing somewhere in ``torch.load`` or,
+worse, resuming from wrong weights.
 """
 
 from __future__ import annotations
@@ -18,15 +21,17 @@ import json
 import os
 import re
 import shutil
-from typing import Callable, Dict, List, Optional, Tuple
-
-import torch
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 from roundpipe.cli.config import ConfigError
+
+if TYPE_CHECKING:  # imported where used: `roundpipe export --help` must not wait for torch
+    import torch
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_OLD_SUFFIX = ".old"  # the previous copy of a step being re-saved
 FORMAT_VERSION = 1
 
 
@@ -95,7 +100,7 @@ def save_checkpoint(output_dir: str, step: int, write: Callable[[str], None], ke
             _fsync(os.path.join(base, d))
     _fsync(tmp)
     if os.path.exists(final):  # re-saving a step (e.g. after a resume): swap the old one out last
-        old = final + ".old"
+        old = final + _OLD_SUFFIX
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
         os.rename(tmp, final)
@@ -117,29 +122,43 @@ def _point_latest(root: str, name: str) -> None:
     os.replace(tmp, os.path.join(root, LATEST))
 
 
+def _complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
 def list_checkpoints(root: str) -> List[str]:
-    """Complete-looking checkpoint directories (``step-N`` with a manifest), oldest first."""
+    """Complete-looking checkpoint directories (with a manifest), oldest first: ``step-N``, or
+    ``step-N.old`` where a re-save of step N stopped after moving the old copy aside."""
     if not os.path.isdir(root):
         return []
-    found = []
+    found: Dict[int, str] = {}
     for name in os.listdir(root):
-        m = _STEP_DIR.match(name)
-        if m and os.path.isfile(os.path.join(root, name, MANIFEST)):
-            found.append((int(m.group(1)), os.path.join(root, name)))
-    return [p for _, p in sorted(found)]
+        m = _STEP_DIR.match(name[: -len(_OLD_SUFFIX)] if name.endswith(_OLD_SUFFIX) else name)
+        path = os.path.join(root, name)
+        if m and _complete(path) and (not name.endswith(_OLD_SUFFIX) or int(m.group(1)) not in found):
+            found[int(m.group(1))] = path  # step-N wins over step-N.old
+    return [found[step] for step in sorted(found)]
 
 
 def prune(root: str, keep: int) -> None:
-    """Delete all but the ``keep`` newest checkpoints, and leftovers of interrupted saves."""
-    for path in list_checkpoints(root)[:-keep]:
+    """Delete all but the ``keep`` newest checkpoints, and leftovers of interrupted saves (a
+    ``step-N.old`` only once ``step-N`` is complete: until then it is step N's only copy)."""
+    kept = list_checkpoints(root)
+    for path in kept[:-keep]:
         shutil.rmtree(path, ignore_errors=True)
+    kept = kept[-keep:]
     for name in os.listdir(root):
-        if name.endswith((".tmp", ".old")) and os.path.isdir(os.path.join(root, name)):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        path = os.path.join(root, name)
+        if name.endswith((".tmp", _OLD_SUFFIX)) and os.path.isdir(path) and path not in kept:
+            shutil.rmtree(path, ignore_errors=True)
 
 
-def resolve_checkpoint(ref: str, output_dir: str) -> str:
-    """The checkpoint directory ``ref`` names: a checkpoint, a run's output dir, or 'latest'."""
+RESUME_HINT = "train first, or pass a checkpoint directory (…/checkpoints/step-N) to --resume"
+
+
+def resolve_checkpoint(ref: str, output_dir: str, hint: str = RESUME_HINT) -> str:
+    """The checkpoint directory ``ref`` names: a checkpoint, a run's output dir, or 'latest'.
+    ``hint``: the fix the error names when there is none (the caller's flag or command)."""
     if ref == "latest":
         ref = output_dir
     if os.path.isfile(os.path.join(ref, MANIFEST)) or _STEP_DIR.match(os.path.basename(os.path.normpath(ref))):
@@ -151,12 +170,13 @@ def resolve_checkpoint(ref: str, output_dir: str) -> str:
         if os.path.isfile(pointer):
             with open(pointer) as f:
                 path = os.path.join(root, f.read().strip())
-            if os.path.isdir(path):
-                return path
+            for candidate in (path, path + _OLD_SUFFIX):  # .old: its re-save was interrupted
+                if os.path.isdir(candidate) and (candidate == path or _complete(candidate)):
+                    return candidate
         found = list_checkpoints(root)
         if found:
             return found[-1]
-    raise ConfigError(f"no checkpoint found in {ref!r}", "train first, or pass a checkpoint directory (…/checkpoints/step-N) to --resume")
+    raise ConfigError(f"{ref!r} does not exist" if not os.path.exists(ref) else f"no checkpoint found in {ref!r}", hint)
 
 
 _verified: Dict[Tuple[str, float], Dict[str, object]] = {}
@@ -194,10 +214,16 @@ def verify_checkpoint(path: str) -> Dict[str, object]:
 
 
 def save_torch(obj: object, path: str) -> None:
+    """``torch.save`` (the state files of a checkpoint)."""
+    import torch
+
     torch.save(obj, path)
 
 
 def load_torch(path: str) -> object:
+    """``torch.load`` of a file :func:`save_torch` wrote (host tensors, ``weights_only``)."""
+    import torch
+
     return torch.load(path, map_location="cpu", weights_only=True)
 
 

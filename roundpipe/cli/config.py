@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PLANS = ("auto", "layerwise", "single")
@@ -61,14 +62,14 @@ class TrainConfig:
     steps: Optional[int] = _f(None, "optimizer steps (default: one epoch of the data file)", group="optim")
     epochs: Optional[float] = _f(None, "epochs over the data file (instead of steps)", group="optim")
     lr: float = _f(2e-5, "peak learning rate", group="optim")
-    warmup_steps: Optional[int] = _f(None, "linear warmup steps (default: 5% of the steps)", group="optim")
+    warmup_steps: Optional[int] = _f(None, "linear warmup steps (default: 5% of the steps; capped below the run's steps, so the peak is reached)", group="optim")
     min_lr_ratio: float = _f(0.1, "cosine decay ends at lr x min_lr_ratio", group="optim")
     weight_decay: float = _f(0.0, "decoupled (AdamW) weight decay", group="optim")
     betas: List[float] = _f([0.9, 0.999], "Adam betas", group="optim")
     max_grad_norm: float = _f(1.0, "clip the global gradient norm to this (0: off)", group="optim")
     seed: int = _f(0, "seed of the weights, data order and dropout", group="optim")
     async_step: bool = _f(True, "overlap the optimizer step with the next iteration (weights one step stale)", group="optim")
-    on_nonfinite: str = _f("stop", "a NaN/inf loss: stop (exit with an error; checkpoints stay intact) or skip (drop that step's gradients and go on)", group="optim")
+    on_nonfinite: str = _f("stop", "a NaN/inf loss or gradient norm: stop (exit with an error; the step is not applied, checkpoints stay intact) or skip (drop that step's gradients and go on)", group="optim")
     plan: str = _f("auto", "pipeline stages: auto (RoundPipe's planner, from measured layer times and device memory), layerwise (one layer per stage: least device memory) or single (the whole model in one stage: fastest for small models)", group="run")
     compile: Optional[bool] = _f(None, "torch.compile the loss kernels (default: RPP_DISABLE_TORCH_COMPILE if set, else on for GPUs and off for CPU workers, where compiling takes longer than it saves)", group="run")
     # devices
@@ -219,7 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
     )
     parser.add_argument("--config", metavar="FILE", help="YAML file with config keys (flags override it)")
-    parser.add_argument("--print-config", action="store_true", help="print the merged config as YAML and exit")
+    parser.add_argument("--print-config", action="store_true", help="print the config a run would use (defaults resolved) as YAML and exit")
+    parser.add_argument("--overwrite", action="store_true", help="start over in an output_dir that holds an earlier run, deleting that run's files first (without it such a directory is refused unless --resume)")
+    parser.add_argument("--version", action="version", version=f"roundpipe {version()}")
     groups = {
         "model": parser.add_argument_group("model"),
         "data": parser.add_argument_group("data"),
@@ -246,20 +249,60 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_train_args(argv: Sequence[str]) -> Tuple[TrainConfig, bool, Dict[str, Any]]:
-    """``(config, print_config, given)`` from command-line arguments and the YAML file they name;
-    ``given`` holds the keys set explicitly (YAML or flags), which override a checkpoint's config on
-    resume."""
-    ns = vars(build_parser().parse_args(list(argv)))
+class TrainArgs(NamedTuple):
+    """What ``roundpipe train``'s command line asks for."""
+
+    cfg: TrainConfig
+    print_config: bool
+    given: Dict[str, Any]
+    """The keys set explicitly (YAML or flags): they override a checkpoint's config on resume."""
+    overwrite: bool
+
+
+#: A negative number, scientific notation included (argparse alone reads ``-1e-3`` as an option).
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
+def _join_negative_values(argv: Sequence[str]) -> List[str]:
+    """``--lr -1e-3`` -> ``--lr=-1e-3`` for flags that take one value, so that the value reaches
+    validation (``lr=-0.001 must be positive``) instead of failing as 'expected one argument'."""
+    out: List[str] = []
+    for arg in argv:
+        prev = out[-1] if out else ""
+        name = prev[2:].replace("-", "_")
+        if prev.startswith("--") and "=" not in prev and name in FIELDS and _base_type(name) not in (bool, list) and _NEGATIVE_NUMBER.match(arg):
+            out[-1] = f"{prev}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
+def parse_train_args(argv: Sequence[str]) -> TrainArgs:
+    """The config from command-line arguments and the YAML file they name, and the flags that are
+    not config keys (see :class:`TrainArgs`)."""
+    ns = vars(build_parser().parse_args(_join_negative_values(argv)))
     file_keys = load_yaml(ns.pop("config")) if "config" in ns else {}
     print_config = bool(ns.pop("print_config", False))
+    overwrite = bool(ns.pop("overwrite", False))
     given = {**file_keys, **ns}
-    return merge(file_keys, ns), print_config, given
+    return TrainArgs(merge(file_keys, ns), print_config, given, overwrite)
+
+
+def version() -> str:
+    """The installed roundpipe's version (from the package, without importing torch)."""
+    from roundpipe import __version__
+
+    return __version__
 
 
 def merge(file_keys: Dict[str, Any], flag_keys: Dict[str, Any]) -> TrainConfig:
     """Defaults < task profile (no data file) < YAML < flags; values are type-checked."""
     given = {**file_keys, **flag_keys}
+    if given.get("data") is not None and "task" in given:
+        raise ConfigError(
+            f"both data ({given['data']}) and task ({given['task']}) are set, and a data file replaces the built-in task",
+            "drop --task to train on the data file, or drop --data to train on the task",
+        )
     values: Dict[str, Any] = {}
     if given.get("data") is None:
         values.update(TASK_PROFILE)
@@ -321,9 +364,14 @@ def validate(cfg: TrainConfig) -> None:
 
 
 def to_yaml(cfg: TrainConfig) -> str:
+    """The config as YAML (``config.yaml`` of runs and checkpoints, ``--print-config``). ``task`` is
+    left out when a data file replaces it, so the file can be passed to ``--config`` again."""
     import yaml
 
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    values = cfg.to_dict()
+    if cfg.data is not None:
+        values.pop("task")
+    return yaml.safe_dump(values, sort_keys=False)
 
 
 def from_yaml_text(text: str) -> TrainConfig:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Dict, Iterable, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Sequence, Set, Tuple
 
 import torch
 
@@ -31,12 +31,38 @@ logger = logging.getLogger("roundpipe")
 Example = Tuple[List[int], List[int]]  # (input_ids, labels)
 
 
-def read_rows(path: str) -> List[Dict[str, Any]]:
-    """Rows of a .jsonl or .parquet file as dicts."""
+def _not_utf8(path: str, lineno: int, offset: int, byte: int) -> ConfigError:
+    """The error for a byte that is not UTF-8: where it is (line, byte offset of the file), what to do."""
+    return ConfigError(
+        f"{path}:{lineno} is not valid UTF-8 (byte 0x{byte:02x} at byte offset {offset} of the file)",
+        "save the file as UTF-8 (for example: iconv -f latin1 -t utf-8 in.txt > out.txt)",
+    )
+
+
+def read_text(path: str) -> str:
+    """A .txt file's text (UTF-8)."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        bad = exc.start
+    raise _not_utf8(path, raw.count(b"\n", 0, bad) + 1, bad, raw[bad])
+
+
+def read_rows(path: str) -> List[Tuple[str, Dict[str, Any]]]:
+    """Rows of a .jsonl or .parquet file as dicts, each with where it is (``path:line`` for jsonl,
+    ``path row N`` for parquet) for error messages."""
     if path.lower().endswith(".jsonl"):
         rows = []
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        offset = 0
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise _not_utf8(path, lineno, offset + exc.start, raw[exc.start]) from None
+                offset += len(raw)
                 if not line.strip():
                     continue
                 try:
@@ -45,19 +71,19 @@ def read_rows(path: str) -> List[Dict[str, Any]]:
                     raise ConfigError(f"{path}:{lineno} is not valid JSON ({exc.msg})", "write one JSON object per line") from None
                 if not isinstance(row, dict):
                     raise ConfigError(f"{path}:{lineno} is not a JSON object", "write one JSON object per line")
-                rows.append(row)
+                rows.append((f"{path}:{lineno}", row))
         return rows
     try:
         import datasets
 
-        return list(datasets.load_dataset("parquet", data_files=path, split="train"))
+        table = list(datasets.load_dataset("parquet", data_files=path, split="train"))
     except ImportError:
-        pass
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ConfigError(f"reading {path} needs the 'datasets' package", "pip install datasets (or convert the file to .jsonl)") from None
-    return pq.read_table(path).to_pylist()
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ConfigError(f"reading {path} needs the 'datasets' package", "pip install datasets (or convert the file to .jsonl)") from None
+        table = pq.read_table(path).to_pylist()
+    return [(f"{path} row {i}", row) for i, row in enumerate(table, 1)]
 
 
 def _encode(tokenizer: Any, text: str) -> List[int]:
@@ -122,22 +148,40 @@ def _from_segments(tokenizer: Any, segments: Sequence[Tuple[str, bool]], add_eos
     return ids, labels
 
 
+#: Chat roles the usual templates know; rows with others are likely another dataset's convention.
+KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def _string(row: Dict[str, Any], field: str, where: str) -> str:
+    """``row[field]``, which must be a string: a number or null would be trained on as '0' / 'None'."""
+    value = row[field]
+    if not isinstance(value, str):
+        kind = "null" if value is None else f"the {type(value).__name__} {value!r}"
+        raise ConfigError(f"{where}: field '{field}' is {kind}, not a string", f"write '{field}' as a JSON string, or drop the row")
+    return value
+
+
 def row_examples(row: Dict[str, Any], tokenizer: Any, text_field: str, where: str) -> List[Example]:
-    """Examples of one jsonl/parquet row (chat, prompt/response or plain text)."""
+    """Examples of one jsonl/parquet row (chat, prompt/response or plain text); none for a chat row
+    without an assistant turn (see :func:`load_examples`)."""
     if "messages" in row:
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError(f"{where} has chat messages but the tokenizer has no chat template", "use a tokenizer with a chat_template, or prompt/response rows")
         messages = row["messages"]
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise ConfigError(f"{where}: 'messages' is not a list of {{role, content}} objects", "fix the row")
+        for i, m in enumerate(messages):
+            _string(m, "role", f"{where} message {i + 1}")
+            _string(m, "content", f"{where} message {i + 1}")
         return [_from_segments(tokenizer, seg, add_eos=False) for seg in chat_segments(tokenizer, messages)]
     if "prompt" in row and "response" in row:
+        prompt, response = _string(row, "prompt", where), _string(row, "response", where)
         if getattr(tokenizer, "chat_template", None):
-            msgs = [{"role": "user", "content": str(row["prompt"])}, {"role": "assistant", "content": str(row["response"])}]
+            msgs = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
             return [_from_segments(tokenizer, seg, add_eos=False) for seg in chat_segments(tokenizer, msgs)]
-        return [_from_segments(tokenizer, [(str(row["prompt"]), False), (str(row["response"]), True)], add_eos=True)]
+        return [_from_segments(tokenizer, [(prompt, False), (response, True)], add_eos=True)]
     if text_field in row:
-        return [_from_segments(tokenizer, [(str(row[text_field]), True)], add_eos=True)]
+        return [_from_segments(tokenizer, [(_string(row, text_field, where), True)], add_eos=True)]
     raise ConfigError(
         f"{where} has none of the fields 'messages', 'prompt'+'response' or '{text_field}' (it has {sorted(row)})",
         "rename the field, or set --text-field to the field holding the text",
@@ -145,14 +189,37 @@ def row_examples(row: Dict[str, Any], tokenizer: Any, text_field: str, where: st
 
 
 def load_examples(path: str, tokenizer: Any, text_field: str = "text") -> List[Example]:
-    """Tokenized examples of a .txt, .jsonl or .parquet file."""
+    """Tokenized examples of a .txt, .jsonl or .parquet file.
+
+    Chat rows without an ``assistant`` turn have nothing to train on and are dropped, with a warning
+    that says how many and which roles they use; if that leaves nothing, it is an error saying so.
+    """
     if path.lower().endswith(".txt"):
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-        return [_from_segments(tokenizer, [(text, True)], add_eos=True)] if text else []
-    examples = []
-    for i, row in enumerate(read_rows(path)):
-        examples += row_examples(row, tokenizer, text_field, f"{path} row {i + 1}")
+        text = read_text(path)
+        if not text:
+            raise ConfigError(f"{path} is empty", "put the training text in it")
+        return [_from_segments(tokenizer, [(text, True)], add_eos=True)]
+    examples: List[Example] = []
+    rows = read_rows(path)
+    dropped = 0
+    roles: Set[str] = set()
+    for where, row in rows:
+        found = row_examples(row, tokenizer, text_field, where)
+        if not found:  # a chat row without an assistant turn
+            dropped += 1
+            roles.update(m["role"] for m in row["messages"])
+        examples += found
+    if not rows:
+        raise ConfigError(f"{path} has no rows", "add one JSON object per line (text, prompt/response or messages)")
+    if dropped:
+        unknown = sorted(r for r in roles if r not in KNOWN_ROLES)
+        why = f"{dropped} of {len(rows)} rows have chat messages without an 'assistant' turn (roles found: {', '.join(sorted(roles)) or 'none'})"
+        fix = (
+            f"rename the roles {', '.join(repr(r) for r in unknown)} to user/assistant" if unknown else "give each conversation at least one assistant turn to train on"
+        )
+        if not examples:
+            raise ConfigError(f"{path} holds no training examples: {why}", fix)
+        logger.warning("%s: %s; they were dropped — %s", path, why, fix)
     return examples
 
 
@@ -241,8 +308,6 @@ class FileStream:
 def file_stream(path: str, tokenizer: Any, seq_len: int, pack: bool, batch_size: int, seed: int, text_field: str = "text") -> FileStream:
     """Load, tokenize and pack (or pad) a data file into a :class:`FileStream`."""
     examples = load_examples(path, tokenizer, text_field)
-    if not examples:
-        raise ConfigError(f"{path} holds no training examples", "add text or rows to it")
     if pack:
         ids, labels = pack_examples(examples, seq_len)
     else:
@@ -256,4 +321,4 @@ def file_stream(path: str, tokenizer: Any, seq_len: int, pack: bool, batch_size:
     return FileStream(ids, labels, batch_size, seed, desc)
 
 
-__all__ = ["FileStream", "chat_segments", "file_stream", "load_examples", "pack_examples", "pad_examples", "read_rows", "row_examples"]
+__all__ = ["FileStream", "chat_segments", "file_stream", "load_examples", "pack_examples", "pad_examples", "read_rows", "read_text", "row_examples"]

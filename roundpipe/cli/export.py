@@ -16,12 +16,8 @@ import os
 import shutil
 from typing import Any, List, Optional
 
-import torch
-
 from roundpipe.cli import checkpoint as ckpt
-from roundpipe.cli.config import ConfigError
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from roundpipe.cli.config import DTYPES, ConfigError
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -34,7 +30,7 @@ def parse_export_args(argv: List[str]) -> argparse.Namespace:
     parser.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory (…/checkpoints/step-N), or a run's output_dir for its latest")
     parser.add_argument("out", metavar="OUT", help="directory to write (must not exist, or be empty)")
     parser.add_argument("--merge-lora", action=argparse.BooleanOptionalAction, default=True, help="merge LoRA into the base weights (default); --no-merge-lora writes a PEFT adapter")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast the weights (default: the training dtype)")
+    parser.add_argument("--dtype", choices=[d for d in DTYPES if d != "auto"], default=None, help="cast the weights (default: the training dtype)")
     return parser.parse_args(argv)
 
 
@@ -42,9 +38,11 @@ def load_checkpoint_model(path: str) -> Any:
     """The Hugging Face model (PEFT-wrapped for LoRA runs) with the checkpoint's up-to-date weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from roundpipe.cli.model_loading import TORCH_DTYPES
+
     with open(os.path.join(path, "source.json")) as f:
         source = json.load(f)
-    dtype = _DTYPES[source["dtype"]]
+    dtype = TORCH_DTYPES[source["dtype"]]
     weights = ckpt.load_tensors(os.path.join(path, "model.safetensors"))
     if source["weights"] == "trainable":  # LoRA on a local model: frozen weights from the model directory
         if not os.path.isdir(source["path"]):
@@ -54,9 +52,11 @@ def load_checkpoint_model(path: str) -> Any:
         config = AutoConfig.from_pretrained(os.path.join(path, "hf"), local_files_only=True)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if os.path.isdir(os.path.join(path, "lora")):
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig
 
-        model = get_peft_model(model, LoraConfig.from_pretrained(os.path.join(path, "lora")))
+        from roundpipe.cli.model_loading import peft_model
+
+        model = peft_model(model, LoraConfig.from_pretrained(os.path.join(path, "lora")))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if source["weights"] == "full":
         tied = {n for n in missing if n.endswith("lm_head.weight") and getattr(model.config, "tie_word_embeddings", False)}
@@ -73,14 +73,21 @@ def load_checkpoint_model(path: str) -> Any:
     return model
 
 
+def check_export(checkpoint: str, out: str) -> str:
+    """The verified checkpoint directory ``checkpoint`` names (a run's newest, or itself), once ``out``
+    is known to be free: the user errors of ``export``, found before transformers loads."""
+    path = ckpt.resolve_checkpoint(checkpoint, checkpoint, "pass a run's output_dir (its newest checkpoint) or a checkpoint directory (…/checkpoints/step-N) to roundpipe export")
+    ckpt.verify_checkpoint(path)
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise ConfigError(f"{out} already exists and is not empty", "pick a new output directory or delete it")
+    return path
+
+
 def export(checkpoint: str, out: str, merge_lora: bool = True, dtype: Optional[str] = None) -> str:
     """Write ``checkpoint`` as a Hugging Face model directory ``out``; returns ``out``."""
     from transformers import AutoTokenizer
 
-    path = ckpt.resolve_checkpoint(checkpoint, checkpoint)
-    ckpt.verify_checkpoint(path)
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise ConfigError(f"{out} already exists and is not empty", "pick a new output directory or delete it")
+    path = check_export(checkpoint, out)
     model = load_checkpoint_model(path)
     is_lora = hasattr(model, "peft_config")
     if is_lora and merge_lora:
@@ -90,7 +97,9 @@ def export(checkpoint: str, out: str, merge_lora: bool = True, dtype: Optional[s
             if json.load(f)["kind"] != "local":
                 raise ConfigError("an unmerged LoRA adapter needs a base model directory, but this run's base was a built-in architecture", "export with --merge-lora")
     if dtype is not None:
-        model = model.to(_DTYPES[dtype])
+        from roundpipe.cli.model_loading import TORCH_DTYPES
+
+        model = model.to(TORCH_DTYPES[dtype])
     tmp = out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
@@ -109,4 +118,4 @@ def export(checkpoint: str, out: str, merge_lora: bool = True, dtype: Optional[s
     return out
 
 
-__all__ = ["export", "load_checkpoint_model", "parse_export_args"]
+__all__ = ["check_export", "export", "load_checkpoint_model", "parse_export_args"]

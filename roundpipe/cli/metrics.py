@@ -1,4 +1,5 @@
-"""Run metrics: ``metrics.csv`` (always), TensorBoard (when installed), a PNG plot and the end summary.
+"""Run metrics: ``metrics.csv`` (always), TensorBoard (when installed), a PNG plot, the end summary, and
+whether progress bars are shown.
 
 The CSV is the source of truth: one row per optimizer step, appended and flushed as training goes, so
 it survives a crash. On resume, rows after the checkpoint's step (written by the interrupted run after
@@ -8,6 +9,7 @@ its last checkpoint) are dropped, and the resumed run writes those steps again.
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import math
 import os
@@ -16,6 +18,8 @@ import sys
 from typing import Any, Dict, List, Optional
 
 import torch
+
+from roundpipe import settings
 
 logger = logging.getLogger("roundpipe")
 
@@ -112,6 +116,11 @@ def plot_metrics(csv_path: str, png_path: str) -> Optional[str]:
     return png_path
 
 
+def progress_enabled() -> bool:
+    """Progress bars only on a terminal, and not with ``RPP_PROGRESS=0`` (the project convention)."""
+    return sys.stderr.isatty() and settings.PROGRESS.get()
+
+
 def host_peak_rss_gib() -> float:
     """Peak resident memory of this process (GiB)."""
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -126,7 +135,34 @@ def device_peak_memory_gib() -> Optional[float]:
 
 
 def format_rate(tokens_per_s: float) -> str:
+    """Tokens per second for log lines: ``850``, ``12.3k``."""
     return f"{tokens_per_s / 1000:.1f}k" if tokens_per_s >= 10_000 else f"{tokens_per_s:.0f}"
 
 
-__all__ = ["COLUMNS", "MetricsWriter", "device_peak_memory_gib", "format_rate", "host_peak_rss_gib", "plot_metrics", "read_metrics"]
+def format_duration(seconds: float) -> str:
+    """``H:MM:SS`` for log lines."""
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def write_summary(output_dir: str, metrics: MetricsWriter, result: Dict[str, Any]) -> List[str]:
+    """The end of a run (rank 0): ``loss.png``, ``summary.json`` (``result`` with the memory peaks
+    added) and the closing lines to print. ``result``: step, total_steps, final_loss, tokens_per_s,
+    seconds, accuracy, checkpoint."""
+    plot = plot_metrics(metrics.path, os.path.join(output_dir, "loss.png"))
+    gpu = device_peak_memory_gib()
+    summary = {**result, "peak_gpu_memory_gib": gpu, "host_peak_rss_gib": host_peak_rss_gib()}
+    with open(os.path.join(output_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    files = [f"metrics {metrics.path}"] + ([f"plot {plot}"] if plot else []) + ([f"checkpoint {result['checkpoint']}"] if result["checkpoint"] else [])
+    if metrics.tensorboard_dir:
+        files.append(f"tensorboard {metrics.tensorboard_dir}")
+    return [
+        f"done: step {result['step']}/{result['total_steps']} in {format_duration(result['seconds'])}, {format_rate(result['tokens_per_s'])} tokens/s, "
+        f"final loss {result['final_loss']:.4f}; peak GPU memory {'%.2f GiB' % gpu if gpu is not None else 'n/a (CPU workers)'}, "
+        f"host peak RSS {summary['host_peak_rss_gib']:.2f} GiB",
+        "wrote " + ", ".join(files),
+    ]
+
+
+__all__ = ["COLUMNS", "MetricsWriter", "device_peak_memory_gib", "format_duration", "format_rate", "host_peak_rss_gib", "plot_metrics", "progress_enabled", "read_metrics", "write_summary"]

@@ -22,10 +22,14 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
-from roundpipe import distributed as rdist
 from roundpipe.cli.config import ConfigError
+
+# roundpipe.distributed (and torch) is imported inside the functions that use it: the CLI's --help,
+# --version and configuration errors must not wait for torch.
+if TYPE_CHECKING:
+    from roundpipe import distributed as rdist
 
 T = TypeVar("T")
 
@@ -63,6 +67,8 @@ def start() -> rdist.DistEnv:
     A world size of 1 creates no process group on purpose: a one-rank torchrun run is then exactly a
     plain ``roundpipe train`` (no collectives, no gradient hook).
     """
+    from roundpipe import distributed as rdist
+
     global _step_group
     if launched_world_size() <= 1:
         return rdist.DistEnv()
@@ -75,23 +81,22 @@ def start() -> rdist.DistEnv:
     return env
 
 
-def stop(failed: bool) -> None:
+def stop(failed: bool, model: Any = None) -> None:
     """Leave the job that :func:`start` joined (call it only when that returned a distributed env).
 
     After a failure the optimizer thread may still be reducing an asynchronous step's gradients on
-    the data-parallel group; tearing the group down under it can abort the process, so it is waited
-    for first (the peers stop at the same step, so the reduction completes; if a peer is gone it fails
-    within ``RPP_DIST_TIMEOUT_S``).
+    the data-parallel group; tearing the group down under it can abort the process, so ``model``'s
+    pending optimizer work (a RoundPipe model, if one was built) is waited for first, and the failure
+    it re-raises dropped: this rank is already failing with a better error (the peers stop at the same
+    step, so the reduction completes; if a peer is gone it fails within ``RPP_DIST_TIMEOUT_S``).
     """
-    if failed:
-        from roundpipe import threads
-        from roundpipe.optim import thread as optim_thread
+    from roundpipe import distributed as rdist
 
+    if failed and model is not None:
         try:
-            optim_thread.synchronize()
+            model.synchronize()
         except Exception:  # noqa: BLE001 - this rank is already failing with a better error
             pass
-        threads.clear_failure()
     global _step_group
     _step_group = None
     rdist.destroy()
@@ -112,6 +117,8 @@ def _describe(exc: BaseException) -> str:
 
 
 def _lost(what: str, exc: BaseException, timeout_var: str = "RPP_DIST_MAIN_TIMEOUT_S") -> PeerFailed:
+    from roundpipe import distributed as rdist
+
     seconds = rdist.timeout_s() if timeout_var == "RPP_DIST_TIMEOUT_S" else rdist.main_timeout_s()
     return PeerFailed(
         f"lost contact with the other ranks during {what} ({type(exc).__name__}: {_first_line(exc)}); "
@@ -136,6 +143,8 @@ def everywhere(fn: Callable[[], T], what: str) -> T:
     For work that can fail on some ranks only and is followed by collectives (setup, loading a
     checkpoint): the closing all-gather tells every rank whether all succeeded.
     """
+    from roundpipe import distributed as rdist
+
     if rdist.get_world_size() == 1:
         return fn()
     result: Any = None
@@ -163,6 +172,8 @@ def on_main(fn: Callable[[], T], what: str) -> T:
     The broadcast doubles as the barrier after rank 0's work (a checkpoint write): the other ranks
     wait in it, up to ``RPP_DIST_MAIN_TIMEOUT_S``.
     """
+    from roundpipe import distributed as rdist
+
     if rdist.get_world_size() == 1:
         return fn()
     own: Optional[BaseException] = None
@@ -190,6 +201,8 @@ def sum_over_ranks(local: Callable[[], Sequence[float]], size: int, what: str) -
     For work every rank does in step (a training step, the sharded evaluation): it runs on the
     per-step group, whose timeout is ``RPP_DIST_TIMEOUT_S``.
     """
+    from roundpipe import distributed as rdist
+
     own: Optional[BaseException] = None
     try:
         values = [float(v) for v in local()]
@@ -221,6 +234,8 @@ def sum_over_ranks(local: Callable[[], Sequence[float]], size: int, what: str) -
 
 def gather_to_main(obj: Any, what: str) -> Optional[List[Any]]:
     """Every rank's ``obj`` (small, picklable), in rank order, on rank 0; None on the others."""
+    from roundpipe import distributed as rdist
+
     if rdist.get_world_size() == 1:
         return [obj]
     import torch.distributed as dist

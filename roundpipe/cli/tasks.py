@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Tuple
 
-import torch
+# torch is imported where it is used: config validation reads TASKS, and configuration errors must
+# answer before torch would have loaded.
+if TYPE_CHECKING:
+    import torch
 
 IGNORE_INDEX = -100
 
@@ -89,6 +92,8 @@ class Task:
 
 
 def _randint(gen: torch.Generator, high: int) -> int:
+    import torch
+
     return int(torch.randint(high, (1,), generator=gen))
 
 
@@ -142,6 +147,8 @@ class TaskStream:
 
     def __init__(self, task: Task, batch_size: int, seed: int) -> None:
         self.task = task
+        import torch
+
         self.batch_size = batch_size
         self.gen = torch.Generator().manual_seed(seed)
         self.examples_drawn = 0
@@ -152,6 +159,8 @@ class TaskStream:
 
     def next_batch(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids, labels)``, each ``[batch_size, seq_len]``."""
+        import torch
+
         ids, labels = [], []
         while len(ids) < self.batch_size:
             prompt, answer = self.task.sample(self.gen)
@@ -176,6 +185,8 @@ class TaskStream:
 
 def held_out_examples(task: Task, n: int, seed: int = 1234) -> List[Tuple[str, str]]:
     """``n`` distinct held-out problems (never trained on)."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     seen: Dict[str, str] = {}
     for _ in range(10_000 * max(n, 1)):
@@ -187,7 +198,6 @@ def held_out_examples(task: Task, n: int, seed: int = 1234) -> List[Tuple[str, s
     return list(seen.items())
 
 
-@torch.no_grad()
 def exact_match(
     predict_next: Callable[[torch.Tensor], torch.Tensor], task: Task, examples: List[Tuple[str, str]], batch_size: int = 256
 ) -> Tuple[float, List[Tuple[str, str, str]]]:
@@ -200,12 +210,15 @@ def exact_match(
     Returns:
         ``(accuracy, [(prompt, expected, predicted)])`` for all examples.
     """
+    import torch
+
     results = []
     for start in range(0, len(examples), batch_size):
         chunk = examples[start : start + batch_size]
         ids = torch.tensor([list(p.encode()) for p, _ in chunk])
         for _ in range(task.answer_len):
-            nxt = predict_next(ids).argmax(-1, keepdim=True)
+            with torch.no_grad():
+                nxt = predict_next(ids).argmax(-1, keepdim=True)
             ids = torch.cat([ids, nxt.to(ids.dtype)], dim=1)
         for (prompt, answer), row in zip(chunk, ids[:, task.prompt_len :].tolist()):
             pred = "".join(chr(b) if b < 128 else "?" for b in row)  # tasks are ASCII; '?' = any other token

@@ -1,4 +1,4 @@
-"""One torchrun rank of ``roundpipe train`` that fails on purpose, for tests/test_cli_distributed.py.
+"""One torchrun rank of ``roundpipe train`` that fails on purpose, for tests/cli/test_distributed.py.
 
     python -m torch.distributed.run --nproc-per-node 2 tests/dist_scripts/cli_fail.py RANK STEP train [options]
 
@@ -12,12 +12,12 @@ import os
 import sys
 
 from roundpipe.cli import main
-from roundpipe.cli import train as train_mod
+from roundpipe.cli.pipeline import PipelineModel
 
 
 def inject(rank: int, step: int) -> None:
     """Make ``PipelineModel.forward_backward`` raise on ``rank`` at its first call of ``step``."""
-    original = train_mod.PipelineModel.forward_backward
+    original = PipelineModel.forward_backward
     calls = {"n": 0}
     grad_accum = int(sys.argv[sys.argv.index("--grad-accum") + 1]) if "--grad-accum" in sys.argv else 1
 
@@ -27,7 +27,7 @@ def inject(rank: int, step: int) -> None:
             raise RuntimeError(f"injected failure on rank {rank} at step {step}")
         return original(self, *args, **kwargs)
 
-    train_mod.PipelineModel.forward_backward = failing  # type: ignore[method-assign]
+    PipelineModel.forward_backward = failing  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from roundpipe.cli.metrics import MetricsWriter, plot_metrics, read_metrics
-from roundpipe.cli.train import WarmupCosine
+from roundpipe.cli.optimizer import WarmupCosine
 
 
 def test_warmup_cosine_schedule() -> None:

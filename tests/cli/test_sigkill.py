@@ -1,5 +1,8 @@
 """A process killed (SIGKILL) in the middle of writing a checkpoint loses nothing: the previous
-checkpoint stays the latest and loadable, and resuming from it reproduces the uninterrupted run."""
+checkpoint stays the latest and loadable, and resuming from it reproduces the uninterrupted run.
+
+Every run is a subprocess: a run in this process would choose devices and the compile switch for the
+process (``roundpipe.configure``), and the test checks that nothing of the sort reaches later tests."""
 
 from __future__ import annotations
 
@@ -14,8 +17,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from roundpipe.cli import main
+from roundpipe import settings
 from roundpipe.cli.checkpoint import resolve_checkpoint
+
+from helpers import ROOT
+
+from .runner import roundpipe
 
 ARGS = ["--steps", "6", "--save-every", "2", "--batch-size", "4", "--microbatches", "2", "--devices", "cpu:1", "--eval-examples", "4"]
 
@@ -44,9 +51,10 @@ KILLED_RUN = textwrap.dedent(
 
 @pytest.mark.timeout(240)
 def test_sigkill_during_checkpoint_write_keeps_previous_checkpoint(tmp_path) -> None:
+    before = (dict(settings._overrides), {k: v for k, v in os.environ.items() if k.startswith("RPP_")})
     killed, full = str(tmp_path / "killed"), str(tmp_path / "full")
     marker = str(tmp_path / "writing")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", RPP_PROGRESS="0")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", RPP_PROGRESS="0", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, marker, killed, *ARGS], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 180
     while not os.path.exists(marker):
@@ -59,9 +67,11 @@ def test_sigkill_during_checkpoint_write_keeps_previous_checkpoint(tmp_path) -> 
     latest = resolve_checkpoint("latest", killed)
     assert latest.endswith("step-0000002"), latest  # the half-written step 4 is not taken
 
-    assert main(["train", "--resume", "--output-dir", killed, *ARGS]) == 0
-    assert main(["train", "--output-dir", full, *ARGS]) == 0
+    for args in (["--resume", "--output-dir", killed], ["--output-dir", full]):
+        proc = roundpipe(["train", *args, *ARGS], str(tmp_path))
+        assert proc.returncode == 0, proc.stderr[-3000:]
     a = load_file(os.path.join(resolve_checkpoint("latest", killed), "model.safetensors"))
     b = load_file(os.path.join(resolve_checkpoint("latest", full), "model.safetensors"))
     assert resolve_checkpoint("latest", killed).endswith("step-0000006")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (dict(settings._overrides), {k: v for k, v in os.environ.items() if k.startswith("RPP_")}) == before  # nothing leaks

@@ -105,7 +105,7 @@ def test_chat_template_that_rewrites_history_gives_one_example_per_turn() -> Non
 def test_row_without_known_fields_is_a_user_error(tmp_path) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text('{"content": "x"}\n')
-    with pytest.raises(ConfigError, match="row 1 has none of the fields"):
+    with pytest.raises(ConfigError, match=r"bad.jsonl:1 has none of the fields"):
         load_examples(str(path), byte_tokenizer())
     path.write_text("{not json\n")
     with pytest.raises(ConfigError, match="bad.jsonl:1 is not valid JSON"):
@@ -165,3 +165,29 @@ def test_parquet_without_reader_is_a_user_error(tmp_path, monkeypatch) -> None:
     with pytest.raises(ConfigError, match="needs the 'datasets' package") as info:
         load_examples(str(path), byte_tokenizer())
     assert info.value.fix.startswith("pip install datasets")
+
+
+def test_chat_rows_without_an_assistant_turn_are_dropped_with_a_warning(tmp_path, caplog) -> None:
+    rows = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        {"messages": [{"role": "human", "content": "hi"}, {"role": "gpt", "content": "hello"}]},
+        {"messages": [{"role": "user", "content": "only a question"}]},
+    ]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    with caplog.at_level("WARNING", logger="roundpipe"):
+        examples = load_examples(str(path), byte_tokenizer())
+    assert len(examples) == 1
+    assert "2 of 3 rows have chat messages without an 'assistant' turn (roles found: gpt, human, user); they were dropped" in caplog.text
+    assert "rename the roles 'gpt', 'human' to user/assistant" in caplog.text
+
+
+def test_text_and_line_numbers_in_errors(tmp_path) -> None:
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"text": "a"}\n\n{"text": ["a", "list"]}\n')
+    with pytest.raises(ConfigError, match=r"rows.jsonl:3: field 'text' is the list \['a', 'list'\], not a string"):
+        load_examples(str(path), byte_tokenizer())
+    path = tmp_path / "chat.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": 5}]}\n')
+    with pytest.raises(ConfigError, match=r"chat.jsonl:1 message 1: field 'content' is the int 5, not a string"):
+        load_examples(str(path), byte_tokenizer())

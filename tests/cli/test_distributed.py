@@ -28,7 +28,8 @@ import torch
 from roundpipe.cli import main
 from roundpipe.cli.checkpoint import load_tensors, load_torch, verify_checkpoint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
+
 EXACT = 1e-6
 # Uneven shards (rows 0-2 and 3-6 of every batch), two batches per step, a checkpoint every 2 steps.
 ARGS = ["--steps", "4", "--batch-size", "7", "--grad-accum", "2", "--save-every", "2", "--keep-checkpoints", "3",

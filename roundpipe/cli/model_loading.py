@@ -1,0 +1,159 @@
+"""Model loading for ``roundpipe train``: built-in architectures, local Hugging Face directories, the
+compute dtype, the tokenizer and LoRA.
+
+A model is either a built-in Qwen3 architecture (random init, byte-level tokenizer; no download) or a
+local directory written by ``save_pretrained`` (``local_files_only``: nothing is downloaded). Every
+failure a user can fix is a :class:`ConfigError` naming the directory and what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Dict
+
+import torch
+from torch import nn
+
+from roundpipe.cli.config import ConfigError, TrainConfig
+from roundpipe.cli.tasks import BYTE_VOCAB_SIZE, EOS_ID, byte_tokenizer
+
+_QWEN3_COMMON = dict(head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960, vocab_size=151936)
+
+#: Built-in Qwen3 architectures (random init): the WORKLOADS.md sizes plus ``tiny`` for the default task.
+BUILTIN_MODELS: Dict[str, Dict[str, Any]] = {
+    "tiny": dict(
+        hidden_size=192, intermediate_size=576, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=6,
+        head_dim=32, vocab_size=BYTE_VOCAB_SIZE, max_position_embeddings=1024, rope_theta=10_000.0, tie_word_embeddings=True,
+    ),
+    "qwen3-0.6b": dict(_QWEN3_COMMON, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(_QWEN3_COMMON, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3-4b": dict(_QWEN3_COMMON, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3-8b": dict(_QWEN3_COMMON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+    "qwen3-14b": dict(_QWEN3_COMMON, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False),
+}
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def builtin_config(name: str) -> Any:
+    """The ``Qwen3Config`` of built-in architecture ``name`` (byte-level vocabulary ids for EOS/pad)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**BUILTIN_MODELS[name], use_cache=False, eos_token_id=EOS_ID, pad_token_id=EOS_ID + 1, bos_token_id=None)
+
+
+def model_source(cfg: TrainConfig) -> Dict[str, str]:
+    """Where the model comes from: ``{"kind": "builtin", "name"}`` or ``{"kind": "local", "path"}``."""
+    if cfg.model in BUILTIN_MODELS:
+        return {"kind": "builtin", "name": cfg.model}
+    if os.path.isdir(cfg.model):
+        if not os.path.isfile(os.path.join(cfg.model, "config.json")):
+            raise ConfigError(f"{cfg.model} has no config.json", "pass a Hugging Face model directory (save_pretrained output)")
+        return {"kind": "local", "path": os.path.abspath(cfg.model)}
+    raise ConfigError(
+        f"model {cfg.model!r} is neither a local directory nor a built-in architecture",
+        f"pass a Hugging Face model directory or one of: {', '.join(BUILTIN_MODELS)}",
+    )
+
+
+def load_model_config(source: Dict[str, str]) -> Any:
+    """The model's ``PretrainedConfig`` (read before the weights, to check the run against it)."""
+    if source["kind"] == "builtin":
+        return builtin_config(source["name"])
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source["path"], local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the model config in {source['path']} ({exc})", "pass a directory written by save_pretrained") from None
+
+
+def resolve_dtype(cfg: TrainConfig, model_config: Any) -> torch.dtype:
+    """The dtype the devices compute with: ``--dtype``, else the model config's own (float32 for
+    ``tiny``, bfloat16 for the other built-ins, float32 when the config names none)."""
+    if cfg.dtype != "auto":
+        return TORCH_DTYPES[cfg.dtype]
+    if cfg.model == "tiny":
+        return torch.float32
+    own = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
+    if isinstance(own, str):
+        own = TORCH_DTYPES.get(own)
+    if own in TORCH_DTYPES.values():
+        return own
+    return torch.bfloat16 if cfg.model in BUILTIN_MODELS else torch.float32
+
+
+def build_model(source: Dict[str, str], model_config: Any, dtype: torch.dtype) -> nn.Module:
+    """The Hugging Face causal LM (random init for built-ins; weights on the host)."""
+    from transformers import AutoModelForCausalLM
+
+    if source["kind"] == "builtin":
+        return AutoModelForCausalLM.from_config(model_config, dtype=dtype)
+    try:
+        return AutoModelForCausalLM.from_pretrained(source["path"], dtype=dtype, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot load the model in {source['path']} ({str(exc).splitlines()[0]})", "pass a directory written by save_pretrained with its weights") from None
+
+
+#: Vocabulary files of Hugging Face tokenizers (fast, SentencePiece, BPE, WordPiece, tiktoken): a model
+#: directory with none of them has no tokenizer. transformers would then build an empty one from the
+#: model type, and the data would fail later with a misleading error (no chat template, too few tokens).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "sentencepiece.bpe.model", "tiktoken.model")
+
+
+def load_tokenizer(source: Dict[str, str], cfg: TrainConfig) -> Any:
+    """The byte tokenizer for the built-in task and built-in models, the model's own otherwise."""
+    if cfg.data is None or source["kind"] == "builtin":
+        return byte_tokenizer()
+    from transformers import AutoTokenizer
+
+    path = source["path"]
+    fix = "save the model's tokenizer there with tokenizer.save_pretrained(model_dir)"
+    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        raise ConfigError(f"the model directory {path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)})", fix)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError(f"no usable tokenizer in {path} ({str(exc).splitlines()[0]})", fix) from None
+    if len(tokenizer) <= 1:
+        raise ConfigError(f"the tokenizer in {path} is empty ({len(tokenizer)} tokens)", fix)
+    return tokenizer
+
+
+def lora_config(cfg: TrainConfig) -> Any:
+    """The PEFT ``LoraConfig`` of the run's ``lora_*`` keys."""
+    from peft import LoraConfig
+
+    targets: Any = cfg.lora_targets
+    if targets == ["all-linear"]:
+        targets = "all-linear"
+    return LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha if cfg.lora_alpha is not None else 2 * cfg.lora_r,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
+
+
+def peft_model(model: nn.Module, lcfg: Any) -> nn.Module:
+    """``peft.get_peft_model(model, lcfg)`` without the FutureWarning transformers 5 gives for PEFT's
+    read of ``is_gradient_checkpointing`` (a deprecated alias; nothing a user can act on). Only that
+    warning is filtered, and only during the call."""
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, lcfg)
+
+
+def apply_lora(model: nn.Module, lcfg: Any) -> nn.Module:
+    """``model`` inside a PEFT model with adapters ``lcfg`` (only the adapters train)."""
+    try:
+        return peft_model(model, lcfg)
+    except ValueError as exc:
+        raise ConfigError(f"LoRA: {str(exc).splitlines()[0]}", "set --lora-targets to module names of this model (e.g. q_proj v_proj) or all-linear") from None
+
+
+__all__ = ["BUILTIN_MODELS", "TOKENIZER_FILES", "TORCH_DTYPES", "apply_lora", "build_model", "builtin_config", "load_model_config", "load_tokenizer", "lora_config", "model_source", "peft_model", "resolve_dtype"]

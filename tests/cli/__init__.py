@@ -1,0 +1,1 @@
+"""Tests of the ``roundpipe`` command line (``roundpipe.cli``)."""
