@@ -8,7 +8,7 @@
 
 from typing import Any
 
-from roundpipe.context import doing_recompute, get_recompute_data, save_for_recompute
+from roundpipe.context import OptimizerCtx, doing_recompute, get_recompute_data, save_for_recompute
 from roundpipe.device import get_num_devices
 from roundpipe.roundpipe import AutoRoundPipe, RoundPipe
 from roundpipe.run_config import RoundPipeRunConfig
@@ -21,6 +21,7 @@ __all__ = [
     "AutoRoundPipe",
     "GradScaler",
     "ModelExecutePlan",
+    "OptimizerCtx",
     "RoundPipe",
     "RoundPipeRunConfig",
     "configure",
