@@ -144,9 +144,9 @@ def _packed_sizes(data: Any) -> Optional[List[int]]:
     """Microbatch sizes (dim 0) of the first packed data in ``data`` whose microbatches hold tensors."""
     for x in pytree.tree_leaves(data, is_leaf=_is_packed):
         if _is_packed(x):
-            firsts = [next((t for t in pytree.tree_leaves(mb) if isinstance(t, torch.Tensor) and t.dim() >= 1), None) for mb in x]
-            if all(t is not None for t in firsts):
-                return [t.shape[0] for t in firsts]
+            sizes = [next((t.shape[0] for t in pytree.tree_leaves(mb) if isinstance(t, torch.Tensor) and t.dim() >= 1), None) for mb in x]
+            if all(size is not None for size in sizes):
+                return [int(size) for size in sizes if size is not None]
     return None
 
 
@@ -232,12 +232,13 @@ class Batch:
             if split is None and packed_n is None:
                 if bs is None:
                     n = 1  # nothing to split: one microbatch
-                elif n > bs:
-                    raise ValueError(
-                        f"num_microbatch={n} is larger than the batch size {bs}; lower num_microbatch "
-                        f"(RoundPipeRunConfig(num_microbatch=...)) or use a larger batch"
-                    )
-                self._check_batch_dims(data, bs)
+                else:
+                    if n > bs:
+                        raise ValueError(
+                            f"num_microbatch={n} is larger than the batch size {bs}; lower num_microbatch "
+                            f"(RoundPipeRunConfig(num_microbatch=...)) or use a larger batch"
+                        )
+                    self._check_batch_dims(data, bs)
             parts = _split_tree(data, n, split, "split_input", bs)
         self.num_microbatch: int = n
         self.flatten_states: List[List[Any]] = []
@@ -292,7 +293,7 @@ class Batch:
         """
         if outputs is None:
             outputs = [self.stage_input(m)[0][0] for m in range(self.num_microbatch)]
-        events = [(ev, self.backward_events[m]) for m, ev in enumerate(self.forward_events)]
+        events: List[Tuple[Sequence[Event], Sequence[Event]]] = [(ev, self.backward_events[m]) for m, ev in enumerate(self.forward_events)]
         merge = run_config.merge_output
         if merge is False:
             return RoundPipePackedData(outputs, events)

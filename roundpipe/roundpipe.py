@@ -129,8 +129,8 @@ class RoundPipeBase(nn.Module):
     def _model_params(self) -> Iterator[Tuple[str, nn.Parameter]]:
         return self.model.named_parameters(remove_duplicate=True)
 
-    def optim_named_parameters(self, prefix: str = "", remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
-        """Named optimizer copies of the trainable parameters (fp32 masters when ``optim_dtype`` says so)."""
+    def _trainable(self, remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+        """The trainable model parameters by name, in the order of their optimizer copies."""
         seen = set()
         for name, p in self.model.named_parameters(remove_duplicate=remove_duplicate):
             if not p.requires_grad:
@@ -138,6 +138,11 @@ class RoundPipeBase(nn.Module):
             if remove_duplicate and id(p) in seen:
                 continue
             seen.add(id(p))
+            yield name, p
+
+    def optim_named_parameters(self, prefix: str = "", remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+        """Named optimizer copies of the trainable parameters (fp32 masters when ``optim_dtype`` says so)."""
+        for name, p in self._trainable(remove_duplicate):
             yield (f"{prefix}.{name}" if prefix else name), self._optim_param(p)
 
     def named_optim_parameters(self, prefix: str = "", remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
@@ -165,7 +170,8 @@ class RoundPipeBase(nn.Module):
         """Model parameters; the optimizer copies inside ``OptimizerCtx``."""
         if doing_optimizer():
             return self.optim_parameters()
-        return super().parameters(recurse)
+        # nn.Module.parameters goes through named_parameters, whose warning is for the named form.
+        return (p for _, p in nn.Module.named_parameters(self, recurse=recurse))
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:  # type: ignore[override]
         """Named model parameters; the optimizer copies inside ``OptimizerCtx``."""
@@ -215,6 +221,27 @@ class RoundPipeBase(nn.Module):
         # Parameters never handed to an optimizer (no optim_parameters() call) have no copy to sync.
         if any(ParamAttribute.has(p) and ParamAttribute.get(p).optim is not None for _, params in self.optim_units() for p in params):
             self.sync_optim_param()
+
+    def optim_param_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The optimizer copies by name (``optim_named_parameters``), detached: what a checkpoint saves
+        to resume exactly when they are more precise than the weights. Call after ``synchronize()``."""
+        return {name: p.detach() for name, p in self.optim_named_parameters()}
+
+    def load_optim_params(self, state: Optional[Dict[str, torch.Tensor]] = None) -> None:
+        """Set the optimizer copies from ``state`` (``optim_param_state_dict()`` of a checkpoint) or, with
+        None, from the model parameters (after loading weights into the model); the model parameters
+        then become the copies in their dtype. Waits for pending optimizer work first."""
+        optim_thread.synchronize()
+        with torch.no_grad():
+            for name, p in self._trainable():
+                master = self._optim_param(p)
+                if state is None:
+                    master.copy_(p.detach())
+                elif name not in state:
+                    raise KeyError(f"load_optim_params: no saved optimizer copy for {name!r} (saved: {len(state)} tensors)")
+                else:
+                    master.copy_(state[name])
+        self.sync_optim_param()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model parameters' gradients, once an asynchronous step in flight has taken them.
