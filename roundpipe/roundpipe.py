@@ -96,7 +96,12 @@ class RoundPipeBase(nn.Module):
         if not self.__dict__.get("_rpp_initialized") or self._is_own(name):
             super().__setattr__(name, value)
             return
-        for m in self._shim_targets():
+        targets = self._shim_targets()
+        if isinstance(value, (nn.Module, nn.Parameter)) and len(targets) > 1:
+            # A module or parameter would become a layer or weight of the wrapped layer list (a
+            # preset's nn.Sequential): it goes to the original model only.
+            targets = targets[:1]
+        for m in targets:
             setattr(m, name, value)
 
     def __delattr__(self, name: str) -> None:
