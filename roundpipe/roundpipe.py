@@ -371,7 +371,8 @@ class RoundPipe(RoundPipeBase):
         version = self.model_timer.version if self.model_timer.has_measurements(run_type) else -1
         cached = self._plans.get(run_type)
         if cached is None or (cached[1] != version and (cached[1] < 0 or version - cached[1] >= self.REPLAN_EVERY)):
-            plan = ModelExecutePlan.auto_many(run_type, self)[0]
+            plan = ModelExecutePlan.auto(run_type, self)  # one model: one plan
+            assert isinstance(plan, ModelExecutePlan)
             plan.check_valid(self.num_layers, run_type)
             self._plans[run_type] = (plan, version)
         return self._plans[run_type][0]

@@ -119,7 +119,7 @@ class RoundPipeForCausalLM(RoundPipe):
         "num_items_in_batch": ...}``).
 
         ``loss_fn(output, label_m)`` receives each microbatch's Hugging Face output
-        (``CausalLMOutputWithPast``; see :meth:`CausalLMPreset.microbatch_output`): ``output.loss`` when
+        (``CausalLMOutputWithPast``; see :meth:`CausalLMPreset.build_output`): ``output.loss`` when
         labels are in ``input_kwargs`` (that microbatch's mean loss, or its loss sum over
         ``num_items_in_batch``), ``output.logits`` when ``return_logits`` is set or no labels are
         given. The default ``loss_fn`` returns ``output.loss``. Returns the sum of the microbatch losses
@@ -140,7 +140,7 @@ class RoundPipeForCausalLM(RoundPipe):
         user_fn = loss_fn if loss_fn is not None else _default_loss
 
         def hf_loss_fn(outputs: Dict[str, torch.Tensor], label_m: Any) -> Any:
-            return user_fn(preset.microbatch_output(outputs, divisor), label_m)
+            return user_fn(preset.build_output(outputs, divisor), label_m)
 
         result = super().forward_backward(
             input_kwargs=preset.layer_kwargs(inputs), label=label, loss_fn=hf_loss_fn, return_outputs=return_outputs, run_config=run_config

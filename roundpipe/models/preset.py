@@ -395,9 +395,7 @@ class CausalLMHead(nn.Module):
 
     Returns a dict of per-microbatch results: ``loss_sum`` and ``num_tokens`` (``[1]``, when labels are
     given), ``logits`` (when ``options["return_logits"]``), and the router sums ``router_tokens`` /
-    ``router_probs`` (``[1, E]``) and ``router_rows`` (``[1]``) when the MoE aux loss is on. Sums are
-    one-element rows, not 0-dim scalars: RoundPipe's default merge concatenates rows (one per
-    microbatch) but averages scalars, and the whole-batch loss needs the sums.
+    ``router_probs`` (``[1, E]``) and ``router_rows`` (``[1]``, rows: the default merge averages 0-dim outputs).
     """
 
     def __init__(self, norm: nn.Module, lm_head: nn.Module, spec: CausalLMSpec) -> None:
@@ -412,7 +410,7 @@ class CausalLMHead(nn.Module):
         out: Dict[str, torch.Tensor] = {}
         if state["labels"] is not None or state["shift_labels"] is not None:
             counted = state.get("num_loss_tokens")
-            loss_sum, num_tokens = causal_lm_loss(
+            out["loss_sum"], out["num_tokens"] = (t.reshape(1) for t in causal_lm_loss(
                 hidden,
                 self.lm_head,
                 state["labels"],
@@ -421,8 +419,7 @@ class CausalLMHead(nn.Module):
                 chunk_size=options.get("loss_chunk_size"),
                 logit_scale=self.spec.logit_scale,
                 softcap=self.spec.softcap,
-            )
-            out["loss_sum"], out["num_tokens"] = loss_sum.reshape(1), num_tokens.reshape(1)
+            ))
         if options.get("return_logits", True):
             logits = self.lm_head(_slice_positions(hidden, options.get("logits_to_keep", 0)))
             if self.spec.logit_scale != 1.0:
@@ -527,51 +524,35 @@ class CausalLMPreset:
         return dict(inputs.batch_kwargs(), options=options)
 
     def build_output(self, merged: Dict[str, torch.Tensor], num_items_in_batch: Optional[float] = None) -> Any:
-        """Hugging Face output from the merged head outputs of all microbatches.
-
-        The loss is the sum of the token losses over the token count of the whole batch, or over
-        ``num_items_in_batch`` when given (Hugging Face's normalisation for gradient accumulation), plus,
-        with the router loss on, the aux loss of the whole batch's routing: the unsplit model's loss.
+        """Hugging Face output from the head outputs of all microbatches (merged) or of one. The loss is
+        the sum of the token losses over their count (or over ``num_items_in_batch``, as Hugging Face
+        normalises), plus, with the router loss on, the aux loss of their routing: the unsplit model's.
         """
-        return self._hf_output(merged, num_items_in_batch)
-
-    def microbatch_output(self, outputs: Dict[str, torch.Tensor], num_items_in_batch: Optional[float] = None) -> Any:
-        """The Hugging Face output of one microbatch, from its head outputs (inside ``loss_fn``).
-
-        ``loss`` (when labels are given) is what the model returns for this microbatch alone: its mean
-        token loss (or sum over ``num_items_in_batch``), plus its own router aux loss for MoE models;
-        ``logits`` when they were asked for or no labels were given.
-        """
-        return self._hf_output(outputs, num_items_in_batch)
-
-    def _hf_output(self, out: Dict[str, torch.Tensor], num_items_in_batch: Optional[float]) -> Any:
         from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
         loss = None
-        if "loss_sum" in out:
-            total = out["loss_sum"].sum()
-            loss = total / (out["num_tokens"].sum() if num_items_in_batch is None else num_items_in_batch)
-        logits = out.get("logits")
+        if "loss_sum" in merged:
+            divisor = merged["num_tokens"].sum() if num_items_in_batch is None else num_items_in_batch
+            loss = merged["loss_sum"].sum() / divisor
+        logits = merged.get("logits")
         if self.spec.moe is None:
             return CausalLMOutputWithPast(loss=loss, logits=logits)
         aux = None
-        if "router_rows" in out:
-            aux = router_aux_loss(out["router_tokens"].sum(0), out["router_probs"].sum(0), out["router_rows"].sum(), self.spec.moe.num_experts)
+        if "router_rows" in merged:
+            rows = merged["router_rows"].sum()
+            aux = router_aux_loss(merged["router_tokens"].sum(0), merged["router_probs"].sum(0), rows, self.spec.moe.num_experts)
             if loss is not None:
                 loss = loss + self.spec.moe.aux_loss_coef * aux
         return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=logits)
 
-    def microbatch_loss_fn(
-        self, forward_kwargs: Dict[str, Any], num_items_in_batch: Optional[float] = None
-    ) -> Callable[[Dict[str, torch.Tensor], Any], torch.Tensor]:
+    def microbatch_loss_fn(self, forward_kwargs: Dict[str, Any], num_items_in_batch: Optional[float] = None) -> Callable[[Dict[str, torch.Tensor], Any], torch.Tensor]:
         """``loss_fn`` for ``RoundPipe.forward_backward``: each microbatch's share of the batch loss.
 
         The cross-entropy of a microbatch is divided by the token count of the *whole* batch (or by
-        ``num_items_in_batch``, Hugging Face's count over all the batches of a gradient accumulation
-        step), so the sum over microbatches is exactly the batch loss. The MoE aux loss is not a sum over
-        tokens (it multiplies two batch averages), so with ``forward_backward`` it is computed per
-        microbatch and averaged with token weights, as gradient accumulation does; ``forward`` +
-        ``backward`` gives the whole-batch aux loss instead.
+        ``num_items_in_batch``), so the sum over microbatches is exactly the batch loss. The MoE aux loss
+        is not a sum over tokens (it multiplies two batch averages), so with ``forward_backward`` it is
+        computed per microbatch and averaged with token weights, as gradient accumulation does;
+        ``forward`` + ``backward`` gives the whole-batch aux loss instead.
         """
         if num_items_in_batch is None:
             num_items_in_batch = count_loss_tokens(forward_kwargs.get("labels"), forward_kwargs.get("shift_labels"))
