@@ -6,7 +6,7 @@ algorithms that choose one (``auto``) and check one (``check_valid``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, List, Optional, Union
 
 from roundpipe import device
 from roundpipe.planner import ActivationCosts, RunType, plan_stages, validate_plan
@@ -81,12 +81,13 @@ class ModelExecutePlan:
         upper_threshold: float = 1.1,
         model_memory_limit: Optional[float] = None,
         activations: Optional[ActivationCosts] = None,
-    ) -> "ModelExecutePlan":
-        """Plan from the models' timers (see ``roundpipe.planner``); one plan per model is returned by
-        ``auto_many``. With one model this returns its plan."""
+    ) -> Union["ModelExecutePlan", List["ModelExecutePlan"]]:
+        """Plan from the models' timers (see ``roundpipe.planner``): the plan of a single model, or a
+        list with one plan per model when several share the memory budget (``auto_many`` always
+        returns the list). ``activations`` budgets a training call's activations (one model)."""
         plans = cls.auto_many(run_type, *models, min_stages=min_stages, upper_threshold=upper_threshold, model_memory_limit=model_memory_limit,
                               activations=[activations] * len(models) if activations is not None else None)
-        return plans[0]
+        return plans[0] if len(models) == 1 else plans
 
     @classmethod
     def auto_many(

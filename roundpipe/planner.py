@@ -23,6 +23,7 @@ possible, then spreads the remaining time evenly.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import List, Literal, Optional, Sequence, Tuple
 
@@ -36,7 +37,8 @@ _REL_TOL = 1e-9
 
 
 class PlanMemoryError(ValueError):
-    """A single layer does not fit in the per-stage memory budget, so no plan exists."""
+    """A single layer does not fit in the per-stage memory budget. ``plan_stages`` warns and raises the
+    budget instead; kept for callers that catch it."""
 
 
 class ActivationMemoryError(PlanMemoryError):
@@ -112,8 +114,10 @@ def plan_stages(
         backward plan is empty. For 'fused' the forward plan covers ``[0, bwd_plan[-1].start)``: the last
         backward group's layers run their forward inside the fused step.
 
+    A single layer larger than ``memory_limit_bytes / 2`` gets a ``RuntimeWarning`` and the limit is
+    raised to twice that layer's size (every stage must hold one layer at least).
+
     Raises:
-        PlanMemoryError: A single layer is larger than ``memory_limit_bytes / 2``.
         ActivationMemoryError: No backward plan fits the activation budgets (``activations``).
         ValueError: Inputs of the wrong length, negative or non-finite costs, or a threshold below 1.
 
@@ -141,10 +145,13 @@ def plan_stages(
     if run_type != "infer":
         _check_costs("bwd_times", bwd_times, n)
 
+    largest = max(range(n), key=lambda i: layer_bytes[i])
+    if layer_bytes[largest] > memory_limit_bytes / 2:
+        # No stage could hold this layer: plan with a limit that fits it (the layer's stage then holds
+        # it alone) instead of refusing; the device may still have the room, the limit is an estimate.
+        warnings.warn(_layer_too_big_message(largest, layer_bytes[largest], memory_limit_bytes, run_type), RuntimeWarning, stacklevel=3)
+        memory_limit_bytes = 2.0 * layer_bytes[largest]
     mem_cap = memory_limit_bytes / 2
-    for i, size in enumerate(layer_bytes):
-        if size > mem_cap:
-            raise PlanMemoryError(_layer_too_big_message(i, size, memory_limit_bytes, run_type))
 
     min_stages = max(1, int(min_stages))
     if run_type == "infer":
@@ -505,13 +512,12 @@ def _check_costs(name: str, values: Sequence[float], n: int) -> None:
 def _layer_too_big_message(layer: int, size: float, memory_limit_bytes: float, run_type: RunType) -> str:
     what = "parameters" if run_type == "infer" else "parameters and gradients"
     return (
-        f"layer {layer} needs {size / GiB:.2f} GiB on the device ({what}), but a stage may use at most "
-        f"{memory_limit_bytes / 2 / GiB:.2f} GiB: half of the model memory limit of "
-        f"{memory_limit_bytes / GiB:.2f} GiB, because the current and the prefetched stage are resident at "
-        f"once. To fix it: raise model_memory_limit (in GB) in ModelExecutePlan.auto(...) if the device has "
-        f"room; or pass a manual plan with RoundPipeRunConfig(execute_plan=...) that puts layer {layer} in a "
-        f"group of its own; or split the layer into smaller layers; or use a smaller model or a device "
-        f"with more memory."
+        f"layer {layer} needs {size / GiB:.2f} GiB on the device ({what}), more than a stage may use: "
+        f"{memory_limit_bytes / 2 / GiB:.2f} GiB, half of the model memory limit of "
+        f"{memory_limit_bytes / GiB:.2f} GiB (the current and the prefetched stage are resident at once). "
+        f"Planning with the limit raised to {2 * size / GiB:.2f} GiB. If the device runs out of memory: "
+        f"split layer {layer} into smaller layers, use a device with more memory, or pass "
+        f"model_memory_limit (in GB) to ModelExecutePlan.auto(...) to plan for the memory there is."
     )
 
 

@@ -51,56 +51,91 @@ class RoundPipeBase(nn.Module):
         self.optim_updated = AnnotatedEvent(f"{self.name}.optim_updated", set=True)
         # Gradient synchronisation across processes (data parallel), or None: see roundpipe.grad_sync.
         self.grad_sync: Optional[GradSync] = None
-        self._rpp_initialized = True
 
     # ---- attribute shimming ------------------------------------------------------------------------
+    def _finish_init(self) -> None:
+        """Mark construction done: from now on writes of new attributes go to the wrapped models."""
+        self.__dict__["_rpp_initialized"] = True
+
+    def _shim_targets(self) -> List[nn.Module]:
+        """The models attribute access falls through to: the original model first (the user's model,
+        whose API the wrapper stands in for), then the wrapped one; each once."""
+        out: List[nn.Module] = []
+        for m in (self.__dict__.get("original_model"), self.__dict__.get("_modules", {}).get("model")):
+            if m is not None and all(m is not o for o in out):
+                out.append(m)
+        return out
+
+    def _is_own(self, name: str) -> bool:
+        """Whether ``name`` is the wrapper's own attribute (set on the wrapper itself, never mirrored):
+        private names, the wrapper's fields and submodules, and anything its class defines."""
+        if name.startswith("_") or name in _OWN_ATTRS or name in self.__dict__:
+            return True
+        if any(name in self.__dict__.get(d, {}) for d in ("_modules", "_parameters", "_buffers")):
+            return True
+        return hasattr(type(self), name)
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
             pass
-        modules = self.__dict__.get("_modules", {})
-        for holder in (modules.get("model"), self.__dict__.get("original_model")):
-            if holder is not None and name not in _OWN_ATTRS:
+        if name not in _OWN_ATTRS:
+            for holder in self._shim_targets():
                 try:
                     return getattr(holder, name)
                 except AttributeError:
                     continue
-        raise AttributeError(f"{type(self).__name__} (wrapping {type(modules.get('model')).__name__}) has no attribute {name!r}")
+        wrapped = type(self.__dict__.get("_modules", {}).get("model")).__name__
+        raise AttributeError(f"{type(self).__name__} (wrapping {wrapped}) has no attribute {name!r}")
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if not self.__dict__.get("_rpp_initialized") or name in self.__dict__ or name in _OWN_ATTRS or name.startswith("_"):
+        """After construction, a write of anything but the wrapper's own attributes is mirrored to the
+        original and the wrapped model (the spec's ``__setattr__``): ``rp.config = c`` or a new
+        ``rp.foo = 1`` reaches the user's model, and reads find it there."""
+        if not self.__dict__.get("_rpp_initialized") or self._is_own(name):
             super().__setattr__(name, value)
             return
-        targets = [m for m in (self._modules.get("model"), self.__dict__.get("original_model")) if m is not None and hasattr(m, name)]
-        if not targets:
-            super().__setattr__(name, value)
-            return
+        targets = self._shim_targets()
+        if isinstance(value, (nn.Module, nn.Parameter)) and len(targets) > 1:
+            # A module or parameter would become a layer or weight of the wrapped layer list (a
+            # preset's nn.Sequential): it goes to the original model only.
+            targets = targets[:1]
         for m in targets:
             setattr(m, name, value)
 
     def __delattr__(self, name: str) -> None:
-        if name in self.__dict__ or name in self._modules or name in self._parameters or name in self._buffers:
+        """Delete an own attribute, else delete ``name`` from every wrapped model that has it."""
+        if name in self.__dict__ or any(name in self.__dict__.get(d, {}) for d in ("_modules", "_parameters", "_buffers")):
             super().__delattr__(name)
             return
         found = False
-        for m in (self._modules.get("model"), self.__dict__.get("original_model")):
-            if m is not None and hasattr(m, name):
+        for m in self._shim_targets():
+            if hasattr(m, name):
                 delattr(m, name)
                 found = True
         if not found:
-            raise AttributeError(name)
+            raise AttributeError(f"{type(self).__name__} and the models it wraps have no attribute {name!r}")
 
     def set_original_model(self, original_model: nn.Module) -> None:
         """Make attribute reads and writes fall through to ``original_model`` (e.g. a HF model's config)."""
         self.__dict__["original_model"] = original_model
 
+    def train(self, mode: bool = True) -> "RoundPipeBase":
+        """Set training mode on the wrapper, the wrapped model and the original model (whose
+        ``training`` flag the user's code and Hugging Face read)."""
+        super().train(mode)
+        original = self.__dict__.get("original_model")
+        if original is not None:
+            original.train(mode)
+        return self
+
     # ---- optimizer-side parameters -------------------------------------------------------------------
     def _model_params(self) -> Iterator[Tuple[str, nn.Parameter]]:
         return self.model.named_parameters(remove_duplicate=True)
 
-    def optim_named_parameters(self, prefix: str = "", remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
-        """Named optimizer copies of the trainable parameters (fp32 masters when ``optim_dtype`` says so)."""
+    def _trainable(self, remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+        """The trainable model parameters by name, in the order of their optimizer copies."""
         seen = set()
         for name, p in self.model.named_parameters(remove_duplicate=remove_duplicate):
             if not p.requires_grad:
@@ -108,7 +143,16 @@ class RoundPipeBase(nn.Module):
             if remove_duplicate and id(p) in seen:
                 continue
             seen.add(id(p))
+            yield name, p
+
+    def optim_named_parameters(self, prefix: str = "", remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+        """Named optimizer copies of the trainable parameters (fp32 masters when ``optim_dtype`` says so)."""
+        for name, p in self._trainable(remove_duplicate):
             yield (f"{prefix}.{name}" if prefix else name), self._optim_param(p)
+
+    def named_optim_parameters(self, prefix: str = "", remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+        """Alias of ``optim_named_parameters`` (the name the spec's ``OptimizerCtx`` text uses)."""
+        return self.optim_named_parameters(prefix, remove_duplicate)
 
     def optim_parameters(self) -> Iterator[nn.Parameter]:
         """The optimizer copies of the trainable parameters: give these to the optimizer."""
@@ -131,7 +175,8 @@ class RoundPipeBase(nn.Module):
         """Model parameters; the optimizer copies inside ``OptimizerCtx``."""
         if doing_optimizer():
             return self.optim_parameters()
-        return super().parameters(recurse)
+        # nn.Module.parameters goes through named_parameters, whose warning is for the named form.
+        return (p for _, p in nn.Module.named_parameters(self, recurse=recurse))
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:  # type: ignore[override]
         """Named model parameters; the optimizer copies inside ``OptimizerCtx``."""
@@ -178,8 +223,42 @@ class RoundPipeBase(nn.Module):
         """Wait for pending optimizer work and bring model parameters up to date with the optimizer
         copies (for inspection, evaluation or saving)."""
         optim_thread.synchronize()
-        if any(ParamAttribute.get(p).optim is not None for _, params in self.optim_units() for p in params):
+        # Parameters never handed to an optimizer (no optim_parameters() call) have no copy to sync.
+        if any(ParamAttribute.has(p) and ParamAttribute.get(p).optim is not None for _, params in self.optim_units() for p in params):
             self.sync_optim_param()
+
+    def optim_param_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The optimizer copies by name (``optim_named_parameters``), detached: what a checkpoint saves
+        to resume exactly when they are more precise than the weights. Call after ``synchronize()``."""
+        return {name: p.detach() for name, p in self.optim_named_parameters()}
+
+    def load_optim_params(self, state: Optional[Dict[str, torch.Tensor]] = None) -> None:
+        """Set the optimizer copies from ``state`` (``optim_param_state_dict()`` of a checkpoint) or, with
+        None, from the model parameters (after loading weights into the model); the model parameters
+        then become the copies in their dtype. Waits for pending optimizer work first."""
+        optim_thread.synchronize()
+        with torch.no_grad():
+            for name, p in self._trainable():
+                master = self._optim_param(p)
+                if state is None:
+                    master.copy_(p.detach())
+                elif name not in state:
+                    raise KeyError(f"load_optim_params: no saved optimizer copy for {name!r} (saved: {len(state)} tensors)")
+                else:
+                    master.copy_(state[name])
+        self.sync_optim_param()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model parameters' gradients, once an asynchronous step in flight has taken them.
+
+        The step moves each layer's gradients into the optimizer copies on the optimizer thread
+        (``grad_copied``); clearing them meanwhile would race with that copy, so each layer waits for
+        its copy first (the step itself runs on). The optimizer's own gradients are cleared by its
+        ``zero_grad`` inside the step function.
+        """
+        for attr in self.layer_attrs:
+            attr.grad_copied.wait()
+        super().zero_grad(set_to_none)
 
     def reset_events(self) -> None:
         """Mark nothing pending on any layer (after a failed run)."""
@@ -249,6 +328,7 @@ class RoundPipe(RoundPipeBase):
         self.layer_size = [get_model_size(layer) / 1024**3 for layer in layers]
         self.model_timer = ModelTimer(self.num_layers, [get_model_compute_size(layer) / 1024**3 for layer in layers])
         self.__dict__["_plans"] = {}
+        self._finish_init()
 
     @property
     def _shared_params(self) -> List[nn.Parameter]:
@@ -303,7 +383,7 @@ class RoundPipe(RoundPipeBase):
         if cached is None or (cached[1] != version and (cached[1] < 0 or version - cached[1] >= self.REPLAN_EVERY)):
             layer_bytes = self.layer_device_bytes(run_type)
             plan = budget.plan_or_refuse(self.name, profile, layer_bytes,
-                                         lambda costs: ModelExecutePlan.auto(run_type, self, activations=costs))
+                                         lambda costs: ModelExecutePlan.auto(run_type, self, activations=costs))  # one model: one plan
             assert isinstance(plan, ModelExecutePlan)
             plan.check_valid(self.num_layers, run_type)
             self._plans[key] = (plan, version)
@@ -415,6 +495,7 @@ class AutoRoundPipe(RoundPipeBase):
     def __init__(self, model: nn.Module, name: Optional[str] = None, optim_dtype: Optional[torch.dtype] = None, **kwargs: Any) -> None:
         super().__init__(model, name if name is not None else get_call_location(1), optim_dtype)
         self.__dict__["_host_attr"] = LayerAttribute(-1, f"{self.name}.host")
+        self._finish_init()
 
     def _submodels(self) -> List[RoundPipe]:
         return [m for m in self.model.modules() if isinstance(m, RoundPipe)]
@@ -427,6 +508,8 @@ class AutoRoundPipe(RoundPipeBase):
             units.extend(sub_units)
             inside.update(id(p) for p in sub.model.parameters())
         host = [p for p in self.model.parameters() if p.requires_grad and id(p) not in inside]
+        for p in host:
+            ParamAttribute.set(p, None)  # the step protocol reads every unit parameter's attribute
         units.append((self._host_attr, host))
         return units
 

@@ -22,11 +22,15 @@ class RoundPipeRunConfig:
         recompute_grain: 'stage' recomputes a backward stage at once; 'layer' recomputes and back-propagates
             one layer at a time (less activation memory). Default: 'stage'.
         num_microbatch: Number of microbatches. Default: number of devices + 1.
-        split_input: How to split (args, kwargs): a callable ``(args, kwargs, n) -> [(args_m, kwargs_m)]``
-            or a spec pytree like ``guess_split_spec`` returns. Default: automatic.
-        split_label: How to split labels: a callable ``(label, n) -> [label_m]`` or a spec. Default: automatic.
-        merge_output: True (concatenate), False (return ``RoundPipePackedData`` so that a downstream
-            RoundPipe consumes microbatches without a host merge) or a callable ``([out_m]) -> out``.
+        split_input: How to split (args, kwargs): a callable ``(args, kwargs, n)`` returning
+            ``(args_list, kwargs_list)`` (or a list of ``(args_m, kwargs_m)`` pairs), or a spec tree
+            ``(args_spec, kwargs_spec)`` of ``TensorChunkSpec(dim)`` / ``_Replicate`` entries where None
+            (at any depth) means automatic. Default: automatic.
+        split_label: How to split labels: a callable ``(label, n) -> [label_m]`` or a spec tree. Default: automatic.
+        merge_output: True / None (default merge: concatenate on dim 0, average 0-dim tensors), False
+            (return ``RoundPipePackedData`` so that a downstream RoundPipe consumes microbatches without
+            a host merge), a callable ``([out_m]) -> out``, or a spec tree choosing per output leaf
+            (``TensorChunkSpec``, ``_Replicate``, a ``_CustomReducer``, True / False, a callable).
         execute_plan: A ``scheduler.ModelExecutePlan``. Default: automatic.
     """
 
@@ -49,8 +53,10 @@ class RoundPipeRunConfig:
             raise ValueError(f"num_microbatch={self.num_microbatch!r}: expected a positive integer")
         if self.output_device is not None:
             self.output_device = torch.device(self.output_device)
-        if self.merge_output is not None and not (isinstance(self.merge_output, bool) or callable(self.merge_output)):
-            raise ValueError("merge_output: expected True, False or a callable merging the list of microbatch outputs")
+        from roundpipe.batch import check_spec_tree
+
+        for name in ("split_input", "split_label", "merge_output"):
+            check_spec_tree(getattr(self, name), name)
         if self.execute_plan is not None:
             from roundpipe.plan import ModelExecutePlan
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from helpers import rel_err
 from roundpipe import models, settings
-from roundpipe.models import kernels
+from roundpipe.models import fused_ops, kernels
 from roundpipe.run_config import RoundPipeRunConfig
 
 torch.set_num_threads(1)
@@ -281,7 +281,7 @@ def test_whole_layer_falls_back_to_modules(eager: None, op_calls: Dict[str, int]
 def test_whole_layer_compiles_once_for_all_layers(compiled: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Layers of one shape share one graph per grad mode: the function takes the weights as tensors.
     aot_eager: dynamo's guards and caches without code generation."""
-    monkeypatch.setattr(kernels, "COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(fused_ops, "COMPILE_BACKEND", "aot_eager")
     layers = []
     for seed in range(3):
         hf, pos, x = _decoder_layer("qwen3", torch.float32)
@@ -335,7 +335,7 @@ def test_no_recompile_per_layer_upload_or_iteration(workers: str, compiled: None
 
     from roundpipe.models import loss
 
-    monkeypatch.setattr(kernels, "COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(fused_ops, "COMPILE_BACKEND", "aot_eager")
     monkeypatch.setattr(loss, "_maybe_compiled", lambda fn, compile: fn)  # the loss stays eager here
     model = tiny_model("qwen3")  # 3 layers
     batch = make_batch(padding=padding)

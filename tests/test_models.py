@@ -731,7 +731,8 @@ def test_forward_signatures_come_from_one_definition() -> None:
     forward = list(inspect.signature(RoundPipeForCausalLM.forward).parameters)
     assert forward == ["self", *ALL_ARGS, "roundpipe_run_config", "unused"]
     step = list(inspect.signature(RoundPipeForCausalLM.train_step).parameters)
-    assert step[:4] == ["self", "input_ids", "attention_mask", "labels"] and set(step[1:-1]) <= set(ALL_ARGS)
+    assert step[:4] == ["self", "input_ids", "attention_mask", "labels"] and set(step[1:-2]) <= set(ALL_ARGS)
+    assert step[-2:] == ["run_config", "scale_loss"]
     assert list(inspect.signature(CausalLMPreset.forward_kwargs).parameters) == ["self", *ALL_ARGS]
 
     preset = models.build_preset(tiny_model("llama"))

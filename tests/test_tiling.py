@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from helpers import rel_err
 from roundpipe import models, settings
 from roundpipe.context import RecomputeCtx
-from roundpipe.models import kernels, tiling
+from roundpipe.models import fused_ops, kernels, tiling
 from roundpipe.run_config import RoundPipeRunConfig
 from roundpipe.plan import ModelExecutePlan
 
@@ -200,7 +200,7 @@ def test_compiled_parts(monkeypatch: pytest.MonkeyPatch) -> None:
     """With fused kernels and plain projections each tile's pre- and post-attention part is one
     compiled op (aot_eager here: the same graphs as inductor without code generation): forward, a
     recompute and its backward equal Hugging Face's in fp32; the ops compiled, they did not fall back."""
-    monkeypatch.setattr(kernels, "COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(fused_ops, "COMPILE_BACKEND", "aot_eager")
     settings.configure(compile=True)
     tiling.PRE_ATTENTION.reset()
     tiling.POST_ATTENTION.reset()

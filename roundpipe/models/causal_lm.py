@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -22,14 +22,37 @@ _KW = inspect.Parameter.KEYWORD_ONLY
 # RoundPipe's per-call run configuration, after the causal-LM arguments.
 _RUN_CONFIG = inspect.Parameter("roundpipe_run_config", _KW, default=RoundPipeRunConfig(), annotation=RoundPipeRunConfig)
 _RUN_CONFIG_TRAIN = inspect.Parameter("run_config", _KW, default=RoundPipeRunConfig(), annotation=RoundPipeRunConfig)
+# train_step's hook on each microbatch loss before backward (e.g. GradScaler.scale).
+_SCALE_LOSS = inspect.Parameter("scale_loss", _KW, default=None, annotation=Optional[Callable[[torch.Tensor], torch.Tensor]])
 # Hugging Face arguments accepted and ignored when unset (use_cache=False, return_dict, ...).
 _HF_ONLY = inspect.Parameter("unused", inspect.Parameter.VAR_KEYWORD, annotation=Any)
+# Hugging Face flags that change nothing here when off (no cache, no attentions or hidden states kept);
+# return_dict changes nothing either way (the output is always a ModelOutput).
+_HF_FLAGS = ("use_cache", "output_attentions", "output_hidden_states")
 # train_step's positional order (labels third, as `train_step(ids, mask, labels)` calls pass them); it
 # always computes the loss without logits, so return_logits and logits_to_keep are not among them.
 _TRAIN_STEP_ARGS = (
     "input_ids", "attention_mask", "labels", "position_ids", "inputs_embeds", "shift_labels",
-    "output_router_logits", "loss_chunk_size",
+    "output_router_logits", "loss_chunk_size", "num_items_in_batch",
 )
+
+
+@takes_inputs(extra=(_HF_ONLY,))
+def _bind_hf_call(_owner: Any, inputs: CausalLMInputs, unused: Dict[str, Any]) -> CausalLMInputs:
+    """The :class:`CausalLMInputs` of a Hugging Face style call (positional or keyword arguments)."""
+    if unused.get("past_key_values") is not None or unused.get("use_cache"):
+        raise NotImplementedError("RoundPipeForCausalLM does not support a KV cache (use_cache / past_key_values)")
+    extra = {k for k, v in unused.items() if v is not None and k != "return_dict" and not (k in _HF_FLAGS and not v)}
+    if extra:
+        raise TypeError(f"RoundPipeForCausalLM: unsupported arguments {sorted(extra)}")
+    return inputs
+
+
+def _default_loss(output: Any, _label: Any) -> torch.Tensor:
+    """``forward_backward``'s default ``loss_fn``: the microbatch's Hugging Face loss."""
+    if output.loss is None:
+        raise ValueError("forward_backward: no labels in input_kwargs, so the model computes no loss; pass labels there or a loss_fn")
+    return output.loss
 
 
 class RoundPipeForCausalLM(RoundPipe):
@@ -37,7 +60,8 @@ class RoundPipeForCausalLM(RoundPipe):
 
     The layers are ``prefix (embedding, rotary, masks) -> decoder layers -> head (norm, chunked loss)``
     and share the model's parameters. Attribute access falls through to the original model, so
-    ``config``, ``generation_config`` and ``save_pretrained`` (of the adapter, for a PEFT model) work.
+    ``config``, ``generation_config``, ``loss_function``, ``vocab_size`` and ``save_pretrained`` (of the
+    adapter, for a PEFT model) work.
 
     Build it with :func:`roundpipe.models.wrap_model` (or ``wrap_model_to_roundpipe``).
 
@@ -117,37 +141,85 @@ class RoundPipeForCausalLM(RoundPipe):
     def forward(self, inputs: CausalLMInputs, roundpipe_run_config: RoundPipeRunConfig, unused: Dict[str, Any]) -> Any:
         """Like the Hugging Face model's forward (arguments: :class:`~roundpipe.models.inputs.CausalLMInputs`);
         returns ``CausalLMOutputWithPast`` (MoE: ``MoeCausalLMOutputWithPast``) whose loss equals the
-        unsplit model's.
+        unsplit model's (normalised by ``num_items_in_batch`` when given, as Hugging Face does).
 
         Differences: ``return_logits`` defaults to False when labels are given (the loss never needs
         full logits); no KV cache (``use_cache`` and ``past_key_values`` must be unset). With gradients
         enabled, ``output.loss.backward()`` runs the pipelined backward.
         """
-        if unused.get("past_key_values") is not None or unused.get("use_cache"):
-            raise NotImplementedError("RoundPipeForCausalLM does not support a KV cache (use_cache / past_key_values)")
-        extra = {k for k, v in unused.items() if v is not None and k not in ("use_cache", "past_key_values", "return_dict")}
-        if extra:
-            raise TypeError(f"RoundPipeForCausalLM.forward: unsupported arguments {sorted(extra)}")
+        _bind_hf_call(None, **unused)  # the checks of the Hugging Face-only arguments
         kwargs = self._preset.layer_kwargs(inputs)
         merged = super().forward(roundpipe_run_config=roundpipe_run_config, **kwargs)
-        return self._preset.build_output(merged)
+        return self._preset.build_output(merged, inputs.loss_divisor())
 
-    @takes_inputs(_TRAIN_STEP_ARGS, extra=(_RUN_CONFIG_TRAIN,))
-    def train_step(self, inputs: CausalLMInputs, run_config: RoundPipeRunConfig) -> torch.Tensor:
-        """Forward + backward of the batch-mean token loss in one pipelined pass (``forward_backward``).
+    def forward_backward(
+        self,
+        input_args: Tuple[Any, ...] = (),
+        input_kwargs: Dict[str, Any] = {},
+        label: Any = None,
+        loss_fn: Optional[Callable[[Any, Any], Union[Sequence[torch.Tensor], torch.Tensor]]] = None,
+        return_outputs: bool = False,
+        run_config: RoundPipeRunConfig = RoundPipeRunConfig(),
+    ) -> Any:
+        """Forward, loss and backward in one pipelined pass, called with the Hugging Face model's
+        arguments (``input_kwargs={"input_ids": ..., "attention_mask": ..., "labels": ...,
+        "num_items_in_batch": ...}``).
+
+        ``loss_fn(output, label_m)`` receives each microbatch's Hugging Face output
+        (``CausalLMOutputWithPast``; see :meth:`CausalLMPreset.build_output`): ``output.loss`` when
+        labels are in ``input_kwargs`` (that microbatch's mean loss, or its loss sum over
+        ``num_items_in_batch``), ``output.logits`` when ``return_logits`` is set or no labels are
+        given. The default ``loss_fn`` returns ``output.loss``. Returns the sum of the microbatch losses
+        (and the whole batch's output when ``return_outputs``). :meth:`train_step` is the faster path
+        for the usual loss (no logits).
+
+        ``input_kwargs`` made by ``preset.forward_kwargs`` (the first layer's arguments, with
+        ``options``) run as a plain :meth:`RoundPipe.forward_backward`: ``loss_fn`` gets the head's dict.
+        """
+        if "options" in input_kwargs and not input_args:
+            return super().forward_backward(
+                input_kwargs=input_kwargs, label=label, loss_fn=loss_fn or (lambda out, _: out), return_outputs=return_outputs, run_config=run_config
+            )
+        if not isinstance(input_args, tuple):
+            input_args = (input_args,)
+        inputs = _bind_hf_call(None, *input_args, **input_kwargs)
+        preset, divisor = self._preset, inputs.loss_divisor()
+        user_fn = loss_fn if loss_fn is not None else _default_loss
+
+        def hf_loss_fn(outputs: Dict[str, torch.Tensor], label_m: Any) -> Any:
+            return user_fn(preset.build_output(outputs, divisor), label_m)
+
+        result = super().forward_backward(
+            input_kwargs=preset.layer_kwargs(inputs), label=label, loss_fn=hf_loss_fn, return_outputs=return_outputs, run_config=run_config
+        )
+        if return_outputs:
+            loss, merged = result
+            return loss, preset.build_output(merged, divisor) if isinstance(merged, dict) else merged
+        return result
+
+    @takes_inputs(_TRAIN_STEP_ARGS, extra=(_RUN_CONFIG_TRAIN, _SCALE_LOSS))
+    def train_step(
+        self, inputs: CausalLMInputs, run_config: RoundPipeRunConfig, scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]]
+    ) -> torch.Tensor:
+        """Forward + backward of the batch loss in one pipelined pass (``forward_backward``), without
+        logits (the chunked loss of :mod:`roundpipe.models.loss`).
 
         Gradients accumulate into ``.grad`` like ``loss.backward()``; the (detached) loss is returned.
-        Each microbatch's loss sum is divided by the token count of the whole batch, so loss and
-        gradients equal the unsplit model's. MoE: the router aux loss is per microbatch here (see
+        Each microbatch's loss sum is divided by the token count of the whole batch (or by
+        ``num_items_in_batch``: the sum over a gradient accumulation step's batches, as Hugging Face
+        normalises), so loss and gradients equal the unsplit model's. ``scale_loss`` is applied to each
+        microbatch's loss before its backward (``scale_loss=scaler.scale`` with a
+        :class:`roundpipe.GradScaler`, or a factor for gradient accumulation); the return value is then
+        the sum of the scaled losses. MoE: the router aux loss is per microbatch here (see
         :meth:`CausalLMPreset.microbatch_loss_fn`); ``forward(labels=...).loss.backward()`` uses the
         whole batch's.
         """
         if inputs.labels is None and inputs.shift_labels is None:
             raise ValueError("train_step needs labels (or shift_labels)")
         kwargs = self._preset.layer_kwargs(dataclasses.replace(inputs, return_logits=False, logits_to_keep=0))
-        return self.forward_backward(
-            input_kwargs=kwargs, loss_fn=self._preset.microbatch_loss_fn(kwargs), run_config=run_config
-        )
+        base = self._preset.microbatch_loss_fn(kwargs, inputs.loss_divisor())
+        loss_fn = base if scale_loss is None else (lambda outputs, label: scale_loss(base(outputs, label)))
+        return self.forward_backward(input_kwargs=kwargs, loss_fn=loss_fn, run_config=run_config)
 
 
 __all__ = ["RoundPipeForCausalLM"]

@@ -46,6 +46,17 @@ class CausalLMInputs:
     """MoE: add the router load-balancing loss; default ``config.output_router_logits``."""
     loss_chunk_size: Optional[int] = None
     """Tokens per chunk of the loss (:mod:`roundpipe.models.loss`); default: sized from the vocabulary."""
+    num_items_in_batch: Optional[Union[int, float, torch.Tensor]] = None
+    """Normaliser of the loss (Hugging Face's ``Trainer`` passes the label count of a whole gradient
+    accumulation step): the loss is the sum of the token losses over it instead of their mean."""
+
+    def loss_divisor(self) -> Optional[float]:
+        """``num_items_in_batch`` as a host number (None when unset): the loss is computed on the
+        devices, and a tensor on another device (the Trainer's) must not enter their kernels."""
+        n = self.num_items_in_batch
+        if n is None:
+            return None
+        return float(n.item() if isinstance(n, torch.Tensor) else n)
 
     def batch_kwargs(self) -> Dict[str, torch.Tensor]:
         """The :data:`BATCH_ARGS` that are set, by name."""

@@ -399,9 +399,9 @@ def _slice_positions(hidden: torch.Tensor, logits_to_keep: Union[int, Sequence[i
 class CausalLMHead(nn.Module):
     """Final norm + chunked loss (+ logits when asked): the last pipeline layer.
 
-    Returns a dict of per-microbatch results: ``loss_sum`` and ``num_tokens`` (0-dim, when labels are
+    Returns a dict of per-microbatch results: ``loss_sum`` and ``num_tokens`` (``[1]``, when labels are
     given), ``logits`` (when ``options["return_logits"]``), and the router sums ``router_tokens`` /
-    ``router_probs`` (``[1, E]``) and ``router_rows`` (0-dim) when the MoE aux loss is on.
+    ``router_probs`` (``[1, E]``) and ``router_rows`` (``[1]``, rows: the default merge averages 0-dim outputs).
     """
 
     def __init__(self, norm: nn.Module, lm_head: nn.Module, spec: CausalLMSpec) -> None:
@@ -416,7 +416,7 @@ class CausalLMHead(nn.Module):
         out: Dict[str, torch.Tensor] = {}
         if state["labels"] is not None or state["shift_labels"] is not None:
             counted = state.get("num_loss_tokens")
-            out["loss_sum"], out["num_tokens"] = causal_lm_loss(
+            out["loss_sum"], out["num_tokens"] = (t.reshape(1) for t in causal_lm_loss(
                 hidden,
                 self.lm_head,
                 state["labels"],
@@ -425,7 +425,7 @@ class CausalLMHead(nn.Module):
                 chunk_size=options.get("loss_chunk_size"),
                 logit_scale=self.spec.logit_scale,
                 softcap=self.spec.softcap,
-            )
+            ))
         if options.get("return_logits", True):
             logits = self.lm_head(_slice_positions(hidden, options.get("logits_to_keep", 0)))
             if self.spec.logit_scale != 1.0:
@@ -435,7 +435,7 @@ class CausalLMHead(nn.Module):
             out["logits"] = logits
         if state["router"] is not None:
             tokens, probs, rows = state["router"]
-            out.update(router_tokens=tokens.unsqueeze(0), router_probs=probs.unsqueeze(0), router_rows=rows)
+            out.update(router_tokens=tokens.unsqueeze(0), router_probs=probs.unsqueeze(0), router_rows=rows.reshape(1))
         return out
 
 
@@ -529,40 +529,39 @@ class CausalLMPreset:
             )
         return dict(inputs.batch_kwargs(), options=options)
 
-    def build_output(self, merged: Dict[str, torch.Tensor]) -> Any:
-        """Hugging Face output from the merged head outputs of all microbatches.
-
-        The loss is the sum of the token losses over the token count of the whole batch (and, with the
-        router loss on, the aux loss of the whole batch's routing): equal to the unsplit model's loss.
+    def build_output(self, merged: Dict[str, torch.Tensor], num_items_in_batch: Optional[float] = None) -> Any:
+        """Hugging Face output from the head outputs of all microbatches (merged) or of one. The loss is
+        the sum of the token losses over their count (or over ``num_items_in_batch``, as Hugging Face
+        normalises), plus, with the router loss on, the aux loss of their routing: the unsplit model's.
         """
         from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
         loss = None
         if "loss_sum" in merged:
-            loss = merged["loss_sum"].sum() / merged["num_tokens"].sum()
+            divisor = merged["num_tokens"].sum() if num_items_in_batch is None else num_items_in_batch
+            loss = merged["loss_sum"].sum() / divisor
         logits = merged.get("logits")
         if self.spec.moe is None:
             return CausalLMOutputWithPast(loss=loss, logits=logits)
         aux = None
         if "router_rows" in merged:
             rows = merged["router_rows"].sum()
-            aux = router_aux_loss(
-                merged["router_tokens"].sum(0), merged["router_probs"].sum(0), rows, self.spec.moe.num_experts
-            )
+            aux = router_aux_loss(merged["router_tokens"].sum(0), merged["router_probs"].sum(0), rows, self.spec.moe.num_experts)
             if loss is not None:
                 loss = loss + self.spec.moe.aux_loss_coef * aux
         return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=logits)
 
-    def microbatch_loss_fn(self, forward_kwargs: Dict[str, Any]) -> Callable[[Dict[str, torch.Tensor], Any], torch.Tensor]:
+    def microbatch_loss_fn(self, forward_kwargs: Dict[str, Any], num_items_in_batch: Optional[float] = None) -> Callable[[Dict[str, torch.Tensor], Any], torch.Tensor]:
         """``loss_fn`` for ``RoundPipe.forward_backward``: each microbatch's share of the batch loss.
 
-        The cross-entropy of a microbatch is divided by the token count of the *whole* batch, so the
-        sum over microbatches is exactly the batch mean. The MoE aux loss is not a sum over tokens (it
-        multiplies two batch averages), so with ``forward_backward`` it is computed per microbatch and
-        averaged with token weights, as gradient accumulation does; ``forward`` + ``backward`` gives the
-        whole-batch aux loss instead.
+        The cross-entropy of a microbatch is divided by the token count of the *whole* batch (or by
+        ``num_items_in_batch``), so the sum over microbatches is exactly the batch loss. The MoE aux loss
+        is not a sum over tokens (it multiplies two batch averages), so with ``forward_backward`` it is
+        computed per microbatch and averaged with token weights, as gradient accumulation does;
+        ``forward`` + ``backward`` gives the whole-batch aux loss instead.
         """
-        num_tokens = count_loss_tokens(forward_kwargs.get("labels"), forward_kwargs.get("shift_labels"))
+        if num_items_in_batch is None:
+            num_items_in_batch = count_loss_tokens(forward_kwargs.get("labels"), forward_kwargs.get("shift_labels"))
         moe = self.spec.moe
         aux_on = moe is not None and forward_kwargs["options"].get("output_router_logits", False)
         total_rows = 0.0
@@ -573,9 +572,9 @@ class CausalLMPreset:
             total_rows = tokens * self.num_router_layers
 
         def loss_fn(outputs: Dict[str, torch.Tensor], _label: Any = None) -> torch.Tensor:
-            loss = outputs["loss_sum"] / num_tokens
+            loss = outputs["loss_sum"].reshape(()) / num_items_in_batch
             if aux_on:
-                rows = outputs["router_rows"]
+                rows = outputs["router_rows"].reshape(())
                 aux = router_aux_loss(outputs["router_tokens"][0], outputs["router_probs"][0], rows, moe.num_experts)
                 loss = loss + moe.aux_loss_coef * aux * (rows / total_rows)
             return loss
