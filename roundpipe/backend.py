@@ -11,6 +11,7 @@ Default: all GPUs where CUDA is available, else ``cpu:1``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from typing import Any, ContextManager, List, Optional, Union
@@ -167,6 +168,12 @@ def apply_memory_cap(device: torch.device) -> None:
     if cap > total:
         raise ValueError(f"RPP_GPU_MEMORY={cap / 2**30:.1f} GiB is more than {device}'s {total / 2**30:.1f} GiB; lower it or unset it")
     torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    if "expandable_segments:true" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():
+        # Measured on an H100 capped at 24 GiB (qwen3-8b LoRA, 131,072 tokens): fixed-size segments
+        # left the allocator unable to serve a backward stage that fits with expandable ones.
+        logging.getLogger("roundpipe").warning(
+            "RPP_GPU_MEMORY caps %s at %.1f GiB: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before "
+            "the process starts, or long sequences may fail from fragmentation well under the cap", device, cap / 2**30)
 
 
 def free_memory_bytes(device: torch.device) -> int:

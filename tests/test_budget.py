@@ -153,3 +153,36 @@ def test_decoder_layer_estimate_matches_the_saved_tensors_of_a_tiled_layer() -> 
     measured = sum(v for k, v in storages.items() if k not in skip)
     expected = kept - seq * shape.hidden * 2
     assert abs(measured - expected) / measured < 0.15, (measured, expected)
+
+
+def test_loss_chunk_of_the_estimate_is_the_heads() -> None:
+    from roundpipe.models.loss import default_chunk_size
+
+    for vocab in (128, 32000, 151936, 262144):
+        assert estimate.loss_chunk_tokens(vocab) == default_chunk_size(vocab)
+
+
+def test_roundpipe_plan_command(tmp_path: Any) -> None:
+    """`roundpipe plan` on a built-in shape and on a model directory: peaks, cost per token and the
+    longest context; exit 0 when the step fits, 1 when it does not, 2 with one line for bad input."""
+    import json
+    import subprocess
+    import sys
+
+    def plan(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "roundpipe.cli.plan", *args], capture_output=True, text=True, timeout=120)
+
+    ok = plan("--model", "qwen3-8b", "--seq-len", "262144", "--lora-r", "16", "--gpu-memory", "80GB", "--host-memory", "128GiB")
+    assert ok.returncode == 0, ok.stderr
+    assert "peak GPU" in ok.stdout and "peak host" in ok.stdout and "KiB per token" in ok.stdout and "longest context" in ok.stdout
+    too_big = plan("--model", "qwen3-8b", "--seq-len", "262144", "--lora-r", "16", "--gpu-memory", "24GiB", "--host-memory", "64GiB")
+    assert too_big.returncode == 1 and "does NOT fit" in too_big.stdout
+    config = tiny_model("qwen3").config
+    (tmp_path / "config.json").write_text(config.to_json_string())
+    as_json = plan("--model", str(tmp_path), "--seq-len", "4096", "--gpu-memory", "8GiB", "--host-memory", "16GiB", "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    got = json.loads(as_json.stdout)
+    want = estimate.estimate(estimate.ModelShape.from_config(config), 4096)
+    assert got["peak_gpu_bytes"] == want.peak_gpu_bytes and got["peak_host_bytes"] == want.peak_host_bytes
+    bad = plan("--model", str(tmp_path / "missing"), "--seq-len", "4096")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "config.json" in bad.stderr

@@ -22,6 +22,7 @@ USAGE = """usage: roundpipe <command> [options]
 commands:
   train    train or fine-tune a causal LM (no options: a small model learns to reverse strings)
   export   write a checkpoint as a Hugging Face model directory
+  plan     estimate peak GPU and host memory of a run and the longest context a machine fits
 
 'roundpipe <command> --help' describes each command's options; 'roundpipe --version' prints the version."""
 
@@ -101,7 +102,14 @@ def _hf_quiet() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-COMMANDS = {"train": train_main, "export": export_main}
+def plan_main(argv: List[str]) -> int:
+    """``roundpipe plan``: the memory estimate of a run (``roundpipe.cli.plan``)."""
+    from roundpipe.cli.plan import main as plan
+
+    return plan(argv)
+
+
+COMMANDS = {"train": train_main, "export": export_main, "plan": plan_main}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -6,7 +6,8 @@
 Prints peak GPU memory (per GPU) and peak host memory of one step, the bytes each token costs, and
 the longest context that fits this machine (or the ``--gpu-memory`` / ``--host-memory`` given). The
 same numbers are ``roundpipe.estimate.estimate(...)`` and ``roundpipe.estimate.longest_context(...)``
-in Python. Imports nothing heavy: it answers in well under a second.
+in Python. Nothing heavy is imported but torch, and torch only to read this machine's GPU size when
+``--gpu-memory`` is not given.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import argparse
 import json
 import os
 import sys
-from typing import List, Optional, Tuple
+from typing import List, NoReturn, Optional, Tuple
 
 from roundpipe import estimate
 
@@ -45,27 +46,32 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _fail(message: str) -> NoReturn:
+    """One line on stderr and exit status 2, as the other commands report bad input."""
+    print(f"roundpipe plan: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def model_shape(model: str) -> estimate.ModelShape:
     """The shape of a built-in name or of a model directory's config.json (no transformers import)."""
     if model in estimate.ModelShape.BUILTIN:
         return estimate.ModelShape.builtin(model)
     path = os.path.join(os.path.expanduser(model), "config.json")
     if not os.path.isfile(path):
-        raise SystemExit(f"roundpipe plan: --model {model!r} is neither a built-in shape ({', '.join(estimate.ModelShape.BUILTIN)}) "
-                         f"nor a directory with a config.json")
+        _fail(f"--model {model!r} is neither a built-in shape ({', '.join(estimate.ModelShape.BUILTIN)}) nor a directory with a config.json")
     with open(path) as f:
         config = json.load(f)
     config = config.get("text_config", config)
     try:
         return estimate.ModelShape.from_config(argparse.Namespace(**config))
     except (AttributeError, TypeError, KeyError) as exc:
-        raise SystemExit(f"roundpipe plan: {path} is not a decoder-only causal LM config ({exc})") from None
+        _fail(f"{path} is not a decoder-only causal LM config (missing {exc})")
 
 
 def machine_memory() -> Tuple[Optional[float], float]:
     """(GPU memory of the smallest visible GPU or None, host memory) of this machine, in bytes."""
     gpu: Optional[float] = None
-    if "torch" in sys.modules or os.environ.get("CUDA_VISIBLE_DEVICES", "x") != "":
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "x") != "":
         try:
             import torch
 
@@ -82,14 +88,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser().parse_args(argv)
     for name in ("seq_len", "batch_size", "microbatches"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"roundpipe plan: --{name.replace('_', '-')} must be at least 1")
+            _fail(f"--{name.replace('_', '-')} must be at least 1")
     shape = model_shape(args.model)
     gpu, host = args.gpu_memory, args.host_memory
     if gpu is None or host is None:
         found_gpu, found_host = machine_memory()
         gpu = gpu if gpu is not None else (found_gpu or 80 * GiB)
         host = host if host is not None else found_host
-    e = estimate.estimate(shape, args.seq_len, args.batch_size, lora_rank=args.lora_r, microbatches=args.microbatches)
+    # As the planner does: one decoder layer per backward stage, or the fewest that let the stages'
+    # input checkpoints fit the host (fewer checkpoints, more activations per stage on the GPU).
+    candidates = [estimate.estimate(shape, args.seq_len, args.batch_size, lora_rank=args.lora_r, microbatches=args.microbatches,
+                                    layers_per_stage=g) for g in range(1, 5)]
+    e = next((c for c in candidates if c.peak_gpu_bytes <= gpu and c.peak_host_bytes <= host), candidates[0])
     seq, fit = estimate.longest_context(shape, gpu, host, batch_size=args.batch_size, lora_rank=args.lora_r, microbatches=args.microbatches)
     if args.json:
         print(json.dumps({
