@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Dict, List, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 # torch is imported where it is used: config validation reads TASKS, and configuration errors must
 # answer before torch would have loaded.
@@ -77,6 +77,8 @@ class Task:
         prompt_len: Bytes in every prompt.
         answer_len: Bytes in every answer (EOS follows).
         sample: Draws a random problem with a ``torch.Generator``.
+        at_length: For tasks whose examples can be any length (``recall``): the task with examples of
+            ``n`` tokens, for ``--seq-len n``; None for fixed-length tasks.
     """
 
     name: str
@@ -84,6 +86,7 @@ class Task:
     prompt_len: int
     answer_len: int
     sample: Callable[[torch.Generator], Tuple[str, str]]
+    at_length: Optional[Callable[[int], "Task"]] = None
 
     @property
     def seq_len(self) -> int:
@@ -124,7 +127,50 @@ def _reverse(length: int) -> Task:
     return Task("reverse", f"reverse a {length}-letter string, e.g. 'abcdef>' -> 'fedcba'", length + 1, length, sample)
 
 
-TASKS: Dict[str, Task] = {t.name: t for t in (_addition(3), _addition(3, True), _addition(2), _addition(4), _addition(4, True), _reverse(6))}
+KEY_LEN = 1
+RECALL_MIN_LEN = 32
+
+
+def _recall(seq_len: int) -> Task:
+    """Long-context recall: ``key=Q;`` at the start, filler up to ``seq_len``, then ``?``; the answer is the
+    key. The filler (random lowercase letters and spaces) says nothing about the key, so the model can
+    only answer by attending from the end of the context back to its start, across all of it. Held-out
+    problems are new contexts (the filler is random: nothing to memorise)."""
+    if seq_len < RECALL_MIN_LEN:
+        raise ValueError(f"the recall task needs seq_len >= {RECALL_MIN_LEN}, got {seq_len}")
+    letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    head = len("key=") + KEY_LEN + 1
+    filler_len = seq_len - head - 1 - KEY_LEN - 1  # "?" + answer + EOS
+    words = "abcdefghijklmnopqrstuvwxyz "
+
+    def sample(gen: torch.Generator) -> Tuple[str, str]:
+        import torch
+
+        key = "".join(letters[_randint(gen, len(letters))] for _ in range(KEY_LEN))
+        filler = "".join(words[i] for i in torch.randint(len(words), (filler_len,), generator=gen).tolist())
+        return f"key={key};{filler}?", key
+
+    return Task(
+        "recall", f"recall the key letter given at the start of a {seq_len}-token context: "
+        f"'key=Q;<filler>?' -> 'Q' (--seq-len sets the context)",
+        seq_len - KEY_LEN - 1, KEY_LEN, sample, _recall,
+    )
+
+
+TASKS: Dict[str, Task] = {
+    t.name: t for t in (_addition(3), _addition(3, True), _addition(2), _addition(4), _addition(4, True), _reverse(6), _recall(128))
+}
+
+
+def task_for(name: str, seq_len: Optional[int]) -> Task:
+    """Task ``name`` for ``--seq-len seq_len`` (None: its own length); a fixed-length task with another
+    length raises ValueError."""
+    task = TASKS[name]
+    if seq_len is None or seq_len == task.seq_len:
+        return task
+    if task.at_length is None:
+        raise ValueError(f"seq_len={seq_len} is set, but task {name!r} has fixed {task.seq_len}-token examples")
+    return task.at_length(seq_len)
 
 
 def is_held_out(prompt: str) -> bool:

@@ -56,7 +56,7 @@ from roundpipe.cli.model_loading import apply_lora, build_model, load_model_conf
 from roundpipe.cli.optimizer import HostOptimizer
 from roundpipe.cli.pipeline import PipelineModel
 from roundpipe.cli.run_dir import check_output_dir, clear_earlier_run
-from roundpipe.cli.tasks import TASKS, TaskStream, exact_match, held_out_examples
+from roundpipe.cli.tasks import TaskStream, exact_match, held_out_examples, task_for
 from roundpipe.cli.train_state import Progress, read_payload, resume_config, rng_state, write_payload
 
 if TYPE_CHECKING:
@@ -229,16 +229,20 @@ class Recipe:
         cfg = self.cfg
         limit = getattr(model_config, "max_position_embeddings", None)
         if cfg.data is None:
-            task = TASKS[cfg.task]
-            if cfg.seq_len is not None and cfg.seq_len != task.seq_len:
-                raise ConfigError(f"seq_len={cfg.seq_len} is set, but task {cfg.task!r} has fixed {task.seq_len}-token examples", "drop --seq-len or train on a --data file")
+            try:
+                task = task_for(cfg.task, cfg.seq_len)
+            except ValueError as exc:
+                raise ConfigError(str(exc), "drop --seq-len, use --task recall (any length), or train on a --data file") from None
             seq_len = task.seq_len
+            if self.source.get("kind") == "builtin" and limit is not None and seq_len > limit:
+                # A built-in model is trained from scratch: its rotary tables reach as far as asked.
+                model_config.max_position_embeddings = limit = seq_len
         else:
             seq_len = cfg.seq_len or min(512, limit or 512)
         if limit is not None and seq_len > limit:
             raise ConfigError(f"seq_len={seq_len} exceeds the model's limit (max_position_embeddings={limit})", f"lower --seq-len to at most {limit}")
         if cfg.data is None:
-            return TaskStream(TASKS[cfg.task], cfg.batch_size, cfg.seed)
+            return TaskStream(task, cfg.batch_size, cfg.seed)
         from roundpipe.cli.data import file_stream
 
         return file_stream(cfg.data, self.tokenizer, seq_len, cfg.pack, cfg.batch_size, cfg.seed, cfg.text_field)
@@ -480,7 +484,7 @@ class Recipe:
         With several ranks each scores its contiguous share of the problems and the counts are
         summed, so every rank returns the accuracy over all of them.
         """
-        task = TASKS[self.cfg.task]
+        task = task_for(self.cfg.task, self.cfg.seq_len)
         examples = held_out_examples(task, self.cfg.eval_examples)
         if not self.env.distributed:
             acc, results = exact_match(self.model.last_logits, task, examples)
