@@ -143,8 +143,15 @@ def set_rng_state(device: torch.device, state: torch.Tensor) -> None:
 
 
 def compute_guard(device: torch.device) -> ContextManager[Any]:
-    """Serialise stage compute across CPU workers (see ``cpu_compute_lock``); GPUs run freely."""
+    """Serialise stage compute across CPU workers (see ``cpu_compute_lock``); GPUs run freely. In stress
+    mode (``RPP_STRESS_DELAY_S``) CPU workers compute concurrently too, as GPUs do, so races between
+    workers' compute, transfers and the optimizer thread can show on CPU (the shared RNG is then not
+    isolated: run models without dropout in that mode)."""
     if is_cuda(device):
+        return contextlib.nullcontext()
+    from roundpipe import settings
+
+    if settings.STRESS_DELAY_S.get() > 0:
         return contextlib.nullcontext()
     return cpu_compute_lock
 

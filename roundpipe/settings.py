@@ -170,6 +170,9 @@ STAGE_PARAMS: Setting[bool] = _register(Setting(
 WATCHDOG_S: Setting[float] = _register(Setting(
     "RPP_WATCHDOG_S", _number(0.0), 0.0, "0 (off)", "seconds >= 0",
     "Print every RoundPipe thread's stack when waits make no progress for this long."))
+STRESS_DELAY_S: Setting[float] = _register(Setting(
+    "RPP_STRESS_DELAY_S", _number(0.0), 0.0, "0 (off)", "seconds >= 0",
+    "Test mode: CPU workers compute concurrently and every RoundPipe wait first sleeps up to this long."))
 PROFILER: Setting[Optional[str]] = _register(Setting(
     "RPP_PROFILER", _profiler, None, "off", "`torch`, `nvtx` or unset",
     "Mark each device job and blocking wait as a profiler range (read at import)."))

@@ -12,6 +12,7 @@ Attributes:
 
 from __future__ import annotations
 
+import random
 import sys
 import threading
 import time
@@ -149,6 +150,20 @@ def _poll(attempt: Callable[[float], bool], timeout: Optional[float]) -> bool:
                     return False
 
 
+_stress_rng = random.Random(0)
+
+
+def stress_delay() -> None:
+    """In stress mode (``RPP_STRESS_DELAY_S``), sleep a random time before a wait: the threads reach
+    each synchronisation point in ever different orders, so a missing fence shows in the tests as a
+    wrong result or a hang instead of hiding behind one lucky interleaving."""
+    from roundpipe import settings
+
+    limit = settings.STRESS_DELAY_S.get()
+    if limit > 0:
+        time.sleep(_stress_rng.uniform(0.0, limit))
+
+
 class AnnotatedEvent(threading.Event):
     """Event whose waits are named (for stack dumps) and abort when a RoundPipe thread fails."""
 
@@ -159,6 +174,7 @@ class AnnotatedEvent(threading.Event):
             self.set()
 
     def wait(self, timeout: Optional[float] = None) -> bool:
+        stress_delay()
         if self.is_set():
             return True
         with annotate(f"wait {self.name}"):  # a blocking wait shows on profiler timelines (RPP_PROFILER)
@@ -175,6 +191,7 @@ class AnnotatedSemaphore(threading.Semaphore):
     def acquire(self, blocking: bool = True, timeout: Optional[float] = None) -> bool:
         if not blocking:
             return super().acquire(False)
+        stress_delay()
         if super().acquire(False):
             return True
         with annotate(f"wait {self.name}"):

@@ -1,0 +1,98 @@
+"""The core equality tests under stress: CPU workers compute concurrently (as GPUs do) and every wait on
+a RoundPipe event or semaphore first sleeps a random time (``RPP_STRESS_DELAY_S``), so the device
+threads, the main thread and the optimizer thread meet each fence in ever different orders.
+
+Normally CPU workers compute under one lock, which would hide a missing fence between two workers'
+compute, a transfer and the optimizer thread. Models here have no dropout: concurrent CPU workers share
+torch's one CPU generator, so dropout masks are only reproducible under the lock.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+import torch
+
+import test_step
+from helpers import rel_err
+from roundpipe import RoundPipe, RoundPipeRunConfig, settings
+from test_core import TOL, check_grads, make_model, reference_run
+
+STRESS_S = 0.002
+STRESS_WORKERS = ["cpu:2", "cpu:3"]
+
+
+@pytest.fixture(autouse=True)
+def stress() -> Iterator[None]:
+    with settings.overridden(stress_delay_s=STRESS_S):
+        yield
+
+
+def test_stress_mode_lets_cpu_workers_compute_at_once() -> None:
+    """The switch itself: no compute lock, and waits are delayed."""
+    import time
+
+    from roundpipe import backend
+    from roundpipe.threads import AnnotatedEvent
+
+    assert backend.compute_guard(torch.device("cpu")) is not backend.cpu_compute_lock
+    ev = AnnotatedEvent("t", set=True)
+    t0 = time.perf_counter()
+    for _ in range(50):
+        ev.wait()
+    assert time.perf_counter() - t0 > 50 * STRESS_S / 8  # random delays in [0, STRESS_S): mean STRESS_S / 2
+
+
+@pytest.mark.parametrize("workers", STRESS_WORKERS, indirect=True)
+@pytest.mark.parametrize("num_microbatch", [1, 2, 3, 4])
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_matches_pytorch_under_stress(workers: str, num_microbatch: int, grain: str) -> None:
+    torch.manual_seed(0)
+    dtype = torch.float64
+    model = make_model(dtype, dropout=0.0)
+    import copy
+
+    ref = copy.deepcopy(model)
+    rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch, recompute_grain=grain))
+    x = torch.randn(10, 8, dtype=dtype, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    w = torch.randn(10, 5, dtype=dtype)
+    for _ in range(2):  # a second call: gradients accumulate, buffers (BatchNorm) move on
+        out = rp(x)
+        (out * w).sum().backward()
+        out_ref = reference_run(ref, x_ref, num_microbatch)
+        (out_ref * w).sum().backward()
+        assert rel_err(out, out_ref) < TOL[dtype]
+    assert rel_err(x.grad, x_ref.grad) < TOL[dtype]
+    check_grads(model, ref, TOL[dtype])
+
+
+@pytest.mark.parametrize("workers", STRESS_WORKERS, indirect=True)
+def test_sync_steps_under_stress(workers: str) -> None:
+    test_step.test_sync_step_equals_plain_pytorch(workers)
+
+
+@pytest.mark.parametrize("workers", STRESS_WORKERS, indirect=True)
+def test_async_steps_under_stress(workers: str) -> None:
+    """The one-step-stale rule holds whatever order the optimizer thread and the devices meet in."""
+    test_step.test_async_step_follows_one_step_stale_rule(workers)
+
+
+@pytest.mark.parametrize("workers", STRESS_WORKERS, indirect=True)
+def test_tied_parameters_under_stress(workers: str) -> None:
+    test_step.test_tied_parameters_appear_once_and_sum_gradients(workers)
+
+
+@pytest.mark.parametrize("workers", STRESS_WORKERS, indirect=True)
+def test_mixed_schedule_under_stress(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asynchronous and synchronous steps, synchronize() and an edit of the optimizer parameters, with
+    staging on and off: the same losses and parameters."""
+    test_step.test_staged_parameters_equal_copying_at_the_next_step(workers, monkeypatch)
+
+
+@pytest.mark.parametrize("workers", ["cpu:3"], indirect=True)
+def test_bf16_buffers_rotate_under_stress(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host buffers rotate between downloads, the optimizer and staging (the thread handoffs most
+    exposed to ordering) and every variant still trains the same parameters."""
+    test_step.test_host_buffers_rotate_and_one_gradient_buffer_waits(workers, monkeypatch)
