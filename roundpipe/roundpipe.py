@@ -219,6 +219,13 @@ class RoundPipeBase(nn.Module):
         """Copy the optimizer parameters into the model parameters (from the main or optimizer thread)."""
         optim_step.sync_params(self.optim_units())
 
+    def wait_optimizer(self) -> None:
+        """Wait until every optimizer step queued so far has finished (raising the failure of one that
+        failed), and leave the model's weights as they are: unlike ``synchronize()``, an asynchronous
+        run continues exactly as if nothing had waited (a checkpoint of the optimizer state taken now
+        does not change the run's trajectory)."""
+        optim_thread.synchronize()
+
     def synchronize(self) -> None:
         """Wait for pending optimizer work and bring model parameters up to date with the optimizer
         copies (for inspection, evaluation or saving)."""

@@ -126,12 +126,10 @@ class PipelineModel:
         checkpoint would change the run's trajectory (test_resume_is_bitwise_exact catches it). Nor is
         it ``optim_updated.wait()``: with async steps, step k-1's kernel may finish (and set the event)
         after step k was launched, so the event can be set while step k still runs. The optimizer
-        thread's own wait is the one call that means "no step in flight" without touching the weights;
-        RoundPipe has no public method for it yet.
+        thread's wait (``RoundPipeBase.wait_optimizer``) means "no step in flight" without touching
+        the weights.
         """
-        from roundpipe.optim import thread as optim_thread
-
-        optim_thread.synchronize()
+        self.rp.wait_optimizer()
 
 
 __all__ = ["PipelineModel"]
