@@ -30,8 +30,9 @@ def build(layers: int, hidden: int, dtype: torch.dtype) -> nn.Sequential:
 
 
 def bench_roundpipe(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> tuple:
-    model = RoundPipe(build(args.layers, args.hidden, args.dtype), optim_dtype=torch.float32,
-                      model_run_config=RoundPipeRunConfig(num_microbatch=args.microbatches))
+    model = RoundPipe(
+        build(args.layers, args.hidden, args.dtype), optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=args.microbatches)
+    )
     params = list(model.optim_parameters())
     if args.optimizer == "adamw":
         opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
@@ -39,7 +40,7 @@ def bench_roundpipe(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) 
         opt = torch.optim.SGD(params, lr=1e-4)
     loss_fn = lambda out, label: nn.functional.mse_loss(out.float(), label.float())  # noqa: E731
     times = []
-    for it in range(args.warmup + args.iters):
+    for _ in range(args.warmup + args.iters):
         t0 = time.perf_counter()
         model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
         if args.optimizer != "none":
@@ -48,7 +49,7 @@ def bench_roundpipe(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) 
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     model.synchronize()
-    return times[args.warmup:], model
+    return times[args.warmup :], model
 
 
 def bench_resident(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> list:
@@ -57,7 +58,7 @@ def bench_resident(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     xd, yd = x.to(dev), y.to(dev)
     times = []
-    for it in range(args.warmup + args.iters):
+    for _ in range(args.warmup + args.iters):
         t0 = time.perf_counter()
         h = xd
         for layer in model:
@@ -67,7 +68,7 @@ def bench_resident(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -
         opt.zero_grad()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return times[args.warmup:]
+    return times[args.warmup :]
 
 
 def main() -> None:
@@ -78,8 +79,12 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=4)
-    p.add_argument("--optimizer", choices=["adamw", "sgd", "none"], default="adamw",
-                   help="host optimizer for roundpipe ('none': forward_backward only, to isolate the pipeline)")
+    p.add_argument(
+        "--optimizer",
+        choices=["adamw", "sgd", "none"],
+        default="adamw",
+        help="host optimizer for roundpipe ('none': forward_backward only, to isolate the pipeline)",
+    )
     p.add_argument("--sync-step", action="store_true", help="is_async=False steps")
     p.add_argument("--no-baseline", action="store_true")
     args = p.parse_args()

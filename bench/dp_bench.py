@@ -84,8 +84,10 @@ def simulate(args: argparse.Namespace) -> int:
             r = allreduce_s(grad_bytes, n, gbps, args.latency_us * 1e-6, args.buckets)
             t = iteration_s(t1, r, args.fwd_frac, args.optim_s)
             rows.append((gbps, n, r, t, n * t1 / t))
-    print(f"model: {args.params / 1e9:.2f}B params, {grad_bytes / 1e9:.2f} GB of gradients, one-node iteration {t1:.2f} s "
-          f"(forward {args.fwd_frac:.0%}), host optimizer {args.optim_s:.2f} s, {args.buckets} buckets, {args.latency_us:g} us per hop")
+    print(
+        f"model: {args.params / 1e9:.2f}B params, {grad_bytes / 1e9:.2f} GB of gradients, one-node iteration {t1:.2f} s "
+        f"(forward {args.fwd_frac:.0%}), host optimizer {args.optim_s:.2f} s, {args.buckets} buckets, {args.latency_us:g} us per hop"
+    )
     print("| network Gbit/s | nodes | all-reduce s | s / iteration | speedup | efficiency |")
     print("|---|---|---|---|---|---|")
     for gbps, n, r, t, s in rows:
@@ -126,8 +128,10 @@ def calibrate(one_path: str, two_path: str, fwd_frac: float) -> int:
     over = iteration_s(t1, r_pred, fwd_frac, one["optim_s_est"])
     serial = iteration_s(t1, r_pred, fwd_frac, one["optim_s_est"], is_async=False)
     print(f"1 rank: {t1:.3f} s/iter; {w} ranks measured: {tw:.3f} s/iter, reduction {r_meas:.3f} s/step")
-    print(f"all-reduce model: {r_pred:.3f} s ({two['grad_bytes'] / 2**20:.1f} MiB, bus {two['net_gbps']:.2f} Gbit/s, "
-          f"{two['latency_s'] * 1e6:.0f} us per hop, {two['collectives_per_step']:.0f} calls)")
+    print(
+        f"all-reduce model: {r_pred:.3f} s ({two['grad_bytes'] / 2**20:.1f} MiB, bus {two['net_gbps']:.2f} Gbit/s, "
+        f"{two['latency_s'] * 1e6:.0f} us per hop, {two['collectives_per_step']:.0f} calls)"
+    )
     for name, t in (("overlapped", over), ("serialised", serial)):
         print(f"predicted {name}: {t:.3f} s/iter ({(t - tw) / tw:+.0%} vs measured), speedup {w * t1 / t:.2f}x (measured {w * t1 / tw:.2f}x)")
     return 0
@@ -314,9 +318,12 @@ def run_one(args: argparse.Namespace, mode: str, out: Optional[str], rank: int, 
     }
     if rank == 0:
         where = f" ({result['reduce_on']}, {result['reduce_backend']})" if dp is not None else ""
-        print(f"| {args.model}{' lora r=%d' % args.lora if args.lora else ''} | {world} rank(s) x {result['devices_per_rank']} device(s){where} | "
-              f"{result['tokens_per_s']:,.0f} tok/s | {result['s_per_iter']:.3f} s/iter | reduce {result['reduce_s_per_step']:.3f} s/step | "
-              f"loss {losses[0]:.4f} -> {losses[-1]:.4f} |", flush=True)
+        print(
+            f"| {args.model}{' lora r=%d' % args.lora if args.lora else ''} | {world} rank(s) x {result['devices_per_rank']} device(s){where} | "
+            f"{result['tokens_per_s']:,.0f} tok/s | {result['s_per_iter']:.3f} s/iter | reduce {result['reduce_s_per_step']:.3f} s/step | "
+            f"loss {losses[0]:.4f} -> {losses[-1]:.4f} |",
+            flush=True,
+        )
         if out:
             with open(out, "w") as f:
                 json.dump(result, f, indent=1)
@@ -333,16 +340,18 @@ def reduce_only(args: argparse.Namespace, model: Any, dp: Any, rank: int, world:
     import torch
 
     params = [p for p in model.model.parameters() if p.requires_grad]
-    for step in range(args.steps):
+    for _ in range(args.steps):
         for p in params:
             p.grad = torch.randn_like(p)
         model.step(lambda: None, is_async=False)
     hist = list(dp.stats.history)[args.warmup :] if dp is not None else [0.0]
     med = statistics.median(hist)
     if rank == 0:
-        print(f"| reduce only | {world} ranks | {grad_bytes / 2**20:.1f} MiB | buckets {args.bucket_mb:g} MiB x {args.in_flight} in flight | "
-              f"{dp.stats.collectives / max(dp.stats.steps, 1):.0f} calls/step | median {med * 1e3:.1f} ms | "
-              f"{2 * (world - 1) / world * grad_bytes * 8 / 1e9 / med:.2f} Gbit/s bus (raw {net[0]:.2f}) |")
+        print(
+            f"| reduce only | {world} ranks | {grad_bytes / 2**20:.1f} MiB | buckets {args.bucket_mb:g} MiB x {args.in_flight} in flight | "
+            f"{dp.stats.collectives / max(dp.stats.steps, 1):.0f} calls/step | median {med * 1e3:.1f} ms | "
+            f"{2 * (world - 1) / world * grad_bytes * 8 / 1e9 / med:.2f} Gbit/s bus (raw {net[0]:.2f}) |"
+        )
     return 0
 
 
@@ -357,8 +366,10 @@ def compare(one_path: str, many_path: str, ref_path: Optional[str], min_speedup:
     speedup = many["tokens_per_s"] / one["tokens_per_s"]
     ok = speedup >= min_speedup
     mode = f" (gradients reduced on the {many['reduce_on']}, {many.get('reduce_backend', '?')})" if "reduce_on" in many else ""
-    print(f"throughput: 1 rank {one['tokens_per_s']:,.0f} tok/s, {many['world']} ranks{mode} {many['tokens_per_s']:,.0f} tok/s: "
-          f"{speedup:.2f}x (need >= {min_speedup}x) {'ok' if speedup >= min_speedup else 'FAIL'}")
+    print(
+        f"throughput: 1 rank {one['tokens_per_s']:,.0f} tok/s, {many['world']} ranks{mode} {many['tokens_per_s']:,.0f} tok/s: "
+        f"{speedup:.2f}x (need >= {min_speedup}x) {'ok' if speedup >= min_speedup else 'FAIL'}"
+    )
     if ref_path:
         ref = _load(ref_path)
         if ref["batch_per_rank"] * ref["world"] != many["batch_per_rank"] * many["world"]:
@@ -386,14 +397,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--in-flight", type=int, default=2, help="gradient buckets in flight at once")
     p.add_argument("--sync", action="store_true", help="synchronous optimizer step")
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch threads per rank (default: all cores for one rank; for several, roundpipe.optim_thread.rank_share)")
+    p.add_argument(
+        "--threads", type=int, default=0, help="torch threads per rank (default: all cores for one rank; for several, roundpipe.optim_thread.rank_share)"
+    )
     p.add_argument("--gpus-per-rank", type=int, default=1, help="rank r uses GPUs r*k..; 0: leave RPP_DEVICES alone")
     p.add_argument("--pin-cores", type=int, default=0, help="pin rank r to cores [r*k, (r+1)*k) (CPU scaling runs)")
     p.add_argument("--reduce-only", action="store_true", help="time the host gradient all-reduce alone (random gradients)")
-    p.add_argument("--reduce-on", nargs="+", choices=["auto", "host", "device"], default=["auto"],
-                   help="where the 2+ rank run reduces the gradients: host (gloo, optimizer thread), device (NCCL on GPUs, "
-                        "gloo on CPU workers, before the download), auto; several: one run each, --out X.json -> X.MODE.json")
+    p.add_argument(
+        "--reduce-on",
+        nargs="+",
+        choices=["auto", "host", "device"],
+        default=["auto"],
+        help="where the 2+ rank run reduces the gradients: host (gloo, optimizer thread), device (NCCL on GPUs, "
+        "gloo on CPU workers, before the download), auto; several: one run each, --out X.json -> X.MODE.json",
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--compare", nargs=2, metavar=("ONE_RANK_JSON", "W_RANKS_JSON"))
     p.add_argument("--loss-ref", default=None, help="1-rank run on the same global batch")

@@ -50,9 +50,12 @@ class DeviceGaps:
             f"{self.between_us / 1e3:.1f} ms ({self.between_us / wall_us:.1%}, {self.between_count} gaps), inside groups "
             f"{self.within_us / 1e3:.1f} ms ({self.within_us / wall_us:.1%}, {self.within_count} gaps); "
             f"{self.kernels - self.unattributed}/{self.kernels} kernels attributed to a job"
-            + ("" if self.head_us is None or self.tail_us is None else
-               f"; idle before the first kernel {self.head_us / 1e3:.1f} ms ({self.head_us / wall_us:.1%}), "
-               f"after the last {self.tail_us / 1e3:.1f} ms ({self.tail_us / wall_us:.1%})")
+            + (
+                ""
+                if self.head_us is None or self.tail_us is None
+                else f"; idle before the first kernel {self.head_us / 1e3:.1f} ms ({self.head_us / wall_us:.1%}), "
+                f"after the last {self.tail_us / 1e3:.1f} ms ({self.tail_us / wall_us:.1%})"
+            )
         )
 
 

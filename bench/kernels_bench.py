@@ -40,8 +40,14 @@ def build_layer(shape: str, dtype: torch.dtype, device: torch.device) -> Tuple[n
 
     hidden, inter, heads, kv, head_dim = SHAPES[shape]
     config = Qwen3Config(
-        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=1, num_attention_heads=heads,
-        num_key_value_heads=kv, head_dim=head_dim, max_position_embeddings=40960, use_cache=False,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        max_position_embeddings=40960,
+        use_cache=False,
         attn_implementation="sdpa",
     )
     torch.manual_seed(0)
@@ -64,9 +70,7 @@ def layer_inputs(layer_config: object, rotary: nn.Module, batch: int, seq: int, 
     x = torch.randn(batch, seq, hidden, generator=g).to(device=device, dtype=dtype)
     position_ids = torch.arange(seq, device=device).unsqueeze(0)
     cos, sin = rotary(x, position_ids)
-    mask = _call_mask_function(
-        create_causal_mask, config=layer_config, inputs_embeds=x, attention_mask=None, past_key_values=None, position_ids=position_ids
-    )
+    mask = _call_mask_function(create_causal_mask, config=layer_config, inputs_embeds=x, attention_mask=None, past_key_values=None, position_ids=position_ids)
     grad_out = torch.randn(batch, seq, hidden, generator=g).to(device=device, dtype=dtype)
     return x, (cos, sin), mask, position_ids, grad_out
 
@@ -179,8 +183,15 @@ def main(argv=None) -> Dict[str, float]:
             e_fused, e_vs = errors(got, ref), errors(got, eager)
             worst = max(e_fused, key=lambda k: e_fused[k] - 1.25 * e_eager[k])
             margin = 1.25 * e_eager[worst] + (2e-3 if dtype == torch.bfloat16 else 1e-6)
-            checks[variant] = dict(ok=e_fused[worst] <= margin, worst=worst, err=e_fused[worst], margin=margin,
-                                   fused_err=max(e_fused.values()), vs=max(e_vs.values()), compile_s=compile_s)
+            checks[variant] = dict(
+                ok=e_fused[worst] <= margin,
+                worst=worst,
+                err=e_fused[worst],
+                margin=margin,
+                fused_err=max(e_fused.values()),
+                vs=max(e_vs.values()),
+                compile_s=compile_s,
+            )
         ok = all(c["ok"] for c in checks.values())
 
         # Timing.
@@ -188,6 +199,7 @@ def main(argv=None) -> Dict[str, float]:
             def step() -> None:
                 with torch.no_grad():
                     run_layer(layer, x, pos, mask, position_ids)
+
             return step
 
         def fwd_bwd(layer: nn.Module) -> Callable[[], object]:
@@ -202,33 +214,41 @@ def main(argv=None) -> Dict[str, float]:
         settings.unconfigure(settings.DISABLE_TORCH_COMPILE.name)
 
     dev_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"Qwen3 decoder layer {shape} {SHAPES[shape]}, {batch} x {seq} tokens, {args.dtype}, sdpa, {dev_name}, "
-          f"torch {torch.__version__}; fused: {', '.join(n or '(layer)' for n in swapped)}; compile {'off' if args.no_compile else 'on'}")
-    print("first fused forward + backward (incl. compile): "
-          + ", ".join(f"{v} {c['compile_s']:.1f} s" for v, c in checks.items()))
+    print(
+        f"Qwen3 decoder layer {shape} {SHAPES[shape]}, {batch} x {seq} tokens, {args.dtype}, sdpa, {dev_name}, "
+        f"torch {torch.__version__}; fused: {', '.join(n or '(layer)' for n in swapped)}; compile {'off' if args.no_compile else 'on'}"
+    )
+    print("first fused forward + backward (incl. compile): " + ", ".join(f"{v} {c['compile_s']:.1f} s" for v, c in checks.items()))
     print("| pass | HF eager ms | fused modules ms | fused layer ms | layer speed-up | host CPU ms: HF / modules / layer |")
     print("|---|---|---|---|---|---|")
     for label, key in (("forward, no grad", "fwd"), ("forward + backward", "fwd_bwd")):
         ms = [res[f"{n}_{key}_ms"] for n in ("hf", "modules", "layer")]
         cpu = [res[f"{n}_{key}_cpu_ms"] for n in ("hf", "modules", "layer")]
-        print(f"| {label} | {ms[0]:.3f} | {ms[1]:.3f} | {ms[2]:.3f} | {ms[0] / ms[2]:.2f}x | "
-              f"{cpu[0]:.2f} / {cpu[1]:.2f} / {cpu[2]:.2f} |")
+        print(f"| {label} | {ms[0]:.3f} | {ms[1]:.3f} | {ms[2]:.3f} | {ms[0] / ms[2]:.2f}x | {cpu[0]:.2f} / {cpu[1]:.2f} / {cpu[2]:.2f} |")
     per_layer = {n: res[f"{n}_fwd_ms"] + res[f"{n}_fwd_bwd_ms"] for n in ("hf", "modules", "layer")}
     per_layer_cpu = {n: res[f"{n}_fwd_cpu_ms"] + res[f"{n}_fwd_bwd_cpu_ms"] for n in ("hf", "modules", "layer")}
-    print(f"| RoundPipe per layer (both) | {per_layer['hf']:.3f} | {per_layer['modules']:.3f} | {per_layer['layer']:.3f} | "
-          f"{per_layer['hf'] / per_layer['layer']:.2f}x | {per_layer_cpu['hf']:.2f} / {per_layer_cpu['modules']:.2f} / "
-          f"{per_layer_cpu['layer']:.2f} |")
+    print(
+        f"| RoundPipe per layer (both) | {per_layer['hf']:.3f} | {per_layer['modules']:.3f} | {per_layer['layer']:.3f} | "
+        f"{per_layer['hf'] / per_layer['layer']:.2f}x | {per_layer_cpu['hf']:.2f} / {per_layer_cpu['modules']:.2f} / "
+        f"{per_layer_cpu['layer']:.2f} |"
+    )
     for variant, c in checks.items():
-        print(f"fused {variant}: rel. error vs fp32 layer, worst of output/grads {c['fused_err']:.2e} (HF eager "
-              f"{max(e_eager.values()):.2e}), vs HF eager {c['vs']:.2e}; agreement {'OK' if c['ok'] else 'FAILED'}: worst "
-              f"relative to eager is {c['worst']!r}: {c['err']:.2e} vs eager {e_eager[c['worst']]:.2e} (limit {c['margin']:.2e})")
+        print(
+            f"fused {variant}: rel. error vs fp32 layer, worst of output/grads {c['fused_err']:.2e} (HF eager "
+            f"{max(e_eager.values()):.2e}), vs HF eager {c['vs']:.2e}; agreement {'OK' if c['ok'] else 'FAILED'}: worst "
+            f"relative to eager is {c['worst']!r}: {c['err']:.2e} vs eager {e_eager[c['worst']]:.2e} (limit {c['margin']:.2e})"
+        )
     print(f"agreement {'OK' if ok else 'FAILED'}; total {time.perf_counter() - t_start:.1f} s")
     if not ok:
         raise SystemExit(1)
-    return dict(res, ok=float(ok), speedup=per_layer["hf"] / per_layer["layer"],
-                speedup_modules=per_layer["hf"] / per_layer["modules"],
-                compile_s=max(c["compile_s"] for c in checks.values()),
-                fused_vs_hf=max(c["vs"] for c in checks.values()))
+    return dict(
+        res,
+        ok=float(ok),
+        speedup=per_layer["hf"] / per_layer["layer"],
+        speedup_modules=per_layer["hf"] / per_layer["modules"],
+        compile_s=max(c["compile_s"] for c in checks.values()),
+        fused_vs_hf=max(c["vs"] for c in checks.values()),
+    )
 
 
 if __name__ == "__main__":

@@ -62,10 +62,17 @@ def build_model(name: str, device: str = "cpu") -> torch.nn.Module:
 
     hidden, inter, layers, heads, kv, tied = WORKLOADS[name]
     config = Qwen3Config(
-        vocab_size=512 if name == "tiny" else 151936, hidden_size=hidden, intermediate_size=inter,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-        head_dim=128 if name != "tiny" else 16, tie_word_embeddings=tied, max_position_embeddings=1 << 21,
-        use_cache=False, attn_implementation="sdpa",
+        vocab_size=512 if name == "tiny" else 151936,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=128 if name != "tiny" else 16,
+        tie_word_embeddings=tied,
+        max_position_embeddings=1 << 21,
+        use_cache=False,
+        attn_implementation="sdpa",
     )
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     old = torch.get_default_dtype()
@@ -205,8 +212,14 @@ def estimate_for(args: argparse.Namespace, seq: int) -> Optional[tuple]:
         return None
     hidden, inter, layers, heads, kv, tied = WORKLOADS[args.workload]
     shape = estimate.ModelShape(
-        hidden=hidden, intermediate=inter, layers=layers, heads=heads, kv_heads=kv,
-        head_dim=128 if args.workload != "tiny" else 16, vocab=512 if args.workload == "tiny" else 151936, tied=tied,
+        hidden=hidden,
+        intermediate=inter,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv,
+        head_dim=128 if args.workload != "tiny" else 16,
+        vocab=512 if args.workload == "tiny" else 151936,
+        tied=tied,
     )
     e = estimate.estimate(shape, seq_len=seq, batch_size=1, lora_rank=args.lora)
     return e.peak_gpu_bytes / 2**30, e.peak_host_bytes / 2**30
@@ -278,14 +291,15 @@ def main() -> None:
         results += roundpipe_results(args, lengths)
     cap = os.environ.get("RPP_GPU_MEMORY", "")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    print(f"\n{args.workload} {'LoRA r=%d' % args.lora if args.lora else 'full fine-tune'}, batch 1, device {device}"
-          f"{', GPU capped at ' + cap if cap else ''}")
+    print(f"\n{args.workload} {'LoRA r=%d' % args.lora if args.lora else 'full fine-tune'}, batch 1, device {device}{', GPU capped at ' + cap if cap else ''}")
     print("| system | seq | s/step | tokens/s | TFLOP/s | peak GPU GiB (estimate) | peak host GiB (estimate) | note |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         if r.ok:
-            print(f"| {r.system} | {r.seq:,} | {r.s_per_step:.1f} | {r.tokens_per_s:,.0f} | {r.tflops:.0f} | "
-                  f"{r.peak_gpu_gib:.1f} ({r.estimate_gpu_gib:.1f}) | {r.peak_host_gib:.1f} ({r.estimate_host_gib:.1f}) | {r.note} |")
+            print(
+                f"| {r.system} | {r.seq:,} | {r.s_per_step:.1f} | {r.tokens_per_s:,.0f} | {r.tflops:.0f} | "
+                f"{r.peak_gpu_gib:.1f} ({r.estimate_gpu_gib:.1f}) | {r.peak_host_gib:.1f} ({r.estimate_host_gib:.1f}) | {r.note} |"
+            )
         else:
             print(f"| {r.system} | {r.seq:,} | fails | | | | | {r.note} |")
     if args.out:

@@ -41,16 +41,18 @@ def main() -> None:
     for mib in args.sizes_mib:
         n = int(mib * 2**20) // 2
         dev = torch.empty(n, dtype=torch.bfloat16, device="cuda")
-        for name, make in (("torch pin_memory", lambda: torch.empty(n, dtype=torch.bfloat16, pin_memory=True)),
-                           ("roundpipe exact", lambda: memory.pinned_empty((n,), torch.bfloat16))):
+        for name, make in (
+            ("torch pin_memory", lambda n=n: torch.empty(n, dtype=torch.bfloat16, pin_memory=True)),
+            ("roundpipe exact", lambda n=n: memory.pinned_empty((n,), torch.bfloat16)),
+        ):
             t = time.perf_counter()
             host = make()
             host.fill_(1.0)
             ms = (time.perf_counter() - t) * 1e3
             taken = 1 << (2 * n - 1).bit_length() if name.startswith("torch") else 2 * n
             with torch.cuda.stream(stream):
-                up = gbps(lambda: dev.copy_(host, non_blocking=True), 2 * n, args.reps)
-                down = gbps(lambda: host.copy_(dev, non_blocking=True), 2 * n, args.reps)
+                up = gbps(lambda d=dev, h=host: d.copy_(h, non_blocking=True), 2 * n, args.reps)
+                down = gbps(lambda d=dev, h=host: h.copy_(d, non_blocking=True), 2 * n, args.reps)
             assert host.is_pinned(), name
             print(f"| {mib:g} | {name} | {taken / 2**20:.0f} | {up:.1f} | {down:.1f} | {ms:.0f} |")
             del host

@@ -41,9 +41,17 @@ def build(shape: str, layers: int, lora: bool, fused: bool, dtype: torch.dtype, 
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
     hidden, inter, heads, kv, head_dim = SHAPES[shape]
-    config = Qwen3Config(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv, head_dim=head_dim, max_position_embeddings=1 << 20, use_cache=False,
-                         attn_implementation="sdpa")
+    config = Qwen3Config(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        max_position_embeddings=1 << 20,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     stages = []
     for i in range(layers):
@@ -80,16 +88,23 @@ def step(stages: List[nn.Module], state: Dict[str, Any], grad: torch.Tensor) -> 
         stage.zero_grad(set_to_none=True)
 
 
-def measure(stages: List[nn.Module], rotary: nn.Module, hidden: int, seq: int, variants: List[str], iters: int,
-            device: torch.device, dtype: torch.dtype) -> Dict[str, Tuple[float, float]]:
+def measure(
+    stages: List[nn.Module], rotary: nn.Module, hidden: int, seq: int, variants: List[str], iters: int, device: torch.device, dtype: torch.dtype
+) -> Dict[str, Tuple[float, float]]:
     """Per variant (``untiled`` or ``T``, tokens per tile): (min ms of :func:`step` over ``iters`` rounds
     run variant after variant, peak GiB above what was allocated before it: the parameters, the input
     and the output gradient)."""
     x = torch.randn(1, seq, hidden, device=device, dtype=dtype)
     pos = torch.arange(seq, device=device)[None]
     cos, sin = rotary(x, pos)
-    state = {"hidden_states": x, "masks": {"full_attention": None}, "position_ids": pos, "position_embeddings": (cos, sin),
-             "router": None, "attention_mask": None}
+    state = {
+        "hidden_states": x,
+        "masks": {"full_attention": None},
+        "position_ids": pos,
+        "position_embeddings": (cos, sin),
+        "router": None,
+        "attention_mask": None,
+    }
     grad = torch.randn_like(x)
     cuda = device.type == "cuda"
 
@@ -131,8 +146,14 @@ def profile(stages: List[nn.Module], rotary: nn.Module, hidden: int, seq: int, t
     settings.configure(seq_tile=tile)
     x = torch.randn(1, seq, hidden, device=device, dtype=dtype)
     pos = torch.arange(seq, device=device)[None]
-    state = {"hidden_states": x, "masks": {"full_attention": None}, "position_ids": pos, "position_embeddings": rotary(x, pos),
-             "router": None, "attention_mask": None}
+    state = {
+        "hidden_states": x,
+        "masks": {"full_attention": None},
+        "position_ids": pos,
+        "position_embeddings": rotary(x, pos),
+        "router": None,
+        "attention_mask": None,
+    }
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         step(stages, state, torch.randn_like(x))
         torch.cuda.synchronize()
@@ -163,8 +184,10 @@ def main() -> None:
     shape = "tiny" if args.tiny else args.shape
     device = torch.device("cpu" if args.cpu else "cuda")
     dtype = torch.float32 if args.cpu else torch.bfloat16
-    print(f"shape {shape} {SHAPES[shape]}, {args.layers} layer(s), tile {args.tile}, fused={args.fused}, {dtype}, "
-          f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}")
+    print(
+        f"shape {shape} {SHAPES[shape]}, {args.layers} layer(s), tile {args.tile}, fused={args.fused}, {dtype}, "
+        f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}"
+    )
     variants = args.variants.split(",") if args.variants else ["untiled", str(args.tile)]
     print("| mode | seq | " + " | ".join(f"{v} ms (GiB)" for v in variants) + " |")
     print("|---|---|" + "---|" * len(variants))

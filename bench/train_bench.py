@@ -118,8 +118,7 @@ def bench_baseline(args: argparse.Namespace, ids: torch.Tensor, liger: bool = Fa
             opt.zero_grad(set_to_none=True)
 
         times = timed(step, args.warmup, args.iters, cuda_sync)
-        row = Row(f"{name} ({len(chunks)} microbatches)", ids.numel() / (sum(times) / len(times)),
-                  torch.cuda.max_memory_allocated() / 1024**3, float("nan"))
+        row = Row(f"{name} ({len(chunks)} microbatches)", ids.numel() / (sum(times) / len(times)), torch.cuda.max_memory_allocated() / 1024**3, float("nan"))
     except torch.OutOfMemoryError:
         row = Row(name, float("nan"), float("nan"), float("nan"), "does not fit on the GPU")
     finally:
@@ -189,8 +188,10 @@ def busy_fraction(step: Callable[[], None], trace: str = "") -> str:
         gaps.sort(reverse=True)
         total_gap = sum(g[0] for g in gaps)
         span = (kernels[-1][1] - kernels[0][0]) / 1e3
-        print(f"GPU {dev}: busy {busy / wall:.0%} of the iteration; kernels from {(kernels[0][0] - t_first) / 1e3:.1f} to "
-              f"{(end - t_first) / 1e3:.1f} ms (span {span:.0f} ms); idle gaps: {len(gaps)} totalling {total_gap / 1e3:.1f} ms; longest:")
+        print(
+            f"GPU {dev}: busy {busy / wall:.0%} of the iteration; kernels from {(kernels[0][0] - t_first) / 1e3:.1f} to "
+            f"{(end - t_first) / 1e3:.1f} ms (span {span:.0f} ms); idle gaps: {len(gaps)} totalling {total_gap / 1e3:.1f} ms; longest:"
+        )
         for g, at, before, after in gaps[:12]:
             print(f"  {g / 1e3:7.2f} ms at {at / 1e3:8.1f} ms  after {before[:60]!r}  before {after[:60]!r}")
         shares.append(f"{busy / wall:.0%}")
@@ -253,8 +254,10 @@ def sample_stacks(step: Callable[[], None], iters: int = 2, period_s: float = 0.
     done.set()
     th.join()
     late.sort()
-    print(f"GIL probe: sampler oversleep mean {1e3 * sum(late) / max(len(late), 1):.2f} ms, "
-          f"p90 {1e3 * late[int(0.9 * (len(late) - 1))]:.2f} ms, max {1e3 * late[-1]:.2f} ms over {len(late)} samples")
+    print(
+        f"GIL probe: sampler oversleep mean {1e3 * sum(late) / max(len(late), 1):.2f} ms, "
+        f"p90 {1e3 * late[int(0.9 * (len(late) - 1))]:.2f} ms, max {1e3 * late[-1]:.2f} ms over {len(late)} samples"
+    )
     for name, c in sorted(counts.items()):
         total = sum(c.values())
         print(f"stacks of {name} ({total} samples):")
@@ -273,10 +276,12 @@ def simulated_ms(model: Any, plan: Any, n_mb: int) -> str:
     sim = simulate_iteration("fused", plan.fwd_plan, plan.bwd_plan, fwd_t, bwd_t, devices, n_mb)
     one = simulate_iteration("fused", plan.fwd_plan, plan.bwd_plan, fwd_t, bwd_t, 1, n_mb)
     mid_f, mid_b = fwd_t[1:-1] or fwd_t, bwd_t[1:-1] or bwd_t
-    per_layer = (f"timer estimates per microbatch (ms): first layer fwd {fwd_t[0]:.2f} / bwd {bwd_t[0]:.2f}, "
-                 f"middle layers fwd {sum(mid_f) / len(mid_f):.2f} ({min(mid_f):.2f}-{max(mid_f):.2f}) / "
-                 f"bwd {sum(mid_b) / len(mid_b):.2f} ({min(mid_b):.2f}-{max(mid_b):.2f}), "
-                 f"last layer fwd {fwd_t[-1]:.2f} / bwd {bwd_t[-1]:.2f}")
+    per_layer = (
+        f"timer estimates per microbatch (ms): first layer fwd {fwd_t[0]:.2f} / bwd {bwd_t[0]:.2f}, "
+        f"middle layers fwd {sum(mid_f) / len(mid_f):.2f} ({min(mid_f):.2f}-{max(mid_f):.2f}) / "
+        f"bwd {sum(mid_b) / len(mid_b):.2f} ({min(mid_b):.2f}-{max(mid_b):.2f}), "
+        f"last layer fwd {fwd_t[-1]:.2f} / bwd {bwd_t[-1]:.2f}"
+    )
     return f"simulated compute-only iteration {sim:.0f} ms on {devices} device(s) ({one:.0f} ms on one); {per_layer}"
 
 
@@ -295,8 +300,7 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
         hf = get_peft_model(hf, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules=targets))
         n_params = sum(p.numel() for p in hf.parameters() if p.requires_grad)
     n_mb = args.microbatches or 2 * roundpipe.get_num_devices()
-    model = roundpipe.wrap_model_to_roundpipe(hf, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=n_mb),
-                                              fused_kernels=fused)
+    model = roundpipe.wrap_model_to_roundpipe(hf, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=n_mb), fused_kernels=fused)
     if plan == "layerwise":
         model.model_run_config = RoundPipeRunConfig(num_microbatch=n_mb, execute_plan=ModelExecutePlan.layerwise(model.num_layers, "train"))
     opt = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-5, decoupled_weight_decay=True)
@@ -342,12 +346,13 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
     times = timed(tracked_step, args.warmup, args.iters, cuda_sync, timed_progress)
     cpu1 = thread_cpu_seconds()
     per_iter = {k: (v - cpu0.get(k, 0.0)) / args.iters for k, v in cpu1.items() if k == "MainThread" or k.startswith("roundpipe")}
-    print(f"thread CPU seconds per iteration (wall {sum(times) / len(times):.3f} s): "
-          + ", ".join(f"{k} {v:.3f}" for k, v in sorted(per_iter.items())))
+    print(f"thread CPU seconds per iteration (wall {sum(times) / len(times):.3f} s): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(per_iter.items())))
     if args.iters >= 20:  # steadiness of host memory over a long run: RSS after warm-up vs at the end
         k = args.warmup
-        print(f"host RSS GiB after iteration {k}: {rss[k]:.2f}, {k + args.iters // 2}: {rss[k + args.iters // 2]:.2f}, "
-              f"{k + args.iters - 1}: {rss[-1]:.2f} (growth {100 * (rss[-1] / rss[k] - 1):+.1f}%)")
+        print(
+            f"host RSS GiB after iteration {k}: {rss[k]:.2f}, {k + args.iters // 2}: {rss[k + args.iters // 2]:.2f}, "
+            f"{k + args.iters - 1}: {rss[-1]:.2f} (growth {100 * (rss[-1] / rss[k] - 1):+.1f}%)"
+        )
     notes = [busy_fraction(step, args.trace) for _ in range(args.profile_iters)] if args.profile and torch.cuda.is_available() else []
     note = " | ".join(notes) + "; " if notes else ""
     if args.sample_stacks:
@@ -361,15 +366,21 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
     print(f"roundpipe per-iteration seconds: {[round(t, 3) for t in times]}")
     if optim_s:
         timed_steps = slice(args.warmup, args.warmup + args.iters)
-        print(f"roundpipe optimizer step seconds: {[round(t, 3) for t in optim_s[timed_steps]]}; "
-              f"main thread waited in model.step(): {[round(t, 3) for t in wait_s[timed_steps]]}")
+        print(
+            f"roundpipe optimizer step seconds: {[round(t, 3) for t in optim_s[timed_steps]]}; "
+            f"main thread waited in model.step(): {[round(t, 3) for t in wait_s[timed_steps]]}"
+        )
     what = f"LoRA r={args.lora}, {n_params / 1e6:.1f}M trainable" if args.lora else f"{host / n_params:.1f} bytes/param host"
     from roundpipe.models import kernels as fused_ops
 
-    kernels = ", HF kernels" if not model.preset.fused_kernels else (
-        ", fused layers" if fused_ops.whole_layer_enabled() else ", fused ops per module")
-    row = Row(f"roundpipe ({roundpipe.get_num_devices()} device, {plan} plan{kernels})", ids.numel() / (sum(times) / len(times)), peak,
-              host / 1024**3, f"{note}{what}")
+    kernels = ", HF kernels" if not model.preset.fused_kernels else (", fused layers" if fused_ops.whole_layer_enabled() else ", fused ops per module")
+    row = Row(
+        f"roundpipe ({roundpipe.get_num_devices()} device, {plan} plan{kernels})",
+        ids.numel() / (sum(times) / len(times)),
+        peak,
+        host / 1024**3,
+        f"{note}{what}",
+    )
     model = opt = hf = None  # noqa: F841
     gc.collect()
     return row
@@ -390,17 +401,22 @@ def main() -> None:
     p.add_argument("--compare-tiling", action="store_true", help="also run roundpipe with sequence tiling off (RPP_SEQ_TILE=0)")
     p.add_argument("--compare-plans", action="store_true", help="also run roundpipe with the one-layer-per-group plan")
     p.add_argument("--compare-kernels", action="store_true", help="also run roundpipe with Hugging Face's own kernels")
-    p.add_argument("--compare-layers", action="store_true",
-                   help="also run roundpipe with the fused ops per module instead of one op per decoder layer (RPP_FUSED_LAYERS=0)")
+    p.add_argument(
+        "--compare-layers",
+        action="store_true",
+        help="also run roundpipe with the fused ops per module instead of one op per decoder layer (RPP_FUSED_LAYERS=0)",
+    )
     p.add_argument("--profile", action="store_true", help="report the GPU busy share of one iteration")
     p.add_argument("--profile-iters", type=int, default=1, help="with --profile: profile this many iterations, one by one")
     p.add_argument("--trace", default="", help="with --profile: write a chrome trace of that iteration here")
     p.add_argument("--lora", type=int, default=0, help="LoRA rank on all decoder projections (0: full fine-tune)")
     p.add_argument("--no-step", action="store_true", help="diagnostic: skip the optimizer (pipeline alone)")
-    p.add_argument("--sample-stacks", action="store_true",
-                   help="diagnostic: sample the threads' stacks over two more iterations (where they spend time, GIL waits)")
-    p.add_argument("--switch-interval", type=float, default=0.0,
-                   help="diagnostic: Python's thread switch interval in seconds (sys.setswitchinterval; 0: leave it)")
+    p.add_argument(
+        "--sample-stacks", action="store_true", help="diagnostic: sample the threads' stacks over two more iterations (where they spend time, GIL waits)"
+    )
+    p.add_argument(
+        "--switch-interval", type=float, default=0.0, help="diagnostic: Python's thread switch interval in seconds (sys.setswitchinterval; 0: leave it)"
+    )
     args = p.parse_args()
     if args.switch_interval > 0:
         sys.setswitchinterval(args.switch_interval)
@@ -435,16 +451,20 @@ def main() -> None:
         for kind in args.baselines.split(","):
             baselines.append(bench_baseline(args, ids, liger=kind.strip() == "liger"))
     rows = baselines + rows
-    print(f"\n{args.workload}: {n_params / 1e9:.2f}B params, batch {args.batch} x {args.seq}, device "
-          f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, peak RSS "
-          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2:.1f} GiB")
+    print(
+        f"\n{args.workload}: {n_params / 1e9:.2f}B params, batch {args.batch} x {args.seq}, device "
+        f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, peak RSS "
+        f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2:.1f} GiB"
+    )
     refs = [b for b in baselines if b.tokens_per_s == b.tokens_per_s] or rows[:1]
     print("| system | tokens/s | TFLOP/s | peak GPU GiB | host GiB | " + " | ".join(f"ratio to {b.system.split(' (')[0]}" for b in refs) + " | note |")
     print("|---|---|---|---|---|" + "---|" * len(refs) + "---|")
     for r in rows:
         ratios = " | ".join(f"{r.tokens_per_s / b.tokens_per_s:.2f}" for b in refs)
-        print(f"| {r.system} | {r.tokens_per_s:,.0f} | {6 * n_params * r.tokens_per_s / 1e12:.1f} | {r.peak_gpu_gib:.1f} | "
-              f"{r.host_gib:.1f} | {ratios} | {r.note} |")
+        print(
+            f"| {r.system} | {r.tokens_per_s:,.0f} | {6 * n_params * r.tokens_per_s / 1e12:.1f} | {r.peak_gpu_gib:.1f} | "
+            f"{r.host_gib:.1f} | {ratios} | {r.note} |"
+        )
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """roundpipe: train models larger than GPU memory by streaming layers to a round-robin pool of devices.
 
-    model = RoundPipe(nn.Sequential(...), optim_dtype=torch.float32)
-    optimizer = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-4)
-    loss = model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
-    model.step(lambda: (optimizer.step(), optimizer.zero_grad()))
+model = RoundPipe(nn.Sequential(...), optim_dtype=torch.float32)
+optimizer = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-4)
+loss = model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+model.step(lambda: (optimizer.step(), optimizer.zero_grad()))
 """
 
 import importlib

@@ -180,7 +180,10 @@ def apply_memory_cap(device: torch.device) -> None:
         # left the allocator unable to serve a backward stage that fits with expandable ones.
         logging.getLogger("roundpipe").warning(
             "RPP_GPU_MEMORY caps %s at %.1f GiB: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before "
-            "the process starts, or long sequences may fail from fragmentation well under the cap", device, cap / 2**30)
+            "the process starts, or long sequences may fail from fragmentation well under the cap",
+            device,
+            cap / 2**30,
+        )
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -240,8 +243,11 @@ def empty_host_cache() -> None:
     of the same (power-of-two) size: after calls of another length the old blocks would stay pinned."""
     if not torch.cuda.is_available():
         return
-    for fn in (getattr(getattr(torch, "accelerator", None), "memory", None) and getattr(torch.accelerator.memory, "empty_host_cache", None),
-               getattr(torch._C, "_accelerator_emptyHostCache", None), getattr(torch._C, "_host_emptyCache", None)):
+    for fn in (
+        getattr(getattr(torch, "accelerator", None), "memory", None) and getattr(torch.accelerator.memory, "empty_host_cache", None),
+        getattr(torch._C, "_accelerator_emptyHostCache", None),
+        getattr(torch._C, "_host_emptyCache", None),
+    ):
         if fn is not None:
             fn()
             return

@@ -70,10 +70,7 @@ def guess_split_spec(data: Any, expected_batchsize: Optional[int] = None) -> Tup
     bs = expected_batchsize
     if bs is None:
         bs = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() >= 1), None)
-    chunk = [
-        TensorChunkSpec(0) if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == bs else _Replicate
-        for t in leaves
-    ]
+    chunk = [TensorChunkSpec(0) if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == bs else _Replicate for t in leaves]
     return pytree.tree_unflatten(chunk, spec), bs
 
 
@@ -189,9 +186,12 @@ def _custom_split_parts(result: Any) -> List[Tuple[Tuple[Any, ...], Dict[str, An
     """Microbatch ``(args, kwargs)`` pairs from a ``split_input`` callable's result: either
     ``(args_list, kwargs_list)`` (the public form) or a list of ``(args, kwargs)`` pairs."""
     if (
-        isinstance(result, (tuple, list)) and len(result) == 2
-        and isinstance(result[0], (tuple, list)) and isinstance(result[1], (tuple, list))
-        and all(isinstance(kw, dict) for kw in result[1]) and all(isinstance(a, (tuple, list)) for a in result[0])
+        isinstance(result, (tuple, list))
+        and len(result) == 2
+        and isinstance(result[0], (tuple, list))
+        and isinstance(result[1], (tuple, list))
+        and all(isinstance(kw, dict) for kw in result[1])
+        and all(isinstance(a, (tuple, list)) for a in result[0])
     ):
         args_list, kwargs_list = result
         if len(args_list) != len(kwargs_list):
@@ -305,9 +305,7 @@ class Batch:
         else:
             merged = merge_microbatches(outputs, None if merge is True else merge, events)
         if run_config.output_device.type != "cpu":
-            merged = pytree.tree_map(
-                lambda t: t.to(run_config.output_device, non_blocking=True) if isinstance(t, torch.Tensor) else t, merged
-            )
+            merged = pytree.tree_map(lambda t: t.to(run_config.output_device, non_blocking=True) if isinstance(t, torch.Tensor) else t, merged)
         return merged
 
 
@@ -373,13 +371,11 @@ def merge_microbatches(outputs: List[Any], spec: Any = None, events: Optional[Li
     """
     flat = [pytree.tree_flatten(o) for o in outputs]
     spec0 = flat[0][1]
-    for leaves, treespec in flat[1:]:
+    for _, treespec in flat[1:]:
         if treespec != spec0:
             raise ValueError("microbatch outputs have different structures; pass merge_output=<callable> to merge them")
     specs = per_leaf_spec(spec, outputs[0], "merge_output")
-    merged_leaves = [
-        _merge_leaf([f[0][i] for f in flat], s, events, f"leaf {i}") for i, s in enumerate(specs)
-    ]
+    merged_leaves = [_merge_leaf([f[0][i] for f in flat], s, events, f"leaf {i}") for i, s in enumerate(specs)]
     return pytree.tree_unflatten(merged_leaves, spec0)
 
 

@@ -75,11 +75,9 @@ def refusal(
     longest = (lo // 1024) * 1024 if lo >= 2048 else lo
     need = []
     if error.gpu_needed:
-        need.append(f"{error.gpu_needed / GiB:.1f} GiB per device for a backward stage's activations "
-                    f"({gpu_limit / GiB:.1f} GiB available)")
+        need.append(f"{error.gpu_needed / GiB:.1f} GiB per device for a backward stage's activations ({gpu_limit / GiB:.1f} GiB available)")
     if error.host_needed:
-        need.append(f"{error.host_needed / GiB:.1f} GiB of host memory for activation checkpoints "
-                    f"({host_limit / GiB:.1f} GiB available)")
+        need.append(f"{error.host_needed / GiB:.1f} GiB of host memory for activation checkpoints ({host_limit / GiB:.1f} GiB available)")
     what = "; ".join(need) if need else str(error)
     return MemoryError(
         f"model {model_name!r}: a step of {profile.tokens:,} tokens ({profile.seq_len:,} per sequence) does not fit: "
@@ -104,6 +102,7 @@ def plan_or_refuse(
     try:
         return plan(costs(profile, gpu_limit, host_limit))
     except ActivationMemoryError as exc:
+
         def fits(p: ActivationProfile) -> bool:
             try:
                 plan(costs(p, gpu_limit, host_limit))

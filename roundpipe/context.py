@@ -98,9 +98,7 @@ def get_recompute_data() -> Tuple[Any, ...]:
     if ctx is None:
         raise RuntimeError("get_recompute_data() called outside a RoundPipe recompute; guard it with doing_recompute().")
     if ctx.recompute_data is None:
-        raise RuntimeError(
-            "get_recompute_data(): this layer saved nothing in forward; call save_for_recompute(...) in its forward."
-        )
+        raise RuntimeError("get_recompute_data(): this layer saved nothing in forward; call save_for_recompute(...) in its forward.")
     return ctx.recompute_data
 
 

@@ -40,7 +40,6 @@ HOST_OVERHEAD_BYTES = int(3.0 * GiB)  # the interpreter, torch, transformers, CU
 OVERLAP_TENSORS = 2
 
 
-
 def loss_chunk_tokens(vocab: int) -> int:
     """Tokens per chunk of the chunked loss head: ``roundpipe.models.loss.default_chunk_size`` (repeated
     here so the estimate imports no torch; a test keeps the two equal)."""
@@ -118,8 +117,15 @@ class ModelShape:
 
     def lora_params(self, rank: int) -> int:
         """LoRA parameters of one decoder layer with adapters on all seven projections."""
-        shapes = [(self.hidden, self.q_dim), (self.hidden, self.kv_dim), (self.hidden, self.kv_dim), (self.q_dim, self.hidden),
-                  (self.hidden, self.intermediate), (self.hidden, self.intermediate), (self.intermediate, self.hidden)]
+        shapes = [
+            (self.hidden, self.q_dim),
+            (self.hidden, self.kv_dim),
+            (self.hidden, self.kv_dim),
+            (self.q_dim, self.hidden),
+            (self.hidden, self.intermediate),
+            (self.hidden, self.intermediate),
+            (self.intermediate, self.hidden),
+        ]
         return sum(rank * (a + b) for a, b in shapes)
 
     def params(self) -> int:
@@ -152,16 +158,19 @@ class Estimate:
 
     def describe(self) -> str:
         """A few lines for people: the peaks, their parts, the cost per token."""
+
         def parts(d: Dict[str, float]) -> str:
             return ", ".join(f"{k} {v / GiB:.1f}" for k, v in d.items() if v >= 0.05 * GiB)
 
         mode = f"LoRA r={self.lora_rank}" if self.lora_rank else "full fine-tune"
-        return "\n".join([
-            f"{mode}, {self.batch_size} x {self.seq_len:,} tokens, {self.microbatches} microbatch(es), "
-            f"{self.layers_per_stage} decoder layer(s) per backward stage",
-            f"peak GPU  {self.peak_gpu_bytes / GiB:6.1f} GiB  ({parts(self.gpu_parts)}); {self.gpu_bytes_per_token / 1024:.1f} KiB per token",
-            f"peak host {self.peak_host_bytes / GiB:6.1f} GiB  ({parts(self.host_parts)}); {self.host_bytes_per_token / 1024:.1f} KiB per token",
-        ])
+        return "\n".join(
+            [
+                f"{mode}, {self.batch_size} x {self.seq_len:,} tokens, {self.microbatches} microbatch(es), "
+                f"{self.layers_per_stage} decoder layer(s) per backward stage",
+                f"peak GPU  {self.peak_gpu_bytes / GiB:6.1f} GiB  ({parts(self.gpu_parts)}); {self.gpu_bytes_per_token / 1024:.1f} KiB per token",
+                f"peak host {self.peak_host_bytes / GiB:6.1f} GiB  ({parts(self.host_parts)}); {self.host_bytes_per_token / 1024:.1f} KiB per token",
+            ]
+        )
 
 
 def decoder_layer_bytes(shape: ModelShape, tokens: int, tile: int, tiled: bool, e: int = 2) -> Tuple[float, float]:
@@ -256,7 +265,7 @@ def estimate(
     rows = math.ceil(batch_size / microbatches)
     t = rows * seq_len  # tokens of one microbatch: what one job holds at once
     total_tokens = batch_size * seq_len
-    h, q, kv, inter = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate
+    h = shape.hidden
     tiled = bool(tile) and t > tile
 
     # ---- GPU ----------------------------------------------------------------------------------------
@@ -316,7 +325,8 @@ def longest_context(
     over backward stages of 1 to ``max_layers_per_stage`` decoder layers; with the estimate that fits."""
     best: Tuple[int, Optional[Estimate]] = (0, None)
     for g in range(1, max_layers_per_stage + 1):
-        def fits(seq: int) -> Optional[Estimate]:
+
+        def fits(seq: int, g: int = g) -> Optional[Estimate]:
             e = estimate(shape, seq, batch_size, lora_rank, layers_per_stage=g, **kwargs)
             return e if e.peak_gpu_bytes <= gpu_bytes and e.peak_host_bytes <= host_bytes else None
 
@@ -339,5 +349,7 @@ def describe_fit(shape: ModelShape, gpu_bytes: float, host_bytes: float, **kwarg
     seq, e = longest_context(shape, gpu_bytes, host_bytes, **kwargs)
     if e is None:
         return [f"no sequence of 1,024 tokens or more fits {gpu_bytes / GiB:.1f} GiB per GPU and {host_bytes / GiB:.1f} GiB of host memory"]
-    return [f"longest context that fits {gpu_bytes / GiB:.1f} GiB per GPU and {host_bytes / GiB:.1f} GiB of host memory: "
-            f"{seq:,} tokens ({e.layers_per_stage} decoder layer(s) per backward stage)"]
+    return [
+        f"longest context that fits {gpu_bytes / GiB:.1f} GiB per GPU and {host_bytes / GiB:.1f} GiB of host memory: "
+        f"{seq:,} tokens ({e.layers_per_stage} decoder layer(s) per backward stage)"
+    ]

@@ -11,6 +11,7 @@ hands jobs to devices in ``roundpipe.pipeline``.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -45,9 +46,7 @@ def _take_activation(device: "DeviceManager", run: Run, m: int) -> Leaves:
     return async_h2d(device, batch.forward_events[m], batch.flatten_states[m])
 
 
-def _download_reusing(
-    device: "DeviceManager", events: List[Any], leaves: Leaves, dev_inputs: Leaves, host_inputs: Leaves, input_events: List[Any]
-) -> Leaves:
+def _download_reusing(device: "DeviceManager", events: List[Any], leaves: Leaves, dev_inputs: Leaves, host_inputs: Leaves, input_events: List[Any]) -> Leaves:
     """Host copies of a job's output ``leaves`` for the next job or a backward stage. A leaf that is one of
     the job's input tensors, passed through its layers unchanged (position ids, rotary tables, labels
     of a causal LM), reuses that input's host copy instead of a new download: one host copy per call,
@@ -154,7 +153,7 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
                             ctx.flatten_inputs[i] = (_download_reusing(device, evs, leaves, dev_leaves, host_leaves, events), sp, evs)
                 if run.enable_grad and cfg.preserve_rng_state:
                     ctx.rng_states[i] = backend.get_rng_state(device.device)
-                save = (lambda i: lambda *d: ctx.save_for_recompute(i, device, *d))(i)
+                save = functools.partial(ctx.save_for_recompute, i, device)
                 with ForwardCtx(save) if run.enable_grad else contextlib.nullcontext(), run.timer.time_fwd("fwd", i, device.compute_stream):
                     x = _wrap(_call_layer(layer, x))
             out_leaves, out_spec = pytree.tree_flatten(x)
@@ -162,8 +161,12 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
         if consumer is device:
             run.act_handoff[m] = (device, out_leaves)
         # The host copy is needed by another device, by the caller, or as a saved backward-stage input.
-        saved_for_backward = run.enable_grad and tracker.backward_need_input(layers.stop) and not (
-            run.run_type == "fused" and layers.stop == run.plan.bwd_plan[-1].start  # the fused job saves nothing
+        saved_for_backward = (
+            run.enable_grad
+            and tracker.backward_need_input(layers.stop)
+            and not (
+                run.run_type == "fused" and layers.stop == run.plan.bwd_plan[-1].start  # the fused job saves nothing
+            )
         )
         if consumer is device and saved_for_backward and run.keep_on_device(out_leaves):
             # The next job runs here and keeps this output, its stage input, on the device.
@@ -189,8 +192,10 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
 def _backward_through(outputs: Leaves, grads: Sequence[Optional[torch.Tensor]], where: str) -> None:
     """Back-propagate ``grads`` into ``outputs`` (pairs without gradient are skipped)."""
     if len(outputs) != len(grads):
-        raise RuntimeError(f"{where}: recompute produced {len(outputs)} outputs but forward produced {len(grads)}; "
-                           "a layer's output structure must not change between forward and recompute")
+        raise RuntimeError(
+            f"{where}: recompute produced {len(outputs)} outputs but forward produced {len(grads)}; "
+            "a layer's output structure must not change between forward and recompute"
+        )
     pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
     if pairs:
         torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
@@ -312,8 +317,18 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int) -> None
         for k in range(len(ready)):
             wait_layer(device, ready, k)
     for i, layer in zip(layers, gpu_layers):
-        download_layer(model.layers[i], layer, i, model.layer_attrs[i], device, with_buffer=False, with_grad=True, tied=run.tied, job_layers=layers,
-                       reducer=run.reducers[i])
+        download_layer(
+            model.layers[i],
+            layer,
+            i,
+            model.layer_attrs[i],
+            device,
+            with_buffer=False,
+            with_grad=True,
+            tied=run.tied,
+            job_layers=layers,
+            reducer=run.reducers[i],
+        )
     release_layers(gpu_layers, device)
     device.job_done()
 
@@ -376,7 +391,8 @@ def run_forward_backward(device: "DeviceManager", run: Run) -> None:
         tracker.fused_forward_notify()
         tracker.backward_notify(gid)
     for i, layer in zip(layers, gpu_layers):
-        download_layer(model.layers[i], layer, i, model.layer_attrs[i], device, with_buffer=True, with_grad=True, tied=run.tied, job_layers=layers,
-                       reducer=run.reducers[i])
+        download_layer(
+            model.layers[i], layer, i, model.layer_attrs[i], device, with_buffer=True, with_grad=True, tied=run.tied, job_layers=layers, reducer=run.reducers[i]
+        )
     release_layers(gpu_layers, device)
     device.job_done()

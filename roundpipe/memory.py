@@ -38,7 +38,8 @@ def _cuda_register(ptr: int, nbytes: int) -> None:
             "memory it can page-lock. Free host memory, or lower RoundPipe's use of it: pin_model='off' (model "
             "weights), RPP_STAGE_PARAMS=0 RPP_GRAD_BUFFERS=1 together (one host copy of the trainable parameters "
             "less); see "
-            "docs/resolve-oom.md")
+            "docs/resolve-oom.md"
+        )
 
 
 def _cuda_unregister(ptr: int) -> None:
@@ -71,8 +72,9 @@ def mapped_empty(shape: Sequence[int], dtype: torch.dtype, register: Registrar, 
     try:
         mapping = mmap.mmap(-1, nbytes)
     except OSError as e:  # out of memory, or vm.max_map_count reached
-        raise RuntimeError(f"could not map {nbytes / 2**20:.1f} MiB of host memory ({e}); free host memory or lower "
-                           "RoundPipe's use of it (see docs/resolve-oom.md)") from e
+        raise RuntimeError(
+            f"could not map {nbytes / 2**20:.1f} MiB of host memory ({e}); free host memory or lower RoundPipe's use of it (see docs/resolve-oom.md)"
+        ) from e
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             mapping.madvise(mmap.MADV_HUGEPAGE)

@@ -85,8 +85,14 @@ class ModelExecutePlan:
         """Plan from the models' timers (see ``roundpipe.planner``): the plan of a single model, or a
         list with one plan per model when several share the memory budget (``auto_many`` always
         returns the list). ``activations`` budgets a training call's activations (one model)."""
-        plans = cls.auto_many(run_type, *models, min_stages=min_stages, upper_threshold=upper_threshold, model_memory_limit=model_memory_limit,
-                              activations=[activations] * len(models) if activations is not None else None)
+        plans = cls.auto_many(
+            run_type,
+            *models,
+            min_stages=min_stages,
+            upper_threshold=upper_threshold,
+            model_memory_limit=model_memory_limit,
+            activations=[activations] * len(models) if activations is not None else None,
+        )
         return plans[0] if len(models) == 1 else plans
 
     @classmethod

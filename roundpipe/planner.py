@@ -134,10 +134,7 @@ def plan_stages(
     if run_type not in ("infer", "train", "fused"):
         raise ValueError(f"plan_stages: run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
     if not upper_threshold >= 1.0:
-        raise ValueError(
-            f"plan_stages: upper_threshold must be >= 1 (a group cannot be faster than its slowest layer), "
-            f"got {upper_threshold}"
-        )
+        raise ValueError(f"plan_stages: upper_threshold must be >= 1 (a group cannot be faster than its slowest layer), got {upper_threshold}")
     if not memory_limit_bytes > 0:
         raise ValueError(f"plan_stages: memory_limit_bytes must be > 0, got {memory_limit_bytes}")
     _check_costs("fwd_times", fwd_times, n)
@@ -190,9 +187,7 @@ def _plain_training_plan(
     # their own layers: the fused group (typically the head, the slowest layer by far) runs as its own
     # job, so letting the other groups grow to its time would save only per-group overhead, which the
     # runtime hides, and would keep several layers' recompute activations on the device at once.
-    bwd_plan = _partition(bwd_times[:fused_start], layer_bytes[:fused_start], min_stages - 1, upper_threshold, mem_cap) + [
-        bwd_plan[-1]
-    ]
+    bwd_plan = _partition(bwd_times[:fused_start], layer_bytes[:fused_start], min_stages - 1, upper_threshold, mem_cap) + [bwd_plan[-1]]
     # The cap is relative to the slowest of the layers planned here, not of the whole model: the fused
     # group's forward runs inside the fused job (timed by its backward), so a slow head there does not
     # pace the forward groups. Capping by it would let forward groups grow to many layers, which saves
@@ -211,7 +206,8 @@ def checkpoint_bytes(bwd_plan: Sequence[range], a: ActivationCosts, fused: bool)
 def _within(bwd_plan: Sequence[range], a: ActivationCosts, fused: bool) -> bool:
     """Whether every backward stage fits the GPU activation budget and the checkpoints the host one."""
     return all(a.stage_bytes(r.start, r.stop) <= a.gpu_limit * (1 + _REL_TOL) for r in bwd_plan) and (
-        checkpoint_bytes(bwd_plan, a, fused) <= a.host_limit * (1 + _REL_TOL))
+        checkpoint_bytes(bwd_plan, a, fused) <= a.host_limit * (1 + _REL_TOL)
+    )
 
 
 def _check_activations(a: ActivationCosts, n: int) -> None:
@@ -243,8 +239,10 @@ def _plan_with_activations(
     if any(a.peak[i] > a.gpu_limit for i in range(n)):
         worst = max(range(n), key=lambda i: a.peak[i])
         raise ActivationMemoryError(
-            f"layer {worst} alone needs {a.peak[worst] / GiB:.1f} GiB of device memory for its activations; "
-            f"{a.gpu_limit / GiB:.1f} GiB are available", a.peak[worst], 0.0)
+            f"layer {worst} alone needs {a.peak[worst] / GiB:.1f} GiB of device memory for its activations; {a.gpu_limit / GiB:.1f} GiB are available",
+            a.peak[worst],
+            0.0,
+        )
     bwd = _activation_partition(layer_bytes, mem_cap, a, n, run_type == "fused")
     if run_type == "train":
         fwd = _partition(fwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
@@ -279,7 +277,10 @@ def _activation_partition(sizes: Sequence[float], mem_cap: float, a: ActivationC
         worst_layer = max(range(n), key=lambda i: a.peak[i])
         raise ActivationMemoryError(
             f"no backward stage plan fits {a.gpu_limit / GiB:.1f} GiB of device memory for activations "
-            f"(layer {worst_layer} needs {a.peak[worst_layer] / GiB:.1f} GiB)", a.peak[worst_layer], 0.0)
+            f"(layer {worst_layer} needs {a.peak[worst_layer] / GiB:.1f} GiB)",
+            a.peak[worst_layer],
+            0.0,
+        )
 
     def add(i: int, j: int) -> float:
         return 0.0 if i == 0 or (j == n and last_free) else float(a.checkpoint[i])
@@ -304,7 +305,10 @@ def _activation_partition(sizes: Sequence[float], mem_cap: float, a: ActivationC
         raise ActivationMemoryError(
             f"the backward stages' input checkpoints need at least {fewest / GiB:.1f} GiB of host memory "
             f"(with stages of up to {max(len(r) for r in plan)} layers, which need {gpu / GiB:.1f} GiB of device memory); "
-            f"{a.host_limit / GiB:.1f} GiB are available", gpu, fewest)
+            f"{a.host_limit / GiB:.1f} GiB are available",
+            gpu,
+            fewest,
+        )
     return _backtrack(back, max(feasible), n)
 
 
@@ -318,9 +322,7 @@ def _backtrack(back: List[List[int]], k: int, n: int) -> List[range]:
     return plan[::-1]
 
 
-def validate_plan(
-    fwd_plan: Sequence[range], bwd_plan: Sequence[range], num_layers: int, run_type: RunType
-) -> None:
+def validate_plan(fwd_plan: Sequence[range], bwd_plan: Sequence[range], num_layers: int, run_type: RunType) -> None:
     """Check that a (possibly hand-written) plan can run; raise ValueError naming the offending layers.
 
     Rules: every entry is a non-empty ``range`` with step 1 inside ``[0, num_layers)``; groups are listed
@@ -389,9 +391,7 @@ def _partition(
     return _balanced_cut(t_prefix, m_prefix, k, hi, mem_cap)
 
 
-def _balanced_cut(
-    t_prefix: List[float], m_prefix: List[float], k: int, time_cap: float, mem_cap: float
-) -> List[range]:
+def _balanced_cut(t_prefix: List[float], m_prefix: List[float], k: int, time_cap: float, mem_cap: float) -> List[range]:
     """Cut into exactly k groups under the caps, each group's time as close as possible to an even share
     of the time left, so the slack under the bottleneck is spread instead of piling up at the end.
     Requires that k groups are feasible under the caps and ``k <= n``."""
@@ -534,36 +534,24 @@ def _check_cover(name: str, plan: Sequence[range], stop: int, num_layers: int, w
         raise ValueError(f"{name} must be a list of ranges, got {type(plan).__name__}")
     for i, r in enumerate(plan):
         if not isinstance(r, range):
-            raise ValueError(
-                f"{name}[{i}] is {r!r} ({type(r).__name__}); each group must be a range of layers, "
-                f"e.g. range(0, 4)"
-            )
+            raise ValueError(f"{name}[{i}] is {r!r} ({type(r).__name__}); each group must be a range of layers, e.g. range(0, 4)")
         if r.step != 1:
             raise ValueError(f"{name}[{i}] = {r} has step {r.step}; groups must be contiguous (step 1)")
         if len(r) == 0:
             raise ValueError(f"{name}[{i}] = {r} is empty; every group needs at least one layer")
         if r.start < 0 or r.stop > num_layers:
             bad = range(r.start, 0) if r.start < 0 else range(num_layers, r.stop)
-            raise ValueError(
-                f"{name}[{i}] = {r}: {_layers(bad.start, bad.stop)} out of range; the model has "
-                f"{num_layers} layers (0..{num_layers - 1})"
-            )
+            raise ValueError(f"{name}[{i}] = {r}: {_layers(bad.start, bad.stop)} out of range; the model has {num_layers} layers (0..{num_layers - 1})")
     for i in range(1, len(plan)):
         prev, cur = plan[i - 1], plan[i]
         if cur.start < prev.start:
-            raise ValueError(
-                f"{name}: groups out of order: {name}[{i - 1}] = {prev} comes before {name}[{i}] = {cur}; "
-                f"list groups in layer order"
-            )
+            raise ValueError(f"{name}: groups out of order: {name}[{i - 1}] = {prev} comes before {name}[{i}] = {cur}; list groups in layer order")
     covered = 0
     for i, r in enumerate(plan):
         if r.start > covered:
             raise ValueError(f"{name}: {_layers(covered, r.start)} not covered (gap before {name}[{i}] = {r})")
         if r.start < covered:
-            raise ValueError(
-                f"{name}: {_layers(r.start, min(r.stop, covered))} covered twice ({name}[{i}] = {r} overlaps "
-                f"{name}[{i - 1}] = {plan[i - 1]})"
-            )
+            raise ValueError(f"{name}: {_layers(r.start, min(r.stop, covered))} covered twice ({name}[{i}] = {r} overlaps {name}[{i - 1}] = {plan[i - 1]})")
         covered = r.stop
     if covered > stop:
         raise ValueError(f"{name}: {_layers(stop, covered)} must not be in {name}{must}")

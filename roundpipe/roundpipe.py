@@ -28,6 +28,7 @@ from roundpipe.utils import get_call_location, get_model_active_size, get_model_
 
 _OWN_ATTRS = ("model", "original_model", "_rpp_initialized", "grad_sync")
 
+
 class RoundPipeBase(nn.Module):
     """Attributes and methods common to RoundPipe and AutoRoundPipe: attribute shimming to the wrapped
     (and original) model, optimizer-side parameters and the asynchronous optimizer step.
@@ -212,8 +213,7 @@ class RoundPipeBase(nn.Module):
         sync = self.grad_sync
         if sync is not None:
             sync.on_step_launch()
-        optim_step.launch(self.optim_units(), step_fn, is_async, args, kwargs, self.optim_updated,
-                          sync.reduce_host if sync is not None else None)
+        optim_step.launch(self.optim_units(), step_fn, is_async, args, kwargs, self.optim_updated, sync.reduce_host if sync is not None else None)
 
     def sync_optim_param(self) -> None:
         """Copy the optimizer parameters into the model parameters (from the main or optimizer thread)."""
@@ -309,7 +309,8 @@ class RoundPipe(RoundPipeBase):
         on_device = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type != "cpu"]
         if on_device:
             raise ValueError(
-                f"RoundPipe keeps the model in host memory, but {on_device[0]} is on {dict(model.named_parameters()).get(on_device[0], next(model.buffers(), None)).device}; "
+                f"RoundPipe keeps the model in host memory, but {on_device[0]} is on "
+                f"{dict(model.named_parameters()).get(on_device[0], next(model.buffers(), None)).device}; "
                 "call model.cpu() (or load it on the CPU) before wrapping"
             )
         if not isinstance(model_run_config, RoundPipeRunConfig):
@@ -389,8 +390,9 @@ class RoundPipe(RoundPipeBase):
         cached = self._plans.get(key)
         if cached is None or (cached[1] != version and (cached[1] < 0 or version - cached[1] >= self.REPLAN_EVERY)):
             layer_bytes = self.layer_device_bytes(run_type)
-            plan = budget.plan_or_refuse(self.name, profile, layer_bytes,
-                                         lambda costs: ModelExecutePlan.auto(run_type, self, activations=costs))  # one model: one plan
+            plan = budget.plan_or_refuse(
+                self.name, profile, layer_bytes, lambda costs: ModelExecutePlan.auto(run_type, self, activations=costs)
+            )  # one model: one plan
             assert isinstance(plan, ModelExecutePlan)
             plan.check_valid(self.num_layers, run_type)
             self._plans[key] = (plan, version)
@@ -435,7 +437,7 @@ class RoundPipe(RoundPipeBase):
     def forward_backward(
         self,
         input_args: Tuple[Any, ...] = (),
-        input_kwargs: Dict[str, Any] = {},
+        input_kwargs: Dict[str, Any] = {},  # noqa: B006 - the spec's signature; never mutated
         label: Any = None,
         loss_fn: Callable[[Any, Any], Union[Sequence[torch.Tensor], torch.Tensor]] = lambda outputs, labels: outputs,
         return_outputs: bool = False,
@@ -466,7 +468,12 @@ class RoundPipe(RoundPipeBase):
         n_losses = len(per_mb[0])
         sums = [torch.stack([mb[k] for mb in per_mb]).sum() for k in range(n_losses)]
         # Hand input gradients to the caller's graph (a user module or an upstream RoundPipe).
-        wanted = [(t, g) for ctx, leaves in zip(run.contexts, run.input_leaves) for t, g, want in zip(leaves, ctx.grad_states, ctx.input_requires_grad) if want and g is not None]
+        wanted = [
+            (t, g)
+            for ctx, leaves in zip(run.contexts, run.input_leaves)
+            for t, g, want in zip(leaves, ctx.grad_states, ctx.input_requires_grad)
+            if want and g is not None
+        ]
         run.release()
         if wanted:
             torch.autograd.backward([t for t, _ in wanted], [g.to(t.device) for t, g in wanted])
@@ -488,7 +495,6 @@ class RoundPipe(RoundPipeBase):
     def _check_optimizer_idle(self) -> None:
         """Raise a worker failure from an earlier asynchronous step before starting a new run."""
         raise_if_failed(f"model {self.name!r} optimizer step")
-
 
 
 class AutoRoundPipe(RoundPipeBase):

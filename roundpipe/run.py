@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 Leaves = List[Any]
 
+
 def differentiable(t: Any) -> bool:
     """Whether autograd can carry a gradient for ``t`` (a floating or complex tensor)."""
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
@@ -103,9 +104,7 @@ class Run:
         self.contexts = [MicrobatchState(m) for m in range(batch.num_microbatch)]
         # Per layer: its device gradient reduction (data parallel, ``grad_sync.layer_reducer``) or None.
         sync = model.grad_sync if self.enable_grad else None
-        self.reducers: List[Optional[LayerReducer]] = [
-            sync.layer_reducer(model, i) if sync is not None else None for i in range(model.num_layers)
-        ]
+        self.reducers: List[Optional[LayerReducer]] = [sync.layer_reducer(model, i) if sync is not None else None for i in range(model.num_layers)]
         self.saved_buffers: Dict[int, Dict[str, torch.Tensor]] = {}
         self.loss_fn = loss_fn
         self.return_outputs = return_outputs
@@ -127,9 +126,7 @@ class Run:
         # next job to keep as its saved stage input (no host copy was made).
         self.kept_inputs: List[Set[int]] = [set() for _ in range(batch.num_microbatch)]
         # Autocast is thread-local: carry the caller's settings into the device threads.
-        self.autocast: List[Tuple[str, torch.dtype]] = [
-            (dt, torch.get_autocast_dtype(dt)) for dt in ("cuda", "cpu") if torch.is_autocast_enabled(dt)
-        ]
+        self.autocast: List[Tuple[str, torch.dtype]] = [(dt, torch.get_autocast_dtype(dt)) for dt in ("cuda", "cpu") if torch.is_autocast_enabled(dt)]
         # The model input per microbatch (the batch's states are replaced by each group's outputs).
         self.input_leaves: List[Leaves] = [list(leaves) for leaves in batch.flatten_states]
         for ctx, leaves in zip(self.contexts, batch.flatten_states):

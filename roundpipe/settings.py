@@ -149,75 +149,156 @@ def _register(setting: Setting[T]) -> Setting[T]:
 
 
 # ---- devices and runtime ----------------------------------------------------------------------------
-DEVICES: Setting[str] = _register(Setting(
-    "RPP_DEVICES", _device_spec, "", "all GPUs, else `cpu:1`", "`cuda`, `cuda:0,2`, `cpu:N`",
-    "The devices RoundPipe runs on: GPUs, or N CPU workers."))
-GPU_MEMORY_GIB: Setting[Optional[float]] = _register(Setting(
-    "RPP_GPU_MEMORY", parse_size_gib, None, "the whole GPU", "a size such as `24GiB`, `24GB`, `20000MiB`",
-    "Cap each GPU this process uses to this much memory (a per-process limit); the planner plans to it."))
-HOST_MEMORY_GIB: Setting[Optional[float]] = _register(Setting(
-    "RPP_HOST_MEMORY", parse_size_gib, None, "available memory less 5% (at least 2 GiB)", "a size such as `100GiB`",
-    "Host memory this process may use in all; the planner keeps activation checkpoints within it."))
-DEVICE_SAVED_GB: Setting[float] = _register(Setting(
-    "RPP_DEVICE_SAVED_GB", _number(0.0), 0.0, "0", "a number of GiB >= 0",
-    "Backward-stage inputs a call may keep on its (single) device instead of the host."))
-GRAD_BUFFERS: Setting[int] = _register(Setting(
-    "RPP_GRAD_BUFFERS", _int(1, 2), 2, "2", "`2` (double-buffered gradient downloads) or `1` (downloads wait for the step)",
-    "Host gradient buffers per parameter while an asynchronous step runs (staging off)."))
-STAGE_PARAMS: Setting[bool] = _register(Setting(
-    "RPP_STAGE_PARAMS", _bool, True, "1", "`1` or `0`",
-    "Asynchronous steps stage the updated parameters for the next step (off: copied when it starts)."))
-WATCHDOG_S: Setting[float] = _register(Setting(
-    "RPP_WATCHDOG_S", _number(0.0), 0.0, "0 (off)", "seconds >= 0",
-    "Print every RoundPipe thread's stack when waits make no progress for this long."))
-STRESS_DELAY_S: Setting[float] = _register(Setting(
-    "RPP_STRESS_DELAY_S", _number(0.0), 0.0, "0 (off)", "seconds >= 0",
-    "Test mode: CPU workers compute concurrently and every RoundPipe wait first sleeps up to this long."))
-PROFILER: Setting[Optional[str]] = _register(Setting(
-    "RPP_PROFILER", _profiler, None, "off", "`torch`, `nvtx` or unset",
-    "Mark each device job and blocking wait as a profiler range (read at import)."))
-VERBOSE_TIMER: Setting[bool] = _register(Setting(
-    "RPP_VERBOSE_TIMER", _bool, False, "0", "`1` or `0`",
-    "Log the timer's per-layer estimates as they change (read at import)."))
+DEVICES: Setting[str] = _register(
+    Setting("RPP_DEVICES", _device_spec, "", "all GPUs, else `cpu:1`", "`cuda`, `cuda:0,2`, `cpu:N`", "The devices RoundPipe runs on: GPUs, or N CPU workers.")
+)
+GPU_MEMORY_GIB: Setting[Optional[float]] = _register(
+    Setting(
+        "RPP_GPU_MEMORY",
+        parse_size_gib,
+        None,
+        "the whole GPU",
+        "a size such as `24GiB`, `24GB`, `20000MiB`",
+        "Cap each GPU this process uses to this much memory (a per-process limit); the planner plans to it.",
+    )
+)
+HOST_MEMORY_GIB: Setting[Optional[float]] = _register(
+    Setting(
+        "RPP_HOST_MEMORY",
+        parse_size_gib,
+        None,
+        "available memory less 5% (at least 2 GiB)",
+        "a size such as `100GiB`",
+        "Host memory this process may use in all; the planner keeps activation checkpoints within it.",
+    )
+)
+DEVICE_SAVED_GB: Setting[float] = _register(
+    Setting(
+        "RPP_DEVICE_SAVED_GB",
+        _number(0.0),
+        0.0,
+        "0",
+        "a number of GiB >= 0",
+        "Backward-stage inputs a call may keep on its (single) device instead of the host.",
+    )
+)
+GRAD_BUFFERS: Setting[int] = _register(
+    Setting(
+        "RPP_GRAD_BUFFERS",
+        _int(1, 2),
+        2,
+        "2",
+        "`2` (double-buffered gradient downloads) or `1` (downloads wait for the step)",
+        "Host gradient buffers per parameter while an asynchronous step runs (staging off).",
+    )
+)
+STAGE_PARAMS: Setting[bool] = _register(
+    Setting(
+        "RPP_STAGE_PARAMS", _bool, True, "1", "`1` or `0`", "Asynchronous steps stage the updated parameters for the next step (off: copied when it starts)."
+    )
+)
+WATCHDOG_S: Setting[float] = _register(
+    Setting("RPP_WATCHDOG_S", _number(0.0), 0.0, "0 (off)", "seconds >= 0", "Print every RoundPipe thread's stack when waits make no progress for this long.")
+)
+STRESS_DELAY_S: Setting[float] = _register(
+    Setting(
+        "RPP_STRESS_DELAY_S",
+        _number(0.0),
+        0.0,
+        "0 (off)",
+        "seconds >= 0",
+        "Test mode: CPU workers compute concurrently and every RoundPipe wait first sleeps up to this long.",
+    )
+)
+PROFILER: Setting[Optional[str]] = _register(
+    Setting("RPP_PROFILER", _profiler, None, "off", "`torch`, `nvtx` or unset", "Mark each device job and blocking wait as a profiler range (read at import).")
+)
+VERBOSE_TIMER: Setting[bool] = _register(
+    Setting("RPP_VERBOSE_TIMER", _bool, False, "0", "`1` or `0`", "Log the timer's per-layer estimates as they change (read at import).")
+)
 
 # ---- optimizer ------------------------------------------------------------------------------------
-OPTIM_THREADS: Setting[Optional[int]] = _register(Setting(
-    "RPP_OPTIM_THREADS", _int(1), None, "torch's thread count, or this rank's share of the cores", "a positive integer",
-    "Intra-op threads of the host optimizer thread."))
-ADAM_IMPL: Setting[str] = _register(Setting(
-    "RPP_ADAM_IMPL", _choice("auto", "cpp", "torch"), "auto", "auto", "`auto`, `cpp` or `torch`",
-    "Host Adam kernel: the C++ one (auto falls back to torch when it cannot build) or torch's fused one."))
-CACHE_DIR: Setting[Optional[str]] = _register(Setting(
-    "RPP_CACHE_DIR", str, None, "`$XDG_CACHE_HOME/roundpipe`", "a directory",
-    "Where the C++ optimizer kernels are built and cached."))
+OPTIM_THREADS: Setting[Optional[int]] = _register(
+    Setting(
+        "RPP_OPTIM_THREADS",
+        _int(1),
+        None,
+        "torch's thread count, or this rank's share of the cores",
+        "a positive integer",
+        "Intra-op threads of the host optimizer thread.",
+    )
+)
+ADAM_IMPL: Setting[str] = _register(
+    Setting(
+        "RPP_ADAM_IMPL",
+        _choice("auto", "cpp", "torch"),
+        "auto",
+        "auto",
+        "`auto`, `cpp` or `torch`",
+        "Host Adam kernel: the C++ one (auto falls back to torch when it cannot build) or torch's fused one.",
+    )
+)
+CACHE_DIR: Setting[Optional[str]] = _register(
+    Setting("RPP_CACHE_DIR", str, None, "`$XDG_CACHE_HOME/roundpipe`", "a directory", "Where the C++ optimizer kernels are built and cached.")
+)
 
 # ---- models ---------------------------------------------------------------------------------------
-DISABLE_TORCH_COMPILE: Setting[bool] = _register(Setting(
-    "RPP_DISABLE_TORCH_COMPILE", _bool, False, "0", "`1` or `0`",
-    "Run the fused kernels and the chunked loss eagerly instead of through torch.compile."))
-FUSED_KERNELS: Setting[str] = _register(Setting(
-    "RPP_FUSED_KERNELS", _tristate, "auto", "auto", "`auto`, `1` or `0`",
-    "Fused RMSNorm / rotary / SwiGLU kernels for Qwen3 and Llama layers (auto: on GPUs with Triton)."))
-FUSED_LAYERS: Setting[bool] = _register(Setting(
-    "RPP_FUSED_LAYERS", _bool, True, "1", "`1` or `0`",
-    "Fused decoder layers run as one compiled op (0: the fused ops per module)."))
-SEQ_TILE: Setting[int] = _register(Setting(
-    "RPP_SEQ_TILE", _int(0), 16384, "16384", "tokens per tile, an integer >= 0 (`0`: off)",
-    "Qwen3 / Llama layers longer than this run norms, projections and MLP in tiles of this many tokens."))
+DISABLE_TORCH_COMPILE: Setting[bool] = _register(
+    Setting(
+        "RPP_DISABLE_TORCH_COMPILE", _bool, False, "0", "`1` or `0`", "Run the fused kernels and the chunked loss eagerly instead of through torch.compile."
+    )
+)
+FUSED_KERNELS: Setting[str] = _register(
+    Setting(
+        "RPP_FUSED_KERNELS",
+        _tristate,
+        "auto",
+        "auto",
+        "`auto`, `1` or `0`",
+        "Fused RMSNorm / rotary / SwiGLU kernels for Qwen3 and Llama layers (auto: on GPUs with Triton).",
+    )
+)
+FUSED_LAYERS: Setting[bool] = _register(
+    Setting("RPP_FUSED_LAYERS", _bool, True, "1", "`1` or `0`", "Fused decoder layers run as one compiled op (0: the fused ops per module).")
+)
+SEQ_TILE: Setting[int] = _register(
+    Setting(
+        "RPP_SEQ_TILE",
+        _int(0),
+        16384,
+        "16384",
+        "tokens per tile, an integer >= 0 (`0`: off)",
+        "Qwen3 / Llama layers longer than this run norms, projections and MLP in tiles of this many tokens.",
+    )
+)
 
 # ---- data parallel and CLI ------------------------------------------------------------------------
-DIST_BACKEND: Setting[str] = _register(Setting(
-    "RPP_DIST_BACKEND", str, "gloo", "gloo", "a torch.distributed backend (`gloo`, `nccl`)",
-    "Backend of the default process group under torchrun."))
-DIST_TIMEOUT_S: Setting[float] = _register(Setting(
-    "RPP_DIST_TIMEOUT_S", _number(0.0, low_inclusive=False), 60.0, "60", "seconds > 0",
-    "How long a rank waits for a peer in a gradient collective before failing."))
-DIST_MAIN_TIMEOUT_S: Setting[float] = _register(Setting(
-    "RPP_DIST_MAIN_TIMEOUT_S", _number(0.0, low_inclusive=False), 1800.0, "1800", "seconds > 0",
-    "Timeout of the main thread's collectives (setup, barriers, checkpoint waits)."))
-PROGRESS: Setting[bool] = _register(Setting(
-    "RPP_PROGRESS", _bool, True, "1", "`1` or `0`",
-    "Progress bars of `roundpipe train` (also off when stderr is not a terminal)."))
+DIST_BACKEND: Setting[str] = _register(
+    Setting("RPP_DIST_BACKEND", str, "gloo", "gloo", "a torch.distributed backend (`gloo`, `nccl`)", "Backend of the default process group under torchrun.")
+)
+DIST_TIMEOUT_S: Setting[float] = _register(
+    Setting(
+        "RPP_DIST_TIMEOUT_S",
+        _number(0.0, low_inclusive=False),
+        60.0,
+        "60",
+        "seconds > 0",
+        "How long a rank waits for a peer in a gradient collective before failing.",
+    )
+)
+DIST_MAIN_TIMEOUT_S: Setting[float] = _register(
+    Setting(
+        "RPP_DIST_MAIN_TIMEOUT_S",
+        _number(0.0, low_inclusive=False),
+        1800.0,
+        "1800",
+        "seconds > 0",
+        "Timeout of the main thread's collectives (setup, barriers, checkpoint waits).",
+    )
+)
+PROGRESS: Setting[bool] = _register(
+    Setting("RPP_PROGRESS", _bool, True, "1", "`1` or `0`", "Progress bars of `roundpipe train` (also off when stderr is not a terminal).")
+)
 
 
 def configure(devices: Optional[str] = None, compile: Optional[bool] = None, **values: Any) -> None:  # noqa: A002

@@ -84,9 +84,7 @@ class LayerTimingContext:
     keep only complete measurements.
     """
 
-    def __init__(
-        self, start_event: Any, end_event: Any, stream: Any, on_exit: Optional[Callable[[], None]] = None
-    ) -> None:
+    def __init__(self, start_event: Any, end_event: Any, stream: Any, on_exit: Optional[Callable[[], None]] = None) -> None:
         self.start_event = start_event
         self.end_event = end_event
         self.stream = stream

@@ -36,7 +36,6 @@ chunked_upload = True
 CHUNK_UPLOAD_SIZE = 64 * 1024**2
 
 
-
 def grad_buffers_limit() -> int:
     """Host gradient buffers per parameter while an asynchronous step runs (``RPP_GRAD_BUFFERS``).
 
@@ -49,14 +48,10 @@ def grad_buffers_limit() -> int:
     return settings.GRAD_BUFFERS.get()
 
 
-
-
 def stage_params_enabled() -> bool:
     """Whether asynchronous steps stage the updated parameters for the next step (``RPP_STAGE_PARAMS``,
     default on; see ``roundpipe.optim.step.stage_params``)."""
     return settings.STAGE_PARAMS.get()
-
-
 
 
 def device_saved_limit() -> int:
@@ -143,9 +138,7 @@ def _upload_param(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out
 
 
-def async_h2d(
-    device: Any, host_ready_event: Iterable[Event], host_tensors: Iterable[Any], keep_requires_grad: bool = False
-) -> List[Any]:
+def async_h2d(device: Any, host_ready_event: Iterable[Event], host_tensors: Iterable[Any], keep_requires_grad: bool = False) -> List[Any]:
     """Upload tensors (non-tensors pass through) on the activation upload stream.
 
     The upload stream first waits for ``host_ready_event`` (e.g. the download that produced the host
@@ -167,9 +160,7 @@ def async_h2d(
     return out
 
 
-def async_d2h(
-    device: Any, transfer_finish_event: List[Event], device_tensors: Iterable[Any], keep_requires_grad: bool = False
-) -> List[Any]:
+def async_d2h(device: Any, transfer_finish_event: List[Event], device_tensors: Iterable[Any], keep_requires_grad: bool = False) -> List[Any]:
     """Download tensors to (pinned) host memory on ``downstream`` after the compute queued so far.
 
     Appends the event marking completion to ``transfer_finish_event``. Non-tensors pass through.

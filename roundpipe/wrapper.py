@@ -223,8 +223,8 @@ def wrap_model_to_roundpipe(
     use_sequential_preset: Optional[bool] = None,
     lower_threshold: int = 16 * 1024,
     upper_threshold: Optional[int] = None,
-    skip_modules: Container[nn.Module] = [],
-    override_config: Dict[nn.Module, RoundPipeRunConfig] = {},
+    skip_modules: Container[nn.Module] = [],  # noqa: B006 - the spec's signature; never mutated
+    override_config: Dict[nn.Module, RoundPipeRunConfig] = {},  # noqa: B006 - the spec's signature; never mutated
     model_run_config: RoundPipeRunConfig = RoundPipeRunConfig(),
     name: Optional[str] = None,
     **roundpipe_kwargs: Any,

@@ -67,8 +67,16 @@ def with_recorded_dropout(model: nn.Module, recorder: DropoutRecorder) -> nn.Mod
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def torchrun(script: str, args: List[str], tmp_path: Any, nproc: int = 2, env: Optional[Dict[str, str]] = None,
-             timeout: float = 90, monitor_s: Optional[float] = None, devices: Optional[str] = "cpu:1") -> subprocess.CompletedProcess:
+def torchrun(
+    script: str,
+    args: List[str],
+    tmp_path: Any,
+    nproc: int = 2,
+    env: Optional[Dict[str, str]] = None,
+    timeout: float = 90,
+    monitor_s: Optional[float] = None,
+    devices: Optional[str] = "cpu:1",
+) -> subprocess.CompletedProcess:
     """``torchrun --standalone`` on ``script`` with one thread per rank (and ``RPP_DEVICES=devices``
     unless None); a short collective timeout so a broken test fails well before ``timeout``."""
     full_env = dict(

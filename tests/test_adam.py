@@ -19,8 +19,8 @@ from torch import nn
 
 import roundpipe.optim.adam as adam_mod
 from roundpipe import settings
-from roundpipe.optim import build as optim_builder
 from roundpipe.optim import Adam
+from roundpipe.optim import build as optim_builder
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 
@@ -210,9 +210,7 @@ def test_state_dict_round_trip_both_ways(impl) -> None:
     assert sd_ours["param_groups"] == sd_ref["param_groups"]
     assert sd_ours["state"].keys() == sd_ref["state"].keys()
     for i, st in sd_ref["state"].items():
-        assert {k: (v.dtype, v.shape) for k, v in st.items()} == {
-            k: (v.dtype, v.shape) for k, v in sd_ours["state"][i].items()
-        }
+        assert {k: (v.dtype, v.shape) for k, v in st.items()} == {k: (v.dtype, v.shape) for k, v in sd_ours["state"][i].items()}
 
 
 def test_named_parameters(impl) -> None:

@@ -35,8 +35,11 @@ def _resolve(current: str, is_package: bool, level: int, target: str) -> str:
 
 def _type_checking_block(node: ast.AST) -> bool:
     """``if TYPE_CHECKING:`` (annotations only: never imported at run time)."""
-    return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING" or (
-        isinstance(node, ast.If) and isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING"
+    return (
+        isinstance(node, ast.If)
+        and isinstance(node.test, ast.Name)
+        and node.test.id == "TYPE_CHECKING"
+        or (isinstance(node, ast.If) and isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING")
     )
 
 
@@ -97,7 +100,7 @@ def find_cycle(edges: Dict[str, Set[str]]) -> List[str]:
         stack.append(node)
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state:
                 found = dfs(nxt)
                 if found:

@@ -15,8 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.parametrize(
     "argv",
     [
-        ["bench/train_bench.py", "--workload", "tiny", "--seq", "32", "--batch", "4", "--warmup", "1", "--iters", "1", "--compare-plans",
-         "--compare-kernels"],
+        ["bench/train_bench.py", "--workload", "tiny", "--seq", "32", "--batch", "4", "--warmup", "1", "--iters", "1", "--compare-plans", "--compare-kernels"],
         ["bench/train_bench.py", "--workload", "tiny", "--seq", "32", "--batch", "4", "--warmup", "1", "--iters", "1", "--lora", "2"],
         ["bench/core_bench.py", "--layers", "3", "--hidden", "32", "--tokens", "64", "--warmup", "1", "--iters", "1"],
         ["bench/adam_bench.py", "--sizes", "1M", "--repeats", "2", "--threads", "1"],

@@ -93,8 +93,9 @@ def test_estimate_counts_the_checkpoints_the_runtime_keeps(monkeypatch: pytest.M
     hf = tiny_model("qwen3")
     config = hf.config
     batch = make_batch(False, batch=BATCH, seq=SEQ)
-    rp = roundpipe.wrap_model_to_roundpipe(hf, model_run_config=RoundPipeRunConfig(
-        num_microbatch=2, execute_plan=ModelExecutePlan.layerwise(config.num_hidden_layers + 2, "fused")))
+    rp = roundpipe.wrap_model_to_roundpipe(
+        hf, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=ModelExecutePlan.layerwise(config.num_hidden_layers + 2, "fused"))
+    )
     saved: Dict[int, int] = {}  # storage -> bytes, over every saved stage input of every microbatch
     stages = set()
     real = jobs_mod.run_forward
@@ -122,8 +123,9 @@ def test_estimate_counts_the_checkpoints_the_runtime_keeps(monkeypatch: pytest.M
 def test_decoder_layer_estimate_matches_the_saved_tensors_of_a_tiled_layer() -> None:
     """The ``kept`` bytes of ``estimate.decoder_layer_bytes`` against what autograd saves for a tiled
     Qwen3 layer's backward (saved-tensor hooks, deduplicated by storage): within 15%."""
-    from roundpipe.models import tiling
     from test_tiling import _inputs, _make_layer
+
+    from roundpipe.models import tiling
 
     base, layer = _make_layer("qwen3")
     base = base.to(torch.bfloat16)

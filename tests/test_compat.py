@@ -16,14 +16,14 @@ os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
 import pytest
 import torch
+from helpers import rel_err
+from test_models import assert_grads_close, grads, make_batch, tiny_model
 from torch import nn
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer, _Replicate
 
 import roundpipe
-from helpers import rel_err
 from roundpipe import AutoRoundPipe, ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe.batch import avg_reducer
-from test_models import assert_grads_close, grads, make_batch, tiny_model
 
 torch.set_num_threads(1)
 transformers = pytest.importorskip("transformers")
@@ -89,16 +89,16 @@ def test_public_fine_tuning_guide_calls_match_hugging_face(workers: str) -> None
         loss_fn=lambda outputs, labels: model.loss_function(logits=outputs.logits, labels=labels, vocab_size=model.vocab_size) / n,
     )
     ref_loss = _hf_microbatch_reference(
-        ref, {"input_ids": ids, "attention_mask": mask, "label": labels}, n,
+        ref,
+        {"input_ids": ids, "attention_mask": mask, "label": labels},
+        n,
         lambda m, out, lab: m.loss_function(logits=out.logits, labels=lab, vocab_size=m.config.vocab_size) / n,
     )
     assert rel_err(loss, ref_loss) < TOL
     assert_grads_close(grads(hf), grads(ref), TOL)
 
     loss = model.forward_backward(input_kwargs={"input_ids": ids, "attention_mask": mask, "labels": labels}, loss_fn=lambda outputs, _: outputs.loss / n)
-    ref_loss = _hf_microbatch_reference(
-        ref, {"input_ids": ids, "attention_mask": mask, "labels": labels, "label": labels}, n, lambda m, out, lab: out.loss / n
-    )
+    ref_loss = _hf_microbatch_reference(ref, {"input_ids": ids, "attention_mask": mask, "labels": labels, "label": labels}, n, lambda m, out, lab: out.loss / n)
     assert rel_err(loss, ref_loss) < TOL
     assert_grads_close(grads(hf), grads(ref), TOL)
 
@@ -387,7 +387,10 @@ def test_hugging_face_loss_function_runs_on_the_devices(workers: str) -> None:
     ref = copy.deepcopy(model)
     layer_bytes = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
     wrapped = roundpipe.wrap_model_to_roundpipe(
-        model, use_sequential_preset=False, lower_threshold=layer_bytes, upper_threshold=layer_bytes,
+        model,
+        use_sequential_preset=False,
+        lower_threshold=layer_bytes,
+        upper_threshold=layer_bytes,
         model_run_config=RoundPipeRunConfig(num_microbatch=3),
     )
     assert isinstance(model.loss_function, RoundPipe)

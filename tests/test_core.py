@@ -7,10 +7,10 @@ import time
 
 import pytest
 import torch
-from torch import nn
-
 from conftest import WORKER_SPECS
 from helpers import DropoutRecorder, rel_err, with_recorded_dropout
+from torch import nn
+
 from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe.batch import RoundPipePackedData
 from roundpipe.threads import RoundPipeWorkerError
@@ -99,8 +99,9 @@ def test_forward_backward_returns_outputs_and_input_grads(workers: str) -> None:
     pre = nn.Linear(4, 8).double()  # a user module before RoundPipe gets its gradients
     pre_ref = copy.deepcopy(pre)
     x = torch.randn(7, 4, dtype=torch.float64)
-    loss, out = rp.forward_backward(input_args=(pre(x),), loss_fn=lambda o, _: o.pow(2).sum(), return_outputs=True,
-                                    run_config=RoundPipeRunConfig(num_microbatch=3))
+    loss, out = rp.forward_backward(
+        input_args=(pre(x),), loss_fn=lambda o, _: o.pow(2).sum(), return_outputs=True, run_config=RoundPipeRunConfig(num_microbatch=3)
+    )
     out_ref = reference_run(ref, pre_ref(x), 3)
     out_ref.pow(2).sum().backward()  # (a plain sum through BatchNorm has an identically zero input gradient)
     assert rel_err(out, out_ref) < 1e-10
@@ -298,7 +299,7 @@ def test_attribute_shimming(workers: str) -> None:
     del rp.config
     assert not hasattr(inner, "config")
     with pytest.raises(AttributeError):
-        rp.does_not_exist
+        _ = rp.does_not_exist
 
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
@@ -314,7 +315,7 @@ def test_auto_plan_equals_layerwise_plan(workers: str) -> None:
     plans = set()
     for step in range(4):
         x = torch.randn(9, 8, dtype=torch.float64)
-        for rp, m in ((auto, auto_model), (manual, layer_model)):
+        for rp, _m in ((auto, auto_model), (manual, layer_model)):
             rp.forward_backward(input_args=(x,), loss_fn=lambda o, _: o.pow(2).sum())
         plans.add(repr(auto.resolve_plan(type("C", (), {"execute_plan": None})(), "fused")))
         for (n, p), (_, q) in zip(auto_model.named_parameters(), layer_model.named_parameters()):

@@ -22,12 +22,12 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
+import helpers
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-import helpers
 from roundpipe import RoundPipe, RoundPipeRunConfig
 from roundpipe import distributed as rdist
 from roundpipe.grad_sync import GradSync
@@ -37,8 +37,15 @@ SCRIPT = os.path.join(ROOT, "tests", "dist_scripts", "dp_train.py")
 EXACT = 1e-6
 
 
-def torchrun(args: List[str], tmp_path: Any, nproc: int = 2, env: Optional[Dict[str, str]] = None, timeout: float = 90,
-             monitor_s: Optional[float] = None, script: str = SCRIPT) -> subprocess.CompletedProcess:
+def torchrun(
+    args: List[str],
+    tmp_path: Any,
+    nproc: int = 2,
+    env: Optional[Dict[str, str]] = None,
+    timeout: float = 90,
+    monitor_s: Optional[float] = None,
+    script: str = SCRIPT,
+) -> subprocess.CompletedProcess:
     """``torchrun --standalone`` on ``script``; one CPU worker and one thread per rank."""
     return helpers.torchrun(script, args, tmp_path, nproc, env, timeout, monitor_s)
 
@@ -176,8 +183,12 @@ def test_dp_bench_smoke_and_loss_curve(tmp_path: Any) -> None:
     assert "2 rank(s)" in res.stdout
     res = torchrun(common + ["--batch-per-rank", "4", "--out", ref], tmp_path, nproc=1, script=bench, timeout=150)
     assert res.returncode == 0, res.stderr[-3000:]
-    cmp = subprocess.run([sys.executable, bench, "--compare", ref, two, "--loss-ref", ref, "--min-speedup", "0", "--loss-rtol", "1e-5"],
-                         capture_output=True, text=True, timeout=60)
+    cmp = subprocess.run(
+        [sys.executable, bench, "--compare", ref, two, "--loss-ref", ref, "--min-speedup", "0", "--loss-rtol", "1e-5"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert cmp.returncode == 0, cmp.stdout + cmp.stderr
     with open(two) as f:
         r = json.load(f)
@@ -226,10 +237,13 @@ def test_outside_torchrun_is_a_single_process(monkeypatch: pytest.MonkeyPatch) -
     rdist.assert_same_across_ranks(7, "anything")
 
 
-@pytest.mark.parametrize("var, fn, default", [
-    ("RPP_DIST_TIMEOUT_S", rdist.timeout_s, rdist.DEFAULT_TIMEOUT_S),
-    ("RPP_DIST_MAIN_TIMEOUT_S", rdist.main_timeout_s, rdist.DEFAULT_MAIN_TIMEOUT_S),
-])
+@pytest.mark.parametrize(
+    "var, fn, default",
+    [
+        ("RPP_DIST_TIMEOUT_S", rdist.timeout_s, rdist.DEFAULT_TIMEOUT_S),
+        ("RPP_DIST_MAIN_TIMEOUT_S", rdist.main_timeout_s, rdist.DEFAULT_MAIN_TIMEOUT_S),
+    ],
+)
 def test_timeout_settings(monkeypatch: pytest.MonkeyPatch, var: str, fn: Any, default: float) -> None:
     monkeypatch.delenv(var, raising=False)
     assert fn() == default
@@ -244,10 +258,29 @@ def test_timeout_settings(monkeypatch: pytest.MonkeyPatch, var: str, fn: Any, de
 def test_the_package_exports_its_public_names() -> None:
     """``roundpipe.distributed`` is a package; its ``__init__`` re-exports the public API, nothing private."""
     assert set(rdist.__all__) == {
-        "DEFAULT_MAIN_TIMEOUT_S", "DEFAULT_TIMEOUT_S", "DataParallel", "DataParallelError", "DataParallelStats", "DistEnv",
-        "ReduceOn", "all_reduce_scalars", "any_across_ranks", "assert_same_across_ranks", "barrier", "broadcast_object",
-        "current_env", "destroy", "enable_data_parallel", "get_rank", "get_world_size", "init_from_env", "is_main_process",
-        "main_timeout_s", "shard", "shard_bounds", "timeout_s",
+        "DEFAULT_MAIN_TIMEOUT_S",
+        "DEFAULT_TIMEOUT_S",
+        "DataParallel",
+        "DataParallelError",
+        "DataParallelStats",
+        "DistEnv",
+        "ReduceOn",
+        "all_reduce_scalars",
+        "any_across_ranks",
+        "assert_same_across_ranks",
+        "barrier",
+        "broadcast_object",
+        "current_env",
+        "destroy",
+        "enable_data_parallel",
+        "get_rank",
+        "get_world_size",
+        "init_from_env",
+        "is_main_process",
+        "main_timeout_s",
+        "shard",
+        "shard_bounds",
+        "timeout_s",
     }
     assert all(hasattr(rdist, name) for name in rdist.__all__)
     # Errors print under the public name, wherever the class is defined.

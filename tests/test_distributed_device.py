@@ -26,12 +26,12 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
+import helpers
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-import helpers
 from roundpipe import RoundPipe, RoundPipeRunConfig
 from roundpipe import distributed as rdist
 from roundpipe.distributed import device_order, device_reduce, enable, sharding
@@ -52,8 +52,9 @@ EXACT_SCENARIOS = [
 ]
 
 
-def torchrun(args: List[str], tmp_path: Any, nproc: int = 2, env: Optional[Dict[str, str]] = None, timeout: float = 150,
-             monitor_s: Optional[float] = None) -> subprocess.CompletedProcess:
+def torchrun(
+    args: List[str], tmp_path: Any, nproc: int = 2, env: Optional[Dict[str, str]] = None, timeout: float = 150, monitor_s: Optional[float] = None
+) -> subprocess.CompletedProcess:
     """``torchrun --standalone`` on the device-reduction script; one thread per rank."""
     return helpers.torchrun(SCRIPT, args, tmp_path, nproc, env, timeout, monitor_s, devices=None)
 
@@ -150,9 +151,29 @@ def test_nccl_device_reduction_matches_host_reduction_and_one_process(tmp_path: 
     out = os.path.join(str(tmp_path), "gpu.json")
     env = {k: v for k, v in os.environ.items() if k != "RPP_DEVICES"}  # init_from_env gives rank r cuda:r
     res = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", SCRIPT,
-         "--cuda", "--scenarios", "gpu", "--steps", "6", "--lr", "0.02", "--out", out],
-        cwd=str(tmp_path), env=dict(env, PYTHONPATH=ROOT, RPP_DIST_TIMEOUT_S="60"), capture_output=True, text=True, timeout=560,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            SCRIPT,
+            "--cuda",
+            "--scenarios",
+            "gpu",
+            "--steps",
+            "6",
+            "--lr",
+            "0.02",
+            "--out",
+            out,
+        ],
+        cwd=str(tmp_path),
+        env=dict(env, PYTHONPATH=ROOT, RPP_DIST_TIMEOUT_S="60"),
+        capture_output=True,
+        text=True,
+        timeout=560,
     )
     assert res.returncode == 0, res.stderr[-5000:]
     with open(out) as f:
@@ -174,8 +195,10 @@ def test_nccl_device_reduction_matches_host_reduction_and_one_process(tmp_path: 
 
 @pytest.mark.parametrize("run_type", ["train", "fused"])
 def test_plans_survive_the_encoding_of_the_agreement(run_type: str) -> None:
-    for plan in (ModelExecutePlan.layerwise(7, run_type),
-                 ModelExecutePlan([range(0, 3), range(3, 7)], [range(0, 2), range(2, 5), range(5, 7)]).for_run_type(run_type, 7)):
+    for plan in (
+        ModelExecutePlan.layerwise(7, run_type),
+        ModelExecutePlan([range(0, 3), range(3, 7)], [range(0, 2), range(2, 5), range(5, 7)]).for_run_type(run_type, 7),
+    ):
         header = [0, 0, 0, 7, 1, 0, 1, len(plan.fwd_plan), len(plan.bwd_plan)]  # step, call, model, layers, devices, position, type
         row = device_order.encode_plan(header, plan, 9).tolist()
         assert device_order.decode_plan(row, 9) == plan

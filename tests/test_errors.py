@@ -36,19 +36,49 @@ CASES = [
     ("recompute grain", lambda: RoundPipeRunConfig(recompute_grain="block"), ValueError, "'stage' or 'layer'"),
     ("merge_output type", lambda: RoundPipeRunConfig(merge_output="yes"), ValueError, "merge_output"),
     ("execute_plan type", lambda: RoundPipeRunConfig(execute_plan=[range(0, 3)]), ValueError, "ModelExecutePlan"),
-    ("plan gap", lambda: _no_grad(lambda: model()(X, roundpipe_run_config=RoundPipeRunConfig(execute_plan=ModelExecutePlan([range(0, 1), range(2, 3)], [])))), ValueError, "layer 1 not covered"),
-    ("plan overlap", lambda: _no_grad(lambda: model()(X, roundpipe_run_config=RoundPipeRunConfig(execute_plan=ModelExecutePlan([range(0, 2), range(1, 3)], [])))), ValueError, "twice"),
-    ("plan out of range", lambda: _no_grad(lambda: model()(X, roundpipe_run_config=RoundPipeRunConfig(execute_plan=ModelExecutePlan([range(0, 5)], [])))), ValueError, "layers 3..4 out of range; the model has 3 layers"),
+    (
+        "plan gap",
+        lambda: _no_grad(lambda: model()(X, roundpipe_run_config=RoundPipeRunConfig(execute_plan=ModelExecutePlan([range(0, 1), range(2, 3)], [])))),
+        ValueError,
+        "layer 1 not covered",
+    ),
+    (
+        "plan overlap",
+        lambda: _no_grad(lambda: model()(X, roundpipe_run_config=RoundPipeRunConfig(execute_plan=ModelExecutePlan([range(0, 2), range(1, 3)], [])))),
+        ValueError,
+        "twice",
+    ),
+    (
+        "plan out of range",
+        lambda: _no_grad(lambda: model()(X, roundpipe_run_config=RoundPipeRunConfig(execute_plan=ModelExecutePlan([range(0, 5)], [])))),
+        ValueError,
+        "layers 3..4 out of range; the model has 3 layers",
+    ),
     ("model not on host", lambda: RoundPipe(nn.Sequential(nn.Linear(2, 2)).to("meta")), ValueError, "model.cpu()"),
     ("empty sequential", lambda: RoundPipe(nn.Sequential()), ValueError, "at least one layer"),
     ("pin mode", lambda: RoundPipe(nn.Sequential(nn.Linear(2, 2)), pin_model="always"), ValueError, "'alloc', 'register' or 'off'"),
     ("loss not scalar", lambda: model().forward_backward(input_args=(X,), loss_fn=lambda o, _: o), RoundPipeWorkerError, "loss_fn must return a scalar"),
-    ("forward_backward under no_grad", lambda: _no_grad(lambda: model().forward_backward(input_args=(X,), loss_fn=lambda o, _: o.sum())), RuntimeError, "no_grad"),
-    ("requires_grad under no_grad", lambda: _no_grad(lambda: model()(X, roundpipe_run_config=RoundPipeRunConfig(requires_grad=True))), RuntimeError, "gradients are disabled"),
+    (
+        "forward_backward under no_grad",
+        lambda: _no_grad(lambda: model().forward_backward(input_args=(X,), loss_fn=lambda o, _: o.sum())),
+        RuntimeError,
+        "no_grad",
+    ),
+    (
+        "requires_grad under no_grad",
+        lambda: _no_grad(lambda: model()(X, roundpipe_run_config=RoundPipeRunConfig(requires_grad=True))),
+        RuntimeError,
+        "gradients are disabled",
+    ),
     ("bad RPP_DEVICES", lambda: parse_devices("tpu:3"), ValueError, "cpu:N"),
     ("bad cpu worker count", lambda: parse_devices("cpu:x"), ValueError, "integer N"),
     ("split_input result", lambda: model()(X, roundpipe_run_config=RoundPipeRunConfig(split_input=lambda a, k, n: [a])), ValueError, "split_input must return"),
-    ("saved tensor requires grad", lambda: RoundPipe(nn.Sequential(_SavesGradTensor()))(X.requires_grad_(False).clone().requires_grad_(True)), RoundPipeWorkerError, "must not require grad"),
+    (
+        "saved tensor requires grad",
+        lambda: RoundPipe(nn.Sequential(_SavesGradTensor()))(X.requires_grad_(False).clone().requires_grad_(True)),
+        RoundPipeWorkerError,
+        "must not require grad",
+    ),
     ("wrong feature size", lambda: model()(torch.randn(6, 3)), RoundPipeWorkerError, "layer 0 (Linear)"),
 ]
 
@@ -107,7 +137,17 @@ def test_out_of_memory_names_stage_and_fixes() -> None:
     with pytest.raises(torch.OutOfMemoryError) as info:
         out.sum().backward()
     msg = str(info.value)
-    for fragment in ("model 'oom-model'", "layer 1", "out of memory", "Stage layers", "GiB", "num_microbatch", "execute_plan", "recompute_grain='layer'", "resolve-oom"):
+    for fragment in (
+        "model 'oom-model'",
+        "layer 1",
+        "out of memory",
+        "Stage layers",
+        "GiB",
+        "num_microbatch",
+        "execute_plan",
+        "recompute_grain='layer'",
+        "resolve-oom",
+    ):
         assert fragment in msg, (fragment, msg)
     _OomLayer.armed = False
     rp(X).sum().backward()

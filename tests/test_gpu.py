@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import use_devices
 from torch import nn
 
-from conftest import use_devices
 from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig, transfer
 
 pytestmark = pytest.mark.gpu

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from roundpipe import threads
+from roundpipe.optim import Adam
 from roundpipe.optim import thread as optim_thread
 from roundpipe.optim.grad_scaler import GradScaler
-from roundpipe.optim import Adam
 
 INF_STEP = 6
 

@@ -15,11 +15,11 @@ os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
 import pytest
 import torch
+from helpers import rel_err
+from test_models import VOCAB, tiny_model
 
 import roundpipe
-from helpers import rel_err
 from roundpipe import RoundPipeRunConfig
-from test_models import VOCAB, tiny_model
 
 torch.set_num_threads(1)
 transformers = pytest.importorskip("transformers")
@@ -44,16 +44,23 @@ def dataset(n: int, seed: int = 0) -> List[Dict[str, torch.Tensor]]:
 
 
 def wrapped(dtype: torch.dtype = torch.float32) -> Any:
-    return roundpipe.wrap_model_to_roundpipe(
-        tiny_model("qwen3").to(dtype), model_run_config=RoundPipeRunConfig(num_microbatch=2), optim_dtype=torch.float32
-    )
+    return roundpipe.wrap_model_to_roundpipe(tiny_model("qwen3").to(dtype), model_run_config=RoundPipeRunConfig(num_microbatch=2), optim_dtype=torch.float32)
 
 
 def training_args(out: str, steps: int, save_steps: Optional[int] = None, **kw: Any) -> Any:
     settings = dict(
-        output_dir=out, report_to=[], per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUM, max_steps=steps,
-        learning_rate=LR, logging_steps=1, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
-        train_sampling_strategy="sequential", use_cpu=True, disable_tqdm=True,
+        output_dir=out,
+        report_to=[],
+        per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=ACCUM,
+        max_steps=steps,
+        learning_rate=LR,
+        logging_steps=1,
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        train_sampling_strategy="sequential",
+        use_cpu=True,
+        disable_tqdm=True,
     )
     return transformers.TrainingArguments(**{**settings, **kw})
 
@@ -74,7 +81,7 @@ def own_loop(
     scaler = roundpipe.GradScaler() if fp16 else None
     losses = []
     for k in range(steps):
-        batches = [data[(ACCUM * k + j) * BATCH:(ACCUM * k + j + 1) * BATCH] for j in range(ACCUM)]
+        batches = [data[(ACCUM * k + j) * BATCH : (ACCUM * k + j + 1) * BATCH] for j in range(ACCUM)]
         n = sum(int((b["labels"][1:] != -100).sum()) for batch in batches for b in batch)
         total = 0.0
         for batch in batches:
@@ -163,8 +170,9 @@ def test_model_wrapped_by_size_saves_its_original_names(workers: str, tmp_path: 
     names = [n for n, _ in hf.named_parameters()]  # before wrapping; the parameter objects stay
     params = list(hf.parameters())
     layer_bytes = sum(p.numel() * 4 for p in hf.model.layers[0].parameters())
-    model = roundpipe.wrap_model_to_roundpipe(hf, use_sequential_preset=False, lower_threshold=layer_bytes, upper_threshold=layer_bytes,
-                                              model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    model = roundpipe.wrap_model_to_roundpipe(
+        hf, use_sequential_preset=False, lower_threshold=layer_bytes, upper_threshold=layer_bytes, model_run_config=RoundPipeRunConfig(num_microbatch=2)
+    )
     assert any(".model." in n for n, _ in hf.named_parameters())
     trainer = RoundPipeTrainer(model=model, args=training_args(str(tmp_path / "run"), 1), train_dataset=dataset(BATCH * ACCUM))
     trainer.train()
@@ -180,12 +188,12 @@ def test_evaluate_and_predict_use_the_synchronized_model(workers: str, tmp_path:
     data = dataset(2 * BATCH * ACCUM)
     model = wrapped()
     args = training_args(str(tmp_path), 2, per_device_eval_batch_size=BATCH)
-    trainer = RoundPipeTrainer(model=model, args=args, train_dataset=data, eval_dataset=data[:2 * BATCH])
+    trainer = RoundPipeTrainer(model=model, args=args, train_dataset=data, eval_dataset=data[: 2 * BATCH])
     trainer.train()
     metrics = trainer.evaluate()
     hf = model.original_model
     with torch.no_grad():
-        want = [hf(**{k: torch.stack([b[k] for b in data[i:i + BATCH]]) for k in ("input_ids", "labels")}).loss for i in (0, BATCH)]
+        want = [hf(**{k: torch.stack([b[k] for b in data[i : i + BATCH]]) for k in ("input_ids", "labels")}).loss for i in (0, BATCH)]
     assert rel_err(torch.tensor(metrics["eval_loss"]), torch.stack(want).mean()) < 1e-5
     predictions = trainer.predict(data[:BATCH]).predictions
     assert predictions.shape == (BATCH, SEQ, VOCAB)
@@ -225,7 +233,8 @@ def test_sft_trainer_with_roundpipe(workers: str, tmp_path: Any) -> None:
     the same (already tokenized, equal-length) data."""
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
-    from tokenizers import Tokenizer, models as tokenizer_models
+    from tokenizers import Tokenizer
+    from tokenizers import models as tokenizer_models
 
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
     tokenizer = transformers.PreTrainedTokenizerFast(
@@ -234,8 +243,19 @@ def test_sft_trainer_with_roundpipe(workers: str, tmp_path: Any) -> None:
     steps = 3
     data = dataset(steps * BATCH * ACCUM, seed=2)
     sft_data = datasets.Dataset.from_list([{"input_ids": d["input_ids"].tolist()} for d in data])
-    common = dict(report_to=[], per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUM, max_steps=steps, learning_rate=LR,
-                  logging_steps=1, save_strategy="no", train_sampling_strategy="sequential", use_cpu=True, disable_tqdm=True, bf16=True)
+    common = dict(
+        report_to=[],
+        per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=ACCUM,
+        max_steps=steps,
+        learning_rate=LR,
+        logging_steps=1,
+        save_strategy="no",
+        train_sampling_strategy="sequential",
+        use_cpu=True,
+        disable_tqdm=True,
+        bf16=True,
+    )
     sft_args = trl.SFTConfig(output_dir=str(tmp_path / "sft"), eos_token=None, **common)
     sft = with_roundpipe(trl.SFTTrainer)(model=wrapped(), args=sft_args, train_dataset=sft_data, processing_class=tokenizer)
     sft.train()

@@ -21,9 +21,9 @@ os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
 import pytest
 import torch
+from helpers import rel_err
 from torch import nn
 
-from helpers import rel_err
 from roundpipe import models, settings
 from roundpipe.models import fused_ops, kernels
 from roundpipe.run_config import RoundPipeRunConfig
@@ -31,10 +31,9 @@ from roundpipe.run_config import RoundPipeRunConfig
 torch.set_num_threads(1)
 
 transformers = pytest.importorskip("transformers")
+from test_models import VOCAB, assert_grads_close, grads, hf_reference, make_batch, tiny_model  # noqa: E402
 from transformers.models.llama import modeling_llama as llama  # noqa: E402
 from transformers.models.qwen3 import modeling_qwen3 as qwen3  # noqa: E402
-
-from test_models import VOCAB, assert_grads_close, grads, hf_reference, make_batch, tiny_model  # noqa: E402
 
 TOL = 1e-5  # whole models, as tests/test_models.py
 OP_TOL = {torch.float32: 1e-6, torch.float64: 1e-6}  # fp64: Hugging Face's norm computes in fp32 too
@@ -62,8 +61,16 @@ def compiled(monkeypatch: pytest.MonkeyPatch):
 
 
 def _config(family: str) -> Any:
-    common = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                  num_hidden_layers=1, vocab_size=VOCAB, attn_implementation="sdpa")
+    common = dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=1,
+        vocab_size=VOCAB,
+        attn_implementation="sdpa",
+    )
     return transformers.Qwen3Config(**common) if family == "qwen3" else transformers.LlamaConfig(**common)
 
 

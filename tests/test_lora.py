@@ -8,12 +8,12 @@ os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
 import pytest
 import torch
+from helpers import rel_err
+from test_models import TOL, assert_grads_close, emulate_forward, grads, make_batch, tiny_model
 from torch import nn
 
-from helpers import rel_err
 from roundpipe import models
 from roundpipe.run_config import RoundPipeRunConfig
-from test_models import TOL, assert_grads_close, emulate_forward, grads, make_batch, tiny_model
 
 peft = pytest.importorskip("peft")
 

@@ -10,10 +10,10 @@ os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import SyncRecorder, rel_err
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import SyncRecorder, rel_err
 from roundpipe.models.loss import (
     causal_lm_loss,
     chunked_module_cross_entropy,
@@ -377,14 +377,11 @@ def test_no_host_sync_on_cuda(case: str) -> None:
 
     def run() -> torch.Tensor:
         if case.startswith("causal_lm"):  # the fused head job's entry point, with pre-shifted targets
-            loss, _ = causal_lm_loss(hidden.unsqueeze(0), head, shift_labels=target.unsqueeze(0), chunk_size=CHUNK,
-                                     num_valid=counted)
+            loss, _ = causal_lm_loss(hidden.unsqueeze(0), head, shift_labels=target.unsqueeze(0), chunk_size=CHUNK, num_valid=counted)
         elif case == "module":
             loss = chunked_module_cross_entropy(hidden, nn.Sequential(head), target, chunk_size=CHUNK)
         else:
-            loss = linear_cross_entropy(
-                hidden, head.weight, target, head.bias, chunk_size=CHUNK, compile=case == "linear_compiled"
-            )
+            loss = linear_cross_entropy(hidden, head.weight, target, head.bias, chunk_size=CHUNK, compile=case == "linear_compiled")
         if loss.requires_grad:
             loss.backward()
         return loss

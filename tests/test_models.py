@@ -19,15 +19,15 @@ os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
 import pytest
 import torch
+from helpers import rel_err
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from helpers import rel_err
-from roundpipe.models.loss import count_loss_tokens
 from roundpipe import models, settings
-from roundpipe.models import families
 from roundpipe.context import ForwardCtx, RecomputeCtx
-from roundpipe.models.preset import CausalLMPreset, CausalLMPrefix
+from roundpipe.models import families
+from roundpipe.models.loss import count_loss_tokens
+from roundpipe.models.preset import CausalLMPrefix, CausalLMPreset
 from roundpipe.run_config import RoundPipeRunConfig
 
 # Tiny models: intra-op threads only add synchronisation overhead (8x slower on the 2-core CI).
@@ -73,13 +73,22 @@ def tiny_config(family: str) -> Any:
     if family == "qwen3_moe":
         # layer 1 is dense (mlp_only_layers): it must not contribute to the router loss.
         return t.Qwen3MoeConfig(
-            **COMMON, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
-            output_router_logits=True, router_aux_loss_coef=0.1,
+            **COMMON,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            mlp_only_layers=[1],
+            output_router_logits=True,
+            router_aux_loss_coef=0.1,
         )
     if family == "gpt_oss":
         return t.GptOssConfig(
-            **COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
-            output_router_logits=True, router_aux_loss_coef=0.1,
+            **COMMON,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=4,
+            output_router_logits=True,
+            router_aux_loss_coef=0.1,
         )
     raise KeyError(family)
 
@@ -149,11 +158,7 @@ def _split(tree: Any, num: int) -> List[Any]:
     batch = next(t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() >= 1)
     parts: List[List[Any]] = [[] for _ in range(num)]
     for leaf in leaves:
-        pieces = (
-            torch.tensor_split(leaf, num)
-            if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1 and leaf.shape[0] == batch
-            else [leaf] * num
-        )
+        pieces = torch.tensor_split(leaf, num) if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1 and leaf.shape[0] == batch else [leaf] * num
         for p, x in zip(parts, pieces):
             p.append(x)
     return [tree_unflatten(p, spec) for p in parts]
@@ -195,9 +200,7 @@ def emulate_forward(layers: nn.Sequential, kwargs: Dict[str, Any], num_microbatc
     return _merge([_run_microbatch(layers, kw, log) for kw in _split(kwargs, num_microbatch)])
 
 
-def emulate_forward_backward(
-    layers: nn.Sequential, kwargs: Dict[str, Any], loss_fn: Callable[[Any, Any], torch.Tensor], num_microbatch: int
-) -> torch.Tensor:
+def emulate_forward_backward(layers: nn.Sequential, kwargs: Dict[str, Any], loss_fn: Callable[[Any, Any], torch.Tensor], num_microbatch: int) -> torch.Tensor:
     """``RoundPipe.forward_backward``: backward of the sum of per-microbatch losses."""
     total = torch.zeros(())
     for kw in _split(kwargs, num_microbatch):
@@ -242,8 +245,7 @@ def test_all_ones_attention_mask_equals_no_mask() -> None:
     preset = models.build_preset(model)
     ones = torch.ones_like(batch["input_ids"])
     assert "attention_mask" not in preset.forward_kwargs(input_ids=batch["input_ids"], attention_mask=ones)
-    assert "attention_mask" in preset.forward_kwargs(input_ids=batch["input_ids"], attention_mask=ones,
-                                                       position_ids=torch.arange(10).expand(6, -1))
+    assert "attention_mask" in preset.forward_kwargs(input_ids=batch["input_ids"], attention_mask=ones, position_ids=torch.arange(10).expand(6, -1))
     assert "attention_mask" in preset.forward_kwargs(**make_batch(True))
     rp = models.wrap_model(model, model_run_config=RUN3)
     loss = rp.train_step(**dict(batch, attention_mask=ones))
@@ -255,6 +257,7 @@ def test_router_statistics_read_nothing_back() -> None:
     """MoE router statistics without a mask count experts with scatter_add (bincount would make a GPU
     wait for its output size): no syncing op, and the counts of bincount."""
     from helpers import SyncRecorder
+
     from roundpipe.models.preset import MoESpec, accumulate_router_stats
 
     moe = MoESpec(router_class=nn.Linear, output_index=0, num_experts=8, top_k=2, aux_loss_coef=0.01, output_router_logits=True)
@@ -317,9 +320,7 @@ def test_logits_and_logits_to_keep(family: str) -> None:
         ref = model(**batch).logits
         got = preset.build_output(emulate_forward(preset.layers, preset.forward_kwargs(**batch), 3)).logits
         ref_last = model(**batch, logits_to_keep=2).logits
-        got_last = preset.build_output(
-            emulate_forward(preset.layers, preset.forward_kwargs(**batch, logits_to_keep=2), 3)
-        ).logits
+        got_last = preset.build_output(emulate_forward(preset.layers, preset.forward_kwargs(**batch, logits_to_keep=2), 3)).logits
     assert got.shape == ref.shape and rel_err(got, ref) < TOL
     assert got_last.shape == ref_last.shape == (6, 2, VOCAB) and rel_err(got_last, ref_last) < TOL
 
@@ -330,9 +331,7 @@ def test_inputs_embeds_and_position_ids() -> None:
     batch = make_batch(padding=False)
     embeds = model.model.embed_tokens(batch["input_ids"]).detach()
     position_ids = torch.arange(10).repeat(6, 1) + torch.arange(6).unsqueeze(1)
-    ref_loss, ref_grads = hf_reference(
-        model, {"inputs_embeds": embeds, "labels": batch["labels"], "position_ids": position_ids}
-    )
+    ref_loss, ref_grads = hf_reference(model, {"inputs_embeds": embeds, "labels": batch["labels"], "position_ids": position_ids})
     ref_grads.pop("model.embed_tokens.weight", None)
     preset = models.build_preset(model)
     kwargs = preset.forward_kwargs(inputs_embeds=embeds, position_ids=position_ids, labels=batch["labels"])
@@ -357,8 +356,15 @@ def _shrunk_config(model_type: str) -> Any:
 
     config = CONFIG_MAPPING[model_type]()
     sizes = dict(
-        COMMON, moe_intermediate_size=32, num_experts=4, num_local_experts=4, num_experts_per_tok=2,
-        sliding_window=4, shared_expert_intermediate_size=32, bos_token_id=1, eos_token_id=2,
+        COMMON,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        shared_expert_intermediate_size=32,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     for k, v in sizes.items():
         if hasattr(config, k):
@@ -510,7 +516,8 @@ def test_supported_models_is_the_table() -> None:
         families._index((*families.FAMILIES, families.ModelFamily("again", ("qwen3",))))
     named = {
         getattr(importlib.import_module(f.fused_kernels.module), cls)
-        for f in families.FAMILIES if f.fused_kernels is not None
+        for f in families.FAMILIES
+        if f.fused_kernels is not None
         for cls in (f.fused_kernels.decoder_layer, f.fused_kernels.attention, f.fused_kernels.mlp, f.fused_kernels.norm)
     }
     assert set(kernels.fused_base_classes()) == named and len(named) == 8  # Qwen3 and Llama

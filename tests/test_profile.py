@@ -21,8 +21,7 @@ def torch_profiler_type(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def _train_once(plan: ModelExecutePlan) -> List[Tuple[str, int]]:
     torch.manual_seed(0)
-    model = RoundPipe(nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]), name="mlp",
-                      model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
+    model = RoundPipe(nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]), name="mlp", model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
     config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], experimental_config=config) as prof:
         model.forward_backward(input_args=(torch.randn(4, 8),), loss_fn=lambda out, _: out.sum())
@@ -34,13 +33,15 @@ def _train_once(plan: ModelExecutePlan) -> List[Tuple[str, int]]:
 def test_each_device_job_is_a_named_range_on_its_worker_thread(workers: str, torch_profiler_type: None) -> None:
     plan = ModelExecutePlan([range(0, 2), range(2, 3)], [range(0, 1), range(1, 3), range(3, 4)])
     jobs = _train_once(plan)
-    assert sorted(name for name, _ in jobs) == sorted([
-        "roundpipe model 'mlp' forward layers 0-1",
-        "roundpipe model 'mlp' forward layer 2",
-        "roundpipe model 'mlp' fused forward-backward layer 3",
-        "roundpipe model 'mlp' backward layers 1-2",
-        "roundpipe model 'mlp' backward layer 0",
-    ])
+    assert sorted(name for name, _ in jobs) == sorted(
+        [
+            "roundpipe model 'mlp' forward layers 0-1",
+            "roundpipe model 'mlp' forward layer 2",
+            "roundpipe model 'mlp' fused forward-backward layer 3",
+            "roundpipe model 'mlp' backward layers 1-2",
+            "roundpipe model 'mlp' backward layer 0",
+        ]
+    )
     # Issued by the device controller threads (two workers), not by the main thread.
     main = threading.main_thread().native_id
     threads = {tid for _, tid in jobs}

@@ -120,6 +120,7 @@ def test_a_device_holds_one_queued_job_while_one_runs() -> None:
     import threading
 
     from conftest import use_devices
+
     from roundpipe import device as device_mod
 
     use_devices("cpu:1")

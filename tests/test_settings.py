@@ -32,19 +32,22 @@ def test_no_module_reads_rpp_variables_from_the_environment() -> None:
     assert not offenders
 
 
-@pytest.mark.parametrize("setting, good, value, bad", [
-    (settings.GRAD_BUFFERS, "1", 1, "3"),
-    (settings.STAGE_PARAMS, "off", False, "maybe"),
-    (settings.DEVICE_SAVED_GB, "1.5", 1.5, "-1"),
-    (settings.WATCHDOG_S, "30", 30.0, "soon"),
-    (settings.PROFILER, " NVTX ", "nvtx", "nsys"),
-    (settings.OPTIM_THREADS, "4", 4, "0"),
-    (settings.ADAM_IMPL, "CPP", "cpp", "fast"),
-    (settings.FUSED_KERNELS, "on", "1", "sometimes"),
-    (settings.FUSED_LAYERS, "0", False, "2"),
-    (settings.DIST_TIMEOUT_S, "12.5", 12.5, "0"),
-    (settings.DIST_MAIN_TIMEOUT_S, "60", 60.0, "inf"),
-])
+@pytest.mark.parametrize(
+    "setting, good, value, bad",
+    [
+        (settings.GRAD_BUFFERS, "1", 1, "3"),
+        (settings.STAGE_PARAMS, "off", False, "maybe"),
+        (settings.DEVICE_SAVED_GB, "1.5", 1.5, "-1"),
+        (settings.WATCHDOG_S, "30", 30.0, "soon"),
+        (settings.PROFILER, " NVTX ", "nvtx", "nsys"),
+        (settings.OPTIM_THREADS, "4", 4, "0"),
+        (settings.ADAM_IMPL, "CPP", "cpp", "fast"),
+        (settings.FUSED_KERNELS, "on", "1", "sometimes"),
+        (settings.FUSED_LAYERS, "0", False, "2"),
+        (settings.DIST_TIMEOUT_S, "12.5", 12.5, "0"),
+        (settings.DIST_MAIN_TIMEOUT_S, "60", 60.0, "inf"),
+    ],
+)
 def test_values_defaults_and_errors(monkeypatch: pytest.MonkeyPatch, setting: settings.Setting, good: str, value: object, bad: str) -> None:
     monkeypatch.delenv(setting.name, raising=False)
     assert setting.get() == setting.default and not setting.is_set()

@@ -7,10 +7,10 @@ from typing import List
 
 import pytest
 import torch
-from torch import nn
-
 from conftest import WORKER_SPECS
 from helpers import rel_err
+from torch import nn
+
 from roundpipe import AutoRoundPipe, RoundPipe, RoundPipeRunConfig
 from roundpipe.context import OptimizerCtx
 
@@ -167,8 +167,7 @@ def test_bf16_model_with_fp32_master_converges(workers: str) -> None:
     for _ in range(150):
         x = torch.randn(16, 6)
         y = x @ w_true
-        loss = rp.forward_backward(input_args=(x.bfloat16(),), label=y,
-                                   loss_fn=lambda o, t: ((o.float() - t) ** 2).mean() / 3)
+        loss = rp.forward_backward(input_args=(x.bfloat16(),), label=y, loss_fn=lambda o, t: ((o.float() - t) ** 2).mean() / 3)
         rp.step(lambda: (opt.step(), opt.zero_grad()))
         losses.append(loss.item())
     rp.synchronize()

@@ -12,12 +12,12 @@ from __future__ import annotations
 from typing import Iterator
 
 import pytest
-import torch
-
 import test_step
+import torch
 from helpers import rel_err
-from roundpipe import RoundPipe, RoundPipeRunConfig, settings
 from test_core import TOL, check_grads, make_model, reference_run
+
+from roundpipe import RoundPipe, RoundPipeRunConfig, settings
 
 STRESS_S = 0.002
 STRESS_WORKERS = ["cpu:2", "cpu:3"]

@@ -21,15 +21,15 @@ os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
 import pytest
 import torch
+from helpers import rel_err
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import rel_err
 from roundpipe import models, settings
 from roundpipe.context import RecomputeCtx
 from roundpipe.models import fused_ops, kernels, tiling
-from roundpipe.run_config import RoundPipeRunConfig
 from roundpipe.plan import ModelExecutePlan
+from roundpipe.run_config import RoundPipeRunConfig
 
 torch.set_num_threads(1)
 
@@ -47,8 +47,16 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 def _layer_config(family: str, layer_type: str = "full_attention") -> Any:
-    common = dict(hidden_size=32, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                  num_hidden_layers=1, vocab_size=64, attn_implementation="sdpa")
+    common = dict(
+        hidden_size=32,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=1,
+        vocab_size=64,
+        attn_implementation="sdpa",
+    )
     if family == "qwen3":
         return transformers.Qwen3Config(**common, layer_types=[layer_type], sliding_window=5, use_sliding_window=True)
     return transformers.LlamaConfig(**common)
@@ -159,8 +167,7 @@ LAYER_CASES = [
 
 @pytest.mark.parametrize("family,lora,padding,layer_type,fused", LAYER_CASES)
 @pytest.mark.parametrize("mode", ["grad", "recompute", "recompute-pre-tiled"])
-def test_tiled_layer_equals_untiled(family: str, lora: bool, padding: bool, layer_type: str, fused: bool, mode: str,
-                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tiled_layer_equals_untiled(family: str, lora: bool, padding: bool, layer_type: str, fused: bool, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Output, input gradient and every trainable parameter's gradient of one layer, 13 positions in
     tiles of 4 (last tile 1). As a recompute the output is deferred (a placeholder without memory until
     materialize()), and the pre-attention part runs untiled below PRE_TILES_IN_RECOMPUTE tiles."""
@@ -313,6 +320,7 @@ def test_dropout_masks_replay_in_backward() -> None:
     assert len(drops) == len(LORA_TARGETS)
     drawn: Dict[str, List[torch.Tensor]] = {n: [] for n in drops}
     for name, mod in drops.items():
+
         def forward(t: torch.Tensor, inner: Callable[..., torch.Tensor] = mod.forward, name: str = name) -> torch.Tensor:
             out = inner(t)
             drawn[name].append(out != 0)
@@ -450,8 +458,9 @@ def _roundpipe_run(model: nn.Module, batch: Dict[str, Optional[torch.Tensor]], r
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
 @pytest.mark.parametrize("grain", ["stage", "layer"])
 @pytest.mark.parametrize("family,lora,padding,pre_tiles", MODEL_CASES)
-def test_roundpipe_tiled_equals_untiled(workers: str, grain: str, family: str, lora: bool, padding: bool, pre_tiles: int,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_roundpipe_tiled_equals_untiled(
+    workers: str, grain: str, family: str, lora: bool, padding: bool, pre_tiles: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """fp64, 6 x 10 tokens in 3 microbatches of 2 x 10, tiles of 8 tokens (4 + 4 + 2 positions):
     ``train_step`` and ``forward`` + ``loss.backward()`` give the untiled run's loss and gradients to
     1e-10, and Hugging Face's (whose fp32 round trips in the norms and the loss differ from RoundPipe's

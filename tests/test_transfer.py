@@ -146,12 +146,17 @@ def test_unchanged_side_inputs_are_downloaded_once(workers: str, monkeypatch: py
 
     downloaded: list = []
     real = jobs_mod.async_d2h
-    monkeypatch.setattr(jobs_mod, "async_d2h", lambda device, ev, ts: (downloaded.extend(t for t in ts if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[-1] == 64), real(device, ev, ts))[1])
+    monkeypatch.setattr(
+        jobs_mod,
+        "async_d2h",
+        lambda device, ev, ts: (downloaded.extend(t for t in ts if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[-1] == 64), real(device, ev, ts))[1],
+    )
     torch.manual_seed(0)
     layers = [_Start()] + [_PassThrough() for _ in range(6)]
     ref = torch.nn.Sequential(*layers)
-    model = RoundPipe(torch.nn.Sequential(*[l for l in layers]), model_run_config=RoundPipeRunConfig(
-        num_microbatch=2, execute_plan=ModelExecutePlan.layerwise(7, "train")))
+    model = RoundPipe(
+        torch.nn.Sequential(*[l for l in layers]), model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=ModelExecutePlan.layerwise(7, "train"))
+    )
     x, pos, y = torch.randn(4, 4), torch.randn(4, 64), torch.randn(4, 4)
     loss = model.forward_backward(input_args=(x, pos), label=y, loss_fn=lambda o, t: ((o["x"] - t) ** 2).sum())
     grads = [p.grad.clone() for p in model.parameters()]

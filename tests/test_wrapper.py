@@ -9,13 +9,13 @@ os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
 import pytest
 import torch
+from helpers import rel_err
+from test_models import TOL, assert_grads_close, grads, make_batch, tiny_model
 from torch import nn
 
-from helpers import rel_err
 from roundpipe import AutoRoundPipe, RoundPipe, RoundPipeRunConfig
 from roundpipe.models.causal_lm import RoundPipeForCausalLM
 from roundpipe.wrapper import wrap_model_to_roundpipe
-from test_models import TOL, assert_grads_close, grads, make_batch, tiny_model
 
 BLOCK_BYTES = (32 * 32 + 32) * 4  # 4224
 
@@ -141,7 +141,10 @@ def test_hf_model_without_preset_wrapped_by_size(workers: str) -> None:
     batch = make_batch(padding=True)
     layer_bytes = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
     wrapped = wrap_model_to_roundpipe(
-        model, use_sequential_preset=False, lower_threshold=layer_bytes, upper_threshold=layer_bytes,
+        model,
+        use_sequential_preset=False,
+        lower_threshold=layer_bytes,
+        upper_threshold=layer_bytes,
         model_run_config=RoundPipeRunConfig(num_microbatch=3),
     )
     assert isinstance(wrapped, AutoRoundPipe)

@@ -42,7 +42,11 @@ class TrainConfig:
 
     # model
     model: str = _f("tiny", "local Hugging Face model directory, or a built-in architecture name (random init)", group="model")
-    dtype: str = _f("auto", "float32, bfloat16 or float16: the weights the devices compute with; optimizer masters stay fp32 (auto: the model's own; float32 for 'tiny')", group="model")
+    dtype: str = _f(
+        "auto",
+        "float32, bfloat16 or float16: the weights the devices compute with; optimizer masters stay fp32 (auto: the model's own; float32 for 'tiny')",
+        group="model",
+    )
     # data
     data: Optional[str] = _f(None, "training data: .txt, .jsonl or .parquet file (default: the built-in task)", group="data")
     task: str = _f("reverse", "built-in synthetic task used when no data file is given (reverse, addition, addition-lsb, ...)", group="data")
@@ -62,16 +66,33 @@ class TrainConfig:
     steps: Optional[int] = _f(None, "optimizer steps (default: one epoch of the data file)", group="optim")
     epochs: Optional[float] = _f(None, "epochs over the data file (instead of steps)", group="optim")
     lr: float = _f(2e-5, "peak learning rate", group="optim")
-    warmup_steps: Optional[int] = _f(None, "linear warmup steps (default: 5% of the steps; capped below the run's steps, so the peak is reached)", group="optim")
+    warmup_steps: Optional[int] = _f(
+        None, "linear warmup steps (default: 5% of the steps; capped below the run's steps, so the peak is reached)", group="optim"
+    )
     min_lr_ratio: float = _f(0.1, "cosine decay ends at lr x min_lr_ratio", group="optim")
     weight_decay: float = _f(0.0, "decoupled (AdamW) weight decay", group="optim")
     betas: List[float] = _f([0.9, 0.999], "Adam betas", group="optim")
     max_grad_norm: float = _f(1.0, "clip the global gradient norm to this (0: off)", group="optim")
     seed: int = _f(0, "seed of the weights, data order and dropout", group="optim")
     async_step: bool = _f(True, "overlap the optimizer step with the next iteration (weights one step stale)", group="optim")
-    on_nonfinite: str = _f("stop", "a NaN/inf loss or gradient norm: stop (exit with an error; the step is not applied, checkpoints stay intact) or skip (drop that step's gradients and go on)", group="optim")
-    plan: str = _f("auto", "pipeline stages: auto (RoundPipe's planner, from measured layer times and device memory), layerwise (one layer per stage: least device memory) or single (the whole model in one stage: fastest for small models)", group="run")
-    compile: Optional[bool] = _f(None, "torch.compile the loss kernels (default: RPP_DISABLE_TORCH_COMPILE if set, else on for GPUs and off for CPU workers, where compiling takes longer than it saves)", group="run")
+    on_nonfinite: str = _f(
+        "stop",
+        "a NaN/inf loss or gradient norm: stop (exit with an error; the step is not applied, checkpoints stay intact) or skip (drop that "
+        "step's gradients and go on)",
+        group="optim",
+    )
+    plan: str = _f(
+        "auto",
+        "pipeline stages: auto (RoundPipe's planner, from measured layer times and device memory), layerwise (one layer per stage: least "
+        "device memory) or single (the whole model in one stage: fastest for small models)",
+        group="run",
+    )
+    compile: Optional[bool] = _f(
+        None,
+        "torch.compile the loss kernels (default: RPP_DISABLE_TORCH_COMPILE if set, else on for GPUs and off for CPU workers, where "
+        "compiling takes longer than it saves)",
+        group="run",
+    )
     # devices
     devices: Optional[str] = _f(None, "devices, as RPP_DEVICES: cuda, cuda:0,2 or cpu:N (default: RPP_DEVICES, else all GPUs, else cpu:1)", group="run")
     # output
@@ -154,11 +175,24 @@ def _coerce(name: str, value: Any) -> Any:
 
 #: Names other trainers (Hugging Face Trainer, torchtune) use for our keys, for "did you mean".
 ALIASES = {
-    "learning_rate": "lr", "max_steps": "steps", "num_train_epochs": "epochs", "num_epochs": "epochs",
-    "gradient_accumulation_steps": "grad_accum", "per_device_train_batch_size": "batch_size",
-    "max_seq_length": "seq_len", "max_seq_len": "seq_len", "model_name_or_path": "model", "warmup": "warmup_steps",
-    "lora_rank": "lora_r", "target_modules": "lora_targets", "max_grad_norm": "max_grad_norm", "clip_grad_norm": "max_grad_norm",
-    "dataset": "data", "output": "output_dir", "resume_from_checkpoint": "resume", "num_microbatch": "microbatches",
+    "learning_rate": "lr",
+    "max_steps": "steps",
+    "num_train_epochs": "epochs",
+    "num_epochs": "epochs",
+    "gradient_accumulation_steps": "grad_accum",
+    "per_device_train_batch_size": "batch_size",
+    "max_seq_length": "seq_len",
+    "max_seq_len": "seq_len",
+    "model_name_or_path": "model",
+    "warmup": "warmup_steps",
+    "lora_rank": "lora_r",
+    "target_modules": "lora_targets",
+    "max_grad_norm": "max_grad_norm",
+    "clip_grad_norm": "max_grad_norm",
+    "dataset": "data",
+    "output": "output_dir",
+    "resume_from_checkpoint": "resume",
+    "num_microbatch": "microbatches",
 }
 
 
@@ -221,7 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", metavar="FILE", help="YAML file with config keys (flags override it)")
     parser.add_argument("--print-config", action="store_true", help="print the config a run would use (defaults resolved) as YAML and exit")
-    parser.add_argument("--overwrite", action="store_true", help="start over in an output_dir that holds an earlier run, deleting that run's files first (without it such a directory is refused unless --resume)")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in an output_dir that holds an earlier run, deleting that run's files first (without it such a directory is refused unless --resume)",
+    )
     parser.add_argument("--version", action="version", version=f"roundpipe {version()}")
     groups = {
         "model": parser.add_argument_group("model"),

@@ -166,7 +166,9 @@ def row_examples(row: Dict[str, Any], tokenizer: Any, text_field: str, where: st
     without an assistant turn (see :func:`load_examples`)."""
     if "messages" in row:
         if not getattr(tokenizer, "chat_template", None):
-            raise ConfigError(f"{where} has chat messages but the tokenizer has no chat template", "use a tokenizer with a chat_template, or prompt/response rows")
+            raise ConfigError(
+                f"{where} has chat messages but the tokenizer has no chat template", "use a tokenizer with a chat_template, or prompt/response rows"
+            )
         messages = row["messages"]
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise ConfigError(f"{where}: 'messages' is not a list of {{role, content}} objects", "fix the row")
@@ -215,7 +217,9 @@ def load_examples(path: str, tokenizer: Any, text_field: str = "text") -> List[E
         unknown = sorted(r for r in roles if r not in KNOWN_ROLES)
         why = f"{dropped} of {len(rows)} rows have chat messages without an 'assistant' turn (roles found: {', '.join(sorted(roles)) or 'none'})"
         fix = (
-            f"rename the roles {', '.join(repr(r) for r in unknown)} to user/assistant" if unknown else "give each conversation at least one assistant turn to train on"
+            f"rename the roles {', '.join(repr(r) for r in unknown)} to user/assistant"
+            if unknown
+            else "give each conversation at least one assistant turn to train on"
         )
         if not examples:
             raise ConfigError(f"{path} holds no training examples: {why}", fix)

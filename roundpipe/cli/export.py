@@ -29,7 +29,12 @@ def parse_export_args(argv: List[str]) -> argparse.Namespace:
     parser = _ArgumentParser(prog="roundpipe export", description="Write a roundpipe checkpoint as a Hugging Face model directory.")
     parser.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory (…/checkpoints/step-N), or a run's output_dir for its latest")
     parser.add_argument("out", metavar="OUT", help="directory to write (must not exist, or be empty)")
-    parser.add_argument("--merge-lora", action=argparse.BooleanOptionalAction, default=True, help="merge LoRA into the base weights (default); --no-merge-lora writes a PEFT adapter")
+    parser.add_argument(
+        "--merge-lora",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="merge LoRA into the base weights (default); --no-merge-lora writes a PEFT adapter",
+    )
     parser.add_argument("--dtype", choices=[d for d in DTYPES if d != "auto"], default=None, help="cast the weights (default: the training dtype)")
     return parser.parse_args(argv)
 
@@ -76,7 +81,9 @@ def load_checkpoint_model(path: str) -> Any:
 def check_export(checkpoint: str, out: str) -> str:
     """The verified checkpoint directory ``checkpoint`` names (a run's newest, or itself), once ``out``
     is known to be free: the user errors of ``export``, found before transformers loads."""
-    path = ckpt.resolve_checkpoint(checkpoint, checkpoint, "pass a run's output_dir (its newest checkpoint) or a checkpoint directory (…/checkpoints/step-N) to roundpipe export")
+    path = ckpt.resolve_checkpoint(
+        checkpoint, checkpoint, "pass a run's output_dir (its newest checkpoint) or a checkpoint directory (…/checkpoints/step-N) to roundpipe export"
+    )
     ckpt.verify_checkpoint(path)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ConfigError(f"{out} already exists and is not empty", "pick a new output directory or delete it")
@@ -95,7 +102,9 @@ def export(checkpoint: str, out: str, merge_lora: bool = True, dtype: Optional[s
     if is_lora and not merge_lora:
         with open(os.path.join(path, "source.json")) as f:
             if json.load(f)["kind"] != "local":
-                raise ConfigError("an unmerged LoRA adapter needs a base model directory, but this run's base was a built-in architecture", "export with --merge-lora")
+                raise ConfigError(
+                    "an unmerged LoRA adapter needs a base model directory, but this run's base was a built-in architecture", "export with --merge-lora"
+                )
     if dtype is not None:
         from roundpipe.cli.model_loading import TORCH_DTYPES
 

@@ -165,4 +165,15 @@ def write_summary(output_dir: str, metrics: MetricsWriter, result: Dict[str, Any
     ]
 
 
-__all__ = ["COLUMNS", "MetricsWriter", "device_peak_memory_gib", "format_duration", "format_rate", "host_peak_rss_gib", "plot_metrics", "progress_enabled", "read_metrics", "write_summary"]
+__all__ = [
+    "COLUMNS",
+    "MetricsWriter",
+    "device_peak_memory_gib",
+    "format_duration",
+    "format_rate",
+    "host_peak_rss_gib",
+    "plot_metrics",
+    "progress_enabled",
+    "read_metrics",
+    "write_summary",
+]

@@ -23,14 +23,32 @@ _QWEN3_COMMON = dict(head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0, ma
 #: Built-in Qwen3 architectures (random init): the WORKLOADS.md sizes plus ``tiny`` for the default task.
 BUILTIN_MODELS: Dict[str, Dict[str, Any]] = {
     "tiny": dict(
-        hidden_size=192, intermediate_size=576, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=6,
-        head_dim=32, vocab_size=BYTE_VOCAB_SIZE, max_position_embeddings=1024, rope_theta=10_000.0, tie_word_embeddings=True,
+        hidden_size=192,
+        intermediate_size=576,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=6,
+        head_dim=32,
+        vocab_size=BYTE_VOCAB_SIZE,
+        max_position_embeddings=1024,
+        rope_theta=10_000.0,
+        tie_word_embeddings=True,
     ),
-    "qwen3-0.6b": dict(_QWEN3_COMMON, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
-    "qwen3-1.7b": dict(_QWEN3_COMMON, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
-    "qwen3-4b": dict(_QWEN3_COMMON, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
-    "qwen3-8b": dict(_QWEN3_COMMON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
-    "qwen3-14b": dict(_QWEN3_COMMON, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False),
+    "qwen3-0.6b": dict(
+        _QWEN3_COMMON, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True
+    ),
+    "qwen3-1.7b": dict(
+        _QWEN3_COMMON, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True
+    ),
+    "qwen3-4b": dict(
+        _QWEN3_COMMON, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True
+    ),
+    "qwen3-8b": dict(
+        _QWEN3_COMMON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False
+    ),
+    "qwen3-14b": dict(
+        _QWEN3_COMMON, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False
+    ),
 }
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -93,7 +111,9 @@ def build_model(source: Dict[str, str], model_config: Any, dtype: torch.dtype) -
     try:
         return AutoModelForCausalLM.from_pretrained(source["path"], dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot load the model in {source['path']} ({str(exc).splitlines()[0]})", "pass a directory written by save_pretrained with its weights") from None
+        raise ConfigError(
+            f"cannot load the model in {source['path']} ({str(exc).splitlines()[0]})", "pass a directory written by save_pretrained with its weights"
+        ) from None
 
 
 #: Vocabulary files of Hugging Face tokenizers (fast, SentencePiece, BPE, WordPiece, tiktoken): a model
@@ -156,4 +176,17 @@ def apply_lora(model: nn.Module, lcfg: Any) -> nn.Module:
         raise ConfigError(f"LoRA: {str(exc).splitlines()[0]}", "set --lora-targets to module names of this model (e.g. q_proj v_proj) or all-linear") from None
 
 
-__all__ = ["BUILTIN_MODELS", "TOKENIZER_FILES", "TORCH_DTYPES", "apply_lora", "build_model", "builtin_config", "load_model_config", "load_tokenizer", "lora_config", "model_source", "peft_model", "resolve_dtype"]
+__all__ = [
+    "BUILTIN_MODELS",
+    "TOKENIZER_FILES",
+    "TORCH_DTYPES",
+    "apply_lora",
+    "build_model",
+    "builtin_config",
+    "load_model_config",
+    "load_tokenizer",
+    "lora_config",
+    "model_source",
+    "peft_model",
+    "resolve_dtype",
+]

@@ -58,7 +58,9 @@ class HostOptimizer:
             (without a GradScaler): their gradients were dropped, no update, no schedule step.
     """
 
-    def __init__(self, masters: List[torch.Tensor], clip_params: List[nn.Parameter], cfg: TrainConfig, total_steps: int, warmup_steps: int, float16: bool) -> None:
+    def __init__(
+        self, masters: List[torch.Tensor], clip_params: List[nn.Parameter], cfg: TrainConfig, total_steps: int, warmup_steps: int, float16: bool
+    ) -> None:
         """``masters`` in the order the optimizer holds them (its state_dict depends on it);
         ``clip_params``: the same tensors in the order their norms are summed for clipping."""
         self.cfg = cfg

@@ -160,7 +160,7 @@ def everywhere(fn: Callable[[], T], what: str) -> T:
         dist.all_gather_object(failures, None if own is None else _describe(own))
     except Exception as exc:  # noqa: BLE001 - a dead peer
         if own is not None:
-            raise own
+            raise own from exc
         raise _lost(what, exc) from exc
     _raise_for(failures, own, what)
     return result
@@ -188,7 +188,7 @@ def on_main(fn: Callable[[], T], what: str) -> T:
         box = rdist.broadcast_object(box)
     except Exception as exc:  # noqa: BLE001 - a dead peer
         if own is not None:
-            raise own
+            raise own from exc
         raise _lost(what, exc) from exc
     _raise_for([box[0]] + [None] * (rdist.get_world_size() - 1), own, what)
     return box[1]
@@ -225,7 +225,7 @@ def sum_over_ranks(local: Callable[[], Sequence[float]], size: int, what: str) -
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=_step_group)
     except Exception as exc:  # noqa: BLE001 - a dead or stalled peer
         if own is not None:
-            raise own
+            raise own from exc
         raise _lost(what, exc, "RPP_DIST_TIMEOUT_S" if _step_group is not None else "RPP_DIST_MAIN_TIMEOUT_S") from exc
     out = t.tolist()
     _raise_for([("see its output" if f else None) for f in out[size:]], own, what)

@@ -35,7 +35,9 @@ def _size(text: str) -> float:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="roundpipe plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help=f"a Hugging Face model directory (its config.json) or a built-in shape: {', '.join(estimate.ModelShape.BUILTIN)}")
+    p.add_argument(
+        "--model", required=True, help=f"a Hugging Face model directory (its config.json) or a built-in shape: {', '.join(estimate.ModelShape.BUILTIN)}"
+    )
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument("--batch-size", type=int, default=1, help="sequences per step (default 1)")
     p.add_argument("--microbatches", type=int, default=1, help="microbatches per step (default 1)")
@@ -97,18 +99,28 @@ def main(argv: Optional[List[str]] = None) -> int:
         host = host if host is not None else found_host
     # As the planner does: one decoder layer per backward stage, or the fewest that let the stages'
     # input checkpoints fit the host (fewer checkpoints, more activations per stage on the GPU).
-    candidates = [estimate.estimate(shape, args.seq_len, args.batch_size, lora_rank=args.lora_r, microbatches=args.microbatches,
-                                    layers_per_stage=g) for g in range(1, 5)]
+    candidates = [
+        estimate.estimate(shape, args.seq_len, args.batch_size, lora_rank=args.lora_r, microbatches=args.microbatches, layers_per_stage=g) for g in range(1, 5)
+    ]
     e = next((c for c in candidates if c.peak_gpu_bytes <= gpu and c.peak_host_bytes <= host), candidates[0])
     seq, fit = estimate.longest_context(shape, gpu, host, batch_size=args.batch_size, lora_rank=args.lora_r, microbatches=args.microbatches)
     if args.json:
-        print(json.dumps({
-            "peak_gpu_bytes": e.peak_gpu_bytes, "peak_host_bytes": e.peak_host_bytes,
-            "gpu_bytes_per_token": e.gpu_bytes_per_token, "host_bytes_per_token": e.host_bytes_per_token,
-            "gpu_parts": e.gpu_parts, "host_parts": e.host_parts, "longest_context": seq,
-            "longest_context_layers_per_stage": fit.layers_per_stage if fit else None,
-            "gpu_memory": gpu, "host_memory": host,
-        }))
+        print(
+            json.dumps(
+                {
+                    "peak_gpu_bytes": e.peak_gpu_bytes,
+                    "peak_host_bytes": e.peak_host_bytes,
+                    "gpu_bytes_per_token": e.gpu_bytes_per_token,
+                    "host_bytes_per_token": e.host_bytes_per_token,
+                    "gpu_parts": e.gpu_parts,
+                    "host_parts": e.host_parts,
+                    "longest_context": seq,
+                    "longest_context_layers_per_stage": fit.layers_per_stage if fit else None,
+                    "gpu_memory": gpu,
+                    "host_memory": host,
+                }
+            )
+        )
         return 0
     print(f"{args.model}: {shape.params() / 1e9:.2f}B parameters, {shape.layers} layers, hidden {shape.hidden}")
     print(e.describe())

@@ -151,15 +151,16 @@ def _recall(seq_len: int) -> Task:
         return f"key={key};{filler}?", key
 
     return Task(
-        "recall", f"recall the key letter given at the start of a {seq_len}-token context: "
-        f"'key=Q;<filler>?' -> 'Q' (--seq-len sets the context)",
-        seq_len - KEY_LEN - 1, KEY_LEN, sample, _recall,
+        "recall",
+        f"recall the key letter given at the start of a {seq_len}-token context: 'key=Q;<filler>?' -> 'Q' (--seq-len sets the context)",
+        seq_len - KEY_LEN - 1,
+        KEY_LEN,
+        sample,
+        _recall,
     )
 
 
-TASKS: Dict[str, Task] = {
-    t.name: t for t in (_addition(3), _addition(3, True), _addition(2), _addition(4), _addition(4, True), _reverse(6), _recall(128))
-}
+TASKS: Dict[str, Task] = {t.name: t for t in (_addition(3), _addition(3, True), _addition(2), _addition(4), _addition(4, True), _reverse(6), _recall(128))}
 
 
 def task_for(name: str, seq_len: Optional[int]) -> Task:

@@ -41,7 +41,6 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -57,28 +56,12 @@ from roundpipe.cli.optimizer import HostOptimizer
 from roundpipe.cli.pipeline import PipelineModel
 from roundpipe.cli.run_dir import check_output_dir, clear_earlier_run
 from roundpipe.cli.tasks import TaskStream, exact_match, held_out_examples, task_for
-from roundpipe.cli.train_state import Progress, read_payload, resume_config, rng_state, write_payload
+from roundpipe.cli.train_state import Progress, TrainResult, read_payload, resume_config, rng_state, write_payload
 
 if TYPE_CHECKING:
     from roundpipe.cli.data import FileStream
 
 logger = logging.getLogger("roundpipe")
-
-@dataclass
-class TrainResult:
-    """What a finished (or stopped) run reports; the test suite reads it too."""
-
-    step: int
-    total_steps: int
-    loss: float
-    tokens_per_s: float
-    seconds: float
-    output_dir: str
-    checkpoint: Optional[str]
-    accuracy: Optional[float] = None
-    model: Optional[PipelineModel] = None
-    tokenizer: Any = None
-    ranks: int = 1
 
 
 class Recipe:
@@ -123,7 +106,8 @@ class Recipe:
             w = self.env.world_size
             if self.cfg.batch_size < w and getattr(self.dp, "reduce_on", "host") == "device":
                 raise ConfigError(
-                    f"batch_size={self.cfg.batch_size} leaves some of the {w} ranks without rows, and gradients reduced on the devices need every rank in every call",
+                    f"batch_size={self.cfg.batch_size} leaves some of the {w} ranks without rows, and gradients reduced on the devices need every rank "
+                    "in every call",
                     f"raise batch_size to at least {w}",
                 )
             # The same microbatch count on every rank (the reduction on the devices needs the same jobs
@@ -132,7 +116,9 @@ class Recipe:
         if self.resume_from is not None:
             path = self.resume_from
             parallel.everywhere(lambda: self._load_checkpoint(path), f"the loading of checkpoint {path}")
-            rdist.assert_same_across_ranks((os.path.basename(os.path.normpath(path)), self.step, self._master_sha), "the resumed checkpoint (name, step, sha256 of its master weights)")
+            rdist.assert_same_across_ranks(
+                (os.path.basename(os.path.normpath(path)), self.step, self._master_sha), "the resumed checkpoint (name, step, sha256 of its master weights)"
+            )
 
     def _plan(self) -> None:
         """Devices, model source and config, tokenizer, data, and the numbers a run derives from them
@@ -164,7 +150,10 @@ class Recipe:
         if self.warmup_steps >= self.total_steps:
             # Warmup reaches the peak learning rate at step warmup + 1: never, in a shorter run.
             capped = self.total_steps - 1
-            self.notes.append(f"warmup_steps={self.warmup_steps} is not shorter than the run ({self.total_steps} steps): capped at {capped}, so the learning rate reaches its peak at the last step")
+            self.notes.append(
+                f"warmup_steps={self.warmup_steps} is not shorter than the run ({self.total_steps} steps): capped at {capped}, so the learning rate "
+                "reaches its peak at the last step"
+            )
             self.warmup_steps = capped
 
     def resolved(self) -> TrainConfig:
@@ -219,7 +208,9 @@ class Recipe:
             if _uses_gpus(spec) and not torch.cuda.is_available():
                 raise ConfigError(
                     f"{where} asks for GPUs, but torch.cuda.is_available() is False (a CPU build of torch, or no GPU visible)",
-                    "train on CPU workers with --devices cpu:N" + ("" if spec is not None else " (or RPP_DEVICES=cpu:N)") + ", or install a CUDA build of torch",
+                    "train on CPU workers with --devices cpu:N"
+                    + ("" if spec is not None else " (or RPP_DEVICES=cpu:N)")
+                    + ", or install a CUDA build of torch",
                 ) from None
             detail = str(exc).split(";")[0].split(": ", 1)[-1].split(", e.g.")[0]  # the core's message names RPP_DEVICES
             raise ConfigError(f"{where} is not a device list ({detail})", "use --devices cuda, cuda:0,1 or cpu:N") from None
@@ -274,7 +265,9 @@ class Recipe:
             write_payload(d, cfg, self.source, self.dtype, self.model, self.tokenizer, self.optim, self.stream, progress, rngs)
 
         step = self.step
-        path = parallel.on_main(lambda: ckpt.save_checkpoint(cfg.output_dir, step, write, cfg.keep_checkpoints, {"loss": loss}), f"the checkpoint of step {step}")
+        path = parallel.on_main(
+            lambda: ckpt.save_checkpoint(cfg.output_dir, step, write, cfg.keep_checkpoints, {"loss": loss}), f"the checkpoint of step {step}"
+        )
         self.last_checkpoint = path
         return path
 
@@ -326,7 +319,10 @@ class Recipe:
         # GradScaler the scaler skips such steps itself and backs its scale off).
         if not math.isfinite(value) and scaler is None:
             if self.cfg.on_nonfinite == "stop":
-                raise ConfigError(f"the loss is {value} at step {self.step + 1}", "lower --lr (or --max-grad-norm), check the data, or pass --on-nonfinite skip; earlier checkpoints are intact")
+                raise ConfigError(
+                    f"the loss is {value} at step {self.step + 1}",
+                    "lower --lr (or --max-grad-norm), check the data, or pass --on-nonfinite skip; earlier checkpoints are intact",
+                )
             # Backward has completed and no step reads these gradients yet: dropping them is safe.
             for p in self.model.rp.model.parameters():
                 p.grad = None
@@ -422,13 +418,25 @@ class Recipe:
                 tokens_this_run += step_tokens
                 elapsed = time.time() - t_run
                 tps = tokens_this_run / max(elapsed, 1e-9)
-                self._pending.append({"step": self.step, "loss": loss_value, "lr": lr, "tokens": self.tokens_seen, "tokens_per_s": tps, "elapsed_s": self.elapsed_before + elapsed})
+                self._pending.append(
+                    {
+                        "step": self.step,
+                        "loss": loss_value,
+                        "lr": lr,
+                        "tokens": self.tokens_seen,
+                        "tokens_per_s": tps,
+                        "elapsed_s": self.elapsed_before + elapsed,
+                    }
+                )
                 self._flush_rows()
                 if self._bar is not None:
                     self._bar.set_postfix_str(f"loss {loss_value:.4f}, {format_rate(tps)} tok/s", refresh=False)
                     self._bar.update(1)
                 if self.step % cfg.log_every == 0 or self.step == end:
-                    self.log(f"step {self.step}/{self.total_steps} | loss {loss_value:.4f} | lr {lr:.2e} | {format_rate(tps)} tok/s | {format_duration(self.elapsed_before + elapsed)}")
+                    self.log(
+                        f"step {self.step}/{self.total_steps} | loss {loss_value:.4f} | lr {lr:.2e} | {format_rate(tps)} tok/s | "
+                        f"{format_duration(self.elapsed_before + elapsed)}"
+                    )
                 at_save = cfg.save_every and self.step % cfg.save_every == 0
                 if at_save or self.step == end or self._stop_now:
                     path = self.save_checkpoint(loss_value)
@@ -466,8 +474,15 @@ class Recipe:
             self.dp.close()  # the returned model trains locally again (the process group ends with run)
         if self.is_main:
             assert self.metrics is not None
-            summary = {"step": result.step, "total_steps": result.total_steps, "final_loss": result.loss, "tokens_per_s": result.tokens_per_s,
-                       "seconds": result.seconds, "accuracy": result.accuracy, "checkpoint": result.checkpoint}
+            summary = {
+                "step": result.step,
+                "total_steps": result.total_steps,
+                "final_loss": result.loss,
+                "tokens_per_s": result.tokens_per_s,
+                "seconds": result.seconds,
+                "accuracy": result.accuracy,
+                "checkpoint": result.checkpoint,
+            }
             for line in write_summary(cfg.output_dir, self.metrics, summary):
                 self.log(line)
         if self.step < self.total_steps and self.last_checkpoint is not None:

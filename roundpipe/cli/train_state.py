@@ -134,7 +134,12 @@ def resume_config(cfg: TrainConfig, given: Dict[str, Any], path: Optional[str] =
         saved.pop("task", None)  # unused with a data file (configs saved before it was left out name it)
     if rdist.current_env().local_world_size > 1 and "devices" not in given:
         saved["devices"] = None  # several ranks per host: each takes its share of the GPUs (init_from_env)
-    changed = sorted(k for k, v in given.items() if k not in ("resume", "stop_at", "output_dir", "progress", "log_every", "save_every", "keep_checkpoints", "devices", "tensorboard") and saved.get(k) != getattr(cfg, k))
+    changed = sorted(
+        k
+        for k, v in given.items()
+        if k not in ("resume", "stop_at", "output_dir", "progress", "log_every", "save_every", "keep_checkpoints", "devices", "tensorboard")
+        and saved.get(k) != getattr(cfg, k)
+    )
     if changed and rdist.is_main_process():
         logger.warning("resuming with changed %s: the run will not repeat the uninterrupted one exactly", ", ".join(changed))
     merged = merge({}, {**saved, **{k: getattr(cfg, k) for k in given}, "resume": path})
@@ -149,7 +154,10 @@ def read_payload(path: str, model: PipelineModel, optim: HostOptimizer, stream: 
     master_w = ckpt.load_tensors(os.path.join(path, "optim", "master.safetensors"))
     named = model.trainable_named()
     if set(device_w) != {n for n, _ in named}:
-        raise ConfigError(f"checkpoint {path} was saved for other trainable parameters (different model or LoRA settings)", "resume with the config the checkpoint was trained with")
+        raise ConfigError(
+            f"checkpoint {path} was saved for other trainable parameters (different model or LoRA settings)",
+            "resume with the config the checkpoint was trained with",
+        )
     full = ckpt.load_tensors(os.path.join(path, "model.safetensors"))
     with torch.no_grad():
         params = dict(model.hf_model.named_parameters())
@@ -173,3 +181,20 @@ def read_payload(path: str, model: PipelineModel, optim: HostOptimizer, stream: 
 
 
 __all__ = ["Progress", "read_payload", "resume_config", "rng_state", "set_rng_state", "weights_kind", "write_payload"]
+
+
+@dataclass
+class TrainResult:
+    """What a finished (or stopped) run reports; the test suite reads it too."""
+
+    step: int
+    total_steps: int
+    loss: float
+    tokens_per_s: float
+    seconds: float
+    output_dir: str
+    checkpoint: Optional[str]
+    accuracy: Optional[float] = None
+    model: Optional[PipelineModel] = None
+    tokenizer: Any = None
+    ranks: int = 1

@@ -103,8 +103,13 @@ class PlanAgreement:
         if agreed != plan:
             self.adopted_plans += 1
             if self.adopted_plans == 1:
-                logger.info("data parallel: rank %d runs rank 0's plan %s instead of its own %s (ranks must run the same plan "
-                            "with reduce_on='device'; auto plans follow each rank's timings)", self.global_rank, agreed, plan)
+                logger.info(
+                    "data parallel: rank %d runs rank 0's plan %s instead of its own %s (ranks must run the same plan "
+                    "with reduce_on='device'; auto plans follow each rank's timings)",
+                    self.global_rank,
+                    agreed,
+                    plan,
+                )
         return agreed
 
     def _check_same(self, rows: List[List[int]], model: Any) -> None:

@@ -234,8 +234,18 @@ class DeviceReduction:
         control: A gloo group of all ranks for the main thread's agreement and ``normalize_by``.
     """
 
-    def __init__(self, options: ReduceOptions, counter: StatsCounter, host_group: Any, host_weight: Callable[[float], None],
-                 groups: List[Any], control: Any, backend_name: str, num_devices: int, max_layers: int) -> None:
+    def __init__(
+        self,
+        options: ReduceOptions,
+        counter: StatsCounter,
+        host_group: Any,
+        host_weight: Callable[[float], None],
+        groups: List[Any],
+        control: Any,
+        backend_name: str,
+        num_devices: int,
+        max_layers: int,
+    ) -> None:
         self.options = options
         self.counter = counter
         self.host_group = host_group
@@ -436,7 +446,9 @@ class DeviceReduction:
         if self.monitor is not None and ready is not None:
             self.monitor.add(ready, done, what, nbytes)
 
-    def _prepare(self, b: LayerBucket, pairs: List[Tuple[nn.Parameter, nn.Parameter]], flags: List[float], seeds: List[Optional[torch.Tensor]], weight: float) -> torch.Tensor:
+    def _prepare(
+        self, b: LayerBucket, pairs: List[Tuple[nn.Parameter, nn.Parameter]], flags: List[float], seeds: List[Optional[torch.Tensor]], weight: float
+    ) -> torch.Tensor:
         """This rank's input of one bucket: ``weight * gradient`` (+ rank 0's seed), counts first."""
         chunk = max(1, self.options.bucket_bytes // b.dtype.itemsize)
         if not b.packed:
@@ -526,8 +538,9 @@ class DeviceReduction:
             )
 
 
-def setup_device_reduction(model: RoundPipeBase, options: ReduceOptions, counter: StatsCounter, host_group: Any,
-                           host_weight: Callable[[float], None], backend_name: str) -> DeviceReduction:
+def setup_device_reduction(
+    model: RoundPipeBase, options: ReduceOptions, counter: StatsCounter, host_group: Any, host_weight: Callable[[float], None], backend_name: str
+) -> DeviceReduction:
     """Create the control group and one group per local device (every rank, same order: ``new_group``
     is a collective of the default group), connect them, and return the reduction of ``model``'s
     RoundPipe layers (to :meth:`DeviceReduction.install`)."""
@@ -550,11 +563,17 @@ def setup_device_reduction(model: RoundPipeBase, options: ReduceOptions, counter
             dist.all_reduce(t, group=group)
             got = float(t.item())  # synchronises with the collective
         except Exception as exc:  # noqa: BLE001 - reported with its context
-            raise DataParallelError(f"rank {dist.get_rank()}/{world}: connecting the {backend_name} group of local device #{k} ({d.device}) failed: {exception_summary(exc)}") from exc
+            raise DataParallelError(
+                f"rank {dist.get_rank()}/{world}: connecting the {backend_name} group of local device #{k} ({d.device}) failed: {exception_summary(exc)}"
+            ) from exc
         if got != world:
-            raise DataParallelError(f"rank {dist.get_rank()}/{world}: the {backend_name} group of local device #{k} ({d.device}) summed {got:g} instead of {world}")
+            raise DataParallelError(
+                f"rank {dist.get_rank()}/{world}: the {backend_name} group of local device #{k} ({d.device}) summed {got:g} instead of {world}"
+            )
     models = roundpipes_of(model)
-    return DeviceReduction(options, counter, host_group, host_weight, groups, control, backend_name, len(devices), max((m.num_layers for m in models), default=1))
+    return DeviceReduction(
+        options, counter, host_group, host_weight, groups, control, backend_name, len(devices), max((m.num_layers for m in models), default=1)
+    )
 
 
 def roundpipes_of(model: RoundPipeBase) -> List[RoundPipe]:

@@ -138,7 +138,9 @@ def enable_data_parallel(
     if not isinstance(model, RoundPipeBase):
         raise TypeError(f"enable_data_parallel needs a RoundPipe model (RoundPipe, AutoRoundPipe, wrap_model_to_roundpipe), got {type(model).__name__}")
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("enable_data_parallel: torch.distributed is not initialized; launch with torchrun and call roundpipe.distributed.init_from_env() first")
+        raise RuntimeError(
+            "enable_data_parallel: torch.distributed is not initialized; launch with torchrun and call roundpipe.distributed.init_from_env() first"
+        )
     if backend not in ("gloo", "auto"):
         raise NotImplementedError(
             f"backend={backend!r}: this is the backend of the host gradient group, which needs gloo; to reduce with NCCL on "
@@ -196,8 +198,15 @@ def enable_data_parallel(
         dp.attach_device(setup_device_reduction(model, dp.options, dp.counter, process_group, dp.host.set_weight, device_backend))
     model.grad_sync = dp
     if mode == "device":
-        logger.info("data parallel: model %r over %d ranks, reduced on the devices (%s, %d per rank, buckets of %g MiB, %s)",
-                    model.name, ranks, device_backend, n_devices, bucket_mb, op)
+        logger.info(
+            "data parallel: model %r over %d ranks, reduced on the devices (%s, %d per rank, buckets of %g MiB, %s)",
+            model.name,
+            ranks,
+            device_backend,
+            n_devices,
+            bucket_mb,
+            op,
+        )
     else:
         logger.info("data parallel: model %r over %d ranks, reduced on the host (gloo, buckets of %g MiB, %s)", model.name, ranks, bucket_mb, op)
     return dp

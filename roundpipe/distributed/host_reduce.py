@@ -204,7 +204,9 @@ class HostReduction:
         self._collective(meta, "metadata all_reduce", units).wait()
         users = int(meta[0].item())
         if users not in (0, self.world_size):
-            raise DataParallelError(f"rank {self.global_rank}: normalize_by was called on {users} of {self.world_size} ranks for this step; call it on every rank or none")
+            raise DataParallelError(
+                f"rank {self.global_rank}: normalize_by was called on {users} of {self.world_size} ranks for this step; call it on every rank or none"
+            )
         if users:
             total = float(meta[1].item())
             if total <= 0:
@@ -268,7 +270,9 @@ class HostReduction:
         """The error of a failed collective of this reduction, naming rank, layers and size."""
         return collective_failure(
             f"rank {self.global_rank}/{dist.get_world_size()}",
-            f"{what} of the gradients of layers {units[0]}-{units[1]} ({nbytes / 2**20:.2f} MiB)", waited, exc,
+            f"{what} of the gradients of layers {units[0]}-{units[1]} ({nbytes / 2**20:.2f} MiB)",
+            waited,
+            exc,
         )
 
     def _issue(self, bucket: _Bucket) -> None:

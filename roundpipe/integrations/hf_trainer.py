@@ -77,7 +77,7 @@ def original_model(rp: RoundPipeBase) -> nn.Module:
 def _base_model(model: nn.Module) -> nn.Module:
     """The model inside a PEFT wrapper (the model itself otherwise)."""
     if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):
-        base: nn.Module = getattr(model, "get_base_model")()
+        base: nn.Module = model.get_base_model()
         return base
     return model
 
@@ -91,7 +91,7 @@ def original_state_dict(rp: RoundPipeBase) -> Dict[str, torch.Tensor]:
     for key, value in target.state_dict().items():
         for prefix in prefixes:
             if key.startswith(prefix):
-                key = prefix[: -len("model.")] + key[len(prefix):]
+                key = prefix[: -len("model.")] + key[len(prefix) :]
                 break
         out[key] = value
     return out
@@ -270,7 +270,11 @@ class RoundPipeTrainerMixin:
         if optimizer is None:
             optimizer = self._create_host_optimizer(rp)
         self.optimizer = RoundPipeOptimizer(
-            optimizer, rp, scaler=self.roundpipe_scaler, max_grad_norm=self.args.max_grad_norm, is_async=self.roundpipe_async_step  # type: ignore[attr-defined]
+            optimizer,
+            rp,
+            scaler=self.roundpipe_scaler,
+            max_grad_norm=self.args.max_grad_norm,
+            is_async=self.roundpipe_async_step,  # type: ignore[attr-defined]
         )
         return self.optimizer
 
@@ -398,7 +402,7 @@ class RoundPipeTrainerMixin:
         if hasattr(target, "save_pretrained"):
             if state_dict is None and not hasattr(target, "peft_config"):
                 state_dict = original_state_dict(rp)
-            getattr(target, "save_pretrained")(output_dir, state_dict=state_dict)
+            target.save_pretrained(output_dir, state_dict=state_dict)
         else:
             import safetensors.torch
 

@@ -41,6 +41,7 @@ from roundpipe.models.registry import (
     table_family,
 )
 
+
 def preset_wrapper(model: nn.Module) -> Callable[..., Any]:
     """The function that wraps ``model`` with its preset: call it with RoundPipe's keyword arguments.
 

@@ -32,8 +32,15 @@ _HF_FLAGS = ("use_cache", "output_attentions", "output_hidden_states")
 # train_step's positional order (labels third, as `train_step(ids, mask, labels)` calls pass them); it
 # always computes the loss without logits, so return_logits and logits_to_keep are not among them.
 _TRAIN_STEP_ARGS = (
-    "input_ids", "attention_mask", "labels", "position_ids", "inputs_embeds", "shift_labels",
-    "output_router_logits", "loss_chunk_size", "num_items_in_batch",
+    "input_ids",
+    "attention_mask",
+    "labels",
+    "position_ids",
+    "inputs_embeds",
+    "shift_labels",
+    "output_router_logits",
+    "loss_chunk_size",
+    "num_items_in_batch",
 )
 
 
@@ -155,7 +162,7 @@ class RoundPipeForCausalLM(RoundPipe):
     def forward_backward(
         self,
         input_args: Tuple[Any, ...] = (),
-        input_kwargs: Dict[str, Any] = {},
+        input_kwargs: Dict[str, Any] = {},  # noqa: B006 - the spec's signature; never mutated
         label: Any = None,
         loss_fn: Optional[Callable[[Any, Any], Union[Sequence[torch.Tensor], torch.Tensor]]] = None,
         return_outputs: bool = False,
@@ -198,9 +205,7 @@ class RoundPipeForCausalLM(RoundPipe):
         return result
 
     @takes_inputs(_TRAIN_STEP_ARGS, extra=(_RUN_CONFIG_TRAIN, _SCALE_LOSS))
-    def train_step(
-        self, inputs: CausalLMInputs, run_config: RoundPipeRunConfig, scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]]
-    ) -> torch.Tensor:
+    def train_step(self, inputs: CausalLMInputs, run_config: RoundPipeRunConfig, scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> torch.Tensor:
         """Forward + backward of the batch loss in one pipelined pass (``forward_backward``), without
         logits (the chunked loss of :mod:`roundpipe.models.loss`).
 

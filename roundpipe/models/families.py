@@ -111,64 +111,113 @@ def _fused(family: str, prefix: str, **quirks: Any) -> FusedKernelClasses:
 
 FAMILIES: Tuple[ModelFamily, ...] = (
     ModelFamily(
-        "qwen3", ("qwen3",), "Qwen3ForCausalLM", verified=True,
+        "qwen3",
+        ("qwen3",),
+        "Qwen3ForCausalLM",
+        verified=True,
         fused_kernels=_fused("qwen3", "Qwen3", qk_norm=True, sliding_window=True),
         doc="The standard layout; sliding-window layers follow config.layer_types.",
     ),
     ModelFamily(
-        "llama", ("llama",), "LlamaForCausalLM", verified=True, fused_kernels=_fused("llama", "Llama"),
+        "llama",
+        ("llama",),
+        "LlamaForCausalLM",
+        verified=True,
+        fused_kernels=_fused("llama", "Llama"),
         doc="The standard layout, full attention in every layer.",
     ),
     ModelFamily(
-        "qwen3_moe", ("qwen3_moe",), "Qwen3MoeForCausalLM", verified=True, moe=True,
+        "qwen3_moe",
+        ("qwen3_moe",),
+        "Qwen3MoeForCausalLM",
+        verified=True,
+        moe=True,
         doc="Router logits from Qwen3MoeTopKRouter; config.mlp_only_layers are dense and add nothing to the "
         "router loss; every layer slides when config.sliding_window is set.",
     ),
     ModelFamily(
-        "gpt_oss", ("gpt_oss",), "GptOssForCausalLM", verified=True, moe=True, mask_uses_position_ids=False,
+        "gpt_oss",
+        ("gpt_oss",),
+        "GptOssForCausalLM",
+        verified=True,
+        moe=True,
+        mask_uses_position_ids=False,
         doc="Alternating sliding/full attention (config.layer_types), attention sinks inside the attention "
         "module, masks built without position_ids (no packed-sequence detection).",
     ),
     ModelFamily(
-        "generic", (
-            "qwen2", "mistral", "ministral", "phi3", "gemma", "gemma2", "olmo", "olmo2", "starcoder2",
-            "smollm3", "glm", "glm4", "helium", "stablelm", "nemotron", "seed_oss", "ernie4_5", "exaone4",
-        ), verified=True,
+        "generic",
+        (
+            "qwen2",
+            "mistral",
+            "ministral",
+            "phi3",
+            "gemma",
+            "gemma2",
+            "olmo",
+            "olmo2",
+            "starcoder2",
+            "smollm3",
+            "glm",
+            "glm4",
+            "helium",
+            "stablelm",
+            "nemotron",
+            "seed_oss",
+            "ernie4_5",
+            "exaone4",
+        ),
+        verified=True,
         doc="Dense families that run the standard forward (Gemma 2: final logit soft-capping, from the config).",
     ),
     ModelFamily(
-        "generic_moe", ("qwen2_moe", "mixtral", "phimoe", "olmoe"), verified=True, moe=True,
+        "generic_moe",
+        ("qwen2_moe", "mixtral", "phimoe", "olmoe"),
+        verified=True,
+        moe=True,
         doc="MoE families that run the standard forward, router logits from the model's recorder.",
     ),
     ModelFamily(
-        "cohere", ("cohere", "cohere2"), verified=True, config_overrides=cohere_overrides,
+        "cohere",
+        ("cohere", "cohere2"),
+        verified=True,
+        config_overrides=cohere_overrides,
         doc="Logits scaled by config.logit_scale.",
     ),
     ModelFamily(
-        "cohere_moe", ("cohere2_moe",), config_overrides=cohere_overrides,
+        "cohere_moe",
+        ("cohere2_moe",),
+        config_overrides=cohere_overrides,
         doc="Cohere's logit scale; not verified.",
     ),
     ModelFamily(
-        "granite", ("granite",), verified=True, config_overrides=granite_overrides,
+        "granite",
+        ("granite",),
+        verified=True,
+        config_overrides=granite_overrides,
         doc="Embeddings times embedding_multiplier, logits divided by logits_scaling.",
     ),
     ModelFamily(
-        "granite_variants", ("granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared"),
-        config_overrides=granite_overrides, doc="Granite's multipliers; not verified.",
+        "granite_variants",
+        ("granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared"),
+        config_overrides=granite_overrides,
+        doc="Granite's multipliers; not verified.",
     ),
     ModelFamily(
-        "hyperclovax", ("hyperclovax",), config_overrides=hyperclovax_overrides,
+        "hyperclovax",
+        ("hyperclovax",),
+        config_overrides=hyperclovax_overrides,
         doc="Embeddings times embedding_multiplier, logits times logits_scaling; not verified.",
     ),
     ModelFamily(
-        "incompatible", ("nanochat", "jetmoe", "doge", "diffllama"), incompatible=True,
+        "incompatible",
+        ("nanochat", "jetmoe", "doge", "diffllama"),
+        incompatible=True,
         doc="The standard layout but another computation (checked): never the generic preset.",
     ),
 )
 
-GENERIC = ModelFamily(
-    "unverified", (), doc="Any other *ForCausalLM with the standard layout: the standard forward, with a warning."
-)
+GENERIC = ModelFamily("unverified", (), doc="Any other *ForCausalLM with the standard layout: the standard forward, with a warning.")
 """What a model type in no record gets (when its class and layout fit)."""
 
 

@@ -152,8 +152,16 @@ def _decoder_layer_math(
 
 
 def decoder_layer(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: LayerWeights, eps: LayerEps,
-    head_dim: int, scaling: float, is_causal: bool, kv_groups: int, gqa: bool,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    weights: LayerWeights,
+    eps: LayerEps,
+    head_dim: int,
+    scaling: float,
+    is_causal: bool,
+    kv_groups: int,
+    gqa: bool,
 ) -> torch.Tensor:
     """The whole decoder layer with :func:`rms_norm_reference` (what gets compiled: one graph, one
     autograd node and one Python call per layer instead of about twenty)."""
@@ -161,8 +169,16 @@ def decoder_layer(
 
 
 def _decoder_layer_eager(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: LayerWeights, eps: LayerEps,
-    head_dim: int, scaling: float, is_causal: bool, kv_groups: int, gqa: bool,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    weights: LayerWeights,
+    eps: LayerEps,
+    head_dim: int,
+    scaling: float,
+    is_causal: bool,
+    kv_groups: int,
+    gqa: bool,
 ) -> torch.Tensor:
     return _decoder_layer_math(rms_norm_eager, x, cos, sin, weights, eps, head_dim, scaling, is_causal, kv_groups, gqa)
 

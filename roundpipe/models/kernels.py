@@ -12,6 +12,7 @@ original classes. A whole decoder layer runs as one op (``fused_ops.decoder_laye
 RoundPipe's training makes (causal attention, no mask, cache, dropout or hooks; ``RPP_FUSED_LAYERS=0``
 keeps the per-module ops): one Python call and one autograd node instead of about twenty.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -163,8 +164,7 @@ def _has_hooks(modules: Tuple[nn.Module, ...]) -> bool:
     were called: the whole-layer op does not call them."""
     from torch.nn.modules import module as module_mod
 
-    if (module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks
-            or module_mod._global_backward_hooks or module_mod._global_backward_pre_hooks):
+    if module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks or module_mod._global_backward_hooks or module_mod._global_backward_pre_hooks:
         return True
     return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in modules)
 
@@ -197,8 +197,14 @@ class _DecoderLayerForward:
         if _has_hooks((*norms, attn, mlp, *linears, *qk)):
             return None
         qn_w, kn_w = (attn.q_norm.weight, attn.k_norm.weight) if qk else (None, None)
-        return (self.input_layernorm.weight, *(m.weight for m in linears[:4]), qn_w, kn_w,
-                self.post_attention_layernorm.weight, *(m.weight for m in linears[4:]))
+        return (
+            self.input_layernorm.weight,
+            *(m.weight for m in linears[:4]),
+            qn_w,
+            kn_w,
+            self.post_attention_layernorm.weight,
+            *(m.weight for m in linears[4:]),
+        )
 
     def forward(
         self,
@@ -215,8 +221,13 @@ class _DecoderLayerForward:
             weights = self._whole_layer_weights()
         if weights is None:
             return super().forward(  # type: ignore[misc]
-                hidden_states, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
-                use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
+                hidden_states,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+                **kwargs,
             )
         attn = self.self_attn
         # The rotary tables carry no gradient (see _AttentionForward.forward).
@@ -224,8 +235,9 @@ class _DecoderLayerForward:
         qk = (attn.q_norm.variance_epsilon, attn.k_norm.variance_epsilon) if attn._rpp_qk_norm else (0.0, 0.0)
         eps = (self.input_layernorm.variance_epsilon, self.post_attention_layernorm.variance_epsilon, *qk)
         groups = attn.num_key_value_groups
-        return DECODER_LAYER(hidden_states, cos, sin, weights, eps, attn.head_dim, attn.scaling,
-                             hidden_states.shape[1] > 1, groups, groups > 1 and _sdpa_uses_gqa(attn.head_dim))
+        return DECODER_LAYER(
+            hidden_states, cos, sin, weights, eps, attn.head_dim, attn.scaling, hidden_states.shape[1] > 1, groups, groups > 1 and _sdpa_uses_gqa(attn.head_dim)
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------

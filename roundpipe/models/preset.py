@@ -26,7 +26,6 @@ import dataclasses
 import functools
 import inspect
 import logging
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -37,33 +36,12 @@ from roundpipe.context import doing_recompute, get_recompute_data, save_for_reco
 from roundpipe.models import kernels, tiling
 from roundpipe.models.inputs import BATCH_ARGS, CausalLMInputs, takes_inputs
 from roundpipe.models.loss import IGNORE_INDEX, causal_lm_loss, count_loss_tokens, shift_causal_labels
+from roundpipe.models.moe import MoESpec, RouterStats, accumulate_router_stats, hook_routers, moe_spec, router_aux_loss, router_sink  # noqa: F401 - re-exported
 from roundpipe.transfer import HostScalar
 
 State = Dict[str, Any]
 
 logger = logging.getLogger("roundpipe")
-
-
-@dataclass(frozen=True)
-class MoESpec:
-    """What the preset needs to reproduce Hugging Face's router load-balancing (aux) loss.
-
-    Attributes:
-        router_class: Module class whose output ``[output_index]`` is a layer's router logits (from the
-            base model's ``_can_record_outputs["router_logits"]``).
-        output_index: Index of the router logits in that module's output.
-        num_experts: Experts per MoE layer.
-        top_k: Experts selected per token.
-        aux_loss_coef: ``router_aux_loss_coef``.
-        output_router_logits: Config default for computing the aux loss.
-    """
-
-    router_class: type
-    output_index: int
-    num_experts: int
-    top_k: int
-    aux_loss_coef: float
-    output_router_logits: bool
 
 
 @dataclass(frozen=True)
@@ -142,33 +120,12 @@ def default_layer_types(config: Any) -> Tuple[str, ...]:
     return ("full_attention",) * n
 
 
-def moe_spec(model: nn.Module) -> Optional[MoESpec]:
-    """Router description of an MoE ``*ForCausalLM``, None for a dense model.
-
-    Found through the base model's ``_can_record_outputs["router_logits"]`` recorder (how transformers
-    itself collects router logits) and the ``num_experts`` / ``num_experts_per_tok`` /
-    ``router_aux_loss_coef`` attributes the MoE ``*ForCausalLM`` classes set.
-    """
-    recorder = (getattr(type(model.model), "_can_record_outputs", None) or {}).get("router_logits")
-    if recorder is None or not hasattr(model, "router_aux_loss_coef"):
-        return None
-    return MoESpec(
-        router_class=recorder.target_class,
-        output_index=recorder.index or 0,
-        num_experts=int(model.num_experts),
-        top_k=int(model.num_experts_per_tok),
-        aux_loss_coef=float(model.router_aux_loss_coef),
-        output_router_logits=bool(getattr(model.config, "output_router_logits", False)),
-    )
-
-
 def default_spec(model: nn.Module, **overrides: Any) -> CausalLMSpec:
     """Spec of a standard-layout ``*ForCausalLM``; ``overrides`` replace fields (family hooks)."""
     model = unwrap_peft(model)
     if not has_standard_layout(model):
         raise NotImplementedError(
-            f"{type(model).__name__}: no RoundPipe preset; expected model.embed_tokens -> model.layers -> "
-            "model.norm -> lm_head with model.rotary_emb"
+            f"{type(model).__name__}: no RoundPipe preset; expected model.embed_tokens -> model.layers -> model.norm -> lm_head with model.rotary_emb"
         )
     rotary_params = inspect.signature(model.model.rotary_emb.forward).parameters
     if "layer_type" in rotary_params:
@@ -184,66 +141,6 @@ def default_spec(model: nn.Module, **overrides: Any) -> CausalLMSpec:
     if unknown:
         raise NotImplementedError(f"{type(model).__name__}: attention types {sorted(unknown)} are not supported")
     return spec
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Router statistics (MoE aux loss)
-# ---------------------------------------------------------------------------------------------------------
-
-_router_sink = threading.local()
-
-
-def _capture_router_logits(module: nn.Module, args: Any, output: Any, index: int) -> None:
-    """Forward hook on router modules: hands the router logits to the stage running in this thread."""
-    sink = getattr(_router_sink, "logits", None)
-    if sink is not None:
-        sink.append(output[index] if isinstance(output, (tuple, list)) else output)
-
-
-def _hook_routers(layer: nn.Module, moe: MoESpec) -> int:
-    """Install (once) the capture hook on the router modules of ``layer``; returns how many there are."""
-    routers = [m for m in layer.modules() if isinstance(m, moe.router_class)]
-    for m in routers:
-        if not getattr(m, "_roundpipe_router_hook", False):
-            m.register_forward_hook(functools.partial(_capture_router_logits, index=moe.output_index))
-            m._roundpipe_router_hook = True
-    return len(routers)
-
-
-RouterStats = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-def accumulate_router_stats(
-    stats: RouterStats, router_logits: torch.Tensor, attention_mask: Optional[torch.Tensor], moe: MoESpec
-) -> RouterStats:
-    """Add one MoE layer's routing to the running sums of transformers' ``load_balancing_loss_func``.
-
-    Returns ``(tokens_per_expert_sum, router_prob_sum, total_rows)``; only ``router_prob_sum`` carries a
-    gradient. The same operations in the same order as transformers, so the sums match it.
-    """
-    tokens, probs, rows = stats
-    weights = torch.softmax(router_logits, dim=-1)
-    _, selected = torch.topk(weights, moe.top_k, dim=-1)
-    if attention_mask is None:
-        # Expert counts by scatter_add, not bincount: bincount sizes its output from the data, which on
-        # a GPU makes the host wait; the counts are small integers, exact in float32 either way.
-        ones = torch.ones(selected.numel(), dtype=torch.float32, device=weights.device)
-        tokens = tokens + torch.zeros(moe.num_experts, dtype=torch.float32, device=weights.device).scatter_add_(0, selected.reshape(-1), ones)
-        probs = probs + weights.float().sum(dim=0)
-        rows = rows + weights.shape[0]
-    else:
-        mask = attention_mask.reshape(-1).to(device=weights.device, dtype=torch.float32)
-        tokens = tokens + torch.zeros(moe.num_experts, dtype=torch.float32, device=weights.device).scatter_add_(
-            0, selected.reshape(-1), mask.repeat_interleave(moe.top_k)
-        )
-        probs = probs + (weights.float() * mask.unsqueeze(-1)).sum(dim=0)
-        rows = rows + mask.sum()
-    return tokens, probs, rows
-
-
-def router_aux_loss(tokens: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """transformers' load-balancing loss from the summed statistics."""
-    return torch.sum(tokens / rows * (probs / rows).unsqueeze(0)) * num_experts
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -356,13 +253,13 @@ class DecoderLayerStage(nn.Module):
         self.layer = layer
         self.attention_type = attention_type
         self.moe = moe
-        self.num_routers = _hook_routers(layer, moe) if moe is not None else 0
+        self.num_routers = hook_routers(layer, moe) if moe is not None else 0
 
     def forward(self, state: State) -> State:
         collect = state["router"] is not None and self.num_routers > 0
         sink: List[torch.Tensor] = []
         if collect:
-            _router_sink.logits = sink
+            router_sink.logits = sink
         try:
             # ---- sequence tiling (roundpipe.models.tiling): above RPP_SEQ_TILE tokens ----
             hidden = tiling.materialize(state["hidden_states"])
@@ -380,7 +277,7 @@ class DecoderLayerStage(nn.Module):
                 )
         finally:
             if collect:
-                _router_sink.logits = None
+                router_sink.logits = None
         state = dict(state, hidden_states=out[0] if isinstance(out, tuple) else out)
         if collect:
             stats = state["router"]
@@ -416,16 +313,19 @@ class CausalLMHead(nn.Module):
         out: Dict[str, torch.Tensor] = {}
         if state["labels"] is not None or state["shift_labels"] is not None:
             counted = state.get("num_loss_tokens")
-            out["loss_sum"], out["num_tokens"] = (t.reshape(1) for t in causal_lm_loss(
-                hidden,
-                self.lm_head,
-                state["labels"],
-                shift_labels=state["shift_labels"],
-                num_valid=counted.item() if counted is not None else None,
-                chunk_size=options.get("loss_chunk_size"),
-                logit_scale=self.spec.logit_scale,
-                softcap=self.spec.softcap,
-            ))
+            out["loss_sum"], out["num_tokens"] = (
+                t.reshape(1)
+                for t in causal_lm_loss(
+                    hidden,
+                    self.lm_head,
+                    state["labels"],
+                    shift_labels=state["shift_labels"],
+                    num_valid=counted.item() if counted is not None else None,
+                    chunk_size=options.get("loss_chunk_size"),
+                    logit_scale=self.spec.logit_scale,
+                    softcap=self.spec.softcap,
+                )
+            )
         if options.get("return_logits", True):
             logits = self.lm_head(_slice_positions(hidden, options.get("logits_to_keep", 0)))
             if self.spec.logit_scale != 1.0:
@@ -505,8 +405,13 @@ class CausalLMPreset:
         """
         has_labels = inputs.labels is not None or inputs.shift_labels is not None
         attention_mask = inputs.attention_mask
-        if (attention_mask is not None and inputs.position_ids is None and attention_mask.device.type == "cpu"
-                and attention_mask.dim() == 2 and bool(attention_mask.all())):
+        if (
+            attention_mask is not None
+            and inputs.position_ids is None
+            and attention_mask.device.type == "cpu"
+            and attention_mask.dim() == 2
+            and bool(attention_mask.all())
+        ):
             # An all-ones mask gives transformers' masks for no mask, after a check that reads the mask
             # back from the device once per microbatch (stalling the device thread); decided here, on
             # the host copy, for free. (Not with position ids: without a mask transformers would look
@@ -524,9 +429,7 @@ class CausalLMPreset:
         }
         if self.spec.moe is not None:
             output_router_logits = inputs.output_router_logits
-            options["output_router_logits"] = (
-                self.spec.moe.output_router_logits if output_router_logits is None else bool(output_router_logits)
-            )
+            options["output_router_logits"] = self.spec.moe.output_router_logits if output_router_logits is None else bool(output_router_logits)
         return dict(inputs.batch_kwargs(), options=options)
 
     def build_output(self, merged: Dict[str, torch.Tensor], num_items_in_batch: Optional[float] = None) -> Any:
@@ -551,7 +454,9 @@ class CausalLMPreset:
                 loss = loss + self.spec.moe.aux_loss_coef * aux
         return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=logits)
 
-    def microbatch_loss_fn(self, forward_kwargs: Dict[str, Any], num_items_in_batch: Optional[float] = None) -> Callable[[Dict[str, torch.Tensor], Any], torch.Tensor]:
+    def microbatch_loss_fn(
+        self, forward_kwargs: Dict[str, Any], num_items_in_batch: Optional[float] = None
+    ) -> Callable[[Dict[str, torch.Tensor], Any], torch.Tensor]:
         """``loss_fn`` for ``RoundPipe.forward_backward``: each microbatch's share of the batch loss.
 
         The cross-entropy of a microbatch is divided by the token count of the *whole* batch (or by

@@ -105,8 +105,7 @@ def _has_hooks(layer: nn.Module) -> bool:
     see tiles instead of the full sequence, or not run at all."""
     from torch.nn.modules import module as module_mod
 
-    if (module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks
-            or module_mod._global_backward_hooks or module_mod._global_backward_pre_hooks):
+    if module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks or module_mod._global_backward_hooks or module_mod._global_backward_pre_hooks:
         return True
     return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in layer.modules())
 
@@ -160,9 +159,15 @@ def tile_bounds(seq: int, rows: int) -> Tiles:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _pre_math(norm: Callable[..., torch.Tensor], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              weights: Tuple[Any, ...], eps: Tuple[float, float, float], head_dim: int
-              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _pre_math(
+    norm: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    weights: Tuple[Any, ...],
+    eps: Tuple[float, float, float],
+    head_dim: int,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Input norm, q/k/v projections, q/k norms, rotary: ``q``, ``k``, ``v`` as ``[batch, seq, heads,
     head_dim]`` (op for op as Hugging Face's layer)."""
     ln1_w, q_w, k_w, v_w, qn_w, kn_w = weights
@@ -178,8 +183,7 @@ def _pre_math(norm: Callable[..., torch.Tensor], x: torch.Tensor, cos: torch.Ten
     return q.transpose(1, 2), k.transpose(1, 2), v
 
 
-def _post_math(norm: Callable[..., torch.Tensor], x: torch.Tensor, a: torch.Tensor,
-               weights: Tuple[torch.Tensor, ...], eps: float) -> torch.Tensor:
+def _post_math(norm: Callable[..., torch.Tensor], x: torch.Tensor, a: torch.Tensor, weights: Tuple[torch.Tensor, ...], eps: float) -> torch.Tensor:
     """``y = x + o_proj(a); y + down(silu(gate(norm(y))) * up(norm(y)))``."""
     o_w, ln2_w, gate_w, up_w, down_w = weights
     y = x + F.linear(a, o_w)
@@ -187,8 +191,9 @@ def _post_math(norm: Callable[..., torch.Tensor], x: torch.Tensor, a: torch.Tens
     return y + F.linear(kernels.swiglu(F.linear(h, gate_w), F.linear(h, up_w)), down_w)
 
 
-def pre_attention(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: Tuple[Any, ...],
-                  eps: Tuple[float, float, float], head_dim: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pre_attention(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: Tuple[Any, ...], eps: Tuple[float, float, float], head_dim: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_pre_math` with :func:`kernels.rms_norm_reference` (what gets compiled)."""
     return _pre_math(kernels.rms_norm_reference, x, cos, sin, weights, eps, head_dim)
 
@@ -238,7 +243,8 @@ class _LayerTiles:
         self.qk_norm = hasattr(attn, "q_norm")
         self.fused_rope = kernels.is_fused(attn)
         self.pre_modules: Tuple[nn.Module, ...] = (lay.input_layernorm, attn.q_proj, attn.k_proj, attn.v_proj) + (
-            (attn.q_norm, attn.k_norm) if self.qk_norm else ())
+            (attn.q_norm, attn.k_norm) if self.qk_norm else ()
+        )
         self.post_modules: Tuple[nn.Module, ...] = (attn.o_proj, lay.post_attention_layernorm, lay.mlp)
         self.pre_dropout = _dropout_active(self.pre_modules)
         self.post_dropout = _dropout_active(self.post_modules)
@@ -246,14 +252,20 @@ class _LayerTiles:
         self.pre_op: Optional[Tuple[Any, ...]] = None  # (weights, eps) of the compiled part, when it applies
         if _plain(self.pre_modules):
             qn, kn = (attn.q_norm, attn.k_norm) if self.qk_norm else (None, None)
-            self.pre_op = ((ln1.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
-                            qn.weight if qn is not None else None, kn.weight if kn is not None else None),
-                           (ln1.variance_epsilon, qn.variance_epsilon if qn is not None else 0.0,
-                            kn.variance_epsilon if kn is not None else 0.0))
+            self.pre_op = (
+                (
+                    ln1.weight,
+                    attn.q_proj.weight,
+                    attn.k_proj.weight,
+                    attn.v_proj.weight,
+                    qn.weight if qn is not None else None,
+                    kn.weight if kn is not None else None,
+                ),
+                (ln1.variance_epsilon, qn.variance_epsilon if qn is not None else 0.0, kn.variance_epsilon if kn is not None else 0.0),
+            )
         self.post_op: Optional[Tuple[Any, ...]] = None
         if _plain((attn.o_proj, ln2, mlp, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
-            self.post_op = ((attn.o_proj.weight, ln2.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight),
-                            ln2.variance_epsilon)
+            self.post_op = ((attn.o_proj.weight, ln2.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight), ln2.variance_epsilon)
 
     # ---- per tile ----
 
@@ -291,8 +303,9 @@ class _LayerTiles:
 
     # ---- whole sequence, no graph ----
 
-    def pre_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    rng: Optional[List[torch.Tensor]]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def pre_forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rng: Optional[List[torch.Tensor]]
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Full-length ``q``, ``k``, ``v`` (``[batch, seq, heads, head_dim]``) filled tile by tile;
         ``rng`` collects each tile's RNG state when given."""
         full: List[torch.Tensor] = []
@@ -316,8 +329,7 @@ class _LayerTiles:
             self.post_tile(x[:, s:e], a[:, s:e], out=out[:, s:e])
         return out
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                  position_ids: Optional[torch.Tensor]) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor]) -> torch.Tensor:
         """The layer's attention function (``config._attn_implementation``) over the full length, called
         as the Hugging Face attention module calls it; returns ``[batch, seq, heads * head_dim]``."""
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -328,8 +340,16 @@ class _LayerTiles:
         kwargs: Dict[str, Any] = {"position_ids": position_ids, "use_cache": False}
         if hasattr(attn, "sliding_window"):  # Qwen3 passes it (sdpa reads the mask instead)
             kwargs["sliding_window"] = attn.sliding_window
-        out, _ = fn(attn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
-                    dropout=0.0 if not attn.training else attn.attention_dropout, scaling=attn.scaling, **kwargs)
+        out, _ = fn(
+            attn,
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            mask,
+            dropout=0.0 if not attn.training else attn.attention_dropout,
+            scaling=attn.scaling,
+            **kwargs,
+        )
         return out.reshape(q.shape[0], q.shape[1], -1).contiguous()
 
 

@@ -168,6 +168,7 @@ def copy_params_to_model(units: Units, use_staged: bool = False) -> None:
                 pa.staged_valid = False
         attr.param_copied.set()
 
+
 def stage_params(units: Units) -> None:
     """End of an asynchronous step: write the updated optimizer parameters into each parameter's
     staging buffer (model dtype, pinned like the parameter), published by the next step.
@@ -204,6 +205,7 @@ def stage_params(units: Units) -> None:
                 pa.staged.copy_(pa.optim.data)
                 pa.staged_valid = True
 
+
 def release_grad_buffers(units: Units) -> None:
     """After a synchronous step: gradient buffers the optimizer let go of become spares."""
     for _, params in units:
@@ -213,6 +215,7 @@ def release_grad_buffers(units: Units) -> None:
             if freed is not None:
                 pa.give_spare(freed)
             pa.trim_spare()
+
 
 def copy_grad_to_optim(p: nn.Parameter) -> None:
     """Add the model gradient into the optimizer copy's gradient and clear the model gradient (the

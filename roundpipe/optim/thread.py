@@ -23,7 +23,6 @@ from typing import Any, Callable, Optional
 import torch
 
 from roundpipe import settings
-
 from roundpipe.threads import OptimizerStepError, RoundPipeThread, note_progress, report_failure
 
 KernelQueueType = "queue.Queue[Tuple[Callable, Tuple, Dict[str, Any]]]"
@@ -49,9 +48,13 @@ def _set_thread_count() -> None:
     if n is None:
         share = shared_host_default()
         if share is not None:
-            logger.info("roundpipe: %s ranks on this host and one intra-op thread each (torchrun sets "
-                        "OMP_NUM_THREADS=1): the optimizer thread uses %d; set %s to choose",
-                        os.environ.get("LOCAL_WORLD_SIZE"), share, settings.OPTIM_THREADS.name)
+            logger.info(
+                "roundpipe: %s ranks on this host and one intra-op thread each (torchrun sets "
+                "OMP_NUM_THREADS=1): the optimizer thread uses %d; set %s to choose",
+                os.environ.get("LOCAL_WORLD_SIZE"),
+                share,
+                settings.OPTIM_THREADS.name,
+            )
             torch.set_num_threads(share)
         return
     torch.set_num_threads(n)

@@ -16,7 +16,8 @@ CHAT_TEMPLATE = (
 
 def word_tokenizer() -> Any:
     """A word-level tokenizer with a chat template, built in code."""
-    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tok_models
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<unk>", "<pad>", "<eos>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -34,9 +35,18 @@ def make_local_model(path: str, tokenizer: Any, tie: bool = True) -> str:
 
     torch.manual_seed(0)
     cfg = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=128, tie_word_embeddings=tie, use_cache=False,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=128,
+        tie_word_embeddings=tie,
+        use_cache=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     Qwen3ForCausalLM(cfg).save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -47,6 +57,15 @@ def chat_rows() -> List[Dict[str, Any]]:
     """Chat rows in the tokenizer's words: four one-turn facts and one two-turn conversation."""
     facts = [("sky", "blue"), ("grass", "green"), ("sun", "yellow"), ("snow", "white")]
     rows = [{"messages": [{"role": "user", "content": f"what is the color of the {x}"}, {"role": "assistant", "content": f"it is {c}"}]} for x, c in facts]
-    rows.append({"messages": [{"role": "system", "content": "say hello"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-                              {"role": "user", "content": "thanks"}, {"role": "assistant", "content": "hello please"}]})
+    rows.append(
+        {
+            "messages": [
+                {"role": "system", "content": "say hello"},
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "thanks"},
+                {"role": "assistant", "content": "hello please"},
+            ]
+        }
+    )
     return rows

@@ -9,11 +9,10 @@ import time
 
 import pytest
 import yaml
+from helpers import ROOT
 
 from roundpipe.cli import main
 from roundpipe.cli.config import TASK_PROFILE, ConfigError, TrainConfig, parse_train_args
-
-from helpers import ROOT
 
 
 def write(path, text: str) -> str:
@@ -135,7 +134,9 @@ def test_help_version_and_config_errors_answer_without_torch(tmp_path, args, cod
     loaded CI machine, where importing torch alone takes longer."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "roundpipe", *args], capture_output=True, text=True, env=env, timeout=50, cwd=str(tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "roundpipe", *args], capture_output=True, text=True, env=env, timeout=50, cwd=str(tmp_path)
+    )
     seconds = time.monotonic() - start
     assert proc.returncode == code, proc.stderr[-2000:]
     assert expect in proc.stdout + proc.stderr

@@ -72,8 +72,15 @@ def trained_text(tok, ids, labels) -> str:
 def test_chat_jsonl_trains_on_responses_only(tmp_path) -> None:
     tok = byte_tokenizer()
     rows = [
-        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-                      {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]},
+        {
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4"},
+            ]
+        },
         {"prompt": "capital of France?", "response": "Paris"},
         {"text": "plain text row"},
     ]

@@ -14,10 +14,9 @@ import subprocess
 import sys
 
 import pytest
+from helpers import ROOT
 
 from roundpipe.cli.metrics import read_metrics
-
-from helpers import ROOT
 
 ACCURACY = 0.90
 STEPS = 600
@@ -31,7 +30,10 @@ def test_default_task_learns(tmp_path) -> None:
     env.update(RPP_PROGRESS="0", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
         [sys.executable, "-m", "roundpipe", "train", "--output-dir", str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=1150,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1150,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     print(proc.stdout)

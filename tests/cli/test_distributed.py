@@ -24,16 +24,30 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
+from helpers import ROOT
 
 from roundpipe.cli import main
 from roundpipe.cli.checkpoint import load_tensors, load_torch, verify_checkpoint
 
-from helpers import ROOT
-
 EXACT = 1e-6
 # Uneven shards (rows 0-2 and 3-6 of every batch), two batches per step, a checkpoint every 2 steps.
-ARGS = ["--steps", "4", "--batch-size", "7", "--grad-accum", "2", "--save-every", "2", "--keep-checkpoints", "3",
-        "--eval-examples", "8", "--log-every", "1", "--no-progress"]
+ARGS = [
+    "--steps",
+    "4",
+    "--batch-size",
+    "7",
+    "--grad-accum",
+    "2",
+    "--save-every",
+    "2",
+    "--keep-checkpoints",
+    "3",
+    "--eval-examples",
+    "8",
+    "--log-every",
+    "1",
+    "--no-progress",
+]
 
 
 def torchrun(args: List[str], cwd: str, nproc: int = 2, script: Optional[List[str]] = None, monitor_s: Optional[float] = None) -> subprocess.CompletedProcess:
@@ -159,7 +173,9 @@ def test_a_rank_without_rows_takes_part_and_a_failing_rank_stops_the_other(tmp_p
     args = ["--steps", "4", "--batch-size", "1", "--save-every", "1", "--keep-checkpoints", "4", "--eval-examples", "0", "--no-progress"]
     out, ref = str(tmp_path / "dp"), str(tmp_path / "one")
     t0 = time.time()
-    res = torchrun(["train", *args, "--output-dir", out], str(tmp_path), script=[os.path.join(ROOT, "tests", "dist_scripts", "cli_fail.py"), "1", "3"], monitor_s=2)
+    res = torchrun(
+        ["train", *args, "--output-dir", out], str(tmp_path), script=[os.path.join(ROOT, "tests", "dist_scripts", "cli_fail.py"), "1", "3"], monitor_s=2
+    )
     elapsed = time.time() - t0
     assert res.returncode != 0
     assert "RuntimeError: injected failure on rank 1 at step 3" in res.stderr

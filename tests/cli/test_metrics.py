@@ -44,7 +44,22 @@ def test_metrics_csv_drops_rows_after_the_resumed_step(tmp_path) -> None:
 def test_ctrl_c_checkpoints_then_resume_finishes(tmp_path) -> None:
     out = str(tmp_path / "run")
     env = {**os.environ, "RPP_DEVICES": "cpu:1", "RPP_PROGRESS": "0"}
-    cmd = [sys.executable, "-m", "roundpipe", "train", "--steps", "5000", "--batch-size", "8", "--log-every", "10", "--eval-examples", "20", "--output-dir", out]
+    cmd = [
+        sys.executable,
+        "-m",
+        "roundpipe",
+        "train",
+        "--steps",
+        "5000",
+        "--batch-size",
+        "8",
+        "--log-every",
+        "10",
+        "--eval-examples",
+        "20",
+        "--output-dir",
+        out,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not os.path.isfile(os.path.join(out, "metrics.csv")):
@@ -60,7 +75,10 @@ def test_ctrl_c_checkpoints_then_resume_finishes(tmp_path) -> None:
     # Resume with a shorter run: the checkpoint's config plus the keys given now.
     resumed = subprocess.run(
         [sys.executable, "-m", "roundpipe", "train", "--resume", "--steps", str(stopped + 5), "--output-dir", out],
-        capture_output=True, text=True, env=env, timeout=120,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming at step {stopped}" in resumed.stdout and "held-out exact match" in resumed.stdout

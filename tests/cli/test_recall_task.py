@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from roundpipe.cli.tasks import TASKS, TaskStream, task_for
 
@@ -31,13 +30,19 @@ def test_recall_examples_have_the_asked_length_and_the_key_only_at_the_start() -
 
 
 def test_fixed_length_task_with_another_seq_len_is_refused(tmp_path) -> None:
-    one_line_error(roundpipe(["train", "--task", "reverse", "--seq-len", "64", "--output-dir", str(tmp_path / "r")], str(tmp_path)),
-                   "fixed 14-token examples", "--task recall")
+    one_line_error(
+        roundpipe(["train", "--task", "reverse", "--seq-len", "64", "--output-dir", str(tmp_path / "r")], str(tmp_path)),
+        "fixed 14-token examples",
+        "--task recall",
+    )
 
 
 def test_built_in_model_reaches_a_recall_context_beyond_its_default_positions(tmp_path) -> None:
-    proc = roundpipe(["train", "--task", "recall", "--seq-len", "2048", "--steps", "1", "--batch-size", "2",
-                      "--eval-examples", "2", "--output-dir", str(tmp_path / "r")], str(tmp_path), timeout=300)
+    proc = roundpipe(
+        ["train", "--task", "recall", "--seq-len", "2048", "--steps", "1", "--batch-size", "2", "--eval-examples", "2", "--output-dir", str(tmp_path / "r")],
+        str(tmp_path),
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "x 2048 tokens" in proc.stdout
 
@@ -47,8 +52,11 @@ def test_built_in_model_reaches_a_recall_context_beyond_its_default_positions(tm
 def test_a_tiny_model_learns_recall_across_the_context(tmp_path) -> None:
     """400 steps on one CPU worker: the held-out exact match (new contexts; chance is 1 in 26) reaches
     80% (measured 90.6%): the model answers from the first tokens at the last ones."""
-    proc = roundpipe(["train", "--task", "recall", "--seq-len", "64", "--steps", "400", "--batch-size", "32",
-                      "--output-dir", str(tmp_path / "r")], str(tmp_path), timeout=850)
+    proc = roundpipe(
+        ["train", "--task", "recall", "--seq-len", "64", "--steps", "400", "--batch-size", "32", "--output-dir", str(tmp_path / "r")],
+        str(tmp_path),
+        timeout=850,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["accuracy"] >= 0.80, proc.stdout[-2000:]

@@ -15,12 +15,11 @@ import time
 
 import pytest
 import torch
+from helpers import ROOT
 from safetensors.torch import load_file
 
 from roundpipe import settings
 from roundpipe.cli.checkpoint import resolve_checkpoint
-
-from helpers import ROOT
 
 from .runner import roundpipe
 

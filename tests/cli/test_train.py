@@ -63,12 +63,27 @@ def test_chat_jsonl_lora_trains_on_responses_and_exports(tmp_path) -> None:
     model_dir = make_local_model(str(tmp_path / "model"), tok)
     data = tmp_path / "chat.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in chat_rows()) + "\n")
-    cfg = config(model=model_dir, data=str(data), seq_len=24, pack=False, batch_size=4, microbatches=2, steps=40, lr=3e-2, warmup_steps=0,
-                 lora_r=8, lora_targets=["q_proj", "v_proj", "down_proj"], output_dir=str(tmp_path / "run"))
+    cfg = config(
+        model=model_dir,
+        data=str(data),
+        seq_len=24,
+        pack=False,
+        batch_size=4,
+        microbatches=2,
+        steps=40,
+        lr=3e-2,
+        warmup_steps=0,
+        lora_r=8,
+        lora_targets=["q_proj", "v_proj", "down_proj"],
+        output_dir=str(tmp_path / "run"),
+    )
     recipe = Recipe(cfg, out=lambda msg: None)
     recipe.setup()
     # Loss masks: only the assistant turns (and their <eos>) are trained on.
-    trained = [tok.decode([t for t, l in zip(ids, labels) if l != IGNORE_INDEX]) for ids, labels in zip(recipe.stream.input_ids.tolist(), recipe.stream.labels.tolist())]
+    trained = [
+        tok.decode([t for t, l in zip(ids, labels) if l != IGNORE_INDEX])
+        for ids, labels in zip(recipe.stream.input_ids.tolist(), recipe.stream.labels.tolist())
+    ]
     assert trained[:4] == ["it is blue <eos>", "it is green <eos>", "it is yellow <eos>", "it is white <eos>"]
     assert trained[4] == "hello <eos> hello please <eos>"
     trainable = {n for n, p in recipe.model.hf_model.named_parameters() if p.requires_grad}
@@ -89,8 +104,27 @@ def test_txt_packed_full_finetune_through_cli(tmp_path, capsys) -> None:
     data = tmp_path / "corpus.txt"
     data.write_text(text)
     out = tmp_path / "run"
-    argv = ["train", "--data", str(data), "--seq-len", "32", "--batch-size", "4", "--steps", "25", "--lr", "3e-3",
-            "--warmup-steps", "2", "--devices", "cpu:2", "--log-every", "5", "--output-dir", str(out)]
+    argv = [
+        "train",
+        "--data",
+        str(data),
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        "--steps",
+        "25",
+        "--lr",
+        "3e-3",
+        "--warmup-steps",
+        "2",
+        "--devices",
+        "cpu:2",
+        "--log-every",
+        "5",
+        "--output-dir",
+        str(out),
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert f"corpus.txt: 1 examples -> {(len(text) + 1) // 32} rows x 32 tokens (packed" in printed
@@ -142,7 +176,10 @@ def test_resume_from_corrupt_checkpoint_is_one_line(tmp_path, capsys) -> None:
         f.write(b"\0\0\1")
     assert main(["train", "--resume", "--steps", "4", "--output-dir", out]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"roundpipe: error: checkpoint {path} is corrupt: optim/master.safetensors does not match its sha256 in manifest.json — delete it and resume from an earlier checkpoint"]
+    assert err == [
+        f"roundpipe: error: checkpoint {path} is corrupt: optim/master.safetensors does not match its sha256 in manifest.json — delete it "
+        "and resume from an earlier checkpoint"
+    ]
 
 
 def test_model_errors_are_one_line(tmp_path, capsys) -> None:
@@ -153,7 +190,10 @@ def test_model_errors_are_one_line(tmp_path, capsys) -> None:
     capsys.readouterr()
     cases = [
         (["--model", str(tmp_path / "nope")], "is neither a local directory nor a built-in architecture"),
-        (["--model", model_dir, "--data", str(data), "--seq-len", "256"], "seq_len=256 exceeds the model's limit (max_position_embeddings=128) — lower --seq-len to at most 128"),
+        (
+            ["--model", model_dir, "--data", str(data), "--seq-len", "256"],
+            "seq_len=256 exceeds the model's limit (max_position_embeddings=128) — lower --seq-len to at most 128",
+        ),
         (["--model", model_dir, "--data", str(data), "--lora-r", "4", "--lora-targets", "qkv_fused"], "LoRA:"),
         (["--data", str(data), "--seq-len", "1000"], "the data has 501 tokens, fewer than one sequence of seq_len=1000"),
         (["--devices", "tpu:3"], "--devices tpu:3 is not a device list ("),
@@ -210,7 +250,10 @@ def test_nonfinite_loss_stops_or_skips(tmp_path, capsys, monkeypatch) -> None:
     assert len(err) == 1 and "the loss is nan at step 3" in err[0], err
     poisoned["done"] = False
     logs: List[str] = []
-    res = run(config(output_dir=str(tmp_path / "skip"), steps=4, batch_size=4, on_nonfinite="skip", async_step=False, save_every=1, keep_checkpoints=10), out=logs.append)
+    res = run(
+        config(output_dir=str(tmp_path / "skip"), steps=4, batch_size=4, on_nonfinite="skip", async_step=False, save_every=1, keep_checkpoints=10),
+        out=logs.append,
+    )
     assert res.step == 4 and "roundpipe: step 3: loss is nan; its gradients were dropped (on_nonfinite=skip)" in logs
     assert_step_skipped(str(tmp_path / "skip"), 3)
 
@@ -237,7 +280,10 @@ def test_nonfinite_gradient_norm_stops_or_skips(tmp_path, capsys, monkeypatch) -
     out = str(tmp_path / "stop")
     assert main(["train", "--output-dir", out, "--steps", "8", "--batch-size", "4", "--eval-examples", "0", "--save-every", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["roundpipe: error: the gradient norm is nan at step 3 (the loss was finite) — lower --lr, check the data, or pass --on-nonfinite skip; the step was not applied and earlier checkpoints are intact"]
+    assert err == [
+        "roundpipe: error: the gradient norm is nan at step 3 (the loss was finite) — lower --lr, check the data, or pass --on-nonfinite "
+        "skip; the step was not applied and earlier checkpoints are intact"
+    ]
     assert resolve_checkpoint("latest", out).endswith("step-0000002")  # step 4's checkpoint was not written
     rows = {int(r["step"]): r for r in csv.DictReader(open(os.path.join(out, "metrics.csv")))}
     assert max(rows) <= 4 and all(float(r["loss"]) == float(r["loss"]) for r in rows.values())
@@ -274,8 +320,21 @@ def test_gradient_accumulation_weights_batches_by_token_count(tmp_path) -> None:
     data = tmp_path / "qa.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": "what is the color", "response": a}) for a in answers) + "\n")
     lr, steps = 1e-3, 3
-    keys = dict(model=model_dir, data=str(data), seq_len=16, pack=False, batch_size=2, grad_accum=2, steps=steps, lr=lr, warmup_steps=0,
-                min_lr_ratio=1.0, max_grad_norm=0.0, async_step=False, output_dir=str(tmp_path / "run"))
+    keys = dict(
+        model=model_dir,
+        data=str(data),
+        seq_len=16,
+        pack=False,
+        batch_size=2,
+        grad_accum=2,
+        steps=steps,
+        lr=lr,
+        warmup_steps=0,
+        min_lr_ratio=1.0,
+        max_grad_norm=0.0,
+        async_step=False,
+        output_dir=str(tmp_path / "run"),
+    )
     result = run(config(**keys), out=lambda m: None)
 
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)

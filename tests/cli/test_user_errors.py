@@ -97,7 +97,17 @@ def cuda_without_gpu(d: str) -> Tuple[List[str], List[str]]:
 
 CASES: Dict[str, Callable[[str], Tuple[List[str], List[str]]]] = {
     f.__name__: f
-    for f in (non_utf8_txt, non_utf8_jsonl, non_string_fields, null_response, chat_without_assistant, model_without_tokenizer, negative_lr, data_and_task, cuda_without_gpu)
+    for f in (
+        non_utf8_txt,
+        non_utf8_jsonl,
+        non_string_fields,
+        null_response,
+        chat_without_assistant,
+        model_without_tokenizer,
+        negative_lr,
+        data_and_task,
+        cuda_without_gpu,
+    )
 }
 
 

@@ -48,12 +48,13 @@ from typing import Any, Callable, Dict, List, Optional
 os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import dp_train as base  # noqa: E402  (models and batches of the host-reduction tests)
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-import dp_train as base  # noqa: E402  (models and batches of the host-reduction tests)
 import roundpipe  # noqa: E402
-from roundpipe import AutoRoundPipe, RoundPipe, RoundPipeRunConfig, device as device_mod  # noqa: E402
+from roundpipe import AutoRoundPipe, RoundPipe, RoundPipeRunConfig  # noqa: E402
+from roundpipe import device as device_mod
 from roundpipe import distributed as rdist  # noqa: E402
 from roundpipe.plan import ModelExecutePlan  # noqa: E402
 
@@ -64,9 +65,18 @@ def build_qwen(hidden: int = 32, layers: int = 2, dtype: torch.dtype = torch.flo
 
     torch.manual_seed(0)
     config = transformers.Qwen3Config(
-        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=hidden // 4, vocab_size=base.VOCAB, max_position_embeddings=64, pad_token_id=0, initializer_range=0.1,
-        use_cache=False, tie_word_embeddings=True,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        vocab_size=base.VOCAB,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        initializer_range=0.1,
+        use_cache=False,
+        tie_word_embeddings=True,
     )
     return transformers.AutoModelForCausalLM.from_config(config).to(dtype)
 
@@ -114,9 +124,13 @@ class Trainer:
         elif sc.model == "qwen":
             self.model = roundpipe.wrap_model_to_roundpipe(build_qwen(dtype=self.dtype), optim_dtype=torch.float32, model_run_config=cfg, name="qwen")
         elif sc.model == "gpu":
-            self.model = roundpipe.wrap_model_to_roundpipe(build_qwen(hidden=256, layers=4, dtype=self.dtype), optim_dtype=torch.float32, model_run_config=cfg, name="gpu")
+            self.model = roundpipe.wrap_model_to_roundpipe(
+                build_qwen(hidden=256, layers=4, dtype=self.dtype), optim_dtype=torch.float32, model_run_config=cfg, name="gpu"
+            )
         elif sc.model == "lora":
-            self.model = roundpipe.wrap_model_to_roundpipe(base.build_lora(adapter_seed).to(self.dtype), optim_dtype=torch.float32, model_run_config=cfg, name="lora")
+            self.model = roundpipe.wrap_model_to_roundpipe(
+                base.build_lora(adapter_seed).to(self.dtype), optim_dtype=torch.float32, model_run_config=cfg, name="lora"
+            )
         else:
             raise SystemExit(f"unknown model {sc.model!r}")
         self.dp = rdist.enable_data_parallel(self.model, bucket_mb=args.bucket_mb, reduce_on=reduce_on) if reduce_on else None

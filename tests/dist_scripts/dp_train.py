@@ -38,8 +38,8 @@ from torch import nn
 
 import roundpipe
 from roundpipe import AutoRoundPipe, RoundPipe, RoundPipeRunConfig
-from roundpipe.optim import thread as optim_thread
 from roundpipe import distributed as rdist
+from roundpipe.optim import thread as optim_thread
 
 torch.set_num_threads(1)
 
@@ -86,9 +86,18 @@ def build_lora(adapter_seed: int) -> nn.Module:
 
     torch.manual_seed(0)
     config = transformers.Qwen3Config(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, initializer_range=0.1,
-        use_cache=False, tie_word_embeddings=True,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        initializer_range=0.1,
+        use_cache=False,
+        tie_word_embeddings=True,
     )
     base = transformers.AutoModelForCausalLM.from_config(config).float()
     torch.manual_seed(adapter_seed)
