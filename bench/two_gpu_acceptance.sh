@@ -16,9 +16,11 @@ case "${1:-}" in
   tests)  # the GPU tests, the 2-GPU ones included
     python3 -m pytest -m gpu tests/test_gpu.py tests/test_loss.py -q -p no:cacheprovider 2>&1 | tail -5 ;;
   scale)  # issue 19: qwen3-1.7b and qwen3-4b, 16 x 4096, 2 GPUs >= 1.85x one GPU of the same machine
-    for w in qwen3-1.7b qwen3-4b; do
+    # (SCALE_NOSPLIT=1: also 2 GPUs with the fused job unsplit, RPP_SPLIT_FUSED=0; SCALE_MODELS picks models)
+    for w in ${SCALE_MODELS:-qwen3-1.7b qwen3-4b}; do
       CUDA_VISIBLE_DEVICES=0 bench --workload $w --batch 16 --skip-baseline --warmup 3 --iters 4 | tee -a "$out/scale.log" | tail -4
-      bench --workload $w --batch 16 --skip-baseline --warmup 3 --iters 4 --sample-stacks | tee -a "$out/scale.log" | tail -4
+      bench --workload $w --batch 16 --skip-baseline --warmup 3 --iters 4 | tee -a "$out/scale.log" | tail -4
+      [ -n "${SCALE_NOSPLIT:-}" ] && RPP_SPLIT_FUSED=0 bench --workload $w --batch 16 --skip-baseline --warmup 3 --iters 4 | tee -a "$out/scale.log" | tail -1
     done ;;
   4b)  # issue 6: qwen3-4b on 2 GPUs >= 1.85x one GPU of the same machine
     CUDA_VISIBLE_DEVICES=0 bench --workload qwen3-4b --skip-baseline --warmup 3 --iters 3 | tail -4

@@ -62,11 +62,12 @@ def _download_reusing(device: "DeviceManager", events: List[Any], leaves: Leaves
     return [r if r is not None else f for r, f in zip(reused, fresh)]
 
 
-def _next_forward_device(run: Run, group: int) -> Optional["DeviceManager"]:
-    """The device of the job that consumes forward group ``group``'s output (None: the caller)."""
+def _next_forward_device(run: Run, group: int, m: int) -> Optional["DeviceManager"]:
+    """The device of the job that consumes forward group ``group``'s output of microbatch ``m`` (None:
+    the caller)."""
     if group + 1 < len(run.plan.fwd_plan):
         return run.job_device.get(("f", group + 1))
-    return run.job_device.get(("fb", 0))
+    return run.job_device.get(("fb", m % run.fused_parts))
 
 
 def _take_grads(device: "DeviceManager", ctx: MicrobatchState) -> List[Optional[torch.Tensor]]:
@@ -90,9 +91,10 @@ def _give_grads(device: "DeviceManager", run: Run, ctx: MicrobatchState, group: 
 
 
 def _upload_group(
-    device: "DeviceManager", run: Run, layers: range, with_grad: bool, for_recompute: bool, ready: Optional[List[Any]] = None
+    device: "DeviceManager", run: Run, layers: range, with_grad: bool, for_recompute: bool, ready: Optional[List[Any]] = None, seed: bool = True
 ) -> List[torch.nn.Module]:
-    """Upload a job's layers; with ``ready``, compute waits layer by layer (``transfer.wait_layer``)."""
+    """Upload a job's layers; with ``ready``, compute waits layer by layer (``transfer.wait_layer``).
+    ``seed``: start device gradients from the host's (accumulated by earlier calls of this step)."""
     model = run.model
     sizes = model.layer_device_bytes("train" if with_grad else "infer")
     device.stage = (model.name, layers, sum(sizes[i] for i in layers))
@@ -105,7 +107,7 @@ def _upload_group(
         with_grad=with_grad,
         saved_buffers=run.saved_buffers if for_recompute else None,
         ready=ready,
-        seed_grads=[run.reducers[i] is None for i in layers],
+        seed_grads=[seed and run.reducers[i] is None for i in layers],
     )
 
 
@@ -127,7 +129,7 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
     ready: List[Any] = []
     gpu_layers = _upload_group(device, run, layers, with_grad=False, for_recompute=False, ready=ready)
     for m in range(batch.num_microbatch):
-        tracker.forward_wait_for(layer_group_id)
+        tracker.forward_wait_for(layer_group_id, m)
         ctx = run.contexts[m]
         device.location = f"model {model.name!r}: forward of {run.layer_name(layers.start)}, microbatch {m}"
         host_leaves, spec, events = batch.flatten_states[m], batch.flatten_specs[m], batch.forward_events[m]
@@ -157,7 +159,7 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
                 with ForwardCtx(save) if run.enable_grad else contextlib.nullcontext(), run.timer.time_fwd("fwd", i, device.compute_stream):
                     x = _wrap(_call_layer(layer, x))
             out_leaves, out_spec = pytree.tree_flatten(x)
-        consumer = _next_forward_device(run, layer_group_id)
+        consumer = _next_forward_device(run, layer_group_id, m)
         if consumer is device:
             run.act_handoff[m] = (device, out_leaves)
         # The host copy is needed by another device, by the caller, or as a saved backward-stage input.
@@ -182,7 +184,7 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
         batch.flatten_specs[m] = out_spec
         device.mem_manager.free((dev_leaves, out_leaves), device.compute_stream, device.downstream)
         del dev_leaves, out_leaves, x
-        tracker.forward_notify(layer_group_id)
+        tracker.forward_notify(layer_group_id, m)
     for i, layer in zip(layers, gpu_layers):
         download_layer(model.layers[i], layer, i, model.layer_attrs[i], device, with_buffer=True, with_grad=False)
     release_layers(gpu_layers, device)
@@ -249,12 +251,12 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int) -> None
     gpu_layers = _upload_group(device, run, layers, with_grad=True, for_recompute=True, ready=ready)
     first = True  # the first microbatch that computes waits for each layer; later ones find them there
     for m in range(batch.num_microbatch):
-        tracker.backward_wait_for(layer_group_id)
+        tracker.backward_wait_for(layer_group_id, m)
         ctx = run.contexts[m]
         device.location = f"model {model.name!r}: backward of {run.layer_name(layers.stop - 1)}, microbatch {m}"
         if all(g is None for g in ctx.grad_states) and ctx.grad_handoff is None:
             ctx.grad_states, ctx.grad_events = [None] * run.drop_stage_input(ctx, layers.start), []
-            tracker.backward_notify(layer_group_id)
+            tracker.backward_notify(layer_group_id, m)
             continue
         dev_in, spec = run.take_stage_input(ctx, layers.start, device)
         dev_grads = _take_grads(device, ctx)
@@ -309,7 +311,7 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int) -> None
         _give_grads(device, run, ctx, layer_group_id, in_grads)
         device.mem_manager.free((dev_in, dev_grads, in_grads, recompute), device.compute_stream, device.downstream)
         del dev_in, dev_grads, in_grads, recompute
-        tracker.backward_notify(layer_group_id)
+        tracker.backward_notify(layer_group_id, m)
     if first:
         # No microbatch computed (no gradient reached this stage): the downloads below still read the
         # gradients uploaded as seeds, so the compute stream (which the download stream follows) must
@@ -342,16 +344,21 @@ def _check_loss(loss: Any) -> List[torch.Tensor]:
     return losses
 
 
-def run_forward_backward(device: "DeviceManager", run: Run) -> None:
+def run_forward_backward(device: "DeviceManager", run: Run, part: int = 0) -> None:
     """The last backward group: forward, loss and backward in one job, with no recompute and no host
-    round trip for the head. Losses (and outputs when asked) are downloaded per microbatch."""
+    round trip for the head. Losses (and outputs when asked) are downloaded per microbatch.
+
+    Split over ``run.fused_parts`` devices, part ``part`` runs microbatches part, part + parts, ...;
+    part 0 downloads the layers' gradients with the other parts' added in (``partial_grads``), the
+    others only hand theirs over. Only part 0 seeds its device gradients from the host (gradients
+    accumulated by earlier calls), so the sum counts them once."""
     model, batch, tracker = run.model, run.batch, run.tracker
     gid = len(run.plan.bwd_plan) - 1
     layers = run.plan.bwd_plan[gid]
     assert run.loss_fn is not None
-    gpu_layers = _upload_group(device, run, layers, with_grad=True, for_recompute=False)
-    for m in range(batch.num_microbatch):
-        tracker.forward_wait_for(len(run.plan.fwd_plan))
+    gpu_layers = _upload_group(device, run, layers, with_grad=True, for_recompute=False, seed=part == 0)
+    for m in range(part, batch.num_microbatch, run.fused_parts):
+        tracker.forward_wait_for(len(run.plan.fwd_plan), m)
         ctx = run.contexts[m]
         device.location = f"model {model.name!r}: fused forward-backward of {run.layer_name(layers.start)}, microbatch {m}"
         spec = batch.flatten_specs[m]
@@ -388,11 +395,24 @@ def run_forward_backward(device: "DeviceManager", run: Run) -> None:
         _give_grads(device, run, ctx, gid, in_grads)
         device.mem_manager.free((dev_in, dev_label, in_grads, out), device.compute_stream, device.downstream)
         del dev_in, dev_label, in_grads, out, x, leaves, total, losses
-        tracker.fused_forward_notify()
-        tracker.backward_notify(gid)
+        tracker.backward_notify(gid, m)
     for i, layer in zip(layers, gpu_layers):
+        if part > 0:
+            assert run.partial_grads is not None
+            run.partial_grads.publish(part, i, model.layers[i], layer, device)
+            continue
         download_layer(
-            model.layers[i], layer, i, model.layer_attrs[i], device, with_buffer=True, with_grad=True, tied=run.tied, job_layers=layers, reducer=run.reducers[i]
+            model.layers[i],
+            layer,
+            i,
+            model.layer_attrs[i],
+            device,
+            with_buffer=True,
+            with_grad=True,
+            tied=run.tied,
+            job_layers=layers,
+            reducer=run.reducers[i],
+            parts=run.partial_grads,
         )
     release_layers(gpu_layers, device)
     device.job_done()

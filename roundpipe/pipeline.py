@@ -76,9 +76,11 @@ def _launch(run: Run, jobs: List[Tuple[str, int, "DeviceManager"]]) -> None:
                 attrs[i].backward_fence()
             dev.launch(run_backward, run, gid, label=_job_label(run, "backward", run.plan.bwd_plan[gid]))
         else:
-            for i in run.plan.bwd_plan[-1]:
-                attrs[i].forward_backward_fence()
-            dev.launch(run_forward_backward, run, label=_job_label(run, "fused forward-backward", run.plan.bwd_plan[-1]))
+            if gid == 0:  # the parts of a split fused job share one fence (their uploads are one use)
+                for i in run.plan.bwd_plan[-1]:
+                    attrs[i].forward_backward_fence()
+            what = "fused forward-backward" if run.fused_parts == 1 else f"fused forward-backward part {gid}"
+            dev.launch(run_forward_backward, run, gid, label=_job_label(run, what, run.plan.bwd_plan[-1]))
 
 
 def _job_label(run: Run, what: str, layers: range) -> str:
@@ -103,9 +105,11 @@ def dispatch_backward(run: Run) -> None:
 
 
 def dispatch_fused(run: Run) -> None:
-    """forward_backward: forward groups, the fused last group, then the other backward groups."""
+    """forward_backward: forward groups, the fused last group (in ``run.fused_parts`` parts, on
+    consecutive devices), then the other backward groups."""
     n_bwd = len(run.plan.bwd_plan)
-    jobs = [("f", g) for g in range(len(run.plan.fwd_plan))] + [("fb", 0)] + [("b", b) for b in range(n_bwd - 2, -1, -1)]
+    fused = [("fb", part) for part in range(run.fused_parts)]
+    jobs = [("f", g) for g in range(len(run.plan.fwd_plan))] + fused + [("b", b) for b in range(n_bwd - 2, -1, -1)]
     _launch(run, _assign(run, jobs))
     run.tracker.backward_wait_complete(run.batch.num_microbatch)
 

@@ -469,28 +469,33 @@ def simulate_iteration(
     bwd_times: Sequence[float],
     num_devices: int,
     num_microbatch: int,
+    fused_parts: int = 1,
 ) -> float:
     """Device time of one call under RoundPipe's dispatch, from per-layer, per-microbatch costs.
 
     The jobs (forward groups, the fused group for 'fused', backward groups in reverse) go to the devices
-    round robin; a device runs its jobs in order, each over all microbatches; microbatch m of a job
-    starts when its device is free and the previous job has finished microbatch m. Transfers and
-    parameter uploads are taken as hidden (they run on their own streams). Returns the time the last
-    device finishes: with one device the sum of all costs, with several it adds the waits that a slow
-    job imposes on the jobs after it, and the pipeline's fill and drain.
+    round robin; a device runs its jobs in order, each over its microbatches; microbatch m of a job
+    starts when its device is free and the previous job has finished microbatch m. The fused group runs
+    in ``fused_parts`` jobs, part j taking microbatches j, j + parts, ... (``jobs.run_forward_backward``).
+    Transfers and parameter uploads are taken as hidden (they run on their own streams). Returns the time
+    the last device finishes: with one device the sum of all costs, with several it adds the waits that
+    a slow job imposes on the jobs after it, and the pipeline's fill and drain.
     """
-    jobs: List[float] = [math.fsum(fwd_times[i] for i in r) for r in fwd_plan]
+    every = range(max(1, num_microbatch))
+    jobs: List[Tuple[float, Sequence[int]]] = [(math.fsum(fwd_times[i] for i in r), every) for r in fwd_plan]
     if run_type == "fused" and bwd_plan:
-        jobs.append(math.fsum(bwd_times[i] for i in bwd_plan[-1]))  # forward + loss + backward
-        jobs += [math.fsum(bwd_times[i] for i in r) for r in reversed(bwd_plan[:-1])]
+        fused = math.fsum(bwd_times[i] for i in bwd_plan[-1])  # forward + loss + backward
+        parts = max(1, fused_parts)
+        jobs += [(fused, range(j, len(every), parts)) for j in range(parts)]
+        jobs += [(math.fsum(bwd_times[i] for i in r), every) for r in reversed(bwd_plan[:-1])]
     elif run_type == "train":
-        jobs += [math.fsum(bwd_times[i] for i in r) for r in reversed(bwd_plan)]
+        jobs += [(math.fsum(bwd_times[i] for i in r), every) for r in reversed(bwd_plan)]
     free = [0.0] * max(1, num_devices)
-    ready = [0.0] * max(1, num_microbatch)  # when the previous job finished each microbatch
-    for k, cost in enumerate(jobs):
+    ready = [0.0] * len(every)  # when the previous job finished each microbatch
+    for k, (cost, mbs) in enumerate(jobs):
         d = k % len(free)
         t = free[d]
-        for m in range(len(ready)):
+        for m in mbs:
             t = max(t, ready[m]) + cost
             ready[m] = t
         free[d] = t

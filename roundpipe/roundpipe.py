@@ -17,6 +17,7 @@ from roundpipe.grad_sync import GradSync
 from roundpipe.memory import PinMode, pin_module
 from roundpipe.optim import step as optim_step
 from roundpipe.optim import thread as optim_thread
+from roundpipe.partial_grads import PartialGradStore
 from roundpipe.pipeline import RoundPipeBatchedBackward, dispatch_forward, dispatch_fused, finish_backward, guarded
 from roundpipe.plan import ModelExecutePlan, RunType
 from roundpipe.run import Run
@@ -325,6 +326,8 @@ class RoundPipe(RoundPipeBase):
         self.__dict__["layers"] = layers  # not registered again: they live under self.model
         self.num_layers = len(layers)
         self.layer_attrs = [LayerAttribute(i, f"{self.name}.layer{i}") for i in range(self.num_layers)]
+        # Host buffers of the fused group's gradient parts on other devices (``partial_grads``).
+        self.partial_grad_store: PartialGradStore = {}
         pin_module(model, pin_model)
         shared: Dict[int, nn.Parameter] = {}
         for i, layer in enumerate(layers):

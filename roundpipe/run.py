@@ -16,8 +16,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 from roundpipe import device as device_mod
+from roundpipe import settings
 from roundpipe.batch import Batch
 from roundpipe.grad_sync import LayerReducer
+from roundpipe.partial_grads import PartialGrads, split_parts
 from roundpipe.plan import ModelExecutePlan, RunType
 from roundpipe.tracker import ModelTracker
 from roundpipe.transfer import TiedGrads, async_d2h, async_h2d, device_saved_limit, tensor_bytes
@@ -100,7 +102,7 @@ class Run:
         self.run_type = run_type
         self.enable_grad = run_type != "infer"
         self.plan = plan
-        self.tracker = ModelTracker(plan)
+        self.tracker = ModelTracker(plan, batch.num_microbatch)
         self.contexts = [MicrobatchState(m) for m in range(batch.num_microbatch)]
         # Per layer: its device gradient reduction (data parallel, ``grad_sync.layer_reducer``) or None.
         sync = model.grad_sync if self.enable_grad else None
@@ -110,7 +112,17 @@ class Run:
         self.return_outputs = return_outputs
         self.outputs: List[Any] = [None] * batch.num_microbatch
         self.timer = model.model_timer.new_iter()
-        # Which device runs each job ('f', g) / ('b', b) / ('fb', 0), fixed at dispatch (roundpipe.dispatch).
+        # The fused job runs in this many parts, part j taking microbatches j, j + parts, ... on its own
+        # device; their gradients meet in part 0's download (``partial_grads``).
+        self.fused_parts = 1
+        self.partial_grads: Optional[PartialGrads] = None
+        if run_type == "fused" and plan.bwd_plan:
+            fused = plan.bwd_plan[-1]
+            has_buffers = any(True for i in fused for _ in model.layers[i].buffers())
+            self.fused_parts = split_parts(device_mod.get_num_devices(), batch.num_microbatch, has_buffers, settings.SPLIT_FUSED.get())
+            if self.fused_parts > 1:
+                self.partial_grads = PartialGrads(self.fused_parts, fused, model.partial_grad_store)
+        # Which device runs each job ('f', g) / ('b', b) / ('fb', part), fixed at dispatch (roundpipe.dispatch).
         self.job_device: Dict[Tuple[str, int], "DeviceManager"] = {}
         # Activations and gradients handed to the next job on the same device stay there: (device, leaves).
         self.act_handoff: List[Optional[Tuple["DeviceManager", Leaves]]] = [None] * batch.num_microbatch

@@ -197,6 +197,16 @@ STAGE_PARAMS: Setting[bool] = _register(
         "RPP_STAGE_PARAMS", _bool, True, "1", "`1` or `0`", "Asynchronous steps stage the updated parameters for the next step (off: copied when it starts)."
     )
 )
+SPLIT_FUSED: Setting[bool] = _register(
+    Setting(
+        "RPP_SPLIT_FUSED",
+        _bool,
+        True,
+        "1",
+        "`1` or `0`",
+        "On several devices, split the fused forward-backward job (the loss head) by microbatch over the devices.",
+    )
+)
 WATCHDOG_S: Setting[float] = _register(
     Setting("RPP_WATCHDOG_S", _number(0.0), 0.0, "0 (off)", "seconds >= 0", "Print every RoundPipe thread's stack when waits make no progress for this long.")
 )

@@ -3,68 +3,69 @@ several device threads; each waits here for the group before it)."""
 
 from __future__ import annotations
 
+from typing import List
+
 from roundpipe.plan import ModelExecutePlan
-from roundpipe.threads import AnnotatedSemaphore, note_progress
+from roundpipe.threads import AnnotatedEvent, note_progress
 
 
 class ModelTracker:
     """Orders layer groups across devices within one run.
 
     Group g of microbatch m may start only after group g-1 has issued microbatch m's output (forward),
-    or group g+1 has issued microbatch m's input gradient (backward). Each group has a counting semaphore
-    released once per finished microbatch; the next group acquires it once per microbatch, in order.
+    or group g+1 has issued microbatch m's input gradient (backward). One event per (group, microbatch),
+    set by the job that produced it and waited on by the job that consumes it: most jobs take their
+    microbatches in order, but the fused group may be split by microbatch over several devices
+    (``jobs.run_forward_backward``), whose parts finish their microbatches in any order.
 
     Attributes:
         fwd_plan / bwd_plan: The plan of this run.
-        fwd_sem / bwd_sem: Per-group semaphores counting finished microbatches.
-        fused_fwd_sem: Released when the forward part of a fused job finished a microbatch.
+        fwd_done / bwd_done: Per group, per microbatch: set once the group issued the microbatch's
+            output (forward) or input gradient (backward).
     """
 
-    def __init__(self, execute_plan: ModelExecutePlan) -> None:
+    def __init__(self, execute_plan: ModelExecutePlan, num_microbatch: int) -> None:
         self.fwd_plan = execute_plan.fwd_plan
         self.bwd_plan = execute_plan.bwd_plan
-        self.fwd_sem = [AnnotatedSemaphore(0, name=f"fwd_group{g}") for g in range(len(self.fwd_plan))]
-        self.bwd_sem = [AnnotatedSemaphore(0, name=f"bwd_group{g}") for g in range(len(self.bwd_plan))]
-        self.fused_fwd_sem = AnnotatedSemaphore(0, name="fused_fwd")
+        self.fwd_done = [self._events(f"fwd_group{g}", num_microbatch) for g in range(len(self.fwd_plan))]
+        self.bwd_done = [self._events(f"bwd_group{g}", num_microbatch) for g in range(len(self.bwd_plan))]
         self._bwd_starts = {r.start for r in self.bwd_plan}
+
+    @staticmethod
+    def _events(name: str, n: int) -> List[AnnotatedEvent]:
+        return [AnnotatedEvent(f"{name}.microbatch{m}") for m in range(n)]
 
     def backward_need_input(self, layer_id: int) -> bool:
         """Whether ``layer_id`` starts a backward group (its input is saved for recompute)."""
         return layer_id in self._bwd_starts
 
-    def forward_wait_for(self, layer_group_id: int) -> None:
-        """Block until forward group ``layer_group_id - 1`` finished the next microbatch."""
+    def forward_wait_for(self, layer_group_id: int, m: int) -> None:
+        """Block until forward group ``layer_group_id - 1`` issued microbatch ``m``'s output (group
+        ``len(fwd_plan)`` is the fused group, which follows the last forward group)."""
         if layer_group_id > 0:
-            self.fwd_sem[layer_group_id - 1].acquire()
+            self.fwd_done[layer_group_id - 1][m].wait()
 
-    def forward_notify(self, layer_group_id: int) -> None:
+    def forward_notify(self, layer_group_id: int, m: int) -> None:
         note_progress()
-        self.fwd_sem[layer_group_id].release()
+        self.fwd_done[layer_group_id][m].set()
 
     def forward_wait_complete(self, num_microbatch: int) -> None:
         """Block until the last forward group finished ``num_microbatch`` microbatches."""
         if self.fwd_plan:
-            for _ in range(num_microbatch):
-                self.fwd_sem[-1].acquire()
+            for m in range(num_microbatch):
+                self.fwd_done[-1][m].wait()
 
-    def backward_wait_for(self, layer_group_id: int) -> None:
-        """Block until backward group ``layer_group_id + 1`` finished the next microbatch."""
+    def backward_wait_for(self, layer_group_id: int, m: int) -> None:
+        """Block until backward group ``layer_group_id + 1`` issued microbatch ``m``'s input gradient."""
         if layer_group_id + 1 < len(self.bwd_plan):
-            self.bwd_sem[layer_group_id + 1].acquire()
+            self.bwd_done[layer_group_id + 1][m].wait()
 
-    def backward_notify(self, layer_group_id: int) -> None:
+    def backward_notify(self, layer_group_id: int, m: int) -> None:
         note_progress()
-        self.bwd_sem[layer_group_id].release()
+        self.bwd_done[layer_group_id][m].set()
 
     def backward_wait_complete(self, num_microbatch: int) -> None:
         """Block until backward group 0 finished ``num_microbatch`` microbatches."""
         if self.bwd_plan:
-            for _ in range(num_microbatch):
-                self.bwd_sem[0].acquire()
-
-    def fused_forward_notify(self) -> None:
-        self.fused_fwd_sem.release()
-
-    def fused_forward_wait_complete(self, num_microbatch: int) -> None:
-        for _ in range(num_microbatch):
-            self.fused_fwd_sem.acquire()
+            for m in range(num_microbatch):
+                self.bwd_done[0][m].wait()

@@ -96,7 +96,8 @@ class HostScalar:
         return self.host.item()
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An asynchronous copy of ``t`` on ``device`` (on the current stream); a host tensor is pinned first."""
     if device.type == "cpu" and t.device.type == "cpu":
         return t.detach().clone()
     if t.device.type == "cpu" and device.type == "cuda" and not t.is_pinned():
@@ -125,13 +126,13 @@ def _copy_in_chunks(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int) -> N
 
 
 def _upload_param(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``_to_device`` for parameters, buffers and gradient seeds: sliced above ``CHUNK_UPLOAD_SIZE`` on
+    """``to_device`` for parameters, buffers and gradient seeds: sliced above ``CHUNK_UPLOAD_SIZE`` on
     CUDA (see ``chunked_upload``). The destination is allocated on the current (parameter upload) stream
     like ``.to()`` would; the pinned source's blocks are kept by the caching host allocator until the
     copies that read them have run."""
     nbytes = t.numel() * t.element_size()
     if not (chunked_upload and device.type == "cuda" and t.device.type == "cpu" and nbytes > CHUNK_UPLOAD_SIZE and t.is_contiguous()):
-        return _to_device(t, device)
+        return to_device(t, device)
     src = t.detach() if t.is_pinned() else _pinned_copy(t)
     out = torch.empty(src.shape, dtype=src.dtype, device=device)
     _copy_in_chunks(out, src, CHUNK_UPLOAD_SIZE)
@@ -151,7 +152,7 @@ def async_h2d(device: Any, host_ready_event: Iterable[Event], host_tensors: Iter
     with torch.no_grad(), backend.use_stream(stream):
         for t in host_tensors:
             if isinstance(t, torch.Tensor):
-                d = _to_device(t, device.device)
+                d = to_device(t, device.device)
                 if keep_requires_grad and t.requires_grad:
                     d.requires_grad_(True)
                 out.append(d)
@@ -310,6 +311,7 @@ def download_layer(
     tied: Optional["TiedGrads"] = None,
     job_layers: Optional[range] = None,
     reducer: Optional[Callable[[nn.Module, nn.Module, int, Any], None]] = None,
+    parts: Optional[Any] = None,
 ) -> None:
     """Issue copies of a layer's buffers and/or parameter gradients back to the host (no waiting).
 
@@ -320,6 +322,8 @@ def download_layer(
     ``tied`` (the call's ``TiedGrads``) sums the gradient shares of tied parameters into the owner
     layer's share before its download (``job_layers``: the layers of this job). ``reducer``
     (``roundpipe.grad_sync``) reduces the layer's device gradients across processes before the download.
+    ``parts`` (``partial_grads.PartialGrads``, the fused job split over devices) first adds the other
+    parts' gradients of the layer into this device's.
     """
     stream = device.downstream
     stream.wait_stream(device.compute_stream)
@@ -333,12 +337,14 @@ def download_layer(
                         b.copy_(db, non_blocking=True)
             layer_attr.buffer_downloaded = backend.record_event(stream)
         if with_grad:
+            hold: List[torch.Tensor] = []
+            if parts is not None:
+                parts.merge(layer_id, cpu_layer, gpu_layer, device, hold)
             if reducer is not None:
                 # Reduce this layer's device gradients across processes here, queued on the download
                 # stream after the compute, so the copies below (same stream) download reduced values.
                 reducer(cpu_layer, gpu_layer, layer_id, device)
             done = set()
-            hold: List[torch.Tensor] = []
             for host_mod, dev_mod in pairs:
                 for name, p in host_mod._parameters.items():
                     dp = dev_mod._parameters.get(name)
@@ -430,7 +436,7 @@ class TiedGrads:
                 if host is None:
                     continue
                 stream.wait_event(sharer.grad_downloaded)  # ... and lands before we read it
-                shares.append(_to_device(host, device.device))
+                shares.append(to_device(host, device.device))
                 attr.grad_cpu[lid] = None  # summed here: reduce_shared_grads must not add it again
         for share in shares:
             hold.append(share)

@@ -387,3 +387,49 @@ def test_device_saved_env_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("RPP_DEVICE_SAVED_GB", bad)
         with pytest.raises(ValueError, match="RPP_DEVICE_SAVED_GB"):
             RoundPipe(make_model(torch.float32))
+
+
+@pytest.mark.parametrize("workers", ["cpu:1", "cpu:2", "cpu:3"], indirect=True)
+@pytest.mark.parametrize("num_microbatch", [1, 2, 3, 5])
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+@pytest.mark.parametrize("split", ["1", "0"])
+def test_split_fused_job_equals_pytorch(workers: str, num_microbatch: int, grain: str, split: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On several devices the fused job (here two layers) runs in parts, one per device and microbatch
+    share; the gradients the parts meet in equal plain PyTorch, accumulated over two calls."""
+    from roundpipe.partial_grads import PartialGrads
+
+    monkeypatch.setenv("RPP_SPLIT_FUSED", split)
+    published = set()
+    real_publish = PartialGrads.publish
+
+    def publish(self: PartialGrads, part: int, *args: object) -> None:
+        published.add(part)
+        real_publish(self, part, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PartialGrads, "publish", publish)
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 5)).double()
+    ref = copy.deepcopy(model)
+    plan = ModelExecutePlan([range(0, 2), range(2, 3)], [range(0, 2), range(2, 3), range(3, 5)])
+    rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch, recompute_grain=grain, execute_plan=plan))
+    loss_fn = lambda out, label: ((out - label) ** 2).sum()  # noqa: E731
+    for _ in range(2):
+        x, y = torch.randn(10, 8, dtype=torch.float64), torch.randn(10, 5, dtype=torch.float64)
+        loss = rp.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        ref_loss = sum(loss_fn(ref(a), b) for a, b in zip(torch.tensor_split(x, num_microbatch), torch.tensor_split(y, num_microbatch)))
+        ref_loss.backward()
+        assert rel_err(loss, ref_loss) < 1e-12
+    check_grads(model, ref, 1e-10)
+    devices = int(workers.split(":")[1])
+    want = set(range(1, min(devices, num_microbatch))) if split == "1" else set()
+    assert published == want
+
+
+def test_split_parts_rule() -> None:
+    from roundpipe.partial_grads import split_parts
+
+    assert split_parts(1, 4, False, True) == 1
+    assert split_parts(2, 4, False, True) == 2
+    assert split_parts(3, 2, False, True) == 2  # at most one part per microbatch
+    assert split_parts(2, 4, True, True) == 1  # buffers (running statistics) keep the job whole
+    assert split_parts(2, 4, False, False) == 1

@@ -304,3 +304,13 @@ def test_simulation_of_two_devices_by_hand():
     assert simulate_iteration("infer", [range(0, 1), range(1, 2), range(2, 3)], [], [1.0, 3.0, 1.0], [], 2, 2) == pytest.approx(8)
     # Three devices: the third job runs on its own device as soon as its inputs are ready.
     assert simulate_iteration("infer", [range(0, 1), range(1, 2), range(2, 3)], [], [1.0, 3.0, 1.0], [], 3, 2) == pytest.approx(8)
+
+
+def test_simulation_of_a_split_fused_job_by_hand():
+    # f0 (cost 1) and the fused group (cost 10), then b0 (cost 2); two devices, two microbatches.
+    fwd, bwd = [1.0, 0.0], [2.0, 10.0]
+    fwd_plan, bwd_plan = [range(0, 1)], [range(0, 1), range(1, 2)]
+    # One fused job on B: mb0 1-11, mb1 11-21; b0 on A waits for it: mb0 11-13, mb1 21-23.
+    assert simulate_iteration("fused", fwd_plan, bwd_plan, fwd, bwd, 2, 2) == pytest.approx(23)
+    # Two parts: mb0 on B 1-11, mb1 on A 2-12; b0 on B: mb0 11-13, mb1 13-15.
+    assert simulate_iteration("fused", fwd_plan, bwd_plan, fwd, bwd, 2, 2, fused_parts=2) == pytest.approx(15)

@@ -96,3 +96,12 @@ def test_bf16_buffers_rotate_under_stress(workers: str, monkeypatch: pytest.Monk
     """Host buffers rotate between downloads, the optimizer and staging (the thread handoffs most
     exposed to ordering) and every variant still trains the same parameters."""
     test_step.test_host_buffers_rotate_and_one_gradient_buffer_waits(workers, monkeypatch)
+
+
+@pytest.mark.parametrize("workers", ["cpu:2", "cpu:3"], indirect=True)
+@pytest.mark.parametrize("num_microbatch", [2, 5])
+def test_split_fused_job_under_stress(workers: str, num_microbatch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parts of a split fused job meet in any order and still sum to plain PyTorch's gradients."""
+    import test_core
+
+    test_core.test_split_fused_job_equals_pytorch(workers, num_microbatch, "stage", "1", monkeypatch)

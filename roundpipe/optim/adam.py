@@ -30,7 +30,6 @@ from torch.optim.adam import adam as _torch_adam
 from torch.optim.optimizer import Optimizer, ParamsT
 
 from roundpipe import settings
-
 from roundpipe.optim.build import OptimBuildError, get_optim_function
 from roundpipe.optim.step import accept_low_precision_grad
 
@@ -61,8 +60,7 @@ def _adam_kernel() -> Optional[Callable[..., int]]:
             raise
         _kernel_error = str(exc)
         logger.warning(
-            "roundpipe.optim.Adam: C++ kernel unavailable, using torch's fused CPU Adam instead "
-            "(set %s=torch to silence this). Reason: %s",
+            "roundpipe.optim.Adam: C++ kernel unavailable, using torch's fused CPU Adam instead (set %s=torch to silence this). Reason: %s",
             IMPL_ENV,
             exc,
         )
@@ -123,10 +121,7 @@ class Adam(Optimizer):
             raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
         if not 0.0 <= weight_decay:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if not (
-            (isinstance(betas[0], float) and isinstance(betas[1], float))
-            or (isinstance(betas[0], Tensor) and isinstance(betas[1], Tensor))
-        ):
+        if not ((isinstance(betas[0], float) and isinstance(betas[1], float)) or (isinstance(betas[0], Tensor) and isinstance(betas[1], Tensor))):
             raise ValueError("betas must be either both floats or both Tensors")
         for i, beta in enumerate(betas):
             if isinstance(beta, Tensor) and beta.numel() != 1:
@@ -327,9 +322,7 @@ class _KernelBatch(_TensorLists):
         )
         # Writes through raw pointers bypass autograd's version counters; bump them as in-place ops
         # would, so a graph that saved one of these tensors still fails loudly instead of going stale.
-        torch.autograd.graph.increment_version(
-            self.params + self.exp_avgs + self.exp_avg_sqs + self.max_exp_avg_sqs + self.steps
-        )
+        torch.autograd.graph.increment_version(self.params + self.exp_avgs + self.exp_avg_sqs + self.max_exp_avg_sqs + self.steps)
 
 
 def _is_dense(t: Tensor) -> bool:

@@ -1,0 +1,123 @@
+"""Gradients of the fused group computed in parts on several devices, summed before the download.
+
+On several devices the fused forward-backward job (the last layers and the loss head) is split by
+microbatch (``jobs.run_forward_backward``): part j runs microbatches j, j + K, ... on its own device,
+so no device carries the whole head while the others wait for its output (with one job, the head of
+every microbatch ran on one device: about a fifth of a qwen3-1.7b iteration, which capped two GPUs at
+about 1.6x one). Each part accumulates its layers' parameter gradients on its device; the sum goes to
+the host once, through the primary part (part 0), which owns the layers' gradient events
+(``attribute.LayerAttribute``) exactly as an unsplit job does.
+
+Life cycle, per call and layer of the fused group:
+
+1. A secondary part, after its last microbatch, downloads its device gradients into host buffers of
+   its own (``publish``), queued on its download stream after its compute stream; it records the
+   download's event and then sets the layer's ``ready`` flag (host side: the download is issued).
+2. The primary part, at its own download of the layer (``merge``, on its download stream), waits for
+   each secondary's flag (host side, a short wait: a part issues its download as soon as it has
+   queued its microbatches), makes its download stream wait for that part's event (device side,
+   across devices), uploads the host copy and adds it into its own gradient before the download.
+3. The host buffers are written again only by the next call's secondary download, after this call's
+   ``finish_backward`` has waited for every gradient download, the primary's (which follows its
+   upload of these buffers on the same stream) included.
+
+Host memory: one buffer per trainable parameter of the fused group and secondary part, kept by the
+model across calls (``store``); the fused group is one decoder layer and the head.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import torch
+from torch import nn
+
+from roundpipe import backend
+from roundpipe.memory import pinned_empty
+from roundpipe.threads import AnnotatedEvent
+from roundpipe.transfer import to_device
+
+# Host buffers kept across calls: (id of the host parameter, layer, part) -> pinned buffer (a tied
+# parameter has a device copy, and a gradient share, per layer).
+PartialGradStore = Dict[Tuple[int, int, int], torch.Tensor]
+
+
+def _grad_pairs(cpu_layer: nn.Module, gpu_layer: nn.Module) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """(host parameter, device parameter) of a layer, each parameter once, in module order."""
+    out: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    seen = set()
+    for host_mod, dev_mod in zip(cpu_layer.modules(), gpu_layer.modules()):
+        for name, p in host_mod._parameters.items():
+            dp = dev_mod._parameters.get(name)
+            if p is None or dp is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            out.append((p, dp))
+    return out
+
+
+class PartialGrads:
+    """One call's gradient parts of the fused group (module docstring). ``parts`` counts the primary."""
+
+    def __init__(self, parts: int, layers: range, store: PartialGradStore) -> None:
+        self.parts = parts
+        self.store = store
+        self.ready = {(j, i): AnnotatedEvent(f"fused_part{j}.layer{i}.grads_issued") for j in range(1, parts) for i in layers}
+        # (part, layer) -> (id of host parameter -> host buffer, the download's device event)
+        self.published: Dict[Tuple[int, int], Tuple[Dict[int, torch.Tensor], Any]] = {}
+
+    def _buffer(self, p: torch.Tensor, layer_id: int, part: int, grad: torch.Tensor) -> torch.Tensor:
+        key = (id(p), layer_id, part)
+        buf = self.store.get(key)
+        if buf is None or buf.shape != grad.shape or buf.dtype != grad.dtype:
+            buf = pinned_empty(grad.shape, grad.dtype)
+            self.store[key] = buf
+        return buf
+
+    def publish(self, part: int, layer_id: int, cpu_layer: nn.Module, gpu_layer: nn.Module, device: Any) -> None:
+        """Secondary part ``part``: download this layer's device gradients into the part's host
+        buffers (download stream, after the compute that produced them) and tell the primary."""
+        stream = device.downstream
+        stream.wait_stream(device.compute_stream)
+        bufs: Dict[int, torch.Tensor] = {}
+        with torch.no_grad(), backend.use_stream(stream):
+            for p, dp in _grad_pairs(cpu_layer, gpu_layer):
+                if dp.grad is None:
+                    continue
+                buf = self._buffer(p, layer_id, part, dp.grad)
+                buf.copy_(dp.grad, non_blocking=dp.grad.device.type != "cpu")
+                bufs[id(p)] = buf
+            event = backend.record_event(stream)
+        self.published[(part, layer_id)] = (bufs, event)
+        self.ready[(part, layer_id)].set()
+
+    def merge(self, layer_id: int, cpu_layer: nn.Module, gpu_layer: nn.Module, device: Any, hold: List[torch.Tensor]) -> None:
+        """Primary part, on its download stream (current): add every secondary part's gradients of this
+        layer into the device gradients. Uploaded copies go to ``hold`` (kept until the download landed)."""
+        stream = device.downstream
+        pairs = _grad_pairs(cpu_layer, gpu_layer)
+        for part in range(1, self.parts):
+            self.ready[(part, layer_id)].wait()
+            bufs, event = self.published.pop((part, layer_id))
+            if not bufs:
+                continue
+            stream.wait_event(event)  # the part's download (another device's stream) has landed
+            for p, dp in pairs:
+                buf = bufs.get(id(p))
+                if buf is None:
+                    continue
+                share = to_device(buf, device.device)
+                hold.append(share)
+                dp.grad = share if dp.grad is None else dp.grad.add_(share)
+
+
+def split_parts(num_devices: int, num_microbatch: int, has_buffers: bool, enabled: bool) -> int:
+    """How many parts the fused job runs in: one per device (at most one per microbatch) when enabled
+    and there are several devices; one when the fused group has buffers (a forward may update them,
+    e.g. running statistics, and only one device's update could be kept)."""
+    if not enabled or has_buffers or num_devices <= 1:
+        return 1
+    return max(1, min(num_devices, num_microbatch))
+
+
+__all__ = ["PartialGradStore", "PartialGrads", "split_parts"]
