@@ -16,6 +16,10 @@ Two implementations, chosen per step with ``RPP_ADAM_IMPL``:
 ``auto`` (default) uses ``cpp`` and falls back to ``torch`` with a logged warning when the kernel cannot
 be built (no compiler). ``foreach``, ``capturable``, ``differentiable`` and ``fused`` are accepted for
 compatibility and stored in the param groups, but do not change the host implementation.
+
+Opt-in compact state (``state_dtype``, ``master``, ``master_rounding``, ``block_size``, ``seed``): bf16 or
+blockwise-int8 moments and bf16 master weights, stepped by ``roundpipe.optim.compact`` (its own C++
+kernel ``csrc/compact_adam.cpp``, same ``RPP_ADAM_IMPL`` choice). The defaults keep the path above.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from torch.optim.adam import adam as _torch_adam
 from torch.optim.optimizer import Optimizer, ParamsT
 
 from roundpipe import settings
+from roundpipe.optim import compact
 from roundpipe.optim.build import OptimBuildError, get_optim_function
 from roundpipe.optim.step import accept_low_precision_grad
 
@@ -43,22 +48,28 @@ _IMPLS = ("auto", "cpp", "torch")
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _kernel_error: Optional[str] = None  # why the C++ kernel is unavailable in this process, once known
+_compact_kernel_error: Optional[str] = None  # the same for the compact kernel
 
 
-def _adam_kernel() -> Optional[Callable[..., int]]:
-    """The C++ step function, or None when ``RPP_ADAM_IMPL`` selects torch or the build failed (auto)."""
-    global _kernel_error
+def _adam_kernel(name: str = "adam") -> Optional[Callable[..., int]]:
+    """The C++ step function ``name`` ("adam" or "compact_adam"), or None when ``RPP_ADAM_IMPL``
+    selects torch or the build failed (auto)."""
+    global _kernel_error, _compact_kernel_error
     impl = settings.ADAM_IMPL.get()
     if impl == "torch":
         return None
-    if impl == "auto" and _kernel_error is not None:
+    failed = _kernel_error if name == "adam" else _compact_kernel_error
+    if impl == "auto" and failed is not None:
         return None  # failed before: don't retry a build every step
     try:
-        return get_optim_function("adam")
+        return get_optim_function(name)
     except OptimBuildError as exc:
         if impl == "cpp":
             raise
-        _kernel_error = str(exc)
+        if name == "adam":
+            _kernel_error = str(exc)
+        else:
+            _compact_kernel_error = str(exc)
         logger.warning(
             "roundpipe.optim.Adam: C++ kernel unavailable, using torch's fused CPU Adam instead (set %s=torch to silence this). Reason: %s",
             IMPL_ENV,
@@ -89,6 +100,24 @@ class Adam(Optimizer):
     Results match ``torch.optim.Adam`` to float rounding. See ``torch.optim.Adam`` for the algorithm and
     the meaning of every argument; ``foreach``, ``capturable``, ``differentiable`` and ``fused`` are
     compatibility placeholders (stored, not used). The step runs without autograd.
+
+    Compact state (opt-in; docs/optimizer.md, "Compact optimizer state"):
+
+    Args:
+        state_dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"int8"`` (blockwise, one fp32 scale per
+            ``block_size`` elements; ``roundpipe.optim.quant``) for ``exp_avg`` and ``exp_avg_sq``.
+        master: ``"float32"`` (default: the parameters are fp32 masters) or ``"bfloat16"`` (the bf16
+            parameters are the masters: no fp32 copy anywhere).
+        master_rounding: how a bf16 master takes its fp32 update: ``"stochastic"`` (default; seeded,
+            a pure function of (seed, step, parameter, element)), ``"kahan"`` (a bf16 compensation
+            buffer, 2 bytes per parameter) or ``"nearest"``.
+        block_size: elements per int8 quantisation block (default 256).
+        seed: seed of the stochastic rounding, an int in [0, 2**63).
+
+    Raises:
+        ValueError: bad hyperparameters, an unknown compact option, or parameters the chosen master does
+            not take (``master="bfloat16"`` needs bf16 parameters; a compact ``state_dtype`` with
+            ``master="float32"`` needs fp32 ones); ``amsgrad`` with a compact state.
     """
 
     def __init__(
@@ -106,6 +135,11 @@ class Adam(Optimizer):
         differentiable: bool = False,
         fused: Optional[bool] = None,
         decoupled_weight_decay: bool = False,
+        state_dtype: str = "float32",
+        master: str = "float32",
+        master_rounding: str = "stochastic",
+        block_size: int = 256,
+        seed: int = 0,
     ) -> None:
         # Same validation as torch.optim.Adam, minus its foreach/fused/capturable combinations: those
         # flags select torch implementations that this optimizer does not use.
@@ -139,11 +173,19 @@ class Adam(Optimizer):
             "fused": fused,
             "decoupled_weight_decay": decoupled_weight_decay,
         }
+        # Not in the param groups: a default optimizer's state dict stays torch.optim.Adam's.
+        self.compact_config = compact.make_config(state_dtype, master, master_rounding, block_size, seed)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.add_param_group``; also marks the parameters as taking bfloat16
         gradients for fp32 parameters, so RoundPipe hands its bf16 host gradients over uncopied."""
+        cfg: Optional[compact.CompactConfig] = getattr(self, "compact_config", None)
+        if cfg is not None and cfg.enabled:
+            params = param_group["params"]
+            params = [params] if isinstance(params, Tensor) else list(params)
+            for p in params:
+                compact.check_param(cfg, p, {**self.defaults, **param_group})
         super().add_param_group(param_group)
         for p in self.param_groups[-1]["params"]:
             accept_low_precision_grad(p)
@@ -199,6 +241,9 @@ class Adam(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.compact_config.enabled:
+            self._compact_step()
+            return loss
         kernel = _adam_kernel()
         for group in self.param_groups:
             amsgrad = group["amsgrad"]
@@ -224,6 +269,71 @@ class Adam(Optimizer):
             if rest.params:
                 _torch_step(group, *rest.lists())
         return loss
+
+    def _compact_step(self) -> None:
+        """One step of the compact state: the C++ kernel where it applies, torch otherwise."""
+        cfg = self.compact_config
+        kernel = _adam_kernel("compact_adam")
+        pid = -1
+        for group in self.param_groups:
+            batch = compact.CompactKernelBatch(cfg) if kernel is not None else None
+            rest: List[Tuple[int, Tensor, Tensor, Dict[str, Tensor]]] = []
+            for p in group["params"]:
+                pid += 1  # the parameter's position in the optimizer: part of its rounding stream
+                g = p.grad
+                if g is None:
+                    continue
+                if g.is_sparse:
+                    raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
+                state = self.state[p]
+                if len(state) == 0:
+                    state.update(compact.init_state(cfg, p))
+                if batch is None or not batch.add(pid, p, g, state):
+                    rest.append((pid, p, g, state))
+            if batch is not None and len(batch):
+                batch.run(kernel, group)
+            if rest:
+                compact.torch_step(cfg, group, rest)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """As ``torch.optim.Adam.state_dict``; a compact optimizer adds its options under ``"compact"``."""
+        sd = super().state_dict()
+        if self.compact_config.enabled:
+            sd["compact"] = self.compact_config.as_dict()
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """As ``torch.optim.Adam.load_state_dict``, converting between state formats.
+
+        A state saved in this optimizer's format loads bit for bit (a resumed run continues exactly).
+        Other formats are converted through fp32 (``compact.convert_state``): fp32 / torch.optim.Adam
+        state into a compact optimizer (moments rounded or quantised once), and a compact state into a
+        default optimizer (moments decoded to the parameters' dtype).
+        """
+        saved_cfg = state_dict.get("compact")
+        is_compact = saved_cfg is not None or any("exp_avg_scale" in s for s in state_dict["state"].values())
+        if not self.compact_config.enabled and not is_compact:
+            super().load_state_dict(state_dict)
+            return
+        super().load_state_dict({"state": state_dict["state"], "param_groups": state_dict["param_groups"]})
+        # torch cast every floating state tensor to its parameter's dtype: redo each state from the saved one.
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for sid, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(sid)
+            if not saved:
+                continue
+            if self.compact_config.enabled:
+                self.state[p] = compact.convert_state(self.compact_config, p, saved, saved_cfg)
+                continue
+            block = saved_cfg.get("block_size") if saved_cfg else None
+            m, v = compact.state_to_fp32(saved, p.shape, block)
+            state = self.state[p]
+            state["exp_avg"], state["exp_avg_sq"] = m.to(p.dtype), v.to(p.dtype)
+            for key in ("exp_avg_scale", "exp_avg_sq_scale", "kahan_comp"):
+                state.pop(key, None)
+            if self.param_groups[0]["amsgrad"] and "max_exp_avg_sq" not in state:
+                state["max_exp_avg_sq"] = state["exp_avg_sq"].clone()
 
 
 _F32, _C64, _BF16 = torch.float32, torch.complex64, torch.bfloat16

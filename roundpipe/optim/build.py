@@ -58,6 +58,14 @@ _SIGNATURES = {
         # lr, beta1, beta2, eps, weight_decay; amsgrad, maximize, decoupled, num_threads
         [ctypes.c_int64] + [ctypes.c_void_p] * 8 + [ctypes.c_double] * 5 + [ctypes.c_int32] * 4,
     ),
+    "compact_adam": (
+        "rpp_compact_adam",
+        ctypes.c_int32,
+        # n_tensors; params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, kahan_comps,
+        # steps, grad_kinds, numels, param_ids (arrays); lr, beta1, beta2, eps, weight_decay; maximize,
+        # decoupled, state_kind, master_kind, block_size, num_threads; seed
+        [ctypes.c_int64] + [ctypes.c_void_p] * 11 + [ctypes.c_double] * 5 + [ctypes.c_int32] * 6 + [ctypes.c_int64],
+    ),
 }
 
 _load_lock = threading.Lock()
