@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #ifdef _OPENMP
@@ -108,18 +109,27 @@ inline uint16_t f32_to_bf16_sr(float x, uint32_t rnd) {
   return x != x ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(r);
 }
 
-template <int G>
-inline float load_grad(const void* g, int64_t i) {
-  if (G == kGradBF16) return bf16_to_f32(static_cast<const uint16_t*>(g)[i]);
-  return static_cast<const float*>(g)[i];
-}
-
-// The per-element update of [begin, end): m, r of the new moments into mo / ro (the caller stores them).
+// Raw pointers of one tensor for one range, __restrict so the loops vectorise.
 template <int M, int G>
-inline void update_element(const Tensor& t, const Hyper& h, int64_t i, float m0, float v0, float& mo, float& vo,
-                           float& ro) {
-  float g = load_grad<G>(t.g, i) * h.gsign;
-  const float pf = M == kMasterF32 ? static_cast<float*>(t.p)[i] : bf16_to_f32(static_cast<uint16_t*>(t.p)[i]);
+struct Ptrs {
+  using P = typename std::conditional<M == kMasterF32, float, uint16_t>::type;
+  using GT = typename std::conditional<G == kGradBF16, uint16_t, float>::type;
+  P* __restrict p;
+  const GT* __restrict g;
+  uint16_t* __restrict comp;
+  explicit Ptrs(const Tensor& t)
+      : p(static_cast<P*>(t.p)), g(static_cast<const GT*>(t.g)), comp(t.comp) {}
+};
+
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) { return bf16_to_f32(x); }
+
+// The update of element i: writes the parameter (and Kahan compensation); returns new m, v, r.
+template <int M, int G>
+inline void update_element(const Ptrs<M, G>& q, const Tensor& t, const Hyper& h, int64_t i, float m0, float v0,
+                           float& mo, float& vo, float& ro) {
+  float g = widen(q.g[i]) * h.gsign;
+  const float pf = widen(q.p[i]);
   g = g + h.coupled_wd * pf;
   const float x = pf * h.decay;
   const float m = m0 + (g - m0) * h.lerp_weight;
@@ -127,18 +137,18 @@ inline void update_element(const Tensor& t, const Hyper& h, int64_t i, float m0,
   const float r = std::sqrt(v);
   const float denom = r * t.inv_bc2_sqrt + h.eps;
   const float upd = (t.neg_step_size * m) / denom;
-  if (M == kMasterF32) {
-    static_cast<float*>(t.p)[i] = x + upd;
-  } else if (M == kMasterNearest) {
-    static_cast<uint16_t*>(t.p)[i] = f32_to_bf16(x + upd);
-  } else if (M == kMasterStochastic) {
+  if constexpr (M == kMasterF32) {
+    q.p[i] = x + upd;
+  } else if constexpr (M == kMasterNearest) {
+    q.p[i] = f32_to_bf16(x + upd);
+  } else if constexpr (M == kMasterStochastic) {
     const uint32_t rnd = mix32(static_cast<uint32_t>(i) ^ t.sr_base);
-    static_cast<uint16_t*>(t.p)[i] = f32_to_bf16_sr(x + upd, rnd);
+    q.p[i] = f32_to_bf16_sr(x + upd, rnd);
   } else {
-    const float y = ((x - pf) + upd) + bf16_to_f32(t.comp[i]);
+    const float y = ((x - pf) + upd) + bf16_to_f32(q.comp[i]);
     const uint16_t nt = f32_to_bf16(pf + y);
-    t.comp[i] = f32_to_bf16(y - (bf16_to_f32(nt) - pf));
-    static_cast<uint16_t*>(t.p)[i] = nt;
+    q.comp[i] = f32_to_bf16(y - (bf16_to_f32(nt) - pf));
+    q.p[i] = nt;
   }
   mo = m;
   vo = v;
@@ -147,72 +157,73 @@ inline void update_element(const Tensor& t, const Hyper& h, int64_t i, float m0,
 
 template <int S, int M, int G>
 void step_range(const Tensor& t, const Hyper& h, int64_t begin, int64_t end) {
-  if (S == kStateF32) {
+  const Ptrs<M, G> q(t);
+  if constexpr (S == kStateF32) {
     float* __restrict m = static_cast<float*>(t.m);
     float* __restrict v = static_cast<float*>(t.v);
 #pragma omp simd
     for (int64_t i = begin; i < end; ++i) {
       float mo, vo, ro;
-      update_element<M, G>(t, h, i, m[i], v[i], mo, vo, ro);
+      update_element<M, G>(q, t, h, i, m[i], v[i], mo, vo, ro);
       m[i] = mo;
       v[i] = vo;
     }
     return;
-  }
-  if (S == kStateBF16) {
+  } else if constexpr (S == kStateBF16) {
     uint16_t* __restrict m = static_cast<uint16_t*>(t.m);
     uint16_t* __restrict v = static_cast<uint16_t*>(t.v);
 #pragma omp simd
     for (int64_t i = begin; i < end; ++i) {
       float mo, vo, ro;
-      update_element<M, G>(t, h, i, bf16_to_f32(m[i]), bf16_to_f32(v[i]), mo, vo, ro);
+      update_element<M, G>(q, t, h, i, bf16_to_f32(m[i]), bf16_to_f32(v[i]), mo, vo, ro);
       m[i] = f32_to_bf16(mo);
       v[i] = f32_to_bf16(vo);
     }
     return;
-  }
-  // int8: whole blocks (work items start on block boundaries).
-  static thread_local std::vector<float> buf;
-  if (static_cast<int64_t>(buf.size()) < 2 * h.block) buf.resize(static_cast<size_t>(2 * h.block));
-  float* __restrict mb = buf.data();
-  float* __restrict rb = buf.data() + h.block;
-  int8_t* __restrict mq = static_cast<int8_t*>(t.m);
-  uint8_t* __restrict vq = static_cast<uint8_t*>(t.v);
-  const float m_inv_sq = static_cast<float>(1.0 / (127.0 * 127.0));
-  const float v_inv_sq = static_cast<float>(1.0 / (255.0 * 255.0));
-  for (int64_t b0 = begin; b0 < end; b0 += h.block) {
-    const int64_t blk = b0 / h.block;
-    const int64_t n = std::min(h.block, end - b0);
-    const float dm = t.m_scale[blk] * m_inv_sq;
-    const float dr = t.v_scale[blk] * v_inv_sq;
-    float amax = 0.0f, rmax = 0.0f;
+  } else {
+    // int8: whole blocks (work items start on block boundaries).
+    static thread_local std::vector<float> buf;
+    if (static_cast<int64_t>(buf.size()) < 2 * h.block) buf.resize(static_cast<size_t>(2 * h.block));
+    float* __restrict mb = buf.data();
+    float* __restrict rb = buf.data() + h.block;
+    int8_t* __restrict mq = static_cast<int8_t*>(t.m);
+    uint8_t* __restrict vq = static_cast<uint8_t*>(t.v);
+    const float m_inv_sq = static_cast<float>(1.0 / (127.0 * 127.0));
+    const float v_inv_sq = static_cast<float>(1.0 / (255.0 * 255.0));
+    for (int64_t b0 = begin; b0 < end; b0 += h.block) {
+      const int64_t blk = b0 / h.block;
+      const int64_t n = std::min(h.block, end - b0);
+      const float dm = t.m_scale[blk] * m_inv_sq;
+      const float dr = t.v_scale[blk] * v_inv_sq;
+      float amax = 0.0f, rmax = 0.0f;
 #pragma omp simd reduction(max : amax, rmax)
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t i = b0 + j;
-      const float qm = static_cast<float>(mq[i]);
-      const float qr = static_cast<float>(vq[i]);
-      const float m0 = (qm * std::fabs(qm)) * dm;
-      const float r0 = (qr * qr) * dr;
-      float mo, vo, ro;
-      update_element<M, G>(t, h, i, m0, r0 * r0, mo, vo, ro);
-      mb[j] = mo;
-      rb[j] = ro;
-      amax = std::max(amax, std::fabs(mo));
-      rmax = std::max(rmax, ro);
-    }
-    const float minv = amax > 0.0f ? 1.0f / amax : 0.0f;
-    const float rinv = rmax > 0.0f ? 1.0f / rmax : 0.0f;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t i = b0 + j;
+        const float qm = static_cast<float>(mq[i]);
+        const float qr = static_cast<float>(vq[i]);
+        const float m0 = (qm * std::fabs(qm)) * dm;
+        const float r0 = (qr * qr) * dr;
+        float mo, vo, ro;
+        update_element<M, G>(q, t, h, i, m0, r0 * r0, mo, vo, ro);
+        mb[j] = mo;
+        rb[j] = ro;
+        amax = std::max(amax, std::fabs(mo));
+        rmax = std::max(rmax, ro);
+      }
+      const float minv = amax > 0.0f ? 1.0f / amax : 0.0f;
+      const float rinv = rmax > 0.0f ? 1.0f / rmax : 0.0f;
 #pragma omp simd
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t i = b0 + j;
-      const float a = std::nearbyint(std::sqrt(std::fabs(mb[j]) * minv) * 127.0f);
-      mq[i] = static_cast<int8_t>(mb[j] < 0.0f ? -a : a);
-      float c = std::nearbyint(std::sqrt(rb[j] * rinv) * 255.0f);
-      c = (c == 0.0f && rb[j] > 0.0f) ? 1.0f : c;
-      vq[i] = static_cast<uint8_t>(c);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t i = b0 + j;
+        const float a = std::nearbyint(std::sqrt(std::fabs(mb[j]) * minv) * 127.0f);
+        mq[i] = static_cast<int8_t>(static_cast<int32_t>(mb[j] < 0.0f ? -a : a));
+        float c = std::nearbyint(std::sqrt(rb[j] * rinv) * 255.0f);
+        c = (c == 0.0f && rb[j] > 0.0f) ? 1.0f : c;
+        vq[i] = static_cast<uint8_t>(static_cast<int32_t>(c));
+      }
+      t.m_scale[blk] = amax;
+      t.v_scale[blk] = rmax;
     }
-    t.m_scale[blk] = amax;
-    t.v_scale[blk] = rmax;
   }
 }
 
