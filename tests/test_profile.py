@@ -37,7 +37,9 @@ def test_each_device_job_is_a_named_range_on_its_worker_thread(workers: str, tor
         [
             "roundpipe model 'mlp' forward layers 0-1",
             "roundpipe model 'mlp' forward layer 2",
-            "roundpipe model 'mlp' fused forward-backward layer 3",
+            # two devices, two microbatches: the fused job runs in two parts, one per device
+            "roundpipe model 'mlp' fused forward-backward part 0 layer 3",
+            "roundpipe model 'mlp' fused forward-backward part 1 layer 3",
             "roundpipe model 'mlp' backward layers 1-2",
             "roundpipe model 'mlp' backward layer 0",
         ]
