@@ -232,6 +232,7 @@ def estimate(
     optimizer_bytes_per_param: int = 12,
     grad_buffers: int = 2,
     pinned: bool = True,
+    devices: int = 1,
 ) -> Estimate:
     """The peak GPU and host memory of one training step (see the module docstring).
 
@@ -252,9 +253,12 @@ def estimate(
             staging; 2 with the asynchronous step's rotation).
         pinned: Whether checkpoints come from the pinned caching allocator (GPU runs; CPU workers keep
             them unrounded).
+        devices: GPUs of the process: with several (and several microbatches) the fused last stage runs
+            in one part per device, and each part but the first hands its gradients of the stage over
+            in host buffers of its own (``roundpipe.partial_grads``).
     """
-    if seq_len < 1 or batch_size < 1 or microbatches < 1 or layers_per_stage < 1:
-        raise ValueError("seq_len, batch_size, microbatches and layers_per_stage must be positive")
+    if seq_len < 1 or batch_size < 1 or microbatches < 1 or layers_per_stage < 1 or devices < 1:
+        raise ValueError("seq_len, batch_size, microbatches, layers_per_stage and devices must be positive")
     if recompute_grain not in ("stage", "layer"):
         raise ValueError(f"recompute_grain={recompute_grain!r}: expected 'stage' or 'layer'")
     if tile is None:
@@ -301,9 +305,11 @@ def estimate(
     per_microbatch = rows * seq_len * checkpoint_bytes_per_token(shape, b)
     per_microbatch = _pinned_block(per_microbatch) if pinned else per_microbatch
     checkpoints = boundaries * microbatches * per_microbatch + total_tokens * side_bytes_per_token(shape, b)
+    parts = max(1, min(devices, microbatches))
+    fused_trainable = shape.lora_params(lora_rank) if lora_rank else shape.layer_params() + shape.vocab * h
     host = {
         "weights": float(n * b),
-        "optimizer": float(trainable * (optimizer_bytes_per_param + grad_buffers * b)),
+        "optimizer": float(trainable * (optimizer_bytes_per_param + grad_buffers * b) + (parts - 1) * fused_trainable * b),
         "checkpoints": float(checkpoints),
         "runtime": float(HOST_OVERHEAD_BYTES),
     }

@@ -188,3 +188,23 @@ def test_roundpipe_plan_command(tmp_path: Any) -> None:
     assert got["peak_gpu_bytes"] == want.peak_gpu_bytes and got["peak_host_bytes"] == want.peak_host_bytes
     bad = plan("--model", str(tmp_path / "missing"), "--seq-len", "4096")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "config.json" in bad.stderr
+
+
+def test_estimate_counts_the_split_fused_stage_host_buffers() -> None:
+    """Two devices, two microbatches: the fused stage (last decoder layer and head) runs in two parts,
+    and the second part's gradients reach the first through host buffers the estimate counts."""
+    from roundpipe import settings
+
+    settings.configure(devices="cpu:2")
+    hf = tiny_model("qwen3")
+    config = hf.config
+    n = config.num_hidden_layers + 2
+    plan = ModelExecutePlan([range(i, i + 1) for i in range(n - 2)], [range(i, i + 1) for i in range(n - 2)] + [range(n - 2, n)])
+    rp = roundpipe.wrap_model_to_roundpipe(hf, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
+    batch = make_batch(False, batch=BATCH, seq=SEQ)
+    rp.train_step(**{k: v for k, v in batch.items() if v is not None})
+    measured = sum(buf.numel() * buf.element_size() for buf in rp.partial_grad_store.values())
+    shape = estimate.ModelShape.from_config(config)
+    one, two = (estimate.estimate(shape, SEQ, BATCH, microbatches=2, dtype_bytes=4, pinned=False, devices=d) for d in (1, 2))
+    expected = two.host_parts["optimizer"] - one.host_parts["optimizer"]
+    assert measured > 0 and abs(expected - measured) / measured < 0.02, (expected, measured)

@@ -44,6 +44,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-r", type=int, default=0, help="LoRA rank on all decoder projections (default 0: full fine-tune)")
     p.add_argument("--gpu-memory", type=_size, default=None, help="memory per GPU (default: this machine's GPU, else 80GiB)")
     p.add_argument("--host-memory", type=_size, default=None, help="host memory (default: this machine's)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs the process trains on (default 1)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     return p
 
@@ -88,7 +89,7 @@ def machine_memory() -> Tuple[Optional[float], float]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parser().parse_args(argv)
-    for name in ("seq_len", "batch_size", "microbatches"):
+    for name in ("seq_len", "batch_size", "microbatches", "gpus"):
         if getattr(args, name) < 1:
             _fail(f"--{name.replace('_', '-')} must be at least 1")
     shape = model_shape(args.model)
@@ -100,10 +101,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     # As the planner does: one decoder layer per backward stage, or the fewest that let the stages'
     # input checkpoints fit the host (fewer checkpoints, more activations per stage on the GPU).
     candidates = [
-        estimate.estimate(shape, args.seq_len, args.batch_size, lora_rank=args.lora_r, microbatches=args.microbatches, layers_per_stage=g) for g in range(1, 5)
+        estimate.estimate(shape, args.seq_len, args.batch_size, lora_rank=args.lora_r, microbatches=args.microbatches, layers_per_stage=g, devices=args.gpus)
+        for g in range(1, 5)
     ]
     e = next((c for c in candidates if c.peak_gpu_bytes <= gpu and c.peak_host_bytes <= host), candidates[0])
-    seq, fit = estimate.longest_context(shape, gpu, host, batch_size=args.batch_size, lora_rank=args.lora_r, microbatches=args.microbatches)
+    seq, fit = estimate.longest_context(shape, gpu, host, batch_size=args.batch_size, lora_rank=args.lora_r, microbatches=args.microbatches, devices=args.gpus)
     if args.json:
         print(
             json.dumps(
