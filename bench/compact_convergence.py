@@ -108,6 +108,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--modes", default="", help="comma-separated indices into MODES (default: all; 0 is the fp32 baseline, always run)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "docs" / "img" / "compact_convergence.png"))
     args = ap.parse_args()
@@ -116,7 +117,8 @@ def main() -> None:
     held = batches(held_data, 8, args.batch, args.seq, seed=2)
     curves: Dict[str, List[float]] = {}
     finals: Dict[str, float] = {}
-    for name, kw in MODES:
+    picked = sorted({0, *(int(k) for k in args.modes.split(",") if k.strip())}) if args.modes else range(len(MODES))
+    for name, kw in [MODES[k] for k in picked]:
         t0 = time.perf_counter()
         curves[name], finals[name] = train(kw, args, train_b, held)
         print(f"{name}: held-out loss {finals[name]:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)

@@ -20,6 +20,9 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PLANS = ("auto", "layerwise", "single")
+OPTIM_STATES = ("float32", "bfloat16", "int8")
+MASTERS = ("float32", "bfloat16")
+MASTER_ROUNDINGS = ("stochastic", "kahan", "nearest")
 
 
 class ConfigError(Exception):
@@ -74,6 +77,17 @@ class TrainConfig:
     betas: List[float] = _f([0.9, 0.999], "Adam betas", group="optim")
     max_grad_norm: float = _f(1.0, "clip the global gradient norm to this (0: off)", group="optim")
     seed: int = _f(0, "seed of the weights, data order and dropout", group="optim")
+    optim_state: str = _f(
+        "float32",
+        "Adam moments on the host: float32, bfloat16 or int8 (blockwise quantised); the compact ones save 4 or 6 bytes/param (docs/optimizer.md)",
+        group="optim",
+    )
+    master: str = _f(
+        "float32",
+        "optimizer master weights: float32 copies, or bfloat16 (the bf16 weights themselves, no fp32 copy: 4 bytes/param less; needs --dtype bfloat16)",
+        group="optim",
+    )
+    master_rounding: str = _f("stochastic", "how bfloat16 masters take an update: stochastic, kahan (+2 bytes/param) or nearest", group="optim")
     async_step: bool = _f(True, "overlap the optimizer step with the next iteration (weights one step stale)", group="optim")
     on_nonfinite: str = _f(
         "stop",
@@ -374,6 +388,11 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"betas={cfg.betas} is not two numbers in [0, 1)", "use e.g. --betas 0.9 0.999")
     if cfg.on_nonfinite not in ("stop", "skip"):
         raise ConfigError(f"on_nonfinite={cfg.on_nonfinite!r} is not a choice", "use stop or skip")
+    for name, choices in (("optim_state", OPTIM_STATES), ("master", MASTERS), ("master_rounding", MASTER_ROUNDINGS)):
+        if getattr(cfg, name) not in choices:
+            raise ConfigError(f"{name}={getattr(cfg, name)!r} is not a choice", f"use one of {', '.join(choices)}")
+    if cfg.master == "bfloat16" and cfg.dtype not in ("bfloat16", "auto"):
+        raise ConfigError(f"master=bfloat16 steps the bf16 weights themselves, but dtype={cfg.dtype}", "add --dtype bfloat16 or use --master float32")
     if cfg.plan not in PLANS:
         raise ConfigError(f"plan={cfg.plan!r} is not a plan", f"use one of {', '.join(PLANS)}")
     if cfg.dtype not in DTYPES:

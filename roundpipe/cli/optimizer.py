@@ -19,14 +19,24 @@ from roundpipe.cli.config import TrainConfig
 
 
 def make_optimizer(masters: List[torch.Tensor], cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW (RoundPipe's host Adam, decoupled weight decay) on the fp32 masters; no weight decay on
-    vectors (norm weights, biases)."""
+    """AdamW (RoundPipe's host Adam, decoupled weight decay) on the masters (fp32 copies, or the bf16
+    weights with ``--master bfloat16``; moments as ``--optim-state`` says); no weight decay on vectors
+    (norm weights, biases)."""
     from roundpipe.optim import Adam
 
     decay = [p for p in masters if p.ndim >= 2]
     no_decay = [p for p in masters if p.ndim < 2]
     groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-    return Adam(groups, lr=cfg.lr, betas=tuple(cfg.betas), decoupled_weight_decay=True)
+    return Adam(
+        groups,
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        decoupled_weight_decay=True,
+        state_dtype=cfg.optim_state,
+        master=cfg.master,
+        master_rounding=cfg.master_rounding,
+        seed=cfg.seed,
+    )
 
 
 class WarmupCosine:

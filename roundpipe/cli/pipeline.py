@@ -21,7 +21,8 @@ class PipelineModel:
         rp: The RoundPipe model (``optim_parameters``, ``step``, ``synchronize``).
     """
 
-    def __init__(self, hf_model: nn.Module, num_microbatch: Optional[int], plan: str = "auto") -> None:
+    def __init__(self, hf_model: nn.Module, num_microbatch: Optional[int], plan: str = "auto", master_dtype: Optional[torch.dtype] = torch.float32) -> None:
+        """``master_dtype``: dtype of the optimizer's masters (None: the weights themselves, no copy)."""
         import roundpipe
         from roundpipe import ModelExecutePlan, RoundPipeRunConfig
 
@@ -30,7 +31,7 @@ class PipelineModel:
             self.rp = roundpipe.wrap_model_to_roundpipe(
                 hf_model,
                 use_sequential_preset=True,
-                optim_dtype=torch.float32,
+                optim_dtype=master_dtype,
                 name="train",
                 model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch),
             )

@@ -175,7 +175,9 @@ class Recipe:
         hf_model = build_model(self.source, self.model_config, self.dtype)
         if cfg.lora_r:
             hf_model = apply_lora(hf_model, lora_config(cfg))
-        self.model = PipelineModel(hf_model, self.microbatches, cfg.plan)
+        if cfg.master == "bfloat16" and self.dtype != torch.bfloat16:
+            raise ConfigError(f"master=bfloat16 steps the bf16 weights themselves, but this model trains in {self.dtype}", "add --dtype bfloat16")
+        self.model = PipelineModel(hf_model, self.microbatches, cfg.plan, master_dtype=None if cfg.master == "bfloat16" else torch.float32)
         if not self.model.trainable_named():
             raise ConfigError("the model has no trainable parameters", "check --lora-targets")
         clip_params = list(self.model.rp.optim_parameters())  # creates the fp32 masters

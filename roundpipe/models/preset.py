@@ -273,8 +273,7 @@ class DecoderLayerStage(nn.Module):
                     hidden,
                     attention_mask=mask,
                     position_ids=state["position_ids"],
-                    past_key_values=None,
-                    use_cache=False,
+                    use_cache=False,  # no cache argument: its default is None (and its name changed in 5.24)
                     position_embeddings=state["position_embeddings"],
                 )
         finally:
