@@ -420,7 +420,7 @@ def test_compact_optimizer_state_trains_and_resumes_exactly(tmp_path, state: str
     Adam's) and a stop + resume continues bit for bit (moments, masters and stochastic rounding)."""
     keys: Dict[str, Any] = dict(dtype="bfloat16", steps=10, batch_size=8, microbatches=2, warmup_steps=2, optim_state=state, master=master)
     full = run(config(output_dir=str(tmp_path / "full"), **keys), out=lambda m: None)
-    ref = run(config(output_dir=str(tmp_path / "ref"), dtype="bfloat16", steps=10, batch_size=8, microbatches=2, warmup_steps=2), out=lambda m: None)
+    run(config(output_dir=str(tmp_path / "ref"), dtype="bfloat16", steps=10, batch_size=8, microbatches=2, warmup_steps=2), out=lambda m: None)
     first = run(config(output_dir=str(tmp_path / "split"), stop_at=5, **keys), out=lambda m: None)
     args = parse_train_args(["--resume", "--output-dir", str(tmp_path / "split")])
     second = run(args.cfg, args.given, out=lambda m: None)
