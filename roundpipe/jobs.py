@@ -240,17 +240,22 @@ class _RngFork:
             backend.set_rng_state(self.device.device, self.own)
 
 
-def run_backward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
+def run_backward(device: "DeviceManager", run: Run, layer_group_id: int, part: int = 0) -> None:
     """Recompute + backward of one layer group for all microbatches; parameter gradients accumulate on
-    the device over microbatches and are downloaded once into the host gradient slots."""
+    the device over microbatches and are downloaded once into the host gradient slots.
+
+    The last group of a 'train' call (the first backward job) may run in ``run.fused_parts`` parts, as
+    the fused job does (``run_forward_backward``): part ``part`` takes microbatches part, part + parts,
+    ...; part 0 seeds and downloads, the others hand their gradients over (``partial_grads``)."""
     model, batch, tracker, cfg = run.model, run.batch, run.tracker, run.cfg
     layers = run.plan.bwd_plan[layer_group_id]
+    split = layer_group_id == len(run.plan.bwd_plan) - 1 and run.fused_parts > 1
     # Per-layer upload events: the first recompute starts on the first layer while the rest upload
     # (the backward itself runs after the recompute has waited for every layer).
     ready: List[Any] = []
-    gpu_layers = _upload_group(device, run, layers, with_grad=True, for_recompute=True, ready=ready)
+    gpu_layers = _upload_group(device, run, layers, with_grad=True, for_recompute=True, ready=ready, seed=part == 0)
     first = True  # the first microbatch that computes waits for each layer; later ones find them there
-    for m in range(batch.num_microbatch):
+    for m in range(part, batch.num_microbatch, run.fused_parts if split else 1):
         tracker.backward_wait_for(layer_group_id, m)
         ctx = run.contexts[m]
         device.location = f"model {model.name!r}: backward of {run.layer_name(layers.stop - 1)}, microbatch {m}"
@@ -319,6 +324,10 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int) -> None
         for k in range(len(ready)):
             wait_layer(device, ready, k)
     for i, layer in zip(layers, gpu_layers):
+        if part > 0:
+            assert run.partial_grads is not None
+            run.partial_grads.publish(part, i, model.layers[i], layer, device)
+            continue
         download_layer(
             model.layers[i],
             layer,
@@ -330,6 +339,7 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int) -> None
             tied=run.tied,
             job_layers=layers,
             reducer=run.reducers[i],
+            parts=run.partial_grads if split else None,
         )
     release_layers(gpu_layers, device)
     device.job_done()

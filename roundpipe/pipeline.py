@@ -75,6 +75,9 @@ def _launch(run: Run, jobs: List[Tuple[str, int, "DeviceManager"]]) -> None:
             for i in run.plan.bwd_plan[gid]:
                 attrs[i].backward_fence()
             dev.launch(run_backward, run, gid, label=_job_label(run, "backward", run.plan.bwd_plan[gid]))
+        elif kind == "bp":  # part gid > 0 of the last backward group: part 0 ("b") fenced its layers
+            last = len(run.plan.bwd_plan) - 1
+            dev.launch(run_backward, run, last, gid, label=_job_label(run, f"backward part {gid}", run.plan.bwd_plan[last]))
         else:
             if gid == 0:  # the parts of a split fused job share one fence (their uploads are one use)
                 for i in run.plan.bwd_plan[-1]:
@@ -99,8 +102,11 @@ def dispatch_forward(run: Run) -> None:
 
 
 def dispatch_backward(run: Run) -> None:
-    """Dispatch the backward groups, last first, round robin, then wait for group 0."""
-    _launch(run, _assign(run, [("b", b) for b in range(len(run.plan.bwd_plan) - 1, -1, -1)]))
+    """Dispatch the backward groups, last first (in ``run.fused_parts`` parts), round robin, then wait
+    for group 0."""
+    last = len(run.plan.bwd_plan) - 1
+    jobs = [("b", last)] + [("bp", part) for part in range(1, run.fused_parts)] + [("b", b) for b in range(last - 1, -1, -1)] if last >= 0 else []
+    _launch(run, _assign(run, jobs))
     run.tracker.backward_wait_complete(run.batch.num_microbatch)
 
 

@@ -476,7 +476,8 @@ def simulate_iteration(
     The jobs (forward groups, the fused group for 'fused', backward groups in reverse) go to the devices
     round robin; a device runs its jobs in order, each over its microbatches; microbatch m of a job
     starts when its device is free and the previous job has finished microbatch m. The fused group runs
-    in ``fused_parts`` jobs, part j taking microbatches j, j + parts, ... (``jobs.run_forward_backward``).
+    in ``fused_parts`` jobs, part j taking microbatches j, j + parts, ... (``jobs.run_forward_backward``;
+    for 'train' the first backward job, ``jobs.run_backward``).
     Transfers and parameter uploads are taken as hidden (they run on their own streams). Returns the time
     the last device finishes: with one device the sum of all costs, with several it adds the waits that
     a slow job imposes on the jobs after it, and the pipeline's fill and drain.
@@ -488,8 +489,11 @@ def simulate_iteration(
         parts = max(1, fused_parts)
         jobs += [(fused, range(j, len(every), parts)) for j in range(parts)]
         jobs += [(math.fsum(bwd_times[i] for i in r), every) for r in reversed(bwd_plan[:-1])]
-    elif run_type == "train":
-        jobs += [(math.fsum(bwd_times[i] for i in r), every) for r in reversed(bwd_plan)]
+    elif run_type == "train" and bwd_plan:
+        top = math.fsum(bwd_times[i] for i in bwd_plan[-1])  # the first backward job, in parts like the fused one
+        parts = max(1, fused_parts)
+        jobs += [(top, range(j, len(every), parts)) for j in range(parts)]
+        jobs += [(math.fsum(bwd_times[i] for i in r), every) for r in reversed(bwd_plan[:-1])]
     free = [0.0] * max(1, num_devices)
     ready = [0.0] * len(every)  # when the previous job finished each microbatch
     for k, (cost, mbs) in enumerate(jobs):

@@ -112,11 +112,12 @@ class Run:
         self.return_outputs = return_outputs
         self.outputs: List[Any] = [None] * batch.num_microbatch
         self.timer = model.model_timer.new_iter()
-        # The fused job runs in this many parts, part j taking microbatches j, j + parts, ... on its own
-        # device; their gradients meet in part 0's download (``partial_grads``).
+        # The last backward group (the fused job, or a 'train' call's first backward job: a language
+        # model's head) runs in this many parts, part j taking microbatches j, j + parts, ... on its
+        # own device; their gradients meet in part 0's download (``partial_grads``).
         self.fused_parts = 1
         self.partial_grads: Optional[PartialGrads] = None
-        if run_type == "fused" and plan.bwd_plan:
+        if run_type in ("fused", "train") and plan.bwd_plan:
             fused = plan.bwd_plan[-1]
             has_buffers = any(True for i in fused for _ in model.layers[i].buffers())
             self.fused_parts = split_parts(device_mod.get_num_devices(), batch.num_microbatch, has_buffers, settings.SPLIT_FUSED.get())

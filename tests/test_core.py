@@ -393,8 +393,10 @@ def test_device_saved_env_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("num_microbatch", [1, 2, 3, 5])
 @pytest.mark.parametrize("grain", ["stage", "layer"])
 @pytest.mark.parametrize("split", ["1", "0"])
-def test_split_fused_job_equals_pytorch(workers: str, num_microbatch: int, grain: str, split: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On several devices the fused job (here two layers) runs in parts, one per device and microbatch
+@pytest.mark.parametrize("fused", [True, False])
+def test_split_fused_job_equals_pytorch(workers: str, num_microbatch: int, grain: str, split: str, fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On several devices the last backward group (here two layers: the fused job of forward_backward,
+    or the first backward job of forward + loss.backward()) runs in parts, one per device and microbatch
     share; the gradients the parts meet in equal plain PyTorch, accumulated over two calls."""
     from roundpipe.partial_grads import PartialGrads
 
@@ -415,7 +417,11 @@ def test_split_fused_job_equals_pytorch(workers: str, num_microbatch: int, grain
     loss_fn = lambda out, label: ((out - label) ** 2).sum()  # noqa: E731
     for _ in range(2):
         x, y = torch.randn(10, 8, dtype=torch.float64), torch.randn(10, 5, dtype=torch.float64)
-        loss = rp.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        if fused:
+            loss = rp.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        else:
+            loss = loss_fn(rp(x), y)
+            loss.backward()
         ref_loss = sum(loss_fn(ref(a), b) for a, b in zip(torch.tensor_split(x, num_microbatch), torch.tensor_split(y, num_microbatch)))
         ref_loss.backward()
         assert rel_err(loss, ref_loss) < 1e-12

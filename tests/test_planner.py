@@ -314,3 +314,13 @@ def test_simulation_of_a_split_fused_job_by_hand():
     assert simulate_iteration("fused", fwd_plan, bwd_plan, fwd, bwd, 2, 2) == pytest.approx(23)
     # Two parts: mb0 on B 1-11, mb1 on A 2-12; b0 on B: mb0 11-13, mb1 13-15.
     assert simulate_iteration("fused", fwd_plan, bwd_plan, fwd, bwd, 2, 2, fused_parts=2) == pytest.approx(15)
+
+
+def test_simulation_of_a_split_first_backward_job_by_hand():
+    # 'train': forward f0 (1) and f1 (0), then the first backward job b1 (10) and b0 (2); two devices.
+    fwd, bwd = [1.0, 0.0], [2.0, 10.0]
+    plan = [range(0, 1), range(1, 2)]
+    # f0 on A 0-1, 1-2; f1 on B 1-1, 2-2; b1 on A: 2-12, 12-22; b0 on B: 12-14, 22-24.
+    assert simulate_iteration("train", plan, plan, fwd, bwd, 2, 2) == pytest.approx(24)
+    # b1 in two parts: mb0 on A 2-12, mb1 on B 2-12; b0 on A: 12-14, 14-16.
+    assert simulate_iteration("train", plan, plan, fwd, bwd, 2, 2, fused_parts=2) == pytest.approx(16)
