@@ -346,12 +346,14 @@ def test_host_scalar_is_read_later_without_a_sync_when_created() -> None:
 
 
 @pytest.mark.parametrize("spec", ["cuda:0", "cuda:0,1"])
-def test_tied_gradient_shares_summed_on_the_gpu_match_pytorch(spec: str) -> None:
+@pytest.mark.parametrize("fused", [False, True])
+def test_tied_gradient_shares_summed_on_the_gpu_match_pytorch(spec: str, fused: bool) -> None:
     """A tied weight in the first and last of many layers, one layer per stage: the last layer's
     share is added into the first layer's gradient on the GPU before its download
     (transfer.TiedGrads; on one GPU the share never leaves it, on two the owner's download stream
-    waits for the share's download on the other GPU and uploads it). The fp32 gradient equals plain
-    PyTorch's, over calls that accumulate."""
+    waits for the share's download on the other GPU and uploads it). On two GPUs the last group also
+    runs in two parts whose gradients meet on the first part's GPU (partial_grads). The fp32 gradient
+    equals plain PyTorch's, over calls that accumulate, through loss.backward() and forward_backward."""
     import copy
 
     if spec == "cuda:0,1" and torch.cuda.device_count() < 2:
@@ -362,12 +364,15 @@ def test_tied_gradient_shares_summed_on_the_gpu_match_pytorch(spec: str) -> None
     head.weight = emb.weight
     model = nn.Sequential(emb, *[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(6)], head)
     ref = copy.deepcopy(model).cuda()
-    plan = ModelExecutePlan.layerwise(len(model), "train")
+    plan = ModelExecutePlan.layerwise(len(model), "fused" if fused else "train")
     rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
         x = torch.randn(2048, 1024, generator=g)
-        rp(x).pow(2).mean().backward()
+        if fused:  # per microbatch mean, summed: the loss of each half is half of the whole's
+            rp.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.pow(2).mean() / 2)
+        else:
+            rp(x).pow(2).mean().backward()
         ref(x.cuda()).pow(2).mean().backward()
         err = ((emb.weight.grad - ref[0].weight.grad.cpu()).norm() / ref[0].weight.grad.norm()).item()
         assert err < 1e-5, err
