@@ -18,6 +18,7 @@ import os
 import resource
 import sys
 import threading
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
@@ -296,6 +297,7 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
     rss0 = psutil.Process().memory_info().rss
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    t_load = time.perf_counter()
     hf = build_model(args.workload, "cpu")
     if args.lora:
         from peft import LoraConfig, get_peft_model
@@ -342,7 +344,11 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
 
     cpu0 = thread_cpu_seconds()
 
+    first_step_s: List[float] = []
+
     def timed_progress(i: int, t: float) -> None:
+        if i == 0:  # issue "steady from the first step": model load (build + wrap) to the first step's end
+            first_step_s.append(time.perf_counter() - t_load)
         if i == args.warmup - 1:  # warm-up done: count thread CPU time over the timed iterations only
             cpu0.update(thread_cpu_seconds())
         progress(i, t)
@@ -368,6 +374,12 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
     print(f"roundpipe plan: {auto_plan}")
     print(f"roundpipe {simulated_ms(model, auto_plan, n_mb)}")
     print(f"roundpipe per-iteration seconds: {[round(t, 3) for t in times]}")
+    if first_step_s and len(times) >= 2:
+        steady = statistics.median(times[1:])
+        print(
+            f"roundpipe model load to the end of the first step: {first_step_s[0]:.1f} s; first timed iteration "
+            f"{times[0]:.3f} s = {times[0] / steady:.3f}x the median of the later ones ({steady:.3f} s)"
+        )
     if optim_s:
         timed_steps = slice(args.warmup, args.warmup + args.iters)
         print(
