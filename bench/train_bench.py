@@ -16,9 +16,9 @@ import argparse
 import gc
 import os
 import resource
+import statistics
 import sys
 import threading
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
