@@ -60,7 +60,10 @@ def test_ctrl_c_checkpoints_then_resume_finishes(tmp_path) -> None:
         "--output-dir",
         out,
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # SIGINT at its default in the child, as a shell starts it (an ignored one would be inherited).
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not os.path.isfile(os.path.join(out, "metrics.csv")):
         time.sleep(0.2)
