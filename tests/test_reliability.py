@@ -49,9 +49,10 @@ def test_ctrl_c_during_training_stops_cleanly() -> None:
             rp.step(lambda: (opt.step(), opt.zero_grad()))
         """
     )
-    # An ignored signal stays ignored across exec, and something earlier in a full test session leaves
-    # SIGINT ignored in the pytest process (seen twice: the child then never saw the Ctrl-C and the
-    # test timed out). A user's shell starts the program with SIGINT at its default: so does this test.
+    # An ignored signal stays ignored across exec, and a test run started in the background by a
+    # non-interactive shell (`pytest ... &`) has SIGINT ignored: the child then never sees the Ctrl-C
+    # and the test times out. A user's shell starts the program with SIGINT at its default: so does
+    # this test.
     proc = subprocess.Popen(
         [sys.executable, "-c", code],
         env=_env(),

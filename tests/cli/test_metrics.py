@@ -60,7 +60,8 @@ def test_ctrl_c_checkpoints_then_resume_finishes(tmp_path) -> None:
         "--output-dir",
         out,
     ]
-    # SIGINT at its default in the child, as a shell starts it (an ignored one would be inherited).
+    # SIGINT at its default in the child, as a shell starts it (a test run started with `&` by a
+    # non-interactive shell ignores SIGINT, and an ignored signal would be inherited).
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
     )
