@@ -111,6 +111,30 @@ def _upload_group(
     )
 
 
+def _hand_grads_back(device: "DeviceManager", run: Run, layers: range, gpu_layers: List[torch.nn.Module], part: int, with_buffer: bool, split: bool) -> None:
+    """A backward job's parameter gradients to the host: a secondary part of a split group hands them
+    to part 0 (``partial_grads``); part 0 (or an unsplit job) downloads them, the other parts' added in."""
+    model = run.model
+    for i, layer in zip(layers, gpu_layers):
+        if part > 0:
+            assert run.partial_grads is not None
+            run.partial_grads.publish(part, i, model.layers[i], layer, device)
+            continue
+        download_layer(
+            model.layers[i],
+            layer,
+            i,
+            model.layer_attrs[i],
+            device,
+            with_buffer=with_buffer,
+            with_grad=True,
+            tied=run.tied,
+            job_layers=layers,
+            reducer=run.reducers[i],
+            parts=run.partial_grads if split else None,
+        )
+
+
 def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
     """Forward of one layer group for all microbatches (no autograd graph; see module docstring).
 
@@ -323,24 +347,7 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int, part: i
         # wait for the uploads.
         for k in range(len(ready)):
             wait_layer(device, ready, k)
-    for i, layer in zip(layers, gpu_layers):
-        if part > 0:
-            assert run.partial_grads is not None
-            run.partial_grads.publish(part, i, model.layers[i], layer, device)
-            continue
-        download_layer(
-            model.layers[i],
-            layer,
-            i,
-            model.layer_attrs[i],
-            device,
-            with_buffer=False,
-            with_grad=True,
-            tied=run.tied,
-            job_layers=layers,
-            reducer=run.reducers[i],
-            parts=run.partial_grads if split else None,
-        )
+    _hand_grads_back(device, run, layers, gpu_layers, part, with_buffer=False, split=split)
     release_layers(gpu_layers, device)
     device.job_done()
 
@@ -406,23 +413,6 @@ def run_forward_backward(device: "DeviceManager", run: Run, part: int = 0) -> No
         device.mem_manager.free((dev_in, dev_label, in_grads, out), device.compute_stream, device.downstream)
         del dev_in, dev_label, in_grads, out, x, leaves, total, losses
         tracker.backward_notify(gid, m)
-    for i, layer in zip(layers, gpu_layers):
-        if part > 0:
-            assert run.partial_grads is not None
-            run.partial_grads.publish(part, i, model.layers[i], layer, device)
-            continue
-        download_layer(
-            model.layers[i],
-            layer,
-            i,
-            model.layer_attrs[i],
-            device,
-            with_buffer=True,
-            with_grad=True,
-            tied=run.tied,
-            job_layers=layers,
-            reducer=run.reducers[i],
-            parts=run.partial_grads,
-        )
+    _hand_grads_back(device, run, layers, gpu_layers, part, with_buffer=True, split=run.partial_grads is not None)
     release_layers(gpu_layers, device)
     device.job_done()
