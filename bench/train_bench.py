@@ -36,6 +36,7 @@ WORKLOADS = {
     "qwen3-4b": (2560, 9728, 36, 32, 8, True),
     "qwen3-8b": (4096, 12288, 36, 32, 8, False),
     "qwen3-14b": (5120, 17408, 40, 40, 8, False),
+    "qwen3-32b": (5120, 25600, 64, 64, 8, False),
 }
 
 
@@ -58,9 +59,16 @@ def build_model(name: str, device: str = "cpu", vocab: Optional[int] = None) -> 
         attn_implementation="sdpa",
     )
     torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16 if device != "cpu" or torch.cuda.is_available() else torch.float32)
-    return model
+    dtype = torch.bfloat16 if device != "cpu" or torch.cuda.is_available() else torch.float32
+    # Built directly in the target dtype: an fp32 qwen3-32b would need 131 GB of host memory on the way.
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    return model.to(dtype)
 
 
 @dataclass
@@ -299,6 +307,8 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
         torch.cuda.reset_peak_memory_stats()
     t_load = time.perf_counter()
     hf = build_model(args.workload, "cpu")
+    if args.master == "bfloat16":  # bf16 masters are the bf16 weights (on CPU workers the model is fp32)
+        hf = hf.to(torch.bfloat16)
     if args.lora:
         from peft import LoraConfig, get_peft_model
 
@@ -306,10 +316,19 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
         hf = get_peft_model(hf, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules=targets))
         n_params = sum(p.numel() for p in hf.parameters() if p.requires_grad)
     n_mb = args.microbatches or 2 * roundpipe.get_num_devices()
-    model = roundpipe.wrap_model_to_roundpipe(hf, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=n_mb), fused_kernels=fused)
+    # --master bfloat16: the optimizer steps the bf16 weights themselves (no fp32 copy on the host).
+    optim_dtype = None if args.master == "bfloat16" else torch.float32
+    model = roundpipe.wrap_model_to_roundpipe(hf, optim_dtype=optim_dtype, model_run_config=RoundPipeRunConfig(num_microbatch=n_mb), fused_kernels=fused)
     if plan == "layerwise":
         model.model_run_config = RoundPipeRunConfig(num_microbatch=n_mb, execute_plan=ModelExecutePlan.layerwise(model.num_layers, "train"))
-    opt = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-5, decoupled_weight_decay=True)
+    opt = roundpipe.optim.Adam(
+        model.optim_parameters(),
+        lr=1e-5,
+        decoupled_weight_decay=True,
+        state_dtype=args.optim_state,
+        master=args.master,
+        master_rounding=args.master_rounding,
+    )
 
     # Whether the host optimizer keeps up: how long its step takes (on the optimizer thread) and how
     # long the main thread waits in model.step() for the previous step to release the layers.
@@ -387,6 +406,8 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
             f"main thread waited in model.step(): {[round(t, 3) for t in wait_s[timed_steps]]}"
         )
     what = f"LoRA r={args.lora}, {n_params / 1e6:.1f}M trainable" if args.lora else f"{host / n_params:.1f} bytes/param host"
+    if (args.optim_state, args.master) != ("float32", "float32"):
+        what += f", Adam state {args.optim_state}, master {args.master}"
     from roundpipe.models import kernels as fused_ops
 
     kernels = ", HF kernels" if not model.preset.fused_kernels else (", fused layers" if fused_ops.whole_layer_enabled() else ", fused ops per module")
@@ -427,6 +448,9 @@ def main() -> None:
     p.add_argument("--trace", default="", help="with --profile: write a chrome trace of that iteration here")
     p.add_argument("--lora", type=int, default=0, help="LoRA rank on all decoder projections (0: full fine-tune)")
     p.add_argument("--no-step", action="store_true", help="diagnostic: skip the optimizer (pipeline alone)")
+    p.add_argument("--optim-state", default="float32", choices=["float32", "bfloat16", "int8"], help="Adam moments' dtype (docs/optimizer.md)")
+    p.add_argument("--master", default="float32", choices=["float32", "bfloat16"], help="master weights (bfloat16: the weights themselves)")
+    p.add_argument("--master-rounding", default="stochastic", choices=["stochastic", "kahan", "nearest"], help="with --master bfloat16")
     p.add_argument(
         "--sample-stacks", action="store_true", help="diagnostic: sample the threads' stacks over two more iterations (where they spend time, GIL waits)"
     )

@@ -3,7 +3,7 @@
 # issue 5 (plans on 2 GPUs), issue 6 (qwen3-4b on 1 vs 2 GPUs, qwen3-8b), issue 9 (two data-parallel
 # ranks vs one). Each part fits one 10-minute device call; run them one by one:
 #
-#     bash bench/two_gpu_acceptance.sh tests|scale|4b|8b|8b2|plans|dp
+#     bash bench/two_gpu_acceptance.sh tests|scale|4b|8b|8b1|8b2|plans|dp
 #
 # Results go to stdout (the tables of docs/benchmarks.md) and, for dp, to JSON files in $OUT (or .).
 set -uo pipefail
@@ -21,22 +21,27 @@ case "${1:-}" in
       CUDA_VISIBLE_DEVICES=0 bench --workload $w --batch 16 --skip-baseline --warmup 3 --iters 4 | tee -a "$out/scale.log" | tail -4
       bench --workload $w --batch 16 --skip-baseline --warmup 3 --iters 4 | tee -a "$out/scale.log" | tail -4
       [ -n "${SCALE_NOSPLIT:-}" ] && RPP_SPLIT_FUSED=0 bench --workload $w --batch 16 --skip-baseline --warmup 3 --iters 4 | tee -a "$out/scale.log" | tail -1
+      # SCALE_MB=K: also 2 GPUs with K microbatches (default 2 per device: 4 on 2 GPUs)
+      [ -n "${SCALE_MB:-}" ] && bench --workload $w --batch 16 --microbatches "$SCALE_MB" --skip-baseline --warmup 3 --iters 4 | tee -a "$out/scale.log" | tail -2
     done ;;
   4b)  # issue 6: qwen3-4b on 2 GPUs >= 1.85x one GPU of the same machine
     CUDA_VISIBLE_DEVICES=0 bench --workload qwen3-4b --skip-baseline --warmup 3 --iters 3 | tail -4
     bench --workload qwen3-4b --skip-baseline --compare-layers --warmup 3 --iters 3 | tail -5 ;;
   8b)  # issue 6: qwen3-8b on 1 GPU with the baseline, within 18 bytes/param of host memory
     CUDA_VISIBLE_DEVICES=0 RPP_STAGE_PARAMS=0 RPP_GRAD_BUFFERS=1 bench --workload qwen3-8b --warmup 2 --iters 3 | tail -5 ;;
+  8b1)  # issue 19: qwen3-8b 8 x 4096 on 1 GPU, default settings (TFLOP/s per GPU vs qwen3-4b's)
+    CUDA_VISIBLE_DEVICES=0 bench --workload qwen3-8b --skip-baseline --warmup 2 --iters 3 | tail -4 ;;
   8b2)  # issue 6: qwen3-8b on 2 GPUs
     RPP_STAGE_PARAMS=0 RPP_GRAD_BUFFERS=1 bench --workload qwen3-8b --skip-baseline --warmup 2 --iters 3 | tail -4 ;;
   plans)  # issue 5 on 2 GPUs: auto plan vs one layer per group, idle time between groups
     RPP_PROFILER=torch bench --workload qwen3-1.7b --skip-baseline --compare-plans --profile --profile-iters 3 --warmup 3 --iters 4 | tail -20 ;;
   dp)  # issue 9: two ranks (one GPU each) vs one on qwen3-1.7b, and the loss curve vs one process
-    A="--model qwen3-1.7b --seq 4096 --steps 20 --warmup 4"
-    torchrun --standalone --nproc-per-node 1 bench/dp_bench.py $A --batch-per-rank 4 --out "$out/one.json" 2>&1 | tail -3
-    torchrun --standalone --nproc-per-node 1 bench/dp_bench.py $A --batch-per-rank 8 --out "$out/ref.json" 2>&1 | tail -3
-    torchrun --standalone --nproc-per-node 2 bench/dp_bench.py $A --batch-per-rank 4 --out "$out/two.json" 2>&1 | tail -3
-    python3 bench/dp_bench.py --compare "$out/one.json" "$out/two.json" --loss-ref "$out/ref.json" ;;
+    # (DP_BATCH: sequences per rank, default 4; the reference process trains 2 x DP_BATCH)
+    B=${DP_BATCH:-4}; A="--model qwen3-1.7b --seq 4096 --steps 20 --warmup 4"
+    torchrun --standalone --nproc-per-node 1 bench/dp_bench.py $A --batch-per-rank $B --out "$out/one$B.json" 2>&1 | tail -3
+    torchrun --standalone --nproc-per-node 1 bench/dp_bench.py $A --batch-per-rank $((2 * B)) --out "$out/ref$B.json" 2>&1 | tail -3
+    torchrun --standalone --nproc-per-node 2 bench/dp_bench.py $A --batch-per-rank $B --out "$out/two$B.json" 2>&1 | tail -3
+    python3 bench/dp_bench.py --compare "$out/one$B.json" "$out/two$B.json" --loss-ref "$out/ref$B.json" ;;
   *)
-    echo "usage: bash bench/two_gpu_acceptance.sh tests|scale|4b|8b|8b2|plans|dp" >&2; exit 2 ;;
+    echo "usage: bash bench/two_gpu_acceptance.sh tests|scale|4b|8b|8b1|8b2|plans|dp" >&2; exit 2 ;;
 esac
