@@ -10,7 +10,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=${OUT:-.}
-bench() { python3 bench/train_bench.py "$@" 2>&1 | grep -v -i "warn" | grep -v "^ *[0-9.]* ms at"; }
+# Every run's whole output also goes to $out/PART.log (the tails below are what the reply shows).
+log="$out/${1:-none}.log"
+bench() { python3 bench/train_bench.py "$@" 2>&1 | grep -v -i "warn" | grep -v "^ *[0-9.]* ms at" | tee -a "$log"; }
 
 case "${1:-}" in
   tests)  # the GPU tests, the 2-GPU ones included
@@ -18,11 +20,11 @@ case "${1:-}" in
   scale)  # issue 19: qwen3-1.7b and qwen3-4b, 16 x 4096, 2 GPUs >= 1.85x one GPU of the same machine
     # (SCALE_NOSPLIT=1: also 2 GPUs with the fused job unsplit, RPP_SPLIT_FUSED=0; SCALE_MODELS picks models)
     for w in ${SCALE_MODELS:-qwen3-1.7b qwen3-4b}; do
-      CUDA_VISIBLE_DEVICES=0 bench --workload $w --batch 16 --skip-baseline --warmup 3 --iters 4 | tee -a "$out/scale.log" | tail -4
-      bench --workload $w --batch 16 --skip-baseline --warmup 3 --iters 4 | tee -a "$out/scale.log" | tail -4
-      [ -n "${SCALE_NOSPLIT:-}" ] && RPP_SPLIT_FUSED=0 bench --workload $w --batch 16 --skip-baseline --warmup 3 --iters 4 | tee -a "$out/scale.log" | tail -1
+      CUDA_VISIBLE_DEVICES=0 bench --workload $w --batch 16 --skip-baseline --warmup 3 --iters 4 | tail -4
+      bench --workload $w --batch 16 --skip-baseline --warmup 3 --iters 4 | tail -4
+      [ -n "${SCALE_NOSPLIT:-}" ] && RPP_SPLIT_FUSED=0 bench --workload $w --batch 16 --skip-baseline --warmup 3 --iters 4 | tail -1
       # SCALE_MB=K: also 2 GPUs with K microbatches (default 2 per device: 4 on 2 GPUs)
-      [ -n "${SCALE_MB:-}" ] && bench --workload $w --batch 16 --microbatches "$SCALE_MB" --skip-baseline --warmup 3 --iters 4 | tee -a "$out/scale.log" | tail -2
+      [ -n "${SCALE_MB:-}" ] && bench --workload $w --batch 16 --microbatches "$SCALE_MB" --skip-baseline --warmup 3 --iters 4 | tail -2
     done ;;
   4b)  # issue 6: qwen3-4b on 2 GPUs >= 1.85x one GPU of the same machine
     CUDA_VISIBLE_DEVICES=0 bench --workload qwen3-4b --skip-baseline --warmup 3 --iters 3 | tail -4

@@ -36,6 +36,7 @@ from torch.optim.optimizer import Optimizer, ParamsT
 from roundpipe import settings
 from roundpipe.optim import compact
 from roundpipe.optim.build import OptimBuildError, get_optim_function
+from roundpipe.optim.reserve import StateReserve
 from roundpipe.optim.step import accept_low_precision_grad
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,10 @@ class Adam(Optimizer):
             buffer, 2 bytes per parameter) or ``"nearest"``.
         block_size: elements per int8 quantisation block (default 256).
         seed: seed of the stochastic rounding, an int in [0, 2**63).
+        preallocate_state: build the zero moments in a background thread from construction on, so the
+            first ``step()`` does not allocate them on its critical path (``roundpipe.optim.reserve``;
+            same memory, same state dict; a parameter's state still appears at its first step).
+            False: allocate them in the first step, as torch does.
 
     Raises:
         ValueError: bad hyperparameters, an unknown compact option, or parameters the chosen master does
@@ -140,6 +145,7 @@ class Adam(Optimizer):
         master_rounding: str = "stochastic",
         block_size: int = 256,
         seed: int = 0,
+        preallocate_state: bool = True,
     ) -> None:
         # Same validation as torch.optim.Adam, minus its foreach/fused/capturable combinations: those
         # flags select torch implementations that this optimizer does not use.
@@ -175,6 +181,8 @@ class Adam(Optimizer):
         }
         # Not in the param groups: a default optimizer's state dict stays torch.optim.Adam's.
         self.compact_config = compact.make_config(state_dtype, master, master_rounding, block_size, seed)
+        # Set before the base constructor: it calls add_param_group, which starts the builders.
+        self._reserve: Optional[StateReserve] = StateReserve("adam") if preallocate_state else None
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -187,8 +195,28 @@ class Adam(Optimizer):
             for p in params:
                 compact.check_param(cfg, p, {**self.defaults, **param_group})
         super().add_param_group(param_group)
-        for p in self.param_groups[-1]["params"]:
+        group = self.param_groups[-1]
+        for p in group["params"]:
             accept_low_precision_grad(p)
+        reserve: Optional[StateReserve] = getattr(self, "_reserve", None)
+        if reserve is not None:
+            if cfg is not None and cfg.enabled:
+                reserve.add(group["params"], lambda p: compact.init_state(cfg, p))
+            else:
+                amsgrad = bool(group["amsgrad"])
+                reserve.add(group["params"], lambda p: _zero_moments(p, amsgrad))
+
+    def _take_reserved(self, p: Tensor) -> Optional[Dict[str, Tensor]]:
+        """``p``'s zero state built in the background, if any (see ``preallocate_state``)."""
+        reserve: Optional[StateReserve] = getattr(self, "_reserve", None)
+        return None if reserve is None else reserve.take(p)
+
+    def _drop_reserve(self) -> None:
+        """After the first step or a state load: free what was built for parameters it did not use."""
+        reserve: Optional[StateReserve] = getattr(self, "_reserve", None)
+        if reserve is not None:
+            reserve.clear()
+            self._reserve = None
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         """Restore pickled or older state: fill group keys missing from it, make ``step`` a tensor."""
@@ -221,10 +249,10 @@ class Adam(Optimizer):
             if group["capturable"] or group["fused"]
             else torch.tensor(0.0, dtype=_get_scalar_dtype())
         )
-        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        if group["amsgrad"]:
-            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        reserved = self._take_reserved(p)
+        if reserved is None or ("max_exp_avg_sq" in reserved) != bool(group["amsgrad"]):
+            reserved = _zero_moments(p, bool(group["amsgrad"]))
+        state.update(reserved)
         return state
 
     @torch.no_grad()
@@ -243,6 +271,7 @@ class Adam(Optimizer):
                 loss = closure()
         if self.compact_config.enabled:
             self._compact_step()
+            self._drop_reserve()
             return loss
         kernel = _adam_kernel()
         for group in self.param_groups:
@@ -268,6 +297,7 @@ class Adam(Optimizer):
                 batch.run(kernel, group)
             if rest.params:
                 _torch_step(group, *rest.lists())
+        self._drop_reserve()
         return loss
 
     def _compact_step(self) -> None:
@@ -287,7 +317,7 @@ class Adam(Optimizer):
                     raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
                 state = self.state[p]
                 if len(state) == 0:
-                    state.update(compact.init_state(cfg, p))
+                    state.update(self._take_reserved(p) or compact.init_state(cfg, p))
                 if batch is None or not batch.add(pid, p, g, state):
                     rest.append((pid, p, g, state))
             if batch is not None and len(batch):
@@ -310,6 +340,7 @@ class Adam(Optimizer):
         state into a compact optimizer (moments rounded or quantised once), and a compact state into a
         default optimizer (moments decoded to the parameters' dtype).
         """
+        self._drop_reserve()  # the loaded states replace what was built for a fresh start
         saved_cfg = state_dict.get("compact")
         is_compact = saved_cfg is not None or any("exp_avg_scale" in s for s in state_dict["state"].values())
         if not self.compact_config.enabled and not is_compact:
@@ -337,6 +368,17 @@ class Adam(Optimizer):
 
 
 _F32, _C64, _BF16 = torch.float32, torch.complex64, torch.bfloat16
+
+
+def _zero_moments(p: Tensor, amsgrad: bool) -> Dict[str, Tensor]:
+    """torch.optim.Adam's initial moments of ``p`` (zeros like it)."""
+    state = {
+        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+    }
+    if amsgrad:
+        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
 
 
 class _TensorLists:
