@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs of this session's issues, one part per device call (see docs/benchmarks.md):
-#   bash bench/gpu_session.sh refactor|context8b|context17b|capped
+#   bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|lora32
 # "refactor" compares the tree in .old/ (the commit before the restructuring, carried as a folder) with
 # this one in one call; "context*" are the long-context rows of issue 21.
 set -uo pipefail
@@ -28,5 +28,12 @@ case "${1:-}" in
   capped)
     RPP_GPU_MEMORY=24GiB python3 bench/long_context.py --workload qwen3-1.7b --lengths 262144 --skip-baseline --out "$out/capped17b.json" 2>&1 | quiet | tail -5
     RPP_GPU_MEMORY=24GiB python3 bench/long_context.py --workload qwen3-8b --lora 16 --lengths 131072 --skip-baseline --out "$out/capped8b.json" 2>&1 | quiet | tail -5 ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped" >&2; exit 2 ;;
+  host)  # issue 22 (nvidia-h100-x1): first iteration after ONE warm-up, qwen3-4b's TFLOP/s, qwen3-8b with the
+    # compact state (int8 moments, bf16 masters: must fit the 128 GiB host, GPU <= 12 GiB); whole logs in $out/host.log
+    for a in "qwen3-1.7b --iters 6" "qwen3-4b --iters 4" "qwen3-8b --iters 4 --optim-state int8 --master bfloat16"; do
+      python3 bench/train_bench.py --workload $a --skip-baseline --warmup 1 2>&1 | quiet | tee -a "$out/host.log" | grep -E "^\| roundpipe|first timed|load to"
+    done ;;
+  lora32)  # issue 22: qwen3-32b LoRA r=16, 8 x 4096, one H100 (65 GB of bf16 weights on the host)
+    python3 bench/train_bench.py --workload qwen3-32b --lora 16 --skip-baseline --warmup 1 --iters 2 2>&1 | quiet | tee -a "$out/lora32.log" | tail -4 ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|lora32" >&2; exit 2 ;;
 esac
