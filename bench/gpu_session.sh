@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs of this session's issues, one part per device call (see docs/benchmarks.md):
-#   bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|lora32
+#   bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32
 # "refactor" compares the tree in .old/ (the commit before the restructuring, carried as a folder) with
 # this one in one call; "context*" are the long-context rows of issue 21.
 set -uo pipefail
@@ -33,7 +33,13 @@ case "${1:-}" in
     for a in "qwen3-1.7b --iters 6" "qwen3-4b --iters 4" "qwen3-8b --iters 4 --optim-state int8 --master bfloat16"; do
       python3 bench/train_bench.py --workload $a --skip-baseline --warmup 1 2>&1 | quiet | tee -a "$out/host.log" | grep -E "^\| roundpipe|first timed|load to"
     done ;;
+  streamed)  # issue 22: RPP_STEP_MODE=streamed (two bf16 host buffers, no staleness) vs the default, same call
+    for w in qwen3-1.7b qwen3-4b; do
+      for mode in staged streamed; do
+        RPP_STEP_MODE=$mode python3 bench/train_bench.py --workload $w --skip-baseline --warmup 3 --iters 4 2>&1 | quiet | tee -a "$out/streamed.log" | grep -E "^\| roundpipe|optimizer step"
+      done
+    done ;;
   lora32)  # issue 22: qwen3-32b LoRA r=16, 8 x 4096, one H100 (65 GB of bf16 weights on the host)
     python3 bench/train_bench.py --workload qwen3-32b --lora 16 --skip-baseline --warmup 1 --iters 2 2>&1 | quiet | tee -a "$out/lora32.log" | tail -4 ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|lora32" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32" >&2; exit 2 ;;
 esac

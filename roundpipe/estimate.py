@@ -230,7 +230,7 @@ def estimate(
     layers_per_stage: int = 1,
     recompute_grain: str = "stage",
     optimizer_bytes_per_param: int = 12,
-    grad_buffers: int = 2,
+    grad_buffers: Optional[int] = None,
     pinned: bool = True,
     devices: int = 1,
 ) -> Estimate:
@@ -250,7 +250,8 @@ def estimate(
         optimizer_bytes_per_param: Optimizer state and master bytes per trainable parameter (12: fp32
             master + Adam m, v).
         grad_buffers: Host buffers per trainable parameter besides the weights (gradient download and
-            staging; 2 with the asynchronous step's rotation).
+            staging). None: as the settings make it: 2 with the asynchronous step's rotation (staged
+            steps), 1 with ``RPP_STEP_MODE=streamed`` or ``RPP_STAGE_PARAMS=0 RPP_GRAD_BUFFERS=1``.
         pinned: Whether checkpoints come from the pinned caching allocator (GPU runs; CPU workers keep
             them unrounded).
         devices: GPUs of the process: with several (and several microbatches) the fused last stage runs
@@ -261,10 +262,14 @@ def estimate(
         raise ValueError("seq_len, batch_size, microbatches, layers_per_stage and devices must be positive")
     if recompute_grain not in ("stage", "layer"):
         raise ValueError(f"recompute_grain={recompute_grain!r}: expected 'stage' or 'layer'")
-    if tile is None:
+    if tile is None or grad_buffers is None:
         from roundpipe import settings
 
-        tile = settings.SEQ_TILE.get()
+        if tile is None:
+            tile = settings.SEQ_TILE.get()
+        if grad_buffers is None:
+            streamed = settings.STEP_MODE.get() == "streamed"
+            grad_buffers = 1 if streamed else (2 if settings.STAGE_PARAMS.get() else settings.GRAD_BUFFERS.get())
     b = dtype_bytes
     rows = math.ceil(batch_size / microbatches)
     t = rows * seq_len  # tokens of one microbatch: what one job holds at once

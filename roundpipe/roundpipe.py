@@ -209,6 +209,11 @@ class RoundPipeBase(nn.Module):
         devices. ``is_async=False`` copies the gradients, runs ``step_fn``, copies the updated
         parameters back, and returns when done: every iteration sees the latest parameters, as a
         plain PyTorch loop does. ``synchronize()`` brings the model up to date either way.
+
+        ``RPP_STEP_MODE=streamed``: ``is_async=True`` returns at once too, but nothing is stale: each
+        layer goes to the next forward as soon as the optimizer has stepped it (layer by layer with
+        ``roundpipe.optim.Adam``, after ``step_fn`` with other optimizers), so results equal
+        ``is_async=False``, with one host copy of the weights fewer (``roundpipe.optim.step``).
         """
         raise_if_failed(f"model {self.name!r} optimizer step")
         sync = self.grad_sync
@@ -320,6 +325,7 @@ class RoundPipe(RoundPipeBase):
         settings.GRAD_BUFFERS.get()  # a bad RPP_GRAD_BUFFERS fails here, naming the variable
         settings.DEVICE_SAVED_GB.get()  # likewise RPP_DEVICE_SAVED_GB
         settings.STAGE_PARAMS.get()  # and RPP_STAGE_PARAMS
+        settings.STEP_MODE.get()  # and RPP_STEP_MODE
         layers = list(model.children()) if isinstance(model, nn.Sequential) else [model]
         if not layers:
             raise ValueError("RoundPipe needs at least one layer; the nn.Sequential is empty")

@@ -197,6 +197,17 @@ STAGE_PARAMS: Setting[bool] = _register(
         "RPP_STAGE_PARAMS", _bool, True, "1", "`1` or `0`", "Asynchronous steps stage the updated parameters for the next step (off: copied when it starts)."
     )
 )
+STEP_MODE: Setting[str] = _register(
+    Setting(
+        "RPP_STEP_MODE",
+        _choice("staged", "streamed"),
+        "staged",
+        "staged",
+        "`staged` or `streamed`",
+        "Asynchronous steps: `staged` (one step stale, three host copies of each weight in the model dtype) or "
+        "`streamed` (not stale, two copies: the next forward follows the step layer by layer).",
+    )
+)
 SPLIT_FUSED: Setting[bool] = _register(
     Setting(
         "RPP_SPLIT_FUSED",

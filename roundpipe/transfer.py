@@ -43,15 +43,21 @@ def grad_buffers_limit() -> int:
     the model buffer the step's publish released, see ``_grad_buffer``). 2 (default): the next backward
     downloads into a second buffer while the optimizer still reads the first as its ``.grad``. 1: it
     waits for the optimizer instead, so the parameter has two host copies in all (model and gradient),
-    at the price of that wait.
+    at the price of that wait. ``RPP_STEP_MODE=streamed`` implies 1.
     """
-    return settings.GRAD_BUFFERS.get()
+    return 1 if streamed_steps() else settings.GRAD_BUFFERS.get()
 
 
 def stage_params_enabled() -> bool:
     """Whether asynchronous steps stage the updated parameters for the next step (``RPP_STAGE_PARAMS``,
-    default on; see ``roundpipe.optim.step.stage_params``)."""
-    return settings.STAGE_PARAMS.get()
+    default on; see ``roundpipe.optim.step.stage_params``). Never with ``RPP_STEP_MODE=streamed``."""
+    return settings.STAGE_PARAMS.get() and not streamed_steps()
+
+
+def streamed_steps() -> bool:
+    """Whether asynchronous steps publish the updated parameters layer by layer as the optimizer
+    finishes them (``RPP_STEP_MODE=streamed``, see ``roundpipe.optim.step``)."""
+    return settings.STEP_MODE.get() == "streamed"
 
 
 def device_saved_limit() -> int:
@@ -492,7 +498,7 @@ def preallocate_host_buffers(params: Sequence[nn.Parameter], name: str) -> threa
     run at the steady pace. A buffer the download needs before the thread reaches its parameter is
     allocated there as before (the extra spare is trimmed after the step); a failure to pin is left to
     that path, which reports it with advice."""
-    want = 2 if settings.STAGE_PARAMS.get() else settings.GRAD_BUFFERS.get() - 1
+    want = 2 if stage_params_enabled() else grad_buffers_limit() - 1
 
     def run() -> None:
         for p in params:

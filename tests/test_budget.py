@@ -208,3 +208,19 @@ def test_estimate_counts_the_split_fused_stage_host_buffers() -> None:
     one, two = (estimate.estimate(shape, SEQ, BATCH, microbatches=2, dtype_bytes=4, pinned=False, devices=d) for d in (1, 2))
     expected = two.host_parts["optimizer"] - one.host_parts["optimizer"]
     assert measured > 0 and abs(expected - measured) / measured < 0.02, (expected, measured)
+
+
+def test_estimate_host_buffers_follow_the_step_mode() -> None:
+    """Staged steps keep two model-dtype buffers per trainable parameter besides the weights (staged
+    copy, gradient download), streamed steps one: the estimate counts what the settings make."""
+    from roundpipe import settings
+
+    shape = estimate.ModelShape.from_config(tiny_model("qwen3").config)
+    staged = estimate.estimate(shape, SEQ, BATCH, dtype_bytes=2)
+    with settings.overridden(step_mode="streamed"):
+        streamed = estimate.estimate(shape, SEQ, BATCH, dtype_bytes=2)
+    with settings.overridden(stage_params="0", grad_buffers="1"):
+        two = estimate.estimate(shape, SEQ, BATCH, dtype_bytes=2)
+    saved = staged.host_parts["optimizer"] - streamed.host_parts["optimizer"]
+    assert saved == 2 * shape.params()  # one bf16 buffer per parameter (a full fine-tune: all trainable)
+    assert streamed.host_parts["optimizer"] == two.host_parts["optimizer"]

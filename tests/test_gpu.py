@@ -329,6 +329,41 @@ def test_stage_inputs_kept_on_the_gpu_equal_host_copies(monkeypatch: pytest.Monk
     assert peak_kept - peak_host > 16 * 2**20, (peak_host, peak_kept)
 
 
+@pytest.mark.parametrize("devices", ["cuda:0", "cuda:0,1"])
+def test_streamed_async_steps_equal_synchronous_steps_on_the_gpu(devices: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RPP_STEP_MODE=streamed on GPUs: asynchronous steps whose layers go to the next forward as the
+    host optimizer steps them give bit-identical weights to synchronous steps (the device streams
+    wait for each layer's conversion; none reads a half-written weight), with two host buffers per
+    parameter."""
+    from roundpipe.attribute import ParamAttribute
+    from roundpipe.optim import Adam
+
+    if devices.count(",") + 1 > torch.cuda.device_count():
+        pytest.skip("needs 2 GPUs")
+    use_devices(devices)
+
+    def run(mode: str, is_async: bool):
+        monkeypatch.setenv("RPP_STEP_MODE", mode)
+        torch.manual_seed(0)
+        body = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(8)]).to(torch.bfloat16)
+        model = RoundPipe(body, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=3))
+        opt = Adam(model.optim_parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            x = torch.randn(3072, 1024, generator=g).bfloat16()
+            model.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.float().pow(2).mean())
+            model.step(lambda: (opt.step(), opt.zero_grad()), is_async=is_async)
+        model.synchronize()
+        buffers = max(len(ParamAttribute.get(p).host_buffers(p)) for p in body.parameters())
+        return [p.detach().clone() for p in model.optim_parameters()], buffers
+
+    streamed, buffers = run("streamed", True)
+    sync, _ = run("staged", False)
+    for a, b in zip(streamed, sync):
+        assert torch.equal(a, b)
+    assert buffers <= 2
+
+
 def test_host_scalar_is_read_later_without_a_sync_when_created() -> None:
     """transfer.HostScalar: creating it queues a copy and an event (no synchronising call, checked by
     sync_debug_mode); item() returns the value once the event has passed."""

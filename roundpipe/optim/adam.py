@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import array
 import logging
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -37,7 +37,7 @@ from roundpipe import settings
 from roundpipe.optim import compact
 from roundpipe.optim.build import OptimBuildError, get_optim_function
 from roundpipe.optim.reserve import StateReserve
-from roundpipe.optim.step import accept_low_precision_grad
+from roundpipe.optim.step import accept_low_precision_grad, current_publisher
 
 logger = logging.getLogger(__name__)
 
@@ -269,61 +269,73 @@ class Adam(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.compact_config.enabled:
-            self._compact_step()
-            self._drop_reserve()
-            return loss
-        kernel = _adam_kernel()
-        for group in self.param_groups:
-            amsgrad = group["amsgrad"]
-            batch = _KernelBatch() if kernel is not None else None
-            rest = _TensorLists()
-            # One pass over the group: lazy state, then each parameter to the kernel batch if it can
-            # take it, else to torch. This loop is the per-tensor cost of a step; keep it lean.
-            for p in group["params"]:
-                g = p.grad
-                if g is None:
-                    continue
-                if g.is_sparse:
-                    raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
-                state = self.state[p]
-                if len(state) == 0:
-                    state = self._init_state(p, group)
-                m, v, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
-                vmax = state["max_exp_avg_sq"] if amsgrad else None
-                if batch is None or not batch.add(p, g, m, v, vmax, step):
-                    rest.add(p, g, m, v, vmax, step)
-            if batch is not None and batch.params:
-                batch.run(kernel, group)
-            if rest.params:
-                _torch_step(group, *rest.lists())
+        pub = current_publisher()
+        compact_on = self.compact_config.enabled
+        kernel = _adam_kernel("compact_adam" if compact_on else "adam")
+        # The parameter's position in the optimizer: part of a compact state's rounding stream.
+        pids = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])} if compact_on else {}
+        # Whole groups; in a streamed RoundPipe step, layer by layer in forward order (Publisher.plan).
+        whole = [(gi, list(g["params"])) for gi, g in enumerate(self.param_groups)]
+        for unit, parts in [(None, whole)] if pub is None else pub.plan(self.param_groups):
+            if pub is not None:
+                pub.check_unpublished([p for _, ps in parts for p in ps])
+            for gi, params in parts:
+                if compact_on:
+                    self._compact_params(self.param_groups[gi], params, kernel, pids)
+                else:
+                    self._fp32_params(self.param_groups[gi], params, kernel)
+            if unit is not None and pub is not None:
+                pub.done(unit)  # a streamed RoundPipe step: this layer goes to the next forward now
         self._drop_reserve()
         return loss
 
-    def _compact_step(self) -> None:
-        """One step of the compact state: the C++ kernel where it applies, torch otherwise."""
+    def _with_grads(self, group: Dict[str, Any], params: List[Tensor]) -> Iterator[Tuple[Tensor, Tensor, Dict[str, Any]]]:
+        """``(param, grad, state)`` of each of ``params`` that has a gradient, its state created at its
+        first step (taken from the reserve when one was built)."""
+        for p in params:
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
+            state = self.state[p]
+            if len(state) == 0:
+                if self.compact_config.enabled:
+                    state.update(self._take_reserved(p) or compact.init_state(self.compact_config, p))
+                else:
+                    state = self._init_state(p, group)
+            yield p, g, state
+
+    def _fp32_params(self, group: Dict[str, Any], params: List[Tensor], kernel: Optional[Callable[..., int]]) -> None:
+        """Step ``params`` of ``group`` with the fp32 state: the C++ kernel where it applies, torch otherwise."""
+        amsgrad = group["amsgrad"]
+        batch = _KernelBatch() if kernel is not None else None
+        rest = _TensorLists()
+        # One pass over the parameters: lazy state, then each to the kernel batch if it can take it,
+        # else to torch. This loop is the per-tensor cost of a step; keep it lean.
+        for p, g, state in self._with_grads(group, params):
+            m, v, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
+            vmax = state["max_exp_avg_sq"] if amsgrad else None
+            if batch is None or not batch.add(p, g, m, v, vmax, step):
+                rest.add(p, g, m, v, vmax, step)
+        if batch is not None and batch.params:
+            batch.run(kernel, group)
+        if rest.params:
+            _torch_step(group, *rest.lists())
+
+    def _compact_params(self, group: Dict[str, Any], params: List[Tensor], kernel: Optional[Callable[..., int]], pids: Dict[int, int]) -> None:
+        """Step ``params`` of ``group`` with the compact state: the C++ kernel where it applies, torch otherwise."""
         cfg = self.compact_config
-        kernel = _adam_kernel("compact_adam")
-        pid = -1
-        for group in self.param_groups:
-            batch = compact.CompactKernelBatch(cfg) if kernel is not None else None
-            rest: List[Tuple[int, Tensor, Tensor, Dict[str, Tensor]]] = []
-            for p in group["params"]:
-                pid += 1  # the parameter's position in the optimizer: part of its rounding stream
-                g = p.grad
-                if g is None:
-                    continue
-                if g.is_sparse:
-                    raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
-                state = self.state[p]
-                if len(state) == 0:
-                    state.update(self._take_reserved(p) or compact.init_state(cfg, p))
-                if batch is None or not batch.add(pid, p, g, state):
-                    rest.append((pid, p, g, state))
-            if batch is not None and len(batch):
-                batch.run(kernel, group)
-            if rest:
-                compact.torch_step(cfg, group, rest)
+        batch = compact.CompactKernelBatch(cfg) if kernel is not None else None
+        rest: List[Tuple[int, Tensor, Tensor, Dict[str, Tensor]]] = []
+        for p, g, state in self._with_grads(group, params):
+            pid = pids[id(p)]
+            if batch is None or not batch.add(pid, p, g, state):
+                rest.append((pid, p, g, state))
+        if batch is not None and len(batch):
+            batch.run(kernel, group)
+        if rest:
+            compact.torch_step(cfg, group, rest)
 
     def state_dict(self) -> Dict[str, Any]:
         """As ``torch.optim.Adam.state_dict``; a compact optimizer adds its options under ``"compact"``."""

@@ -13,6 +13,16 @@ One step, on the optimizer thread (``roundpipe.optim.thread``):
 4. (asynchronous) stage the updated parameters in the model's dtype for the next step's publish;
    (synchronous) copy them into the model at once.
 
+``RPP_STEP_MODE=streamed`` changes the asynchronous step: no publish in 1. and no staging in 4.;
+instead each layer's updated parameters are copied into the model as soon as the optimizer has
+stepped them (:class:`Publisher`: ``roundpipe.optim.Adam`` steps its parameters layer by layer in
+forward order and reports each layer; other optimizers' layers are copied when ``step_fn`` returns),
+setting ``param_copied``. The next forward, which waits for ``param_copied`` layer by layer, follows the
+step: no parameter is stale (results equal synchronous steps) and no staging buffer exists, so a
+parameter has two host copies in the model dtype (weights, gradient) instead of three. The next
+backward's gradient downloads wait until the step has released its gradient buffers (``zero_grad``),
+as with ``RPP_GRAD_BUFFERS=1``.
+
 The main thread clears ``param_copied`` / ``grad_copied`` of every unit before it queues the step
 (``launch``) and the step sets each exactly once, so each event has one owner per phase: cleared by the
 main thread at launch, set by the optimizer thread when it is done with the layer.
@@ -20,7 +30,9 @@ main thread at launch, set by the optimizer thread when it is done with the laye
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+import contextlib
+import threading
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -91,9 +103,10 @@ def _step_kernel(
     reduce_host: Optional[Callable[[List[nn.Parameter]], None]],
 ) -> None:
     """Optimizer-thread body of a step (the protocol in the module docstring)."""
+    streamed = is_async and settings.STEP_MODE.get() == "streamed"
     try:
         with OptimizerCtx():
-            if is_async:
+            if is_async and not streamed:
                 copy_params_to_model(units, use_staged=True)
             # Gradients in reverse layer order: the next backward starts from the last layer and
             # its downloads wait for these copies (``grad_copied``); the next forward needs only
@@ -107,10 +120,17 @@ def _step_kernel(
                 for p in params:
                     copy_grad_to_optim(p)
                 attr.grad_copied.set()
-            step_fn(*args, **kwargs)
-            if is_async:
+            if streamed:
+                publisher = Publisher(units)
+                with publisher.active():
+                    step_fn(*args, **kwargs)
+                publisher.finish()  # layers no optimizer reported (other optimizers, no gradient)
+                release_grad_buffers(units)
+            elif is_async:
+                step_fn(*args, **kwargs)
                 stage_params(units)
             else:
+                step_fn(*args, **kwargs)
                 release_grad_buffers(units)
                 copy_params_to_model(units)
     except BaseException:
@@ -123,6 +143,85 @@ def _step_kernel(
         raise
     finally:
         done.set()
+
+
+_active = threading.local()  # the Publisher of the streamed step running on this thread, if any
+
+
+def current_publisher() -> Optional["Publisher"]:
+    """The :class:`Publisher` of the streamed step whose ``step_fn`` runs on this thread, else None
+    (an optimizer asks this to step layer by layer; see the module docstring)."""
+    return getattr(_active, "publisher", None)
+
+
+class Publisher:
+    """Copies a streamed step's layers into the model as the optimizer finishes them.
+
+    ``units`` lists each layer's optimizer parameters in forward order. An optimizer that steps all of
+    a layer's parameters calls :meth:`done` for it right after; :meth:`finish` (after ``step_fn``)
+    copies the layers nobody reported. Only the optimizer thread uses it. A layer once published is
+    read by the next forward, so stepping its parameters again in the same ``step_fn`` (a second
+    ``optimizer.step()``) raises instead of leaving the model with an older version.
+    """
+
+    def __init__(self, units: Units) -> None:
+        self.units = units
+        self.masters: List[List[torch.Tensor]] = [[pa.optim for pa in (ParamAttribute.get(p) for p in params) if pa.optim is not None] for _, params in units]
+        self.unit_of: Dict[int, int] = {id(m): k for k, ms in enumerate(self.masters) for m in ms}
+        self.published = [False] * len(units)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator["Publisher"]:
+        """Make this the thread's :func:`current_publisher` while ``step_fn`` runs."""
+        _active.publisher = self
+        try:
+            yield self
+        finally:
+            _active.publisher = None
+
+    def plan(self, param_groups: List[Dict[str, Any]]) -> List[Tuple[Optional[int], List[Tuple[int, List[torch.Tensor]]]]]:
+        """How an optimizer with ``param_groups`` steps: ``[(layer or None, [(group index, params)])]``:
+        the layers whose optimizer parameters are all in these groups, in forward order (the optimizer
+        calls :meth:`done` after each), then the rest of its parameters (a layer partly in another
+        optimizer is copied by :meth:`finish`)."""
+        group_of = {id(p): gi for gi, g in enumerate(param_groups) for p in g["params"]}
+        plan: List[Tuple[Optional[int], List[Tuple[int, List[torch.Tensor]]]]] = []
+        covered = set()
+        for k, masters in enumerate(self.masters):
+            if not masters or any(id(m) not in group_of for m in masters):
+                continue
+            parts: Dict[int, List[torch.Tensor]] = {}
+            for m in masters:
+                parts.setdefault(group_of[id(m)], []).append(m)
+                covered.add(id(m))
+            plan.append((k, sorted(parts.items(), key=lambda kv: kv[0])))
+        rest = [(gi, [p for p in g["params"] if id(p) not in covered]) for gi, g in enumerate(param_groups)]
+        rest = [(gi, ps) for gi, ps in rest if ps]
+        if rest:
+            plan.append((None, rest))
+        return plan
+
+    def check_unpublished(self, params: List[torch.Tensor]) -> None:
+        """Raise if one of ``params`` (about to be stepped) belongs to a layer already published."""
+        for p in params:
+            k = self.unit_of.get(id(p))
+            if k is not None and self.published[k]:
+                raise RuntimeError(
+                    f"RPP_STEP_MODE=streamed: layer {self.units[k][0].layer_id} was already handed to the next forward when its "
+                    "parameters were stepped again in the same step function (a second optimizer.step()); step each parameter "
+                    "once per model.step(), or use RPP_STEP_MODE=staged"
+                )
+
+    def done(self, k: int) -> None:
+        """The optimizer has stepped every parameter of layer ``k``: copy it into the model now."""
+        if not self.published[k]:
+            self.published[k] = True
+            copy_params_to_model([self.units[k]])
+
+    def finish(self) -> None:
+        """Copy every layer not published yet (in forward order)."""
+        for k in range(len(self.units)):
+            self.done(k)
 
 
 def sync_params(units: Units) -> None:
