@@ -15,6 +15,7 @@ from roundpipe.batch import Batch
 from roundpipe.context import doing_optimizer
 from roundpipe.grad_sync import GradSync
 from roundpipe.memory import PinMode, pin_module
+from roundpipe.optim import reserve as state_reserve
 from roundpipe.optim import step as optim_step
 from roundpipe.optim import thread as optim_thread
 from roundpipe.partial_grads import PartialGradStore
@@ -493,10 +494,13 @@ class RoundPipe(RoundPipeBase):
 
     def _prepare_host_buffers(self) -> None:
         """At the first call after the optimizer copies exist, start allocating the host buffers the
-        first steps need (``transfer.preallocate_host_buffers``), in the background."""
+        first steps need (``transfer.preallocate_host_buffers``) and the optimizers' zero state
+        (``roundpipe.optim.reserve``), in the background."""
         if self.__dict__.get("_host_buffers_started") or not torch.is_grad_enabled():
             return
         params = [p for _, ps in self.optim_units() for p in ps if ParamAttribute.get(p).optim is not None]
+        # The optimizers' zero state too (roundpipe.optim.Adam registers a reserve on its parameters).
+        state_reserve.start_for([ParamAttribute.get(p).optim for p in params])
         if params:
             self.__dict__["_host_buffers_started"] = True
             self.__dict__["host_buffers_thread"] = preallocate_host_buffers(params, self.name)

@@ -51,7 +51,7 @@ def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
 def path_calls(impl: str, monkeypatch: pytest.MonkeyPatch) -> Dict[str, int]:
     """Counts the calls into each implementation, so a test knows which one actually ran."""
     calls = {"cpp": 0, "torch": 0}
-    for owner, name, key in ((adam_mod._KernelBatch, "run", "cpp"), (adam_mod, "_torch_step", "torch")):
+    for owner, name, key in ((adam_mod.KernelBatch, "run", "cpp"), (adam_mod, "torch_step", "torch")):
         orig = getattr(owner, name)
 
         def counted(*args, _orig=orig, _key=key, **kwargs):

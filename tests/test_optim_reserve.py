@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from roundpipe.optim import Adam
-from roundpipe.optim.reserve import StateReserve
+from roundpipe.optim.reserve import StateReserve, start_for
 
 
 def _params(seed: int = 0, n: int = 3) -> List[torch.nn.Parameter]:
@@ -40,7 +40,8 @@ def test_preallocated_state_is_used_and_matches_torch_adam(amsgrad: bool, decoup
     ours = Adam(ours_p, **kw)
     ref = torch.optim.Adam(ref_p, **kw)
     reserve = ours._reserve
-    assert reserve is not None
+    assert reserve is not None and not reserve.started  # nothing built before a training call starts it
+    start_for(ours_p[:1])  # what RoundPipe's first training call does (any one parameter names the optimizer)
     reserve.wait()
     assert len(reserve) == len(ours_p) and len(ours.state) == 0  # built, not yet visible
     built = {id(p): reserve._ready[id(p)][2]["exp_avg"].data_ptr() for p in ours_p}
@@ -63,6 +64,7 @@ def test_parameter_without_gradient_at_the_first_step_gets_its_state_lazily() ->
     ours_p, ref_p = _params(1), _params(1)
     ours = Adam(ours_p, lr=1e-2)
     ref = torch.optim.Adam(ref_p, lr=1e-2)
+    start_for(ours_p)
     late = {1: 2}  # parameter 1 has no gradient in steps 0 and 1
     _run(ours, ours_p, 1, late)
     assert ours._reserve is None and ours_p[1] not in ours.state  # its prebuilt state was freed
@@ -99,6 +101,7 @@ def test_preallocate_off_and_frozen_parameters_reserve_nothing() -> None:
     assert Adam(ps, lr=1e-3, preallocate_state=False)._reserve is None
     ps[0].requires_grad_(False)
     opt = Adam(ps, lr=1e-3)
+    start_for(ps)
     opt._reserve.wait()
     assert set(opt._reserve._ready) == {id(ps[1]), id(ps[2])}
 
@@ -110,6 +113,8 @@ def test_compact_state_prebuilt_steps_bit_for_bit_as_lazy(state_dtype: str, mast
     b = [torch.nn.Parameter(p.detach().clone()) for p in a]
     kw = dict(lr=1e-2, state_dtype=state_dtype, master=master, block_size=32)
     eager, lazy = Adam(a, **kw), Adam(b, preallocate_state=False, **kw)
+    start_for(a + b)  # starts eager's reserve; lazy has none
+    assert eager._reserve is not None and eager._reserve.started and lazy._reserve is None
     for s in range(3):
         for x, y, g in zip(a, b, _grads(s, a)):
             gd = torch.bfloat16 if master == "bfloat16" else torch.float32
@@ -135,6 +140,7 @@ def test_reserve_stops_on_allocation_failure_and_the_rest_allocate_lazily() -> N
 
     reserve = StateReserve("test")
     reserve.add(ps, make)
+    reserve.start()
     assert reserve.take(ps[0]) is not None
     assert reserve.take(ps[1]) is None and reserve.take(ps[2]) is None
     assert isinstance(reserve.error, RuntimeError) and len(calls) == 2
@@ -150,7 +156,36 @@ def test_take_waits_for_the_builder_and_rejects_a_replaced_parameter() -> None:
 
     reserve = StateReserve("test")
     reserve.add(ps, make)
+    reserve.start()
     threading.Timer(0.05, gate.set).start()
     assert reserve.take(ps[0]) is not None  # waited for the builder, did not see a half-built reserve
     ps[1].data = torch.zeros(3, dtype=ps[1].dtype)  # replaced storage of another shape
     assert reserve.take(ps[1]) is None
+
+
+def test_resume_builds_nothing_and_a_roundpipe_training_call_starts_the_builder() -> None:
+    """A resumed run loads its state before training: nothing is built first (no double peak). A fresh
+    run's first RoundPipe training call starts the builder, before the first step."""
+    from torch import nn
+
+    from roundpipe import RoundPipe, RoundPipeRunConfig
+
+    p0 = _params(7)
+    first = Adam(p0, lr=1e-2)
+    _run(first, p0, 1, {})
+    resumed = Adam([torch.nn.Parameter(p.detach().clone()) for p in p0], lr=1e-2)
+    reserve = resumed._reserve
+    resumed.load_state_dict(copy.deepcopy(first.state_dict()))
+    assert reserve is not None and not reserve.started and len(reserve) == 0
+
+    torch.manual_seed(0)
+    rp = RoundPipe(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    opt = Adam(rp.optim_parameters(), lr=1e-3)
+    assert opt._reserve is not None and not opt._reserve.started
+    rp.forward_backward(input_args=(torch.randn(4, 4),), loss_fn=lambda out, _: out.pow(2).mean())
+    assert opt._reserve.started
+    opt._reserve.wait()
+    assert len(opt._reserve) == len(list(rp.optim_parameters()))
+    rp.step(lambda: (opt.step(), opt.zero_grad()))
+    rp.synchronize()
+    assert opt._reserve is None and all(len(opt.state[p]) == 3 for p in rp.optim_parameters())

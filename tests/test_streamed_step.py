@@ -88,9 +88,9 @@ def test_layers_are_published_in_forward_order_as_the_optimizer_steps_them(worke
     seen: List[Tuple[int, bool]] = []
     done = step_protocol.Publisher.done
 
-    def spy(self: step_protocol.Publisher, k: int) -> None:
+    def spy(self: step_protocol.Publisher, k: int, *args: object) -> None:
         seen.append((k, step_protocol.current_publisher() is self))  # True: reported from inside optimizer.step()
-        done(self, k)
+        done(self, k, *args)
 
     monkeypatch.setattr(step_protocol.Publisher, "done", spy)
     rp = RoundPipe(make_model(), optim_dtype=torch.float64, model_run_config=RoundPipeRunConfig(num_microbatch=2))
@@ -105,8 +105,18 @@ def test_layers_are_published_in_forward_order_as_the_optimizer_steps_them(worke
 
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:3"], indirect=True)
-def test_bf16_model_keeps_two_host_copies_and_matches_synchronous_steps(workers: str) -> None:
-    """The real case: bf16 weights, fp32 masters, the bf16 host gradient as the optimizer's .grad."""
+def test_bf16_model_keeps_two_host_copies_and_matches_synchronous_steps(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real case: bf16 weights, fp32 masters, the bf16 host gradient as the optimizer's .grad; the
+    C++ kernel writes the converted weights in its step pass (bit for bit what copy_ gives)."""
+    written: List[int] = []
+    done = step_protocol.Publisher.done
+
+    def spy(self: step_protocol.Publisher, k: int, wrote: object = ()) -> None:
+        if not self.published[k] and self.masters[k]:  # first report of a layer with parameters (finish() repeats)
+            written.append(len(wrote))  # type: ignore[arg-type]
+        done(self, k, wrote)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(step_protocol.Publisher, "done", spy)
 
     def run(mode: str) -> Tuple[List[float], List[torch.Tensor], nn.Module]:
         settings.configure(step_mode=mode)
@@ -128,6 +138,10 @@ def test_bf16_model_keeps_two_host_copies_and_matches_synchronous_steps(workers:
         pa = ParamAttribute.get(p)
         assert pa.staged is None
         assert len(pa.host_buffers(p)) <= 2, len(pa.host_buffers(p))
+    from roundpipe.optim.adam import _adam_kernel
+
+    if _adam_kernel() is not None:  # the C++ kernel built: it wrote every layer's weights (2 tensors each)
+        assert written and all(n == 2 for n in written), str(written)
 
 
 @pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)

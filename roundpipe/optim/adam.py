@@ -24,18 +24,17 @@ kernel ``csrc/compact_adam.cpp``, same ``RPP_ADAM_IMPL`` choice). The defaults k
 
 from __future__ import annotations
 
-import array
 import logging
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
-from torch.optim.adam import adam as _torch_adam
 from torch.optim.optimizer import Optimizer, ParamsT
 
 from roundpipe import settings
 from roundpipe.optim import compact
 from roundpipe.optim.build import OptimBuildError, get_optim_function
+from roundpipe.optim.fp32_step import KernelBatch, TensorLists, torch_step
 from roundpipe.optim.reserve import StateReserve
 from roundpipe.optim.step import accept_low_precision_grad, current_publisher
 
@@ -45,8 +44,6 @@ __all__ = ["Adam"]
 
 IMPL_ENV = "RPP_ADAM_IMPL"
 _IMPLS = ("auto", "cpp", "torch")
-# dtypes torch's fused CPU Adam kernel handles (complex tensors are passed as their real views).
-_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _kernel_error: Optional[str] = None  # why the C++ kernel is unavailable in this process, once known
 _compact_kernel_error: Optional[str] = None  # the same for the compact kernel
@@ -91,10 +88,6 @@ def _get_scalar_dtype(is_fused: Optional[bool] = None) -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-def _as_float(x: Union[float, Tensor]) -> float:
-    return x.item() if isinstance(x, Tensor) else float(x)
-
-
 class Adam(Optimizer):
     """Implements Adam (and AdamW with ``decoupled_weight_decay=True``) with fp32 stepping on CPU.
 
@@ -114,10 +107,11 @@ class Adam(Optimizer):
             buffer, 2 bytes per parameter) or ``"nearest"``.
         block_size: elements per int8 quantisation block (default 256).
         seed: seed of the stochastic rounding, an int in [0, 2**63).
-        preallocate_state: build the zero moments in a background thread from construction on, so the
-            first ``step()`` does not allocate them on its critical path (``roundpipe.optim.reserve``;
-            same memory, same state dict; a parameter's state still appears at its first step).
-            False: allocate them in the first step, as torch does.
+        preallocate_state: build the zero moments in a background thread from the RoundPipe model's
+            first training call on, so the first ``step()`` does not allocate them on its critical
+            path (``roundpipe.optim.reserve``; same memory, same state dict; a parameter's state still
+            appears at its first step). False, or without RoundPipe: allocate them in the first step,
+            as torch does.
 
     Raises:
         ValueError: bad hyperparameters, an unknown compact option, or parameters the chosen master does
@@ -277,15 +271,19 @@ class Adam(Optimizer):
         # Whole groups; in a streamed RoundPipe step, layer by layer in forward order (Publisher.plan).
         whole = [(gi, list(g["params"])) for gi, g in enumerate(self.param_groups)]
         for unit, parts in [(None, whole)] if pub is None else pub.plan(self.param_groups):
+            # A streamed RoundPipe step: the kernel may write this layer's model weights itself, once
+            # no upload reads them any more (Publisher.outputs waits for that).
+            outs = pub.outputs(unit) if pub is not None and unit is not None and not compact_on else None
+            written: List[Tensor] = []
             if pub is not None:
                 pub.check_unpublished([p for _, ps in parts for p in ps])
             for gi, params in parts:
                 if compact_on:
                     self._compact_params(self.param_groups[gi], params, kernel, pids)
                 else:
-                    self._fp32_params(self.param_groups[gi], params, kernel)
+                    written += self._fp32_params(self.param_groups[gi], params, kernel, outs)
             if unit is not None and pub is not None:
-                pub.done(unit)  # a streamed RoundPipe step: this layer goes to the next forward now
+                pub.done(unit, written)  # this layer goes to the next forward now
         self._drop_reserve()
         return loss
 
@@ -306,11 +304,15 @@ class Adam(Optimizer):
                     state = self._init_state(p, group)
             yield p, g, state
 
-    def _fp32_params(self, group: Dict[str, Any], params: List[Tensor], kernel: Optional[Callable[..., int]]) -> None:
-        """Step ``params`` of ``group`` with the fp32 state: the C++ kernel where it applies, torch otherwise."""
+    def _fp32_params(
+        self, group: Dict[str, Any], params: List[Tensor], kernel: Optional[Callable[..., int]], outs: Optional[Dict[int, Tensor]] = None
+    ) -> List[Tensor]:
+        """Step ``params`` of ``group`` with the fp32 state: the C++ kernel where it applies, torch
+        otherwise. ``outs``: ``id(param) -> bf16 tensor`` the kernel also writes the update to (a
+        streamed step's model weights); returns the parameters whose update it wrote there."""
         amsgrad = group["amsgrad"]
-        batch = _KernelBatch() if kernel is not None else None
-        rest = _TensorLists()
+        batch = KernelBatch() if kernel is not None else None
+        rest = TensorLists()
         # One pass over the parameters: lazy state, then each to the kernel batch if it can take it,
         # else to torch. This loop is the per-tensor cost of a step; keep it lean.
         for p, g, state in self._with_grads(group, params):
@@ -318,10 +320,13 @@ class Adam(Optimizer):
             vmax = state["max_exp_avg_sq"] if amsgrad else None
             if batch is None or not batch.add(p, g, m, v, vmax, step):
                 rest.add(p, g, m, v, vmax, step)
-        if batch is not None and batch.params:
+            else:
+                batch.add_output(outs.get(id(p)) if outs else None)
+        if batch is not None and kernel is not None and batch.params:
             batch.run(kernel, group)
         if rest.params:
-            _torch_step(group, *rest.lists())
+            torch_step(group, *rest.lists())
+        return batch.written if batch is not None else []
 
     def _compact_params(self, group: Dict[str, Any], params: List[Tensor], kernel: Optional[Callable[..., int]], pids: Dict[int, int]) -> None:
         """Step ``params`` of ``group`` with the compact state: the C++ kernel where it applies, torch otherwise."""
@@ -332,7 +337,7 @@ class Adam(Optimizer):
             pid = pids[id(p)]
             if batch is None or not batch.add(pid, p, g, state):
                 rest.append((pid, p, g, state))
-        if batch is not None and len(batch):
+        if batch is not None and kernel is not None and len(batch):
             batch.run(kernel, group)
         if rest:
             compact.torch_step(cfg, group, rest)
@@ -379,9 +384,6 @@ class Adam(Optimizer):
                 state["max_exp_avg_sq"] = state["exp_avg_sq"].clone()
 
 
-_F32, _C64, _BF16 = torch.float32, torch.complex64, torch.bfloat16
-
-
 def _zero_moments(p: Tensor, amsgrad: bool) -> Dict[str, Tensor]:
     """torch.optim.Adam's initial moments of ``p`` (zeros like it)."""
     state = {
@@ -391,199 +393,3 @@ def _zero_moments(p: Tensor, amsgrad: bool) -> Dict[str, Tensor]:
     if amsgrad:
         state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     return state
-
-
-class _TensorLists:
-    """params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs (amsgrad only), steps."""
-
-    def __init__(self) -> None:
-        self.params: List[Tensor] = []
-        self.grads: List[Tensor] = []
-        self.exp_avgs: List[Tensor] = []
-        self.exp_avg_sqs: List[Tensor] = []
-        self.max_exp_avg_sqs: List[Tensor] = []
-        self.steps: List[Tensor] = []
-
-    def add(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Optional[Tensor], step: Tensor) -> None:
-        self.params.append(p)
-        self.grads.append(g)
-        self.exp_avgs.append(m)
-        self.exp_avg_sqs.append(v)
-        if vmax is not None:
-            self.max_exp_avg_sqs.append(vmax)
-        self.steps.append(step)
-
-    def lists(self) -> Tuple[List[Tensor], ...]:
-        return self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, self.max_exp_avg_sqs, self.steps
-
-
-class _KernelBatch(_TensorLists):
-    """The tensors of one group that the C++ kernel steps, with their data pointers, for one call."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ptrs = [array.array("Q") for _ in range(6)]  # p, g, m, v, vmax, step
-        self.grad_kinds = array.array("i")  # 0: fp32 gradient, 1: bfloat16 gradient (csrc/adam.cpp)
-        self.numels = array.array("q")
-
-    def add(self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, vmax: Optional[Tensor], step: Tensor) -> bool:
-        """Take the parameter if the kernel can step it: host fp32 (or complex64) parameter and state it
-        may walk linearly. Returns False (taking nothing) otherwise."""
-        dt = p.dtype
-        if not ((dt is _F32 or dt is _C64) and p.is_cpu and p.is_contiguous()):
-            return False
-        shape = p.shape
-        for t in (m, v) if vmax is None else (m, v, vmax):
-            # Shapes too: load_state_dict does not check them, and the kernel must never run off the end.
-            if not (t.dtype is dt and t.is_cpu and t.is_contiguous() and t.shape == shape):
-                return False
-        # A bfloat16 gradient of an fp32 parameter is read as is (widened exactly in the kernel).
-        bf16_grad = g.dtype is _BF16 and dt is _F32
-        if not ((g.dtype is dt or bf16_grad) and g.is_cpu and g.shape == shape):
-            return False
-        if not (step.dtype is _F32 and step.is_cpu and step.dim() == 0):
-            return False
-        if not g.is_contiguous() or g.is_conj() or g.is_neg():
-            # The kernel reads raw gradient memory linearly: read a strided gradient, or a lazily
-            # negated or conjugated view, through a materialised copy (kept alive in self.grads).
-            g = g.resolve_conj().resolve_neg().contiguous()
-        super().add(p, g, m, v, vmax, step)
-        ptrs = self.ptrs
-        ptrs[0].append(p.data_ptr())
-        ptrs[1].append(g.data_ptr())
-        ptrs[2].append(m.data_ptr())
-        ptrs[3].append(v.data_ptr())
-        if vmax is not None:
-            ptrs[4].append(vmax.data_ptr())
-        ptrs[5].append(step.data_ptr())
-        self.grad_kinds.append(1 if bf16_grad else 0)
-        self.numels.append(p.numel() * 2 if dt is _C64 else p.numel())
-        return True
-
-    def run(self, kernel: Callable[..., int], group: Dict[str, Any]) -> None:
-        """One kernel call for the whole batch. The arrays and tensors stay referenced by ``self``."""
-        beta1, beta2 = group["betas"]
-        p, g, m, v, vmax, step = (a.buffer_info()[0] if len(a) else None for a in self.ptrs)
-        kernel(
-            len(self.params),
-            p,
-            g,
-            self.grad_kinds.buffer_info()[0],
-            m,
-            v,
-            vmax,
-            step,
-            self.numels.buffer_info()[0],
-            _as_float(group["lr"]),
-            _as_float(beta1),
-            _as_float(beta2),
-            float(group["eps"]),
-            float(group["weight_decay"]),
-            int(bool(group["amsgrad"])),
-            int(bool(group["maximize"])),
-            int(bool(group["decoupled_weight_decay"])),
-            torch.get_num_threads(),
-        )
-        # Writes through raw pointers bypass autograd's version counters; bump them as in-place ops
-        # would, so a graph that saved one of these tensors still fails loudly instead of going stale.
-        torch.autograd.graph.increment_version(self.params + self.exp_avgs + self.exp_avg_sqs + self.max_exp_avg_sqs + self.steps)
-
-
-def _is_dense(t: Tensor) -> bool:
-    """Whether ``t`` covers its memory without gaps or overlaps (in some dimension order)."""
-    expected = 1
-    if t.numel() == 0:
-        return True
-    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _fused_inputs(
-    params: List[Tensor],
-    grads: List[Tensor],
-    exp_avgs: List[Tensor],
-    exp_avg_sqs: List[Tensor],
-    max_exp_avg_sqs: List[Tensor],
-) -> Optional[Tuple[List[Tensor], ...]]:
-    """The lists for torch's fused CPU kernel (real views), or None if it cannot take these tensors.
-
-    The fused kernel walks all tensors of a parameter in one memory order and checks neither strides
-    nor sizes: a gradient whose strides differ from its parameter's (e.g. a channels_last parameter with
-    a contiguous gradient; torch.optim.AdamW(fused=True) has this problem too) silently gives garbage,
-    and state of the wrong shape (load_state_dict does not check) is read past its end. Such gradients
-    are copied into the parameter's layout; a parameter that is not dense, or whose state has another
-    shape or layout, sends the group to the reference path (which raises on wrong shapes).
-    """
-    out: Tuple[List[Tensor], ...] = ([], [], [], [], [])
-    states = zip(exp_avgs, exp_avg_sqs, max_exp_avg_sqs or [None] * len(params))
-    for p, g, (m, v, vmax) in zip(params, grads, states):
-        dt = p.dtype
-        cplx = p.is_complex()
-        if not (p.is_cpu and (cplx or dt in _FUSED_DTYPES) and g.dtype is dt and g.shape == p.shape):
-            return None
-        state = (m, v) if vmax is None else (m, v, vmax)
-        if p.is_contiguous():
-            if not all(t.is_contiguous() and t.shape == p.shape for t in state):
-                return None
-            if not g.is_contiguous():
-                g = g.contiguous()
-        else:
-            if not _is_dense(p) or not all(t.shape == p.shape and t.stride() == p.stride() for t in state):
-                return None
-            if g.stride() != p.stride():
-                g = torch.empty_like(p).copy_(g)  # preserve_format: p's strides, as p is dense
-        if g.is_conj() or g.is_neg():
-            g = g.resolve_conj().resolve_neg()
-        for lst, t in zip(out, (p, g, m, v, vmax)):
-            if t is not None:
-                # Adam on a complex tensor is Adam on its real view (torch's reference does the same).
-                lst.append(torch.view_as_real(t) if cplx else t)
-    return out
-
-
-def _torch_step(
-    group: Dict[str, Any],
-    params: List[Tensor],
-    grads: List[Tensor],
-    exp_avgs: List[Tensor],
-    exp_avg_sqs: List[Tensor],
-    max_exp_avg_sqs: List[Tensor],
-    steps: List[Tensor],
-) -> None:
-    """Step the tensors the C++ kernel does not take, with torch's own implementations."""
-    # torch's kernels want a gradient of the parameter's dtype: widen a low-precision gradient of a
-    # higher-precision parameter (exact), as the C++ kernel does on the fly.
-    grads = [g.to(p.dtype) if g.dtype != p.dtype and not p.is_complex() else g for p, g in zip(params, grads)]
-    beta1, beta2 = group["betas"]
-    common = dict(
-        amsgrad=group["amsgrad"],
-        beta1=beta1,
-        beta2=beta2,
-        lr=group["lr"],
-        weight_decay=group["weight_decay"],
-        eps=group["eps"],
-        maximize=group["maximize"],
-        decoupled_weight_decay=group["decoupled_weight_decay"],
-    )
-    fused_lists = _fused_inputs(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs)
-    if fused_lists is not None:
-        _torch_adam(*fused_lists, steps, fused=True, **common)
-        # The fused op leaves autograd's version counters alone; bump them as in-place ops would.
-        torch.autograd.graph.increment_version(params + exp_avgs + exp_avg_sqs + max_exp_avg_sqs + steps)
-    else:
-        # Anything else (another device, mixed dtypes): torch's reference implementation.
-        _torch_adam(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            max_exp_avg_sqs,
-            steps,
-            foreach=False,
-            fused=False,
-            has_complex=any(torch.is_complex(p) for p in params),
-            **common,
-        )

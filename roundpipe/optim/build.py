@@ -47,7 +47,7 @@ _CXXFLAGS = [
     "-fPIC",
 ]
 _BUILD_TIMEOUT_S = 300
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 
 # C signatures of the exported functions: (symbol, restype, argtypes).
 _SIGNATURES = {
@@ -55,8 +55,8 @@ _SIGNATURES = {
         "rpp_adam_f32",
         ctypes.c_int32,
         # n_tensors; params, grads, grad_kinds, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, numels (arrays);
-        # lr, beta1, beta2, eps, weight_decay; amsgrad, maximize, decoupled, num_threads
-        [ctypes.c_int64] + [ctypes.c_void_p] * 8 + [ctypes.c_double] * 5 + [ctypes.c_int32] * 4,
+        # lr, beta1, beta2, eps, weight_decay; amsgrad, maximize, decoupled, num_threads; bf16_outs (array or null)
+        [ctypes.c_int64] + [ctypes.c_void_p] * 8 + [ctypes.c_double] * 5 + [ctypes.c_int32] * 4 + [ctypes.c_void_p],
     ),
     "compact_adam": (
         "rpp_compact_adam",

@@ -3,10 +3,12 @@
 torch's Adam creates its moments lazily, inside the first ``step()``: for a full fine-tune that is 8
 bytes per parameter (66 GB for an 8B model) allocated and zeroed (the pages faulted in) on the step's
 critical path, so the first iterations after warm-up wait for it. :class:`StateReserve` builds the same
-zero states in a background thread as soon as the optimizer is constructed, while the model loads and
-the first forward runs; the step then takes them instead of allocating. The optimizer's visible state
-is unchanged: a parameter's state still appears at its first step, with the same keys, dtypes and
-values as before.
+zero states in a background thread, started by the model's first training call (RoundPipe calls
+:func:`start_for` with its optimizer copies) while the devices run the first forward; the step then
+takes them instead of allocating. Not at construction: a run that resumes loads its optimizer state
+after constructing the optimizer, and a reserve built meanwhile would double the state's memory at its
+peak. The optimizer's visible state is unchanged: a parameter's state still appears at its first step,
+with the same keys, dtypes and values as before; an optimizer used without RoundPipe allocates lazily.
 
 Life cycle (one owner each): the builder thread only writes ``_ready`` under ``_lock``; the optimizer
 (whatever thread steps it) calls :meth:`take`, which waits for the builders first, so a state is never
@@ -18,12 +20,20 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
+
+# id(parameter) -> its reserve (weakly), so the runtime can start a reserve knowing only the parameters
+# (start_for). Not an attribute on the tensor: that would travel with the parameter into pickles and
+# copies. An entry outlives its parameter only until its reserve is cleared or collected; a reused id
+# can at worst start a reserve early (take() checks the parameter itself).
+_registry: Dict[int, "weakref.ReferenceType[StateReserve]"] = {}
+_registry_lock = threading.Lock()
 
 StateFactory = Callable[[Tensor], Dict[str, Tensor]]  # parameter -> its zero state (tensors only)
 
@@ -38,17 +48,35 @@ class StateReserve:
         # reused id, shape and dtype to rule out a parameter whose data was replaced since.
         self._ready: Dict[int, Tuple[Tensor, Tuple[torch.Size, torch.dtype], Dict[str, Tensor]]] = {}
         self._threads: List[threading.Thread] = []
+        self._pending: List[Tuple[List[Tensor], StateFactory]] = []
         self._closed = False
         self.error: Optional[BaseException] = None  # why a builder stopped early (the rest allocate lazily)
 
     def add(self, params: Iterable[Tensor], make: StateFactory) -> None:
-        """Start building ``make(p)`` for each trainable ``p`` in a background thread (one per call)."""
+        """Build ``make(p)`` for each trainable host ``p`` once :meth:`start` is called."""
         todo = [p for p in params if p.requires_grad and p.device.type == "cpu"]
         if not todo or self._closed:
             return
-        thread = threading.Thread(target=self._build, args=(todo, make), name=f"roundpipe-{self.name}-state", daemon=True)
-        self._threads.append(thread)
-        thread.start()
+        me = weakref.ref(self)
+        with _registry_lock:
+            for p in todo:
+                _registry[id(p)] = me
+        self._pending.append((todo, make))
+
+    def start(self) -> None:
+        """Start building what :meth:`add` recorded, in one background thread per ``add`` (main thread)."""
+        pending, self._pending = self._pending, []
+        for todo, make in pending:
+            if self._closed:
+                return
+            thread = threading.Thread(target=self._build, args=(todo, make), name=f"roundpipe-{self.name}-state", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    @property
+    def started(self) -> bool:
+        """Whether a builder has been started (and the reserve not cleared)."""
+        return bool(self._threads or self._ready)
 
     def _build(self, params: List[Tensor], make: StateFactory) -> None:
         for p in params:
@@ -85,10 +113,29 @@ class StateReserve:
     def clear(self) -> None:
         """Drop every state not taken, and build no more (after the first step, or a state load)."""
         self._closed = True
+        self._unregister()
+        self._pending = []
         self.wait()
         with self._lock:
             self._ready.clear()
 
+    def _unregister(self) -> None:
+        with _registry_lock:
+            for key in [k for k, ref in _registry.items() if ref() is self or ref() is None]:
+                del _registry[key]
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._ready)
+
+
+def start_for(params: Iterable[Tensor]) -> None:
+    """Start the reserves the optimizers of ``params`` registered (RoundPipe's first training call)."""
+    seen = set()
+    for p in params:
+        with _registry_lock:
+            ref = _registry.get(id(p))
+        reserve = ref() if ref is not None else None
+        if reserve is not None and id(reserve) not in seen:
+            seen.add(id(reserve))
+            reserve.start()

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import AbstractSet, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -212,11 +212,25 @@ class Publisher:
                     "once per model.step(), or use RPP_STEP_MODE=staged"
                 )
 
-    def done(self, k: int) -> None:
-        """The optimizer has stepped every parameter of layer ``k``: copy it into the model now."""
+    def outputs(self, k: int) -> Dict[int, torch.Tensor]:
+        """``id(optimizer parameter) -> model weights`` of layer ``k``, for an optimizer that writes the
+        converted update itself in its step pass (``roundpipe.optim.Adam``'s kernel; it reports what it
+        wrote to :meth:`done`). Waits until no upload reads the layer's weights any more."""
+        attr, params = self.units[k]
+        wait_uploads(attr)
+        out: Dict[int, torch.Tensor] = {}
+        for p in params:
+            pa = ParamAttribute.get(p)
+            if pa.optim is not None and pa.staged is None:
+                out[id(pa.optim)] = p.data
+        return out
+
+    def done(self, k: int, written: Sequence[torch.Tensor] = ()) -> None:
+        """The optimizer has stepped every parameter of layer ``k``: copy it into the model now
+        (``written``: optimizer parameters whose model weights it already wrote, see :meth:`outputs`)."""
         if not self.published[k]:
             self.published[k] = True
-            copy_params_to_model([self.units[k]])
+            copy_params_to_model([self.units[k]], written={id(t) for t in written})
 
     def finish(self) -> None:
         """Copy every layer not published yet (in forward order)."""
@@ -236,7 +250,14 @@ def sync_params(units: Units) -> None:
     optim_thread.synchronize()
 
 
-def copy_params_to_model(units: Units, use_staged: bool = False) -> None:
+def wait_uploads(attr: LayerAttribute) -> None:
+    """Until no upload reads the layer's model parameters: the latest upload was issued
+    (``param_upload_started``) and has finished reading host memory (``param_uploaded``)."""
+    attr.param_upload_started.wait()
+    attr.param_uploaded.synchronize()
+
+
+def copy_params_to_model(units: Units, use_staged: bool = False, written: AbstractSet[int] = frozenset()) -> None:
     """Make the model parameters the optimizer's current version, layer by layer (``param_copied``).
 
     With ``use_staged`` (the start of an asynchronous step) a parameter whose staging buffer holds
@@ -244,13 +265,14 @@ def copy_params_to_model(units: Units, use_staged: bool = False) -> None:
     with it: the dtype-converting copy already ran while the devices were busy, and the next
     forward, which waits for ``param_copied`` layer by layer, does not wait for it. The others
     (first step, after ``sync_optim_param``, staging off) are copied, which makes any staged
-    version obsolete.
+    version obsolete. ``written``: ids of optimizer parameters whose values the optimizer has already
+    written into the model (a streamed step's fused conversion, after :func:`wait_uploads`): not
+    copied again.
     """
     for attr, params in units:
         # An upload in flight still reads the model parameters: wait until it has finished. After
         # that nothing reads the old buffer, so it may become the next staging buffer.
-        attr.param_upload_started.wait()
-        attr.param_uploaded.synchronize()
+        wait_uploads(attr)
         with torch.no_grad():
             for p in params:
                 pa = ParamAttribute.get(p)
@@ -262,7 +284,7 @@ def copy_params_to_model(units: Units, use_staged: bool = False) -> None:
                     # transfer._grad_buffer).
                     old, p.data, pa.staged = p.data, pa.staged, None
                     pa.give_spare(old)
-                else:
+                elif id(pa.optim) not in written:
                     p.data.copy_(pa.optim.data)
                 pa.staged_valid = False
         attr.param_copied.set()

@@ -17,6 +17,9 @@
 // the memory-traffic floor of Adam in fp32. A gradient may also be bfloat16 (RoundPipe's host gradient
 // buffers, read in place instead of copied to fp32 first: 26 bytes per parameter, and no fp32 gradient
 // copy in memory); it is widened to float exactly, so the result equals stepping with grad.float().
+// A tensor may also name a bfloat16 output (RoundPipe's model weights in a streamed step): each work
+// item then writes its updated parameters there too, rounded to nearest even as torch's copy_ does,
+// while they are still in cache, instead of a second pass over the fp32 parameters later.
 
 #include <algorithm>
 #include <cmath>
@@ -101,6 +104,17 @@ void adam_range(float* __restrict p, const void* __restrict g_raw, float* __rest
 
 using RangeFn = void (*)(float*, const void*, float*, float*, float*, int64_t, int64_t, Hyper, TensorScalars);
 
+// fp32 -> bfloat16, round to nearest even (c10::BFloat16's conversion; NaN -> 0x7FC0).
+void to_bf16(const float* __restrict p, uint16_t* __restrict out, int64_t begin, int64_t end) {
+#pragma omp simd
+  for (int64_t i = begin; i < end; ++i) {
+    uint32_t b;
+    std::memcpy(&b, &p[i], sizeof(b));
+    const uint32_t r = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+    out[i] = p[i] != p[i] ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(r);
+  }
+}
+
 template <typename G, bool kAmsgrad, bool kMaximize, int kWd>
 RangeFn pick_lerp(bool small_weight) {
   return small_weight ? &adam_range<G, kAmsgrad, kMaximize, kWd, true> : &adam_range<G, kAmsgrad, kMaximize, kWd, false>;
@@ -134,18 +148,21 @@ RangeFn pick(int grad_kind, bool amsgrad, bool maximize, int wd, bool small_weig
 extern "C" {
 
 // Bumped whenever the signature below changes; optim/build.py refuses a library of another version.
-int32_t rpp_abi_version() { return 2; }
+int32_t rpp_abi_version() { return 3; }
 
 // One Adam step over n_tensors fp32 tensors of one parameter group.
 //   params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs: data pointers (max_* read only if amsgrad)
 //   grad_kinds: per tensor, 0 = fp32 gradient, 1 = bfloat16 gradient
 //   steps: pointers to each tensor's float32 step counter, incremented here (as torch does first)
 //   numels: float elements per tensor (2x the element count for complex64)
+//   bf16_outs: per tensor, 0 or a bfloat16 buffer of numels elements that receives the updated
+//     parameters (fp32 tensors only); may be null (no outputs)
 // Returns 0.
 int32_t rpp_adam_f32(int64_t n_tensors, const uint64_t* params, const uint64_t* grads, const int32_t* grad_kinds,
                      const uint64_t* exp_avgs, const uint64_t* exp_avg_sqs, const uint64_t* max_exp_avg_sqs,
                      const uint64_t* steps, const int64_t* numels, double lr, double beta1, double beta2, double eps,
-                     double weight_decay, int32_t amsgrad, int32_t maximize, int32_t decoupled, int32_t num_threads) {
+                     double weight_decay, int32_t amsgrad, int32_t maximize, int32_t decoupled, int32_t num_threads,
+                     const uint64_t* bf16_outs) {
   // Scalars are computed in double and rounded to float once, as the Python expressions in
   // torch.optim.Adam are before the float kernels see them.
   Hyper h;
@@ -187,6 +204,9 @@ int32_t rpp_adam_f32(int64_t n_tensors, const uint64_t* params, const uint64_t* 
     fns[grad_kinds[t] == kGradBF16 ? 1 : 0](reinterpret_cast<float*>(params[t]), reinterpret_cast<const void*>(grads[t]),
        reinterpret_cast<float*>(exp_avgs[t]), reinterpret_cast<float*>(exp_avg_sqs[t]), vmax, w.begin, w.end, h,
        scalars[t]);
+    if (bf16_outs != nullptr && bf16_outs[t] != 0) {
+      to_bf16(reinterpret_cast<const float*>(params[t]), reinterpret_cast<uint16_t*>(bf16_outs[t]), w.begin, w.end);
+    }
   }
   return 0;
 }

@@ -259,7 +259,7 @@ RangeFn pick(int s, int m, int g) {
 extern "C" {
 
 // Same ABI version as adam.cpp (optim/build.py checks one number for all its libraries).
-int32_t rpp_abi_version() { return 2; }
+int32_t rpp_abi_version() { return 3; }
 
 // One compact Adam step over the n_tensors tensors of one parameter group.
 //   params: fp32 (master_kind 0) or bf16 data; grads: fp32 or bf16 per grad_kinds (0 / 1)
