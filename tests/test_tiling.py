@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from roundpipe import models, settings
 from roundpipe.context import RecomputeCtx
 from roundpipe.models import fused_ops, kernels, tiling
+from roundpipe.models.preset import _call_mask_function
 from roundpipe.plan import ModelExecutePlan
 from roundpipe.run_config import RoundPipeRunConfig
 
@@ -89,7 +90,7 @@ def _inputs(base: nn.Module, batch: int, seq: int, padding: bool, layer_type: st
         mask2d = torch.ones(batch, seq, dtype=torch.long)
         mask2d[-1, :3] = 0
     fn = create_sliding_window_causal_mask if layer_type == "sliding_attention" else create_causal_mask
-    mask = fn(config=base.config, inputs_embeds=x, attention_mask=mask2d, past_key_values=None)
+    mask = _call_mask_function(fn, config=base.config, inputs_embeds=x, attention_mask=mask2d, past_key_values=None)
     pos = torch.arange(seq)[None]
     cos, sin = base.model.rotary_emb(x, pos)
     return x, mask, pos, (cos, sin)

@@ -153,7 +153,7 @@ def _call_mask_function(fn: Callable[..., Any], **kwargs: Any) -> Any:
     params = inspect.signature(fn).parameters
     if "inputs_embeds" not in params and "input_embeds" in params:
         kwargs["input_embeds"] = kwargs.pop("inputs_embeds")
-    if "cache" in params and "past_key_values" not in params:  # transformers >= 5.24 renamed it
+    if "cache" in params:  # transformers >= 5.24 renamed it (past_key_values stays a deprecated alias)
         kwargs["cache"] = kwargs.pop("past_key_values", None)
     if "cache_position" in params:
         embeds = kwargs.get("inputs_embeds", kwargs.get("input_embeds"))
