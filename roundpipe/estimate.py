@@ -268,8 +268,7 @@ def estimate(
         if tile is None:
             tile = settings.SEQ_TILE.get()
         if grad_buffers is None:
-            streamed = settings.STEP_MODE.get() == "streamed"
-            grad_buffers = 1 if streamed else (2 if settings.STAGE_PARAMS.get() else settings.GRAD_BUFFERS.get())
+            grad_buffers = settings.host_buffers_besides_weights()
     b = dtype_bytes
     rows = math.ceil(batch_size / microbatches)
     t = rows * seq_len  # tokens of one microbatch: what one job holds at once

@@ -405,6 +405,30 @@ def restore(saved: Dict[str, Any]) -> None:
     _notify(changed)
 
 
+def streamed_steps() -> bool:
+    """Whether asynchronous steps hand each layer to the next forward as the optimizer steps it
+    (``RPP_STEP_MODE=streamed``, see ``roundpipe.optim.step``)."""
+    return STEP_MODE.get() == "streamed"
+
+
+def stage_params_enabled() -> bool:
+    """Whether asynchronous steps stage the updated parameters for the next step (``RPP_STAGE_PARAMS``,
+    never with streamed steps)."""
+    return STAGE_PARAMS.get() and not streamed_steps()
+
+
+def grad_buffers_limit() -> int:
+    """Host gradient buffers per parameter while an asynchronous step runs without staging
+    (``RPP_GRAD_BUFFERS``; streamed steps imply 1)."""
+    return 1 if streamed_steps() else GRAD_BUFFERS.get()
+
+
+def host_buffers_besides_weights() -> int:
+    """Model-dtype host buffers per trainable parameter besides its weights that these settings make:
+    staged copy + gradient download (2) with staging, else the gradient buffers."""
+    return 2 if stage_params_enabled() else grad_buffers_limit()
+
+
 def default_num_microbatch(num_devices: int) -> int:
     """Microbatches per call when the run configuration names none: one more than the devices, so a
     device that finishes a group finds the next microbatch ready while the others still run."""

@@ -45,19 +45,13 @@ def grad_buffers_limit() -> int:
     waits for the optimizer instead, so the parameter has two host copies in all (model and gradient),
     at the price of that wait. ``RPP_STEP_MODE=streamed`` implies 1.
     """
-    return 1 if streamed_steps() else settings.GRAD_BUFFERS.get()
+    return settings.grad_buffers_limit()
 
 
 def stage_params_enabled() -> bool:
     """Whether asynchronous steps stage the updated parameters for the next step (``RPP_STAGE_PARAMS``,
     default on; see ``roundpipe.optim.step.stage_params``). Never with ``RPP_STEP_MODE=streamed``."""
-    return settings.STAGE_PARAMS.get() and not streamed_steps()
-
-
-def streamed_steps() -> bool:
-    """Whether asynchronous steps publish the updated parameters layer by layer as the optimizer
-    finishes them (``RPP_STEP_MODE=streamed``, see ``roundpipe.optim.step``)."""
-    return settings.STEP_MODE.get() == "streamed"
+    return settings.stage_params_enabled()
 
 
 def device_saved_limit() -> int:

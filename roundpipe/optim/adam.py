@@ -269,14 +269,19 @@ class Adam(Optimizer):
         # The parameter's position in the optimizer: part of a compact state's rounding stream.
         pids = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])} if compact_on else {}
         # Whole groups; in a streamed RoundPipe step, layer by layer in forward order (Publisher.plan).
-        whole = [(gi, list(g["params"])) for gi, g in enumerate(self.param_groups)]
-        for unit, parts in [(None, whole)] if pub is None else pub.plan(self.param_groups):
-            # A streamed RoundPipe step: the kernel may write this layer's model weights itself, once
-            # no upload reads them any more (Publisher.outputs waits for that).
-            outs = pub.outputs(unit) if pub is not None and unit is not None and not compact_on else None
-            written: List[Tensor] = []
+        if pub is None:
+            plan: List[Tuple[Optional[int], List[Tuple[int, List[Tensor]]]]] = [(None, [(gi, g["params"]) for gi, g in enumerate(self.param_groups)])]
+        else:
+            plan = pub.plan(self.param_groups)
+        for unit, parts in plan:
+            outs = None
             if pub is not None:
                 pub.check_unpublished([p for _, ps in parts for p in ps])
+                if unit is not None and not compact_on:
+                    # The kernel writes this layer's model weights itself, once no upload reads
+                    # them any more (Publisher.outputs waits for that).
+                    outs = pub.outputs(unit)
+            written: List[Tensor] = []
             for gi, params in parts:
                 if compact_on:
                     self._compact_params(self.param_groups[gi], params, kernel, pids)

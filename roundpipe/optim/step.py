@@ -103,7 +103,7 @@ def _step_kernel(
     reduce_host: Optional[Callable[[List[nn.Parameter]], None]],
 ) -> None:
     """Optimizer-thread body of a step (the protocol in the module docstring)."""
-    streamed = is_async and settings.STEP_MODE.get() == "streamed"
+    streamed = is_async and settings.streamed_steps()
     try:
         with OptimizerCtx():
             if is_async and not streamed:
@@ -120,17 +120,15 @@ def _step_kernel(
                 for p in params:
                     copy_grad_to_optim(p)
                 attr.grad_copied.set()
-            if streamed:
-                publisher = Publisher(units)
-                with publisher.active():
-                    step_fn(*args, **kwargs)
+            publisher = Publisher(units) if streamed else None
+            with publisher.active() if publisher is not None else contextlib.nullcontext():
+                step_fn(*args, **kwargs)
+            if publisher is not None:
                 publisher.finish()  # layers no optimizer reported (other optimizers, no gradient)
                 release_grad_buffers(units)
             elif is_async:
-                step_fn(*args, **kwargs)
                 stage_params(units)
             else:
-                step_fn(*args, **kwargs)
                 release_grad_buffers(units)
                 copy_params_to_model(units)
     except BaseException:
@@ -300,7 +298,7 @@ def stage_params(units: Units) -> None:
     parameters (read by the running iteration's uploads) are not written, so no event is needed.
     ``RPP_STAGE_PARAMS=0`` turns staging off (the next step copies the parameters when it starts).
     """
-    stage = settings.STAGE_PARAMS.get()
+    stage = settings.stage_params_enabled()
     with torch.no_grad():
         for _, params in units:
             for p in params:
