@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import psutil
 import torch
@@ -64,11 +64,47 @@ def build_model(name: str, device: str = "cpu", vocab: Optional[int] = None) -> 
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
-            model = Qwen3ForCausalLM(config)
+        if device != "cpu":
+            with torch.device(device):
+                model = Qwen3ForCausalLM(config)
+        else:  # on the host: skeleton on meta, filled by all cores (Hugging Face's init is one core's normal_)
+            with torch.device("meta"):
+                model = Qwen3ForCausalLM(config)
+            model.to_empty(device="cpu")
+            model.tie_weights()  # to_empty gives the tied head its own empty tensor
+            # Buffers (the rotary frequencies) are computed at construction: rebuild their modules on the host.
+            for mname, mod in list(model.named_modules()):
+                if any(True for _ in mod.buffers(recurse=False)):
+                    parent, _, attr = mname.rpartition(".")
+                    setattr(model.get_submodule(parent), attr, type(mod)(config=config))
+            fill_random(model, seed=0)
     finally:
         torch.set_default_dtype(default)
     return model.to(dtype)
+
+
+def fill_random(model: torch.nn.Module, seed: int, std: float = 0.02, chunk: int = 1 << 24) -> None:
+    """Matrices and embeddings N(0, std), norm weights 1, biases 0 (Hugging Face's Qwen3 init), written
+    by a thread per core: each 16M-element chunk has its own generator, so the result depends on the seed
+    and the chunk size only, not on the thread count."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = []
+    for name, param in model.named_parameters():
+        flat = param.data.view(-1)
+        if "norm" in name:
+            flat.fill_(1.0)
+        elif name.endswith(".bias"):
+            flat.zero_()
+        else:
+            jobs.extend(flat[i : i + chunk] for i in range(0, flat.numel(), chunk))
+
+    def fill(job: Tuple[int, torch.Tensor]) -> None:
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + job[0])
+        job[1].normal_(0.0, std, generator=gen)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        list(pool.map(fill, enumerate(jobs)))
 
 
 @dataclass

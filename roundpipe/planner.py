@@ -72,11 +72,26 @@ class ActivationCosts:
     host_limit: float
     """Host bytes for all backward stages' inputs."""
 
-    def stage_bytes(self, start: int, stop: int) -> float:
+    def stage_bytes(self, start: int, stop: int, sizes: Sequence[float] = ()) -> float:
         """GPU activation bytes of a backward stage of layers [start, stop): the layer back-propagated
-        at the time needs its peak, the others what their recompute keeps."""
+        at the time needs its peak, the others what their recompute keeps; with the layers' weight
+        ``sizes``, plus the stage's weights beyond what ``gpu_limit`` already leaves out
+        (``stage_weight_excess``)."""
         kept = sum(self.kept[start:stop])
-        return kept + max(self.peak[i] - self.kept[i] for i in range(start, stop))
+        return kept + max(self.peak[i] - self.kept[i] for i in range(start, stop)) + stage_weight_excess(sizes, start, stop)
+
+
+def stage_weight_excess(sizes: Sequence[float], start: int, stop: int) -> float:
+    """Device bytes of a stage's weights that the activation budget must also hold.
+
+    ``budget.gpu_budget`` leaves out twice the largest layer (the running and the prefetched one). A
+    stage of several layers holds all of them, and the next stage, prefetched while it runs, may be as
+    large: twice the stage's weights beyond the largest layer count against its activations. Without
+    this a stage merged under host pressure was planned by its activations alone (qwen3-32b LoRA on an
+    H200: 30 layers, 28 GiB of weights beside the activations the budget had allowed, out of memory)."""
+    if not sizes:
+        return 0.0
+    return 2.0 * max(0.0, float(sum(sizes[start:stop])) - float(max(sizes)))
 
 
 def plan_stages(
@@ -157,7 +172,7 @@ def plan_stages(
     if activations is not None:
         _check_activations(activations, n)
         plain = _plain_training_plan(run_type, fwd_times, bwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
-        if _within(plain[1], activations, run_type == "fused"):
+        if _within(plain[1], activations, run_type == "fused", layer_bytes):
             return plain
         return _plan_with_activations(run_type, fwd_times, bwd_times, layer_bytes, min_stages, upper_threshold, mem_cap, activations)
     return _plain_training_plan(run_type, fwd_times, bwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
@@ -203,9 +218,9 @@ def checkpoint_bytes(bwd_plan: Sequence[range], a: ActivationCosts, fused: bool)
     return float(sum(a.checkpoint[r.start] for r in groups if r.start > 0))
 
 
-def _within(bwd_plan: Sequence[range], a: ActivationCosts, fused: bool) -> bool:
+def _within(bwd_plan: Sequence[range], a: ActivationCosts, fused: bool, sizes: Sequence[float]) -> bool:
     """Whether every backward stage fits the GPU activation budget and the checkpoints the host one."""
-    return all(a.stage_bytes(r.start, r.stop) <= a.gpu_limit * (1 + _REL_TOL) for r in bwd_plan) and (
+    return all(a.stage_bytes(r.start, r.stop, sizes) <= a.gpu_limit * (1 + _REL_TOL) for r in bwd_plan) and (
         checkpoint_bytes(bwd_plan, a, fused) <= a.host_limit * (1 + _REL_TOL)
     )
 
@@ -264,13 +279,16 @@ def _activation_partition(sizes: Sequence[float], mem_cap: float, a: ActivationC
     extra = [float(a.peak[i]) - float(a.kept[i]) for i in range(n)]
     gpu_lim = a.gpu_limit * (1 + _REL_TOL)
     w_lim = mem_cap * (1 + _REL_TOL)
+    largest = float(max(sizes, default=0.0))
     # starts[j]: the group starts i such that [i, j) fits, nearest first.
     starts: List[List[int]] = [[] for _ in range(n + 1)]
     for j in range(1, n + 1):
         worst = -math.inf
         for i in range(j - 1, -1, -1):
             worst = max(worst, extra[i])
-            if s_prefix[j] - s_prefix[i] > w_lim or k_prefix[j] - k_prefix[i] + worst > gpu_lim:
+            weights = s_prefix[j] - s_prefix[i]
+            # The activations and the stage's weights beyond the budget's own reserve (stage_weight_excess).
+            if weights > w_lim or k_prefix[j] - k_prefix[i] + worst + 2.0 * max(0.0, weights - largest) > gpu_lim:
                 break  # longer groups ending at j only grow
             starts[j].append(i)
     if not starts[n] or any(not starts[j] for j in range(1, n + 1)):
@@ -301,7 +319,7 @@ def _activation_partition(sizes: Sequence[float], mem_cap: float, a: ActivationC
         fewest = min(cost[k][n] for k in range(1, n + 1))
         k_min = min(range(1, n + 1), key=lambda k: cost[k][n])
         plan = _backtrack(back, k_min, n)
-        gpu = max(a.stage_bytes(r.start, r.stop) for r in plan)
+        gpu = max(a.stage_bytes(r.start, r.stop, sizes) for r in plan)
         raise ActivationMemoryError(
             f"the backward stages' input checkpoints need at least {fewest / GiB:.1f} GiB of host memory "
             f"(with stages of up to {max(len(r) for r in plan)} layers, which need {gpu / GiB:.1f} GiB of device memory); "

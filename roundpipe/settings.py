@@ -244,7 +244,7 @@ OPTIM_THREADS: Setting[Optional[int]] = _register(
         "RPP_OPTIM_THREADS",
         _int(1),
         None,
-        "torch's thread count, or this rank's share of the cores",
+        "torch's thread count less 4 when it is 8 or more, or this rank's share of the cores",
         "a positive integer",
         "Intra-op threads of the host optimizer thread.",
     )

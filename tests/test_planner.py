@@ -324,3 +324,27 @@ def test_simulation_of_a_split_first_backward_job_by_hand():
     assert simulate_iteration("train", plan, plan, fwd, bwd, 2, 2) == pytest.approx(24)
     # b1 in two parts: mb0 on A 2-12, mb1 on B 2-12; b0 on A: 12-14, 14-16.
     assert simulate_iteration("train", plan, plan, fwd, bwd, 2, 2, fused_parts=2) == pytest.approx(16)
+
+
+def test_a_merged_stage_counts_its_weights_against_the_activation_budget():
+    """Under host pressure the backward stages merge; a stage of several layers holds their weights and
+    the next stage's prefetched ones beside its activations. Six 1 GiB layers, 1 GiB kept and 2 GiB
+    peak each, 6 GiB for a stage's activations: three layers would need 4 GiB of activations and 4 GiB
+    of weights beyond the budget's reserve (too much), two need 3 + 2. Room for one checkpoint: no plan
+    fits, and the call is refused instead of planned into an out-of-memory."""
+    from roundpipe.planner import ActivationCosts, ActivationMemoryError
+
+    G = float(1 << 30)
+    n = 6
+    times = [1.0] * n
+    sizes = [int(G)] * n
+
+    def costs(host_checkpoints: int) -> ActivationCosts:
+        return ActivationCosts([G] * n, [2 * G] * n, [10 * G] * n, 6 * G, host_checkpoints * 10 * G)
+
+    fwd, bwd = plan_stages("train", times, times, sizes, min_stages=1, upper_threshold=1.1, memory_limit_bytes=100 * G, activations=costs(2))
+    assert [len(r) for r in bwd] == [2, 2, 2], bwd
+    with pytest.raises(ActivationMemoryError) as err:
+        plan_stages("train", times, times, sizes, min_stages=1, upper_threshold=1.1, memory_limit_bytes=100 * G, activations=costs(1))
+    assert err.value.host_needed == 20 * G
+    assert err.value.gpu_needed == 5 * G  # the two-layer stages: 3 GiB of activations + 2 GiB of weights

@@ -487,6 +487,39 @@ def test_bf16_gradients_are_handed_to_roundpipe_adam_without_a_copy(workers: str
             assert (a - b).abs().max().item() < 1e-6, accumulate
 
 
+def test_one_process_leaves_cores_to_its_issuing_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Alone on its host, the optimizer thread takes torch's thread count less four (from 8 threads up),
+    so the main, device and autograd threads keep cores while a step runs; RPP_OPTIM_THREADS wins."""
+    import threading
+
+    from roundpipe.optim import thread as optim_thread
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+    assert optim_thread.single_process_default() == 12
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    assert optim_thread.single_process_default() == 4
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)
+    assert optim_thread.single_process_default() is None  # small hosts (CI's 2 cores) keep torch's count
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert optim_thread.single_process_default() is None  # several ranks: their share, not this rule
+
+    # What the optimizer thread sets, run on a thread of its own as the optimizer thread is.
+    chosen: list = []
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch, "set_num_threads", chosen.append)
+    for env in (None, "3"):
+        if env is None:
+            monkeypatch.delenv("RPP_OPTIM_THREADS", raising=False)
+        else:
+            monkeypatch.setenv("RPP_OPTIM_THREADS", env)
+        t = threading.Thread(target=optim_thread._set_thread_count)
+        t.start()
+        t.join()
+    assert chosen == [12, 3]
+
+
 def test_ranks_sharing_a_host_give_the_optimizer_a_share_of_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     """torchrun sets OMP_NUM_THREADS=1 for several ranks per host; the host Adam then gets cores / ranks
     threads, less two per rank for its issuing threads when that leaves at least 4, unless
@@ -545,3 +578,46 @@ def test_host_buffers_exist_before_the_second_iteration(workers: str, stage: str
         train(x, y)
     rp.synchronize()
     assert allocations == []
+
+
+@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
+def test_the_second_training_call_waits_for_the_host_buffer_thread(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pinning holds the driver's lock: the second training call lets the background allocation finish
+    before it issues work, so no later iteration runs beside it; calls without gradients do not wait."""
+    import threading
+
+    from roundpipe import roundpipe as rp_module
+    from roundpipe.optim import Adam
+
+    release = threading.Event()
+    real = rp_module.preallocate_host_buffers
+
+    def slow(params: list, name: str) -> threading.Thread:
+        def run() -> None:
+            release.wait(30)
+            real(params, name).join()
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        return t
+
+    monkeypatch.setattr(rp_module, "preallocate_host_buffers", slow)
+    model = make_model().to(torch.bfloat16)
+    rp = RoundPipe(model, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    opt = Adam(rp.optim_parameters(), lr=1e-2)
+    data = batches(2)
+
+    def train(x: torch.Tensor, y: torch.Tensor) -> None:
+        rp.forward_backward(input_args=(x.bfloat16(),), label=y, loss_fn=lambda o, t: ((o.float() - t) ** 2).mean())
+        rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
+
+    train(*data[0])
+    thread = rp.__dict__["host_buffers_thread"]
+    assert thread.is_alive()
+    with torch.no_grad():
+        rp(data[1][0].bfloat16())  # inference does not wait
+    assert thread.is_alive()
+    threading.Timer(0.5, release.set).start()
+    train(*data[1])
+    assert not thread.is_alive()
+    rp.synchronize()

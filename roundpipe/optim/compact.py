@@ -36,6 +36,7 @@ __all__ = [
     "check_param",
     "convert_state",
     "init_state",
+    "state_layout",
     "make_config",
     "state_bytes",
     "state_to_fp32",
@@ -117,22 +118,31 @@ def step_scalars(step: float, lr: float, beta1: float, beta2: float) -> Tuple[fl
     return -(lr / bc1), bc2**0.5
 
 
+def state_layout(cfg: CompactConfig, p: Tensor) -> Dict[str, Tuple[torch.dtype, Tuple[int, ...]]]:
+    """dtype and shape of each state tensor of ``p`` in ``cfg``'s format (``step`` excluded): what
+    ``init_state`` builds and what the kernel batch checks before each step, without allocating."""
+    n = p.numel()
+    layout: Dict[str, Tuple[torch.dtype, Tuple[int, ...]]] = {}
+    if cfg.state_dtype == "int8":
+        nb = quant.n_blocks(n, cfg.block_size)
+        layout["exp_avg"] = (torch.int8, (n,))
+        layout["exp_avg_scale"] = (torch.float32, (nb,))
+        layout["exp_avg_sq"] = (torch.uint8, (n,))
+        layout["exp_avg_sq_scale"] = (torch.float32, (nb,))
+    else:
+        dt = torch.bfloat16 if cfg.state_dtype == "bfloat16" else torch.float32
+        layout["exp_avg"] = (dt, tuple(p.shape))
+        layout["exp_avg_sq"] = (dt, tuple(p.shape))
+    if cfg.master == "bfloat16" and cfg.master_rounding == "kahan":
+        layout["kahan_comp"] = (torch.bfloat16, tuple(p.shape))
+    return layout
+
+
 def init_state(cfg: CompactConfig, p: Tensor) -> Dict[str, Tensor]:
     """Zero state of ``p`` in ``cfg``'s format (``step`` as torch.optim.Adam keeps it)."""
     state: Dict[str, Tensor] = {"step": torch.tensor(0.0, dtype=torch.float32)}
-    n = p.numel()
-    if cfg.state_dtype == "int8":
-        nb = quant.n_blocks(n, cfg.block_size)
-        state["exp_avg"] = torch.zeros(n, dtype=torch.int8)
-        state["exp_avg_scale"] = torch.zeros(nb, dtype=torch.float32)
-        state["exp_avg_sq"] = torch.zeros(n, dtype=torch.uint8)
-        state["exp_avg_sq_scale"] = torch.zeros(nb, dtype=torch.float32)
-    else:
-        dt = torch.bfloat16 if cfg.state_dtype == "bfloat16" else torch.float32
-        state["exp_avg"] = torch.zeros(p.shape, dtype=dt)
-        state["exp_avg_sq"] = torch.zeros(p.shape, dtype=dt)
-    if cfg.master == "bfloat16" and cfg.master_rounding == "kahan":
-        state["kahan_comp"] = torch.zeros(p.shape, dtype=torch.bfloat16)
+    for key, (dtype, shape) in state_layout(cfg, p).items():
+        state[key] = torch.zeros(shape, dtype=dtype)
     return state
 
 
@@ -150,12 +160,12 @@ def state_to_fp32(state: Dict[str, Tensor], shape: torch.Size, block_size: Optio
 
 def _matches(cfg: CompactConfig, saved_cfg: Optional[Dict[str, Any]], state: Dict[str, Tensor], p: Tensor) -> bool:
     """Whether ``state`` is already in ``cfg``'s format for ``p`` (so it loads bit for bit)."""
-    ref = init_state(cfg, p)
-    if set(ref) - {"kahan_comp"} != set(state) - {"kahan_comp"}:
+    layout = state_layout(cfg, p)
+    if (set(layout) | {"step"}) - {"kahan_comp"} != set(state) - {"kahan_comp"}:
         return False
     if cfg.state_dtype == "int8" and (saved_cfg is None or saved_cfg.get("block_size") != cfg.block_size):
         return False
-    return all(state[k].dtype == t.dtype and state[k].shape == t.shape for k, t in ref.items() if k in state)
+    return all(state[k].dtype == dtype and tuple(state[k].shape) == shape for k, (dtype, shape) in layout.items() if k in state)
 
 
 def convert_state(cfg: CompactConfig, p: Tensor, saved: Dict[str, Tensor], saved_cfg: Optional[Dict[str, Any]]) -> Dict[str, Tensor]:
@@ -277,14 +287,16 @@ class CompactKernelBatch:
 
     def add(self, pid: int, p: Tensor, g: Tensor, state: Dict[str, Tensor]) -> bool:
         """Take a parameter the kernel can step (contiguous host tensors of the expected formats)."""
-        ref = init_state(self.cfg, p)
+        # The layout, not a zero state: allocating (and faulting in) the moments at every step cost more
+        # than the step itself.
+        layout = state_layout(self.cfg, p)
         if not (p.is_cpu and p.is_contiguous() and g.is_cpu and g.shape == p.shape):
             return False
         if g.dtype not in (torch.float32, torch.bfloat16) or not (g.dtype == p.dtype or g.dtype == torch.bfloat16):
             return False
-        for k, t in ref.items():
+        for k, (dtype, shape) in layout.items():
             s = state.get(k)
-            if s is None or not (s.dtype == t.dtype and s.shape == t.shape and s.is_cpu and s.is_contiguous()):
+            if s is None or not (s.dtype == dtype and tuple(s.shape) == shape and s.is_cpu and s.is_contiguous()):
                 return False
         if not g.is_contiguous() or g.is_conj() or g.is_neg():
             g = g.resolve_conj().resolve_neg().contiguous()

@@ -37,8 +37,9 @@ logger = logging.getLogger("roundpipe")
 
 
 def _set_thread_count() -> None:
-    """Give the optimizer thread ``RPP_OPTIM_THREADS`` intra-op threads (default: torch's setting, or
-    this rank's share of the cores, see ``shared_host_default``).
+    """Give the optimizer thread ``RPP_OPTIM_THREADS`` intra-op threads (default: this rank's share of
+    the cores when several ranks share the host, see ``shared_host_default``; else torch's count less
+    the cores the issuing threads need, see ``single_process_default``).
 
     Fewer than all cores leaves CPU time to the main and device threads, which issue the GPU work while
     the step runs. torch keeps the OpenMP thread count per thread, so this only changes the optimizer
@@ -56,8 +57,32 @@ def _set_thread_count() -> None:
                 settings.OPTIM_THREADS.name,
             )
             torch.set_num_threads(share)
+            return
+        single = single_process_default()
+        if single is not None:
+            torch.set_num_threads(single)
         return
     torch.set_num_threads(n)
+
+
+#: Cores left to one process's issuing threads (main, device, autograd's backward, transfers) when the
+#: host optimizer would otherwise take them all.
+RESERVED_SINGLE = 4
+
+
+def single_process_default() -> Optional[int]:
+    """The optimizer thread count of a process that does not share its host with other ranks: torch's
+    count less ``RESERVED_SINGLE`` when that count is at least 8, else None (keep torch's setting).
+
+    An Adam step on every core starves the threads that issue the GPU work while the step runs. Measured
+    on a 16-core host with one H100 (qwen3-1.7b, 8 x 4096): a compact-state step on 16 threads held the
+    GPU idle for seconds (first timed iteration 3.6 s against 0.98 s), on 12 its iterations equal the
+    GPU's and the step itself ran faster; qwen3-8b's compact step took 2.2-2.6 s on 12 threads against
+    3.6-4.6 s on 16 (docs/benchmarks.md)."""
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) > 1:
+        return None
+    n = torch.get_num_threads()
+    return n - RESERVED_SINGLE if n >= 8 else None
 
 
 def shared_host_default() -> Optional[int]:

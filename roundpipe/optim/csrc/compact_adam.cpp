@@ -156,7 +156,11 @@ inline void update_element(const Ptrs<M, G>& q, const Tensor& t, const Hyper& h,
 }
 
 template <int S, int M, int G>
-void step_range(const Tensor& t, const Hyper& h, int64_t begin, int64_t end) {
+void step_range(const Tensor& t_in, const Hyper& h_in, int64_t begin, int64_t end) {
+  // Local copies of the scalars: the state stores (float m, v, scales) could otherwise alias the
+  // caller's structs, and the compiler would reload every scalar for every element.
+  const Tensor t = t_in;
+  const Hyper h = h_in;
   const Ptrs<M, G> q(t);
   if constexpr (S == kStateF32) {
     float* __restrict m = static_cast<float*>(t.m);

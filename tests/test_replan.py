@@ -1,0 +1,77 @@
+"""Re-planning from timings: a plan in use is replaced only by one the planner's model says is at least
+``RoundPipe.REPLAN_GAIN`` faster, so plans of equal cost do not alternate on timer noise (each new plan
+moves stage boundaries and the device memory peak)."""
+
+from __future__ import annotations
+
+from typing import List
+
+import pytest
+import torch
+from torch import nn
+
+from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+
+
+def _model() -> RoundPipe:
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    return RoundPipe(layers, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+
+
+def _plan(fwd: List[range], bwd: List[range]) -> ModelExecutePlan:
+    return ModelExecutePlan(fwd, bwd)
+
+
+@pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
+def test_replan_pays_only_for_a_real_gain(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same layers in other groups at equal cost: no gain, the old plan stays. A plan that halves the
+    simulated time on two devices (or removes a slow group's wait) pays."""
+    rp = _model()
+    times = [1.0, 1.0, 1.0, 1.0]
+    monkeypatch.setattr(rp.model_timer, "get_estimate", lambda run_type: (None, list(times), [3.0 * t for t in times] + [3.0]))
+    old = _plan([range(0, 2), range(2, 3), range(3, 4)], [range(0, 2), range(2, 4), range(4, 5)])
+    same_cost = _plan([range(0, 1), range(1, 2), range(2, 3), range(3, 4)], [range(0, 2), range(2, 4), range(4, 5)])
+    assert rp._replan_pays(old, old, "train", 2)  # identical plans: nothing to compare
+    if workers == "cpu:1":
+        assert not rp._replan_pays(old, same_cost, "train", 2)  # one device: the sum of costs is equal
+    # One group holding all backward layers serialises two devices; split, they overlap.
+    lumped = _plan([range(0, 4)], [range(0, 4), range(4, 5)])
+    split = _plan([range(0, 1), range(1, 2), range(2, 3), range(3, 4)], [range(0, 1), range(1, 2), range(2, 3), range(3, 4), range(4, 5)])
+    if workers == "cpu:2":
+        assert rp._replan_pays(lumped, split, "train", 2)
+
+
+@pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
+def test_a_replan_of_equal_cost_keeps_the_plan_in_use(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the training path: the auto planner proposes another plan of the same simulated cost at
+    the re-plan after the first timings; the calls keep running the first plan. A plan that pays is
+    taken at the next re-plan."""
+    rp = _model()
+    proposals = [
+        _plan([range(0, 2), range(2, 3)], [range(0, 2), range(2, 3), range(3, 4)]),
+        _plan([range(0, 1), range(1, 2), range(2, 3)], [range(0, 2), range(2, 3), range(3, 4)]),
+    ]
+    calls: List[int] = []
+
+    def auto(run_type: str, *models: object, **kw: object) -> ModelExecutePlan:
+        calls.append(1)
+        return proposals[min(len(calls), len(proposals)) - 1]
+
+    monkeypatch.setattr(ModelExecutePlan, "auto", staticmethod(auto))
+    x = torch.randn(4, 8)
+    used: List[ModelExecutePlan] = []
+    for _ in range(4):
+        rp.forward_backward(input_args=(x,), loss_fn=lambda o, t: o.square().mean())
+        rp.synchronize()
+        used.append(next(iter(rp._plans.values()))[0])
+    assert len(calls) >= 2, "the timings never triggered a re-plan"
+    assert all(p is proposals[0] for p in used), [str(p) for p in used]
+
+    # A re-plan that pays (its simulated time is half) is taken.
+    monkeypatch.setattr(type(rp), "_replan_pays", lambda self, old, new, run_type, n: True)
+    version = rp.model_timer.version
+    rp._plans[next(iter(rp._plans))] = (proposals[0], version - rp.REPLAN_EVERY)
+    rp.forward_backward(input_args=(x,), loss_fn=lambda o, t: o.square().mean())
+    rp.synchronize()
+    assert next(iter(rp._plans.values()))[0] is proposals[1]
