@@ -11,10 +11,10 @@ available memory less a margin. A plain ``RoundPipe`` reports nothing and is pla
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 from roundpipe import backend, device
-from roundpipe.planner import ActivationCosts, ActivationMemoryError
+from roundpipe.planner import ActivationCosts, ActivationMemoryError, fits_budgets
 
 GiB = float(1 << 30)
 
@@ -86,6 +86,14 @@ def refusal(
         "a full fine-tune, RPP_HOST_MEMORY / RPP_GPU_MEMORY if the limits are wrong; `roundpipe plan` "
         "estimates a run before it starts (docs/resolve-oom.md)."
     )
+
+
+def still_fits(profile: Optional[ActivationProfile], layer_bytes: List[float], bwd_plan: Sequence[range], fused: bool) -> bool:
+    """Whether a backward plan made earlier still fits the budgets as they are now (host memory shrinks
+    as the optimizer state and pinned blocks appear); a plan by weights alone (no profile) always does."""
+    if profile is None:
+        return True
+    return fits_budgets(bwd_plan, costs(profile, gpu_budget(layer_bytes), host_budget()), fused, layer_bytes)
 
 
 def plan_or_refuse(

@@ -172,7 +172,7 @@ def plan_stages(
     if activations is not None:
         _check_activations(activations, n)
         plain = _plain_training_plan(run_type, fwd_times, bwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
-        if _within(plain[1], activations, run_type == "fused", layer_bytes):
+        if fits_budgets(plain[1], activations, run_type == "fused", layer_bytes):
             return plain
         return _plan_with_activations(run_type, fwd_times, bwd_times, layer_bytes, min_stages, upper_threshold, mem_cap, activations)
     return _plain_training_plan(run_type, fwd_times, bwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
@@ -218,7 +218,7 @@ def checkpoint_bytes(bwd_plan: Sequence[range], a: ActivationCosts, fused: bool)
     return float(sum(a.checkpoint[r.start] for r in groups if r.start > 0))
 
 
-def _within(bwd_plan: Sequence[range], a: ActivationCosts, fused: bool, sizes: Sequence[float]) -> bool:
+def fits_budgets(bwd_plan: Sequence[range], a: ActivationCosts, fused: bool, sizes: Sequence[float]) -> bool:
     """Whether every backward stage fits the GPU activation budget and the checkpoints the host one."""
     return all(a.stage_bytes(r.start, r.stop, sizes) <= a.gpu_limit * (1 + _REL_TOL) for r in bwd_plan) and (
         checkpoint_bytes(bwd_plan, a, fused) <= a.host_limit * (1 + _REL_TOL)

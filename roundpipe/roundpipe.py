@@ -408,8 +408,10 @@ class RoundPipe(RoundPipeBase):
             assert isinstance(plan, ModelExecutePlan)
             plan.check_valid(self.num_layers, run_type)
             n_mb = getattr(cfg, "num_microbatch", None) or ResolvedRunConfig(RoundPipeRunConfig(), self.model_run_config).num_microbatch
+            # The plan in use stays unless the new one pays, and only while it still fits the budgets.
             if cached is not None and version >= 0 and not self._replan_pays(cached[0], plan, run_type, n_mb):
-                plan = cached[0]
+                if budget.still_fits(profile, layer_bytes, cached[0].bwd_plan, run_type == "fused"):
+                    plan = cached[0]
             self._plans[key] = (plan, version)
         return self._plans[key][0]
 

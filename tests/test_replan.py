@@ -4,7 +4,7 @@ moves stage boundaries and the device memory peak)."""
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Tuple
 
 import pytest
 import torch
@@ -21,6 +21,23 @@ def _model() -> RoundPipe:
 
 def _plan(fwd: List[range], bwd: List[range]) -> ModelExecutePlan:
     return ModelExecutePlan(fwd, bwd)
+
+
+def _proposing(monkeypatch: pytest.MonkeyPatch) -> Tuple[List[ModelExecutePlan], List[int]]:
+    """The auto planner proposes a first plan, then, at every later planning, a second one of the same
+    simulated cost on one device (same layers, other forward groups). Returns (plans, calls made)."""
+    proposals = [
+        _plan([range(0, 2), range(2, 3)], [range(0, 2), range(2, 3), range(3, 4)]),
+        _plan([range(0, 1), range(1, 2), range(2, 3)], [range(0, 2), range(2, 3), range(3, 4)]),
+    ]
+    calls: List[int] = []
+
+    def auto(run_type: str, *models: object, **kw: object) -> ModelExecutePlan:
+        calls.append(1)
+        return proposals[min(len(calls), len(proposals)) - 1]
+
+    monkeypatch.setattr(ModelExecutePlan, "auto", staticmethod(auto))
+    return proposals, calls
 
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
@@ -48,17 +65,7 @@ def test_a_replan_of_equal_cost_keeps_the_plan_in_use(workers: str, monkeypatch:
     the re-plan after the first timings; the calls keep running the first plan. A plan that pays is
     taken at the next re-plan."""
     rp = _model()
-    proposals = [
-        _plan([range(0, 2), range(2, 3)], [range(0, 2), range(2, 3), range(3, 4)]),
-        _plan([range(0, 1), range(1, 2), range(2, 3)], [range(0, 2), range(2, 3), range(3, 4)]),
-    ]
-    calls: List[int] = []
-
-    def auto(run_type: str, *models: object, **kw: object) -> ModelExecutePlan:
-        calls.append(1)
-        return proposals[min(len(calls), len(proposals)) - 1]
-
-    monkeypatch.setattr(ModelExecutePlan, "auto", staticmethod(auto))
+    proposals, calls = _proposing(monkeypatch)
     x = torch.randn(4, 8)
     used: List[ModelExecutePlan] = []
     for _ in range(4):
@@ -75,3 +82,37 @@ def test_a_replan_of_equal_cost_keeps_the_plan_in_use(workers: str, monkeypatch:
     rp.forward_backward(input_args=(x,), loss_fn=lambda o, t: o.square().mean())
     rp.synchronize()
     assert next(iter(rp._plans.values()))[0] is proposals[1]
+
+
+@pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
+def test_a_plan_that_no_longer_fits_is_replaced_even_without_gain(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host memory shrinks once the optimizer state exists: the plan in use is kept only while it still
+    fits the budgets; otherwise the re-plan's plan is taken whatever its simulated time."""
+    from roundpipe import budget
+
+    rp = _model()
+    proposals, calls = _proposing(monkeypatch)
+    monkeypatch.setattr(budget, "still_fits", lambda profile, layer_bytes, bwd_plan, fused: False)
+    x = torch.randn(4, 8)
+    for _ in range(4):
+        rp.forward_backward(input_args=(x,), loss_fn=lambda o, t: o.square().mean())
+        rp.synchronize()
+    assert len(calls) >= 2
+    assert next(iter(rp._plans.values()))[0] is proposals[1]
+
+
+def test_still_fits_checks_the_budgets_of_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan's backward stages against the GPU budget and its checkpoints against the host budget as
+    they are at the call; a model planned by its weights alone always fits."""
+    from roundpipe import budget
+
+    G = float(1 << 30)
+    profile = budget.ActivationProfile([G] * 4, [2 * G] * 4, [G] * 4, 1024, 1024, lambda n: profile)
+    sizes = [G] * 4
+    monkeypatch.setattr(budget, "gpu_budget", lambda layer_bytes: 10 * G)
+    plan = [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]  # three checkpoints (layer 0's input is the model's)
+    monkeypatch.setattr(budget, "host_budget", lambda: 3 * G)
+    assert budget.still_fits(profile, sizes, plan, False)
+    monkeypatch.setattr(budget, "host_budget", lambda: 2 * G)
+    assert not budget.still_fits(profile, sizes, plan, False)
+    assert budget.still_fits(None, sizes, plan, False)
