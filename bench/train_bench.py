@@ -337,6 +337,7 @@ def simulated_ms(model: Any, plan: Any, n_mb: int) -> str:
 def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, plan: str = "auto", fused: Optional[bool] = None) -> Row:
     import roundpipe
     from roundpipe import ModelExecutePlan, RoundPipeRunConfig
+    from roundpipe.run_config import ResolvedRunConfig
 
     rss0 = psutil.Process().memory_info().rss
     if torch.cuda.is_available():
@@ -425,7 +426,7 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
     model.synchronize()
     host = psutil.Process().memory_info().rss - rss0
     peak = torch.cuda.max_memory_allocated() / 1024**3 if torch.cuda.is_available() else float("nan")
-    auto_plan = model.resolve_plan(RoundPipeRunConfig(), "fused")  # the model's own (auto) plan
+    auto_plan = model.resolve_plan(ResolvedRunConfig(RoundPipeRunConfig(), model.model_run_config), "fused")  # the model's own (auto) plan
     print(f"roundpipe plan: {auto_plan}")
     print(f"roundpipe {simulated_ms(model, auto_plan, n_mb)}")
     print(f"roundpipe per-iteration seconds: {[round(t, 3) for t in times]}")

@@ -78,10 +78,11 @@ class ActivationCosts:
         ``sizes``, plus the stage's weights beyond what ``gpu_limit`` already leaves out
         (``stage_weight_excess``)."""
         kept = sum(self.kept[start:stop])
-        return kept + max(self.peak[i] - self.kept[i] for i in range(start, stop)) + stage_weight_excess(sizes, start, stop)
+        excess = stage_weight_excess(float(sum(sizes[start:stop])), float(max(sizes))) if sizes else 0.0
+        return kept + max(self.peak[i] - self.kept[i] for i in range(start, stop)) + excess
 
 
-def stage_weight_excess(sizes: Sequence[float], start: int, stop: int) -> float:
+def stage_weight_excess(stage_weights: float, largest_layer: float) -> float:
     """Device bytes of a stage's weights that the activation budget must also hold.
 
     ``budget.gpu_budget`` leaves out twice the largest layer (the running and the prefetched one). A
@@ -89,9 +90,7 @@ def stage_weight_excess(sizes: Sequence[float], start: int, stop: int) -> float:
     large: twice the stage's weights beyond the largest layer count against its activations. Without
     this a stage merged under host pressure was planned by its activations alone (qwen3-32b LoRA on an
     H200: 30 layers, 28 GiB of weights beside the activations the budget had allowed, out of memory)."""
-    if not sizes:
-        return 0.0
-    return 2.0 * max(0.0, float(sum(sizes[start:stop])) - float(max(sizes)))
+    return 2.0 * max(0.0, stage_weights - largest_layer)
 
 
 def plan_stages(
@@ -287,8 +286,7 @@ def _activation_partition(sizes: Sequence[float], mem_cap: float, a: ActivationC
         for i in range(j - 1, -1, -1):
             worst = max(worst, extra[i])
             weights = s_prefix[j] - s_prefix[i]
-            # The activations and the stage's weights beyond the budget's own reserve (stage_weight_excess).
-            if weights > w_lim or k_prefix[j] - k_prefix[i] + worst + 2.0 * max(0.0, weights - largest) > gpu_lim:
+            if weights > w_lim or k_prefix[j] - k_prefix[i] + worst + stage_weight_excess(weights, largest) > gpu_lim:
                 break  # longer groups ending at j only grow
             starts[j].append(i)
     if not starts[n] or any(not starts[j] for j in range(1, n + 1)):

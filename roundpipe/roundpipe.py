@@ -407,11 +407,14 @@ class RoundPipe(RoundPipeBase):
             )  # one model: one plan
             assert isinstance(plan, ModelExecutePlan)
             plan.check_valid(self.num_layers, run_type)
-            n_mb = getattr(cfg, "num_microbatch", None) or ResolvedRunConfig(RoundPipeRunConfig(), self.model_run_config).num_microbatch
             # The plan in use stays unless the new one pays, and only while it still fits the budgets.
-            if cached is not None and version >= 0 and not self._replan_pays(cached[0], plan, run_type, n_mb):
-                if budget.still_fits(profile, layer_bytes, cached[0].bwd_plan, run_type == "fused"):
-                    plan = cached[0]
+            if (
+                cached is not None
+                and version >= 0
+                and not self._replan_pays(cached[0], plan, run_type, cfg.num_microbatch)
+                and budget.still_fits(profile, layer_bytes, cached[0].bwd_plan, run_type == "fused")
+            ):
+                plan = cached[0]
             self._plans[key] = (plan, version)
         return self._plans[key][0]
 
@@ -528,10 +531,9 @@ class RoundPipe(RoundPipeBase):
         the second and third iterations (measured: 1.3-2.5 s spikes on qwen3-1.7b); waiting once puts
         what is left of it at the end of the first iteration instead."""
         if self.__dict__.get("_host_buffers_started"):
-            thread = self.__dict__.get("host_buffers_thread")
-            if thread is not None and torch.is_grad_enabled() and not self.__dict__.get("_host_buffers_joined"):
+            thread = self.__dict__.pop("host_buffers_thread", None) if torch.is_grad_enabled() else None
+            if thread is not None:
                 thread.join()
-                self.__dict__["_host_buffers_joined"] = True
             return
         if not torch.is_grad_enabled():
             return

@@ -418,8 +418,14 @@ def stage_params_enabled() -> bool:
 
 
 def grad_buffers_limit() -> int:
-    """Host gradient buffers per parameter while an asynchronous step runs without staging
-    (``RPP_GRAD_BUFFERS``; streamed steps imply 1)."""
+    """Host gradient buffers per parameter while an asynchronous step runs (``RPP_GRAD_BUFFERS``;
+    streamed steps imply 1).
+
+    Matters only without staging (with staging the gradient download takes the model buffer the step's
+    publish released, see ``transfer._grad_buffer``). 2: the next backward downloads into a second
+    buffer while the optimizer still reads the first as its ``.grad``. 1: it waits for the optimizer
+    instead, so the parameter has two host copies in all (model and gradient), at the price of that wait.
+    """
     return 1 if streamed_steps() else GRAD_BUFFERS.get()
 
 

@@ -36,24 +36,6 @@ chunked_upload = True
 CHUNK_UPLOAD_SIZE = 64 * 1024**2
 
 
-def grad_buffers_limit() -> int:
-    """Host gradient buffers per parameter while an asynchronous step runs (``RPP_GRAD_BUFFERS``).
-
-    Matters only with staging off (``RPP_STAGE_PARAMS=0``; with staging the gradient download takes
-    the model buffer the step's publish released, see ``_grad_buffer``). 2 (default): the next backward
-    downloads into a second buffer while the optimizer still reads the first as its ``.grad``. 1: it
-    waits for the optimizer instead, so the parameter has two host copies in all (model and gradient),
-    at the price of that wait. ``RPP_STEP_MODE=streamed`` implies 1.
-    """
-    return settings.grad_buffers_limit()
-
-
-def stage_params_enabled() -> bool:
-    """Whether asynchronous steps stage the updated parameters for the next step (``RPP_STAGE_PARAMS``,
-    default on; see ``roundpipe.optim.step.stage_params``). Never with ``RPP_STEP_MODE=streamed``."""
-    return settings.stage_params_enabled()
-
-
 def device_saved_limit() -> int:
     """Bytes of backward-stage inputs one call (forward + backward) on one device may keep on the device
     (``RPP_DEVICE_SAVED_GB``, in GiB; default 0).
@@ -473,7 +455,7 @@ def _grad_buffer(p: torch.Tensor, attr: ParamAttribute, layer_id: int, dev_grad:
         return g
     pinned = backend.pin_enabled()  # asynchronous downloads need pinned memory
     buf = attr.take_spare(dev_grad.shape, dev_grad.dtype, pinned)
-    if buf is None and attr.held is not None and grad_buffers_limit() == 1 and not stage_params_enabled():
+    if buf is None and attr.held is not None and settings.grad_buffers_limit() == 1 and not settings.stage_params_enabled():
         from roundpipe.optim import thread as optim_thread
 
         optim_thread.synchronize()
@@ -492,7 +474,7 @@ def preallocate_host_buffers(params: Sequence[nn.Parameter], name: str) -> threa
     run at the steady pace. A buffer the download needs before the thread reaches its parameter is
     allocated there as before (the extra spare is trimmed after the step); a failure to pin is left to
     that path, which reports it with advice."""
-    want = 2 if stage_params_enabled() else grad_buffers_limit() - 1
+    want = 2 if settings.stage_params_enabled() else settings.grad_buffers_limit() - 1
 
     def run() -> None:
         for p in params:

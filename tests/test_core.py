@@ -13,6 +13,7 @@ from torch import nn
 
 from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe.batch import RoundPipePackedData
+from roundpipe.run_config import ResolvedRunConfig
 from roundpipe.threads import RoundPipeWorkerError
 
 
@@ -317,7 +318,7 @@ def test_auto_plan_equals_layerwise_plan(workers: str) -> None:
         x = torch.randn(9, 8, dtype=torch.float64)
         for rp, _m in ((auto, auto_model), (manual, layer_model)):
             rp.forward_backward(input_args=(x,), loss_fn=lambda o, _: o.pow(2).sum())
-        plans.add(repr(auto.resolve_plan(type("C", (), {"execute_plan": None})(), "fused")))
+        plans.add(repr(auto.resolve_plan(ResolvedRunConfig(RoundPipeRunConfig(), auto.model_run_config), "fused")))
         for (n, p), (_, q) in zip(auto_model.named_parameters(), layer_model.named_parameters()):
             assert rel_err(p.grad, q.grad) < 1e-10, (step, n)
     assert auto.model_timer.has_measurements("fused")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from typing import List
+from typing import Callable, List, Tuple
 
 import pytest
 import torch
@@ -546,6 +546,21 @@ def test_ranks_sharing_a_host_give_the_optimizer_a_share_of_the_cores(monkeypatc
     assert optim_thread.shared_host_default() is None  # one core per rank: nothing to spread
 
 
+def _bf16_async_training() -> Tuple[RoundPipe, Callable[[torch.Tensor, torch.Tensor], None]]:
+    """A bf16 RoundPipe model with fp32 masters and roundpipe's Adam, and one training call with an
+    asynchronous step."""
+    from roundpipe.optim import Adam
+
+    rp = RoundPipe(make_model().to(torch.bfloat16), optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    opt = Adam(rp.optim_parameters(), lr=1e-2)
+
+    def train(x: torch.Tensor, y: torch.Tensor) -> None:
+        rp.forward_backward(input_args=(x.bfloat16(),), label=y, loss_fn=lambda o, t: ((o.float() - t) ** 2).mean())
+        rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
+
+    return rp, train
+
+
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
 @pytest.mark.parametrize("stage", ["1", "0"])
 def test_host_buffers_exist_before_the_second_iteration(workers: str, stage: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -553,7 +568,6 @@ def test_host_buffers_exist_before_the_second_iteration(workers: str, stage: str
     training call on: once that is done, no later iteration or step allocates a host buffer (the first
     iterations after warm-up run at the steady pace), and training is unchanged."""
     from roundpipe import transfer
-    from roundpipe.optim import Adam
     from roundpipe.optim import step as optim_step
 
     monkeypatch.setenv("RPP_STAGE_PARAMS", stage)
@@ -561,14 +575,8 @@ def test_host_buffers_exist_before_the_second_iteration(workers: str, stage: str
     for mod in (transfer, optim_step):
         real = mod.pinned_empty
         monkeypatch.setattr(mod, "pinned_empty", lambda *a, real=real, **k: (allocations.append(a[0]), real(*a, **k))[1])
-    model = make_model().to(torch.bfloat16)
-    rp = RoundPipe(model, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2))
-    opt = Adam(rp.optim_parameters(), lr=1e-2)
+    rp, train = _bf16_async_training()
     data = batches(5)
-
-    def train(x: torch.Tensor, y: torch.Tensor) -> None:
-        rp.forward_backward(input_args=(x.bfloat16(),), label=y, loss_fn=lambda o, t: ((o.float() - t) ** 2).mean())
-        rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
 
     train(*data[0])
     rp.__dict__["host_buffers_thread"].join()
@@ -587,7 +595,6 @@ def test_the_second_training_call_waits_for_the_host_buffer_thread(workers: str,
     import threading
 
     from roundpipe import roundpipe as rp_module
-    from roundpipe.optim import Adam
 
     release = threading.Event()
     real = rp_module.preallocate_host_buffers
@@ -602,14 +609,8 @@ def test_the_second_training_call_waits_for_the_host_buffer_thread(workers: str,
         return t
 
     monkeypatch.setattr(rp_module, "preallocate_host_buffers", slow)
-    model = make_model().to(torch.bfloat16)
-    rp = RoundPipe(model, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2))
-    opt = Adam(rp.optim_parameters(), lr=1e-2)
+    rp, train = _bf16_async_training()
     data = batches(2)
-
-    def train(x: torch.Tensor, y: torch.Tensor) -> None:
-        rp.forward_backward(input_args=(x.bfloat16(),), label=y, loss_fn=lambda o, t: ((o.float() - t) ** 2).mean())
-        rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
 
     train(*data[0])
     thread = rp.__dict__["host_buffers_thread"]

@@ -287,14 +287,13 @@ class CompactKernelBatch:
 
     def add(self, pid: int, p: Tensor, g: Tensor, state: Dict[str, Tensor]) -> bool:
         """Take a parameter the kernel can step (contiguous host tensors of the expected formats)."""
-        # The layout, not a zero state: allocating (and faulting in) the moments at every step cost more
-        # than the step itself.
-        layout = state_layout(self.cfg, p)
         if not (p.is_cpu and p.is_contiguous() and g.is_cpu and g.shape == p.shape):
             return False
         if g.dtype not in (torch.float32, torch.bfloat16) or not (g.dtype == p.dtype or g.dtype == torch.bfloat16):
             return False
-        for k, (dtype, shape) in layout.items():
+        # The layout, not a zero state: allocating (and faulting in) the moments at every step cost more
+        # than the step itself.
+        for k, (dtype, shape) in state_layout(self.cfg, p).items():
             s = state.get(k)
             if s is None or not (s.dtype == dtype and tuple(s.shape) == shape and s.is_cpu and s.is_contiguous()):
                 return False
