@@ -3,7 +3,7 @@
 # issue 5 (plans on 2 GPUs), issue 6 (qwen3-4b on 1 vs 2 GPUs, qwen3-8b), issue 9 (two data-parallel
 # ranks vs one). Each part fits one 10-minute device call; run them one by one:
 #
-#     bash bench/two_gpu_acceptance.sh tests|scale|4b|8b|8b1|8b2|plans|dp
+#     bash bench/two_gpu_acceptance.sh tests|bound|scale|4b|8b|8b1|8b2|plans|dp
 #
 # Results go to stdout (the tables of docs/benchmarks.md) and, for dp, to JSON files in $OUT (or .).
 set -uo pipefail
@@ -35,6 +35,14 @@ case "${1:-}" in
     CUDA_VISIBLE_DEVICES=0 bench --workload qwen3-8b --skip-baseline --warmup 2 --iters 3 | tail -4 ;;
   8b2)  # issue 6: qwen3-8b on 2 GPUs
     RPP_STAGE_PARAMS=0 RPP_GRAD_BUFFERS=1 bench --workload qwen3-8b --skip-baseline --warmup 2 --iters 3 | tail -4 ;;
+  bound)  # issue 19: where 2 GPUs lose on qwen3-1.7b 16 x 4096: the GPU tests, 1 GPU, 2 GPUs default, the
+    # pipeline without the optimizer step (--no-step), and the optimizer on fewer threads; each under a timeout
+    timeout 230 python3 -m pytest -m gpu tests/test_gpu.py tests/test_loss.py -q -p no:cacheprovider 2>&1 | tee -a "$log" | tail -3
+    W="--workload qwen3-1.7b --batch 16 --skip-baseline --warmup 3 --iters 4"
+    CUDA_VISIBLE_DEVICES=0 timeout 80 bench $W | grep -E "^\| roundpipe|per-iteration|Error"
+    timeout 70 bench $W | grep -E "^\| roundpipe|per-iteration|optimizer step|Error"
+    timeout 70 bench $W --no-step | grep -E "^\| roundpipe|per-iteration|Error"
+    RPP_OPTIM_THREADS=12 timeout 70 bench $W | grep -E "^\| roundpipe|per-iteration|optimizer step|Error" ;;
   plans)  # issue 5 on 2 GPUs: auto plan vs one layer per group, idle time between groups
     RPP_PROFILER=torch bench --workload qwen3-1.7b --skip-baseline --compare-plans --profile --profile-iters 3 --warmup 3 --iters 4 | tail -20 ;;
   dp)  # issue 9: two ranks (one GPU each) vs one on qwen3-1.7b, and the loss curve vs one process
@@ -45,5 +53,5 @@ case "${1:-}" in
     torchrun --standalone --nproc-per-node 2 bench/dp_bench.py $A --batch-per-rank $B --out "$out/two$B.json" 2>&1 | tail -3
     python3 bench/dp_bench.py --compare "$out/one$B.json" "$out/two$B.json" --loss-ref "$out/ref$B.json" ;;
   *)
-    echo "usage: bash bench/two_gpu_acceptance.sh tests|scale|4b|8b|8b1|8b2|plans|dp" >&2; exit 2 ;;
+    echo "usage: bash bench/two_gpu_acceptance.sh tests|bound|scale|4b|8b|8b1|8b2|plans|dp" >&2; exit 2 ;;
 esac
