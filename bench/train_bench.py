@@ -473,6 +473,7 @@ def main() -> None:
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--baselines", default="eager,liger", help="GPU-resident baselines, run after roundpipe: eager, liger (WORKLOADS.md)")
     p.add_argument("--compare-tiling", action="store_true", help="also run roundpipe with sequence tiling off (RPP_SEQ_TILE=0)")
+    p.add_argument("--plan", default="auto", choices=["auto", "layerwise"], help="the execute plan (layerwise: one layer per group, no re-planning)")
     p.add_argument("--compare-plans", action="store_true", help="also run roundpipe with the one-layer-per-group plan")
     p.add_argument("--compare-kernels", action="store_true", help="also run roundpipe with Hugging Face's own kernels")
     p.add_argument(
@@ -509,7 +510,7 @@ def main() -> None:
         ids = ids.pin_memory()
     rows: List[Row] = []
     t_load = time.perf_counter()
-    rows.append(bench_roundpipe(args, ids, n_params))
+    rows.append(bench_roundpipe(args, ids, n_params, plan=args.plan))
     print(f"roundpipe: model build + wrap + warm-up + timed iterations {time.perf_counter() - t_load:.1f} s")
     if args.compare_plans:
         rows.append(bench_roundpipe(args, ids, n_params, plan="layerwise"))
