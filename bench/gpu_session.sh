@@ -43,11 +43,13 @@ case "${1:-}" in
     python3 bench/train_bench.py --workload qwen3-32b --lora 16 --skip-baseline --warmup 1 --iters 2 2>&1 | quiet | tee -a "$out/lora32.log" | tail -4 ;;
   issue22)  # one H100 call for what the eleventh session changed without a GPU: the GPU tests, the first
     # timed iteration after ONE warm-up (join of the host-buffer thread, re-plan hysteresis, optimizer
-    # threads), and qwen3-32b LoRA with the planner counting merged stages' weights; logs in $out/issue22.log
-    timeout 190 python3 -m pytest -m gpu tests/test_gpu.py tests/test_loss.py -q -p no:cacheprovider 2>&1 | tee -a "$out/issue22.log" | tail -2
-    for a in "90 qwen3-1.7b --iters 6" "120 qwen3-4b --iters 4" "190 qwen3-32b --lora 16 --iters 2"; do
+    # threads), and qwen3-32b LoRA with the planner counting merged stages' weights; logs in $out/issue22.log.
+    # A run cut by its limit gets SIGABRT, so Python's fault handler prints every thread's stack to the log.
+    export PYTHONFAULTHANDLER=1
+    timeout 170 python3 -m pytest -m gpu tests/test_gpu.py tests/test_loss.py -q -p no:cacheprovider 2>&1 | tee -a "$out/issue22.log" | tail -2
+    for a in "150 qwen3-1.7b --iters 6" "270 qwen3-32b --lora 16 --iters 2"; do
       set -- $a; limit=$1; shift
-      timeout "$limit" python3 bench/train_bench.py --workload "$@" --skip-baseline --warmup 1 2>&1 | quiet | tee -a "$out/issue22.log" | grep -E "^\| roundpipe|per-iteration|load to|Error"
+      timeout -s ABRT "$limit" python3 bench/train_bench.py --workload "$@" --skip-baseline --warmup 1 2>&1 | quiet | tee -a "$out/issue22.log" | grep -E "^\| roundpipe|per-iteration|load to|Error|Fatal"
     done ;;
   *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22" >&2; exit 2 ;;
 esac

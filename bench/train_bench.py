@@ -374,7 +374,8 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
 
     def step_fn() -> None:
         t = time.perf_counter()
-        opt.step()
+        if not args.noop_step:
+            opt.step()
         opt.zero_grad()
         optim_s.append(time.perf_counter() - t)
 
@@ -485,6 +486,7 @@ def main() -> None:
     p.add_argument("--profile-iters", type=int, default=1, help="with --profile: profile this many iterations, one by one")
     p.add_argument("--trace", default="", help="with --profile: write a chrome trace of that iteration here")
     p.add_argument("--lora", type=int, default=0, help="LoRA rank on all decoder projections (0: full fine-tune)")
+    p.add_argument("--noop-step", action="store_true", help="diagnostic: the asynchronous step runs, without Adam (gradients zeroed only)")
     p.add_argument("--no-step", action="store_true", help="diagnostic: skip the optimizer (pipeline alone)")
     p.add_argument("--optim-state", default="float32", choices=["float32", "bfloat16", "int8"], help="Adam moments' dtype (docs/optimizer.md)")
     p.add_argument("--master", default="float32", choices=["float32", "bfloat16"], help="master weights (bfloat16: the weights themselves)")
