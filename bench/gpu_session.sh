@@ -46,8 +46,8 @@ case "${1:-}" in
     # threads), and qwen3-32b LoRA with the planner counting merged stages' weights; logs in $out/issue22.log.
     # A run cut by its limit gets SIGABRT, so Python's fault handler prints every thread's stack to the log.
     export PYTHONFAULTHANDLER=1
-    timeout 170 python3 -m pytest -m gpu tests/test_gpu.py tests/test_loss.py -q -p no:cacheprovider 2>&1 | tee -a "$out/issue22.log" | tail -2
-    for a in "150 qwen3-1.7b --iters 6" "270 qwen3-32b --lora 16 --iters 2"; do
+    timeout 160 python3 -m pytest -m gpu tests/test_gpu.py tests/test_loss.py -q -p no:cacheprovider 2>&1 | tee -a "$out/issue22.log" | tail -2
+    for a in "120 qwen3-1.7b --iters 6" "300 qwen3-32b --lora 16 --iters 2"; do
       set -- $a; limit=$1; shift
       timeout -s ABRT "$limit" python3 bench/train_bench.py --workload "$@" --skip-baseline --warmup 1 2>&1 | quiet | tee -a "$out/issue22.log" | grep -E "^\| roundpipe|per-iteration|load to|Error|Fatal"
     done ;;

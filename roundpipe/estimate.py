@@ -173,7 +173,9 @@ class Estimate:
         )
 
 
-def decoder_layer_bytes(shape: ModelShape, tokens: int, tile: int, tiled: bool, e: int = 2) -> Tuple[float, float]:
+def decoder_layer_bytes(
+    shape: ModelShape, tokens: int, tile: int, tiled: bool, e: int = 2, whole_layer: bool = True, extra_per_token: float = 0.0
+) -> Tuple[float, float]:
     """(kept, peak) GPU bytes of one decoder layer's recompute + backward for a microbatch of ``tokens``,
     beyond its weights, its input and its output gradient (those are counted by the caller).
 
@@ -181,18 +183,58 @@ def decoder_layer_bytes(shape: ModelShape, tokens: int, tile: int, tiled: bool, 
     the attention backward holds the layer input, q, k, v, the attention output, their gradients and
     sdpa's fp32 dq; an MLP tile holds one tile's graph; below 16 tiles the pre-attention graph stays.
     ``kept`` is what the layer's recompute leaves for the backward while a later layer of its stage
-    runs. Untiled, the norms, projections and the MLP's ``tokens x intermediate`` tensors stay too
-    (Hugging Face's layer: ~187 KB per token on Qwen3-8B, measured).
+    runs. Untiled as one whole-layer op (``whole_layer``: the fused Qwen3 / Llama layer of a full
+    fine-tune), the norms, projections and the MLP's ``tokens x intermediate`` tensors stay too.
+    Untiled as separate modules (``whole_layer=False``: PEFT adapters, other families, fused layers
+    off), what Hugging Face's modules save (:func:`module_layer_bytes_per_token`) plus
+    ``extra_per_token``: what depends on the trainable parameters (the projections' inputs, LoRA
+    adapters' inputs and outputs, the norms' outputs kept for their weights' gradients), which
+    ``roundpipe.models.causal_lm`` finds on the layer.
     """
     n, h, q, k, i, a = tokens, shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.heads
     attention = n * (e * (h + 4 * q + 4 * k) + 4 * q + 2 * e * q + 8 * a)
     kept = n * (e * (h + 2 * q + 2 * k) + 4 * a)
+    if not tiled and not whole_layer:
+        saved = n * (module_layer_bytes_per_token(shape, e) + extra_per_token)
+        # The backward's transients beside what is saved: the attention's input / output gradients and
+        # sdpa's fp32 dq, or the MLP's three intermediate-sized gradients.
+        transient = n * max(e * (h + 2 * q + 2 * k) + 4 * q, e * (h + 3 * i))
+        return float(saved), float(saved + transient)
     if not tiled:
         full = n * e * (3 * i + 2 * h + q + k)
         return float(kept + full), float(attention + full)
     mlp_tile = n * (e * (h + 3 * q + 2 * k) + 4 * a) + min(tile, n) * e * (5 * i + 4 * h)
     pre = n * e * (h + q + k) if math.ceil(n / tile) < 16 else 0
     return float(kept + pre), float(max(attention, mlp_tile) + pre)
+
+
+def module_layer_bytes_per_token(shape: ModelShape, e: int = 2) -> float:
+    """Bytes per token that autograd saves for a Hugging Face Qwen3 / Llama decoder layer run module by
+    module, not counting its input, its weights, the rotary tables and the projections' inputs (those
+    depend on what is trainable: :func:`projection_inputs_per_token`): each RMSNorm its input upcast to
+    fp32 and the inverse RMS (two layer norms, and per head the q / k norms), q and k after the rotary
+    embedding, v, sdpa's output and its fp32 log-sum-exp, and the MLP's gate, up and activation. Counted
+    from the saved-tensor hooks of a bf16 layer (tests/test_budget.py); fused kernels save less, so this
+    bounds them."""
+    h, q, k, i, a, kv = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.heads, shape.kv_heads
+    return float(e * (2 * q + 2 * k + 3 * i) + 4 * (2 * h + q + k) + 8 * a + 4 * kv + 8)
+
+
+def projection_inputs_per_token(shape: ModelShape, e: int = 2) -> float:
+    """Bytes per token of the projections' inputs a layer with trainable projections saves for their
+    weight gradients: the normed input of q / k / v, that of gate / up, the output projection's input
+    and the down projection's."""
+    return float(e * (2 * shape.hidden + shape.q_dim + shape.intermediate))
+
+
+def lora_bytes_per_token(shape: ModelShape, rank: int, e: int = 2, adapter_bytes: int = 4) -> float:
+    """Bytes per token a PEFT LoRA layer on all seven projections (frozen base weights) saves for its
+    adapters: the output of each ``lora_A`` and its input: the projections' inputs as they are when the
+    adapters have the layer's dtype, else each projection's own copy cast to the adapters' dtype (PEFT's
+    default upcasts adapters to fp32, and ``lora_A`` saves the cast input)."""
+    h, q, i = shape.hidden, shape.q_dim, shape.intermediate
+    inputs = adapter_bytes * (5 * h + q + i) if adapter_bytes != e else projection_inputs_per_token(shape, e)
+    return float(inputs + 7 * rank * adapter_bytes)
 
 
 def checkpoint_bytes_per_token(shape: ModelShape, e: int = 2) -> float:
@@ -281,7 +323,9 @@ def estimate(
     trainable_layer = shape.lora_params(lora_rank) if lora_rank else shape.layer_params()
     g = layers_per_stage
     weights = 2 * g * layer_w + g * trainable_layer * b  # the stage and the prefetched one; gradients
-    kept, peak = decoder_layer_bytes(shape, t, tile, tiled, b)
+    # A LoRA model runs its layers module by module (PEFT's adapters), with fp32 adapters (PEFT's default).
+    lora_extra = lora_bytes_per_token(shape, lora_rank, b) if lora_rank else 0.0
+    kept, peak = decoder_layer_bytes(shape, t, tile, tiled, b, whole_layer=not lora_rank, extra_per_token=lora_extra)
     io = 2 * t * h * b  # the stage input and the output gradient
     # The neighbouring jobs' hidden-size tensors in flight on the device while this one computes: the
     # next stage's input uploading, the previous stage's input gradient still downloading (measured:

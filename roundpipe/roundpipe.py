@@ -219,10 +219,24 @@ class RoundPipeBase(nn.Module):
         ``is_async=False``, with one host copy of the weights fewer (``roundpipe.optim.step``).
         """
         raise_if_failed(f"model {self.name!r} optimizer step")
+        self._finish_host_buffers()
         sync = self.grad_sync
         if sync is not None:
             sync.on_step_launch()
         optim_step.launch(self.optim_units(), step_fn, is_async, args, kwargs, self.optim_updated, sync.reduce_host if sync is not None else None)
+
+    def _finish_host_buffers(self) -> None:
+        """Wait for what ``_prepare_host_buffers`` started, once: every host buffer pinned and every
+        optimizer state built before the first step. Pinning takes the CUDA driver's lock, so a thread
+        still pinning during the next iterations stalls the device threads' copies and launches at
+        random points, and a first step still waiting for its state makes the next iteration wait for
+        that step (measured on qwen3-1.7b, one H100: the first iteration after one warm-up 1.49x the
+        steady one when the wait came at the second call); the first iteration absorbs it instead."""
+        thread = self.__dict__.pop("host_buffers_thread", None)
+        if thread is None:
+            return
+        thread.join()
+        state_reserve.wait_for([ParamAttribute.get(p).optim for _, ps in self.optim_units() for p in ps if ParamAttribute.get(p).optim is not None])
 
     def sync_optim_param(self) -> None:
         """Copy the optimizer parameters into the model parameters (from the main or optimizer thread)."""
@@ -524,16 +538,12 @@ class RoundPipe(RoundPipeBase):
     def _prepare_host_buffers(self) -> None:
         """At the first call after the optimizer copies exist, start allocating the host buffers the
         first steps need (``transfer.preallocate_host_buffers``) and the optimizers' zero state
-        (``roundpipe.optim.reserve``), in the background.
-
-        The next training call waits for that thread: pinning takes the CUDA driver's lock, so a
-        thread still pinning would stall the device threads' copies and launches at random points of
-        the second and third iterations (measured: 1.3-2.5 s spikes on qwen3-1.7b); waiting once puts
-        what is left of it at the end of the first iteration instead."""
+        (``roundpipe.optim.reserve``), in the background, while the devices run the first iteration.
+        The first ``step`` (or, without one, the next training call) waits for both:
+        ``_finish_host_buffers``."""
         if self.__dict__.get("_host_buffers_started"):
-            thread = self.__dict__.pop("host_buffers_thread", None) if torch.is_grad_enabled() else None
-            if thread is not None:
-                thread.join()
+            if torch.is_grad_enabled():
+                self._finish_host_buffers()
             return
         if not torch.is_grad_enabled():
             return
@@ -589,6 +599,10 @@ class AutoRoundPipe(RoundPipeBase):
     @property
     def _shared_params(self) -> List[nn.Parameter]:
         return [p for sub in self._submodels() for p in sub._shared_params]
+
+    def _finish_host_buffers(self) -> None:
+        for sub in self._submodels():
+            sub._finish_host_buffers()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped model; host-side parameters are fenced against an asynchronous step first."""

@@ -546,17 +546,19 @@ def test_ranks_sharing_a_host_give_the_optimizer_a_share_of_the_cores(monkeypatc
     assert optim_thread.shared_host_default() is None  # one core per rank: nothing to spread
 
 
-def _bf16_async_training() -> Tuple[RoundPipe, Callable[[torch.Tensor, torch.Tensor], None]]:
+def _bf16_async_training(step: bool = True) -> Tuple[RoundPipe, Callable[[torch.Tensor, torch.Tensor], None]]:
     """A bf16 RoundPipe model with fp32 masters and roundpipe's Adam, and one training call with an
-    asynchronous step."""
+    asynchronous step (``step=False``: the call alone; ``rp.opt`` steps)."""
     from roundpipe.optim import Adam
 
     rp = RoundPipe(make_model().to(torch.bfloat16), optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2))
     opt = Adam(rp.optim_parameters(), lr=1e-2)
+    rp.__dict__["opt"] = opt
 
     def train(x: torch.Tensor, y: torch.Tensor) -> None:
         rp.forward_backward(input_args=(x.bfloat16(),), label=y, loss_fn=lambda o, t: ((o.float() - t) ** 2).mean())
-        rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
+        if step:
+            rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
 
     return rp, train
 
@@ -579,7 +581,7 @@ def test_host_buffers_exist_before_the_second_iteration(workers: str, stage: str
     data = batches(5)
 
     train(*data[0])
-    rp.__dict__["host_buffers_thread"].join()
+    assert "host_buffers_thread" not in rp.__dict__  # the first step waited for it
     rp.synchronize()
     allocations.clear()
     for x, y in data[1:]:
@@ -589,15 +591,22 @@ def test_host_buffers_exist_before_the_second_iteration(workers: str, stage: str
 
 
 @pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
-def test_the_second_training_call_waits_for_the_host_buffer_thread(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Pinning holds the driver's lock: the second training call lets the background allocation finish
-    before it issues work, so no later iteration runs beside it; calls without gradients do not wait."""
+@pytest.mark.parametrize("waiter", ["first step", "second call"])
+def test_the_first_step_waits_for_the_host_buffers_and_the_optimizer_state(workers: str, waiter: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pinning holds the driver's lock, and a first step still building its state would hold up the
+    next iteration: the first ``step`` (or, without one, the second training call) lets the background
+    allocation and the state reserve finish, so no later iteration runs beside them; calls without
+    gradients do not wait."""
     import threading
 
     from roundpipe import roundpipe as rp_module
+    from roundpipe.optim import reserve
 
     release = threading.Event()
     real = rp_module.preallocate_host_buffers
+    waited: list = []
+    real_wait = reserve.wait_for
+    monkeypatch.setattr(reserve, "wait_for", lambda params: (waited.append(len(list(params))), real_wait(params))[1])
 
     def slow(params: list, name: str) -> threading.Thread:
         def run() -> None:
@@ -609,7 +618,8 @@ def test_the_second_training_call_waits_for_the_host_buffer_thread(workers: str,
         return t
 
     monkeypatch.setattr(rp_module, "preallocate_host_buffers", slow)
-    rp, train = _bf16_async_training()
+    rp, train = _bf16_async_training(step=False)
+    opt = rp.__dict__["opt"]
     data = batches(2)
 
     train(*data[0])
@@ -617,8 +627,12 @@ def test_the_second_training_call_waits_for_the_host_buffer_thread(workers: str,
     assert thread.is_alive()
     with torch.no_grad():
         rp(data[1][0].bfloat16())  # inference does not wait
-    assert thread.is_alive()
+    assert thread.is_alive() and waited == []
     threading.Timer(0.5, release.set).start()
-    train(*data[1])
-    assert not thread.is_alive()
+    if waiter == "first step":
+        rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
+    else:
+        train(*data[1])
+    assert not thread.is_alive() and "host_buffers_thread" not in rp.__dict__
+    assert waited and waited[0] > 0  # the optimizer states' builders were waited for too
     rp.synchronize()

@@ -11,7 +11,7 @@ from torch import nn
 
 from roundpipe import budget, estimate, settings
 from roundpipe.batch import Batch
-from roundpipe.models import tiling
+from roundpipe.models import kernels, tiling
 from roundpipe.models.inputs import CausalLMInputs, takes_inputs
 from roundpipe.models.kernels import FusedKernels
 from roundpipe.models.preset import CausalLMPreset
@@ -121,6 +121,8 @@ class RoundPipeForCausalLM(RoundPipe):
         tile = settings.SEQ_TILE.get()
         decoder = [i for i, layer in enumerate(self.layers) if hasattr(layer, "layer")]
         tileable = {i: tiling.tileable(self.layers[i].layer) for i in decoder}
+        whole = {i: kernels.runs_whole_layer(self.layers[i].layer) for i in decoder}
+        extra = {i: _module_extra_per_token(self.layers[i].layer, shape) for i in decoder}
         e = next((p.element_size() for p in self.preset.model.parameters() if p.is_floating_point()), 2)
 
         def profile(seq_len: int) -> budget.ActivationProfile:
@@ -131,7 +133,7 @@ class RoundPipeForCausalLM(RoundPipe):
             io = (2 + estimate.OVERLAP_TENSORS) * t * shape.hidden * e
             for i in decoder:
                 tiled = tileable[i] and tile > 0 and t > tile
-                k, p = estimate.decoder_layer_bytes(shape, t, tile, tiled, e)
+                k, p = estimate.decoder_layer_bytes(shape, t, tile, tiled, e, whole[i], extra[i])
                 kept[i], peak[i] = k, p + io + side
                 # The host copy of a stage input: one tensor per microbatch from torch's pinned caching
                 # allocator, which rounds each block up to a power of two.
@@ -228,3 +230,45 @@ class RoundPipeForCausalLM(RoundPipe):
 
 
 __all__ = ["RoundPipeForCausalLM"]
+
+
+def _module_extra_per_token(layer: nn.Module, shape: estimate.ModelShape) -> float:
+    """Bytes per token a decoder layer run module by module saves beyond
+    ``estimate.module_layer_bytes_per_token``, from what is trainable: a projection's input when its
+    weight is trainable or a PEFT LoRA adapter of the layer's dtype reads it (q / k / v share one input,
+    gate / up another); an adapter of another dtype (PEFT upcasts adapters to fp32 by default) saves its
+    own cast copy instead; each adapter's ``lora_A`` output; with trainable norm weights, each norm's
+    normed output (kept for the weight's gradient)."""
+    shared = {"q_proj": "attention input", "k_proj": "attention input", "v_proj": "attention input", "gate_proj": "mlp input", "up_proj": "mlp input"}
+    inputs: Dict[str, float] = {}  # input group -> bytes per token of the one saved copy
+    extra = 0.0
+    for name, module in layer.named_modules():
+        parts = name.split(".")
+        if any(p.startswith("lora_") or p == "base_layer" for p in parts):
+            continue  # inside a PEFT wrapper: counted with the wrapper
+        group = shared.get(parts[-1], name)
+        lora_a = getattr(module, "lora_A", None)
+        base = getattr(module, "base_layer", None)
+        if isinstance(lora_a, nn.ModuleDict) and isinstance(getattr(base, "weight", None), torch.Tensor):
+            width, size = base.weight.shape[1], base.weight.element_size()
+            if base.weight.requires_grad:
+                inputs[group] = float(width * size)
+            for adapter in getattr(module, "active_adapters", list(lora_a.keys())):
+                a = lora_a[adapter] if adapter in lora_a else None
+                if not isinstance(a, nn.Linear):
+                    continue
+                extra += a.out_features * a.weight.element_size()
+                if a.weight.dtype != base.weight.dtype and getattr(module, "cast_input_dtype_enabled", True):
+                    extra += a.in_features * a.weight.element_size()
+                else:
+                    inputs[group] = float(width * size)
+        elif isinstance(module, nn.Linear) and module.weight.requires_grad:
+            inputs[group] = float(module.in_features * module.weight.element_size())
+    attn = getattr(layer, "self_attn", None)
+    norms = [(getattr(layer, "input_layernorm", None), shape.hidden), (getattr(layer, "post_attention_layernorm", None), shape.hidden)]
+    norms += [(getattr(attn, "q_norm", None), shape.q_dim), (getattr(attn, "k_norm", None), shape.kv_dim)]
+    for norm, width in norms:
+        w = getattr(norm, "weight", None)
+        if isinstance(w, torch.Tensor) and w.requires_grad:
+            extra += width * w.element_size()
+    return extra + sum(inputs.values())

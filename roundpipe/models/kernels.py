@@ -301,6 +301,14 @@ def is_fused(module: nn.Module) -> bool:
     return "_rpp_base_class" in type(module).__dict__
 
 
+def runs_whole_layer(layer: nn.Module) -> bool:
+    """Whether ``layer`` runs as the whole-layer op in RoundPipe's training calls (fused, the setting on,
+    plain projections, sdpa, no hooks): the activation estimate of such a layer differs from one run
+    module by module (``roundpipe.estimate.decoder_layer_bytes``)."""
+    weights = getattr(layer, "_whole_layer_weights", None)
+    return is_fused(layer) and whole_layer_enabled() and callable(weights) and weights() is not None
+
+
 def _is_rms_norm(module: Any) -> bool:
     return isinstance(module, nn.Module) and _registry().get(base_class(module), (None,))[0] is _RMSNormForward
 

@@ -129,13 +129,26 @@ class StateReserve:
             return len(self._ready)
 
 
-def start_for(params: Iterable[Tensor]) -> None:
-    """Start the reserves the optimizers of ``params`` registered (RoundPipe's first training call)."""
-    seen = set()
+def _reserves_of(params: Iterable[Tensor]) -> List[StateReserve]:
+    """The distinct live reserves registered for ``params``."""
+    found: Dict[int, StateReserve] = {}
     for p in params:
         with _registry_lock:
             ref = _registry.get(id(p))
         reserve = ref() if ref is not None else None
-        if reserve is not None and id(reserve) not in seen:
-            seen.add(id(reserve))
-            reserve.start()
+        if reserve is not None:
+            found.setdefault(id(reserve), reserve)
+    return list(found.values())
+
+
+def start_for(params: Iterable[Tensor]) -> None:
+    """Start the reserves the optimizers of ``params`` registered (RoundPipe's first training call)."""
+    for reserve in _reserves_of(params):
+        reserve.start()
+
+
+def wait_for(params: Iterable[Tensor]) -> None:
+    """Wait for the builders of the reserves of ``params`` (RoundPipe's first ``step``): the first step
+    then finds every state built instead of waiting for the rest during the next iteration."""
+    for reserve in _reserves_of(params):
+        reserve.wait()
