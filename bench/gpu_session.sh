@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs of this session's issues, one part per device call (see docs/benchmarks.md):
-#   bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22
+#   bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first
 # "refactor" compares the tree in .old/ (the commit before the restructuring, carried as a folder) with
 # this one in one call; "context*" are the long-context rows of issue 21.
 set -uo pipefail
@@ -51,5 +51,11 @@ case "${1:-}" in
       set -- $a; limit=$1; shift
       timeout -s ABRT "$limit" python3 bench/train_bench.py --workload "$@" --skip-baseline --warmup 1 2>&1 | quiet | tee -a "$out/issue22.log" | grep -E "^\| roundpipe|per-iteration|load to|Error|Fatal"
     done ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22" >&2; exit 2 ;;
+  first)  # issue 22: is the first timed iteration after ONE warm-up slow because the plan changes after it?
+    # The auto plan against a fixed one (--plan layerwise: no re-plan), each twice; logs in $out/first.log
+    timeout 120 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee -a "$out/first.log" | tail -2
+    for plan in auto layerwise auto layerwise; do
+      timeout -s ABRT 90 python3 bench/train_bench.py --workload qwen3-1.7b --plan $plan --iters 6 --skip-baseline --warmup 1 2>&1 | quiet | tee -a "$out/first.log" | grep -E "^\| roundpipe|load to|Error"
+    done ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first" >&2; exit 2 ;;
 esac

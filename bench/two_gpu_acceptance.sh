@@ -3,7 +3,7 @@
 # issue 5 (plans on 2 GPUs), issue 6 (qwen3-4b on 1 vs 2 GPUs, qwen3-8b), issue 9 (two data-parallel
 # ranks vs one). Each part fits one 10-minute device call; run them one by one:
 #
-#     bash bench/two_gpu_acceptance.sh tests|bound|scale|4b|8b|8b1|8b2|plans|dp
+#     bash bench/two_gpu_acceptance.sh tests|bound|peer|scale|4b|8b|8b1|8b2|plans|dp
 #
 # Results go to stdout (the tables of docs/benchmarks.md) and, for dp, to JSON files in $OUT (or .).
 set -uo pipefail
@@ -45,6 +45,14 @@ case "${1:-}" in
     tbench 70 $W | grep -E "^\| roundpipe|per-iteration|optimizer step|Error"
     tbench 70 $W --no-step | grep -E "^\| roundpipe|per-iteration|Error"
     RPP_OPTIM_THREADS=12 tbench 70 $W | grep -E "^\| roundpipe|per-iteration|optimizer step|Error" ;;
+  peer)  # issue 19: activations GPU to GPU (RPP_PEER_HANDOFF=1) against through the host, one fixed plan
+    # (the first 2-GPU run of a fresh machine is slow: the GPU tests go first and absorb it)
+    timeout 200 python3 -m pytest -m gpu tests/test_gpu.py -k "peer or tied" -q -p no:cacheprovider 2>&1 | tee -a "$log" | tail -2
+    W="--workload qwen3-1.7b --batch 16 --skip-baseline --warmup 3 --iters 4 --plan layerwise"
+    CUDA_VISIBLE_DEVICES=0 tbench 80 $W | grep -E "^\| roundpipe|per-iteration|Error"
+    for peer in 0 1 0 1; do
+      RPP_PEER_HANDOFF=$peer tbench 80 $W | grep -E "^\| roundpipe|per-iteration|Error"
+    done ;;
   plans)  # issue 5 on 2 GPUs: auto plan vs one layer per group, idle time between groups
     RPP_PROFILER=torch bench --workload qwen3-1.7b --skip-baseline --compare-plans --profile --profile-iters 3 --warmup 3 --iters 4 | tail -20 ;;
   dp)  # issue 9: two ranks (one GPU each) vs one on qwen3-1.7b, and the loss curve vs one process
@@ -55,5 +63,5 @@ case "${1:-}" in
     torchrun --standalone --nproc-per-node 2 bench/dp_bench.py $A --batch-per-rank $B --out "$out/two$B.json" 2>&1 | tail -3
     python3 bench/dp_bench.py --compare "$out/one$B.json" "$out/two$B.json" --loss-ref "$out/ref$B.json" ;;
   *)
-    echo "usage: bash bench/two_gpu_acceptance.sh tests|bound|scale|4b|8b|8b1|8b2|plans|dp" >&2; exit 2 ;;
+    echo "usage: bash bench/two_gpu_acceptance.sh tests|bound|peer|scale|4b|8b|8b1|8b2|plans|dp" >&2; exit 2 ;;
 esac

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.utils import _pytree as pytree
 
-from roundpipe import backend
+from roundpipe import backend, settings
 from roundpipe.context import ForwardCtx, RecomputeCtx
 from roundpipe.run import Leaves, MicrobatchState, Run, differentiable
-from roundpipe.transfer import async_d2h, async_h2d, download_layer, release_layers, snapshot_buffers, upload_layers, wait_layer
+from roundpipe.transfer import async_d2h, async_h2d, download_layer, peer_copy, release_layers, snapshot_buffers, upload_layers, wait_layer
 
 if TYPE_CHECKING:
     from roundpipe.device import DeviceManager
@@ -37,10 +37,13 @@ def _wrap(out: Any) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
 
 def _take_activation(device: "DeviceManager", run: Run, m: int) -> Leaves:
     """Microbatch m's stage input on ``device``: handed over on the device by the previous job when it
-    ran there (no host round trip), else uploaded from the host copy."""
+    ran there or copied it here (no host round trip), else uploaded from the host copy."""
     handoff = run.act_handoff[m]
     run.act_handoff[m] = None
     if handoff is not None and handoff[0] is device:
+        # A peer copy: the upload stream (which compute waits on next) waits for it to land.
+        for ev in handoff[2]:
+            device.upstream.wait_event(ev)
         return handoff[1]
     batch = run.batch
     return async_h2d(device, batch.forward_events[m], batch.flatten_states[m])
@@ -184,8 +187,12 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
                     x = _wrap(_call_layer(layer, x))
             out_leaves, out_spec = pytree.tree_flatten(x)
         consumer = _next_forward_device(run, layer_group_id, m)
+        peer = consumer is not None and consumer is not device and settings.PEER_HANDOFF.get()
         if consumer is device:
-            run.act_handoff[m] = (device, out_leaves)
+            run.act_handoff[m] = (device, out_leaves, [])
+        elif peer:
+            assert consumer is not None
+            run.act_handoff[m] = (consumer, *peer_copy(device, consumer, out_leaves))
         # The host copy is needed by another device, by the caller, or as a saved backward-stage input.
         saved_for_backward = (
             run.enable_grad
@@ -198,7 +205,7 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
             # The next job runs here and keeps this output, its stage input, on the device.
             run.kept_inputs[m].add(layers.stop)
             saved_for_backward = False
-        if consumer is not device or saved_for_backward:
+        if (consumer is not device and not peer) or saved_for_backward:
             out_events: List[Any] = []
             batch.flatten_states[m] = _download_reusing(device, out_events, out_leaves, dev_leaves, host_leaves, events)
             batch.forward_events[m] = out_events

@@ -15,8 +15,8 @@ from roundpipe.batch import Batch
 from roundpipe.context import doing_optimizer
 from roundpipe.device import get_num_devices
 from roundpipe.grad_sync import GradSync
+from roundpipe.host_buffers import HostBufferPrep
 from roundpipe.memory import PinMode, pin_module
-from roundpipe.optim import reserve as state_reserve
 from roundpipe.optim import step as optim_step
 from roundpipe.optim import thread as optim_thread
 from roundpipe.partial_grads import PartialGradStore, split_parts
@@ -27,7 +27,7 @@ from roundpipe.run import Run
 from roundpipe.run_config import ResolvedRunConfig, RoundPipeRunConfig
 from roundpipe.threads import AnnotatedEvent, raise_if_failed
 from roundpipe.timer import ModelTimer
-from roundpipe.transfer import fold_shared_grads, preallocate_host_buffers
+from roundpipe.transfer import fold_shared_grads
 from roundpipe.utils import get_call_location, get_model_active_size, get_model_compute_size, get_model_size
 
 _OWN_ATTRS = ("model", "original_model", "_rpp_initialized", "grad_sync")
@@ -226,17 +226,10 @@ class RoundPipeBase(nn.Module):
         optim_step.launch(self.optim_units(), step_fn, is_async, args, kwargs, self.optim_updated, sync.reduce_host if sync is not None else None)
 
     def _finish_host_buffers(self) -> None:
-        """Wait for what ``_prepare_host_buffers`` started, once: every host buffer pinned and every
-        optimizer state built before the first step. Pinning takes the CUDA driver's lock, so a thread
-        still pinning during the next iterations stalls the device threads' copies and launches at
-        random points, and a first step still waiting for its state makes the next iteration wait for
-        that step (measured on qwen3-1.7b, one H100: the first iteration after one warm-up 1.49x the
-        steady one when the wait came at the second call); the first iteration absorbs it instead."""
-        thread = self.__dict__.pop("host_buffers_thread", None)
-        if thread is None:
-            return
-        thread.join()
-        state_reserve.wait_for([ParamAttribute.get(p).optim for _, ps in self.optim_units() for p in ps if ParamAttribute.get(p).optim is not None])
+        """Wait, once, for the host buffers and optimizer state built ahead (``roundpipe.host_buffers``)."""
+        prep = self.__dict__.get("host_buffers")
+        if prep is not None:
+            prep.finish()
 
     def sync_optim_param(self) -> None:
         """Copy the optimizer parameters into the model parameters (from the main or optimizer thread)."""
@@ -536,23 +529,15 @@ class RoundPipe(RoundPipeBase):
         return loss
 
     def _prepare_host_buffers(self) -> None:
-        """At the first call after the optimizer copies exist, start allocating the host buffers the
-        first steps need (``transfer.preallocate_host_buffers``) and the optimizers' zero state
-        (``roundpipe.optim.reserve``), in the background, while the devices run the first iteration.
-        The first ``step`` (or, without one, the next training call) waits for both:
-        ``_finish_host_buffers``."""
-        if self.__dict__.get("_host_buffers_started"):
-            if torch.is_grad_enabled():
-                self._finish_host_buffers()
-            return
+        """A training call starts building the host buffers and optimizer state of the first steps
+        (the first call) or waits for them (the next call, when no ``step`` did)."""
         if not torch.is_grad_enabled():
             return
-        params = [p for _, ps in self.optim_units() for p in ps if ParamAttribute.get(p).optim is not None]
-        # The optimizers' zero state too (roundpipe.optim.Adam registers a reserve on its parameters).
-        state_reserve.start_for([ParamAttribute.get(p).optim for p in params])
-        if params:
-            self.__dict__["_host_buffers_started"] = True
-            self.__dict__["host_buffers_thread"] = preallocate_host_buffers(params, self.name)
+        prep = self.__dict__.setdefault("host_buffers", HostBufferPrep())
+        if prep.started:
+            prep.finish()
+        else:
+            prep.start([p for _, ps in self.optim_units() for p in ps if ParamAttribute.get(p).optim is not None], self.name)
 
     def _check_optimizer_idle(self) -> None:
         """Raise a worker failure from an earlier asynchronous step before starting a new run."""

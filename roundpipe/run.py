@@ -125,8 +125,9 @@ class Run:
                 self.partial_grads = PartialGrads(self.fused_parts, fused, model.partial_grad_store)
         # Which device runs each job ('f', g) / ('b', b) / ('fb', part), fixed at dispatch (roundpipe.dispatch).
         self.job_device: Dict[Tuple[str, int], "DeviceManager"] = {}
-        # Activations and gradients handed to the next job on the same device stay there: (device, leaves).
-        self.act_handoff: List[Optional[Tuple["DeviceManager", Leaves]]] = [None] * batch.num_microbatch
+        # Activations handed to the next job without a host copy: (its device, leaves there, events its
+        # upload stream waits on: none when the job ran on the same device, the copy's with a peer copy).
+        self.act_handoff: List[Optional[Tuple["DeviceManager", Leaves, List[Any]]]] = [None] * batch.num_microbatch
         self.backward_done = False
         self.loss_is_sequence = False
         # Bytes of backward-stage inputs this call may still keep on the device (one device only: there

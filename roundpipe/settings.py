@@ -218,6 +218,17 @@ SPLIT_FUSED: Setting[bool] = _register(
         "On several devices, split the fused forward-backward job (the loss head) by microbatch over the devices.",
     )
 )
+PEER_HANDOFF: Setting[bool] = _register(
+    Setting(
+        "RPP_PEER_HANDOFF",
+        _bool,
+        False,
+        "0",
+        "`1` or `0`",
+        "On several GPUs, a forward job's output goes straight to the GPU of the next job (a peer copy) "
+        "instead of through pinned host memory (experimental; docs/execute-plans.md).",
+    )
+)
 WATCHDOG_S: Setting[float] = _register(
     Setting("RPP_WATCHDOG_S", _number(0.0), 0.0, "0 (off)", "seconds >= 0", "Print every RoundPipe thread's stack when waits make no progress for this long.")
 )

@@ -21,8 +21,7 @@ Attributes:
 
 from __future__ import annotations
 
-import threading
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -171,6 +170,32 @@ def async_d2h(device: Any, transfer_finish_event: List[Event], device_tensors: I
     # it (the copy runs on another stream). The memory manager keeps them until the download is done.
     device.mem_manager.free_after([done], [t for t in device_tensors if isinstance(t, torch.Tensor) and t.device.type != "cpu"])
     return out
+
+
+def peer_copy(src: Any, dst: Any, tensors: Iterable[Any]) -> Tuple[List[Any], List[Event]]:
+    """Copy a job's output ``tensors`` from ``src``'s device to ``dst``'s (the next job's), on ``src``'s
+    download stream after the compute queued so far: one device-to-device copy instead of a download to
+    pinned host memory and an upload. Returns the copies and the event that marks them complete, for
+    ``dst``'s upload stream to wait on before its compute reads them.
+
+    Synchronisation: torch runs a copy between two GPUs on the source's current stream (here
+    ``src.downstream``, which first waits for ``src.compute_stream``: the output is written), fenced
+    both ways with the destination device's current stream of this thread (its default stream, which
+    RoundPipe's streams never wait on implicitly: they are non-blocking). The copies are allocated from
+    ``dst``'s default-stream pool, which only these copies use, and ``dst`` frees them through its memory
+    manager after its compute and download streams are done with them, so a block is reused only after
+    its last reader. The sources stay alive until the copy has read them (``free_after``). CPU workers
+    share one memory: the tensors pass as they are."""
+    tensors = list(tensors)
+    stream = src.downstream
+    stream.wait_stream(src.compute_stream)
+    out: List[Any] = []
+    with torch.no_grad(), backend.use_stream(stream):
+        for t in tensors:
+            out.append(t.to(dst.device, non_blocking=True) if isinstance(t, torch.Tensor) else t)
+    done = backend.record_event(stream)
+    src.mem_manager.free_after([done], [t for t in tensors if isinstance(t, torch.Tensor) and t.device.type != "cpu"])
+    return out, [done]
 
 
 def _device_copy(mod: nn.Module, tensors: Dict[int, torch.Tensor], memo: Dict[int, nn.Module]) -> nn.Module:
@@ -463,37 +488,6 @@ def _grad_buffer(p: torch.Tensor, attr: ParamAttribute, layer_id: int, dev_grad:
     if buf is None:
         buf = pinned_empty(dev_grad.shape, dev_grad.dtype)  # exact size: it lives as long as the model
     return buf
-
-
-def preallocate_host_buffers(params: Sequence[nn.Parameter], name: str) -> threading.Thread:
-    """Allocate, in a background thread, the host buffers the first iterations would otherwise allocate
-    on their critical path: per trainable unshared parameter, the spares that the first gradient
-    download and the first staging take (``_grad_buffer``'s rotation needs two besides the model
-    buffer with staging on, one without), pinned and faulted in. Started by a model's first training
-    call, it runs while the devices compute the first forward, so the first iterations after warm-up
-    run at the steady pace. A buffer the download needs before the thread reaches its parameter is
-    allocated there as before (the extra spare is trimmed after the step); a failure to pin is left to
-    that path, which reports it with advice."""
-    want = 2 if settings.stage_params_enabled() else settings.grad_buffers_limit() - 1
-
-    def run() -> None:
-        for p in params:
-            attr = ParamAttribute.get(p)
-            if attr.shared or not p.requires_grad:
-                continue
-            have = sum(1 for b, _ in attr.spare if b.shape == p.shape and b.dtype == p.dtype)
-            for _ in range(max(0, want - have)):
-                try:
-                    buf = pinned_empty(p.shape, p.dtype)
-                except RuntimeError:
-                    return
-                if not buf.is_pinned():
-                    buf.zero_()  # fault the pages in now (pinning does that for pinned ones)
-                attr.give_spare(buf)
-
-    thread = threading.Thread(target=run, name=f"roundpipe-host-buffers-{name}", daemon=True)
-    thread.start()
-    return thread
 
 
 def _shared_grad_buffer(attr: ParamAttribute, layer_id: int, dev_grad: torch.Tensor) -> torch.Tensor:

@@ -432,6 +432,37 @@ def test_split_fused_job_equals_pytorch(workers: str, num_microbatch: int, grain
     assert published == want
 
 
+@pytest.mark.parametrize("workers", ["cpu:1", "cpu:2", "cpu:3"], indirect=True)
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_peer_handoff_equals_pytorch(workers: str, grain: str, fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RPP_PEER_HANDOFF=1: a forward job's output goes to the next job's device directly when that job
+    runs on another device (no host copy unless it is a backward stage's input). Results equal plain
+    PyTorch over two calls, through forward_backward and forward + loss.backward(); with several devices
+    the copies happened."""
+    from roundpipe import jobs
+
+    monkeypatch.setenv("RPP_PEER_HANDOFF", "1")
+    copies = []
+    real_copy = jobs.peer_copy
+    monkeypatch.setattr(jobs, "peer_copy", lambda src, dst, leaves: (copies.append((src.id, dst.id)), real_copy(src, dst, leaves))[1])
+    model, ref, rp = _grouped_plan_model(grain)
+    loss_fn = lambda out, label: ((out - label) ** 2).sum()  # noqa: E731
+    for _ in range(2):
+        x, y = torch.randn(9, 8, dtype=torch.float64), torch.randn(9, 5, dtype=torch.float64)
+        if fused:
+            loss = rp.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        else:
+            loss = loss_fn(rp(x), y)
+            loss.backward()
+        ref_loss = sum(loss_fn(reference_run(ref, a, 1), b) for a, b in zip(torch.tensor_split(x, 3), torch.tensor_split(y, 3)))
+        ref_loss.backward()
+        assert rel_err(loss, ref_loss) < 1e-12
+    check_grads(model, ref, 1e-10)
+    assert all(src != dst for src, dst in copies)
+    assert bool(copies) == (workers != "cpu:1")
+
+
 def test_split_parts_rule() -> None:
     from roundpipe.partial_grads import split_parts
 

@@ -413,6 +413,45 @@ def test_tied_gradient_shares_summed_on_the_gpu_match_pytorch(spec: str, fused: 
         assert err < 1e-5, err
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_peer_handoff_on_two_gpus_matches_pytorch(fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RPP_PEER_HANDOFF=1 on 2 GPUs: each forward job's output is copied to the other GPU's next job
+    (``transfer.peer_copy``: the copy on the producer's download stream, the consumer's upload stream
+    waiting on its event). Outputs and gradients equal plain PyTorch's over two calls (fp32), and every
+    boundary between forward jobs on different GPUs used a peer copy."""
+    import copy
+
+    from roundpipe import jobs
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    use_devices("cuda:0,1")
+    monkeypatch.setenv("RPP_PEER_HANDOFF", "1")
+    copies = []
+    real_copy = jobs.peer_copy
+    monkeypatch.setattr(jobs, "peer_copy", lambda src, dst, leaves: (copies.append((src.id, dst.id)), real_copy(src, dst, leaves))[1])
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(8)])
+    ref = copy.deepcopy(model).cuda()
+    plan = ModelExecutePlan.layerwise(len(model), "fused" if fused else "train")
+    rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=4, execute_plan=plan))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randn(4096, 1024, generator=g)
+        if fused:
+            loss = rp.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.pow(2).mean() / 4)
+        else:
+            loss = rp(x).pow(2).mean()
+            loss.backward()
+        ref_loss = ref(x.cuda()).pow(2).mean()
+        ref_loss.backward()
+        assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        err = ((p.grad - q.grad.cpu()).norm() / q.grad.norm()).item()
+        assert err < 1e-5, (name, err)
+    assert copies and all(src != dst for src, dst in copies)
+
+
 def test_fused_decoder_layers_on_gpu_match_hf_at_two_lengths() -> None:
     """``bench/kernels_bench.py`` on the GPU (a qwen3-1.7b-shaped layer, bf16, inductor): the fused ops
     per module and the whole layer as one op each agree with Hugging Face's layer within bf16 rounding

@@ -581,7 +581,7 @@ def test_host_buffers_exist_before_the_second_iteration(workers: str, stage: str
     data = batches(5)
 
     train(*data[0])
-    assert "host_buffers_thread" not in rp.__dict__  # the first step waited for it
+    assert rp.__dict__["host_buffers"].thread is None  # the first step waited for it
     rp.synchronize()
     allocations.clear()
     for x, y in data[1:]:
@@ -599,11 +599,11 @@ def test_the_first_step_waits_for_the_host_buffers_and_the_optimizer_state(worke
     gradients do not wait."""
     import threading
 
-    from roundpipe import roundpipe as rp_module
+    from roundpipe import host_buffers
     from roundpipe.optim import reserve
 
     release = threading.Event()
-    real = rp_module.preallocate_host_buffers
+    real = host_buffers.preallocate_host_buffers
     waited: list = []
     real_wait = reserve.wait_for
     monkeypatch.setattr(reserve, "wait_for", lambda params: (waited.append(len(list(params))), real_wait(params))[1])
@@ -617,13 +617,14 @@ def test_the_first_step_waits_for_the_host_buffers_and_the_optimizer_state(worke
         t.start()
         return t
 
-    monkeypatch.setattr(rp_module, "preallocate_host_buffers", slow)
+    monkeypatch.setattr(host_buffers, "preallocate_host_buffers", slow)
     rp, train = _bf16_async_training(step=False)
     opt = rp.__dict__["opt"]
     data = batches(2)
 
     train(*data[0])
-    thread = rp.__dict__["host_buffers_thread"]
+    prep = rp.__dict__["host_buffers"]
+    thread = prep.thread
     assert thread.is_alive()
     with torch.no_grad():
         rp(data[1][0].bfloat16())  # inference does not wait
@@ -633,6 +634,6 @@ def test_the_first_step_waits_for_the_host_buffers_and_the_optimizer_state(worke
         rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
     else:
         train(*data[1])
-    assert not thread.is_alive() and "host_buffers_thread" not in rp.__dict__
+    assert not thread.is_alive() and prep.thread is None
     assert waited and waited[0] > 0  # the optimizer states' builders were waited for too
     rp.synchronize()

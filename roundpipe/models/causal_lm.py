@@ -248,17 +248,17 @@ def _module_extra_per_token(layer: nn.Module, shape: estimate.ModelShape) -> flo
             continue  # inside a PEFT wrapper: counted with the wrapper
         group = shared.get(parts[-1], name)
         lora_a = getattr(module, "lora_A", None)
-        base = getattr(module, "base_layer", None)
-        if isinstance(lora_a, nn.ModuleDict) and isinstance(getattr(base, "weight", None), torch.Tensor):
-            width, size = base.weight.shape[1], base.weight.element_size()
-            if base.weight.requires_grad:
+        base_weight = getattr(getattr(module, "base_layer", None), "weight", None)
+        if isinstance(lora_a, nn.ModuleDict) and isinstance(base_weight, torch.Tensor):
+            width, size = base_weight.shape[1], base_weight.element_size()
+            if base_weight.requires_grad:
                 inputs[group] = float(width * size)
             for adapter in getattr(module, "active_adapters", list(lora_a.keys())):
                 a = lora_a[adapter] if adapter in lora_a else None
                 if not isinstance(a, nn.Linear):
                     continue
                 extra += a.out_features * a.weight.element_size()
-                if a.weight.dtype != base.weight.dtype and getattr(module, "cast_input_dtype_enabled", True):
+                if a.weight.dtype != base_weight.dtype and getattr(module, "cast_input_dtype_enabled", True):
                     extra += a.in_features * a.weight.element_size()
                 else:
                     inputs[group] = float(width * size)

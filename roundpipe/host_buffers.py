@@ -1,0 +1,81 @@
+"""Host buffers and optimizer state built before the first step, in the background.
+
+A model's first iterations would otherwise allocate on their critical path: the pinned spares that
+the first gradient downloads and the first staging take (``transfer._grad_buffer``'s rotation), and
+the optimizer's zero moments (``roundpipe.optim.reserve``). :class:`HostBufferPrep` starts both at the
+model's first training call, while the devices run the first iteration, and its ``finish`` (the first
+``step``, else the next training call) waits for them once: pinning holds the CUDA driver's lock, so a
+thread still pinning would stall the device threads' copies and launches at random points of the next
+iterations, and a first step still building its state would hold up the iteration after it.
+
+Life cycle: one per model, owned by the main thread (``start`` and ``finish`` run there); the builder
+thread only writes the parameters' spare lists (``ParamAttribute.give_spare``, under its lock).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import List, Optional, Sequence
+
+from torch import nn
+
+from roundpipe import settings
+from roundpipe.attribute import ParamAttribute
+from roundpipe.memory import pinned_empty
+from roundpipe.optim import reserve as state_reserve
+
+
+def preallocate_host_buffers(params: Sequence[nn.Parameter], name: str) -> threading.Thread:
+    """Allocate, in a background thread, per trainable unshared parameter the spares that the first
+    gradient download and the first staging take (two besides the model buffer with staging on, one
+    without), pinned and faulted in. A buffer the download needs before the thread reaches its
+    parameter is allocated there as before (the extra spare is trimmed after the step); a failure to
+    pin is left to that path, which reports it with advice."""
+    want = 2 if settings.stage_params_enabled() else settings.grad_buffers_limit() - 1
+
+    def run() -> None:
+        for p in params:
+            attr = ParamAttribute.get(p)
+            if attr.shared or not p.requires_grad:
+                continue
+            have = sum(1 for b, _ in attr.spare if b.shape == p.shape and b.dtype == p.dtype)
+            for _ in range(max(0, want - have)):
+                try:
+                    buf = pinned_empty(p.shape, p.dtype)
+                except RuntimeError:
+                    return
+                if not buf.is_pinned():
+                    buf.zero_()  # fault the pages in now (pinning does that for pinned ones)
+                attr.give_spare(buf)
+
+    thread = threading.Thread(target=run, name=f"roundpipe-host-buffers-{name}", daemon=True)
+    thread.start()
+    return thread
+
+
+class HostBufferPrep:
+    """One model's background preparation (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.thread: Optional[threading.Thread] = None  # the builder, until ``finish`` joined it
+        self._optim_params: List[nn.Parameter] = []
+
+    def start(self, params: Sequence[nn.Parameter], name: str) -> None:
+        """Start building for ``params`` (the model's parameters whose optimizer copies exist), once."""
+        if self.started:
+            return
+        self._optim_params = [ParamAttribute.get(p).optim for p in params]
+        # The optimizers' zero state (roundpipe.optim.Adam registers a reserve on its parameters).
+        state_reserve.start_for(self._optim_params)
+        if params:
+            self.started = True
+            self.thread = preallocate_host_buffers(params, name)
+
+    def finish(self) -> None:
+        """Wait for the builder and the optimizers' state reserves (once; later calls return at once)."""
+        thread, self.thread = self.thread, None
+        if thread is None:
+            return
+        thread.join()
+        state_reserve.wait_for(self._optim_params)
