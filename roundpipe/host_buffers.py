@@ -65,7 +65,7 @@ class HostBufferPrep:
         """Start building for ``params`` (the model's parameters whose optimizer copies exist), once."""
         if self.started:
             return
-        self._optim_params = [ParamAttribute.get(p).optim for p in params]
+        self._optim_params = [o for o in (ParamAttribute.get(p).optim for p in params) if o is not None]
         # The optimizers' zero state (roundpipe.optim.Adam registers a reserve on its parameters).
         state_reserve.start_for(self._optim_params)
         if params:

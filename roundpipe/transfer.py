@@ -142,33 +142,42 @@ def async_h2d(device: Any, host_ready_event: Iterable[Event], host_tensors: Iter
     return out
 
 
+def _copy_after_compute(device: Any, tensors: List[Any], copy: Callable[[torch.Tensor], torch.Tensor]) -> Tuple[List[Any], Event]:
+    """``copy`` of each tensor (non-tensors pass through), issued on ``device``'s download stream after
+    the compute queued so far, and the event that marks the copies done.
+
+    The sources were allocated on the compute stream; if the caller drops them now, the caching
+    allocator may hand their memory to the next kernel on the compute stream before this copy has read
+    it (the copy runs on another stream). The memory manager keeps them until the copies are done."""
+    stream = device.downstream
+    stream.wait_stream(device.compute_stream)
+    with torch.no_grad(), backend.use_stream(stream):
+        out = [copy(t) if isinstance(t, torch.Tensor) else t for t in tensors]
+    done = backend.record_event(stream)
+    device.mem_manager.free_after([done], [t for t in tensors if isinstance(t, torch.Tensor) and t.device.type != "cpu"])
+    return out, done
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cpu":
+        return t.detach()
+    h = backend.empty_host_like(t)
+    h.copy_(t, non_blocking=True)
+    return h
+
+
 def async_d2h(device: Any, transfer_finish_event: List[Event], device_tensors: Iterable[Any], keep_requires_grad: bool = False) -> List[Any]:
     """Download tensors to (pinned) host memory on ``downstream`` after the compute queued so far.
 
     Appends the event marking completion to ``transfer_finish_event``. Non-tensors pass through.
     """
     device_tensors = list(device_tensors)
-    stream = device.downstream
-    stream.wait_stream(device.compute_stream)
-    out: List[Any] = []
-    with torch.no_grad(), backend.use_stream(stream):
-        for t in device_tensors:
-            if not isinstance(t, torch.Tensor):
-                out.append(t)
-            elif t.device.type == "cpu":
-                out.append(t.detach())
-            else:
-                h = backend.empty_host_like(t)
-                h.copy_(t, non_blocking=True)
-                out.append(h)
-            if keep_requires_grad and isinstance(t, torch.Tensor) and t.requires_grad:
-                out[-1].requires_grad_(True)
-    done = backend.record_event(stream)
+    out, done = _copy_after_compute(device, device_tensors, _to_host)
+    if keep_requires_grad:
+        for t, h in zip(device_tensors, out):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                h.requires_grad_(True)
     transfer_finish_event.append(done)
-    # The sources were allocated on the compute stream; if the caller drops them now, the caching
-    # allocator may hand their memory to the next kernel on the compute stream before this copy has read
-    # it (the copy runs on another stream). The memory manager keeps them until the download is done.
-    device.mem_manager.free_after([done], [t for t in device_tensors if isinstance(t, torch.Tensor) and t.device.type != "cpu"])
     return out
 
 
@@ -184,17 +193,9 @@ def peer_copy(src: Any, dst: Any, tensors: Iterable[Any]) -> Tuple[List[Any], Li
     RoundPipe's streams never wait on implicitly: they are non-blocking). The copies are allocated from
     ``dst``'s default-stream pool, which only these copies use, and ``dst`` frees them through its memory
     manager after its compute and download streams are done with them, so a block is reused only after
-    its last reader. The sources stay alive until the copy has read them (``free_after``). CPU workers
-    share one memory: the tensors pass as they are."""
-    tensors = list(tensors)
-    stream = src.downstream
-    stream.wait_stream(src.compute_stream)
-    out: List[Any] = []
-    with torch.no_grad(), backend.use_stream(stream):
-        for t in tensors:
-            out.append(t.to(dst.device, non_blocking=True) if isinstance(t, torch.Tensor) else t)
-    done = backend.record_event(stream)
-    src.mem_manager.free_after([done], [t for t in tensors if isinstance(t, torch.Tensor) and t.device.type != "cpu"])
+    its last reader. The sources stay alive until the copy has read them. CPU workers share one memory:
+    the tensors pass as they are."""
+    out, done = _copy_after_compute(src, list(tensors), lambda t: t.to(dst.device, non_blocking=True))
     return out, [done]
 
 
