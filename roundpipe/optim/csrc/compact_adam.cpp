@@ -117,17 +117,20 @@ struct Ptrs {
   P* __restrict p;
   const GT* __restrict g;
   uint16_t* __restrict comp;
-  explicit Ptrs(const Tensor& t)
-      : p(static_cast<P*>(t.p)), g(static_cast<const GT*>(t.g)), comp(t.comp) {}
+  // Offset to the range's first element: the loops index with 32-bit locals (ranges are at most a
+  // work item long), which vectorise without 64-to-32-bit lane conversions for the rounding hash.
+  Ptrs(const Tensor& t, int64_t begin)
+      : p(static_cast<P*>(t.p) + begin), g(static_cast<const GT*>(t.g) + begin), comp(t.comp == nullptr ? nullptr : t.comp + begin) {}
 };
 
 inline float widen(float x) { return x; }
 inline float widen(uint16_t x) { return bf16_to_f32(x); }
 
-// The update of element i: writes the parameter (and Kahan compensation); returns new m, v, r.
+// The update of element i of the range (element base + i of the tensor, ``base`` its index mod 2^32 for
+// the rounding hash): writes the parameter (and Kahan compensation); returns new m, v, r.
 template <int M, int G>
-inline void update_element(const Ptrs<M, G>& q, const Tensor& t, const Hyper& h, int64_t i, float m0, float v0,
-                           float& mo, float& vo, float& ro) {
+inline void update_element(const Ptrs<M, G>& q, const Tensor& t, const Hyper& h, int32_t i, uint32_t base, float m0,
+                           float v0, float& mo, float& vo, float& ro) {
   float g = widen(q.g[i]) * h.gsign;
   const float pf = widen(q.p[i]);
   g = g + h.coupled_wd * pf;
@@ -142,7 +145,7 @@ inline void update_element(const Ptrs<M, G>& q, const Tensor& t, const Hyper& h,
   } else if constexpr (M == kMasterNearest) {
     q.p[i] = f32_to_bf16(x + upd);
   } else if constexpr (M == kMasterStochastic) {
-    const uint32_t rnd = mix32(static_cast<uint32_t>(i) ^ t.sr_base);
+    const uint32_t rnd = mix32((base + static_cast<uint32_t>(i)) ^ t.sr_base);
     q.p[i] = f32_to_bf16_sr(x + upd, rnd);
   } else {
     const float y = ((x - pf) + upd) + bf16_to_f32(q.comp[i]);
@@ -161,25 +164,27 @@ void step_range(const Tensor& t_in, const Hyper& h_in, int64_t begin, int64_t en
   // caller's structs, and the compiler would reload every scalar for every element.
   const Tensor t = t_in;
   const Hyper h = h_in;
-  const Ptrs<M, G> q(t);
+  const Ptrs<M, G> q(t, begin);
+  const int32_t n = static_cast<int32_t>(end - begin);  // at most one work item
+  const uint32_t base = static_cast<uint32_t>(begin);
   if constexpr (S == kStateF32) {
-    float* __restrict m = static_cast<float*>(t.m);
-    float* __restrict v = static_cast<float*>(t.v);
+    float* __restrict m = static_cast<float*>(t.m) + begin;
+    float* __restrict v = static_cast<float*>(t.v) + begin;
 #pragma omp simd
-    for (int64_t i = begin; i < end; ++i) {
+    for (int32_t i = 0; i < n; ++i) {
       float mo, vo, ro;
-      update_element<M, G>(q, t, h, i, m[i], v[i], mo, vo, ro);
+      update_element<M, G>(q, t, h, i, base, m[i], v[i], mo, vo, ro);
       m[i] = mo;
       v[i] = vo;
     }
     return;
   } else if constexpr (S == kStateBF16) {
-    uint16_t* __restrict m = static_cast<uint16_t*>(t.m);
-    uint16_t* __restrict v = static_cast<uint16_t*>(t.v);
+    uint16_t* __restrict m = static_cast<uint16_t*>(t.m) + begin;
+    uint16_t* __restrict v = static_cast<uint16_t*>(t.v) + begin;
 #pragma omp simd
-    for (int64_t i = begin; i < end; ++i) {
+    for (int32_t i = 0; i < n; ++i) {
       float mo, vo, ro;
-      update_element<M, G>(q, t, h, i, bf16_to_f32(m[i]), bf16_to_f32(v[i]), mo, vo, ro);
+      update_element<M, G>(q, t, h, i, base, bf16_to_f32(m[i]), bf16_to_f32(v[i]), mo, vo, ro);
       m[i] = f32_to_bf16(mo);
       v[i] = f32_to_bf16(vo);
     }
@@ -190,25 +195,26 @@ void step_range(const Tensor& t_in, const Hyper& h_in, int64_t begin, int64_t en
     if (static_cast<int64_t>(buf.size()) < 2 * h.block) buf.resize(static_cast<size_t>(2 * h.block));
     float* __restrict mb = buf.data();
     float* __restrict rb = buf.data() + h.block;
-    int8_t* __restrict mq = static_cast<int8_t*>(t.m);
-    uint8_t* __restrict vq = static_cast<uint8_t*>(t.v);
+    int8_t* __restrict mq = static_cast<int8_t*>(t.m) + begin;
+    uint8_t* __restrict vq = static_cast<uint8_t*>(t.v) + begin;
     const float m_inv_sq = static_cast<float>(1.0 / (127.0 * 127.0));
     const float v_inv_sq = static_cast<float>(1.0 / (255.0 * 255.0));
-    for (int64_t b0 = begin; b0 < end; b0 += h.block) {
-      const int64_t blk = b0 / h.block;
-      const int64_t n = std::min(h.block, end - b0);
+    const int32_t block = static_cast<int32_t>(h.block);
+    for (int32_t b0 = 0; b0 < n; b0 += block) {
+      const int64_t blk = (begin + b0) / h.block;
+      const int32_t nb = std::min(block, n - b0);
       const float dm = t.m_scale[blk] * m_inv_sq;
       const float dr = t.v_scale[blk] * v_inv_sq;
       float amax = 0.0f, rmax = 0.0f;
 #pragma omp simd reduction(max : amax, rmax)
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t i = b0 + j;
+      for (int32_t j = 0; j < nb; ++j) {
+        const int32_t i = b0 + j;
         const float qm = static_cast<float>(mq[i]);
         const float qr = static_cast<float>(vq[i]);
         const float m0 = (qm * std::fabs(qm)) * dm;
         const float r0 = (qr * qr) * dr;
         float mo, vo, ro;
-        update_element<M, G>(q, t, h, i, m0, r0 * r0, mo, vo, ro);
+        update_element<M, G>(q, t, h, i, base, m0, r0 * r0, mo, vo, ro);
         mb[j] = mo;
         rb[j] = ro;
         amax = std::max(amax, std::fabs(mo));
@@ -217,8 +223,8 @@ void step_range(const Tensor& t_in, const Hyper& h_in, int64_t begin, int64_t en
       const float minv = amax > 0.0f ? 1.0f / amax : 0.0f;
       const float rinv = rmax > 0.0f ? 1.0f / rmax : 0.0f;
 #pragma omp simd
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t i = b0 + j;
+      for (int32_t j = 0; j < nb; ++j) {
+        const int32_t i = b0 + j;
         const float a = std::nearbyint(std::sqrt(std::fabs(mb[j]) * minv) * 127.0f);
         mq[i] = static_cast<int8_t>(static_cast<int32_t>(mb[j] < 0.0f ? -a : a));
         float c = std::nearbyint(std::sqrt(rb[j] * rinv) * 255.0f);
