@@ -4,7 +4,7 @@ refusal before the first job, and the estimate against what the runtime really k
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
@@ -201,6 +201,47 @@ def test_decoder_layer_estimate_matches_the_saved_tensors_of_a_layer_run_module_
     # The whole-layer formula, which this path had used, falls far short of it.
     whole, _ = estimate.decoder_layer_bytes(shape, seq, 16384, False, 2)
     assert whole < 0.75 * measured
+
+
+@pytest.mark.parametrize("targets", [("q_proj", "v_proj"), ("gate_proj", "up_proj", "down_proj")], ids=["qv", "mlp"])
+@pytest.mark.parametrize("adapter_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_layer_estimate_follows_which_projections_have_adapters(targets: Tuple[str, ...], adapter_dtype: torch.dtype) -> None:
+    """With frozen base weights a projection's input is saved only where an adapter reads it: in the
+    layer's dtype it is the input itself (shared by q / k / v or gate / up), in another dtype each
+    adapter's own cast copy. The estimate read off the layer equals the saved-tensor bytes of an eager
+    Qwen3 layer with LoRA on some projections only (within 2%)."""
+    peft = pytest.importorskip("peft")
+    from test_tiling import _inputs, _layer_config
+
+    from roundpipe.models.causal_lm import _module_extra_per_token
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_layer_config("qwen3", "full_attention")).double()
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(targets)))
+    base = model.get_base_model().to(torch.bfloat16)
+    for name, p in base.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.to(adapter_dtype)
+    layer = base.model.layers[0]
+    seq = 1024
+    x, mask, pos, (cos, sin) = _inputs(base, 1, seq, padding=False)
+    x = x.detach().to(torch.bfloat16).requires_grad_(True)
+    pe = (cos.to(torch.bfloat16), sin.to(torch.bfloat16))
+    storages: Dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, attention_mask=mask, position_ids=pos, position_embeddings=pe)
+    skip = {x.untyped_storage().data_ptr()} | {t.untyped_storage().data_ptr() for t in pe} | {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    if mask is not None:
+        skip.add(mask.untyped_storage().data_ptr())
+    measured = sum(v for k, v in storages.items() if k not in skip)
+    shape = estimate.ModelShape.from_config(base.config)
+    kept, _ = estimate.decoder_layer_bytes(shape, seq, 16384, False, 2, whole_layer=False, extra_per_token=_module_extra_per_token(layer, shape))
+    assert abs(kept - measured) / measured < 0.02, (measured, kept)
 
 
 def test_loss_chunk_of_the_estimate_is_the_heads() -> None:
