@@ -155,6 +155,7 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
     # Per-layer upload events: the first microbatch starts on the first layer while the rest upload.
     ready: List[Any] = []
     gpu_layers = _upload_group(device, run, layers, with_grad=False, for_recompute=False, ready=ready)
+    peer_handoff = settings.PEER_HANDOFF.get()
     for m in range(batch.num_microbatch):
         tracker.forward_wait_for(layer_group_id, m)
         ctx = run.contexts[m]
@@ -187,11 +188,10 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
                     x = _wrap(_call_layer(layer, x))
             out_leaves, out_spec = pytree.tree_flatten(x)
         consumer = _next_forward_device(run, layer_group_id, m)
-        peer = consumer is not None and consumer is not device and settings.PEER_HANDOFF.get()
+        peer = peer_handoff and consumer is not None and consumer is not device
         if consumer is device:
             run.act_handoff[m] = (device, out_leaves, [])
-        elif peer:
-            assert consumer is not None
+        elif peer and consumer is not None:
             run.act_handoff[m] = (consumer, *peer_copy(device, consumer, out_leaves))
         # The host copy is needed by another device, by the caller, or as a saved backward-stage input.
         saved_for_backward = (

@@ -157,24 +157,11 @@ def test_decoder_layer_estimate_matches_the_saved_tensors_of_a_tiled_layer() -> 
     assert abs(measured - expected) / measured < 0.15, (measured, expected)
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-fp32-adapters"])
-def test_decoder_layer_estimate_matches_the_saved_tensors_of_a_layer_run_module_by_module(lora: bool) -> None:
-    """Untiled and not as the whole-layer op (PEFT adapters, fused layers off), a Qwen3 layer saves what
-    Hugging Face's modules save: ``estimate.decoder_layer_bytes(whole_layer=False)`` with the extra bytes
-    ``causal_lm`` finds on the layer (trainable norms; LoRA inputs cast to the adapters' fp32, as PEFT's
-    default upcast makes them) against the saved-tensor hooks, within 15%. qwen3-32b LoRA went out of
-    memory on the H100 when this path was estimated like the whole-layer op."""
-    from test_tiling import _inputs, _make_layer
+def _saved_bytes_of_layer(base: torch.nn.Module, layer: torch.nn.Module, seq: int) -> int:
+    """Bytes autograd saves for one bf16 forward of ``layer`` over ``seq`` tokens (saved-tensor hooks,
+    deduplicated by storage), without its input, its weights, the rotary tables and the mask."""
+    from test_tiling import _inputs
 
-    from roundpipe.models.causal_lm import _module_extra_per_token
-
-    base, layer = _make_layer("qwen3", lora=lora)
-    base = base.to(torch.bfloat16)
-    if lora:
-        for name, p in base.named_parameters():
-            if "lora_" in name:
-                p.data = p.data.float()
-    seq = 1024
     x, mask, pos, (cos, sin) = _inputs(base, 1, seq, padding=False)
     x = x.detach().to(torch.bfloat16).requires_grad_(True)
     pe = (cos.to(torch.bfloat16), sin.to(torch.bfloat16))
@@ -186,16 +173,43 @@ def test_decoder_layer_estimate_matches_the_saved_tensors_of_a_layer_run_module_
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(x, attention_mask=mask, position_ids=pos, position_embeddings=pe)
-    shape = estimate.ModelShape.from_config(base.config)
-    extra = _module_extra_per_token(layer, shape)
-    norms = 2 * (2 * shape.hidden + shape.q_dim + shape.kv_dim)
-    assert extra == (estimate.lora_bytes_per_token(shape, 4) if lora else norms + estimate.projection_inputs_per_token(shape))
-    kept, peak = estimate.decoder_layer_bytes(shape, seq, 16384, False, 2, whole_layer=False, extra_per_token=extra)
-    skip = {x.untyped_storage().data_ptr()} | {t.untyped_storage().data_ptr() for t in pe}
-    skip |= {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    skip = {x.untyped_storage().data_ptr()} | {t.untyped_storage().data_ptr() for t in pe} | {p.untyped_storage().data_ptr() for p in layer.parameters()}
     if mask is not None:
         skip.add(mask.untyped_storage().data_ptr())
-    measured = sum(v for k, v in storages.items() if k not in skip)
+    return sum(v for k, v in storages.items() if k not in skip)
+
+
+def _module_estimate(base: torch.nn.Module, layer: torch.nn.Module, seq: int) -> Tuple[float, float, float]:
+    """(kept, peak, extra bytes per token) of ``layer`` run module by module, as the preset plans it."""
+    from roundpipe.models.causal_lm import _module_extra_per_token
+
+    shape = estimate.ModelShape.from_config(base.config)
+    extra = _module_extra_per_token(layer, shape)
+    kept, peak = estimate.decoder_layer_bytes(shape, seq, 16384, False, 2, whole_layer=False, extra_per_token=extra)
+    return kept, peak, extra
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-fp32-adapters"])
+def test_decoder_layer_estimate_matches_the_saved_tensors_of_a_layer_run_module_by_module(lora: bool) -> None:
+    """Untiled and not as the whole-layer op (PEFT adapters, fused layers off), a Qwen3 layer saves what
+    Hugging Face's modules save: ``estimate.decoder_layer_bytes(whole_layer=False)`` with the extra bytes
+    ``causal_lm`` finds on the layer (trainable norms; LoRA inputs cast to the adapters' fp32, as PEFT's
+    default upcast makes them) against the saved-tensor hooks, within 15%. qwen3-32b LoRA went out of
+    memory on the H100 when this path was estimated like the whole-layer op."""
+    from test_tiling import _make_layer
+
+    base, layer = _make_layer("qwen3", lora=lora)
+    base = base.to(torch.bfloat16)
+    if lora:
+        for name, p in base.named_parameters():
+            if "lora_" in name:
+                p.data = p.data.float()
+    seq = 1024
+    measured = _saved_bytes_of_layer(base, layer, seq)
+    kept, peak, extra = _module_estimate(base, layer, seq)
+    shape = estimate.ModelShape.from_config(base.config)
+    norms = 2 * (2 * shape.hidden + shape.q_dim + shape.kv_dim)
+    assert extra == (estimate.lora_bytes_per_token(shape, 4) if lora else norms + estimate.projection_inputs_per_token(shape))
     assert abs(measured - kept) / measured < 0.15, (measured, kept)
     assert peak > kept
     # The whole-layer formula, which this path had used, falls far short of it.
@@ -211,9 +225,7 @@ def test_layer_estimate_follows_which_projections_have_adapters(targets: Tuple[s
     adapter's own cast copy. The estimate read off the layer equals the saved-tensor bytes of an eager
     Qwen3 layer with LoRA on some projections only (within 2%)."""
     peft = pytest.importorskip("peft")
-    from test_tiling import _inputs, _layer_config
-
-    from roundpipe.models.causal_lm import _module_extra_per_token
+    from test_tiling import _layer_config
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(_layer_config("qwen3", "full_attention")).double()
@@ -223,24 +235,8 @@ def test_layer_estimate_follows_which_projections_have_adapters(targets: Tuple[s
         if "lora_" in name:
             p.data = p.data.to(adapter_dtype)
     layer = base.model.layers[0]
-    seq = 1024
-    x, mask, pos, (cos, sin) = _inputs(base, 1, seq, padding=False)
-    x = x.detach().to(torch.bfloat16).requires_grad_(True)
-    pe = (cos.to(torch.bfloat16), sin.to(torch.bfloat16))
-    storages: Dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x, attention_mask=mask, position_ids=pos, position_embeddings=pe)
-    skip = {x.untyped_storage().data_ptr()} | {t.untyped_storage().data_ptr() for t in pe} | {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    if mask is not None:
-        skip.add(mask.untyped_storage().data_ptr())
-    measured = sum(v for k, v in storages.items() if k not in skip)
-    shape = estimate.ModelShape.from_config(base.config)
-    kept, _ = estimate.decoder_layer_bytes(shape, seq, 16384, False, 2, whole_layer=False, extra_per_token=_module_extra_per_token(layer, shape))
+    measured = _saved_bytes_of_layer(base, layer, 1024)
+    kept, _, _ = _module_estimate(base, layer, 1024)
     assert abs(kept - measured) / measured < 0.02, (measured, kept)
 
 

@@ -390,6 +390,23 @@ def test_device_saved_env_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
             RoundPipe(make_model(torch.float32))
 
 
+def _train_both(rp: RoundPipe, ref: nn.Module, fused: bool, rows: int, num_microbatch: int) -> None:
+    """Two calls of a squared-error loss over ``rows`` random rows (8 in, 5 out), through
+    forward_backward (``fused``) or forward + loss.backward(), and the reference per microbatch; the
+    losses must agree. Gradients accumulate in both models."""
+    loss_fn = lambda out, label: ((out - label) ** 2).sum()  # noqa: E731
+    for _ in range(2):
+        x, y = torch.randn(rows, 8, dtype=torch.float64), torch.randn(rows, 5, dtype=torch.float64)
+        if fused:
+            loss = rp.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        else:
+            loss = loss_fn(rp(x), y)
+            loss.backward()
+        ref_loss = sum(loss_fn(ref(a), b) for a, b in zip(torch.tensor_split(x, num_microbatch), torch.tensor_split(y, num_microbatch)))
+        ref_loss.backward()
+        assert rel_err(loss, ref_loss) < 1e-12
+
+
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2", "cpu:3"], indirect=True)
 @pytest.mark.parametrize("num_microbatch", [1, 2, 3, 5])
 @pytest.mark.parametrize("grain", ["stage", "layer"])
@@ -415,17 +432,7 @@ def test_split_fused_job_equals_pytorch(workers: str, num_microbatch: int, grain
     ref = copy.deepcopy(model)
     plan = ModelExecutePlan([range(0, 2), range(2, 3)], [range(0, 2), range(2, 3), range(3, 5)])
     rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch, recompute_grain=grain, execute_plan=plan))
-    loss_fn = lambda out, label: ((out - label) ** 2).sum()  # noqa: E731
-    for _ in range(2):
-        x, y = torch.randn(10, 8, dtype=torch.float64), torch.randn(10, 5, dtype=torch.float64)
-        if fused:
-            loss = rp.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
-        else:
-            loss = loss_fn(rp(x), y)
-            loss.backward()
-        ref_loss = sum(loss_fn(ref(a), b) for a, b in zip(torch.tensor_split(x, num_microbatch), torch.tensor_split(y, num_microbatch)))
-        ref_loss.backward()
-        assert rel_err(loss, ref_loss) < 1e-12
+    _train_both(rp, ref, fused, rows=10, num_microbatch=num_microbatch)
     check_grads(model, ref, 1e-10)
     devices = int(workers.split(":")[1])
     want = set(range(1, min(devices, num_microbatch))) if split == "1" else set()
@@ -447,17 +454,7 @@ def test_peer_handoff_equals_pytorch(workers: str, grain: str, fused: bool, monk
     real_copy = jobs.peer_copy
     monkeypatch.setattr(jobs, "peer_copy", lambda src, dst, leaves: (copies.append((src.id, dst.id)), real_copy(src, dst, leaves))[1])
     model, ref, rp = _grouped_plan_model(grain)
-    loss_fn = lambda out, label: ((out - label) ** 2).sum()  # noqa: E731
-    for _ in range(2):
-        x, y = torch.randn(9, 8, dtype=torch.float64), torch.randn(9, 5, dtype=torch.float64)
-        if fused:
-            loss = rp.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
-        else:
-            loss = loss_fn(rp(x), y)
-            loss.backward()
-        ref_loss = sum(loss_fn(reference_run(ref, a, 1), b) for a, b in zip(torch.tensor_split(x, 3), torch.tensor_split(y, 3)))
-        ref_loss.backward()
-        assert rel_err(loss, ref_loss) < 1e-12
+    _train_both(rp, ref, fused, rows=9, num_microbatch=3)
     check_grads(model, ref, 1e-10)
     assert all(src != dst for src, dst in copies)
     assert bool(copies) == (workers != "cpu:1")

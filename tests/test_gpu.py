@@ -380,6 +380,24 @@ def test_host_scalar_is_read_later_without_a_sync_when_created() -> None:
     assert value.item() == int((y[0] > 0).sum())
 
 
+def _mean_square_calls(rp: RoundPipe, ref: nn.Module, fused: bool, calls: int, rows: int, num_microbatch: int):
+    """Training calls of the mean square of the output over random ``[rows, 1024]`` inputs, through
+    forward_backward (``fused``: per microbatch mean over the microbatch count, summed, equals the whole
+    batch's mean) or forward + loss.backward(), each followed by the reference's on the GPU; yields
+    (RoundPipe's loss, the reference's) after each call, gradients accumulating in both."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(calls):
+        x = torch.randn(rows, 1024, generator=g)
+        if fused:
+            loss = rp.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.pow(2).mean() / num_microbatch)
+        else:
+            loss = rp(x).pow(2).mean()
+            loss.backward()
+        ref_loss = ref(x.cuda()).pow(2).mean()
+        ref_loss.backward()
+        yield loss, ref_loss
+
+
 @pytest.mark.parametrize("spec", ["cuda:0", "cuda:0,1"])
 @pytest.mark.parametrize("fused", [False, True])
 def test_tied_gradient_shares_summed_on_the_gpu_match_pytorch(spec: str, fused: bool) -> None:
@@ -401,14 +419,7 @@ def test_tied_gradient_shares_summed_on_the_gpu_match_pytorch(spec: str, fused: 
     ref = copy.deepcopy(model).cuda()
     plan = ModelExecutePlan.layerwise(len(model), "fused" if fused else "train")
     rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
-    g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        x = torch.randn(2048, 1024, generator=g)
-        if fused:  # per microbatch mean, summed: the loss of each half is half of the whole's
-            rp.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.pow(2).mean() / 2)
-        else:
-            rp(x).pow(2).mean().backward()
-        ref(x.cuda()).pow(2).mean().backward()
+    for _ in _mean_square_calls(rp, ref, fused, calls=3, rows=2048, num_microbatch=2):
         err = ((emb.weight.grad - ref[0].weight.grad.cpu()).norm() / ref[0].weight.grad.norm()).item()
         assert err < 1e-5, err
 
@@ -435,16 +446,7 @@ def test_peer_handoff_on_two_gpus_matches_pytorch(fused: bool, monkeypatch: pyte
     ref = copy.deepcopy(model).cuda()
     plan = ModelExecutePlan.layerwise(len(model), "fused" if fused else "train")
     rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=4, execute_plan=plan))
-    g = torch.Generator().manual_seed(1)
-    for _ in range(2):
-        x = torch.randn(4096, 1024, generator=g)
-        if fused:
-            loss = rp.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.pow(2).mean() / 4)
-        else:
-            loss = rp(x).pow(2).mean()
-            loss.backward()
-        ref_loss = ref(x.cuda()).pow(2).mean()
-        ref_loss.backward()
+    for loss, ref_loss in _mean_square_calls(rp, ref, fused, calls=2, rows=4096, num_microbatch=4):
         assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-5
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         err = ((p.grad - q.grad.cpu()).norm() / q.grad.norm()).item()
