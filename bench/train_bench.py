@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 import resource
 import statistics
 import sys
@@ -334,9 +335,27 @@ def simulated_ms(model: Any, plan: Any, n_mb: int) -> str:
     return f"simulated compute-only iteration {sim:.0f} ms on {devices} device(s) ({one:.0f} ms on one); {per_layer}"
 
 
+def fixed_plan(name: str, num_layers: int) -> Any:
+    """A fixed plan for side-by-side runs: 'layerwise' (one layer per group), or 'fwdK': forward groups of K
+    layers, backward one layer per group (how much the hand-overs between forward groups cost on 2 GPUs)."""
+    from roundpipe.plan import ModelExecutePlan
+
+    if name == "layerwise":
+        return ModelExecutePlan.layerwise(num_layers, "train")
+    k = int(name[3:])
+    fwd = [range(i, min(i + k, num_layers)) for i in range(0, num_layers, k)]
+    return ModelExecutePlan(fwd, [range(i, i + 1) for i in range(num_layers)])
+
+
+def _plan_name(value: str) -> str:
+    if value in ("auto", "layerwise") or re.fullmatch(r"fwd[1-9][0-9]*", value):
+        return value
+    raise argparse.ArgumentTypeError(f"--plan: auto, layerwise or fwdK (forward groups of K layers), got {value!r}")
+
+
 def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, plan: str = "auto", fused: Optional[bool] = None) -> Row:
     import roundpipe
-    from roundpipe import ModelExecutePlan, RoundPipeRunConfig
+    from roundpipe import RoundPipeRunConfig
     from roundpipe.run_config import ResolvedRunConfig
 
     rss0 = psutil.Process().memory_info().rss
@@ -356,8 +375,8 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
     # --master bfloat16: the optimizer steps the bf16 weights themselves (no fp32 copy on the host).
     optim_dtype = None if args.master == "bfloat16" else torch.float32
     model = roundpipe.wrap_model_to_roundpipe(hf, optim_dtype=optim_dtype, model_run_config=RoundPipeRunConfig(num_microbatch=n_mb), fused_kernels=fused)
-    if plan == "layerwise":
-        model.model_run_config = RoundPipeRunConfig(num_microbatch=n_mb, execute_plan=ModelExecutePlan.layerwise(model.num_layers, "train"))
+    if plan != "auto":
+        model.model_run_config = RoundPipeRunConfig(num_microbatch=n_mb, execute_plan=fixed_plan(plan, model.num_layers))
     opt = roundpipe.optim.Adam(
         model.optim_parameters(),
         lr=1e-5,
@@ -474,7 +493,12 @@ def main() -> None:
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--baselines", default="eager,liger", help="GPU-resident baselines, run after roundpipe: eager, liger (WORKLOADS.md)")
     p.add_argument("--compare-tiling", action="store_true", help="also run roundpipe with sequence tiling off (RPP_SEQ_TILE=0)")
-    p.add_argument("--plan", default="auto", choices=["auto", "layerwise"], help="the execute plan (layerwise: one layer per group, no re-planning)")
+    p.add_argument(
+        "--plan",
+        default="auto",
+        type=_plan_name,
+        help="the execute plan: auto, layerwise (one layer per group) or fwdK (forward groups of K layers, backward one)",
+    )
     p.add_argument("--compare-plans", action="store_true", help="also run roundpipe with the one-layer-per-group plan")
     p.add_argument("--compare-kernels", action="store_true", help="also run roundpipe with Hugging Face's own kernels")
     p.add_argument(

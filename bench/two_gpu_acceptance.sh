@@ -45,14 +45,17 @@ case "${1:-}" in
     tbench 70 $W | grep -E "^\| roundpipe|per-iteration|optimizer step|Error"
     tbench 70 $W --no-step | grep -E "^\| roundpipe|per-iteration|Error"
     RPP_OPTIM_THREADS=12 tbench 70 $W | grep -E "^\| roundpipe|per-iteration|optimizer step|Error" ;;
-  peer)  # issue 19: activations GPU to GPU (RPP_PEER_HANDOFF=1) against through the host, one fixed plan.
+  peer)  # issue 19: activations GPU to GPU (RPP_PEER_HANDOFF=1) against through the host, and forward groups
+    # of 1, 2, 4 layers (backward one layer per group): what the hand-overs between forward groups cost.
     # The first 2-GPU training run of a machine took over 70 s (37 s later): a short run takes that first.
     timeout 150 python3 -m pytest -m gpu tests/test_gpu.py -k "peer" -q -p no:cacheprovider 2>&1 | tee -a "$log" | tail -2
-    W="--workload qwen3-1.7b --batch 16 --skip-baseline --warmup 3 --iters 4 --plan layerwise"
-    tbench 150 $W --warmup 1 --iters 1 | grep -E "load to|Error"
-    CUDA_VISIBLE_DEVICES=0 tbench 80 $W | grep -E "^\| roundpipe|per-iteration|Error"
-    for peer in 0 1 0 1; do
-      RPP_PEER_HANDOFF=$peer tbench 60 $W | grep -E "^\| roundpipe|per-iteration|Error"
+    W="--workload qwen3-1.7b --batch 16 --skip-baseline --warmup 3 --iters 4"
+    tbench 150 $W --plan layerwise --warmup 1 --iters 1 | grep -E "load to|Error"
+    CUDA_VISIBLE_DEVICES=0 tbench 80 $W | grep -E "^\| roundpipe|per-iteration|plan:|Error"
+    for run in "0 layerwise" "1 layerwise" "0 fwd2" "0 fwd4" "1 fwd2" "1 fwd4" "0 layerwise"; do
+      set -- $run
+      echo "RPP_PEER_HANDOFF=$1 --plan $2" | tee -a "$log"
+      RPP_PEER_HANDOFF=$1 tbench 60 $W --plan $2 | grep -E "^\| roundpipe|per-iteration|Error"
     done ;;
   plans)  # issue 5 on 2 GPUs: auto plan vs one layer per group, idle time between groups
     RPP_PROFILER=torch bench --workload qwen3-1.7b --skip-baseline --compare-plans --profile --profile-iters 3 --warmup 3 --iters 4 | tail -20 ;;
