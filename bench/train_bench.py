@@ -177,17 +177,19 @@ def bench_baseline(args: argparse.Namespace, ids: torch.Tensor, liger: bool = Fa
 ITERATION = "train_bench iteration"  # the profiler range around the profiled iteration
 
 
-def busy_fraction(step: Callable[[], None], trace: str = "") -> str:
+def busy_fraction(step: Callable[[], None], trace: str = "", gpu_only: bool = False) -> str:
     """GPU compute busy share of one iteration (merged kernel time / wall time) per GPU, from the profiler;
     prints each GPU's longest idle gaps with the kernels around them, and writes a chrome trace when
     ``trace`` is set (gzipped if it ends in .gz). With ``RPP_PROFILER=torch`` it prints instead each
-    GPU's idle time between layer groups, inside them, and before / after its kernels (``gpu_gaps``)."""
+    GPU's idle time between layer groups, inside them, and before / after its kernels (``gpu_gaps``).
+    ``gpu_only``: record device activity alone, so the host threads run at their own pace in the trace
+    (kernels and copies per stream; no CPU ranges)."""
     from roundpipe import profile
 
     # With RPP_PROFILER=torch RoundPipe marks each job (layer group) on its device thread; recording CPU
     # activity on all threads then lets gpu_gaps give every kernel its group (costs some host time).
     by_group = profile.PROFILER_TYPE == "torch"
-    acts = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if trace or by_group else [])
+    acts = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if (trace or by_group) and not gpu_only else [])
     config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True) if by_group else None
     with torch.profiler.profile(activities=acts, experimental_config=config) as prof:
         t0 = time.perf_counter()
@@ -195,7 +197,9 @@ def busy_fraction(step: Callable[[], None], trace: str = "") -> str:
             step()
             cuda_sync()
         wall = (time.perf_counter() - t0) * 1e6
-    if trace or by_group:
+    if gpu_only and trace:
+        prof.export_chrome_trace(trace)
+    elif trace or by_group:
         import json
         import tempfile
 
@@ -439,7 +443,7 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
             f"host RSS GiB after iteration {k}: {rss[k]:.2f}, {k + args.iters // 2}: {rss[k + args.iters // 2]:.2f}, "
             f"{k + args.iters - 1}: {rss[-1]:.2f} (growth {100 * (rss[-1] / rss[k] - 1):+.1f}%)"
         )
-    notes = [busy_fraction(step, args.trace) for _ in range(args.profile_iters)] if args.profile and torch.cuda.is_available() else []
+    notes = [busy_fraction(step, args.trace, args.trace_gpu_only) for _ in range(args.profile_iters)] if args.profile and torch.cuda.is_available() else []
     note = " | ".join(notes) + "; " if notes else ""
     if args.sample_stacks:
         sample_stacks(step)
@@ -509,6 +513,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="report the GPU busy share of one iteration")
     p.add_argument("--profile-iters", type=int, default=1, help="with --profile: profile this many iterations, one by one")
     p.add_argument("--trace", default="", help="with --profile: write a chrome trace of that iteration here")
+    p.add_argument("--trace-gpu-only", action="store_true", help="with --trace: record GPU kernels and copies only (host threads unslowed)")
     p.add_argument("--lora", type=int, default=0, help="LoRA rank on all decoder projections (0: full fine-tune)")
     p.add_argument("--noop-step", action="store_true", help="diagnostic: the asynchronous step runs, without Adam (gradients zeroed only)")
     p.add_argument("--no-step", action="store_true", help="diagnostic: skip the optimizer (pipeline alone)")
