@@ -260,6 +260,45 @@ def thread_cpu_seconds() -> Dict[str, float]:
     return out
 
 
+def host_allocs(step: Callable[[], None], iters: int = 2) -> None:
+    """Where pinned blocks are created during ``iters`` more iterations: torch's host caching allocator
+    calls cudaHostAlloc when no cached block fits (tens of ms for a large block, holding a driver lock
+    the other device threads' launches wait for). Prints each creation's size and RoundPipe call site
+    (``torch.empty(..., pin_memory=True)`` calls from Python; others show as the count's remainder)."""
+    import collections
+    import traceback
+
+    stats = torch.cuda.host_memory_stats
+    orig = torch.empty
+    sites: collections.Counter = collections.Counter()
+
+    def empty(*a: Any, **k: Any) -> torch.Tensor:
+        if not k.get("pin_memory"):
+            return orig(*a, **k)
+        n0 = stats().get("num_host_alloc", 0)
+        out = orig(*a, **k)
+        if stats().get("num_host_alloc", 0) > n0:
+            frames = [f for f in traceback.extract_stack(limit=16)[:-1] if "/roundpipe/" in f.filename][-3:]
+            where = " < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))
+            sites[(out.numel() * out.element_size() >> 20, where)] += 1
+        return out
+
+    s0 = stats()
+    torch.empty = empty  # type: ignore[assignment]
+    try:
+        for _ in range(iters):
+            step()
+        cuda_sync()
+    finally:
+        torch.empty = orig  # type: ignore[assignment]
+    s1 = stats()
+    n = s1.get("num_host_alloc", 0) - s0.get("num_host_alloc", 0)
+    ms = (s1.get("host_alloc_time.total", 0) - s0.get("host_alloc_time.total", 0)) / 1e3
+    print(f"host allocs over {iters} more iterations: {n} cudaHostAlloc, {ms:.1f} ms; from torch.empty(pin_memory=True): {sum(sites.values())}")
+    for (mib, where), c in sites.most_common(10):
+        print(f"  {c} x {mib} MiB at {where}")
+
+
 def sample_stacks(step: Callable[[], None], iters: int = 2, period_s: float = 0.002) -> None:
     """Where RoundPipe's threads spend one iteration: sample every thread's innermost RoundPipe frame every
     ``period_s`` and print the most frequent lines per thread (a line that calls into torch counts while
@@ -433,7 +472,14 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
             cpu0.update(thread_cpu_seconds())
         progress(i, t)
 
+    h0 = torch.cuda.host_memory_stats() if torch.cuda.is_available() else {}
     times = timed(tracked_step, args.warmup, args.iters, cuda_sync, timed_progress)
+    if torch.cuda.is_available():
+        h1 = torch.cuda.host_memory_stats()
+        print(
+            f"pinned blocks created during the timed iterations: {h1.get('num_host_alloc', 0) - h0.get('num_host_alloc', 0)}, "
+            f"{(h1.get('host_alloc_time.total', 0) - h0.get('host_alloc_time.total', 0)) / 1e3:.1f} ms in cudaHostAlloc"
+        )
     cpu1 = thread_cpu_seconds()
     per_iter = {k: (v - cpu0.get(k, 0.0)) / args.iters for k, v in cpu1.items() if k == "MainThread" or k.startswith("roundpipe")}
     print(f"thread CPU seconds per iteration (wall {sum(times) / len(times):.3f} s): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(per_iter.items())))
@@ -447,6 +493,8 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
     note = " | ".join(notes) + "; " if notes else ""
     if args.sample_stacks:
         sample_stacks(step)
+    if args.host_allocs and torch.cuda.is_available():
+        host_allocs(step)
     model.synchronize()
     host = psutil.Process().memory_info().rss - rss0
     peak = torch.cuda.max_memory_allocated() / 1024**3 if torch.cuda.is_available() else float("nan")
@@ -523,6 +571,7 @@ def main() -> None:
     p.add_argument(
         "--sample-stacks", action="store_true", help="diagnostic: sample the threads' stacks over two more iterations (where they spend time, GIL waits)"
     )
+    p.add_argument("--host-allocs", action="store_true", help="diagnostic: where pinned host blocks are created over two more iterations")
     p.add_argument(
         "--switch-interval", type=float, default=0.0, help="diagnostic: Python's thread switch interval in seconds (sys.setswitchinterval; 0: leave it)"
     )

@@ -3,7 +3,7 @@
 # issue 5 (plans on 2 GPUs), issue 6 (qwen3-4b on 1 vs 2 GPUs, qwen3-8b), issue 9 (two data-parallel
 # ranks vs one). Each part fits one 10-minute device call; run them one by one:
 #
-#     bash bench/two_gpu_acceptance.sh tests|bound|peer|opt|scale|4b|8b|8b1|8b2|plans|dp
+#     bash bench/two_gpu_acceptance.sh tests|bound|peer|opt|grads|scale|4b|8b|8b1|8b2|plans|dp
 #
 # Results go to stdout (the tables of docs/benchmarks.md) and, for dp, to JSON files in $OUT (or .).
 set -uo pipefail
@@ -67,6 +67,15 @@ case "${1:-}" in
     CUDA_VISIBLE_DEVICES=0 tbench 80 $W --noop-step | grep -E "^\| roundpipe|per-iteration|Error"
     RPP_OPTIM_THREADS=4 tbench 60 $W | grep -E "^\| roundpipe|per-iteration|optimizer step|Error"
     tbench 60 $W --microbatches 8 | grep -E "^\| roundpipe|per-iteration|Error" ;;
+  grads)  # issue 19: parameter gradients on their own stream (a hand-over no longer queues behind a layer's
+    # gradient download or merge): the GPU tests, 2 GPUs (fwd2 plan, where pinned blocks are created;
+    # auto plan; fwd2 again), 1 GPU (auto plan, one warm-up: also issue 22's first timed iteration)
+    timeout 170 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee -a "$log" | tail -2
+    W="--workload qwen3-1.7b --batch 16 --skip-baseline --warmup 3 --iters 4"
+    tbench 120 $W --plan fwd2 --host-allocs | grep -E "^\| roundpipe|per-iteration|pinned|host allocs| x |Error"
+    tbench 60 $W | grep -E "^\| roundpipe|per-iteration|plan:|Error"
+    tbench 60 $W --plan fwd2 | grep -E "^\| roundpipe|per-iteration|Error"
+    CUDA_VISIBLE_DEVICES=0 tbench 80 $W --warmup 1 --iters 5 | grep -E "^\| roundpipe|per-iteration|first timed|Error" ;;
   plans)  # issue 5 on 2 GPUs: auto plan vs one layer per group, idle time between groups
     RPP_PROFILER=torch bench --workload qwen3-1.7b --skip-baseline --compare-plans --profile --profile-iters 3 --warmup 3 --iters 4 | tail -20 ;;
   dp)  # issue 9: two ranks (one GPU each) vs one on qwen3-1.7b, and the loss curve vs one process
@@ -77,5 +86,5 @@ case "${1:-}" in
     torchrun --standalone --nproc-per-node 2 bench/dp_bench.py $A --batch-per-rank $B --out "$out/two$B.json" 2>&1 | tail -3
     python3 bench/dp_bench.py --compare "$out/one$B.json" "$out/two$B.json" --loss-ref "$out/ref$B.json" ;;
   *)
-    echo "usage: bash bench/two_gpu_acceptance.sh tests|bound|peer|opt|scale|4b|8b|8b1|8b2|plans|dp" >&2; exit 2 ;;
+    echo "usage: bash bench/two_gpu_acceptance.sh tests|bound|peer|opt|grads|scale|4b|8b|8b1|8b2|plans|dp" >&2; exit 2 ;;
 esac

@@ -1,4 +1,4 @@
-"""Device workers: one ``DeviceManager`` per GPU (or CPU worker), each with a controller thread and four
+"""Device workers: one ``DeviceManager`` per GPU (or CPU worker), each with a controller thread and five
 streams. A worker runs whatever callable it is handed (``launch(fn, *args, label=...)``); what a job
 does (forward, backward of a layer group) is the run's business (``roundpipe.jobs``), and which device
 gets which job is the dispatcher's (``roundpipe.dispatch``).
@@ -12,7 +12,12 @@ model, layer, microbatch and device, in the failure slot of ``threads``; every w
 aborts within a poll interval.
 
 Streams: ``param_upstream`` (parameter uploads, low priority: prefetch), ``upstream`` (activation
-uploads, high priority: on the critical path), ``compute_stream`` and ``downstream`` (downloads).
+uploads, high priority: on the critical path), ``compute_stream``, ``downstream`` (activation and
+input-gradient downloads, high priority: the next job waits for them) and ``grad_stream`` (a layer's
+parameter gradients and buffers back to the host, with the merges and reductions before that download;
+low priority). Parameter gradients have a stream of their own because one layer's can be large (a tied
+151k-token embedding: 593 MiB, 11 ms each way) and a hand-over queued behind them on one stream left
+the next GPU idle for as long.
 
 Attributes:
     device_list: The instantiated DeviceManager objects (created on first use from ``RPP_DEVICES``).
@@ -104,7 +109,8 @@ class DeviceManager:
         self.upstream = backend.new_stream(device, priority=-1)
         self.compute_stream = backend.new_stream(device, priority=0)
         self.downstream = backend.new_stream(device, priority=-1)
-        self.mem_manager = InterStreamMemManager(self.param_upstream, self.upstream, self.compute_stream, self.downstream)
+        self.grad_stream = backend.new_stream(device, priority=0)
+        self.mem_manager = InterStreamMemManager(self.param_upstream, self.upstream, self.compute_stream, self.downstream, self.grad_stream)
         self.recent_jobs: Deque[Event] = collections.deque()
         self.is_idle = AnnotatedSemaphore(1, name=f"{self.name}.is_idle")
         self.job_arrived = AnnotatedSemaphore(0, name=f"{self.name}.job_arrived")

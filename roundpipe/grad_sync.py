@@ -14,7 +14,7 @@ compression). The core calls, and nothing else:
   move the dispatcher (``roundpipe.dispatch.dispatcher.seek``) so every rank starts at the same device.
 * ``layer_reducer(model, layer_id)``: main thread, once per call: a callable that reduces the layer's
   gradients on the device at the end of its backward job, or None (the host reduces them). The device
-  thread calls it as ``reduce(host_layer, device_layer, layer_id, device)`` on the download stream,
+  thread calls it as ``reduce(host_layer, device_layer, layer_id, device)`` on the gradient stream,
   right after that stream waited for the compute, before the gradient download. A layer with a reducer
   gets no gradient seed on upload: the reducer adds the accumulated host gradient itself (after
   weighting this rank's share).

@@ -350,7 +350,7 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int, part: i
         tracker.backward_notify(layer_group_id, m)
     if first:
         # No microbatch computed (no gradient reached this stage): the downloads below still read the
-        # gradients uploaded as seeds, so the compute stream (which the download stream follows) must
+        # gradients uploaded as seeds, so the compute stream (which the gradient stream follows) must
         # wait for the uploads.
         for k in range(len(ready)):
             wait_layer(device, ready, k)

@@ -11,12 +11,14 @@ the host once, through the primary part (part 0), which owns the layers' gradien
 Life cycle, per call and layer of the fused group:
 
 1. A secondary part, after its last microbatch, downloads its device gradients into host buffers of
-   its own (``publish``), queued on its download stream after its compute stream; it records the
+   its own (``publish``), queued on its gradient stream after its compute stream; it records the
    download's event and then sets the layer's ``ready`` flag (host side: the download is issued).
-2. The primary part, at its own download of the layer (``merge``, on its download stream), waits for
-   each secondary's flag (host side, a short wait: a part issues its download as soon as it has
-   queued its microbatches), makes its download stream wait for that part's event (device side,
-   across devices), uploads the host copy and adds it into its own gradient before the download.
+2. The primary part, at its own download of the layer (on its gradient stream), waits for each
+   secondary's flag (host side, a short wait: a part issues its download as soon as it has queued its
+   microbatches), makes its gradient stream wait for that part's event (device side, across devices)
+   and uploads the host copy (``fetch``), all before that stream waits for its own compute, so the
+   upload overlaps the compute; after the compute it adds the copies into its own gradients
+   (``add``) and downloads the sum.
 3. The host buffers are written again only by the next call's secondary download, after this call's
    ``finish_backward`` has waited for every gradient download, the primary's (which follows its
    upload of these buffers on the same stream) included.
@@ -76,8 +78,8 @@ class PartialGrads:
 
     def publish(self, part: int, layer_id: int, cpu_layer: nn.Module, gpu_layer: nn.Module, device: Any) -> None:
         """Secondary part ``part``: download this layer's device gradients into the part's host
-        buffers (download stream, after the compute that produced them) and tell the primary."""
-        stream = device.downstream
+        buffers (gradient stream, after the compute that produced them) and tell the primary."""
+        stream = device.grad_stream
         stream.wait_stream(device.compute_stream)
         bufs: Dict[int, torch.Tensor] = {}
         with torch.no_grad(), backend.use_stream(stream):
@@ -91,11 +93,13 @@ class PartialGrads:
         self.published[(part, layer_id)] = (bufs, event)
         self.ready[(part, layer_id)].set()
 
-    def merge(self, layer_id: int, cpu_layer: nn.Module, gpu_layer: nn.Module, device: Any, hold: List[torch.Tensor]) -> None:
-        """Primary part, on its download stream (current): add every secondary part's gradients of this
-        layer into the device gradients. Uploaded copies go to ``hold`` (kept until the download landed)."""
-        stream = device.downstream
+    def fetch(self, layer_id: int, cpu_layer: nn.Module, gpu_layer: nn.Module, device: Any) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """Primary part, on its gradient stream (current) before it waits for its own compute: upload every
+        secondary part's gradients of this layer. Returns (device parameter, uploaded share) pairs for
+        ``add``."""
+        stream = device.grad_stream
         pairs = _grad_pairs(cpu_layer, gpu_layer)
+        out: List[Tuple[torch.Tensor, torch.Tensor]] = []
         for part in range(1, self.parts):
             self.ready[(part, layer_id)].wait()
             bufs, event = self.published.pop((part, layer_id))
@@ -104,11 +108,18 @@ class PartialGrads:
             stream.wait_event(event)  # the part's download (another device's stream) has landed
             for p, dp in pairs:
                 buf = bufs.get(id(p))
-                if buf is None:
-                    continue
-                share = to_device(buf, device.device)
-                hold.append(share)
-                dp.grad = share if dp.grad is None else dp.grad.add_(share)
+                if buf is not None:
+                    out.append((dp, to_device(buf, device.device)))
+        return out
+
+    @staticmethod
+    def add(shares: List[Tuple[torch.Tensor, torch.Tensor]], hold: List[torch.Tensor]) -> None:
+        """Add the fetched shares (``fetch``) into the device gradients, on the current stream (the
+        gradient stream, past the compute that wrote them). The shares go to ``hold``: the caller keeps
+        them until the download has completed."""
+        for dp, share in shares:
+            hold.append(share)
+            dp.grad = share if dp.grad is None else dp.grad.add_(share)
 
 
 def split_parts(num_devices: int, num_microbatch: int, has_buffers: bool, enabled: bool) -> int:

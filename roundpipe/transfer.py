@@ -1,8 +1,9 @@
 """Moving activations, parameters and gradients between host and device on the right streams.
 
 Every copy here is issued on one of the device's copy streams and ordered by events, never by a host
-synchronisation: activation uploads on ``upstream``, parameter uploads on ``param_upstream``, all
-downloads on ``downstream``. Callers make the compute stream wait for the upload stream before use,
+synchronisation: activation uploads on ``upstream``, parameter uploads on ``param_upstream``,
+activation (and input-gradient) downloads on ``downstream``, a layer's parameter gradients and buffers
+on ``grad_stream`` (``download_layer``). Callers make the compute stream wait for the upload stream before use,
 and hand device tensors to the device's ``InterStreamMemManager`` so they outlive their last use.
 Host waits: with ``RPP_GRAD_BUFFERS=1 RPP_STAGE_PARAMS=0`` (opt-in) a gradient download waits on its
 device thread for the optimizer to release the host buffer (``_grad_buffer``); ``HostScalar.item()`` waits for an event
@@ -332,11 +333,18 @@ def download_layer(
     (``roundpipe.grad_sync``) reduces the layer's device gradients across processes before the download.
     ``parts`` (``partial_grads.PartialGrads``, the fused job split over devices) first adds the other
     parts' gradients of the layer into this device's.
+
+    Stream order (``grad_stream``): the uploads of other devices' shares (fused parts, tied sharers)
+    wait only for those devices' download events, so they are queued before the wait for this job's
+    compute and land while it runs; the additions, the reduction and the downloads follow the compute.
     """
-    stream = device.downstream
-    stream.wait_stream(device.compute_stream)
+    stream = device.grad_stream
     with torch.no_grad(), backend.use_stream(stream):
         pairs = list(zip(cpu_layer.modules(), gpu_layer.modules()))
+        part_shares = parts.fetch(layer_id, cpu_layer, gpu_layer, device) if with_grad and parts is not None else []
+        if with_grad and tied is not None and reducer is None and job_layers is not None:
+            tied.fetch(cpu_layer, layer_id, job_layers, device)
+        stream.wait_stream(device.compute_stream)
         if with_buffer and any(b is not None for m, _ in pairs for b in m._buffers.values()):
             for host_mod, dev_mod in pairs:
                 for name, b in host_mod._buffers.items():
@@ -347,9 +355,9 @@ def download_layer(
         if with_grad:
             hold: List[torch.Tensor] = []
             if parts is not None:
-                parts.merge(layer_id, cpu_layer, gpu_layer, device, hold)
+                parts.add(part_shares, hold)
             if reducer is not None:
-                # Reduce this layer's device gradients across processes here, queued on the download
+                # Reduce this layer's device gradients across processes here, queued on the gradient
                 # stream after the compute, so the copies below (same stream) download reduced values.
                 reducer(cpu_layer, gpu_layer, layer_id, device)
             done = set()
@@ -372,6 +380,10 @@ def download_layer(
                     buf = _grad_buffer(p, attr, layer_id, grad)
                     if grad.device.type == "cpu":
                         buf.copy_(grad)
+                    elif chunked_upload and buf.numel() * buf.element_size() > CHUNK_UPLOAD_SIZE and grad.is_contiguous() and buf.is_contiguous():
+                        # In slices, like large uploads: the copy engine can take the activation
+                        # downloads of ``downstream`` between them.
+                        _copy_in_chunks(buf, grad, CHUNK_UPLOAD_SIZE)
                     else:
                         buf.copy_(grad, non_blocking=True)
                     set_host_grad(p, layer_id, buf)
@@ -389,15 +401,16 @@ class TiedGrads:
     iterations (qwen3-1.7b's tied embedding: 311M elements).
 
     One device: a sharer's share (a layer above the owner, in an earlier job) is not downloaded at all;
-    it stays on the device (``keep``) and the owner's download stream adds it in (``merge``). Both are
-    issued on that device's download stream after its compute stream, which ran both backwards in job
+    it stays on the device (``keep``) and the owner's gradient stream adds it in (``merge``). Both are
+    issued on that device's gradient stream after its compute stream, which ran both backwards in job
     order, so no event is needed. This also saves the share's copy over PCIe and its host buffers.
 
     Several devices: the sharer's share is downloaded as usual; the owner's device thread waits until
-    that download is issued (``grad_download_started``, host side), its download stream waits for the
-    download's event (device side, across devices), uploads the host copy and adds it in. The sharer's
-    host buffer is not written again before this call's ``finish_backward`` has waited for every
-    gradient download, the owner's included.
+    that download is issued (``grad_download_started``, host side), its gradient stream waits for the
+    download's event (device side, across devices) and uploads the host copy (``fetch``, queued before
+    the stream waits for the owner's compute, so the upload overlaps it), then adds it in (``merge``).
+    The sharer's host buffer is not written again before this call's ``finish_backward`` has waited for
+    every gradient download, the owner's included.
 
     Only the device threads touch it; a share is merged by the owner's job, which runs after the
     sharer's (backward runs from the last layer to the first), never in the same job (``job_layers``).
@@ -407,6 +420,7 @@ class TiedGrads:
         self.layer_attrs = layer_attrs
         self.one_device = one_device
         self.kept: Dict[int, torch.Tensor] = {}  # id(param) -> its sharers' shares summed on the device
+        self.fetched: Dict[int, List[torch.Tensor]] = {}  # id(param) -> sharers' shares uploaded (several devices)
 
     def keep(self, p: torch.Tensor, attr: ParamAttribute, layer_id: int, grad: torch.Tensor, job_layers: range) -> bool:
         """One device: keep this sharer's share on the device for the owner's download (True), or let
@@ -421,31 +435,49 @@ class TiedGrads:
             kept.add_(grad)
         return True
 
+    def fetch(self, cpu_layer: nn.Module, layer_id: int, job_layers: range, device: Any) -> None:
+        """Several devices, at the owner's download, before its gradient stream (current) waits for its
+        compute: upload the sharers' host shares of the tied parameters this layer owns."""
+        if self.one_device:
+            return
+        stream = device.grad_stream
+        seen = set()
+        for host_mod in cpu_layer.modules():
+            for p in host_mod._parameters.values():
+                if p is None or id(p) in seen or not ParamAttribute.has(p):
+                    continue
+                seen.add(id(p))
+                attr = ParamAttribute.get(p)
+                if not attr.shared or layer_id != min(attr.layer_ids):
+                    continue
+                shares: List[torch.Tensor] = []
+                for lid in sorted(attr.layer_ids):
+                    if lid == layer_id or lid in job_layers:
+                        continue
+                    sharer = self.layer_attrs[lid]
+                    sharer.grad_download_started.wait()  # its download is issued (an earlier job)
+                    host = attr.grad_cpu.get(lid)
+                    if host is None:
+                        continue
+                    stream.wait_event(sharer.grad_downloaded)  # ... and lands before we read it
+                    shares.append(to_device(host, device.device))
+                    attr.grad_cpu[lid] = None  # summed here: reduce_shared_grads must not add it again
+                self.fetched[id(p)] = shares
+
     def merge(
         self, p: torch.Tensor, attr: ParamAttribute, layer_id: int, grad: Optional[torch.Tensor], job_layers: range, device: Any, hold: List[torch.Tensor]
     ) -> Optional[torch.Tensor]:
-        """At the owner's download (the current stream is its download stream): add the sharers'
-        shares into ``grad`` and return the gradient to download. Device tensors read here go to
-        ``hold``: the caller keeps them until the download has completed."""
+        """At the owner's download (the current stream is its gradient stream, past its compute): add the
+        sharers' shares (kept on this device, or uploaded by ``fetch``) into ``grad`` and return the
+        gradient to download. Device tensors read here go to ``hold``: the caller keeps them until the
+        download has completed."""
         if layer_id != min(attr.layer_ids):
             return grad
         shares: List[torch.Tensor] = []
         kept = self.kept.pop(id(p), None)
         if kept is not None:
             shares.append(kept)
-        if not self.one_device:
-            stream = device.downstream
-            for lid in sorted(attr.layer_ids):
-                if lid == layer_id or lid in job_layers:
-                    continue
-                sharer = self.layer_attrs[lid]
-                sharer.grad_download_started.wait()  # its download is issued (an earlier job)
-                host = attr.grad_cpu.get(lid)
-                if host is None:
-                    continue
-                stream.wait_event(sharer.grad_downloaded)  # ... and lands before we read it
-                shares.append(to_device(host, device.device))
-                attr.grad_cpu[lid] = None  # summed here: reduce_shared_grads must not add it again
+        shares.extend(self.fetched.pop(id(p), []))
         for share in shares:
             hold.append(share)
             grad = share if grad is None else grad.add_(share)
@@ -513,7 +545,7 @@ def _free_grad_buffer(attr: ParamAttribute, bufs: List[torch.Tensor]) -> Optiona
 
 def release_layers(gpu_layers: Sequence[nn.Module], device: Any) -> None:
     """Drop a job's device copies: their tensors go to the memory manager, which frees them once the
-    compute and download streams are past their last use."""
+    compute and gradient streams (``download_layer``) are past their last use."""
     held: List[torch.Tensor] = []
     for layer in gpu_layers:
         for p in layer.parameters():
@@ -521,7 +553,7 @@ def release_layers(gpu_layers: Sequence[nn.Module], device: Any) -> None:
             if p.grad is not None:
                 held.append(p.grad)
         held.extend(layer.buffers())
-    device.mem_manager.free(held, device.compute_stream, device.downstream)
+    device.mem_manager.free(held, device.compute_stream, device.grad_stream)
 
 
 def fold_shared_grads(shared: Sequence[nn.Parameter]) -> None:

@@ -25,7 +25,7 @@ Two places to reduce (``enable_data_parallel(reduce_on=...)``):
 * ``"device"``: each layer's gradients are all-reduced on its device at the end of the layer's backward
   job, before the gradient download (``device_reduce``, hooked into ``transfer.download_layer``):
   NCCL on GPUs (NVLink or InfiniBand instead of host memory and TCP; no host thread blocks, the
-  collective is ordered on the download stream), gloo on CPU workers (how CI tests it). One group per
+  collective is ordered on the device's gradient stream), gloo on CPU workers (how CI tests it). One group per
   local device index joins device k of every rank; the ranks agree on the execute plan and round-robin
   position before every training call, so each device issues the same collectives in the same order
   on every rank, and a per-step check refuses the optimizer step if they did not. Weights (1/W,

@@ -71,7 +71,7 @@ class LayerSlot:
         self.flags_valid = False
 
     def __call__(self, cpu_layer: nn.Module, gpu_layer: nn.Module, layer_id: int, device: Any) -> None:
-        """``grad_sync.LayerReducer``: reduce this layer (device thread, download stream current)."""
+        """``grad_sync.LayerReducer``: reduce this layer (device thread, gradient stream current)."""
         self.red.reduce_layer(self, cpu_layer, gpu_layer, layer_id, device)
 
 
@@ -172,7 +172,7 @@ class CollectiveMonitor:
         self.thread.start()
 
     def add(self, ready: Any, done: Any, what: str, nbytes: int) -> None:
-        """Watch a collective: ``ready`` recorded before it, ``done`` after it, on the download stream."""
+        """Watch a collective: ``ready`` recorded before it, ``done`` after it, on the gradient stream."""
         with self.lock:
             self.pending.append([ready, done, what, nbytes, None])
 
@@ -365,23 +365,25 @@ class DeviceReduction:
 
     # ---- device threads --------------------------------------------------------------------------------
     # Streams (CUDA). ``transfer.download_layer`` calls the ``LayerSlot`` at the end of a backward job with
-    # the download stream current, right after ``downstream.wait_stream(compute_stream)``: everything
-    # below is queued on ``downstream`` behind the layer's backward of all microbatches, so the packing
+    # the gradient stream current, right after ``grad_stream.wait_stream(compute_stream)``: everything
+    # below is queued on ``grad_stream`` behind the layer's backward of all microbatches, so the packing
     # reads final gradients. ``dist.all_reduce`` on an NCCL group makes NCCL's internal stream wait for the
-    # current stream (``downstream``) before the collective, and ``work.wait()`` makes the current stream
+    # current stream (``grad_stream``) before the collective, and ``work.wait()`` makes the current stream
     # wait for the collective's end, without blocking the host. So the unpacking and the gradient download
-    # queued next on ``downstream`` see the reduced values, the device thread never blocks (it goes on
-    # issuing its next job while NCCL runs), and the compute stream never waits for communication
-    # (later downloads on this device, e.g. of its next job's activations, queue behind it: that is where
-    # a rank waits for a slower peer). No deadlock: host threads never wait for NCCL (only the main thread,
-    # after the backward, and the optimizer thread wait for downloads), and every stream dependency,
-    # collectives included, points to work of an earlier-dispatched job, in the same dispatch order on
-    # every rank, so the dependency graph across ranks has no cycle. Tensors stay alive as long as streams
-    # use them: the flat buffers are allocated on ``downstream`` (the caching allocator reuses them only for
-    # later work on that stream) and NCCL records its own use of its inputs; device gradients are released
-    # through the memory manager, which waits for ``downstream``. Host buffers read by an upload on
-    # ``downstream`` (the seeds) are written again only by the gradient download queued after it on the
-    # same stream. On CPU workers the same code runs with gloo; ``work.wait()`` blocks the device thread.
+    # queued next on ``grad_stream`` see the reduced values, the device thread never blocks (it goes on
+    # issuing its next job while NCCL runs), and neither the compute stream nor the activation downloads
+    # (``downstream``) wait for communication: only this device's later gradient downloads queue behind
+    # it, which is where a rank waits for a slower peer. No deadlock: host threads never wait for NCCL
+    # (only the main thread, after the backward, and the optimizer thread wait for gradient downloads),
+    # and every stream dependency, collectives included, points to work of an earlier-dispatched job, in
+    # the same dispatch order on every rank (one gradient stream per device carries its collectives in
+    # that order), so the dependency graph across ranks has no cycle. Tensors stay alive as long as
+    # streams use them: the flat buffers are allocated on ``grad_stream`` (the caching allocator reuses
+    # them only for later work on that stream) and NCCL records its own use of its inputs; device
+    # gradients are released through the memory manager, which waits for ``grad_stream``. Host buffers
+    # read by an upload on ``grad_stream`` (the seeds) are written again only by the gradient download
+    # queued after it on the same stream. On CPU workers the same code runs with gloo; ``work.wait()``
+    # blocks the device thread.
     def reduce_layer(self, slot: LayerSlot, cpu_layer: nn.Module, gpu_layer: nn.Module, layer_id: int, device: Any) -> None:
         """All-reduce one layer's device gradients (SUM of weighted shares, plus rank 0's seed) in place,
         on the current (download) stream; see the class and the comment above for the reasoning."""
