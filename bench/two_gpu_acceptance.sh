@@ -69,12 +69,12 @@ case "${1:-}" in
     tbench 60 $W --microbatches 8 | grep -E "^\| roundpipe|per-iteration|Error" ;;
   grads)  # issue 19: parameter gradients on their own stream (a hand-over no longer queues behind a layer's
     # gradient download or merge) and forward groups as long as the slowest backward group (auto plan):
-    # the GPU tests; 2 GPUs auto (and where pinned blocks are created), one layer per group; 1 GPU the
-    # same two (auto with one warm-up: also issue 22's first timed iteration)
+    # the GPU tests; 2 GPUs (and where pinned blocks are created), 2 GPUs with RPP_GRAD_STREAM=0; 1 GPU
+    # auto (one warm-up: also issue 22's first timed iteration) and one layer per group
     timeout 120 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee -a "$log" | tail -2
     W="--workload qwen3-1.7b --batch 16 --skip-baseline --warmup 3 --iters 4"
     tbench 120 $W --host-allocs | grep -E "^\| roundpipe|per-iteration|plan:|pinned|host allocs| x |Error"
-    tbench 60 $W --plan layerwise | grep -E "^\| roundpipe|per-iteration|Error"
+    RPP_GRAD_STREAM=0 tbench 60 $W | grep -E "^\| roundpipe|per-iteration|Error"
     CUDA_VISIBLE_DEVICES=0 tbench 80 $W --warmup 1 --iters 5 | grep -E "^\| roundpipe|per-iteration|plan:|first timed|Error"
     CUDA_VISIBLE_DEVICES=0 tbench 70 $W --plan layerwise | grep -E "^\| roundpipe|per-iteration|Error" ;;
   plans)  # issue 5 on 2 GPUs: auto plan vs one layer per group, idle time between groups

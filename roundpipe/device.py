@@ -109,7 +109,8 @@ class DeviceManager:
         self.upstream = backend.new_stream(device, priority=-1)
         self.compute_stream = backend.new_stream(device, priority=0)
         self.downstream = backend.new_stream(device, priority=-1)
-        self.grad_stream = backend.new_stream(device, priority=0)
+        # RPP_GRAD_STREAM=0 (for comparison): gradients share the activations' download stream.
+        self.grad_stream = backend.new_stream(device, priority=0) if settings.GRAD_STREAM.get() else self.downstream
         self.mem_manager = InterStreamMemManager(self.param_upstream, self.upstream, self.compute_stream, self.downstream, self.grad_stream)
         self.recent_jobs: Deque[Event] = collections.deque()
         self.is_idle = AnnotatedSemaphore(1, name=f"{self.name}.is_idle")

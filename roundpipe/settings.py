@@ -229,6 +229,17 @@ PEER_HANDOFF: Setting[bool] = _register(
         "instead of through pinned host memory (experimental; docs/execute-plans.md).",
     )
 )
+GRAD_STREAM: Setting[bool] = _register(
+    Setting(
+        "RPP_GRAD_STREAM",
+        _bool,
+        True,
+        "1",
+        "`1` or `0`",
+        "Parameter gradients go to the host on a stream of their own, so activation hand-overs never queue "
+        "behind them (0: one download stream for both, for comparison; read when the devices are created).",
+    )
+)
 WATCHDOG_S: Setting[float] = _register(
     Setting("RPP_WATCHDOG_S", _number(0.0), 0.0, "0 (off)", "seconds >= 0", "Print every RoundPipe thread's stack when waits make no progress for this long.")
 )
