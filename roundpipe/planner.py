@@ -23,6 +23,7 @@ possible, then spreads the remaining time evenly.
 from __future__ import annotations
 
 import math
+import statistics
 import warnings
 from dataclasses import dataclass
 from typing import List, Literal, Optional, Sequence, Tuple
@@ -202,17 +203,19 @@ def _plain_training_plan(
     # job, so letting the other groups grow to its time would save only per-group overhead, which the
     # runtime hides, and would keep several layers' recompute activations on the device at once.
     bwd_plan = _partition(bwd_times[:fused_start], layer_bytes[:fused_start], min_stages - 1, upper_threshold, mem_cap) + [bwd_plan[-1]]
-    # Forward groups may take as long as the slowest of those backward groups, not only the threshold
-    # times the slowest forward layer: a forward job no longer than a backward job does
-    # not become the pipeline's bottleneck, and each forward group boundary costs a hand-over, which on
+    # Forward groups may take as long as a typical (median) one of those backward groups, not only the
+    # threshold times the slowest forward layer: a forward job no longer than a backward job does not
+    # become the pipeline's bottleneck, and each forward group boundary costs a hand-over, which on
     # several devices goes device -> host -> device before the next group's first microbatch can start.
     # Measured on 2 H200s (qwen3-1.7b, 16 x 4096, backward one layer per group): forward groups of one
-    # layer 1.13-1.15 s per iteration, of two or four layers 1.08-1.10 s. The fused group (typically the
-    # head) does not set this cap: its forward runs inside the fused job, and capping by it would let
-    # forward groups grow to many layers for nothing but device memory (two groups are resident at once).
-    body = bwd_plan[:-1]
+    # layer 1.13-1.15 s per iteration, of two or four layers 1.08-1.10 s. The median, not the slowest:
+    # one backward layer timed at 18 ms among 10 ms ones once gave forward groups of six layers. The
+    # fused group (typically the head) does not set this cap either: its forward runs inside the fused
+    # job, and capping by it would let forward groups grow to many layers for nothing but device memory
+    # (two groups are resident at once).
+    body = [math.fsum(bwd_times[i] for i in r) for r in bwd_plan[:-1]]
     # (``_partition`` caps at upper_threshold x slowest; a backward group's time is a cap as it is.)
-    slowest = max([max(fwd_times[:fused_start])] + [math.fsum(bwd_times[i] for i in r) / upper_threshold for r in body])
+    slowest = max([max(fwd_times[:fused_start])] + ([statistics.median(body) / upper_threshold] if body else []))
     fwd_plan = _partition(fwd_times[:fused_start], layer_bytes[:fused_start], min_stages - 1, upper_threshold, mem_cap, slowest=slowest)
     return fwd_plan, bwd_plan
 
