@@ -465,21 +465,28 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
 
     first_step_s: List[float] = []
 
+    # Pinned blocks torch's host caching allocator creates per iteration (cudaHostAlloc: slow, and it
+    # holds a driver lock the device threads' launches wait for): when the pool stops growing.
+    pinned_per_iter: List[Tuple[int, float]] = []
+    last_host: List[Dict[str, Any]] = [torch.cuda.host_memory_stats() if torch.cuda.is_available() else {}]
+
     def timed_progress(i: int, t: float) -> None:
+        if torch.cuda.is_available():
+            h = torch.cuda.host_memory_stats()
+            prev = last_host[0]
+            pinned_per_iter.append(
+                (h.get("num_host_alloc", 0) - prev.get("num_host_alloc", 0), (h.get("host_alloc_time.total", 0) - prev.get("host_alloc_time.total", 0)) / 1e3)
+            )
+            last_host[0] = h
         if i == 0:  # issue "steady from the first step": model load (build + wrap) to the first step's end
             first_step_s.append(time.perf_counter() - t_load)
         if i == args.warmup - 1:  # warm-up done: count thread CPU time over the timed iterations only
             cpu0.update(thread_cpu_seconds())
         progress(i, t)
 
-    h0 = torch.cuda.host_memory_stats() if torch.cuda.is_available() else {}
     times = timed(tracked_step, args.warmup, args.iters, cuda_sync, timed_progress)
-    if torch.cuda.is_available():
-        h1 = torch.cuda.host_memory_stats()
-        print(
-            f"pinned blocks created during the timed iterations: {h1.get('num_host_alloc', 0) - h0.get('num_host_alloc', 0)}, "
-            f"{(h1.get('host_alloc_time.total', 0) - h0.get('host_alloc_time.total', 0)) / 1e3:.1f} ms in cudaHostAlloc"
-        )
+    if pinned_per_iter:
+        print("pinned blocks created per iteration (warm-up first; count, ms in cudaHostAlloc): " + ", ".join(f"{n} {ms:.0f}" for n, ms in pinned_per_iter))
     cpu1 = thread_cpu_seconds()
     per_iter = {k: (v - cpu0.get(k, 0.0)) / args.iters for k, v in cpu1.items() if k == "MainThread" or k.startswith("roundpipe")}
     print(f"thread CPU seconds per iteration (wall {sum(times) / len(times):.3f} s): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(per_iter.items())))

@@ -171,3 +171,76 @@ def test_unchanged_side_inputs_are_downloaded_once(workers: str, monkeypatch: py
     # The side input is an input of the call: its microbatch slices come from the host and are never
     # downloaded again, whatever the number of stages.
     assert not [t for t in downloaded if any(t.shape == half.shape and torch.equal(t, half) for half in pos.chunk(2))]
+
+
+@pytest.mark.parametrize("separate", [True, False])
+@pytest.mark.parametrize("workers", ["cpu:1", "cpu:2", "cpu:3"], indirect=True)
+def test_parameter_gradients_go_on_their_own_stream_with_other_devices_shares_fetched_first(
+    workers: str, separate: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A layer's parameter gradients download on the device's gradient stream: a stream of its own by
+    default (so activation hand-overs on ``downstream`` never queue behind them), the download stream
+    with ``RPP_GRAD_STREAM=0``. The shares other devices contribute (a tied weight's share from its last
+    layer, the split fused job's other part) are uploaded before the gradient stream waits for the job's
+    compute, so they land while it runs; on one worker nothing is uploaded. Gradients equal PyTorch's."""
+    import copy
+    import threading
+
+    from roundpipe import RoundPipe, RoundPipeRunConfig, settings
+    from roundpipe import backend as backend_mod
+    from roundpipe import device as device_mod
+    from roundpipe import partial_grads as partial_mod
+    from roundpipe import transfer as transfer_mod
+    from roundpipe.plan import ModelExecutePlan
+
+    settings.configure(grad_stream=separate)
+    device_mod.reset_devices()
+    devices = device_mod.get_devices()
+    assert all((d.grad_stream is not d.downstream) == separate for d in devices)
+
+    log: list = []  # (what, thread): a device thread's uploads of shares, gradient-stream waits, downloads
+
+    class _Recorder(backend_mod.CpuStream):
+        def wait_stream(self, stream: object) -> None:
+            log.append(("wait", threading.current_thread().name))
+
+    for d in devices:
+        d.grad_stream = _Recorder(d.device)
+    real_upload, real_set = transfer_mod.to_device, transfer_mod.set_host_grad
+
+    def upload(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+        if t.shape == (8, 8) and not isinstance(t, torch.nn.Parameter):  # gradient shares (not weights)
+            log.append(("upload", threading.current_thread().name))
+        return real_upload(t, dev)
+
+    def downloaded(p: torch.Tensor, layer_id: int, g: object) -> None:
+        log.append(("download", threading.current_thread().name))
+        real_set(p, layer_id, g)
+
+    monkeypatch.setattr(transfer_mod, "to_device", upload)
+    monkeypatch.setattr(partial_mod, "to_device", upload)
+    monkeypatch.setattr(transfer_mod, "set_host_grad", downloaded)
+    torch.manual_seed(0)
+    emb, head = torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 8, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.Sequential(emb, *[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(3)], head)
+    ref = copy.deepcopy(model).double()
+    rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=4, execute_plan=ModelExecutePlan.layerwise(5, "fused")))
+    x = torch.randn(8, 8)
+    loss = rp.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.pow(2).sum())
+    ref_loss = ref(x.double()).pow(2).sum()
+    ref_loss.backward()
+    assert torch.allclose(loss.double(), ref_loss, rtol=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad.double(), q.grad, rtol=1e-4, atol=1e-6)
+    uploads = [k for k, (what, _) in enumerate(log) if what == "upload"]
+    if len(devices) == 1:
+        assert not uploads  # one device: the tied share never leaves it, the fused job is one part
+        return
+    # Several workers: the tied weight's share and the fused group's other part are uploaded, each
+    # before its gradient stream waits for the compute (so before the download that follows).
+    assert len(uploads) >= 2, log
+    for k in uploads:
+        thread = log[k][1]
+        after = [what for what, t in log[k + 1 :] if t == thread and what in ("wait", "download")]
+        assert after and after[0] == "wait", (k, log)
