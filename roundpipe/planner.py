@@ -207,10 +207,10 @@ def _plain_training_plan(
     # threshold times the slowest forward layer: a forward job no longer than a backward job does not
     # become the pipeline's bottleneck, and each forward group boundary costs a hand-over, which on
     # several devices goes device -> host -> device before the next group's first microbatch can start.
-    # Measured on 2 H200s (qwen3-1.7b, 16 x 4096, backward one layer per group): forward groups of one
-    # layer 1.13-1.15 s per iteration, of two or four layers 1.08-1.10 s. The median, not the slowest:
-    # one backward layer timed at 18 ms among 10 ms ones once gave forward groups of six layers. The
-    # fused group (typically the head) does not set this cap either: its forward runs inside the fused
+    # On 2 H200s (qwen3-1.7b, 16 x 4096) forward groups of two or four layers gave the best iterations
+    # measured, 1.08-1.10 s (docs/benchmarks.md); on one GPU the grouping made no difference. The
+    # median, not the slowest: one backward layer timed at 18 ms among 10 ms ones once gave forward
+    # groups of six layers. The fused group (typically the head) does not set this cap either: its forward runs inside the fused
     # job, and capping by it would let forward groups grow to many layers for nothing but device memory
     # (two groups are resident at once).
     body = [math.fsum(bwd_times[i] for i in r) for r in bwd_plan[:-1]]
