@@ -55,7 +55,11 @@ case "${1:-}" in
     # against a fixed one (--plan layerwise: never re-planned), each twice; logs in $out/first.log
     timeout 120 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tee -a "$out/first.log" | tail -2
     for plan in auto layerwise auto layerwise; do
-      timeout -s ABRT 90 python3 bench/train_bench.py --workload qwen3-1.7b --plan $plan --iters 6 --skip-baseline --warmup 1 2>&1 | quiet | tee -a "$out/first.log" | grep -E "^\| roundpipe|load to|Error"
-    done ;;
+      timeout -s ABRT 90 python3 bench/train_bench.py --workload qwen3-1.7b --plan $plan --iters 6 --skip-baseline --warmup 1 2>&1 | quiet | tee -a "$out/first.log" | grep -E "^\| roundpipe|load to|pinned blocks|Error"
+    done
+    # Pinned blocks of torch's host allocator through malloc + cudaHostRegister on 8 threads instead of
+    # cudaHostAlloc (which holds a driver lock the device threads wait for): pinning time, first iteration
+    PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8 \
+      timeout -s ABRT 90 python3 bench/train_bench.py --workload qwen3-1.7b --iters 6 --skip-baseline --warmup 1 2>&1 | quiet | tee -a "$out/first.log" | grep -E "^\| roundpipe|load to|pinned blocks|Error" ;;
   *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first" >&2; exit 2 ;;
 esac

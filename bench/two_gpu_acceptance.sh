@@ -3,7 +3,7 @@
 # issue 5 (plans on 2 GPUs), issue 6 (qwen3-4b on 1 vs 2 GPUs, qwen3-8b), issue 9 (two data-parallel
 # ranks vs one). Each part fits one 10-minute device call; run them one by one:
 #
-#     bash bench/two_gpu_acceptance.sh tests|bound|peer|opt|grads|scale|4b|8b|8b1|8b2|plans|dp
+#     bash bench/two_gpu_acceptance.sh tests|bound|peer|opt|grads|ab|scale|4b|8b|8b1|8b2|plans|dp
 #
 # Results go to stdout (the tables of docs/benchmarks.md) and, for dp, to JSON files in $OUT (or .).
 set -uo pipefail
@@ -77,6 +77,18 @@ case "${1:-}" in
     RPP_GRAD_STREAM=0 tbench 60 $W | grep -E "^\| roundpipe|per-iteration|Error"
     CUDA_VISIBLE_DEVICES=0 tbench 80 $W --warmup 1 --iters 5 | grep -E "^\| roundpipe|per-iteration|plan:|first timed|Error"
     CUDA_VISIBLE_DEVICES=0 tbench 70 $W --plan layerwise | grep -E "^\| roundpipe|per-iteration|Error" ;;
+  ab)  # issue 19, side by side after a short first run (a machine's first 2-GPU run is slow): parameter
+    # gradients on their own stream or not (RPP_GRAD_STREAM 1/0, twice each), one layer per group, and
+    # pinned blocks registered on 8 threads instead of cudaHostAlloc (first iterations, pinning time)
+    W="--workload qwen3-1.7b --batch 16 --skip-baseline --warmup 3 --iters 4"
+    P="^\\| roundpipe|per-iteration|plan:|pinned blocks|first timed|Error"
+    tbench 130 $W --warmup 1 --iters 1 | grep -E "load to|pinned blocks|Error"
+    for g in 1 0 1 0; do
+      echo "RPP_GRAD_STREAM=$g" | tee -a "$log"
+      RPP_GRAD_STREAM=$g tbench 70 $W | grep -E "$P"
+    done
+    tbench 70 $W --plan layerwise | grep -E "$P"
+    PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8 tbench 70 $W --warmup 1 | grep -E "$P" ;;
   plans)  # issue 5 on 2 GPUs: auto plan vs one layer per group, idle time between groups
     RPP_PROFILER=torch bench --workload qwen3-1.7b --skip-baseline --compare-plans --profile --profile-iters 3 --warmup 3 --iters 4 | tail -20 ;;
   dp)  # issue 9: two ranks (one GPU each) vs one on qwen3-1.7b, and the loss curve vs one process
@@ -87,5 +99,5 @@ case "${1:-}" in
     torchrun --standalone --nproc-per-node 2 bench/dp_bench.py $A --batch-per-rank $B --out "$out/two$B.json" 2>&1 | tail -3
     python3 bench/dp_bench.py --compare "$out/one$B.json" "$out/two$B.json" --loss-ref "$out/ref$B.json" ;;
   *)
-    echo "usage: bash bench/two_gpu_acceptance.sh tests|bound|peer|opt|grads|scale|4b|8b|8b1|8b2|plans|dp" >&2; exit 2 ;;
+    echo "usage: bash bench/two_gpu_acceptance.sh tests|bound|peer|opt|grads|ab|scale|4b|8b|8b1|8b2|plans|dp" >&2; exit 2 ;;
 esac
