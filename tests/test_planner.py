@@ -151,6 +151,19 @@ def test_forward_groups_follow_the_median_backward_group_not_a_noisy_slowest_one
     assert max(len(r) for r in fwd_plan) == 3
 
 
+def test_backward_groups_follow_a_typical_layer_not_a_noisy_slowest_one():
+    # Body layers of 9.5-10.5 ms backward, one timed at 20 ms (its device thread stalled while it ran),
+    # the head fused. Capped by 1.1 x 20 ms, neighbours would pair (9.5 + 10.5 = 20 ms); capped by 1.1 x
+    # the median, no two decoder layers share a backward group (the 2 ms embedding may join the first),
+    # and the slow one is a group of its own.
+    fwd = [1.2] + [3.2] * 28 + [54.0]
+    bwd = [2.0] + [9.5, 10.5] * 7 + [20.0] + [10.5, 9.5] * 6 + [10.5] + [57.0]
+    fwd_plan, bwd_plan = plan_stages("fused", fwd, bwd, [1] * 30, min_stages=2, upper_threshold=1.1, memory_limit_bytes=1e9)
+    validate_plan(fwd_plan, bwd_plan, 30, "fused")
+    assert all(sum(bwd[i] >= 9.5 for i in r) == 1 for r in bwd_plan), bwd_plan
+    assert range(15, 16) in bwd_plan
+
+
 def test_fused_group_obeys_the_backward_threshold():
     fwd = [1.0] * 6
     bwd = [3.0] * 6
