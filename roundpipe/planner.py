@@ -202,10 +202,9 @@ def _plain_training_plan(
     # one of their own layers: the fused group (typically the head, the slowest layer by far) runs as its
     # own job, so letting the other groups grow to its time would save only per-group overhead, which
     # the runtime hides, and would keep several layers' recompute activations on the device at once. The
-    # median, not the slowest: a layer timed slow once (a device thread stalled while it ran; 18 ms among
-    # 10.5 ms on 2 H200s) raised the cap enough to pair layers, and two plans of one command on one
-    # machine ran 1.105 s with one layer per group and 1.267 s with pairs. A layer above the cap still
-    # forms a group of its own.
+    # median, not the slowest: a layer timed slow once (18 ms among 10.5 ms on 2 H200s) raised the cap
+    # enough to pair layers, and two plans of one command on one machine ran 1.105 s with one layer per
+    # group and 1.267 s with pairs. A layer above the cap still forms a group of its own.
     body_bwd = bwd_times[:fused_start]
     bwd_plan = _partition(body_bwd, layer_bytes[:fused_start], min_stages - 1, upper_threshold, mem_cap, slowest=statistics.median(body_bwd)) + [bwd_plan[-1]]
     # Forward groups may take as long as a typical (median) one of those backward groups, not only the

@@ -152,7 +152,7 @@ def test_forward_groups_follow_the_median_backward_group_not_a_noisy_slowest_one
 
 
 def test_backward_groups_follow_a_typical_layer_not_a_noisy_slowest_one():
-    # Body layers of 9.5-10.5 ms backward, one timed at 20 ms (its device thread stalled while it ran),
+    # Body layers of 9.5-10.5 ms backward, one timed at 20 ms (a one-off stall),
     # the head fused. Capped by 1.1 x 20 ms, neighbours would pair (9.5 + 10.5 = 20 ms); capped by 1.1 x
     # the median, no two decoder layers share a backward group (the 2 ms embedding may join the first),
     # and the slow one is a group of its own.
