@@ -214,9 +214,9 @@ def _plain_training_plan(
     # On 2 H200s (qwen3-1.7b, 16 x 4096) forward groups of two or four layers gave the best iterations
     # measured, 1.08-1.10 s (docs/benchmarks.md); on one GPU the grouping made no difference. The
     # median, not the slowest: one backward layer timed at 18 ms among 10 ms ones once gave forward
-    # groups of six layers. The fused group (typically the head) does not set this cap either: its forward runs inside the fused
-    # job, and capping by it would let forward groups grow to many layers for nothing but device memory
-    # (two groups are resident at once).
+    # groups of six layers. The fused group (typically the head) does not set this cap either: its
+    # forward runs inside the fused job, and capping by it would let forward groups grow to many layers
+    # for nothing but device memory (two groups are resident at once).
     body = [math.fsum(bwd_times[i] for i in r) for r in bwd_plan[:-1]]
     # (``_partition`` caps at upper_threshold x slowest; a backward group's time is a cap as it is.)
     slowest = max([max(fwd_times[:fused_start])] + ([statistics.median(body) / upper_threshold] if body else []))
