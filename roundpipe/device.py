@@ -57,8 +57,7 @@ class InterStreamMemManager:
         free_queue: (events, tensors) pairs waiting for their events.
     """
 
-    def __init__(self, *streams: Stream) -> None:
-        self.streams = streams
+    def __init__(self) -> None:
         self.free_queue: Deque[Tuple[List[Event], Any]] = collections.deque()
 
     def free(self, tensors: Any, *use_streams: Stream) -> None:
@@ -111,7 +110,7 @@ class DeviceManager:
         self.downstream = backend.new_stream(device, priority=-1)
         # RPP_GRAD_STREAM=0 (for comparison): gradients share the activations' download stream.
         self.grad_stream = backend.new_stream(device, priority=0) if settings.GRAD_STREAM.get() else self.downstream
-        self.mem_manager = InterStreamMemManager(self.param_upstream, self.upstream, self.compute_stream, self.downstream, self.grad_stream)
+        self.mem_manager = InterStreamMemManager()
         self.recent_jobs: Deque[Event] = collections.deque()
         self.is_idle = AnnotatedSemaphore(1, name=f"{self.name}.is_idle")
         self.job_arrived = AnnotatedSemaphore(0, name=f"{self.name}.job_arrived")

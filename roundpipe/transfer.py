@@ -13,11 +13,11 @@ On CPU workers uploads copy too (so layers that modify inputs or parameters in p
 host copies saved for recompute or written by the optimizer thread) and downloads detach.
 
 Attributes:
-    chunked_upload: Whether large parameters (and gradient seeds) upload in slices of
-        ``CHUNK_UPLOAD_SIZE`` bytes, so that activation uploads, which wait on the critical path on the
-        higher-priority ``upstream``, can be scheduled between the slices instead of behind a whole
-        embedding table.
-    CHUNK_UPLOAD_SIZE: Size in bytes above which a parameter's upload is sliced, and the slice size.
+    chunked_upload: Whether large parameters (and gradient seeds) upload, and large parameter
+        gradients download, in slices of ``CHUNK_UPLOAD_SIZE`` bytes, so that activation copies, which
+        wait on the critical path on the higher-priority ``upstream`` / ``downstream``, can be scheduled
+        between the slices instead of behind a whole embedding table.
+    CHUNK_UPLOAD_SIZE: Size in bytes above which such a copy is sliced, and the slice size.
 """
 
 from __future__ import annotations
@@ -107,13 +107,19 @@ def _copy_in_chunks(dst: torch.Tensor, src: torch.Tensor, chunk_bytes: int) -> N
         flat_dst[a : a + step].copy_(flat_src[a : a + step], non_blocking=True)
 
 
+def _sliced(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether a host-device copy of ``src`` into ``dst`` goes in ``CHUNK_UPLOAD_SIZE`` slices: large
+    and contiguous on both sides, with ``chunked_upload`` on. A copy engine can then take the copies of
+    a higher-priority stream (activations) between the slices instead of after the whole tensor."""
+    return chunked_upload and src.numel() * src.element_size() > CHUNK_UPLOAD_SIZE and src.is_contiguous() and dst.is_contiguous()
+
+
 def _upload_param(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``to_device`` for parameters, buffers and gradient seeds: sliced above ``CHUNK_UPLOAD_SIZE`` on
     CUDA (see ``chunked_upload``). The destination is allocated on the current (parameter upload) stream
     like ``.to()`` would; the pinned source's blocks are kept by the caching host allocator until the
     copies that read them have run."""
-    nbytes = t.numel() * t.element_size()
-    if not (chunked_upload and device.type == "cuda" and t.device.type == "cpu" and nbytes > CHUNK_UPLOAD_SIZE and t.is_contiguous()):
+    if not (device.type == "cuda" and t.device.type == "cpu" and _sliced(t, t)):
         return to_device(t, device)
     src = t.detach() if t.is_pinned() else _pinned_copy(t)
     out = torch.empty(src.shape, dtype=src.dtype, device=device)
@@ -369,7 +375,7 @@ def download_layer(
                     attr = ParamAttribute.get(p)
                     grad = dp.grad
                     if tied is not None and attr.shared and reducer is None and job_layers is not None:
-                        grad = tied.merge(p, attr, layer_id, grad, job_layers, device, hold)
+                        grad = tied.merge(p, attr, layer_id, grad, hold)
                         if grad is not None and tied.keep(p, attr, layer_id, grad, job_layers):
                             done.add(id(p))
                             set_host_grad(p, layer_id, None)
@@ -380,9 +386,7 @@ def download_layer(
                     buf = _grad_buffer(p, attr, layer_id, grad)
                     if grad.device.type == "cpu":
                         buf.copy_(grad)
-                    elif chunked_upload and buf.numel() * buf.element_size() > CHUNK_UPLOAD_SIZE and grad.is_contiguous() and buf.is_contiguous():
-                        # In slices, like large uploads: the copy engine can take the activation
-                        # downloads of ``downstream`` between them.
+                    elif _sliced(buf, grad):  # the activation downloads of ``downstream`` can go between slices
                         _copy_in_chunks(buf, grad, CHUNK_UPLOAD_SIZE)
                     else:
                         buf.copy_(grad, non_blocking=True)
@@ -464,9 +468,7 @@ class TiedGrads:
                     attr.grad_cpu[lid] = None  # summed here: reduce_shared_grads must not add it again
                 self.fetched[id(p)] = shares
 
-    def merge(
-        self, p: torch.Tensor, attr: ParamAttribute, layer_id: int, grad: Optional[torch.Tensor], job_layers: range, device: Any, hold: List[torch.Tensor]
-    ) -> Optional[torch.Tensor]:
+    def merge(self, p: torch.Tensor, attr: ParamAttribute, layer_id: int, grad: Optional[torch.Tensor], hold: List[torch.Tensor]) -> Optional[torch.Tensor]:
         """At the owner's download (the current stream is its gradient stream, past its compute): add the
         sharers' shares (kept on this device, or uploaded by ``fetch``) into ``grad`` and return the
         gradient to download. Device tensors read here go to ``hold``: the caller keeps them until the
