@@ -61,5 +61,12 @@ case "${1:-}" in
     # cudaHostAlloc (which holds a driver lock the device threads wait for): pinning time, first iteration
     PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8 \
       timeout -s ABRT 90 python3 bench/train_bench.py --workload qwen3-1.7b --iters 6 --skip-baseline --warmup 1 2>&1 | quiet | tee -a "$out/first.log" | grep -E "^\| roundpipe|load to|pinned blocks|Error" ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first" >&2; exit 2 ;;
+  first2)  # issue 22: what differs in the first timed iteration after ONE warm-up: per iteration the pinned
+    # blocks, the GPU segments (cudaMalloc) and the cached plans (a re-plan after the warm-up?), auto plan
+    # against a fixed one; then the compact step's speed against fp32 Adam on this host's cores
+    for plan in auto layerwise auto layerwise; do
+      timeout -s ABRT 90 python3 bench/train_bench.py --workload qwen3-1.7b --plan $plan --iters 6 --skip-baseline --warmup 1 2>&1 | quiet | tee -a "$out/first2.log" | grep -E "^\| roundpipe|load to|pinned blocks|GPU segments|plans after|per-iteration|optimizer step|Error"
+    done
+    timeout 150 python3 bench/compact_adam_bench.py --params 200M --threads 12 2>&1 | tee -a "$out/first2.log" | tail -12 ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2" >&2; exit 2 ;;
 esac

@@ -470,6 +470,16 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
     pinned_per_iter: List[Tuple[int, float]] = []
     last_host: List[Dict[str, Any]] = [torch.cuda.host_memory_stats() if torch.cuda.is_available() else {}]
 
+    def gpu_segments_total() -> int:
+        """cudaMalloc'd segments so far, over all devices."""
+        if not torch.cuda.is_available():
+            return 0
+        return sum(torch.cuda.memory_stats(d).get("segment.all.allocated", 0) for d in range(torch.cuda.device_count()))
+
+    gpu_segments: List[int] = []  # segments created per iteration
+    last_segments = [gpu_segments_total()]
+    plans_seen: List[Any] = []  # the model's cached plans after each iteration: (key, fwd groups, bwd groups, timer version)
+
     def timed_progress(i: int, t: float) -> None:
         if torch.cuda.is_available():
             h = torch.cuda.host_memory_stats()
@@ -478,6 +488,10 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
                 (h.get("num_host_alloc", 0) - prev.get("num_host_alloc", 0), (h.get("host_alloc_time.total", 0) - prev.get("host_alloc_time.total", 0)) / 1e3)
             )
             last_host[0] = h
+            segs = gpu_segments_total()
+            gpu_segments.append(segs - last_segments[0])
+            last_segments[0] = segs
+        plans_seen.append(sorted((str(k), len(p.fwd_plan), len(p.bwd_plan), v) for k, (p, v) in getattr(model, "_plans", {}).items()))
         if i == 0:  # issue "steady from the first step": model load (build + wrap) to the first step's end
             first_step_s.append(time.perf_counter() - t_load)
         if i == args.warmup - 1:  # warm-up done: count thread CPU time over the timed iterations only
@@ -487,6 +501,13 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
     times = timed(tracked_step, args.warmup, args.iters, cuda_sync, timed_progress)
     if pinned_per_iter:
         print("pinned blocks created per iteration (warm-up first; count, ms in cudaHostAlloc): " + ", ".join(f"{n} {ms:.0f}" for n, ms in pinned_per_iter))
+    if gpu_segments:
+        print("GPU segments (cudaMalloc) per iteration (warm-up first): " + ", ".join(str(n) for n in gpu_segments))
+    changes = [i for i in range(1, len(plans_seen)) if plans_seen[i] != plans_seen[i - 1]]
+    print(
+        f"plans after iteration 1: {plans_seen[0] if plans_seen else None}; "
+        f"changed after iterations {[i + 1 for i in changes]}: {[plans_seen[i] for i in changes]}"
+    )
     cpu1 = thread_cpu_seconds()
     per_iter = {k: (v - cpu0.get(k, 0.0)) / args.iters for k, v in cpu1.items() if k == "MainThread" or k.startswith("roundpipe")}
     print(f"thread CPU seconds per iteration (wall {sum(times) / len(times):.3f} s): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(per_iter.items())))

@@ -232,7 +232,9 @@ class RoundPipeBase(nn.Module):
             prep.finish()
 
     def sync_optim_param(self) -> None:
-        """Copy the optimizer parameters into the model parameters (from the main or optimizer thread)."""
+        """Copy the optimizer parameters into the model parameters (from the main or optimizer thread);
+        first waits for the values staged ahead of the first step, which this makes obsolete."""
+        self._finish_host_buffers()
         optim_step.sync_params(self.optim_units())
 
     def wait_optimizer(self) -> None:

@@ -266,7 +266,7 @@ OPTIM_THREADS: Setting[Optional[int]] = _register(
         "RPP_OPTIM_THREADS",
         _int(1),
         None,
-        "torch's thread count less 4 when it is 8 or more, or this rank's share of the cores",
+        "each GPU's share of torch's thread count less 4 (at least 8) when it is 8 or more, or this rank's share of the cores",
         "a positive integer",
         "Intra-op threads of the host optimizer thread.",
     )

@@ -488,8 +488,9 @@ def test_bf16_gradients_are_handed_to_roundpipe_adam_without_a_copy(workers: str
 
 
 def test_one_process_leaves_cores_to_its_issuing_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Alone on its host, the optimizer thread takes torch's thread count less four (from 8 threads up),
-    so the main, device and autograd threads keep cores while a step runs; RPP_OPTIM_THREADS wins."""
+    """Alone on its host, the optimizer thread takes each GPU's share of torch's thread count less four
+    (from 8 threads up, at least 8), so the main, device and autograd threads keep cores while a step
+    runs; RPP_OPTIM_THREADS wins."""
     import threading
 
     from roundpipe.optim import thread as optim_thread
@@ -501,6 +502,13 @@ def test_one_process_leaves_cores_to_its_issuing_threads(monkeypatch: pytest.Mon
     assert optim_thread.single_process_default() == 4
     monkeypatch.setattr(torch, "get_num_threads", lambda: 7)
     assert optim_thread.single_process_default() is None  # small hosts (CI's 2 cores) keep torch's count
+    # Several GPUs: each one's share less 4 (32 cores, 2 GPUs: 12), at least 8 (16 cores, 2 GPUs)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 32)
+    assert [optim_thread.single_process_default(d) for d in (1, 2, 4)] == [28, 12, 8]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+    assert [optim_thread.single_process_default(d) for d in (1, 2)] == [12, 8]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    assert optim_thread.single_process_default(2) == 4  # never more than torch's count less 4
     monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert optim_thread.single_process_default() is None  # several ranks: their share, not this rule
@@ -517,7 +525,20 @@ def test_one_process_leaves_cores_to_its_issuing_threads(monkeypatch: pytest.Mon
         t = threading.Thread(target=optim_thread._set_thread_count)
         t.start()
         t.join()
-    assert chosen == [12, 3]
+    monkeypatch.delenv("RPP_OPTIM_THREADS", raising=False)
+    monkeypatch.setattr(optim_thread, "issuing_devices", lambda: 2)  # a process driving two GPUs
+    t = threading.Thread(target=optim_thread._set_thread_count)
+    t.start()
+    t.join()
+    assert chosen == [12, 3, 8]
+    monkeypatch.undo()
+
+    from roundpipe import backend
+
+    monkeypatch.setattr(backend, "parse_devices", lambda spec: [torch.device("cpu")] * 3)
+    assert optim_thread.issuing_devices() == 1  # CPU workers issue no GPU work
+    monkeypatch.setattr(backend, "parse_devices", lambda spec: [torch.device("cuda", 0), torch.device("cuda", 1)])
+    assert optim_thread.issuing_devices() == 2
 
 
 def test_ranks_sharing_a_host_give_the_optimizer_a_share_of_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:

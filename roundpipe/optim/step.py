@@ -326,13 +326,18 @@ def stage_params(units: Units) -> None:
 
 
 def release_grad_buffers(units: Units) -> None:
-    """After a synchronous step: gradient buffers the optimizer let go of become spares."""
+    """After a synchronous (or streamed) step: gradient buffers the optimizer let go of become spares,
+    and so does a staging buffer, whose version the step has just made obsolete (one staged ahead of
+    the first step, ``roundpipe.host_buffers.prestage_params``): such steps keep no staging copy."""
     for _, params in units:
         for p in params:
             pa = ParamAttribute.get(p)
             freed = pa.release_held()
             if freed is not None:
                 pa.give_spare(freed)
+            if pa.staged is not None:
+                pa.give_spare(pa.staged)
+                pa.staged, pa.staged_valid = None, False
             pa.trim_spare()
 
 

@@ -39,7 +39,7 @@ logger = logging.getLogger("roundpipe")
 def _set_thread_count() -> None:
     """Give the optimizer thread ``RPP_OPTIM_THREADS`` intra-op threads (default: this rank's share of
     the cores when several ranks share the host, see ``shared_host_default``; else torch's count less
-    the cores the issuing threads need, see ``single_process_default``).
+    the cores each GPU's issuing threads need, see ``single_process_default``).
 
     Fewer than all cores leaves CPU time to the main and device threads, which issue the GPU work while
     the step runs. torch keeps the OpenMP thread count per thread, so this only changes the optimizer
@@ -58,31 +58,51 @@ def _set_thread_count() -> None:
             )
             torch.set_num_threads(share)
             return
-        single = single_process_default()
+        single = single_process_default(issuing_devices())
         if single is not None:
             torch.set_num_threads(single)
         return
     torch.set_num_threads(n)
 
 
-#: Cores left to one process's issuing threads (main, device, autograd's backward, transfers) when the
-#: host optimizer would otherwise take them all.
+#: Cores left to each GPU's issuing threads (its device thread, autograd's backward thread for it, the
+#: main thread's share) when the host optimizer would otherwise take them all.
 RESERVED_SINGLE = 4
+#: The fewest optimizer threads the per-GPU share gives on hosts of 8 cores or more (fewer make the
+#: step of a 1.7B model longer than the iteration it hides behind: 4 threads, 0.8-1.1 s on 2 H200s).
+MIN_SHARED_THREADS = 8
 
 
-def single_process_default() -> Optional[int]:
-    """The optimizer thread count of a process that does not share its host with other ranks: torch's
-    count less ``RESERVED_SINGLE`` when that count is at least 8, else None (keep torch's setting).
+def issuing_devices() -> int:
+    """How many GPUs this process issues work to (``RPP_DEVICES``; CPU workers count as one)."""
+    from roundpipe import backend
+
+    try:
+        devices = backend.parse_devices(settings.DEVICES.get())
+    except (RuntimeError, ValueError):  # a bad RPP_DEVICES is reported where the pool is created
+        return 1
+    return max(1, sum(1 for d in devices if backend.is_cuda(d)))
+
+
+def single_process_default(devices: int = 1) -> Optional[int]:
+    """The optimizer thread count of a process that does not share its host with other ranks and drives
+    ``devices`` GPUs: each GPU's share of torch's thread count less ``RESERVED_SINGLE``, but at least
+    ``MIN_SHARED_THREADS`` (or torch's count less 4, if smaller); None below 8 threads (keep torch's).
 
     An Adam step on every core starves the threads that issue the GPU work while the step runs. Measured
     on a 16-core host with one H100 (qwen3-1.7b, 8 x 4096): a compact-state step on 16 threads held the
     GPU idle for seconds (first timed iteration 3.6 s against 0.98 s), on 12 its iterations equal the
     GPU's and the step itself ran faster; qwen3-8b's compact step took 2.2-2.6 s on 12 threads against
-    3.6-4.6 s on 16 (docs/benchmarks.md)."""
+    3.6-4.6 s on 16. With two GPUs on a 32-core host (2 x H200, qwen3-1.7b 16 x 4096) 28 threads ran
+    1.039-1.050 s per iteration, 20 threads 1.028 s, 12 threads 1.000 s and 8 threads 1.007 s (the step
+    0.38, 0.44, 0.49, 0.59 s, hidden in each case): twice the issuing threads need twice the cores
+    (docs/benchmarks.md)."""
     if int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) > 1:
         return None
     n = torch.get_num_threads()
-    return n - RESERVED_SINGLE if n >= 8 else None
+    if n < 8:
+        return None
+    return max(min(MIN_SHARED_THREADS, n - RESERVED_SINGLE), n // max(1, devices) - RESERVED_SINGLE)
 
 
 def shared_host_default() -> Optional[int]:
