@@ -337,6 +337,26 @@ def test_kernel_builds_into_cache_keyed_by_cpu(monkeypatch, tmp_path) -> None:
     assert not list((tmp_path / "optim" / cpu_hash).glob("*.tmp.so"))
 
 
+def test_cache_key_covers_the_files_a_source_includes(monkeypatch, tmp_path) -> None:
+    """A library is keyed by its source and the files it includes with quotes (recursively): editing
+    only an included part (compact_adam.cpp's AVX2 path) must not load the stale library."""
+    (tmp_path / "k.cpp").write_text('#include <cmath>\n#include "part.h"\nint f() { return g(); }\n')
+    (tmp_path / "part.h").write_text('#pragma once\n#include "inner.h"\ninline int g() { return h(); }\n')
+    (tmp_path / "inner.h").write_text("inline int h() { return 1; }\n")
+    monkeypatch.setattr(optim_builder, "_CSRC", tmp_path)
+    monkeypatch.setenv("RPP_CACHE_DIR", str(tmp_path / "cache"))
+    first = optim_builder._library_path("k", "c++")
+    assert optim_builder._library_path("k", "c++") == first
+    (tmp_path / "inner.h").write_text("inline int h() { return 2; }\n")
+    second = optim_builder._library_path("k", "c++")
+    assert second != first
+    (tmp_path / "part.h").write_text('#pragma once\n#include "inner.h"\ninline int g() { return -h(); }\n')
+    assert optim_builder._library_path("k", "c++") not in (first, second)
+    monkeypatch.undo()  # the shipped kernel: its key reads the AVX2 part it includes
+    shipped = optim_builder._source_bytes(optim_builder._CSRC / "compact_adam.cpp")
+    assert (optim_builder._CSRC / "compact_adam_avx2.h").read_bytes() in shipped
+
+
 def test_state_of_the_wrong_shape_raises(impl) -> None:
     """load_state_dict does not check shapes; a mismatched state must raise, never be walked past its end."""
     a = torch.zeros(3, requires_grad=True)

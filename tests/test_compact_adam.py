@@ -294,6 +294,57 @@ def test_cpp_and_torch_fallback_agree(mode: Tuple[str, str, str], variant: str, 
             assert torch.equal(t, ob.state[q][k]), k
 
 
+@pytest.mark.parametrize("mode", MODES, ids=["-".join(m) for m in MODES])
+def test_cpp_and_torch_fallback_agree_on_extreme_values(mode: Tuple[str, str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gradients from 1e-40 (subnormal) to 1e18 and zeros, coupled weight decay, in tensors whose sizes
+    leave every tail of the kernel's vector loops and cross the 2^16-element step of the rounding hash."""
+    if not _kernel_available():
+        pytest.skip("no C++ compiler")
+    state_dtype, master, rounding = mode
+    finals = {}
+    shapes = ((65536 + 3 * 16 + 5,), (2 * 4096 + 7,), (13,))
+    for which in ("cpp", "torch"):
+        monkeypatch.setenv(settings.ADAM_IMPL.name, which)
+        ps = _params(master, shapes)
+        opt = Adam(ps, lr=1e-2, weight_decay=0.1, state_dtype=state_dtype, master=master, master_rounding=rounding, block_size=64, seed=3)
+        g = torch.Generator().manual_seed(8)
+        for _ in range(3):
+            for p in ps:
+                grad = torch.randn(p.shape, generator=g) * 10.0 ** torch.randint(-40, 19, p.shape, generator=g).double()
+                grad[torch.rand(p.shape, generator=g) < 0.05] = 0.0
+                p.grad = grad.to(p.dtype)
+            opt.step()
+        finals[which] = (ps, opt)
+    (a, oa), (b, ob) = finals["cpp"], finals["torch"]
+    for p, q in zip(a, b):
+        assert torch.equal(p.detach(), q.detach())
+        for k, t in oa.state[p].items():
+            assert torch.equal(t, ob.state[q][k]), k
+
+
+@pytest.mark.parametrize("mode", [m for m in MODES if m[0] != "int8" and (m[0] == "bfloat16" or m[1] == "bfloat16")])
+def test_cpp_rounds_nan_to_the_canonical_bf16_nan(mode: Tuple[str, str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NaN gradient makes the bf16 weight (Kahan: and compensation) and bf16 moments 0x7FC0, as
+    c10::BFloat16 rounds NaN, wherever the element sits in the kernel's vector groups or tails."""
+    if not _kernel_available():
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv(settings.ADAM_IMPL.name, "cpp")
+    state_dtype, master, rounding = mode
+    p = nn.Parameter(torch.randn(1000).to(_dtype(master)))
+    opt = Adam([p], lr=1e-2, state_dtype=state_dtype, master=master, master_rounding=rounding)
+    bad = torch.tensor([0, 7, 8, 15, 16, 17, 500, 993, 999])
+    grad = torch.randn(1000)
+    grad[bad] = float("nan")
+    p.grad = grad.to(p.dtype)
+    opt.step()
+    ok = torch.ones(1000, dtype=torch.bool)
+    ok[bad] = False
+    tensors = [p.detach()] + [t for k, t in opt.state[p].items() if k != "step"]
+    for t in (t for t in tensors if t.dtype == torch.bfloat16):
+        bits = t.view(torch.int16)
+        assert (bits[bad] == 0x7FC0).all() and not t[ok].isnan().any()
+
+
 def test_cpp_path_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
     if not _kernel_available():
         pytest.skip("no C++ compiler")

@@ -8,7 +8,8 @@ runtime it links (``libgomp.so.1``) resolves to the one torch already loaded, so
 
 The cache directory is ``$RPP_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/roundpipe`` (``~/.cache``).
 Keyed by the CPU feature set (``-march=native`` code must not run on another CPU model sharing a home
-directory) and by a hash of the source and flags (an edited source never loads a stale library).
+directory) and by a hash of the source (with the files it includes by quotes) and the flags: an edited
+source never loads a stale library.
 
 Attributes:
     loaded_optim_functions: Loaded optimizer functions by name (one load per process).
@@ -21,13 +22,14 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
 import threading
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Set
 
 logger = logging.getLogger(__name__)
 
@@ -116,9 +118,26 @@ def _compiler() -> Optional[str]:
     return None
 
 
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def _source_bytes(src: Path, seen: Optional[Set[Path]] = None) -> bytes:
+    """``src`` and, after it, every file it includes with quotes (from its own folder, recursively): what
+    the library is built from, so an edit to an included part changes the cache key too."""
+    seen = set() if seen is None else seen
+    seen.add(src)
+    data = src.read_bytes()
+    out = [data]
+    for name in _LOCAL_INCLUDE.findall(data):
+        inc = (src.parent / name.decode()).resolve()
+        if inc not in seen and inc.is_file():
+            out.append(_source_bytes(inc, seen))
+    return b"\0".join(out)
+
+
 def _library_path(name: str, cxx: str) -> Path:
     src = _CSRC / f"{name}.cpp"
-    key = hashlib.sha256(src.read_bytes() + "\0".join([cxx, *_CXXFLAGS]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(_source_bytes(src) + "\0".join([cxx, *_CXXFLAGS]).encode()).hexdigest()[:16]
     return _cache_dir() / f"{name}-{key}.so"
 
 
