@@ -266,6 +266,16 @@ def test_fp32_state_converts_to_compact_and_back() -> None:
     _run(plain, plain.param_groups[0]["params"], 2)
 
 
+def _assert_same_results(finals: Dict[str, Tuple[List[nn.Parameter], Adam]]) -> None:
+    """The C++ and torch runs (``finals["cpp"]``, ``finals["torch"]``: parameters and optimizer) ended
+    with the same parameters and state, bit for bit."""
+    (a, oa), (b, ob) = finals["cpp"], finals["torch"]
+    for p, q in zip(a, b):
+        assert torch.equal(p.detach(), q.detach())
+        for k, t in oa.state[p].items():
+            assert torch.equal(t, ob.state[q][k]), k
+
+
 @pytest.mark.parametrize("mode", MODES, ids=["-".join(m) for m in MODES])
 @pytest.mark.parametrize("variant", ["decoupled", "coupled-maximize", "bf16-grad"])
 def test_cpp_and_torch_fallback_agree(mode: Tuple[str, str, str], variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -287,11 +297,7 @@ def test_cpp_and_torch_fallback_agree(mode: Tuple[str, str, str], variant: str, 
                 p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16 if variant == "bf16-grad" else p.dtype)
             opt.step()
         finals[which] = (ps, opt)
-    (a, oa), (b, ob) = finals["cpp"], finals["torch"]
-    for p, q in zip(a, b):
-        assert torch.equal(p.detach(), q.detach())
-        for k, t in oa.state[p].items():
-            assert torch.equal(t, ob.state[q][k]), k
+    _assert_same_results(finals)
 
 
 @pytest.mark.parametrize("mode", MODES, ids=["-".join(m) for m in MODES])
@@ -315,11 +321,7 @@ def test_cpp_and_torch_fallback_agree_on_extreme_values(mode: Tuple[str, str, st
                 p.grad = grad.to(p.dtype)
             opt.step()
         finals[which] = (ps, opt)
-    (a, oa), (b, ob) = finals["cpp"], finals["torch"]
-    for p, q in zip(a, b):
-        assert torch.equal(p.detach(), q.detach())
-        for k, t in oa.state[p].items():
-            assert torch.equal(t, ob.state[q][k]), k
+    _assert_same_results(finals)
 
 
 @pytest.mark.parametrize("mode", [m for m in MODES if m[0] != "int8" and (m[0] == "bfloat16" or m[1] == "bfloat16")])
