@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs of this session's issues, one part per device call (see docs/benchmarks.md):
-#   bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first
+#   bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2
 # "refactor" compares the tree in .old/ (the commit before the restructuring, carried as a folder) with
 # this one in one call; "context*" are the long-context rows of issue 21.
 set -uo pipefail
