@@ -3,7 +3,7 @@
 # issue 5 (plans on 2 GPUs), issue 6 (qwen3-4b on 1 vs 2 GPUs, qwen3-8b), issue 9 (two data-parallel
 # ranks vs one). Each part fits one 10-minute device call; run them one by one:
 #
-#     bash bench/two_gpu_acceptance.sh tests|bound|peer|opt|grads|ab|threads|threads2|scale|4b|8b|8b1|8b2|plans|dp
+#     bash bench/two_gpu_acceptance.sh tests|bound|peer|opt|grads|ab|threads|scale|4b|8b|8b1|8b2|plans|dp
 #
 # Results go to stdout (the tables of docs/benchmarks.md) and, for dp, to JSON files in $OUT (or .).
 set -uo pipefail
@@ -89,25 +89,17 @@ case "${1:-}" in
     done
     echo "host register allocator" | tee -a "$log"
     PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8 tbench 75 $W --warmup 1 | grep -E "$P" ;;
-  threads)  # issue 19: does the host optimizer's thread count (default: torch's count less 4) starve the two
-    # device threads while the step runs? One GPU, then 2 GPUs at the default and at fewer optimizer threads
+  threads)  # issue 19: does the host optimizer's thread count starve the two device threads while the step
+    # runs? One GPU, then 2 GPUs at optimizer thread counts THREADS_RUNS ("N:time limit" each, N "default"
+    # for the built-in default; WITH_TESTS=1: the GPU tests first)
     W="--workload qwen3-1.7b --batch 16 --skip-baseline --warmup 3 --iters 4"
     P="^\\| roundpipe|per-iteration|plan:|thread CPU|optimizer step|load to|Error"
+    [ -n "${WITH_TESTS:-}" ] && timeout 200 python3 -m pytest -m gpu tests/test_gpu.py tests/test_loss.py -q -p no:cacheprovider 2>&1 | tee -a "$log" | tail -2
     python3 -c "import os, torch; print('cores', len(os.sched_getaffinity(0)), 'torch threads', torch.get_num_threads())" | tee -a "$log"
     echo "1 GPU" | tee -a "$log"; CUDA_VISIBLE_DEVICES=0 tbench 95 $W | grep -E "$P"
-    for a in "default 100" "12 75" "20 75" "default 75" "8 75"; do
-      set -- $a; echo "RPP_OPTIM_THREADS=$1" | tee -a "$log"
-      if [ "$1" = default ]; then tbench $2 $W | grep -E "$P"; else RPP_OPTIM_THREADS=$1 tbench $2 $W | grep -E "$P"; fi
-    done ;;
-  threads2)  # issue 19: the new default optimizer thread count (each GPU's share less 4: 12 of 32 threads on
-    # 2 GPUs) against the old one (28), alternating, after one GPU (WITH_TESTS=1: the GPU tests first)
-    W="--workload qwen3-1.7b --batch 16 --skip-baseline --warmup 3 --iters 4"
-    P="^\\| roundpipe|per-iteration|optimizer step|load to|Error"
-    [ -n "${WITH_TESTS:-}" ] && timeout 200 python3 -m pytest -m gpu tests/test_gpu.py tests/test_loss.py -q -p no:cacheprovider 2>&1 | tee -a "$log" | tail -2
-    echo "1 GPU" | tee -a "$log"; CUDA_VISIBLE_DEVICES=0 tbench 95 $W | grep -E "$P"
-    for a in "default 100" "28 75" "default 75"; do
-      set -- $a; echo "RPP_OPTIM_THREADS=$1" | tee -a "$log"
-      if [ "$1" = default ]; then tbench $2 $W | grep -E "$P"; else RPP_OPTIM_THREADS=$1 tbench $2 $W | grep -E "$P"; fi
+    for a in ${THREADS_RUNS:-default:100 12:75 20:75 default:75 8:75}; do
+      n=${a%%:*}; limit=${a##*:}; echo "RPP_OPTIM_THREADS=$n" | tee -a "$log"
+      if [ "$n" = default ]; then tbench "$limit" $W | grep -E "$P"; else RPP_OPTIM_THREADS=$n tbench "$limit" $W | grep -E "$P"; fi
     done ;;
   plans)  # issue 5 on 2 GPUs: auto plan vs one layer per group, idle time between groups
     RPP_PROFILER=torch bench --workload qwen3-1.7b --skip-baseline --compare-plans --profile --profile-iters 3 --warmup 3 --iters 4 | tail -20 ;;
@@ -119,5 +111,5 @@ case "${1:-}" in
     torchrun --standalone --nproc-per-node 2 bench/dp_bench.py $A --batch-per-rank $B --out "$out/two$B.json" 2>&1 | tail -3
     python3 bench/dp_bench.py --compare "$out/one$B.json" "$out/two$B.json" --loss-ref "$out/ref$B.json" ;;
   *)
-    echo "usage: bash bench/two_gpu_acceptance.sh tests|bound|peer|opt|grads|ab|threads|threads2|scale|4b|8b|8b1|8b2|plans|dp" >&2; exit 2 ;;
+    echo "usage: bash bench/two_gpu_acceptance.sh tests|bound|peer|opt|grads|ab|threads|scale|4b|8b|8b1|8b2|plans|dp" >&2; exit 2 ;;
 esac

@@ -386,7 +386,7 @@ class DeviceReduction:
     # blocks the device thread.
     def reduce_layer(self, slot: LayerSlot, cpu_layer: nn.Module, gpu_layer: nn.Module, layer_id: int, device: Any) -> None:
         """All-reduce one layer's device gradients (SUM of weighted shares, plus rank 0's seed) in place,
-        on the current (download) stream; see the class and the comment above for the reasoning."""
+        on the current (gradient) stream; see the class and the comment above for the reasoning."""
         pairs = _trainable_pairs(cpu_layer, gpu_layer)
         if not pairs:
             return
