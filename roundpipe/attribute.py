@@ -105,7 +105,13 @@ class ParamAttribute:
         staged: The optimizer's newest version in the parameter's dtype, written at the end of an
             asynchronous step and swapped in as the model parameter by the next one (optimizer
             thread only; see ``roundpipe.optim.step.stage_params``).
-        staged_valid: Whether ``staged`` holds the optimizer's current version.
+        staged_valid: Whether ``staged`` holds the optimizer's current version (with ``in_place``: whether
+            the weights do).
+        in_place: The weights themselves hold (``staged_valid``) or will hold the optimizer's current
+            version, so the next publish leaves them in place: a gradient download took the old weights
+            buffer and moved the weights to ``staged`` (``roundpipe.host_buffers.StepCycle``), so the step
+            that stages writes the weights themselves; or the optimizer copy was just made from them
+            (``mark_current``: then only while neither was written since, see ``weights_current``).
     """
 
     ATTR = "_roundpipe_param_attr"
@@ -120,6 +126,9 @@ class ParamAttribute:
         self.held: Optional[torch.Tensor] = None
         self.staged: Optional[torch.Tensor] = None
         self.staged_valid = False
+        self.in_place = False
+        # (weights, optimizer copy) version counters when ``mark_current`` ran; None after a move.
+        self.marked: Optional[Tuple[int, int]] = None
 
     @property
     def shared(self) -> bool:
@@ -147,11 +156,66 @@ class ParamAttribute:
         with _SPARE_LOCK:
             self.spare.append((buf, pinned))
 
-    def trim_spare(self) -> None:
-        """Keep at most one spare (the next gradient download's buffer): an optimizer that kept its
-        ``.grad`` for a step (gradient accumulation) leaves an extra one behind, which is freed here."""
+    def trim_spare(self, keep: int = 1) -> None:
+        """Keep at most ``keep`` spares (one: the next gradient download's buffer; none once downloads
+        take the weights' buffer, see ``in_place``): an optimizer that kept its ``.grad`` for a step
+        (gradient accumulation) leaves an extra one behind, which is freed here."""
         with _SPARE_LOCK:
-            del self.spare[1:]
+            del self.spare[keep:]
+
+    def choose_staging(self, param: torch.Tensor, buf: torch.Tensor) -> bool:
+        """Make ``buf`` (the gradient buffer a staged asynchronous step has just taken) the parameter's
+        staging buffer, if it can hold the weights (same shape and dtype, pinned if they are); a staging
+        buffer left from before goes to the spares. Optimizer thread, before the layer's ``grad_copied``."""
+        if buf.shape != param.shape or buf.dtype != param.dtype or (param.data.is_pinned() and not buf.is_pinned()):
+            return False
+        with _SPARE_LOCK:
+            old, self.staged, self.staged_valid = self.staged, buf, False
+            if old is not None and not same_storage(old, buf):
+                self.spare.append((old, backend.pin_enabled() and old.is_pinned()))
+        return True
+
+    def staging_target(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """Where the step stages the parameter: the weights buffer once a download moved the weights
+        there (``in_place``), else the staging buffer (None if there is none yet)."""
+        with _SPARE_LOCK:
+            return param.data if self.in_place else self.staged
+
+    def mark_staged(self, param: torch.Tensor, buf: torch.Tensor) -> None:
+        """The step has written the optimizer's current version into ``buf``: valid wherever it is now
+        (still the staging buffer, or the weights after a download moved them there meanwhile)."""
+        with _SPARE_LOCK:
+            if same_storage(self.staged, buf) or (self.in_place and same_storage(param.data, buf)):
+                self.staged_valid = True
+
+    def mark_current(self, param: torch.Tensor) -> None:
+        """The weights equal the optimizer copy's version (it was just made from them, or both were just
+        made current): the next publish may leave them, unless code writes either before it (a
+        checkpoint restore copies in the optimizer copies, then the weights of an older version)."""
+        self.in_place = self.staged_valid = True
+        self.marked = (param._version, self.optim._version if self.optim is not None else 0)
+
+    def weights_current(self, param: torch.Tensor) -> bool:
+        """With ``in_place``: whether the weights hold the optimizer's current version (staged there, or
+        marked current and neither tensor written since: writes through ``param.data`` are not seen)."""
+        if not self.staged_valid:
+            return False
+        return self.marked is None or self.marked == (param._version, self.optim._version if self.optim is not None else 0)
+
+    def move_weights(self, param: torch.Tensor, dtype: torch.dtype, pinned: bool) -> Optional[torch.Tensor]:
+        """Move ``param``'s weights to the staging buffer and return the old weights buffer (now the
+        caller's, for a gradient download of ``dtype``), or None when there is no staging buffer of the
+        same kind to move to. Called by a device thread when its call has read the weights for the last
+        time before the next publish (``roundpipe.host_buffers.StepCycle``); the step that stages into
+        that buffer makes the weights current (``staged_valid``), the next publish leaves them there."""
+        with _SPARE_LOCK:
+            new, old = self.staged, param.data
+            if new is None or self.in_place or new.shape != old.shape or new.dtype != old.dtype or old.dtype != dtype:
+                return None
+            if pinned and not (old.is_pinned() and new.is_pinned()):
+                return None
+            param.data, self.staged, self.in_place, self.marked = new, None, True, None
+            return old
 
     def release_held(self) -> Optional[torch.Tensor]:
         """The buffer handed to the optimizer as its ``.grad``, once the optimizer no longer holds it
@@ -194,6 +258,12 @@ class ParamAttribute:
         if layer_id is not None and layer_id not in attr.layer_ids:
             attr.layer_ids.append(layer_id)
         return attr
+
+
+def same_storage(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    """Whether ``a`` and ``b`` are the same host buffer (``param.data`` is a new tensor object at each
+    access, so identity does not tell)."""
+    return a is not None and b is not None and a.numel() > 0 and a.data_ptr() == b.data_ptr() and a.shape == b.shape
 
 
 # Guards ``ParamAttribute.spare`` and ``held``: device threads take download buffers while the optimizer

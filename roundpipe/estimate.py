@@ -292,8 +292,9 @@ def estimate(
         optimizer_bytes_per_param: Optimizer state and master bytes per trainable parameter (12: fp32
             master + Adam m, v).
         grad_buffers: Host buffers per trainable parameter besides the weights (gradient download and
-            staging). None: as the settings make it: 2 with the asynchronous step's rotation (staged
-            steps), 1 with ``RPP_STEP_MODE=streamed`` or ``RPP_STAGE_PARAMS=0 RPP_GRAD_BUFFERS=1``.
+            staging). None: as the settings make it: 1 by default (downloads into the weights' buffers,
+            ``RPP_GRAD_INTO_MODEL``), with ``RPP_STEP_MODE=streamed`` or ``RPP_STAGE_PARAMS=0
+            RPP_GRAD_BUFFERS=1``; 2 with ``RPP_GRAD_INTO_MODEL=0``.
         pinned: Whether checkpoints come from the pinned caching allocator (GPU runs; CPU workers keep
             them unrounded).
         devices: GPUs of the process: with several (and several microbatches) the fused last stage runs

@@ -1,30 +1,33 @@
 """Host buffers and optimizer state built before the first step, in the background.
 
 A model's first iterations would otherwise allocate on their critical path: the pinned spares that
-the first gradient downloads and the first staging take (``transfer._grad_buffer``'s rotation), and
+the first gradient downloads take (``transfer._grad_buffer``'s rotation), and
 the optimizer's zero moments (``roundpipe.optim.reserve``). :class:`HostBufferPrep` starts both at the
 model's first training call, while the devices run the first iteration, and its ``finish`` (the first
 ``step``, else the next training call) waits for them once: pinning holds the CUDA driver's lock, so a
 thread still pinning would stall the device threads' copies and launches at random points of the next
 iterations, and a first step still building its state would hold up the iteration after it.
 
-It also stages the optimizer copies' current values in the model dtype (``prestage_params``): an
-asynchronous step starts by publishing the staged version of each layer, and the first step had none,
-so it converted every optimizer copy into the model while the next forward waited for it layer by
-layer (qwen3-1.7b on one H100: the first timed iteration after one warm-up took 1.27-1.38x the steady
-one; 1.04x with synchronous steps, 1.00x after two warm-ups).
+The first step has nothing to convert either: an optimizer copy starts as the weights' version
+(``RoundPipe._optim_param``), so its publish leaves the weights in place. It used to convert every
+optimizer copy into the weights while the next forward waited for them layer by layer: qwen3-1.7b on one
+H100, the first timed iteration after one warm-up took 1.19-1.41x the steady one, 0.97x when timing
+began after that step had ended (a buffer staged ahead in the background, tried before, was a third
+buffer and did not help).
+
+:class:`StepCycle` decides which calls' gradient downloads may take the weights' host buffers.
 
 Life cycle: one per model, owned by the main thread (``start`` and ``finish`` run there); the builder
-thread writes the parameters' spare lists (``ParamAttribute.give_spare``, under its lock) and their
-``staged`` buffers, which only the optimizer thread reads, and only in a step, which ``finish`` precedes.
-Whatever changes the optimizer copies before the first step goes through ``sync_optim_param``, which
-waits for ``finish`` and then invalidates the staged version (``optim.step.copy_params_to_model``).
+thread writes only the parameters' spare lists (``ParamAttribute.give_spare``, under its lock).
+Whatever changes the optimizer copies goes through ``sync_optim_param`` or ``load_optim_params``, which
+copy them into the weights (``optim.step.copy_params_to_model``: no longer "in place" then).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import List, Optional, Sequence
+import warnings
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -33,21 +36,27 @@ from roundpipe import settings
 from roundpipe.attribute import ParamAttribute
 from roundpipe.memory import pinned_empty
 from roundpipe.optim import reserve as state_reserve
+from roundpipe.optim import step as optim_step
+
+if TYPE_CHECKING:
+    from roundpipe.roundpipe import RoundPipe, RoundPipeBase
 
 
 def preallocate_host_buffers(params: Sequence[nn.Parameter], name: str) -> threading.Thread:
     """Allocate, in a background thread, per trainable unshared parameter the spares that the first
-    gradient download and the first staging take (two besides the model buffer with staging on, one
-    without), pinned and faulted in. A buffer the download needs before the thread reaches its
-    parameter is allocated there as before (the extra spare is trimmed after the step); a failure to
-    pin is left to that path, which reports it with advice."""
-    want = 2 if settings.stage_params_enabled() else settings.grad_buffers_limit() - 1
+    gradient downloads take (the first call's, and the second call's with ``RPP_GRAD_INTO_MODEL=0``),
+    pinned and faulted in. A buffer the download needs before the thread reaches its parameter is
+    allocated there as before (an extra spare is trimmed after the step; with downloads into the weights
+    none is made for a parameter whose download came first); a failure to pin is left to that path,
+    which reports it with advice."""
+    into_weights = settings.grad_into_model_enabled()
+    want = 1 if into_weights else (2 if settings.stage_params_enabled() else settings.grad_buffers_limit() - 1)
 
     def run() -> None:
         for p in params:
             attr = ParamAttribute.get(p)
-            if attr.shared or not p.requires_grad:
-                continue
+            if attr.shared or not p.requires_grad or (into_weights and p.grad is not None):
+                continue  # (a download that came first took a buffer of its own: one more would be surplus)
             have = sum(1 for b, _ in attr.spare if b.shape == p.shape and b.dtype == p.dtype)
             for _ in range(max(0, want - have)):
                 try:
@@ -57,33 +66,10 @@ def preallocate_host_buffers(params: Sequence[nn.Parameter], name: str) -> threa
                 if not buf.is_pinned():
                     buf.zero_()  # fault the pages in now (pinning does that for pinned ones)
                 attr.give_spare(buf)
-        if settings.stage_params_enabled():
-            prestage_params(params)
 
     thread = threading.Thread(target=run, name=f"roundpipe-host-buffers-{name}", daemon=True)
     thread.start()
     return thread
-
-
-def prestage_params(params: Sequence[nn.Parameter]) -> None:
-    """Write each unshared trainable parameter's optimizer copy, in the model dtype, into a staging
-    buffer (a spare, else a new one pinned like the parameter) and mark it current, so the first
-    asynchronous step publishes it by a swap as later steps do (module docstring). Parameters that
-    already have a staged version, or no optimizer copy, are left alone."""
-    with torch.no_grad():
-        for p in params:
-            attr = ParamAttribute.get(p)
-            if attr.shared or not p.requires_grad or attr.optim is None or attr.staged is not None:
-                continue
-            pinned = p.data.is_pinned()
-            buf = attr.take_spare(p.shape, p.dtype, pinned)
-            if buf is None:
-                try:
-                    buf = pinned_empty(p.shape, p.dtype, pin=pinned)
-                except RuntimeError:  # out of pinnable memory: the first step copies instead
-                    return
-            buf.copy_(attr.optim.data)
-            attr.staged, attr.staged_valid = buf, True
 
 
 class HostBufferPrep:
@@ -112,3 +98,88 @@ class HostBufferPrep:
             return
         thread.join()
         state_reserve.wait_for(self._optim_params)
+
+
+class StepCycle:
+    """Which training calls may download gradients into the weight buffers (``RPP_GRAD_INTO_MODEL``).
+
+    Staged asynchronous steps keep a weight's host versions in rotating buffers: the weights the running
+    call reads, the gradient the step reads (into which it then stages the next version), and the
+    download target of the running call's gradient. That third buffer is not needed when the running
+    call is the last reader of the weights before the next step publishes: its backward job has uploaded
+    a layer for the last time when it downloads the layer's gradient, so the download takes the weights'
+    buffer and the weights move to the buffer the step stages into (``transfer._grad_buffer``). Nothing
+    reads them there before the next step's publish, which the optimizer thread runs after the staging
+    step, so a weight has two host copies in the model dtype instead of three, with the same staleness.
+
+    Whether a call is the last one before ``step`` is known only afterwards, so this predicts it from
+    the previous cycle: a call may move weights if the previous step followed exactly one training call
+    and this is the first call since. A call that finds weights moved earlier in its cycle (a second
+    training call before ``step``: gradient accumulation after single-call steps; or an evaluation
+    forward) reads the newer version: ``begin_call`` then asks the model to wait for the step and publish
+    every layer first (``resync``), and warns once for a training call. The next cycle learns the new
+    count. Life cycle: one per RoundPipe, used only by the main thread.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.calls = 0  # training calls since the last step
+        self.last_calls: Optional[int] = None  # training calls before the last step (None: no step yet)
+        self.async_staged = False  # whether the last step was a staged asynchronous one
+        self.moved = False  # whether a call of this cycle may have moved weights
+        self.warned = False
+
+    def begin_call(self, train: bool) -> Tuple[bool, bool]:
+        """At the start of a call: ``(may this call download into the weights, must the model resync
+        first)``."""
+        from roundpipe import settings
+
+        resync = self.moved
+        self.moved = False
+        if resync and train and not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"model {self.name!r}: a second training call before step() after steps of one call each; it trains "
+                "on the weights of the step in flight (one step newer than the call before it), since the call "
+                "before moved the weights into the step's buffers (RPP_GRAD_INTO_MODEL). Keep the number of "
+                "calls per step fixed (the next steps adapt to it), or set RPP_GRAD_INTO_MODEL=0.",
+                stacklevel=3,
+            )
+        into = train and self.async_staged and self.last_calls == 1 and self.calls == 0 and settings.grad_into_model_enabled()
+        if train:
+            self.calls += 1
+        self.moved = into
+        return into, resync
+
+    def on_step(self, is_async: bool) -> None:
+        """At ``step``: the cycle ends (its count is the next prediction)."""
+        from roundpipe import settings
+
+        self.last_calls, self.calls, self.moved = self.calls, 0, False
+        self.async_staged = is_async and settings.stage_params_enabled()
+
+    def on_sync(self) -> None:
+        """The model's weights were made current (``sync_optim_param``): nothing to resync."""
+        self.moved = False
+
+
+def step_cycle(model: "RoundPipeBase") -> StepCycle:
+    """``model``'s step cycle (made at its first use)."""
+    return model.__dict__.setdefault("step_cycle", StepCycle(model.name))
+
+
+def begin_call(model: "RoundPipe", train: bool) -> bool:
+    """Start a call of ``model``: a training call starts building the host buffers and optimizer state
+    of the first steps (the first call) or waits for them (the next call, when no ``step`` did); then
+    whether the call's gradient downloads may take the weights' buffers, after settling weights that
+    an earlier call of the cycle moved (``StepCycle``)."""
+    if torch.is_grad_enabled():
+        prep = model.__dict__.setdefault("host_buffers", HostBufferPrep())
+        if prep.started:
+            prep.finish()
+        else:
+            prep.start([p for _, ps in model.optim_units() for p in ps if ParamAttribute.get(p).optim is not None], model.name)
+    into_weights, resync = step_cycle(model).begin_call(train)
+    if resync:
+        optim_step.settle_params(model.optim_units())
+    return into_weights

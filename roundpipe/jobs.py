@@ -135,6 +135,7 @@ def _hand_grads_back(device: "DeviceManager", run: Run, layers: range, gpu_layer
             job_layers=layers,
             reducer=run.reducers[i],
             parts=run.partial_grads if split else None,
+            into_weights=run.grad_into_weights,
         )
 
 

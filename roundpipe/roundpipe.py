@@ -9,13 +9,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from roundpipe import backend, budget, settings
+from roundpipe import backend, budget, host_buffers, settings
 from roundpipe.attribute import LayerAttribute, ParamAttribute
 from roundpipe.batch import Batch
 from roundpipe.context import doing_optimizer
 from roundpipe.device import get_num_devices
 from roundpipe.grad_sync import GradSync
-from roundpipe.host_buffers import HostBufferPrep
+from roundpipe.host_buffers import StepCycle
 from roundpipe.memory import PinMode, pin_module
 from roundpipe.optim import step as optim_step
 from roundpipe.optim import thread as optim_thread
@@ -165,15 +165,16 @@ class RoundPipeBase(nn.Module):
             yield p
 
     def _optim_param(self, p: nn.Parameter) -> nn.Parameter:
-        """The optimizer copy of ``p``, created on first use in ``optim_dtype`` (default: p's dtype).
-
-        A separate copy even when the dtype matches: the model parameter is what uploads read, the copy
-        is what the optimizer writes, and the step copies one into the other under the event protocol.
-        """
+        """The optimizer copy of ``p``, created on first use in ``optim_dtype`` (default: p's dtype). A separate
+        copy even when the dtype matches: uploads read the model parameter, the optimizer writes the copy,
+        and the step copies one into the other under the event protocol."""
         attr = ParamAttribute.set(p, None)
         if attr.optim is None:
             dtype = self.optim_dtype or p.dtype
             attr.optim = nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=True)
+            wider = dtype.is_floating_point and p.dtype.is_floating_point and torch.finfo(dtype).bits > torch.finfo(p.dtype).bits
+            if dtype == p.dtype or wider:  # the weights round-trip exactly: they are its version
+                attr.mark_current(p)
         return attr.optim
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:  # type: ignore[override]
@@ -220,10 +221,16 @@ class RoundPipeBase(nn.Module):
         """
         raise_if_failed(f"model {self.name!r} optimizer step")
         self._finish_host_buffers()
+        for cycle in self._cycles():
+            cycle.on_step(is_async)
         sync = self.grad_sync
         if sync is not None:
             sync.on_step_launch()
         optim_step.launch(self.optim_units(), step_fn, is_async, args, kwargs, self.optim_updated, sync.reduce_host if sync is not None else None)
+
+    def _cycles(self) -> List[StepCycle]:
+        """The step cycles (``host_buffers.StepCycle``) of the RoundPipes whose calls this model's step ends."""
+        return [host_buffers.step_cycle(self)]
 
     def _finish_host_buffers(self) -> None:
         """Wait, once, for the host buffers and optimizer state built ahead (``roundpipe.host_buffers``)."""
@@ -236,6 +243,8 @@ class RoundPipeBase(nn.Module):
         first waits for the values staged ahead of the first step, which this makes obsolete."""
         self._finish_host_buffers()
         optim_step.sync_params(self.optim_units())
+        for cycle in self._cycles():
+            cycle.on_sync()
 
     def wait_optimizer(self) -> None:
         """Wait until every optimizer step queued so far has finished (raising the failure of one that
@@ -334,10 +343,7 @@ class RoundPipe(RoundPipeBase):
         if not isinstance(model_run_config, RoundPipeRunConfig):
             raise ValueError("model_run_config must be a roundpipe.RoundPipeRunConfig")
         self.model_run_config = model_run_config
-        settings.GRAD_BUFFERS.get()  # a bad RPP_GRAD_BUFFERS fails here, naming the variable
-        settings.DEVICE_SAVED_GB.get()  # likewise RPP_DEVICE_SAVED_GB
-        settings.STAGE_PARAMS.get()  # and RPP_STAGE_PARAMS
-        settings.STEP_MODE.get()  # and RPP_STEP_MODE
+        settings.check_runtime()  # a bad RPP_* value of the host buffers fails here, naming the variable
         layers = list(model.children()) if isinstance(model, nn.Sequential) else [model]
         if not layers:
             raise ValueError("RoundPipe needs at least one layer; the nn.Sequential is empty")
@@ -465,11 +471,12 @@ class RoundPipe(RoundPipeBase):
         if cfg.requires_grad and not torch.is_grad_enabled():
             raise RuntimeError("RoundPipeRunConfig(requires_grad=True) but gradients are disabled (torch.no_grad); enable grad or drop requires_grad")
         self._check_optimizer_idle()
-        self._prepare_host_buffers()
         batch = Batch(args, kwargs, cfg)
         train = cfg.requires_grad and self._needs_graph(batch)
+        into_weights = host_buffers.begin_call(self, train)
         run_type: RunType = "train" if train else "infer"
         run = Run(self, cfg, batch, run_type, self.resolve_plan(cfg, run_type, batch))
+        run.grad_into_weights = into_weights
         if not train:
             with torch.no_grad():
                 guarded(run, f"model {self.name!r} forward", lambda: dispatch_forward(run))
@@ -504,9 +511,10 @@ class RoundPipe(RoundPipeBase):
             input_args = (input_args,)
         cfg = ResolvedRunConfig(run_config, self.model_run_config)
         self._check_optimizer_idle()
-        self._prepare_host_buffers()
+        into_weights = host_buffers.begin_call(self, True)
         batch = Batch(input_args, dict(input_kwargs), cfg, label)
         run = Run(self, cfg, batch, "fused", self.resolve_plan(cfg, "fused", batch), loss_fn, return_outputs)
+        run.grad_into_weights = into_weights
         guarded(run, f"model {self.name!r} forward_backward", lambda: dispatch_fused(run))
         finish_backward(run)
         for evs in batch.forward_events:
@@ -529,17 +537,6 @@ class RoundPipe(RoundPipeBase):
         if return_outputs:
             return loss, batch.dump(cfg, outputs=run.outputs)
         return loss
-
-    def _prepare_host_buffers(self) -> None:
-        """A training call starts building the host buffers and optimizer state of the first steps
-        (the first call) or waits for them (the next call, when no ``step`` did)."""
-        if not torch.is_grad_enabled():
-            return
-        prep = self.__dict__.setdefault("host_buffers", HostBufferPrep())
-        if prep.started:
-            prep.finish()
-        else:
-            prep.start([p for _, ps in self.optim_units() for p in ps if ParamAttribute.get(p).optim is not None], self.name)
 
     def _check_optimizer_idle(self) -> None:
         """Raise a worker failure from an earlier asynchronous step before starting a new run."""
@@ -590,6 +587,9 @@ class AutoRoundPipe(RoundPipeBase):
     def _finish_host_buffers(self) -> None:
         for sub in self._submodels():
             sub._finish_host_buffers()
+
+    def _cycles(self) -> List[StepCycle]:
+        return [c for sub in self._submodels() for c in sub._cycles()]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped model; host-side parameters are fenced against an asynchronous step first."""

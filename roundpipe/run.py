@@ -139,6 +139,9 @@ class Run:
         # Per microbatch: group boundaries whose output the producing job left on the device for the
         # next job to keep as its saved stage input (no host copy was made).
         self.kept_inputs: List[Set[int]] = [set() for _ in range(batch.num_microbatch)]
+        # Whether this call's gradient downloads may take the weights' host buffers (set by the model at
+        # the call's start, ``roundpipe.host_buffers.StepCycle``; read by the device threads).
+        self.grad_into_weights = False
         # Autocast is thread-local: carry the caller's settings into the device threads.
         self.autocast: List[Tuple[str, torch.dtype]] = [(dt, torch.get_autocast_dtype(dt)) for dt in ("cuda", "cpu") if torch.is_autocast_enabled(dt)]
         # The model input per microbatch (the batch's states are replaced by each group's outputs).

@@ -197,6 +197,18 @@ STAGE_PARAMS: Setting[bool] = _register(
         "RPP_STAGE_PARAMS", _bool, True, "1", "`1` or `0`", "Asynchronous steps stage the updated parameters for the next step (off: copied when it starts)."
     )
 )
+GRAD_INTO_MODEL: Setting[bool] = _register(
+    Setting(
+        "RPP_GRAD_INTO_MODEL",
+        _bool,
+        True,
+        "1",
+        "`1` or `0`",
+        "Staged asynchronous steps with one training call per step: a layer's gradient download reuses its weight buffer "
+        "(the call has read it for the last time) and the weights move to the buffer the step stages into: two host copies "
+        "of each weight in the model dtype instead of three (off: three).",
+    )
+)
 STEP_MODE: Setting[str] = _register(
     Setting(
         "RPP_STEP_MODE",
@@ -204,7 +216,8 @@ STEP_MODE: Setting[str] = _register(
         "staged",
         "staged",
         "`staged` or `streamed`",
-        "Asynchronous steps: `staged` (one step stale, three host copies of each weight in the model dtype) or "
+        "Asynchronous steps: `staged` (one step stale; two host copies of each weight in the model dtype with one "
+        "training call per step, three otherwise, see `RPP_GRAD_INTO_MODEL`) or "
         "`streamed` (not stale, two copies: the next forward follows the step layer by layer).",
     )
 )
@@ -451,10 +464,27 @@ def grad_buffers_limit() -> int:
     return 1 if streamed_steps() else GRAD_BUFFERS.get()
 
 
+def check_runtime() -> None:
+    """Parse the settings a RoundPipe's host buffers and steps read later on worker threads, so that a bad
+    value fails when the model is built, naming its variable."""
+    for s in (GRAD_BUFFERS, DEVICE_SAVED_GB, STAGE_PARAMS, STEP_MODE, GRAD_INTO_MODEL):
+        s.get()
+
+
+def grad_into_model_enabled() -> bool:
+    """Whether gradient downloads may reuse the weight buffers (``RPP_GRAD_INTO_MODEL``, staged steps only;
+    see ``roundpipe.host_buffers.StepCycle``)."""
+    return GRAD_INTO_MODEL.get() and stage_params_enabled()
+
+
 def host_buffers_besides_weights() -> int:
-    """Model-dtype host buffers per trainable parameter besides its weights that these settings make:
-    staged copy + gradient download (2) with staging, else the gradient buffers."""
-    return 2 if stage_params_enabled() else grad_buffers_limit()
+    """Model-dtype host buffers per trainable parameter besides its weights that these settings make in
+    the steady state of one training call per step: with staging, the gradient download target that the
+    step then stages into (1, ``RPP_GRAD_INTO_MODEL``) or a staged copy and a download target (2);
+    without staging, the gradient buffers."""
+    if stage_params_enabled():
+        return 1 if grad_into_model_enabled() else 2
+    return grad_buffers_limit()
 
 
 def default_num_microbatch(num_devices: int) -> int:

@@ -42,9 +42,9 @@ def device_saved_limit() -> int:
 
     Every backward stage needs its input again for the recompute. By default each one is downloaded to
     the host in forward and uploaded again in backward; up to this many bytes of them (per call) stay
-    on the device instead, which saves that host memory (about 2 bytes/param on qwen3-1.7b at batch
-    8 x 4096) and both copies, at the price of the same amount of GPU memory. With several devices the
-    backward of a stage may run on another device, so they always go through the host.
+    on the device instead, saving that host memory (about 2 bytes/param on qwen3-1.7b at 8 x 4096) and
+    both copies for as much GPU memory. With several devices they go through the host (a stage's
+    backward may run on another device).
     """
     gib = settings.DEVICE_SAVED_GB.get()
     return int(gib * 2**30)
@@ -327,6 +327,7 @@ def download_layer(
     job_layers: Optional[range] = None,
     reducer: Optional[Callable[[nn.Module, nn.Module, int, Any], None]] = None,
     parts: Optional[Any] = None,
+    into_weights: bool = False,
 ) -> None:
     """Issue copies of a layer's buffers and/or parameter gradients back to the host (no waiting).
 
@@ -338,7 +339,8 @@ def download_layer(
     layer's share before its download (``job_layers``: the layers of this job). ``reducer``
     (``roundpipe.grad_sync``) reduces the layer's device gradients across processes before the download.
     ``parts`` (``partial_grads.PartialGrads``, the fused job split over devices) first adds the other
-    parts' gradients of the layer into this device's.
+    parts' gradients of the layer into this device's. ``into_weights``: gradients may take the weights'
+    host buffers (``_grad_buffer``).
 
     Stream order (``grad_stream``): the uploads of other devices' shares (fused parts, tied sharers)
     wait only for those devices' download events, so they are queued before the wait for this job's
@@ -383,7 +385,7 @@ def download_layer(
                     if grad is None:
                         continue
                     done.add(id(p))
-                    buf = _grad_buffer(p, attr, layer_id, grad)
+                    buf = _grad_buffer(p, attr, layer_id, grad, into_weights)
                     if grad.device.type == "cpu":
                         buf.copy_(grad)
                     elif _sliced(buf, grad):  # the activation downloads of ``downstream`` can go between slices
@@ -486,27 +488,31 @@ class TiedGrads:
         return grad
 
 
-def _grad_buffer(p: torch.Tensor, attr: ParamAttribute, layer_id: int, dev_grad: torch.Tensor) -> torch.Tensor:
+def _grad_buffer(p: torch.Tensor, attr: ParamAttribute, layer_id: int, dev_grad: torch.Tensor, into_weights: bool = False) -> torch.Tensor:
     """A pinned host buffer to download ``dev_grad`` into: one the optimizer is not reading.
 
-    A gradient still accumulating on the host (``p.grad``: an earlier microbatch or call of this
-    step, already added into ``dev_grad`` by the upload) is overwritten in place. Otherwise an unshared
-    parameter takes a spare buffer. Its host buffers rotate through the roles, so an asynchronous step
-    costs three copies of the parameter, not four (model, staged, and two gradient buffers):
+    A gradient still accumulating on the host (``p.grad``, added into ``dev_grad`` by the upload) is
+    overwritten in place. Otherwise an unshared parameter takes a spare buffer; its host buffers rotate
+    through the roles (three copies, not four: model, staged, and two gradient buffers):
 
-        download target (p.grad) -> the optimizer's .grad (held) -> zero_grad releases it, the
-        step stages the new parameters in it (staged) -> the next step publishes it (model) -> that
-        step's publish releases the old model buffer, once no upload reads it (spare) -> the next
-        iteration's downloads take it.
+        download target (p.grad) -> the optimizer's .grad (held) -> the step stages into it (staged)
+        -> the next step publishes it (model) -> that publish releases the old model buffer once no
+        upload reads it (spare) -> the next iteration's downloads take it.
 
     Safe to take a spare here without waiting: the backward fence waited for ``grad_copied``, which
-    the step sets only after publishing, so this iteration's spare (the old model buffer) exists and
-    nothing reads it. With staging off (``RPP_STAGE_PARAMS=0``) the spare is the gradient buffer the
+    the step sets only after publishing, so this iteration's spare (the old model buffer) exists and is
+    unread. With staging off (``RPP_STAGE_PARAMS=0``) the spare is the gradient buffer the
     previous step released; while that step still holds it, ``RPP_GRAD_BUFFERS=1`` makes this device
-    thread wait until the optimizer kernels queued so far have run (their ``zero_grad`` releases it)
-    instead of taking a new buffer. No deadlock: those kernels wait only for downloads of earlier
-    iterations, since the main thread queues the next step only after every job of this call has been
-    issued (``run.guarded``). A shared parameter keeps per-layer buffers (``_shared_grad_buffer``).
+    thread wait until the optimizer kernels queued so far have run (their ``zero_grad`` releases it).
+    No deadlock: those kernels wait only for downloads of earlier iterations (the next step is queued
+    after every job of this call, ``run.guarded``). Shared parameters: per-layer buffers.
+
+    ``into_weights`` (``host_buffers.StepCycle``) skips the spare, two copies: the download takes the
+    weights' buffer, the weights move to the buffer the step in flight stages into
+    (``ParamAttribute.move_weights``). No wait needed: this job's upload was the call's last of the
+    layer (one backward job per layer and call; a split job's other parts uploaded before the gradients
+    this waits for), compute waited for it and this stream waits for compute; the step chose the
+    staging buffer before ``grad_copied`` (the backward fence waited for it).
     """
     if attr.shared:
         return _shared_grad_buffer(attr, layer_id, dev_grad)
@@ -514,6 +520,9 @@ def _grad_buffer(p: torch.Tensor, attr: ParamAttribute, layer_id: int, dev_grad:
     if g is not None and g.device.type == "cpu" and g.shape == dev_grad.shape and g.dtype == dev_grad.dtype:
         return g
     pinned = backend.pin_enabled()  # asynchronous downloads need pinned memory
+    moved = attr.move_weights(p, dev_grad.dtype, pinned) if into_weights and g is None else None
+    if moved is not None:
+        return moved
     buf = attr.take_spare(dev_grad.shape, dev_grad.dtype, pinned)
     if buf is None and attr.held is not None and settings.grad_buffers_limit() == 1 and not settings.stage_params_enabled():
         from roundpipe.optim import thread as optim_thread

@@ -1,10 +1,10 @@
-"""The optimizer copies staged ahead of the first step (``roundpipe.host_buffers.prestage_params``): the
-first asynchronous step publishes them by a swap, as later steps publish theirs, and nothing that changes
-the optimizer copies before that step is lost."""
+"""The first asynchronous step converts nothing (``roundpipe.host_buffers``): an optimizer copy starts as
+the weights' version, so the first publish leaves the weights in place; nothing that changes the weights
+or the optimizer copies before that step is lost, and nothing is staged ahead."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import List, Tuple
 
 import pytest
 import torch
@@ -38,29 +38,32 @@ def _trained(params: List[nn.Parameter]) -> List[nn.Parameter]:
     return [p for p in params if p.requires_grad]
 
 
+def _edit_copies_unseen(rp: RoundPipe) -> None:
+    """Change the optimizer copies through ``.data``, which the runtime cannot see (the documented way is
+    ``load_optim_params``): a first publish that converted the copies would show the change."""
+    with torch.no_grad():
+        for q in rp.optim_parameters():
+            q.data.add_(1.0)
+
+
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2", "cpu:3"], indirect=True)
-def test_first_async_step_swaps_in_the_values_staged_ahead(workers: str) -> None:
-    """After the first training call each parameter has a staging buffer holding its optimizer copy in
-    the model dtype; the first asynchronous step makes that buffer the model parameter (no copy on the
-    next forward's path), and the model then holds exactly those values."""
+@pytest.mark.parametrize("into", ["1", "0"])
+def test_first_async_step_leaves_the_weights_in_place(workers: str, into: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The optimizer copies were made from the weights, so the first asynchronous step's publish leaves
+    them (it used to convert every copy while the next forward waited): same buffer, values before the
+    update (one-step-stale rule); the step stages its update, which the second step publishes."""
+    monkeypatch.setenv("RPP_GRAD_INTO_MODEL", into)
     rp, opt = _setup()
     (x, y), (x2, y2) = _batches(2)
     rp.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
-    rp._finish_host_buffers()
-    staged: Dict[int, torch.Tensor] = {}
-    for p in _trained(list(rp.model.parameters())):
-        attr = ParamAttribute.get(p)
-        assert attr.staged is not None and attr.staged_valid
-        assert torch.equal(attr.staged, attr.optim.detach().to(p.dtype))
-        assert attr.staged.data_ptr() != p.data.data_ptr()
-        staged[id(p)] = attr.staged
-    before = {id(p): p.detach().clone() for p in rp.model.parameters()}
+    before = {id(p): (p.data.data_ptr(), p.detach().clone()) for p in rp.model.parameters()}
+    _edit_copies_unseen(rp)
     rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
     rp.wait_optimizer()
     for p in _trained(list(rp.model.parameters())):
-        assert p.data.data_ptr() == staged[id(p)].data_ptr()  # swapped in, not copied
-        assert torch.equal(p.detach(), before[id(p)])  # the values before the update (one-step-stale rule)
-        assert ParamAttribute.get(p).staged_valid  # this step staged its own update for the next one
+        assert p.data.data_ptr() == before[id(p)][0]
+        assert torch.equal(p.detach(), before[id(p)][1])  # not converted from the edited copies
+        assert ParamAttribute.get(p).staged_valid  # the step staged its own update for the next one
     rp.forward_backward(input_args=(x2,), label=y2, loss_fn=_loss)
     rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
     rp.synchronize()
@@ -69,25 +72,32 @@ def test_first_async_step_swaps_in_the_values_staged_ahead(workers: str) -> None
 
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
-def test_optimizer_copies_changed_before_the_first_step_reach_the_model(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Optimizer copies set after the first training call (``load_optim_params``, as a resume does) make
-    the staged values obsolete: the first asynchronous step publishes the new copies, not the staged,
-    also when the staging thread is still running when they are set (it is waited for first)."""
-    import time
+@pytest.mark.parametrize("written", ["weights", "copies"])
+def test_weights_or_copies_written_before_the_first_step_are_published(workers: str, written: str) -> None:
+    """Code that writes the weights or the optimizer copies in place before the first step (a checkpoint
+    restore copies the copies in, then the weights of the version one step older) is seen: the first
+    publish copies the optimizer copies into the weights, as every publish did before."""
+    rp, opt = _setup()
+    (x, y), _ = _batches(2)
+    rp.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
+    with torch.no_grad():
+        if written == "weights":
+            for p in _trained(list(rp.model.parameters())):
+                p.mul_(0.5)
+        else:
+            for q in rp.optim_parameters():
+                q.fill_(0.25)
+    expected = {id(p): ParamAttribute.get(p).optim.detach().to(p.dtype) for p in _trained(list(rp.model.parameters()))}
+    rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
+    rp.wait_optimizer()
+    for p in _trained(list(rp.model.parameters())):
+        assert torch.equal(p.detach(), expected[id(p)])
 
-    from roundpipe import host_buffers
 
-    real = host_buffers.prestage_params
-
-    def slow(params: List[nn.Parameter]) -> None:
-        """A stager whose copy of a parameter ends before, and its marking after, the new copies are set."""
-        real(params)
-        time.sleep(0.3)
-        for p in params:
-            if ParamAttribute.get(p).staged is not None:
-                ParamAttribute.get(p).staged_valid = True
-
-    monkeypatch.setattr(host_buffers, "prestage_params", slow)
+@pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
+def test_optimizer_copies_changed_before_the_first_step_reach_the_model(workers: str) -> None:
+    """Optimizer copies set after the first training call (``load_optim_params``, as a resume does) reach
+    the weights: the first asynchronous step publishes them, not the weights the copies were made from."""
     rp, opt = _setup()
     (x, y), _ = _batches(2)
     rp.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
@@ -101,8 +111,7 @@ def test_optimizer_copies_changed_before_the_first_step_reach_the_model(workers:
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
 def test_synchronous_steps_keep_no_staging_buffer(workers: str) -> None:
-    """A first step that runs synchronously drops the buffer staged ahead (its values are obsolete once
-    the optimizer has stepped): synchronous training keeps two host buffers per parameter, as before."""
+    """Synchronous training keeps two host buffers per parameter and no staging buffer."""
     rp, opt = _setup()
     for x, y in _batches(3):
         rp.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
@@ -115,9 +124,9 @@ def test_synchronous_steps_keep_no_staging_buffer(workers: str) -> None:
 
 
 @pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
-@pytest.mark.parametrize("env", [("RPP_STAGE_PARAMS", "0"), ("RPP_STEP_MODE", "streamed")])
-def test_nothing_is_staged_ahead_without_staging(workers: str, env: Tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """With staging off, or streamed steps, no staging buffer is made ahead of the first step."""
+@pytest.mark.parametrize("env", [("RPP_GRAD_INTO_MODEL", "1"), ("RPP_GRAD_INTO_MODEL", "0"), ("RPP_STAGE_PARAMS", "0"), ("RPP_STEP_MODE", "streamed")])
+def test_nothing_is_staged_ahead_of_the_first_step(workers: str, env: Tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """No staging buffer is made during the first training call, whatever the step mode."""
     monkeypatch.setenv(*env)
     rp, opt = _setup()
     (x, y), _ = _batches(2)

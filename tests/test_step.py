@@ -113,6 +113,9 @@ def test_staged_parameters_equal_copying_at_the_next_step(workers: str, monkeypa
     monkeypatch.setenv("RPP_STAGE_PARAMS", "0")
     copying = _mixed_schedule_losses(make_model())
     monkeypatch.setenv("RPP_STAGE_PARAMS", "1")
+    monkeypatch.setenv("RPP_GRAD_INTO_MODEL", "0")
+    assert _mixed_schedule_losses(make_model()) == copying
+    monkeypatch.setenv("RPP_GRAD_INTO_MODEL", "1")  # downloads into the weights' buffers
     model = make_model()
     staged = _mixed_schedule_losses(model)
     assert staged == copying
@@ -402,9 +405,10 @@ def test_host_buffers_rotate_and_one_gradient_buffer_waits(workers: str, monkeyp
     from roundpipe.attribute import ParamAttribute
     from roundpipe.optim import Adam
 
-    def run(stage: str, buffers: str, zero_grad: bool = True) -> tuple:
+    def run(stage: str, buffers: str, zero_grad: bool = True, into: str = "0") -> tuple:
         monkeypatch.setenv("RPP_STAGE_PARAMS", stage)
         monkeypatch.setenv("RPP_GRAD_BUFFERS", buffers)
+        monkeypatch.setenv("RPP_GRAD_INTO_MODEL", into)
         model = make_model().to(torch.bfloat16)
         rp = RoundPipe(model, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2))
         opt = Adam(rp.optim_parameters(), lr=1e-2)
@@ -430,8 +434,12 @@ def test_host_buffers_rotate_and_one_gradient_buffer_waits(workers: str, monkeyp
     assert most == 3 and counts <= {2, 3}, (most, counts)
     single, most, counts = run("0", "1")
     assert most == 2 and counts == {2}, (most, counts)
-    for a, b, c in zip(rotated, copied, single):
-        assert torch.equal(a, b) and torch.equal(a, c)
+    # RPP_GRAD_INTO_MODEL (the default): downloads take the weights' buffer once a step has staged ahead,
+    # two copies (tests/test_grad_into_weights.py has the details)
+    moved, most, counts = run("1", "2", into="1")
+    assert most == 2 and counts == {2}, (most, counts)
+    for a, b, c, d in zip(rotated, copied, single, moved):
+        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
     _, kept, _ = run("0", "1", zero_grad=False)
     assert kept > 2  # no release to wait for: it took another buffer (and did not hang)
 
@@ -585,15 +593,17 @@ def _bf16_async_training(step: bool = True) -> Tuple[RoundPipe, Callable[[torch.
 
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
-@pytest.mark.parametrize("stage", ["1", "0"])
+@pytest.mark.parametrize("stage", ["1", "0", "rotate"])
 def test_host_buffers_exist_before_the_second_iteration(workers: str, stage: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The buffers the first steps rotate through are allocated in the background from the first
     training call on: once that is done, no later iteration or step allocates a host buffer (the first
-    iterations after warm-up run at the steady pace), and training is unchanged."""
+    iterations after warm-up run at the steady pace), and training is unchanged. ('rotate': staged
+    steps with three buffers, ``RPP_GRAD_INTO_MODEL=0``.)"""
     from roundpipe import transfer
     from roundpipe.optim import step as optim_step
 
-    monkeypatch.setenv("RPP_STAGE_PARAMS", stage)
+    monkeypatch.setenv("RPP_STAGE_PARAMS", "0" if stage == "0" else "1")
+    monkeypatch.setenv("RPP_GRAD_INTO_MODEL", "0" if stage == "rotate" else "1")
     allocations: list = []
     for mod in (transfer, optim_step):
         real = mod.pinned_empty

@@ -5,13 +5,16 @@ them; ``RoundPipeBase.optim_units()``).
 One step, on the optimizer thread (``roundpipe.optim.thread``):
 
 1. (asynchronous steps) publish the parameters the previous step staged into the model, layer by layer
-   in forward order, setting ``param_copied`` so the next forward's uploads of that layer may start;
+   in forward order, setting ``param_copied`` so the next forward's uploads of that layer may start
+   (weights already current, ``ParamAttribute.in_place``, are left where they are);
 2. per unit, last layer first: wait for the unit's gradient download (``grad_downloaded``), let the
-   model's ``grad_sync`` reduce it across processes, copy it into the optimizer parameter's ``.grad``,
-   set ``grad_copied`` (the next backward's download of that layer may overwrite the host buffer);
+   model's ``grad_sync`` reduce it across processes, hand it to the optimizer parameter's ``.grad``
+   (the buffer itself, or a copy), choose the gradient buffer as the staging buffer (asynchronous),
+   set ``grad_copied`` (the next backward's download of that layer may take a buffer: with
+   ``RPP_GRAD_INTO_MODEL`` the weights', whose weights then move to the staging buffer);
 3. run the user's ``step_fn`` (``optimizer.step(); optimizer.zero_grad()``) on the optimizer copies;
-4. (asynchronous) stage the updated parameters in the model's dtype for the next step's publish;
-   (synchronous) copy them into the model at once.
+4. (asynchronous) stage the updated parameters in the model's dtype for the next step's publish (into
+   the weights themselves if a download has moved them there); (synchronous) copy them into the model.
 
 ``RPP_STEP_MODE=streamed`` changes the asynchronous step: no publish in 1. and no staging in 4.;
 instead each layer's updated parameters are copied into the model as soon as the optimizer has
@@ -38,7 +41,7 @@ import torch
 from torch import nn
 
 from roundpipe import settings
-from roundpipe.attribute import LayerAttribute, ParamAttribute
+from roundpipe.attribute import LayerAttribute, ParamAttribute, same_storage
 from roundpipe.context import OptimizerCtx
 from roundpipe.memory import pinned_empty
 from roundpipe.optim import thread as optim_thread
@@ -111,6 +114,7 @@ def _step_kernel(
             # Gradients in reverse layer order: the next backward starts from the last layer and
             # its downloads wait for these copies (``grad_copied``); the next forward needs only
             # the parameters, copied above in layer order.
+            stage_into_grad = is_async and not streamed and settings.stage_params_enabled()
             for attr, params in reversed(units):
                 # The gradient download of this layer must have landed before we read it.
                 attr.grad_download_started.wait()
@@ -118,7 +122,8 @@ def _step_kernel(
                 if reduce_host is not None:
                     reduce_host(params)
                 for p in params:
-                    copy_grad_to_optim(p)
+                    copy_grad_to_optim(p, stage_into_grad)
+                # After the staging buffers are chosen: the next call's downloads may move weights there.
                 attr.grad_copied.set()
             publisher = Publisher(units) if streamed else None
             with publisher.active() if publisher is not None else contextlib.nullcontext():
@@ -236,16 +241,37 @@ class Publisher:
             self.done(k)
 
 
-def sync_params(units: Units) -> None:
-    """Copy the optimizer parameters into the model parameters now (main or optimizer thread)."""
+def sync_params(units: Units, keep: bool = False) -> None:
+    """Copy the optimizer parameters into the model parameters now (main or optimizer thread); with
+    ``keep``, swap in staged versions where current and keep the result through the next publish
+    (``settle_params``)."""
+    run = _settle if keep else copy_params_to_model
     if optim_thread.on_thread():
-        copy_params_to_model(units)
+        run(units)
         return
     for attr, _ in units:
         attr.param_copied.wait()
         attr.param_copied.clear()
-    optim_thread.submit(copy_params_to_model, units)
+    optim_thread.submit(run, units)
     optim_thread.synchronize()
+
+
+def settle_params(units: Units) -> None:
+    """Make every model parameter the optimizer's current version and keep it there through the next
+    publish, after a call moved weights into the step's staging buffers and another call of the same
+    cycle is about to read them (``roundpipe.host_buffers.StepCycle``): without this, the weights a
+    download moved would be one version ahead of those it did not reach. Main thread; runs on the
+    optimizer thread after the steps queued so far."""
+    sync_params(units, keep=True)
+
+
+def _settle(units: Units) -> None:
+    copy_params_to_model(units, use_staged=True)
+    for _, params in units:
+        for p in params:
+            pa = ParamAttribute.get(p)
+            if pa.optim is not None:
+                pa.mark_current(p)  # the weights are current where they are: the next publish leaves them
 
 
 def wait_uploads(attr: LayerAttribute) -> None:
@@ -258,14 +284,15 @@ def wait_uploads(attr: LayerAttribute) -> None:
 def copy_params_to_model(units: Units, use_staged: bool = False, written: AbstractSet[int] = frozenset()) -> None:
     """Make the model parameters the optimizer's current version, layer by layer (``param_copied``).
 
-    With ``use_staged`` (the start of an asynchronous step) a parameter whose staging buffer holds
-    that version (``stage_params``, at the end of the previous asynchronous step) swaps buffers
-    with it: the dtype-converting copy already ran while the devices were busy, and the next
-    forward, which waits for ``param_copied`` layer by layer, does not wait for it. The others
-    (first step, after ``sync_optim_param``, staging off) are copied, which makes any staged
-    version obsolete. ``written``: ids of optimizer parameters whose values the optimizer has already
-    written into the model (a streamed step's fused conversion, after :func:`wait_uploads`): not
-    copied again.
+    With ``use_staged`` (the start of an asynchronous step) a parameter whose weights are that version
+    already (``ParamAttribute.in_place``: moved by a download into the buffer the previous step staged
+    into, or the optimizer copy was made from them and nothing was copied since) is left,
+    and one whose staging buffer holds it (``stage_params``) swaps buffers with it: the
+    dtype-converting copy already ran while the devices were busy, and the next forward, which waits
+    for ``param_copied`` layer by layer, does not wait for it. The others (staging off, a failed
+    step) are copied, which makes any staged version obsolete. ``written``: ids of optimizer
+    parameters whose values the optimizer has already written into the model (a streamed step's
+    fused conversion, after :func:`wait_uploads`): not copied again.
     """
     for attr, params in units:
         # An upload in flight still reads the model parameters: wait until it has finished. After
@@ -276,7 +303,14 @@ def copy_params_to_model(units: Units, use_staged: bool = False, written: Abstra
                 pa = ParamAttribute.get(p)
                 if pa.optim is None:
                     continue
-                if use_staged and pa.staged_valid and pa.staged is not None:
+                if pa.in_place:
+                    # The weights may be the optimizer's version already (``ParamAttribute.in_place``):
+                    # a publish leaves them then, a copy after a synchronous step does not.
+                    if not (use_staged and pa.weights_current(p)) and id(pa.optim) not in written:
+                        p.data.copy_(pa.optim.data)
+                    if use_staged and settings.grad_into_model_enabled():
+                        pa.trim_spare(keep=0)  # downloads take the weights' buffer: no spare needed
+                elif use_staged and pa.staged_valid and pa.staged is not None:
                     # The old model buffer goes to the spares: the wait above ensures no upload
                     # reads it any more (the next gradient download takes it, see
                     # transfer._grad_buffer).
@@ -284,7 +318,9 @@ def copy_params_to_model(units: Units, use_staged: bool = False, written: Abstra
                     pa.give_spare(old)
                 elif id(pa.optim) not in written:
                     p.data.copy_(pa.optim.data)
-                pa.staged_valid = False
+                # Not "in place" after a copy outside a publish either: code that restores a checkpoint
+                # copies the optimizer copies in, then the weights of the running (one step older) version.
+                pa.in_place = pa.staged_valid = False
         attr.param_copied.set()
 
 
@@ -292,43 +328,66 @@ def stage_params(units: Units) -> None:
     """End of an asynchronous step: write the updated optimizer parameters into each parameter's
     staging buffer (model dtype, pinned like the parameter), published by the next step.
 
-    The staging buffer is the gradient buffer this step has just read and released (its
-    ``zero_grad`` ran), else a spare: the buffers rotate (``transfer._grad_buffer``), so staging
-    costs no extra host copy. Only this thread touches the staging buffers, and the model
-    parameters (read by the running iteration's uploads) are not written, so no event is needed.
-    ``RPP_STAGE_PARAMS=0`` turns staging off (the next step copies the parameters when it starts).
+    The staging buffer is the gradient buffer this step has read (chosen when it took the gradients,
+    ``copy_grad_to_optim``), else a spare: the buffers rotate (``transfer._grad_buffer``), so staging
+    costs no extra host copy. The running call's uploads read the weights, not this buffer, so no event
+    is needed; a download of the running call may meanwhile have moved the weights into it
+    (``ParamAttribute.move_weights``), which nothing reads before the next publish, so this writes the
+    weights themselves then. ``RPP_STAGE_PARAMS=0`` turns staging off (the next step copies the
+    parameters when it starts).
     """
     stage = settings.stage_params_enabled()
     with torch.no_grad():
         for _, params in units:
             for p in params:
                 pa = ParamAttribute.get(p)
+                target = pa.staging_target(p)
+                if target is not None and same_storage(pa.held, target):
+                    _keep_grad_apart(pa, target)
                 freed = pa.release_held()
+                if same_storage(freed, target):
+                    freed = None
                 if not stage or pa.optim is None:
-                    pa.staged = None  # staging turned off during a run: drop the buffer
+                    if not pa.in_place:
+                        if pa.staged is not None:
+                            pa.give_spare(pa.staged)
+                        pa.staged = None  # staging turned off during a run: drop the buffer
                     if freed is not None:
                         pa.give_spare(freed)
                     continue
-                if pa.staged is None or pa.staged.shape != p.shape or pa.staged.dtype != p.dtype:
+                if target is None or target.shape != p.shape or target.dtype != p.dtype:
                     # Uploads read the staged buffer once published: pinned if the parameter is.
                     pinned = p.data.is_pinned()
+                    if target is not None:
+                        pa.give_spare(target)
                     if freed is not None and freed.shape == p.shape and freed.dtype == p.dtype and (not pinned or freed.is_pinned()):
-                        pa.staged, freed = freed, None
+                        target, freed = freed, None
                     else:
-                        pa.staged = pa.take_spare(p.shape, p.dtype, pinned)
-                        if pa.staged is None:
-                            pa.staged = pinned_empty(p.shape, p.dtype, pin=pinned)
+                        target = pa.take_spare(p.shape, p.dtype, pinned)
+                        if target is None:
+                            target = pinned_empty(p.shape, p.dtype, pin=pinned)
+                    pa.staged = target
                 if freed is not None:
                     pa.give_spare(freed)
                 pa.trim_spare()
-                pa.staged.copy_(pa.optim.data)
-                pa.staged_valid = True
+                target.copy_(pa.optim.data)
+                pa.mark_staged(p, target)
+
+
+def _keep_grad_apart(pa: ParamAttribute, buf: torch.Tensor) -> None:
+    """The optimizer still holds the staging buffer ``buf`` as its ``.grad`` (it kept its gradient across
+    the step: no ``zero_grad``): move that gradient into a tensor of its own, in the optimizer
+    parameter's dtype, so the buffer can take the new weights."""
+    optim = pa.optim
+    g = optim.grad if optim is not None else None
+    if optim is not None and g is not None and same_storage(g, buf):
+        optim.grad = g.to(optim.dtype, copy=True)
 
 
 def release_grad_buffers(units: Units) -> None:
     """After a synchronous (or streamed) step: gradient buffers the optimizer let go of become spares,
-    and so does a staging buffer, whose version the step has just made obsolete (one staged ahead of
-    the first step, ``roundpipe.host_buffers.prestage_params``): such steps keep no staging copy."""
+    and so does a staging buffer, whose version the step has just made obsolete (one an earlier
+    asynchronous step left): such steps keep no staging copy."""
     for _, params in units:
         for p in params:
             pa = ParamAttribute.get(p)
@@ -341,27 +400,36 @@ def release_grad_buffers(units: Units) -> None:
             pa.trim_spare()
 
 
-def copy_grad_to_optim(p: nn.Parameter) -> None:
+def copy_grad_to_optim(p: nn.Parameter, stage_into_grad: bool = False) -> None:
     """Add the model gradient into the optimizer copy's gradient and clear the model gradient (the
     next backward starts from zero; the optimizer's .grad accumulates until ``zero_grad``).
 
-    When the optimizer reads bfloat16 gradients of fp32 parameters (``roundpipe.optim.Adam``, see
-    ``reads_low_precision_grad``), the host gradient buffer itself becomes the optimizer's
-    ``.grad``: no fp32 copy is made or kept (4 bytes per parameter, and 6 bytes of memory traffic).
+    When the gradient has the optimizer copy's dtype, or the optimizer reads bfloat16 gradients of fp32
+    parameters (``roundpipe.optim.Adam``, see ``reads_low_precision_grad``), the host gradient buffer
+    itself becomes the optimizer's ``.grad``: no copy is made or kept (with fp32 masters 4 bytes per
+    parameter and 6 bytes of memory traffic; with bf16 masters, the compact state, 2 and 4).
     The optimizer then reads that buffer until its ``zero_grad``; the next gradient download takes
     a spare buffer meanwhile, and the released one becomes the staging buffer (the rotation in
     ``transfer._grad_buffer``). A gradient copied instead gives its buffer back at once.
+
+    ``stage_into_grad`` (a staged asynchronous step): the gradient's buffer becomes the parameter's
+    staging buffer now (``stage_params`` writes it after the step), so that the next call's gradient
+    download may move the weights there (``ParamAttribute.move_weights``) before the step is done.
     """
     attr = ParamAttribute.get(p)
     optim, g = attr.optim, p.grad
     if optim is None or g is None:
         return
     with torch.no_grad():
-        if optim.grad is None and g.dtype is torch.bfloat16 and optim.dtype is torch.float32 and reads_low_precision_grad(optim):
-            optim.grad_dtype = None  # let .grad be bfloat16 on this fp32 parameter
+        widened = g.dtype is torch.bfloat16 and optim.dtype is torch.float32 and reads_low_precision_grad(optim)
+        if optim.grad is None and (widened or (g.dtype == optim.dtype and g.shape == optim.shape)):
+            if widened:
+                optim.grad_dtype = None  # let .grad be bfloat16 on this fp32 parameter
             optim.grad = g
             if not attr.shared:
                 attr.held = g  # released after the step (stage_params, release_grad_buffers)
+                if stage_into_grad:
+                    attr.choose_staging(p, g)
             g = None
         elif optim.grad is None:
             buf = attr.optim_grad_buffer
@@ -379,5 +447,5 @@ def copy_grad_to_optim(p: nn.Parameter) -> None:
                     attr.give_spare(freed)
             optim.grad.add_(g.to(optim.dtype))
     p.grad = None
-    if g is not None and not attr.shared:
+    if g is not None and not attr.shared and not (stage_into_grad and attr.choose_staging(p, g)):
         attr.give_spare(g)  # copied: the download buffer is free for the next role

@@ -1,0 +1,224 @@
+"""Gradient downloads into the weights' host buffers (``RPP_GRAD_INTO_MODEL``, ``host_buffers.StepCycle``):
+with one training call per staged asynchronous step a weight keeps two host copies in the model dtype
+instead of three, and every run trains exactly what the three-buffer rotation trains (bit for bit),
+including when the number of calls per step changes, an evaluation reads the weights mid-cycle, or the
+optimizer keeps its gradients."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Callable, List, Optional, Tuple
+
+import pytest
+import torch
+from torch import nn
+
+from roundpipe import RoundPipe, RoundPipeRunConfig
+from roundpipe.attribute import ParamAttribute
+from roundpipe.optim import Adam
+
+
+def _model(tied: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12))
+    if tied:
+        model[4].weight = model[2].weight  # a shared parameter keeps its own per-layer buffers
+    return model.to(torch.bfloat16)
+
+
+def _batches(n: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(12, 6, generator=g).bfloat16(), torch.randn(12, 12, generator=g)) for _ in range(n)]
+
+
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out.float() - y) ** 2).mean()
+
+
+def _buffers(model: nn.Module) -> List[int]:
+    """Host buffers in the model dtype of each unshared trainable parameter (weights, gradient, staging,
+    spares; not an optimizer's own fp32 gradient copy)."""
+    ps = [p for p in model.parameters() if p.requires_grad and not ParamAttribute.get(p).shared]
+    return [sum(b.dtype == p.dtype for b in ParamAttribute.get(p).host_buffers(p)) for p in ps]
+
+
+Schedule = Callable[[int], Tuple[int, bool]]  # iteration -> (training calls before its step, evaluate mid-cycle)
+
+
+def _train(
+    into: str,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    microbatches: int = 2,
+    grain: str = "stage",
+    fused: bool = True,
+    optimizer: str = "roundpipe",
+    zero_grad: bool = True,
+    schedule: Optional[Schedule] = None,
+    sync_before_extra: bool = False,
+    tied: bool = False,
+    n_iter: int = 6,
+) -> Tuple[List[float], List[torch.Tensor], List[List[int]]]:
+    """Losses, optimizer copies and host buffer counts (after each step) of an asynchronous run."""
+    monkeypatch.setenv("RPP_GRAD_INTO_MODEL", into)
+    model = _model(tied)
+    rp = RoundPipe(model, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=microbatches, recompute_grain=grain))
+    params = list(rp.optim_parameters())
+    opt: torch.optim.Optimizer = Adam(params, lr=1e-2) if optimizer == "roundpipe" else torch.optim.AdamW(params, lr=1e-2)
+
+    def step() -> None:
+        time.sleep(0.01)  # the next call's downloads arrive while the step still runs
+        opt.step()
+        if zero_grad:
+            opt.zero_grad()
+
+    losses: List[float] = []
+    counts: List[List[int]] = []
+    data = iter(_batches(4 * n_iter))
+    for k in range(n_iter):
+        calls, evaluate = schedule(k) if schedule is not None else (1, False)
+        for c in range(calls):
+            x, y = next(data)
+            if c > 0 and sync_before_extra:
+                rp.synchronize()
+            if fused:
+                losses.append(rp.forward_backward(input_args=(x,), label=y, loss_fn=_loss).item())
+            else:
+                loss = _loss(rp(x), y)
+                loss.backward()
+                losses.append(loss.item())
+        if evaluate:
+            if sync_before_extra:
+                rp.synchronize()
+            with torch.no_grad():
+                losses.append(_loss(rp(next(data)[0]), torch.zeros(12, 12)).item())
+        rp.step(step, is_async=True)
+        counts.append(_buffers(model))
+    rp.synchronize()
+    return losses, [p.detach().clone() for p in rp.optim_parameters()], counts
+
+
+def _same(a: Tuple[List[float], List[torch.Tensor], List[List[int]]], b: Tuple[List[float], List[torch.Tensor], List[List[int]]]) -> None:
+    assert a[0] == b[0]
+    assert len(a[1]) == len(b[1]) and all(torch.equal(p, q) for p, q in zip(a[1], b[1]))
+
+
+@pytest.mark.parametrize("workers", ["cpu:1", "cpu:2", "cpu:3"], indirect=True)
+@pytest.mark.parametrize("microbatches", [1, 3])
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_two_buffers_per_weight_and_the_same_training(workers: str, microbatches: int, grain: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each weight has two host buffers at every step (nothing is staged ahead of the first step: it
+    stages into the first gradient buffer, where the second call moves the weights) instead of three,
+    and losses and optimizer copies equal the three-buffer rotation's."""
+    moved = _train("1", monkeypatch, microbatches=microbatches, grain=grain)
+    rotated = _train("0", monkeypatch, microbatches=microbatches, grain=grain)
+    _same(moved, rotated)
+    assert all(set(c) == {2} for c in moved[2]), moved[2]
+    assert max(max(c) for c in rotated[2]) == 3, rotated[2]  # (counted while the step runs: 2 or 3)
+
+
+@pytest.mark.parametrize("workers", ["cpu:1", "cpu:3"], indirect=True)
+@pytest.mark.parametrize("optimizer", ["roundpipe", "torch"])
+def test_forward_then_backward_and_copied_gradients(workers: str, optimizer: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``loss.backward()`` on a forward's result moves weights as ``forward_backward`` does; an optimizer
+    that gets fp32 gradient copies (torch's AdamW) stages into the downloaded buffer the same way."""
+    moved = _train("1", monkeypatch, fused=False, optimizer=optimizer)
+    _same(moved, _train("0", monkeypatch, fused=False, optimizer=optimizer))
+    assert all(set(c) == {2} for c in moved[2]), moved[2]
+
+
+@pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
+def test_a_second_call_before_step_reads_one_consistent_version(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps of one call, then steps of two calls (gradient accumulation): the second call of the first
+    two-call cycle finds weights moved ahead by the first; it is warned about and trains on the step in
+    flight's version for every layer, exactly as the three-buffer rotation does after ``synchronize()``
+    there; later two-call cycles move nothing (three buffers) and equal the rotation again."""
+
+    def schedule(k: int) -> Tuple[int, bool]:
+        return (1 if k < 3 else 2), False
+
+    with pytest.warns(UserWarning, match="second training call before step"):
+        moved = _train("1", monkeypatch, schedule=schedule, n_iter=6)
+    synced = _train("0", monkeypatch, schedule=lambda k: (1 if k < 3 else 2, False), sync_before_extra=False, n_iter=6)
+    ref = _train_sync_at_first_extra(monkeypatch)
+    _same(moved, ref)
+    assert moved[0][:4] == synced[0][:4]  # identical up to the first extra call
+    assert max(max(c) for c in moved[2][4:]) == 3, moved[2]  # the cycle length was learned: three buffers
+
+
+def _train_sync_at_first_extra(monkeypatch: pytest.MonkeyPatch) -> Tuple[List[float], List[torch.Tensor], List[List[int]]]:
+    """The three-buffer rotation with ``synchronize()`` before the first extra call only (iteration 3)."""
+    calls_seen = {"n": 0}
+
+    def schedule(k: int) -> Tuple[int, bool]:
+        calls_seen["n"] = k
+        return (1 if k < 3 else 2), False
+
+    monkeypatch.setenv("RPP_GRAD_INTO_MODEL", "0")
+    model = _model()
+    rp = RoundPipe(model, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    opt = Adam(list(rp.optim_parameters()), lr=1e-2)
+    losses: List[float] = []
+    data = iter(_batches(24))
+    for k in range(6):
+        for c in range(schedule(k)[0]):
+            x, y = next(data)
+            if k == 3 and c == 1:
+                rp.synchronize()
+            losses.append(rp.forward_backward(input_args=(x,), label=y, loss_fn=_loss).item())
+
+        def step() -> None:
+            time.sleep(0.01)
+            opt.step()
+            opt.zero_grad()
+
+        rp.step(step, is_async=True)
+    rp.synchronize()
+    return losses, [p.detach().clone() for p in rp.optim_parameters()], []
+
+
+@pytest.mark.parametrize("workers", ["cpu:1", "cpu:3"], indirect=True)
+def test_an_evaluation_between_call_and_step_sees_the_newest_weights(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward without gradients after a call that moved weights waits for the step in flight and reads
+    its version on every layer (as after ``synchronize()`` with three buffers), silently; training then
+    continues exactly as the rotation's."""
+
+    def schedule(k: int) -> Tuple[int, bool]:
+        return 1, k in (3, 4)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning: an evaluation does not change what training computes
+        moved = _train("1", monkeypatch, schedule=schedule)
+    _same(moved, _train("0", monkeypatch, schedule=schedule, sync_before_extra=True))
+
+
+@pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
+def test_an_optimizer_that_keeps_its_gradients(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``zero_grad`` in the step function: the optimizer keeps the gradient buffer that the step would
+    stage into as its ``.grad``; it is moved into a tensor of its own first, and the run equals the
+    rotation's."""
+    moved = _train("1", monkeypatch, zero_grad=False)
+    _same(moved, _train("0", monkeypatch, zero_grad=False))
+
+
+@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
+def test_tied_weights_keep_their_buffers(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A parameter shared by two layers downloads per-layer shares (never into the weights); the others
+    still move, and the run equals the rotation's."""
+    moved = _train("1", monkeypatch, tied=True)
+    _same(moved, _train("0", monkeypatch, tied=True))
+    assert all(set(c) == {2} for c in moved[2]), moved[2]
+
+
+@pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
+def test_planner_counts_one_buffer_besides_the_weights(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from roundpipe import settings
+
+    monkeypatch.setenv("RPP_GRAD_INTO_MODEL", "1")
+    assert settings.host_buffers_besides_weights() == 1
+    monkeypatch.setenv("RPP_GRAD_INTO_MODEL", "0")
+    assert settings.host_buffers_besides_weights() == 2
+    monkeypatch.setenv("RPP_GRAD_INTO_MODEL", "1")
+    monkeypatch.setenv("RPP_STEP_MODE", "streamed")
+    assert not settings.grad_into_model_enabled()
