@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs of this session's issues, one part per device call (see docs/benchmarks.md):
-#   bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2
+#   bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor
 # "refactor" compares the tree in .old/ (the commit before the restructuring, carried as a folder) with
 # this one in one call; "context*" are the long-context rows of issue 21.
 set -uo pipefail
@@ -61,6 +61,24 @@ case "${1:-}" in
     # cudaHostAlloc (which holds a driver lock the device threads wait for): pinning time, first iteration
     PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8 \
       timeout -s ABRT 90 python3 bench/train_bench.py --workload qwen3-1.7b --iters 6 --skip-baseline --warmup 1 2>&1 | quiet | tee -a "$out/first.log" | grep -E "^\| roundpipe|load to|pinned blocks|Error" ;;
+  floor)  # issue 22: gradient downloads into the weights' buffers (RPP_GRAD_INTO_MODEL, default) against the
+    # three-buffer rotation (=0), alternating, one warm-up (the first timed iteration too): host bytes/param and
+    # tokens/s; qwen3-1.7b also against the GPU-resident Liger baseline (.whl carries liger-kernel)
+    W="--warmup 1 --iters 6"
+    P="^\\| |load to|per-iteration|optimizer step|Error"
+    timeout -s ABRT 200 python3 bench/train_bench.py --workload qwen3-1.7b $W --baselines liger 2>&1 | quiet | tee -a "$out/floor.log" | grep -E "$P"
+    for a in "0 qwen3-1.7b 80" "1 qwen3-1.7b 80" "0 qwen3-4b 110" "1 qwen3-4b 110"; do
+      set -- $a; echo "RPP_GRAD_INTO_MODEL=$1 $2" | tee -a "$out/floor.log"
+      RPP_GRAD_INTO_MODEL=$1 timeout -s ABRT $3 python3 bench/train_bench.py --workload $2 $W --skip-baseline 2>&1 | quiet | tee -a "$out/floor.log" | grep -E "$P"
+    done ;;
+  first3)  # issue 22: where the first timed iteration after ONE warm-up goes (the warm-up step, the training call
+    # per iteration), downloads into the weights (default, nothing staged ahead) against RPP_GRAD_INTO_MODEL=0,
+    # and with the step's Adam left out (--noop-step); then qwen3-4b, default
+    P="^\\| roundpipe|plan:|load to|per-iteration|optimizer step|warm-up step|Error"
+    for a in "1 qwen3-1.7b 90 -" "0 qwen3-1.7b 80 -" "1 qwen3-1.7b 80 --noop-step" "1 qwen3-1.7b 80 -" "1 qwen3-4b 110 -"; do
+      set -- $a; x=$4; [ "$x" = - ] && x=""; echo "RPP_GRAD_INTO_MODEL=$1 $2 $x" | tee -a "$out/first3.log"
+      RPP_GRAD_INTO_MODEL=$1 timeout -s ABRT $3 python3 bench/train_bench.py --workload $2 --warmup 1 --iters 6 --skip-baseline $x 2>&1 | quiet | tee -a "$out/first3.log" | grep -E "$P"
+    done ;;
   first2)  # issue 22: what differs in the first timed iteration after ONE warm-up: per iteration the pinned
     # blocks, the GPU segments (cudaMalloc) and the cached plans (a re-plan after the warm-up?), auto plan
     # against a fixed one; then the compact step's speed against fp32 Adam on this host's cores
@@ -68,5 +86,5 @@ case "${1:-}" in
       timeout -s ABRT 90 python3 bench/train_bench.py --workload qwen3-1.7b --plan $plan --iters 6 --skip-baseline --warmup 1 2>&1 | quiet | tee -a "$out/first2.log" | grep -E "^\| roundpipe|load to|pinned blocks|GPU segments|plans after|per-iteration|optimizer step|Error"
     done
     timeout 150 python3 bench/compact_adam_bench.py --params 200M --threads 12 2>&1 | tee -a "$out/first2.log" | tail -12 ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor" >&2; exit 2 ;;
 esac

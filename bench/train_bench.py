@@ -248,6 +248,26 @@ def busy_fraction(step: Callable[[], None], trace: str = "", gpu_only: bool = Fa
     return f"GPU busy {'/'.join(shares)} of {wall / 1e3:.0f} ms"
 
 
+class GcTimer:
+    """Seconds the interpreter spends in garbage collection (all threads wait: it holds the interpreter
+    lock), per generation, through ``gc.callbacks``; ``take()`` returns and resets the totals."""
+
+    def __init__(self) -> None:
+        self.totals = [0.0, 0.0, 0.0]
+        self._start = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: Dict[str, Any]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.totals[info.get("generation", 2)] += time.perf_counter() - self._start
+
+    def take(self) -> List[float]:
+        out, self.totals = self.totals, [0.0, 0.0, 0.0]
+        return out
+
+
 def thread_cpu_seconds() -> Dict[str, float]:
     """CPU seconds used so far by each live thread, by name (the main thread, roundpipe's device and
     optimizer threads): a thread near 1 CPU second per wall second issues work as fast as it can."""
@@ -441,8 +461,12 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
         opt.zero_grad()
         optim_s.append(time.perf_counter() - t)
 
+    call_s: List[float] = []  # per iteration: the training call (main thread), then model.step() below
+
     def step() -> None:
+        t = time.perf_counter()
         model.train_step(input_ids=ids, labels=ids)
+        call_s.append(time.perf_counter() - t)
         if args.no_step:  # diagnostic: the pipeline alone, gradients dropped
             model.zero_grad(set_to_none=True)
             return
@@ -480,7 +504,17 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
     last_segments = [gpu_segments_total()]
     plans_seen: List[Any] = []  # the model's cached plans after each iteration: (key, fwd groups, bwd groups, timer version)
 
+    gc_timer = GcTimer()
+    gc_per_iter: List[List[float]] = []
+
     def timed_progress(i: int, t: float) -> None:
+        gc_per_iter.append(gc_timer.take())
+        if args.gc_freeze and i == args.warmup - 1:  # diagnostic: no full collections of the model's objects later
+            gc.collect()
+            gc.freeze()
+        if args.pause_after_warmup and i == args.warmup - 1:  # diagnostic: the warm-up's step done before timing
+            model.wait_optimizer()
+            time.sleep(args.pause_after_warmup)
         if torch.cuda.is_available():
             h = torch.cuda.host_memory_stats()
             prev = last_host[0]
@@ -501,6 +535,7 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
     times = timed(tracked_step, args.warmup, args.iters, cuda_sync, timed_progress)
     if pinned_per_iter:
         print("pinned blocks created per iteration (warm-up first; count, ms in cudaHostAlloc): " + ", ".join(f"{n} {ms:.0f}" for n, ms in pinned_per_iter))
+    print("seconds in garbage collection per iteration (warm-up first; generations 0/1/2): " + ", ".join("/".join(f"{x:.3f}" for x in g) for g in gc_per_iter))
     if gpu_segments:
         print("GPU segments (cudaMalloc) per iteration (warm-up first): " + ", ".join(str(n) for n in gpu_segments))
     changes = [i for i in range(1, len(plans_seen)) if plans_seen[i] != plans_seen[i - 1]]
@@ -541,6 +576,12 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
         print(
             f"roundpipe optimizer step seconds: {[round(t, 3) for t in optim_s[timed_steps]]}; "
             f"main thread waited in model.step(): {[round(t, 3) for t in wait_s[timed_steps]]}"
+        )
+        # Where the first timed iteration's time goes: the warm-up steps, and per iteration (warm-up first)
+        # the training call's return (its jobs all issued and the loss read) against the whole iteration.
+        print(
+            f"roundpipe warm-up step seconds: {[round(t, 3) for t in optim_s[: args.warmup]]}; training call seconds per "
+            f"iteration (warm-up first): {[round(t, 3) for t in call_s]}"
         )
     what = f"LoRA r={args.lora}, {n_params / 1e6:.1f}M trainable" if args.lora else f"{host / n_params:.1f} bytes/param host"
     if (args.optim_state, args.master) != ("float32", "float32"):
@@ -591,6 +632,8 @@ def main() -> None:
     p.add_argument("--trace", default="", help="with --profile: write a chrome trace of that iteration here")
     p.add_argument("--trace-gpu-only", action="store_true", help="with --trace: record GPU kernels and copies only (host threads unslowed)")
     p.add_argument("--lora", type=int, default=0, help="LoRA rank on all decoder projections (0: full fine-tune)")
+    p.add_argument("--pause-after-warmup", type=float, default=0.0, help="diagnostic: wait for the optimizer, then sleep this long, before timing")
+    p.add_argument("--gc-freeze", action="store_true", help="diagnostic: gc.collect(); gc.freeze() after the warm-up iterations")
     p.add_argument("--noop-step", action="store_true", help="diagnostic: the asynchronous step runs, without Adam (gradients zeroed only)")
     p.add_argument("--no-step", action="store_true", help="diagnostic: skip the optimizer (pipeline alone)")
     p.add_argument("--optim-state", default="float32", choices=["float32", "bfloat16", "int8"], help="Adam moments' dtype (docs/optimizer.md)")
