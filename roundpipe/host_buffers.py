@@ -132,8 +132,6 @@ class StepCycle:
     def begin_call(self, train: bool) -> Tuple[bool, bool]:
         """At the start of a call: ``(may this call download into the weights, must the model resync
         first)``."""
-        from roundpipe import settings
-
         resync = self.moved
         self.moved = False
         if resync and train and not self.warned:
@@ -143,7 +141,7 @@ class StepCycle:
                 "on the weights of the step in flight (one step newer than the call before it), since the call "
                 "before moved the weights into the step's buffers (RPP_GRAD_INTO_MODEL). Keep the number of "
                 "calls per step fixed (the next steps adapt to it), or set RPP_GRAD_INTO_MODEL=0.",
-                stacklevel=3,
+                stacklevel=4,  # the user's call (StepCycle.begin_call <- begin_call <- RoundPipe.forward*)
             )
         into = train and self.async_staged and self.last_calls == 1 and self.calls == 0 and settings.grad_into_model_enabled()
         if train:
@@ -153,8 +151,6 @@ class StepCycle:
 
     def on_step(self, is_async: bool) -> None:
         """At ``step``: the cycle ends (its count is the next prediction)."""
-        from roundpipe import settings
-
         self.last_calls, self.calls, self.moved = self.calls, 0, False
         self.async_staged = is_async and settings.stage_params_enabled()
 
