@@ -56,7 +56,8 @@ def _train(
     optimizer: str = "roundpipe",
     zero_grad: bool = True,
     schedule: Optional[Schedule] = None,
-    sync_before_extra: bool = False,
+    sync_iters: Tuple[int, ...] = (),
+    step_s: float = 0.01,
     tied: bool = False,
     n_iter: int = 6,
 ) -> Tuple[List[float], List[torch.Tensor], List[List[int]]]:
@@ -68,7 +69,7 @@ def _train(
     opt: torch.optim.Optimizer = Adam(params, lr=1e-2) if optimizer == "roundpipe" else torch.optim.AdamW(params, lr=1e-2)
 
     def step() -> None:
-        time.sleep(0.01)  # the next call's downloads arrive while the step still runs
+        time.sleep(step_s)  # the next call's downloads arrive while the step still runs
         opt.step()
         if zero_grad:
             opt.zero_grad()
@@ -80,7 +81,7 @@ def _train(
         calls, evaluate = schedule(k) if schedule is not None else (1, False)
         for c in range(calls):
             x, y = next(data)
-            if c > 0 and sync_before_extra:
+            if c > 0 and k in sync_iters:
                 rp.synchronize()
             if fused:
                 losses.append(rp.forward_backward(input_args=(x,), label=y, loss_fn=_loss).item())
@@ -89,7 +90,7 @@ def _train(
                 loss.backward()
                 losses.append(loss.item())
         if evaluate:
-            if sync_before_extra:
+            if k in sync_iters:
                 rp.synchronize()
             with torch.no_grad():
                 losses.append(_loss(rp(next(data)[0]), torch.zeros(12, 12)).item())
@@ -139,43 +140,9 @@ def test_a_second_call_before_step_reads_one_consistent_version(workers: str, mo
         return (1 if k < 3 else 2), False
 
     with pytest.warns(UserWarning, match="second training call before step"):
-        moved = _train("1", monkeypatch, schedule=schedule, n_iter=6)
-    synced = _train("0", monkeypatch, schedule=lambda k: (1 if k < 3 else 2, False), sync_before_extra=False, n_iter=6)
-    ref = _train_sync_at_first_extra(monkeypatch)
-    _same(moved, ref)
-    assert moved[0][:4] == synced[0][:4]  # identical up to the first extra call
+        moved = _train("1", monkeypatch, schedule=schedule, step_s=0.2)  # the extra call comes while it runs
+    _same(moved, _train("0", monkeypatch, schedule=schedule, sync_iters=(3,)))
     assert max(max(c) for c in moved[2][4:]) == 3, moved[2]  # the cycle length was learned: three buffers
-
-
-def _train_sync_at_first_extra(monkeypatch: pytest.MonkeyPatch) -> Tuple[List[float], List[torch.Tensor], List[List[int]]]:
-    """The three-buffer rotation with ``synchronize()`` before the first extra call only (iteration 3)."""
-    calls_seen = {"n": 0}
-
-    def schedule(k: int) -> Tuple[int, bool]:
-        calls_seen["n"] = k
-        return (1 if k < 3 else 2), False
-
-    monkeypatch.setenv("RPP_GRAD_INTO_MODEL", "0")
-    model = _model()
-    rp = RoundPipe(model, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2))
-    opt = Adam(list(rp.optim_parameters()), lr=1e-2)
-    losses: List[float] = []
-    data = iter(_batches(24))
-    for k in range(6):
-        for c in range(schedule(k)[0]):
-            x, y = next(data)
-            if k == 3 and c == 1:
-                rp.synchronize()
-            losses.append(rp.forward_backward(input_args=(x,), label=y, loss_fn=_loss).item())
-
-        def step() -> None:
-            time.sleep(0.01)
-            opt.step()
-            opt.zero_grad()
-
-        rp.step(step, is_async=True)
-    rp.synchronize()
-    return losses, [p.detach().clone() for p in rp.optim_parameters()], []
 
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:3"], indirect=True)
@@ -189,8 +156,8 @@ def test_an_evaluation_between_call_and_step_sees_the_newest_weights(workers: st
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning: an evaluation does not change what training computes
-        moved = _train("1", monkeypatch, schedule=schedule)
-    _same(moved, _train("0", monkeypatch, schedule=schedule, sync_before_extra=True))
+        moved = _train("1", monkeypatch, schedule=schedule, step_s=0.2)  # the evaluation comes while it runs
+    _same(moved, _train("0", monkeypatch, schedule=schedule, sync_iters=(3, 4)))
 
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
