@@ -45,6 +45,23 @@ def gpu_budget(layer_bytes: List[float]) -> float:
     return max(0.0, capacity * (1 - GPU_MARGIN_FRACTION) - GPU_MARGIN_BYTES - 2 * max(layer_bytes, default=0.0))
 
 
+#: Share of the device memory a single-device plan leaves free that backward-stage inputs take by
+#: default (``RPP_DEVICE_SAVED_GB=auto``); the rest absorbs what the activation model does not count.
+DEVICE_SAVED_SHARE = 0.75
+
+
+def device_saved_room(profile: Optional[ActivationProfile], layer_bytes: List[float], bwd_plan: Sequence[range]) -> float:
+    """Device bytes a one-device call may keep its backward-stage inputs in instead of host copies: a
+    share of the GPU budget less the plan's largest backward stage (the inputs kept are freed stage by
+    stage in backward, so that stage still fits beside the ones not yet consumed). 0 for a model that
+    reports no activations (nothing to size the room by)."""
+    if profile is None or not bwd_plan:
+        return 0.0
+    a = costs(profile, gpu_budget(layer_bytes), 0.0)
+    worst = max(a.stage_bytes(r.start, r.stop, layer_bytes) for r in bwd_plan)
+    return max(0.0, DEVICE_SAVED_SHARE * (a.gpu_limit - worst))
+
+
 def host_budget() -> float:
     """Host bytes the call's activation checkpoints may use (``backend.host_budget_bytes``)."""
     return float(backend.host_budget_bytes())

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tupl
 import torch
 from torch.utils import _pytree as pytree
 
+from roundpipe import budget, settings
 from roundpipe import device as device_mod
-from roundpipe import settings
 from roundpipe.batch import Batch
 from roundpipe.grad_sync import LayerReducer
 from roundpipe.partial_grads import PartialGrads, split_parts
@@ -133,7 +133,7 @@ class Run:
         # Bytes of backward-stage inputs this call may still keep on the device (one device only: there
         # every job runs on the same device thread, the only one that reserves from this budget). The
         # budget is per call: every call awaiting its backward may hold this much.
-        self.device_saved_left = device_saved_limit() if self.enable_grad and device_mod.get_num_devices() == 1 else 0
+        self.device_saved_left = self._device_saved_budget() if self.enable_grad and device_mod.get_num_devices() == 1 else 0
         # Gradient shares of tied parameters, summed into the owner layer's share on its device.
         self.tied = TiedGrads(model.layer_attrs, device_mod.get_num_devices() == 1) if self.enable_grad else None
         # Per microbatch: group boundaries whose output the producing job left on the device for the
@@ -148,6 +148,18 @@ class Run:
         self.input_leaves: List[Leaves] = [list(leaves) for leaves in batch.flatten_states]
         for ctx, leaves in zip(self.contexts, batch.flatten_states):
             ctx.input_requires_grad = [isinstance(t, torch.Tensor) and t.requires_grad for t in leaves]
+
+    def _device_saved_budget(self) -> int:
+        """``RPP_DEVICE_SAVED_GB`` in bytes; ``auto``: the device memory the plan leaves free
+        (``budget.device_saved_room``) in a forward_backward call, none in a call whose backward comes
+        later (several such calls may await their backward at once)."""
+        limit = device_saved_limit()
+        if limit is not None:
+            return limit
+        if self.run_type != "fused":
+            return 0
+        profile = self.model.activation_profile(self.batch, self.cfg.recompute_grain)
+        return int(budget.device_saved_room(profile, self.model.layer_device_bytes(self.run_type), self.plan.bwd_plan))
 
     def keep_on_device(self, leaves: Leaves) -> bool:
         """Reserve room to keep a backward-stage input on the device (instead of a host copy); the

@@ -172,14 +172,21 @@ HOST_MEMORY_GIB: Setting[Optional[float]] = _register(
         "Host memory this process may use in all; the planner keeps activation checkpoints within it.",
     )
 )
-DEVICE_SAVED_GB: Setting[float] = _register(
+
+
+def _gib_or_auto(raw: str) -> Optional[float]:
+    return None if raw.lower() == "auto" else _number(0.0)(raw)
+
+
+DEVICE_SAVED_GB: Setting[Optional[float]] = _register(
     Setting(
         "RPP_DEVICE_SAVED_GB",
-        _number(0.0),
-        0.0,
-        "0",
-        "a number of GiB >= 0",
-        "Backward-stage inputs a call may keep on its (single) device instead of the host.",
+        _gib_or_auto,
+        None,
+        "auto",
+        "`auto` or a number of GiB >= 0",
+        "Backward-stage inputs a call may keep on its (single) device instead of the host (auto: the "
+        "device memory its plan leaves free, in forward_backward calls of models that report their activations).",
     )
 )
 GRAD_BUFFERS: Setting[int] = _register(

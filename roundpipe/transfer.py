@@ -36,18 +36,18 @@ chunked_upload = True
 CHUNK_UPLOAD_SIZE = 64 * 1024**2
 
 
-def device_saved_limit() -> int:
+def device_saved_limit() -> Optional[int]:
     """Bytes of backward-stage inputs one call (forward + backward) on one device may keep on the device
-    (``RPP_DEVICE_SAVED_GB``, in GiB; default 0).
+    (``RPP_DEVICE_SAVED_GB``, in GiB), or None for ``auto`` (the default: ``budget.device_saved_room``).
 
-    Every backward stage needs its input again for the recompute. By default each one is downloaded to
+    Every backward stage needs its input again for the recompute. Otherwise each one is downloaded to
     the host in forward and uploaded again in backward; up to this many bytes of them (per call) stay
     on the device instead, saving that host memory (about 2 bytes/param on qwen3-1.7b at 8 x 4096) and
     both copies for as much GPU memory. With several devices they go through the host (a stage's
     backward may run on another device).
     """
     gib = settings.DEVICE_SAVED_GB.get()
-    return int(gib * 2**30)
+    return None if gib is None else int(gib * 2**30)
 
 
 def tensor_bytes(leaves: Iterable[Any]) -> int:

@@ -90,6 +90,7 @@ def test_estimate_counts_the_checkpoints_the_runtime_keeps(monkeypatch: pytest.M
     from roundpipe import settings
 
     settings.configure(devices="cpu:1")
+    monkeypatch.setenv("RPP_DEVICE_SAVED_GB", "0")  # every stage input to the host (auto keeps them on one device)
     hf = tiny_model("qwen3")
     config = hf.config
     batch = make_batch(False, batch=BATCH, seq=SEQ)
@@ -310,3 +311,70 @@ def test_estimate_host_buffers_follow_the_step_mode() -> None:
     saved = rotated.host_parts["optimizer"] - streamed.host_parts["optimizer"]
     assert saved == 2 * shape.params()  # one bf16 buffer per parameter (a full fine-tune: all trainable)
     assert streamed.host_parts["optimizer"] == two.host_parts["optimizer"] == staged.host_parts["optimizer"]
+
+
+def _kept_counts(monkeypatch: pytest.MonkeyPatch) -> List[bool]:
+    """Record every ``Run.keep_on_device`` answer (a backward-stage input kept on the device or not)."""
+    from roundpipe import run as run_mod
+
+    answers: List[bool] = []
+    real = run_mod.Run.keep_on_device
+
+    def spy(self: Any, leaves: Any) -> bool:
+        answers.append(real(self, leaves))
+        return answers[-1]
+
+    monkeypatch.setattr(run_mod.Run, "keep_on_device", spy)
+    return answers
+
+
+@pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
+@pytest.mark.parametrize("room", ["all", "none", "explicit 0"])
+def test_auto_keeps_stage_inputs_in_the_room_the_plan_leaves(workers: str, room: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``RPP_DEVICE_SAVED_GB=auto`` (the default) on one device: a forward_backward call keeps its
+    backward-stage inputs on the device while the room the plan leaves holds them (all of them on a CPU
+    worker's host-sized "device"; none when that room is 0 or the variable says 0); loss and
+    gradients are Hugging Face's either way."""
+    hf = tiny_model("qwen3")
+    batch = make_batch(False, batch=BATCH, seq=SEQ)
+    ref_loss, ref_grads = hf_reference(hf, batch)
+    if room == "none":
+        monkeypatch.setattr(budget, "DEVICE_SAVED_SHARE", 0.0)
+    if room == "explicit 0":
+        monkeypatch.setenv("RPP_DEVICE_SAVED_GB", "0")
+    answers = _kept_counts(monkeypatch)
+    rp = _wrapped(hf)
+    loss = rp.train_step(**{k: v for k, v in batch.items() if v is not None})
+    assert answers and all(answers) == (room == "all") and any(answers) == (room == "all"), answers
+    assert torch.allclose(loss, ref_loss, rtol=1e-5)
+    assert_grads_close(grads(hf), ref_grads)
+
+
+@pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
+def test_auto_keeps_nothing_when_backward_comes_in_a_later_call(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """forward() with gradients, then loss.backward(): several such calls may await their backward at
+    once, so ``auto`` keeps no stage input on the device there."""
+    hf = tiny_model("qwen3")
+    batch = make_batch(False, batch=BATCH, seq=SEQ)
+    ref_loss, ref_grads = hf_reference(hf, batch)
+    answers = _kept_counts(monkeypatch)
+    rp = _wrapped(hf)
+    loss = rp(**{k: v for k, v in batch.items() if v is not None}).loss
+    loss.backward()
+    assert not any(answers)
+    assert torch.allclose(loss, ref_loss, rtol=1e-5)
+    assert_grads_close(grads(hf), ref_grads)
+
+
+def test_device_saved_room_is_the_budget_less_the_largest_stage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The room: ``DEVICE_SAVED_SHARE`` of the GPU budget less the plan's largest backward stage (its
+    recompute keeps, plus the peak of the layer it back-propagates), never below 0; none without a profile."""
+    kept, peak = [1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 9.0, 7.0]
+    profile = budget.ActivationProfile(kept, peak, [1.0] * 4, tokens=8, seq_len=8, for_tokens=lambda n: profile)
+    monkeypatch.setattr(budget, "gpu_budget", lambda layer_bytes: 100.0)
+    # stages [0, 2): 1 + 2 + max(4, 4) = 7; [2, 4): 3 + 4 + max(6, 3) = 13
+    room = budget.device_saved_room(profile, [], [range(0, 2), range(2, 4)])
+    assert room == pytest.approx(budget.DEVICE_SAVED_SHARE * (100.0 - 13.0))
+    monkeypatch.setattr(budget, "gpu_budget", lambda layer_bytes: 10.0)
+    assert budget.device_saved_room(profile, [], [range(0, 2), range(2, 4)]) == 0.0
+    assert budget.device_saved_room(None, [], [range(0, 4)]) == 0.0

@@ -334,6 +334,43 @@ def test_stage_inputs_kept_on_the_gpu_equal_host_copies(monkeypatch: pytest.Monk
     assert peak_kept - peak_host > 16 * 2**20, (peak_host, peak_kept)
 
 
+def test_auto_keeps_a_hf_models_stage_inputs_on_one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``RPP_DEVICE_SAVED_GB=auto`` (the default) on one GPU, a Hugging Face model (its activations are
+    known): the backward-stage inputs stay on the GPU, and two asynchronous steps give bit-identical
+    weights to the host round trip (``RPP_DEVICE_SAVED_GB=0``)."""
+    pytest.importorskip("transformers")
+    from test_models import make_batch, tiny_model
+
+    import roundpipe
+    from roundpipe import run as run_mod
+    from roundpipe.optim import Adam
+
+    use_devices("cuda:0")
+    answers: list = []
+    real = run_mod.Run.keep_on_device
+    monkeypatch.setattr(run_mod.Run, "keep_on_device", lambda self, leaves: answers.append(real(self, leaves)) or answers[-1])
+
+    def run(setting: str) -> list:
+        monkeypatch.setenv("RPP_DEVICE_SAVED_GB", setting)
+        torch.manual_seed(0)
+        rp = roundpipe.wrap_model_to_roundpipe(tiny_model("qwen3").bfloat16(), optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+        opt = Adam(rp.optim_parameters(), lr=1e-3)
+        batch = {k: v for k, v in make_batch(False, batch=4, seq=64).items() if v is not None}
+        for _ in range(3):
+            rp.train_step(**batch)
+            rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
+        rp.synchronize()
+        return [p.detach().clone() for p in rp.optim_parameters()]
+
+    host = run("0")
+    assert answers and not any(answers)
+    answers.clear()
+    kept = run("auto")
+    assert answers and all(answers)
+    for a, b in zip(host, kept):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("devices", ["cuda:0", "cuda:0,1"])
 def test_streamed_async_steps_equal_synchronous_steps_on_the_gpu(devices: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """RPP_STEP_MODE=streamed on GPUs: asynchronous steps whose layers go to the next forward as the
