@@ -337,6 +337,35 @@ def test_kernel_builds_into_cache_keyed_by_cpu(monkeypatch, tmp_path) -> None:
     assert not list((tmp_path / "optim" / cpu_hash).glob("*.tmp.so"))
 
 
+@pytest.mark.parametrize("impl", ["auto", "torch"])
+def test_the_kernel_is_built_before_the_first_step(impl, monkeypatch, tmp_path) -> None:
+    """The constructor starts building (first run on a machine) and loading the C++ step in a
+    background thread: the first step finds it loaded instead of compiling it itself; with
+    ``RPP_ADAM_IMPL=torch`` nothing is built."""
+    if optim_builder._compiler() is None:
+        pytest.skip("no C++ compiler")
+    import threading
+
+    monkeypatch.setenv("RPP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(settings.ADAM_IMPL.name, impl)
+    monkeypatch.setattr(optim_builder, "loaded_optim_functions", {})
+    monkeypatch.setattr(optim_builder, "_build_errors", {})
+    compiled_on: List[str] = []
+    real = optim_builder._compile
+    monkeypatch.setattr(optim_builder, "_compile", lambda *a: (compiled_on.append(threading.current_thread().name), real(*a))[1])
+    ps = make_params(2)
+    opt = Adam(ps, lr=0.01)
+    for t in threading.enumerate():
+        if t.name == "roundpipe-build-adam":
+            t.join()
+    built = ["roundpipe-build-adam"] if impl == "auto" else []
+    assert compiled_on == built
+    assert ("adam" in optim_builder.loaded_optim_functions) == (impl == "auto")
+    set_grads([ps], 0, seed=2)
+    opt.step()
+    assert compiled_on == built
+
+
 def test_cache_key_covers_the_files_a_source_includes(monkeypatch, tmp_path) -> None:
     """A library is keyed by its source and the files it includes with quotes (recursively): editing
     only an included part (compact_adam.cpp's AVX2 path) must not load the stale library."""

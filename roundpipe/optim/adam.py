@@ -33,7 +33,7 @@ from torch.optim.optimizer import Optimizer, ParamsT
 
 from roundpipe import settings
 from roundpipe.optim import compact
-from roundpipe.optim.build import OptimBuildError, get_optim_function
+from roundpipe.optim.build import OptimBuildError, get_optim_function, prebuild
 from roundpipe.optim.fp32_step import KernelBatch, TensorLists, torch_step
 from roundpipe.optim.reserve import StateReserve
 from roundpipe.optim.step import accept_low_precision_grad, current_publisher
@@ -178,6 +178,10 @@ class Adam(Optimizer):
         # Set before the base constructor: it calls add_param_group, which starts the builders.
         self._reserve: Optional[StateReserve] = StateReserve("adam") if preallocate_state else None
         super().__init__(params, defaults)
+        if settings.ADAM_IMPL.get() != "torch":
+            # The C++ step is compiled (first run on a machine: 2 s for Adam, 7 s for the compact
+            # kernel on a 2-core host) and loaded meanwhile, not inside the first step.
+            prebuild("compact_adam" if self.compact_config.enabled else "adam")
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.add_param_group``; also marks the parameters as taking bfloat16

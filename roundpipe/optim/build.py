@@ -190,6 +190,22 @@ def load_optim_function(name: str) -> None:
     loaded_optim_functions[name] = fn
 
 
+def prebuild(name: str) -> None:
+    """Build and load ``name`` in a background thread unless that was done (or failed) already, so the
+    first step does not compile it (the compact kernel takes seconds); ``get_optim_function`` waits for
+    that thread under the load lock, and a failure it records is reported there, at the first use."""
+    if name in loaded_optim_functions or name in _build_errors:
+        return
+
+    def run() -> None:
+        try:
+            get_optim_function(name)
+        except Exception:  # noqa: BLE001 - recorded in _build_errors (OptimBuildError) or retried at first use
+            pass
+
+    threading.Thread(target=run, name=f"roundpipe-build-{name}", daemon=True).start()
+
+
 def get_optim_function(name: str) -> Callable:
     """Return the optimizer function ``name``, building and loading it on first use.
 
