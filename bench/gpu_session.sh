@@ -86,5 +86,44 @@ case "${1:-}" in
       timeout -s ABRT 90 python3 bench/train_bench.py --workload qwen3-1.7b --plan $plan --iters 6 --skip-baseline --warmup 1 2>&1 | quiet | tee -a "$out/first2.log" | grep -E "^\| roundpipe|load to|pinned blocks|GPU segments|plans after|per-iteration|optimizer step|Error"
     done
     timeout 150 python3 bench/compact_adam_bench.py --params 200M --threads 12 2>&1 | tee -a "$out/first2.log" | tail -12 ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor" >&2; exit 2 ;;
+  saved)  # issue 22 (nvidia-h100-x1), the final two-buffer runtime at ONE warm-up (the first timed iteration):
+    # backward-stage inputs on the host (default) against kept on the GPU (RPP_DEVICE_SAVED_GB=16), host
+    # bytes/param and tokens/s side by side, qwen3-1.7b and qwen3-4b; then qwen3-8b with the compact state
+    # (int8 moments, bf16 masters). A short first run takes the fresh machine's slow first process.
+    P="^\\| roundpipe|load to|per-iteration|host RSS growth|optimizer step|Error"
+    timeout -s ABRT 90 python3 bench/train_bench.py --workload qwen3-1.7b --warmup 1 --iters 2 --skip-baseline 2>&1 | quiet | grep -E "load to|Error"
+    for a in "0 qwen3-1.7b 6 70" "16 qwen3-1.7b 6 70" "0 qwen3-4b 4 90" "16 qwen3-4b 4 90" "0 qwen3-1.7b 6 70"; do
+      set -- $a; echo "RPP_DEVICE_SAVED_GB=$1 $2" | tee -a "$out/saved.log"
+      RPP_DEVICE_SAVED_GB=$1 timeout -s ABRT $4 python3 bench/train_bench.py --workload $2 --warmup 1 --iters $3 --skip-baseline 2>&1 | quiet | tee -a "$out/saved.log" | grep -E "$P"
+    done
+    timeout -s ABRT 200 python3 bench/train_bench.py --workload qwen3-8b --warmup 1 --iters 3 --skip-baseline --optim-state int8 --master bfloat16 2>&1 | quiet | tee -a "$out/saved.log" | grep -E "$P" ;;
+  gaps)  # issue 22: the GPU's idle gaps in the first timed iteration after ONE warm-up against the third, with
+    # the warm-up's step overlapping it (default) and after it ended (--pause-after-warmup 3); then qwen3-8b
+    # compact again, four timed iterations (one 12.8 s iteration in the last call's three)
+    P="^\\| roundpipe|load to|per-iteration|timed iteration|GPU 0|  .* ms at|Error"
+    timeout -s ABRT 90 python3 bench/train_bench.py --workload qwen3-1.7b --warmup 1 --iters 2 --skip-baseline 2>&1 | quiet | grep -E "load to|Error"
+    for x in "" "--pause-after-warmup 3"; do
+      echo "qwen3-1.7b $x" | tee -a "$out/gaps.log"
+      timeout -s ABRT 80 python3 bench/train_bench.py --workload qwen3-1.7b --warmup 1 --iters 5 --skip-baseline --profile-timed 1,3 $x 2>&1 | quiet | tee -a "$out/gaps.log" | grep -E "$P"
+    done
+    timeout -s ABRT 220 python3 bench/train_bench.py --workload qwen3-8b --warmup 1 --iters 4 --skip-baseline --optim-state int8 --master bfloat16 2>&1 | quiet | tee -a "$out/gaps.log" | grep -E "^\\| roundpipe|load to|per-iteration|optimizer step|warm-up step|host RSS growth|Error" ;;
+  gaps2)  # issue 22: the gap lines "gaps" filtered out: GPU-only, then per layer group (RPP_PROFILER=torch)
+    timeout -s ABRT 90 python3 bench/train_bench.py --workload qwen3-1.7b --warmup 1 --iters 2 --skip-baseline 2>&1 | quiet | grep -E "load to|Error"
+    for pr in "" torch; do
+      echo "RPP_PROFILER=$pr" | tee -a "$out/gaps2.log"
+      RPP_PROFILER=$pr timeout -s ABRT 80 python3 bench/train_bench.py --workload qwen3-1.7b --warmup 1 --iters 3 --skip-baseline --profile-timed 1,3 2>&1 | grep -v -i warn | tee -a "$out/gaps2.log" | grep -E "timed iteration|GPU 0| ms at|idle|between|Error" | head -40
+    done ;;
+  auto)  # issue 22 (nvidia-h100-x1): backward-stage inputs kept in the GPU memory the plan leaves free by default
+    # (RPP_DEVICE_SAVED_GB=auto) against the host copies (=0), one warm-up each: host bytes/param, tokens/s,
+    # the first timed iteration; the GPU tests first (also the machine's first process). Last, where the first
+    # timed iteration waits: the runtime threads' blocking waits (--wait-log) and the GPU's idle gaps.
+    timeout 170 python3 -m pytest -m gpu tests/test_gpu.py tests/test_loss.py -q -p no:cacheprovider 2>&1 | tee -a "$out/auto.log" | tail -2
+    P="^\\| roundpipe|load to|per-iteration|host RSS growth|Error"
+    for a in "auto qwen3-1.7b 5 60" "0 qwen3-1.7b 5 60" "auto qwen3-4b 3 75" "0 qwen3-4b 3 75"; do
+      set -- $a; echo "RPP_DEVICE_SAVED_GB=$1 $2" | tee -a "$out/auto.log"
+      RPP_DEVICE_SAVED_GB=$1 timeout -s ABRT $4 python3 bench/train_bench.py --workload $2 --warmup 1 --iters $3 --skip-baseline 2>&1 | quiet | tee -a "$out/auto.log" | grep -E "$P"
+    done
+    timeout -s ABRT 60 python3 bench/train_bench.py --workload qwen3-1.7b --warmup 1 --iters 3 --skip-baseline --wait-log --profile-timed 1,3 2>&1 | grep -v -i warn \
+      | tee -a "$out/auto.log" | grep -E "^waits|timed iteration|GPU 0|copies| ms at| ms from|Error" | head -70 ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto" >&2; exit 2 ;;
 esac

@@ -218,9 +218,12 @@ def busy_fraction(step: Callable[[], None], trace: str = "", gpu_only: bool = Fa
             shares = [f"{d.busy_us / wall:.0%}, idle between groups {d.between_us / wall:.1%}" for d in devices]
             return f"GPU busy {'/'.join(shares)} of {wall / 1e3:.0f} ms (CPU also profiled)"
     per_device: dict = {}
+    copies: List[Tuple[float, float, str]] = []  # (start, end, name) of every copy, to show those inside a gap
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")):
             per_device.setdefault(e.device_index, []).append((e.time_range.start, e.time_range.end, e.name))
+        elif e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith("Memcpy"):
+            copies.append((e.time_range.start, e.time_range.end, e.name))
     t_first = min(k[0][0] for k in (sorted(v) for v in per_device.values())) if per_device else 0.0
     shares = []
     for dev, kernels in sorted(per_device.items()):
@@ -244,8 +247,55 @@ def busy_fraction(step: Callable[[], None], trace: str = "", gpu_only: bool = Fa
         )
         for g, at, before, after in gaps[:12]:
             print(f"  {g / 1e3:7.2f} ms at {at / 1e3:8.1f} ms  after {before[:60]!r}  before {after[:60]!r}")
+        if gaps and gaps[0][0] > 20e3:  # the copies running during the longest gap (did compute wait for one?)
+            lo = gaps[0][1] + t_first
+            inside = [c for c in copies if c[1] > lo and c[0] < lo + gaps[0][0]]
+            print(f"  copies during the longest gap: {len(inside)}, {sum(min(c[1], lo + gaps[0][0]) - max(c[0], lo) for c in inside) / 1e3:.1f} ms")
+            for c in sorted(inside, key=lambda c: c[0] - c[1])[:5]:
+                print(f"    {(c[1] - c[0]) / 1e3:7.2f} ms from {(c[0] - t_first) / 1e3:8.1f} ms: {c[2][:50]}")
         shares.append(f"{busy / wall:.0%}")
     return f"GPU busy {'/'.join(shares)} of {wall / 1e3:.0f} ms"
+
+
+class WaitLog:
+    """Diagnostic (``--wait-log``): the RoundPipe threads' blocking waits on named events and semaphores
+    (``roundpipe.threads``) of at least ``min_ms``, per iteration: which thread waited for what, when
+    (from the iteration's start) and how long."""
+
+    def __init__(self, min_ms: float = 5.0) -> None:
+        import threading
+
+        from roundpipe import threads
+
+        self.min_s = min_ms / 1e3
+        self.lock = threading.Lock()
+        self.start = time.perf_counter()
+        self.rows: List[Tuple[float, float, str, str]] = []
+        log = self
+
+        def timed_wait(orig: Callable[..., bool], name_of: Callable[[Any], str]) -> Callable[..., bool]:
+            def wait(obj: Any, *a: Any, **k: Any) -> bool:
+                t = time.perf_counter()
+                ok = orig(obj, *a, **k)
+                d = time.perf_counter() - t
+                if d >= log.min_s:
+                    with log.lock:
+                        log.rows.append((t - log.start, d, threading.current_thread().name, name_of(obj)))
+                return ok
+
+            return wait
+
+        threads.AnnotatedEvent.wait = timed_wait(threads.AnnotatedEvent.wait, lambda e: e.name)  # type: ignore[method-assign]
+        threads.AnnotatedSemaphore.acquire = timed_wait(threads.AnnotatedSemaphore.acquire, lambda s: s.name)  # type: ignore[method-assign]
+
+    def report(self, what: str) -> None:
+        """Print the waits since the last report (longest first) and start the next iteration's clock."""
+        with self.lock:
+            rows, self.rows = sorted(self.rows, key=lambda r: -r[1]), []
+        print(f"waits >= {self.min_s * 1e3:.0f} ms in {what}: {len(rows)}, {sum(r[1] for r in rows):.3f} s in all")
+        for at, d, thread, name in rows[:10]:
+            print(f"  wait {d * 1e3:7.1f} ms from {at * 1e3:7.1f} ms: {thread} on {name}")
+        self.start = time.perf_counter()
 
 
 class GcTimer:
@@ -476,8 +526,15 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
 
     rss: List[float] = []
 
+    profiled = {int(k) for k in args.profile_timed.split(",") if k} if torch.cuda.is_available() else set()
+    waits = WaitLog() if args.wait_log else None
+
     def tracked_step() -> None:
-        step()
+        timed_index = len(rss) - args.warmup + 1  # 1 = the first timed iteration
+        if timed_index in profiled:  # diagnostic: this timed iteration's GPU idle gaps (device activity only)
+            print(f"timed iteration {timed_index}: " + busy_fraction(step, "", True), flush=True)
+        else:
+            step()
         rss.append(psutil.Process().memory_info().rss / 1024**3)
 
     def progress(i: int, t: float) -> None:
@@ -508,6 +565,8 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
     gc_per_iter: List[List[float]] = []
 
     def timed_progress(i: int, t: float) -> None:
+        if waits is not None:
+            waits.report(f"iteration {i + 1} (warm-up {args.warmup})")
         gc_per_iter.append(gc_timer.take())
         if args.gc_freeze and i == args.warmup - 1:  # diagnostic: no full collections of the model's objects later
             gc.collect()
@@ -560,6 +619,12 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
         host_allocs(step)
     model.synchronize()
     host = psutil.Process().memory_info().rss - rss0
+    if torch.cuda.is_available():  # of that growth: torch's caching pinned allocator (activation copies)
+        hs = torch.cuda.host_memory_stats()
+        print(
+            f"roundpipe host RSS growth {host / 1024**3:.2f} GiB; torch's pinned block cache holds "
+            f"{hs.get('reserved_bytes.current', 0) / 1024**3:.2f} GiB of it ({hs.get('allocated_bytes.current', 0) / 1024**3:.2f} GiB in use)"
+        )
     peak = torch.cuda.max_memory_allocated() / 1024**3 if torch.cuda.is_available() else float("nan")
     auto_plan = model.resolve_plan(ResolvedRunConfig(RoundPipeRunConfig(), model.model_run_config), "fused")  # the model's own (auto) plan
     print(f"roundpipe plan: {auto_plan}")
@@ -632,6 +697,8 @@ def main() -> None:
     p.add_argument("--trace", default="", help="with --profile: write a chrome trace of that iteration here")
     p.add_argument("--trace-gpu-only", action="store_true", help="with --trace: record GPU kernels and copies only (host threads unslowed)")
     p.add_argument("--lora", type=int, default=0, help="LoRA rank on all decoder projections (0: full fine-tune)")
+    p.add_argument("--wait-log", action="store_true", help="diagnostic: the runtime threads' blocking waits (>= 5 ms) per iteration")
+    p.add_argument("--profile-timed", default="", help="diagnostic: timed iterations (1 = the first) to profile on the GPU, e.g. 1,3: busy share, idle gaps")
     p.add_argument("--pause-after-warmup", type=float, default=0.0, help="diagnostic: wait for the optimizer, then sleep this long, before timing")
     p.add_argument("--gc-freeze", action="store_true", help="diagnostic: gc.collect(); gc.freeze() after the warm-up iterations")
     p.add_argument("--noop-step", action="store_true", help="diagnostic: the asynchronous step runs, without Adam (gradients zeroed only)")

@@ -110,6 +110,17 @@ case "${1:-}" in
     torchrun --standalone --nproc-per-node 1 bench/dp_bench.py $A --batch-per-rank $((2 * B)) --out "$out/ref$B.json" 2>&1 | tail -3
     torchrun --standalone --nproc-per-node 2 bench/dp_bench.py $A --batch-per-rank $B --out "$out/two$B.json" 2>&1 | tail -3
     python3 bench/dp_bench.py --compare "$out/one$B.json" "$out/two$B.json" --loss-ref "$out/ref$B.json" ;;
+  numa)  # issue 19: data parallel 2 ranks x 8 on qwen3-1.7b with each rank bound to its GPU's NUMA node
+    # (torchrun --numa-binding=node: the host Adam steps of the two ranks then stream from two memory
+    # controllers instead of one), against unbound; the same 14 optimizer threads per rank; GPU tests first
+    nvidia-smi topo -m 2>&1 | head -6; lscpu | grep -i -E "numa|socket|model name" | tee -a "$log"
+    [ -n "${SKIP_TESTS:-}" ] || timeout 200 python3 -m pytest -m gpu tests/test_gpu.py tests/test_loss.py -q -p no:cacheprovider 2>&1 | tee -a "$log" | tail -3
+    A="--model qwen3-1.7b --seq 4096 --steps 12 --warmup 3 --batch-per-rank 8"
+    d() { timeout "$1" torchrun --standalone "${@:2}" 2>&1 | grep -v -i warn | tee -a "$log" | grep -E "tokens/s|s/iter|Error|error" | tail -3; }
+    d 100 --nproc-per-node 1 bench/dp_bench.py $A --out "$out/one.json"
+    d 110 --nproc-per-node 2 bench/dp_bench.py $A --threads 14 --out "$out/two.json"
+    d 110 --numa-binding=node --nproc-per-node 2 bench/dp_bench.py $A --threads 14 --out "$out/two_numa.json"
+    d 110 --nproc-per-node 2 bench/dp_bench.py $A --threads 16 --out "$out/two16.json" ;;
   *)
-    echo "usage: bash bench/two_gpu_acceptance.sh tests|bound|peer|opt|grads|ab|threads|scale|4b|8b|8b1|8b2|plans|dp" >&2; exit 2 ;;
+    echo "usage: bash bench/two_gpu_acceptance.sh tests|bound|peer|opt|grads|ab|threads|scale|4b|8b|8b1|8b2|plans|dp|numa" >&2; exit 2 ;;
 esac
