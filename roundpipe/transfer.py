@@ -515,7 +515,7 @@ def _grad_buffer(p: torch.Tensor, attr: ParamAttribute, layer_id: int, dev_grad:
     staging buffer before ``grad_copied`` (the backward fence waited for it).
     """
     if attr.shared:
-        return _shared_grad_buffer(attr, layer_id, dev_grad)
+        return _shared_grad_buffer(attr, layer_id, dev_grad, host_grad(p, layer_id))
     g = p.grad
     if g is not None and g.device.type == "cpu" and g.shape == dev_grad.shape and g.dtype == dev_grad.dtype:
         return g
@@ -534,12 +534,12 @@ def _grad_buffer(p: torch.Tensor, attr: ParamAttribute, layer_id: int, dev_grad:
     return buf
 
 
-def _shared_grad_buffer(attr: ParamAttribute, layer_id: int, dev_grad: torch.Tensor) -> torch.Tensor:
-    """A buffer for one layer's share of a shared parameter's gradient: the layer's first buffer the
-    optimizer does not hold as its ``.grad`` (the main thread sums the shares into a new tensor, so
-    the optimizer only ever holds one of these when a single layer contributed)."""
+def _shared_grad_buffer(attr: ParamAttribute, layer_id: int, dev_grad: torch.Tensor, seed: Optional[torch.Tensor]) -> torch.Tensor:
+    """A buffer for one layer's share of a shared parameter's gradient: its upload's ``seed`` (the cycle's
+    running sum, ``host_grad``, added in on the device) in place, or ``fold_shared_grads`` would add the
+    seed twice; else the layer's first buffer the optimizer does not hold as its ``.grad``."""
     bufs = [b for b in attr.grad_buffer.get(layer_id, []) if b.shape == dev_grad.shape and b.dtype == dev_grad.dtype]
-    buf = _free_grad_buffer(attr, bufs)
+    buf = _free_grad_buffer(attr, [b for b in bufs if b is seed] + [b for b in bufs if b is not seed])
     if buf is None:
         buf = pinned_empty(dev_grad.shape, dev_grad.dtype)
         bufs.append(buf)

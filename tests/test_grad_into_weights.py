@@ -189,3 +189,51 @@ def test_planner_counts_one_buffer_besides_the_weights(workers: str, monkeypatch
     monkeypatch.setenv("RPP_GRAD_INTO_MODEL", "1")
     monkeypatch.setenv("RPP_STEP_MODE", "streamed")
     assert not settings.grad_into_model_enabled()
+
+
+@pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
+def test_a_shared_gradient_accumulated_over_two_calls_counts_each_call_once(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two training calls per step and a tied weight: the second call continues the shared parameter's
+    running gradient in the buffer its upload was seeded from. Here the step in flight holds its own
+    gradient buffer through the first call of the next cycle and releases it before the second (a
+    gate in its step function): the second call's download used to take that released buffer, and the
+    fold then added the first call's share twice (a data-parallel run showed it as a wrong gradient in
+    about 1 run of 10). The result must equal the run whose step ends before the next cycle starts."""
+    import threading
+
+    monkeypatch.setenv("RPP_GRAD_INTO_MODEL", "0")
+
+    def run(gated: bool) -> Tuple[List[torch.Tensor], int]:
+        model = _model(tied=True)
+        rp = RoundPipe(model, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+        opt = Adam(list(rp.optim_parameters()), lr=1e-2)
+        gate = threading.Event()
+        data = iter(_batches(4))
+
+        def call() -> None:
+            x, y = next(data)
+            rp.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
+
+        def held_step() -> None:
+            gate.wait()  # the step keeps its gradients (and their buffers) until the gate opens
+            opt.step()
+            opt.zero_grad()
+
+        call()
+        call()
+        rp.step(held_step if gated else (lambda: (opt.step(), opt.zero_grad())), is_async=True)
+        if not gated:
+            rp.wait_optimizer()
+        call()  # the first call of the next cycle
+        gate.set()
+        rp.wait_optimizer()  # the step has released its buffers before the second call
+        call()
+        rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
+        rp.synchronize()
+        shared = ParamAttribute.get(model[2].weight)
+        return [p.detach().clone() for p in rp.optim_parameters()], max(len(b) for b in shared.grad_buffer.values())
+
+    reference, _ = run(gated=False)
+    got, buffers = run(gated=True)
+    assert buffers >= 2  # the scenario happened: the held buffer made the first call take another one
+    assert all(torch.equal(p, q) for p, q in zip(got, reference))
