@@ -117,7 +117,7 @@ case "${1:-}" in
     # (RPP_DEVICE_SAVED_GB=auto) against the host copies (=0), one warm-up each: host bytes/param, tokens/s,
     # the first timed iteration; the GPU tests first (also the machine's first process). Last, where the first
     # timed iteration waits: the runtime threads' blocking waits (--wait-log) and the GPU's idle gaps.
-    timeout 170 python3 -m pytest -m gpu tests/test_gpu.py tests/test_loss.py -q -p no:cacheprovider 2>&1 | tee -a "$out/auto.log" | tail -2
+    timeout 300 python3 -m pytest -m gpu tests/test_gpu.py tests/test_loss.py -q -p no:cacheprovider 2>&1 | tee -a "$out/auto.log" | tail -2
     P="^\\| roundpipe|load to|per-iteration|host RSS growth|Error"
     for a in "auto qwen3-1.7b 5 60" "0 qwen3-1.7b 5 60" "auto qwen3-4b 3 75" "0 qwen3-4b 3 75"; do
       set -- $a; echo "RPP_DEVICE_SAVED_GB=$1 $2" | tee -a "$out/auto.log"
