@@ -212,7 +212,9 @@ class ParamAttribute:
             new, old = self.staged, param.data
             if new is None or self.in_place or new.shape != old.shape or new.dtype != old.dtype or old.dtype != dtype:
                 return None
-            if pinned and not (old.is_pinned() and new.is_pinned()):
+            # The download needs the old buffer pinned; the staging buffer is pinned whenever the weights
+            # are (``choose_staging`` and ``optim.step.stage_params`` make it so): one query, not two.
+            if pinned and not old.is_pinned():
                 return None
             param.data, self.staged, self.in_place, self.marked = new, None, True, None
             return old
