@@ -125,5 +125,16 @@ case "${1:-}" in
     done
     timeout -s ABRT 60 python3 bench/train_bench.py --workload qwen3-1.7b --warmup 1 --iters 3 --skip-baseline --wait-log --profile-timed 1,3 2>&1 | grep -v -i warn \
       | tee -a "$out/auto.log" | grep -E "^waits|timed iteration|GPU 0|copies| ms at| ms from|Error" | head -70 ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto" >&2; exit 2 ;;
+  auto2)  # issue 22 (nvidia-h100-x1), seventeenth session: a warm-up process first (a fresh machine's first process
+    # compiles and ran past the limits of "auto"), then RPP_DEVICE_SAVED_GB 0 vs auto side by side, then what each
+    # thread runs, 20 ms by 20 ms, in the first timed iteration (the gap at the forward-to-backward turn).
+    timeout -s ABRT 200 python3 bench/train_bench.py --workload qwen3-1.7b --warmup 1 --iters 2 --skip-baseline 2>&1 | tail -3 | tee -a "$out/auto2.log"
+    P="^\\| roundpipe|load to|per-iteration|host RSS growth|garbage|Error"
+    for a in "0 qwen3-1.7b 5 100" "auto qwen3-1.7b 5 100" "0 qwen3-4b 3 130" "auto qwen3-4b 3 130"; do
+      set -- $a; echo "RPP_DEVICE_SAVED_GB=$1 $2" | tee -a "$out/auto2.log"
+      RPP_DEVICE_SAVED_GB=$1 timeout -s ABRT $4 python3 bench/train_bench.py --workload $2 --warmup 1 --iters $3 --skip-baseline 2>&1 | quiet | tee -a "$out/auto2.log" | grep -E "$P"
+    done
+    timeout -s ABRT 100 python3 bench/train_bench.py --workload qwen3-1.7b --warmup 1 --iters 3 --skip-baseline --stack-timeline 1 > "$out/timeline.log" 2>&1
+    grep -E "per-iteration|load to|garbage" "$out/timeline.log" ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2" >&2; exit 2 ;;
 esac

@@ -424,6 +424,60 @@ def sample_stacks(step: Callable[[], None], iters: int = 2, period_s: float = 0.
             print(f"  {100 * n / total:5.1f}%  {line}")
 
 
+def stack_timeline(step: Callable[[], None], bucket_ms: float = 20.0, period_s: float = 0.002) -> None:
+    """What each RoundPipe thread does over one iteration, in time: sample every thread's innermost
+    RoundPipe frame (and the innermost frame of all, e.g. a torch call) every ``period_s``, and print per
+    ``bucket_ms`` window the most frequent one per thread. Finds what a thread runs while the GPU idles
+    (a gap no event wait explains: the thread is busy, or waits in a C call or for the interpreter lock)."""
+    import collections
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    samples: List[Tuple[float, str, str]] = []
+    names: Dict[int, str] = {}
+    done = threading.Event()
+
+    def where(frame: Any) -> str:
+        f, inner = frame, None
+        while f is not None:
+            if "/roundpipe/" in f.f_code.co_filename and inner is None:
+                inner = f
+            f = f.f_back
+        g = inner or frame
+        top = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} {frame.f_code.co_name}"
+        return f"{os.path.relpath(g.f_code.co_filename, root)}:{g.f_lineno} {g.f_code.co_name} <- {top}"
+
+    t0 = time.perf_counter()
+
+    def sampler() -> None:
+        while not done.is_set():
+            time.sleep(period_s)
+            t = 1e3 * (time.perf_counter() - t0)
+            for ident, frame in sys._current_frames().items():
+                name = names.get(ident)
+                if name is None:
+                    th = next((x for x in threading.enumerate() if x.ident == ident), None)
+                    name = names[ident] = th.name if th else str(ident)
+                if name == "MainThread" or name.startswith("roundpipe"):
+                    samples.append((t, name, where(frame)))
+
+    th = threading.Thread(target=sampler, name="stack-sampler", daemon=True)
+    th.start()
+    step()
+    cuda_sync()
+    done.set()
+    th.join()
+    buckets: Dict[Tuple[str, int], collections.Counter] = collections.defaultdict(collections.Counter)
+    for t, name, w in samples:
+        buckets[(name, int(t // bucket_ms))][w] += 1
+    for name in sorted({n for n, _ in buckets}):
+        print(f"timeline of {name} ({bucket_ms:.0f} ms windows; most frequent frame, share of samples):")
+        for (n, b), c in sorted(buckets.items()):
+            if n == name:
+                w, k = c.most_common(1)[0]
+                print(f"  {b * bucket_ms:7.0f} ms {100 * k / sum(c.values()):4.0f}%  {w}")
+
+
 def simulated_ms(model: Any, plan: Any, n_mb: int) -> str:
     """The planner's model of one iteration (compute only, from the timer's per-layer estimates) on this
     many devices and on one: what the round-robin pipeline would take if transfers were free."""
@@ -531,7 +585,9 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
 
     def tracked_step() -> None:
         timed_index = len(rss) - args.warmup + 1  # 1 = the first timed iteration
-        if timed_index in profiled:  # diagnostic: this timed iteration's GPU idle gaps (device activity only)
+        if timed_index == args.stack_timeline:  # diagnostic: what each thread runs, in time, in this timed iteration
+            stack_timeline(step)
+        elif timed_index in profiled:  # diagnostic: this timed iteration's GPU idle gaps (device activity only)
             print(f"timed iteration {timed_index}: " + busy_fraction(step, "", True), flush=True)
         else:
             step()
@@ -706,6 +762,13 @@ def main() -> None:
     p.add_argument("--optim-state", default="float32", choices=["float32", "bfloat16", "int8"], help="Adam moments' dtype (docs/optimizer.md)")
     p.add_argument("--master", default="float32", choices=["float32", "bfloat16"], help="master weights (bfloat16: the weights themselves)")
     p.add_argument("--master-rounding", default="stochastic", choices=["stochastic", "kahan", "nearest"], help="with --master bfloat16")
+    p.add_argument(
+        "--stack-timeline",
+        type=int,
+        default=0,
+        metavar="K",
+        help="diagnostic: the threads' most frequent frames per 20 ms window over timed iteration K (1 = the first)",
+    )
     p.add_argument(
         "--sample-stacks", action="store_true", help="diagnostic: sample the threads' stacks over two more iterations (where they spend time, GIL waits)"
     )
