@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from roundpipe import device as device_mod
 from roundpipe import settings
 from roundpipe.attribute import ParamAttribute
 from roundpipe.memory import pinned_empty
@@ -43,22 +44,32 @@ if TYPE_CHECKING:
 
 
 def preallocate_host_buffers(params: Sequence[nn.Parameter], name: str) -> threading.Thread:
-    """Allocate, in a background thread, per trainable unshared parameter the spares that the first
-    gradient downloads take (the first call's, and the second call's with ``RPP_GRAD_INTO_MODEL=0``),
-    pinned and faulted in. A buffer the download needs before the thread reaches its parameter is
+    """Allocate, in a background thread, per trainable parameter the spares that the first gradient
+    downloads take (the first call's, and the second call's with ``RPP_GRAD_INTO_MODEL=0``), pinned and
+    faulted in; for a shared (tied) parameter, its first gradient buffer and its first staging buffer
+    (``transfer._shared_grad_buffer``, ``optim.step.stage_params``: a tied embedding's are the largest
+    buffers of a model, and pinning one in the first step held the driver's lock for 0.3 s of the next
+    iteration on qwen3-1.7b). A buffer the download needs before the thread reaches its parameter is
     allocated there as before (an extra spare is trimmed after the step; with downloads into the weights
     none is made for a parameter whose download came first); a failure to pin is left to that path,
     which reports it with advice."""
     into_weights = settings.grad_into_model_enabled()
-    want = 1 if into_weights else (2 if settings.stage_params_enabled() else settings.grad_buffers_limit() - 1)
+    staged = settings.stage_params_enabled()
+    want = 1 if into_weights else (2 if staged else settings.grad_buffers_limit() - 1)
+    # A tied weight's shares are summed on the device where its layers run on one, else each layer
+    # downloads its own (``transfer._shared_grad_buffer``); plus the staging buffer.
+    one_device = device_mod.get_num_devices() == 1
 
     def run() -> None:
         for p in params:
             attr = ParamAttribute.get(p)
-            if attr.shared or not p.requires_grad or (into_weights and p.grad is not None):
+            if not p.requires_grad or (into_weights and p.grad is not None and not attr.shared):
                 continue  # (a download that came first took a buffer of its own: one more would be surplus)
             have = sum(1 for b, _ in attr.spare if b.shape == p.shape and b.dtype == p.dtype)
-            for _ in range(max(0, want - have)):
+            if attr.shared:
+                have += sum(len(bs) for bs in attr.grad_buffer.values()) + (attr.staged is not None)
+            shared_want = (1 if one_device else len(attr.layer_ids)) + staged
+            for _ in range(max(0, (shared_want if attr.shared else want) - have)):
                 try:
                     buf = pinned_empty(p.shape, p.dtype)
                 except RuntimeError:

@@ -537,12 +537,12 @@ def _grad_buffer(p: torch.Tensor, attr: ParamAttribute, layer_id: int, dev_grad:
 def _shared_grad_buffer(attr: ParamAttribute, layer_id: int, dev_grad: torch.Tensor, seed: Optional[torch.Tensor]) -> torch.Tensor:
     """A buffer for one layer's share of a shared parameter's gradient: its upload's ``seed`` (the cycle's
     running sum, ``host_grad``, added in on the device) in place, or ``fold_shared_grads`` would add the
-    seed twice; else the layer's first buffer the optimizer does not hold as its ``.grad``."""
+    seed twice; else the layer's first buffer the optimizer does not hold as its ``.grad``, else a spare."""
     bufs = [b for b in attr.grad_buffer.get(layer_id, []) if b.shape == dev_grad.shape and b.dtype == dev_grad.dtype]
     buf = _free_grad_buffer(attr, [b for b in bufs if b is seed] + [b for b in bufs if b is not seed])
     if buf is None:
-        buf = pinned_empty(dev_grad.shape, dev_grad.dtype)
-        bufs.append(buf)
+        buf = attr.take_spare(dev_grad.shape, dev_grad.dtype, backend.pin_enabled())  # built by host_buffers
+        bufs.append(buf := pinned_empty(dev_grad.shape, dev_grad.dtype) if buf is None else buf)
     attr.grad_buffer[layer_id] = bufs
     return buf
 

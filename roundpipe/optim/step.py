@@ -308,8 +308,10 @@ def copy_params_to_model(units: Units, use_staged: bool = False, written: Abstra
                     # a publish leaves them then, a copy after a synchronous step does not.
                     if not (use_staged and pa.weights_current(p)) and id(pa.optim) not in written:
                         p.data.copy_(pa.optim.data)
-                    if use_staged and settings.grad_into_model_enabled():
-                        pa.trim_spare(keep=0)  # downloads take the weights' buffer: no spare needed
+                    if use_staged and settings.grad_into_model_enabled() and not pa.shared:
+                        # Downloads take the weights' buffer: no spare needed (a shared parameter's
+                        # downloads do not; its spare is the staging buffer below).
+                        pa.trim_spare(keep=0)
                 elif use_staged and pa.staged_valid and pa.staged is not None:
                     # The old model buffer goes to the spares: the wait above ensures no upload
                     # reads it any more (the next gradient download takes it, see
