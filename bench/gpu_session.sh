@@ -136,5 +136,16 @@ case "${1:-}" in
     done
     timeout -s ABRT 100 python3 bench/train_bench.py --workload qwen3-1.7b --warmup 1 --iters 3 --skip-baseline --stack-timeline 1 > "$out/timeline.log" 2>&1
     grep -E "per-iteration|load to|garbage" "$out/timeline.log" ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2" >&2; exit 2 ;;
+  first4)  # issue 22 (nvidia-h100-x1), seventeenth session: the first timed iteration after one warm-up with a tied
+    # weight's buffers built in the background (the pinning of its staging buffer held up the first iteration's
+    # backward); a warm-up process first; then the timeline again (no cudaHostRegister beside the iteration).
+    timeout -s ABRT 200 python3 bench/train_bench.py --workload qwen3-1.7b --warmup 1 --iters 2 --skip-baseline 2>&1 | tail -3 | tee -a "$out/first4.log"
+    P="^\\| roundpipe|load to|per-iteration|host RSS growth|garbage|Error"
+    for a in "qwen3-1.7b 5 100" "qwen3-4b 4 140" "qwen3-1.7b 5 100"; do
+      set -- $a; echo "$1" | tee -a "$out/first4.log"
+      timeout -s ABRT $3 python3 bench/train_bench.py --workload $1 --warmup 1 --iters $2 --skip-baseline 2>&1 | quiet | tee -a "$out/first4.log" | grep -E "$P"
+    done
+    timeout -s ABRT 100 python3 bench/train_bench.py --workload qwen3-1.7b --warmup 1 --iters 3 --skip-baseline --stack-timeline 1 > "$out/timeline.log" 2>&1
+    grep -E "per-iteration|load to|garbage" "$out/timeline.log"; grep -c "_cuda_register" "$out/timeline.log" ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4" >&2; exit 2 ;;
 esac
