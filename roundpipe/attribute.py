@@ -28,6 +28,7 @@ import torch
 
 from roundpipe import backend
 from roundpipe.backend import CpuEvent, Event
+from roundpipe.memory import pinned_empty
 from roundpipe.threads import AnnotatedEvent
 
 
@@ -218,6 +219,35 @@ class ParamAttribute:
                 return None
             param.data, self.staged, self.in_place, self.marked = new, None, True, None
             return old
+
+    def shared_grad_buffer(self, layer_id: int, dev_grad: torch.Tensor, seed: Optional[torch.Tensor], moved: Optional[torch.Tensor]) -> torch.Tensor:
+        """A host buffer for one layer's share of a shared parameter's gradient (a device thread, in the
+        layer's download): the old weights buffer ``moved`` (``move_weights`` at the owner's download);
+        else its upload's ``seed`` (the cycle's running sum, ``transfer.host_grad``, added in on the
+        device) in place, or ``fold_shared_grads`` would add the seed twice; else the layer's first
+        buffer the optimizer does not hold as its ``.grad`` (the owner's leaves the list when the step
+        takes it, ``forget_grad_buffer``); else a spare (built ahead by ``host_buffers``), else a new one."""
+        bufs = [b for b in self.grad_buffer.get(layer_id, []) if b.shape == dev_grad.shape and b.dtype == dev_grad.dtype]
+        held = self.optim.grad if self.optim is not None else None
+        busy = held.data_ptr() if held is not None and held.numel() > 0 else None
+        free = (b for b in [b for b in bufs if b is seed] + [b for b in bufs if b is not seed] if busy is None or b.data_ptr() != busy)
+        buf = moved if moved is not None else next(free, None)
+        if buf is None:
+            buf = self.take_spare(dev_grad.shape, dev_grad.dtype, backend.pin_enabled())
+            buf = pinned_empty(dev_grad.shape, dev_grad.dtype) if buf is None else buf
+        if not any(b is buf for b in bufs):
+            bufs.append(buf)
+        self.grad_buffer[layer_id] = bufs
+        return buf
+
+    def forget_grad_buffer(self, buf: torch.Tensor) -> None:
+        """The step has taken ``buf``, a shared parameter's gradient buffer, as the optimizer's ``.grad``:
+        it leaves its layer's list and rotates like an unshared parameter's (held, staged, weights,
+        spare), so a tied weight has two host copies in the model dtype, not three. Optimizer thread:
+        only the list holding ``buf`` changes, the owner's, whose downloads wait for ``grad_copied``."""
+        for layer_id, bufs in self.grad_buffer.items():
+            if any(b is buf for b in bufs):
+                self.grad_buffer[layer_id] = [b for b in bufs if b is not buf]
 
     def release_held(self) -> Optional[torch.Tensor]:
         """The buffer handed to the optimizer as its ``.grad``, once the optimizer no longer holds it

@@ -46,19 +46,17 @@ if TYPE_CHECKING:
 def preallocate_host_buffers(params: Sequence[nn.Parameter], name: str) -> threading.Thread:
     """Allocate, in a background thread, per trainable parameter the spares that the first gradient
     downloads take (the first call's, and the second call's with ``RPP_GRAD_INTO_MODEL=0``), pinned and
-    faulted in; for a shared (tied) parameter, its first gradient buffer and its first staging buffer
-    (``transfer._shared_grad_buffer``, ``optim.step.stage_params``: a tied embedding's are the largest
-    buffers of a model, and pinning one in the first step held the driver's lock for 0.3 s of the next
-    iteration on qwen3-1.7b). A buffer the download needs before the thread reaches its parameter is
+    faulted in. A shared (tied) parameter's owner layer rotates its buffers like any parameter, and on
+    several devices each other layer sharing it downloads its own share (``ParamAttribute.shared_grad_buffer``):
+    one spare more per such layer. (A tied embedding's buffers are a model's largest: pinning one in the
+    first step held the driver's lock for 0.3 s of the next iteration on qwen3-1.7b.) A buffer the download needs before the thread reaches its parameter is
     allocated there as before (an extra spare is trimmed after the step; with downloads into the weights
     none is made for a parameter whose download came first); a failure to pin is left to that path,
     which reports it with advice."""
     into_weights = settings.grad_into_model_enabled()
     staged = settings.stage_params_enabled()
     want = 1 if into_weights else (2 if staged else settings.grad_buffers_limit() - 1)
-    # A tied weight's shares are summed on the device where its layers run on one, else each layer
-    # downloads its own (``transfer._shared_grad_buffer``); plus the staging buffer.
-    one_device = device_mod.get_num_devices() == 1
+    one_device = device_mod.get_num_devices() == 1  # a tied weight's shares are summed on the device then
 
     def run() -> None:
         for p in params:
@@ -68,8 +66,8 @@ def preallocate_host_buffers(params: Sequence[nn.Parameter], name: str) -> threa
             have = sum(1 for b, _ in attr.spare if b.shape == p.shape and b.dtype == p.dtype)
             if attr.shared:
                 have += sum(len(bs) for bs in attr.grad_buffer.values()) + (attr.staged is not None)
-            shared_want = (1 if one_device else len(attr.layer_ids)) + staged
-            for _ in range(max(0, (shared_want if attr.shared else want) - have)):
+            sharers = 0 if one_device or not attr.shared else len(attr.layer_ids) - 1
+            for _ in range(max(0, want + sharers - have)):
                 try:
                     buf = pinned_empty(p.shape, p.dtype)
                 except RuntimeError:

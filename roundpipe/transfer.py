@@ -499,27 +499,30 @@ def _grad_buffer(p: torch.Tensor, attr: ParamAttribute, layer_id: int, dev_grad:
         -> the next step publishes it (model) -> that publish releases the old model buffer once no
         upload reads it (spare) -> the next iteration's downloads take it.
 
-    Safe to take a spare here without waiting: the backward fence waited for ``grad_copied``, which
-    the step sets only after publishing, so this iteration's spare (the old model buffer) exists and is
-    unread. With staging off (``RPP_STAGE_PARAMS=0``) the spare is the gradient buffer the
-    previous step released; while that step still holds it, ``RPP_GRAD_BUFFERS=1`` makes this device
-    thread wait until the optimizer kernels queued so far have run (their ``zero_grad`` releases it).
+    Safe to take a spare here without waiting: the backward fence waited for ``grad_copied``, set by
+    the step after publishing: this iteration's spare (the old model buffer) exists, unread. With
+    staging off (``RPP_STAGE_PARAMS=0``) the spare is the gradient buffer the previous step released;
+    while that step still holds it, ``RPP_GRAD_BUFFERS=1`` makes this device thread wait until the
+    optimizer kernels queued so far have run (their ``zero_grad`` releases it).
     No deadlock: those kernels wait only for downloads of earlier iterations (the next step is queued
-    after every job of this call, ``run.guarded``). Shared parameters: per-layer buffers.
+    after every job of this call, ``run.guarded``). Shared parameters: ``ParamAttribute.shared_grad_buffer``.
 
     ``into_weights`` (``host_buffers.StepCycle``) skips the spare, two copies: the download takes the
     weights' buffer, the weights move to the buffer the step in flight stages into
     (``ParamAttribute.move_weights``). No wait needed: this job's upload was the call's last of the
     layer (one backward job per layer and call; a split job's other parts uploaded before the gradients
     this waits for), compute waited for it and this stream waits for compute; the step chose the
-    staging buffer before ``grad_copied`` (the backward fence waited for it).
+    staging buffer before ``grad_copied`` (the backward fence waited for it). A tied weight moves at its
+    owner's download, the last job of the call to use it (its sharers' shares were computed before).
     """
+    pinned = backend.pin_enabled()  # asynchronous downloads need pinned memory
     if attr.shared:
-        return _shared_grad_buffer(attr, layer_id, dev_grad, host_grad(p, layer_id))
+        seed = host_grad(p, layer_id)
+        moved = attr.move_weights(p, dev_grad.dtype, pinned) if into_weights and layer_id == min(attr.layer_ids) and seed is None else None
+        return attr.shared_grad_buffer(layer_id, dev_grad, seed, moved)
     g = p.grad
     if g is not None and g.device.type == "cpu" and g.shape == dev_grad.shape and g.dtype == dev_grad.dtype:
         return g
-    pinned = backend.pin_enabled()  # asynchronous downloads need pinned memory
     moved = attr.move_weights(p, dev_grad.dtype, pinned) if into_weights and g is None else None
     if moved is not None:
         return moved
@@ -532,26 +535,6 @@ def _grad_buffer(p: torch.Tensor, attr: ParamAttribute, layer_id: int, dev_grad:
     if buf is None:
         buf = pinned_empty(dev_grad.shape, dev_grad.dtype)  # exact size: it lives as long as the model
     return buf
-
-
-def _shared_grad_buffer(attr: ParamAttribute, layer_id: int, dev_grad: torch.Tensor, seed: Optional[torch.Tensor]) -> torch.Tensor:
-    """A buffer for one layer's share of a shared parameter's gradient: its upload's ``seed`` (the cycle's
-    running sum, ``host_grad``, added in on the device) in place, or ``fold_shared_grads`` would add the
-    seed twice; else the layer's first buffer the optimizer does not hold as its ``.grad``, else a spare."""
-    bufs = [b for b in attr.grad_buffer.get(layer_id, []) if b.shape == dev_grad.shape and b.dtype == dev_grad.dtype]
-    buf = _free_grad_buffer(attr, [b for b in bufs if b is seed] + [b for b in bufs if b is not seed])
-    if buf is None:
-        buf = attr.take_spare(dev_grad.shape, dev_grad.dtype, backend.pin_enabled())  # built by host_buffers
-        bufs.append(buf := pinned_empty(dev_grad.shape, dev_grad.dtype) if buf is None else buf)
-    attr.grad_buffer[layer_id] = bufs
-    return buf
-
-
-def _free_grad_buffer(attr: ParamAttribute, bufs: List[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The first of ``bufs`` that the optimizer does not hold as its ``.grad``, or None."""
-    held = attr.optim.grad if attr.optim is not None else None
-    busy = held.data_ptr() if held is not None and held.numel() > 0 else None
-    return next((b for b in bufs if busy is None or b.data_ptr() != busy), None)
 
 
 def release_layers(gpu_layers: Sequence[nn.Module], device: Any) -> None:

@@ -599,13 +599,13 @@ def test_host_buffers_exist_before_the_second_iteration(workers: str, stage: str
     training call on: once that is done, no later iteration or step allocates a host buffer (the first
     iterations after warm-up run at the steady pace), and training is unchanged. ('rotate': staged
     steps with three buffers, ``RPP_GRAD_INTO_MODEL=0``.)"""
-    from roundpipe import transfer
+    from roundpipe import attribute, transfer
     from roundpipe.optim import step as optim_step
 
     monkeypatch.setenv("RPP_STAGE_PARAMS", "0" if stage == "0" else "1")
     monkeypatch.setenv("RPP_GRAD_INTO_MODEL", "0" if stage == "rotate" else "1")
     allocations: list = []
-    for mod in (transfer, optim_step):
+    for mod in (transfer, optim_step, attribute):
         real = mod.pinned_empty
         monkeypatch.setattr(mod, "pinned_empty", lambda *a, real=real, **k: (allocations.append(a[0]), real(*a, **k))[1])
     rp, train = _bf16_async_training()
@@ -623,28 +623,35 @@ def test_host_buffers_exist_before_the_second_iteration(workers: str, stage: str
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
 @pytest.mark.parametrize("stage", ["1", "0", "rotate"])
-def test_a_tied_weights_buffers_come_from_the_background_builder(workers: str, stage: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A tied weight's gradient buffer and its first staging buffer are built in the background too:
-    with the builder done before the first backward, neither the first call, nor the first step (which
-    runs beside the next iteration: pinning there held the driver's lock for 0.3 s of it on a GPU), nor
-    a later iteration allocates a host buffer; the results are bit-identical to a run whose buffers are
-    all allocated where they are first needed (no builder)."""
+@pytest.mark.parametrize("plan_kind", ["layerwise", "one-group"])
+def test_a_tied_weights_buffers_come_from_the_background_builder(workers: str, stage: str, plan_kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if plan_kind == "one-group" and workers == "cpu:1":
+        pytest.skip("owner and sharer in one stage of one device: the sharer's buffers are made where first needed")
+    """A tied weight's gradient buffers are built in the background too: with the builder done before
+    the first backward, neither the first call, nor the first step (which runs beside the next
+    iteration: pinning there held the driver's lock for 0.3 s of it on a GPU), nor a later iteration
+    allocates a host buffer; the results are bit-identical to a run whose buffers are all allocated
+    where they are first needed (no builder). With the default buffers (``stage`` 1) the tied weight
+    has two host copies in the model dtype, as any weight, plus one per other layer sharing it that
+    downloads its own share (several devices, or owner and sharer in one stage: the builder foresees
+    the first only, so that case on one device is not run here)."""
     import threading
 
-    from roundpipe import host_buffers, transfer
+    from roundpipe import attribute, host_buffers, transfer
     from roundpipe.attribute import ParamAttribute
     from roundpipe.optim import Adam
     from roundpipe.optim import step as optim_step
+    from roundpipe.plan import ModelExecutePlan
 
     monkeypatch.setenv("RPP_STAGE_PARAMS", "0" if stage == "0" else "1")
     monkeypatch.setenv("RPP_GRAD_INTO_MODEL", "0" if stage == "rotate" else "1")
     allocations: list = []
-    for mod in (transfer, optim_step):
+    for mod in (transfer, optim_step, attribute):
         real = mod.pinned_empty
         monkeypatch.setattr(mod, "pinned_empty", lambda *a, real=real, **k: (allocations.append(a[0]), real(*a, **k))[1])
     build = host_buffers.preallocate_host_buffers
 
-    def run(builder: bool) -> List[torch.Tensor]:
+    def run(builder: bool) -> Tuple[List[torch.Tensor], int]:
         def prealloc(params: list, name: str) -> threading.Thread:
             t = build(params, name) if builder else threading.Thread(target=lambda: None)
             if not builder:
@@ -656,7 +663,8 @@ def test_a_tied_weights_buffers_come_from_the_background_builder(workers: str, s
         torch.manual_seed(0)
         m = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3))
         m[4].weight = m[2].weight
-        rp = RoundPipe(m.to(torch.bfloat16), optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+        plan = ModelExecutePlan.layerwise(7, "train") if plan_kind == "layerwise" else ModelExecutePlan([range(0, 7)], [range(0, 7)])
+        rp = RoundPipe(m.to(torch.bfloat16), optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
         assert ParamAttribute.get(rp.model[2].weight).shared
         opt = Adam(rp.optim_parameters(), lr=1e-2)
         allocations.clear()
@@ -664,12 +672,16 @@ def test_a_tied_weights_buffers_come_from_the_background_builder(workers: str, s
             rp.forward_backward(input_args=(x.bfloat16(),), label=y, loss_fn=lambda o, t: ((o.float() - t) ** 2).mean())
             rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
         rp.synchronize()
-        return [o.detach().clone() for o in rp.optim_parameters()]
+        w = rp.model[2].weight
+        copies = len(ParamAttribute.get(w).host_buffers(w))
+        return [o.detach().clone() for o in rp.optim_parameters()], copies
 
-    without = run(builder=False)
+    without, _ = run(builder=False)
     assert allocations  # the buffers were allocated on the way (the tied weight's among them)
-    with_builder = run(builder=True)
+    with_builder, copies = run(builder=True)
     assert allocations == []
+    if stage == "1":
+        assert copies == (2 if workers == "cpu:1" else 3)
     for a, b in zip(with_builder, without):
         assert torch.equal(a, b)
 

@@ -308,10 +308,8 @@ def copy_params_to_model(units: Units, use_staged: bool = False, written: Abstra
                     # a publish leaves them then, a copy after a synchronous step does not.
                     if not (use_staged and pa.weights_current(p)) and id(pa.optim) not in written:
                         p.data.copy_(pa.optim.data)
-                    if use_staged and settings.grad_into_model_enabled() and not pa.shared:
-                        # Downloads take the weights' buffer: no spare needed (a shared parameter's
-                        # downloads do not; its spare is the staging buffer below).
-                        pa.trim_spare(keep=0)
+                    if use_staged and settings.grad_into_model_enabled():
+                        pa.trim_spare(keep=0)  # downloads take the weights' buffer: no spare needed
                 elif use_staged and pa.staged_valid and pa.staged is not None:
                     # The old model buffer goes to the spares: the wait above ensures no upload
                     # reads it any more (the next gradient download takes it, see
@@ -428,10 +426,11 @@ def copy_grad_to_optim(p: nn.Parameter, stage_into_grad: bool = False) -> None:
             if widened:
                 optim.grad_dtype = None  # let .grad be bfloat16 on this fp32 parameter
             optim.grad = g
-            if not attr.shared:
-                attr.held = g  # released after the step (stage_params, release_grad_buffers)
-                if stage_into_grad:
-                    attr.choose_staging(p, g)
+            attr.held = g  # released after the step (stage_params, release_grad_buffers)
+            if attr.shared:
+                attr.forget_grad_buffer(g)  # a tied weight's buffer rotates from here like any other
+            if stage_into_grad:
+                attr.choose_staging(p, g)
             g = None
         elif optim.grad is None:
             buf = attr.optim_grad_buffer
