@@ -147,5 +147,14 @@ case "${1:-}" in
     done
     timeout -s ABRT 100 python3 bench/train_bench.py --workload qwen3-1.7b --warmup 1 --iters 3 --skip-baseline --stack-timeline 1 > "$out/timeline.log" 2>&1
     grep -E "per-iteration|load to|garbage" "$out/timeline.log"; grep -c "_cuda_register" "$out/timeline.log" ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4" >&2; exit 2 ;;
+  tied)  # issue 22 (nvidia-h100-x1), seventeenth session, final runtime: a tied weight's two rotating host buffers
+    # (bytes/param) and the first timed iteration, a warm-up process first; then the GPU tests.
+    timeout -s ABRT 200 python3 bench/train_bench.py --workload qwen3-1.7b --warmup 1 --iters 2 --skip-baseline 2>&1 | tail -3 | tee -a "$out/tied.log"
+    P="^\\| roundpipe|load to|per-iteration|host RSS growth|Error"
+    for a in "qwen3-1.7b 5 100" "qwen3-4b 4 140"; do
+      set -- $a; echo "$1" | tee -a "$out/tied.log"
+      timeout -s ABRT $3 python3 bench/train_bench.py --workload $1 --warmup 1 --iters $2 --skip-baseline 2>&1 | quiet | tee -a "$out/tied.log" | grep -E "$P"
+    done
+    timeout 230 python3 -m pytest -m gpu tests/test_gpu.py tests/test_loss.py -q -p no:cacheprovider 2>&1 | tee -a "$out/tied.log" | tail -2 ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied" >&2; exit 2 ;;
 esac
