@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import psutil
 import torch
@@ -369,6 +369,18 @@ def host_allocs(step: Callable[[], None], iters: int = 2) -> None:
         print(f"  {c} x {mib} MiB at {where}")
 
 
+def runtime_frames(names: Dict[int, str]) -> Iterator[Tuple[str, Any]]:
+    """``(thread name, current frame)`` of the main thread and RoundPipe's threads (``names`` caches the
+    names of thread ids seen before)."""
+    for ident, frame in sys._current_frames().items():
+        name = names.get(ident)
+        if name is None:
+            th = next((x for x in threading.enumerate() if x.ident == ident), None)
+            name = names[ident] = th.name if th else str(ident)
+        if name == "MainThread" or name.startswith("roundpipe"):
+            yield name, frame
+
+
 def sample_stacks(step: Callable[[], None], iters: int = 2, period_s: float = 0.002) -> None:
     """Where RoundPipe's threads spend one iteration: sample every thread's innermost RoundPipe frame every
     ``period_s`` and print the most frequent lines per thread (a line that calls into torch counts while
@@ -397,13 +409,8 @@ def sample_stacks(step: Callable[[], None], iters: int = 2, period_s: float = 0.
             t = time.perf_counter()
             time.sleep(period_s)
             late.append(time.perf_counter() - t - period_s)
-            for ident, frame in sys._current_frames().items():
-                name = names.get(ident)
-                if name is None:
-                    th = next((x for x in threading.enumerate() if x.ident == ident), None)
-                    name = names[ident] = th.name if th else str(ident)
-                if name == "MainThread" or name.startswith("roundpipe"):
-                    counts[name][where(frame)] += 1
+            for name, frame in runtime_frames(names):
+                counts[name][where(frame)] += 1
 
     th = threading.Thread(target=sampler, name="stack-sampler", daemon=True)
     th.start()
@@ -453,13 +460,8 @@ def stack_timeline(step: Callable[[], None], bucket_ms: float = 20.0, period_s: 
         while not done.is_set():
             time.sleep(period_s)
             t = 1e3 * (time.perf_counter() - t0)
-            for ident, frame in sys._current_frames().items():
-                name = names.get(ident)
-                if name is None:
-                    th = next((x for x in threading.enumerate() if x.ident == ident), None)
-                    name = names[ident] = th.name if th else str(ident)
-                if name == "MainThread" or name.startswith("roundpipe"):
-                    samples.append((t, name, where(frame)))
+            for name, frame in runtime_frames(names):
+                samples.append((t, name, where(frame)))
 
     th = threading.Thread(target=sampler, name="stack-sampler", daemon=True)
     th.start()

@@ -592,13 +592,10 @@ def _bf16_async_training(step: bool = True) -> Tuple[RoundPipe, Callable[[torch.
     return rp, train
 
 
-@pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
-@pytest.mark.parametrize("stage", ["1", "0", "rotate"])
-def test_host_buffers_exist_before_the_second_iteration(workers: str, stage: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The buffers the first steps rotate through are allocated in the background from the first
-    training call on: once that is done, no later iteration or step allocates a host buffer (the first
-    iterations after warm-up run at the steady pace), and training is unchanged. ('rotate': staged
-    steps with three buffers, ``RPP_GRAD_INTO_MODEL=0``.)"""
+def _record_host_allocations(stage: str, monkeypatch: pytest.MonkeyPatch) -> list:
+    """Set the buffer mode (``stage``: "1" staged steps, two buffers; "0" no staging; "rotate": staged
+    with three buffers, ``RPP_GRAD_INTO_MODEL=0``) and record the shape of every host buffer the
+    runtime's download and step paths allocate from now on."""
     from roundpipe import attribute, transfer
     from roundpipe.optim import step as optim_step
 
@@ -608,6 +605,17 @@ def test_host_buffers_exist_before_the_second_iteration(workers: str, stage: str
     for mod in (transfer, optim_step, attribute):
         real = mod.pinned_empty
         monkeypatch.setattr(mod, "pinned_empty", lambda *a, real=real, **k: (allocations.append(a[0]), real(*a, **k))[1])
+    return allocations
+
+
+@pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
+@pytest.mark.parametrize("stage", ["1", "0", "rotate"])
+def test_host_buffers_exist_before_the_second_iteration(workers: str, stage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The buffers the first steps rotate through are allocated in the background from the first
+    training call on: once that is done, no later iteration or step allocates a host buffer (the first
+    iterations after warm-up run at the steady pace), and training is unchanged. ('rotate': staged
+    steps with three buffers, ``RPP_GRAD_INTO_MODEL=0``.)"""
+    allocations = _record_host_allocations(stage, monkeypatch)
     rp, train = _bf16_async_training()
     data = batches(5)
 
@@ -637,18 +645,12 @@ def test_a_tied_weights_buffers_come_from_the_background_builder(workers: str, s
     the first only, so that case on one device is not run here)."""
     import threading
 
-    from roundpipe import attribute, host_buffers, transfer
+    from roundpipe import host_buffers
     from roundpipe.attribute import ParamAttribute
     from roundpipe.optim import Adam
-    from roundpipe.optim import step as optim_step
     from roundpipe.plan import ModelExecutePlan
 
-    monkeypatch.setenv("RPP_STAGE_PARAMS", "0" if stage == "0" else "1")
-    monkeypatch.setenv("RPP_GRAD_INTO_MODEL", "0" if stage == "rotate" else "1")
-    allocations: list = []
-    for mod in (transfer, optim_step, attribute):
-        real = mod.pinned_empty
-        monkeypatch.setattr(mod, "pinned_empty", lambda *a, real=real, **k: (allocations.append(a[0]), real(*a, **k))[1])
+    allocations = _record_host_allocations(stage, monkeypatch)
     build = host_buffers.preallocate_host_buffers
 
     def run(builder: bool) -> Tuple[List[torch.Tensor], int]:
