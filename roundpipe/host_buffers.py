@@ -46,13 +46,15 @@ if TYPE_CHECKING:
 def preallocate_host_buffers(params: Sequence[nn.Parameter], name: str) -> threading.Thread:
     """Allocate, in a background thread, per trainable parameter the spares that the first gradient
     downloads take (the first call's, and the second call's with ``RPP_GRAD_INTO_MODEL=0``), pinned and
-    faulted in. A shared (tied) parameter's owner layer rotates its buffers like any parameter, and on
-    several devices each other layer sharing it downloads its own share (``ParamAttribute.shared_grad_buffer``):
-    one spare more per such layer. (A tied embedding's buffers are a model's largest: pinning one in the
-    first step held the driver's lock for 0.3 s of the next iteration on qwen3-1.7b.) A buffer the download needs before the thread reaches its parameter is
+    faulted in. A shared (tied) parameter's owner layer rotates its buffers like any parameter; on
+    several devices each other layer sharing it downloads its own share
+    (``ParamAttribute.shared_grad_buffer``): one spare more per such layer. (A tied embedding's buffers
+    are a model's largest: pinning one in the first step held the driver's lock for 0.3 s of the next
+    iteration on qwen3-1.7b.) A buffer the download needs before the thread reaches its parameter is
     allocated there as before (an extra spare is trimmed after the step; with downloads into the weights
     none is made for a parameter whose download came first); a failure to pin is left to that path,
-    which reports it with advice."""
+    which reports it with advice. Not foreseen: a sharer in its owner's stage on one device, and data
+    parallel reducing on the devices (both download every share): those buffers come in the first call."""
     into_weights = settings.grad_into_model_enabled()
     staged = settings.stage_params_enabled()
     want = 1 if into_weights else (2 if staged else settings.grad_buffers_limit() - 1)
