@@ -5,9 +5,10 @@ The model of memory follows what the runtime keeps (see docs/resolve-oom.md):
 
 * Host. Model weights (pinned, in the model dtype); per trainable parameter the optimizer's copies
   (fp32 master and Adam m, v: 12 bytes) and the host gradient buffers the asynchronous step rotates
-  through (two more model-dtype buffers besides the weights); and the activation checkpoints: the input
-  of every backward stage is kept on the host from the forward to the backward, ``tokens x hidden``
-  values plus the rotary tables handed along with them.
+  through (one more model-dtype buffer besides the weights by default); and the activation checkpoints:
+  the input of every backward stage is kept from the forward to the backward, ``tokens x hidden``
+  values plus the rotary tables handed along with them; on one GPU in the GPU memory the step leaves
+  free as far as it goes (``RPP_DEVICE_SAVED_GB``, given ``gpu_bytes``), the rest on the host.
 * GPU, the largest of: a backward stage (its layers' weights and the next stage's prefetched ones,
   gradients of the trainable ones, the tensors the recompute keeps for backward: with sequence tiling a
   decoder layer keeps its input, q, k, v and the attention output at full length, the rest one tile at
@@ -261,6 +262,24 @@ def _pinned_block(nbytes: float) -> float:
     return float(1 << max(0, int(math.ceil(nbytes)) - 1).bit_length())
 
 
+# budget.GPU_MARGIN_FRACTION, GPU_MARGIN_BYTES and DEVICE_SAVED_SHARE (copied so that the estimate imports
+# no torch; a test keeps them equal): the room a one-GPU step keeps its stage inputs in.
+GPU_MARGIN_FRACTION = 0.08
+GPU_MARGIN_BYTES = 1 << 30
+DEVICE_SAVED_SHARE = 0.75
+
+
+def device_saved_room(gpu_bytes: float, step_gpu_bytes: float) -> float:
+    """GPU bytes a one-GPU step may keep backward-stage inputs in (``RPP_DEVICE_SAVED_GB``: a number of
+    GiB, or ``auto``: a share of the GPU budget less the step's own peak, as ``budget.device_saved_room``)."""
+    from roundpipe import settings
+
+    limit = settings.DEVICE_SAVED_GB.get()
+    if limit is not None:
+        return float(limit) * GiB
+    return max(0.0, DEVICE_SAVED_SHARE * (gpu_bytes * (1 - GPU_MARGIN_FRACTION) - GPU_MARGIN_BYTES - step_gpu_bytes))
+
+
 def estimate(
     shape: ModelShape,
     seq_len: int,
@@ -275,6 +294,7 @@ def estimate(
     grad_buffers: Optional[int] = None,
     pinned: bool = True,
     devices: int = 1,
+    gpu_bytes: Optional[float] = None,
 ) -> Estimate:
     """The peak GPU and host memory of one training step (see the module docstring).
 
@@ -300,6 +320,9 @@ def estimate(
         devices: GPUs of the process: with several (and several microbatches) the fused last stage runs
             in one part per device, and each part but the first hands its gradients of the stage over
             in host buffers of its own (``roundpipe.partial_grads``).
+        gpu_bytes: Memory of the GPU. With one GPU, the backward stages' inputs the room
+            (:func:`device_saved_room`) holds are counted there ("saved inputs") instead of on the host,
+            as the runtime keeps them; None (or several GPUs): all on the host.
     """
     if seq_len < 1 or batch_size < 1 or microbatches < 1 or layers_per_stage < 1 or devices < 1:
         raise ValueError("seq_len, batch_size, microbatches, layers_per_stage and devices must be positive")
@@ -351,9 +374,13 @@ def estimate(
     boundaries = max(1, math.ceil(shape.layers / g))  # backward stages whose input waits on the host
     # One host tensor per stage and microbatch, from torch's pinned caching allocator, which rounds each
     # block up to a power of two (GPU runs; see roundpipe.backend.empty_host_cache).
-    per_microbatch = rows * seq_len * checkpoint_bytes_per_token(shape, b)
-    per_microbatch = _pinned_block(per_microbatch) if pinned else per_microbatch
-    checkpoints = boundaries * microbatches * per_microbatch + total_tokens * side_bytes_per_token(shape, b)
+    raw_input = rows * seq_len * checkpoint_bytes_per_token(shape, b)
+    per_microbatch = _pinned_block(raw_input) if pinned else raw_input
+    # On one GPU the inputs the room holds stay there, whole (exact size, no pinned rounding).
+    room = device_saved_room(gpu_bytes, sum(gpu.values())) if devices == 1 and gpu_bytes is not None else 0.0
+    on_gpu = min(boundaries * microbatches, int(room // raw_input)) if raw_input > 0 else 0
+    gpu["saved inputs"] = float(on_gpu * raw_input)
+    checkpoints = (boundaries * microbatches - on_gpu) * per_microbatch + total_tokens * side_bytes_per_token(shape, b)
     parts = max(1, min(devices, microbatches))
     fused_trainable = shape.lora_params(lora_rank) if lora_rank else shape.layer_params() + shape.vocab * h
     host = {
@@ -382,7 +409,7 @@ def longest_context(
     for g in range(1, max_layers_per_stage + 1):
 
         def fits(seq: int, g: int = g) -> Optional[Estimate]:
-            e = estimate(shape, seq, batch_size, lora_rank, layers_per_stage=g, **kwargs)
+            e = estimate(shape, seq, batch_size, lora_rank, layers_per_stage=g, gpu_bytes=gpu_bytes, **kwargs)
             return e if e.peak_gpu_bytes <= gpu_bytes and e.peak_host_bytes <= host_bytes else None
 
         lo, hi = 0, 1 << 10

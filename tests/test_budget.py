@@ -268,7 +268,7 @@ def test_roundpipe_plan_command(tmp_path: Any) -> None:
     as_json = plan("--model", str(tmp_path), "--seq-len", "4096", "--gpu-memory", "8GiB", "--host-memory", "16GiB", "--json")
     assert as_json.returncode == 0, as_json.stderr
     got = json.loads(as_json.stdout)
-    want = estimate.estimate(estimate.ModelShape.from_config(config), 4096)
+    want = estimate.estimate(estimate.ModelShape.from_config(config), 4096, gpu_bytes=8 * estimate.GiB)  # one GPU: its stage inputs there
     assert got["peak_gpu_bytes"] == want.peak_gpu_bytes and got["peak_host_bytes"] == want.peak_host_bytes
     bad = plan("--model", str(tmp_path / "missing"), "--seq-len", "4096")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "config.json" in bad.stderr
@@ -378,3 +378,77 @@ def test_device_saved_room_is_the_budget_less_the_largest_stage(monkeypatch: pyt
     monkeypatch.setattr(budget, "gpu_budget", lambda layer_bytes: 10.0)
     assert budget.device_saved_room(profile, [], [range(0, 2), range(2, 4)]) == 0.0
     assert budget.device_saved_room(None, [], [range(0, 4)]) == 0.0
+
+
+def test_the_estimates_room_for_stage_inputs_is_the_runtimes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``estimate`` copies three constants of ``budget`` (it imports no torch): they must stay equal."""
+    from roundpipe import budget
+
+    assert (estimate.GPU_MARGIN_FRACTION, estimate.GPU_MARGIN_BYTES, estimate.DEVICE_SAVED_SHARE) == (
+        budget.GPU_MARGIN_FRACTION,
+        budget.GPU_MARGIN_BYTES,
+        budget.DEVICE_SAVED_SHARE,
+    )
+
+
+@pytest.mark.parametrize("setting", ["auto", "0", "2", "several GPUs", "small GPU"])
+def test_estimate_keeps_stage_inputs_on_one_gpu_as_the_runtime_does(setting: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the GPU's memory given, a one-GPU estimate counts the backward stages' inputs that fit the room
+    (``RPP_DEVICE_SAVED_GB``: auto, or a number of GiB) on the GPU, whole and unrounded, and the rest on
+    the host; host plus GPU keep every input once; 0, several GPUs or no GPU size: all on the host as
+    before; the GPU peak stays within the GPU."""
+    shape = estimate.ModelShape.builtin("qwen3-1.7b")
+    monkeypatch.setenv("RPP_DEVICE_SAVED_GB", setting if setting in ("auto", "0", "2") else "auto")
+    gpu = (8 if setting == "small GPU" else 80) * estimate.GiB
+    devices = 2 if setting == "several GPUs" else 1
+    kw = dict(microbatches=2, devices=devices, pinned=False)
+    host_only = estimate.estimate(shape, 4096, 8, **kw)
+    e = estimate.estimate(shape, 4096, 8, gpu_bytes=gpu, **kw)
+    inputs = shape.layers * 2  # one per backward stage (one layer each) and microbatch
+    raw = 4 * 4096 * estimate.checkpoint_bytes_per_token(shape, 2)
+    side = 8 * 4096 * estimate.side_bytes_per_token(shape, 2)
+    assert host_only.host_parts["checkpoints"] == pytest.approx(inputs * raw + side)
+    kept = e.gpu_parts["saved inputs"] / raw
+    assert kept == int(kept) and e.host_parts["checkpoints"] == pytest.approx((inputs - kept) * raw + side)
+    want = {"auto": inputs, "0": 0, "2": int(2 * estimate.GiB // raw), "several GPUs": 0}.get(setting)
+    if want is not None:
+        assert kept == want
+    else:  # room for part of them: 75% of what the step leaves of an 8 GiB GPU
+        step = host_only.peak_gpu_bytes
+        assert 0 < kept < inputs and kept == int(0.75 * (gpu * 0.92 - estimate.GiB - step) // raw)
+    assert e.peak_gpu_bytes <= gpu
+
+
+def test_plan_cli_counts_one_gpus_stage_inputs_on_the_gpu(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``roundpipe plan`` on one 80 GiB GPU: qwen3-1.7b at 8 x 4096 keeps every stage input on the GPU
+    (measured with the default on an H100: 16.4 host bytes/param, docs/benchmarks.md), so its host
+    estimate is the weights, optimizer and one buffer (16 bytes/param), the side tensors and the
+    process's constant; with two GPUs they are on the host again."""
+    import json
+
+    from roundpipe.cli import plan
+
+    monkeypatch.setenv("RPP_DEVICE_SAVED_GB", "auto")
+    args = [
+        "--model",
+        "qwen3-1.7b",
+        "--seq-len",
+        "4096",
+        "--batch-size",
+        "8",
+        "--microbatches",
+        "2",
+        "--gpu-memory",
+        "80GiB",
+        "--host-memory",
+        "128GiB",
+        "--json",
+    ]
+    plan.main(args)
+    one = json.loads(capsys.readouterr().out)
+    plan.main(args + ["--gpus", "2"])
+    two = json.loads(capsys.readouterr().out)
+    params = estimate.ModelShape.builtin("qwen3-1.7b").params()
+    assert one["host_parts"]["checkpoints"] < 0.01 * two["host_parts"]["checkpoints"]  # the side tensors only
+    tensors = one["peak_host_bytes"] - one["host_parts"]["runtime"]  # less the interpreter's and libraries' constant
+    assert 16 * params <= tensors < 16.1 * params

@@ -101,7 +101,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     # As the planner does: one decoder layer per backward stage, or the fewest that let the stages'
     # input checkpoints fit the host (fewer checkpoints, more activations per stage on the GPU).
     candidates = [
-        estimate.estimate(shape, args.seq_len, args.batch_size, lora_rank=args.lora_r, microbatches=args.microbatches, layers_per_stage=g, devices=args.gpus)
+        estimate.estimate(
+            shape, args.seq_len, args.batch_size, lora_rank=args.lora_r, microbatches=args.microbatches, layers_per_stage=g, devices=args.gpus, gpu_bytes=gpu
+        )
         for g in range(1, 5)
     ]
     e = next((c for c in candidates if c.peak_gpu_bytes <= gpu and c.peak_host_bytes <= host), candidates[0])
@@ -128,7 +130,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(e.describe())
     fits = e.peak_gpu_bytes <= gpu and e.peak_host_bytes <= host
     print(f"this step {'fits' if fits else 'does NOT fit'} {gpu / GiB:.0f} GiB per GPU and {host / GiB:.0f} GiB of host memory")
-    print("\n".join(estimate.describe_fit(shape, gpu, host, batch_size=args.batch_size, lora_rank=args.lora_r, microbatches=args.microbatches)))
+    print(
+        "\n".join(estimate.describe_fit(shape, gpu, host, batch_size=args.batch_size, lora_rank=args.lora_r, microbatches=args.microbatches, devices=args.gpus))
+    )
     return 0 if fits else 1
 
 
