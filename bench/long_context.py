@@ -221,7 +221,13 @@ def estimate_for(args: argparse.Namespace, seq: int) -> Optional[tuple]:
         vocab=512 if args.workload == "tiny" else 151936,
         tied=tied,
     )
-    e = estimate.estimate(shape, seq_len=seq, batch_size=1, lora_rank=args.lora)
+    # The GPU the runtime plans to (RPP_GPU_MEMORY's cap included): on one GPU the stage inputs its room holds stay there.
+    gpu_bytes = None
+    if torch.cuda.is_available():
+        from roundpipe import device as device_mod
+
+        gpu_bytes = float(device_mod.get_min_capacity())
+    e = estimate.estimate(shape, seq_len=seq, batch_size=1, lora_rank=args.lora, gpu_bytes=gpu_bytes)
     return e.peak_gpu_bytes / 2**30, e.peak_host_bytes / 2**30
 
 
