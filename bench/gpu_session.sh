@@ -156,5 +156,10 @@ case "${1:-}" in
       timeout -s ABRT $3 python3 bench/train_bench.py --workload $1 --warmup 1 --iters $2 --skip-baseline 2>&1 | quiet | tee -a "$out/tied.log" | grep -E "$P"
     done
     timeout 230 python3 -m pytest -m gpu tests/test_gpu.py tests/test_loss.py -q -p no:cacheprovider 2>&1 | tee -a "$out/tied.log" | tail -2 ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied" >&2; exit 2 ;;
+  liger4b)  # issue 22's last row (nvidia-h100-x1, carry [".whl"]): qwen3-4b against the GPU-resident Liger baseline in
+    # one process (a 1.7b warm-up process first), then the GPU busy fraction of a steady 4b iteration.
+    timeout -s ABRT 200 python3 bench/train_bench.py --workload qwen3-1.7b --warmup 1 --iters 2 --skip-baseline 2>&1 | tail -1 | tee -a "$out/liger4b.log"
+    timeout -s ABRT 300 python3 bench/train_bench.py --workload qwen3-4b --warmup 1 --iters 4 --baselines liger 2>&1 | quiet | tee -a "$out/liger4b.log" | grep -E "^\\||per-iteration|host RSS|Error"
+    timeout -s ABRT 100 python3 bench/train_bench.py --workload qwen3-4b --warmup 1 --iters 3 --skip-baseline --profile-timed 3 2>&1 | tee -a "$out/liger4b.log" | grep -E "timed iteration|GPU 0|Error" ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b" >&2; exit 2 ;;
 esac
