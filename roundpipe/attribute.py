@@ -247,7 +247,7 @@ class ParamAttribute:
         it leaves its layer's list and rotates like an unshared parameter's (held, staged, weights,
         spare), so a tied weight has two host copies in the model dtype, not three. Optimizer thread:
         only the list holding ``buf`` changes, the owner's, whose downloads wait for ``grad_copied``."""
-        for layer_id, bufs in self.grad_buffer.items():
+        for layer_id, bufs in list(self.grad_buffer.items()):  # (a snapshot: a device thread may add a layer)
             if any(b is buf for b in bufs):
                 self.grad_buffer[layer_id] = [b for b in bufs if b is not buf]
 

@@ -67,7 +67,8 @@ def preallocate_host_buffers(params: Sequence[nn.Parameter], name: str) -> threa
                 continue  # (a download that came first took a buffer of its own: one more would be surplus)
             have = sum(1 for b, _ in attr.spare if b.shape == p.shape and b.dtype == p.dtype)
             if attr.shared:
-                have += sum(len(bs) for bs in attr.grad_buffer.values()) + (attr.staged is not None)
+                # (snapshots: the device threads may add a layer's list meanwhile)
+                have += sum(len(bs) for bs in list(attr.grad_buffer.values())) + (attr.staged is not None)
             sharers = 0 if one_device or not attr.shared else len(attr.layer_ids) - 1
             for _ in range(max(0, want + sharers - have)):
                 try:
