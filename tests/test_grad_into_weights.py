@@ -6,6 +6,7 @@ optimizer keeps its gradients."""
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from typing import Callable, List, Optional, Tuple
@@ -46,6 +47,11 @@ def _buffers(model: nn.Module, shared: bool = False) -> List[int]:
 Schedule = Callable[[int], Tuple[int, bool]]  # iteration -> (training calls before its step, evaluate mid-cycle)
 
 
+def _joined(thread: threading.Thread) -> threading.Thread:
+    thread.join()
+    return thread
+
+
 def _train(
     into: str,
     monkeypatch: pytest.MonkeyPatch,
@@ -61,7 +67,14 @@ def _train(
     tied: bool = False,
     n_iter: int = 6,
 ) -> Tuple[List[float], List[torch.Tensor], List[List[int]]]:
-    """Losses, optimizer copies and host buffer counts (after each step) of an asynchronous run."""
+    """Losses, optimizer copies and host buffer counts (after each step) of an asynchronous run. The
+    background builder of the first buffers (``host_buffers``, tested on its own in test_step.py) is
+    done before the first backward here: racing it, a download that comes first makes its own buffer
+    and the builder a spare that the step trims, which the counts would see on a loaded machine."""
+    from roundpipe import host_buffers
+
+    build = host_buffers.preallocate_host_buffers
+    monkeypatch.setattr(host_buffers, "preallocate_host_buffers", lambda params, name: _joined(build(params, name)))
     monkeypatch.setenv("RPP_GRAD_INTO_MODEL", into)
     model = _model(tied)
     rp = RoundPipe(model, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=microbatches, recompute_grain=grain))
