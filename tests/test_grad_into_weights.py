@@ -18,6 +18,7 @@ from torch import nn
 from roundpipe import RoundPipe, RoundPipeRunConfig
 from roundpipe.attribute import ParamAttribute
 from roundpipe.optim import Adam
+from roundpipe.plan import ModelExecutePlan
 
 
 def _model(tied: bool = False) -> nn.Module:
@@ -77,7 +78,10 @@ def _train(
     monkeypatch.setattr(host_buffers, "preallocate_host_buffers", lambda params, name: _joined(build(params, name)))
     monkeypatch.setenv("RPP_GRAD_INTO_MODEL", into)
     model = _model(tied)
-    rp = RoundPipe(model, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=microbatches, recompute_grain=grain))
+    # A fixed plan: the auto planner follows measured times, and on a loaded machine two runs could
+    # choose different layer groups, which sum the same gradients in another order (6th digit).
+    plan = ModelExecutePlan.layerwise(len(model), "train")
+    rp = RoundPipe(model, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=microbatches, recompute_grain=grain, execute_plan=plan))
     params = list(rp.optim_parameters())
     opt: torch.optim.Optimizer = Adam(params, lr=1e-2) if optimizer == "roundpipe" else torch.optim.AdamW(params, lr=1e-2)
 
