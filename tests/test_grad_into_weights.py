@@ -240,7 +240,8 @@ def test_a_shared_gradient_accumulated_over_two_calls_counts_each_call_once(work
 
     def run(gated: bool) -> Tuple[List[torch.Tensor], bool]:
         model = _model(tied=True)
-        rp = RoundPipe(model, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+        plan = ModelExecutePlan.layerwise(len(model), "train")  # fixed: both runs sum in the same order
+        rp = RoundPipe(model, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
         opt = Adam(list(rp.optim_parameters()), lr=1e-2)
         gate = threading.Event()
         data = iter(_batches(4))
