@@ -214,6 +214,7 @@ class Batch:
         num_microbatch: Number of microbatches.
         label_list: Labels per microbatch (``forward_backward``).
         loss_list: Losses per microbatch (``forward_backward``).
+        profiles: The model's activation profile of this call per recompute grain (``run.call_profile``).
     """
 
     def __init__(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], run_config: Any, label: Any = None) -> None:
@@ -254,6 +255,7 @@ class Batch:
             self.forward_events.append([e for p in packed for e in p.transfer_event[m][0]])
         self.label_list: List[Any] = self._split_label(label, run_config, n)
         self.loss_list: List[Any] = [None] * n
+        self.profiles: Dict[str, Any] = {}
 
     @staticmethod
     def _check_batch_dims(data: Any, bs: int) -> None:

@@ -23,7 +23,7 @@ from roundpipe.partial_grads import PartialGradStore, split_parts
 from roundpipe.pipeline import RoundPipeBatchedBackward, dispatch_forward, dispatch_fused, finish_backward, guarded
 from roundpipe.plan import ModelExecutePlan, RunType
 from roundpipe.planner import simulate_iteration
-from roundpipe.run import Run
+from roundpipe.run import Run, call_profile
 from roundpipe.run_config import ResolvedRunConfig, RoundPipeRunConfig
 from roundpipe.threads import AnnotatedEvent, raise_if_failed
 from roundpipe.timer import ModelTimer
@@ -402,7 +402,7 @@ class RoundPipe(RoundPipeBase):
             plan = cfg.execute_plan.for_run_type(run_type, self.num_layers)
             plan.check_valid(self.num_layers, run_type)
             return plan
-        profile = self.activation_profile(batch, cfg.recompute_grain) if batch is not None and run_type != "infer" else None
+        profile = call_profile(self, batch, cfg.recompute_grain) if batch is not None and run_type != "infer" else None
         # Auto plan: from size estimates at first, re-planned once real timings exist and then every
         # REPLAN_EVERY timer updates (plans do not churn every iteration); per size of the call's
         # activations (rounded up to a power of two of tokens) when the model reports them.

@@ -36,6 +36,14 @@ def differentiable(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
 
 
+def call_profile(model: "RoundPipe", batch: Batch, recompute_grain: str) -> Optional["budget.ActivationProfile"]:
+    """``model.activation_profile`` of one call's batch, computed once per call and grain: the plan
+    (``RoundPipe._local_plan``) and the run's device room (``Run._device_saved_budget``) both need it."""
+    if recompute_grain not in batch.profiles:
+        batch.profiles[recompute_grain] = model.activation_profile(batch, recompute_grain)
+    return batch.profiles[recompute_grain]
+
+
 class MicrobatchState:
     """Per-microbatch state shared between the forward and backward jobs of one call (the spec's
     ``MicrobatchState``).
@@ -158,7 +166,7 @@ class Run:
             return limit
         if self.run_type != "fused":
             return 0
-        profile = self.model.activation_profile(self.batch, self.cfg.recompute_grain)
+        profile = call_profile(self.model, self.batch, self.cfg.recompute_grain)
         return int(budget.device_saved_room(profile, self.model.layer_device_bytes(self.run_type), self.plan.bwd_plan))
 
     def keep_on_device(self, leaves: Leaves) -> bool:

@@ -334,7 +334,8 @@ def test_auto_keeps_stage_inputs_in_the_room_the_plan_leaves(workers: str, room:
     """``RPP_DEVICE_SAVED_GB=auto`` (the default) on one device: a forward_backward call keeps its
     backward-stage inputs on the device while the room the plan leaves holds them (all of them on a CPU
     worker's host-sized "device"; none when that room is 0 or the variable says 0); loss and
-    gradients are Hugging Face's either way."""
+    gradients are Hugging Face's either way. The call computes the model's activation profile once (the
+    plan and the room share it)."""
     hf = tiny_model("qwen3")
     batch = make_batch(False, batch=BATCH, seq=SEQ)
     ref_loss, ref_grads = hf_reference(hf, batch)
@@ -344,7 +345,11 @@ def test_auto_keeps_stage_inputs_in_the_room_the_plan_leaves(workers: str, room:
         monkeypatch.setenv("RPP_DEVICE_SAVED_GB", "0")
     answers = _kept_counts(monkeypatch)
     rp = _wrapped(hf)
+    profiles: List[int] = []
+    real_profile = rp.activation_profile
+    monkeypatch.setattr(rp, "activation_profile", lambda *a: (profiles.append(1), real_profile(*a))[1])
     loss = rp.train_step(**{k: v for k, v in batch.items() if v is not None})
+    assert len(profiles) == 1
     assert answers and all(answers) == (room == "all") and any(answers) == (room == "all"), answers
     assert torch.allclose(loss, ref_loss, rtol=1e-5)
     assert_grads_close(grads(hf), ref_grads)
