@@ -226,14 +226,12 @@ class ParamAttribute:
         """A host buffer for one layer's share of a shared parameter's gradient (a device thread, in the
         layer's download): the old weights buffer ``moved`` (``move_weights`` at the owner's download);
         else its upload's ``seed`` (the cycle's running sum, ``transfer.host_grad``, added in on the
-        device) in place, or ``fold_shared_grads`` would add the seed twice; else the layer's first
-        buffer the optimizer does not hold as its ``.grad`` (the owner's leaves the list when the step
-        takes it, ``forget_grad_buffer``); else a spare (built ahead by ``host_buffers``), else a new one."""
+        device) in place, or ``fold_shared_grads`` would add the seed twice; else the layer's buffer
+        (none of the list is the optimizer's ``.grad``: the step takes the owner's out of it,
+        ``forget_grad_buffer``, and hands the others' sum over in the owner's or a copy); else a spare
+        (built ahead by ``host_buffers``), else a new one."""
         bufs = [b for b in self.grad_buffer.get(layer_id, []) if b.shape == dev_grad.shape and b.dtype == dev_grad.dtype]
-        held = self.optim.grad if self.optim is not None else None
-        busy = held.data_ptr() if held is not None and held.numel() > 0 else None
-        free = (b for b in [b for b in bufs if b is seed] + [b for b in bufs if b is not seed] if busy is None or b.data_ptr() != busy)
-        buf = moved if moved is not None else next(free, None)
+        buf = moved if moved is not None else next((b for b in bufs if b is seed), bufs[0] if bufs else None)
         if buf is None:
             buf = self.take_spare(dev_grad.shape, dev_grad.dtype, backend.pin_enabled())
             buf = pinned_empty(dev_grad.shape, dev_grad.dtype) if buf is None else buf
