@@ -38,6 +38,7 @@ import argparse
 import gc
 import json
 import os
+import resource
 import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -244,7 +245,11 @@ def run_one(args: argparse.Namespace, mode: str, out: Optional[str], rank: int, 
     vocab = hf.config.vocab_size
     n_mb = args.microbatches or 2 * roundpipe.get_num_devices()
     model = roundpipe.wrap_model_to_roundpipe(hf, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=n_mb))
-    dp = rdist.enable_data_parallel(model, bucket_mb=args.bucket_mb, max_in_flight=args.in_flight, reduce_on=mode) if world > 1 else None
+    dp = (
+        rdist.enable_data_parallel(model, bucket_mb=args.bucket_mb, max_in_flight=args.in_flight, reduce_on=mode, shard_optimizer=args.shard_optimizer)
+        if world > 1
+        else None
+    )
     opt = roundpipe.optim.Adam(model.optim_parameters(), lr=args.lr, decoupled_weight_decay=True)
     grad_bytes = sum(p.numel() * p.element_size() for p in hf.parameters() if p.requires_grad)
     if dp is not None and dp.device is not None:  # the device group of local device 0 (NCCL on GPUs)
@@ -315,13 +320,15 @@ def run_one(args: argparse.Namespace, mode: str, out: Optional[str], rank: int, 
         "net_gbps": net[0],
         "latency_s": net[1],
         "optim_s_est": optim_s,
+        "shard_optimizer": bool(dp is not None and dp.step_sync is not None),
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # shared pages count in every rank
     }
     if rank == 0:
-        where = f" ({result['reduce_on']}, {result['reduce_backend']})" if dp is not None else ""
+        where = f" ({result['reduce_on']}, {result['reduce_backend']}{', sharded step' if result['shard_optimizer'] else ''})" if dp is not None else ""
         print(
             f"| {args.model}{' lora r=%d' % args.lora if args.lora else ''} | {world} rank(s) x {result['devices_per_rank']} device(s){where} | "
             f"{result['tokens_per_s']:,.0f} tok/s | {result['s_per_iter']:.3f} s/iter | reduce {result['reduce_s_per_step']:.3f} s/step | "
-            f"loss {losses[0]:.4f} -> {losses[-1]:.4f} |",
+            f"optim {optim_s:.3f} s/step | peak RSS {result['peak_rss_gb']:.1f} GB | loss {losses[0]:.4f} -> {losses[-1]:.4f} |",
             flush=True,
         )
         if out:
@@ -397,6 +404,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--in-flight", type=int, default=2, help="gradient buckets in flight at once")
     p.add_argument("--sync", action="store_true", help="synchronous optimizer step")
+    p.add_argument("--shard-optimizer", action="store_true", help="enable_data_parallel(shard_optimizer=True): the host step shared by a host's ranks")
     p.add_argument(
         "--threads", type=int, default=0, help="torch threads per rank (default: all cores for one rank; for several, roundpipe.optim_thread.rank_share)"
     )

@@ -121,6 +121,20 @@ case "${1:-}" in
     d 110 --nproc-per-node 2 bench/dp_bench.py $A --threads 14 --out "$out/two.json"
     d 110 --numa-binding=node --nproc-per-node 2 bench/dp_bench.py $A --threads 14 --out "$out/two_numa.json"
     d 110 --nproc-per-node 2 bench/dp_bench.py $A --threads 16 --out "$out/two16.json" ;;
+  shard)  # issue 19: data parallel 2 ranks x 8 on qwen3-1.7b with the host step shared by the two ranks
+    # (--shard-optimizer) against replicated steps and one rank, 20 steps each; the loss curve against one
+    # process on the 16-sequence batch; then the GPU tests (2-GPU ones included) in the time left
+    grep -H . /sys/kernel/mm/transparent_hugepage/enabled /sys/kernel/mm/transparent_hugepage/shmem_enabled | tee -a "$log"
+    A="--model qwen3-1.7b --seq 4096 --steps 20 --warmup 4"
+    d() { timeout "$1" torchrun --standalone "${@:2}" 2>&1 | grep -v -i warn | tee -a "$log" | grep -E "tokens/s|tok/s|Error|error" | tail -3; }
+    d 140 --nproc-per-node 1 bench/dp_bench.py $A --batch-per-rank 8 --out "$out/one.json"
+    d 120 --nproc-per-node 2 bench/dp_bench.py $A --batch-per-rank 8 --shard-optimizer --out "$out/sharded.json"
+    d 110 --nproc-per-node 2 bench/dp_bench.py $A --batch-per-rank 8 --out "$out/two.json"
+    python3 bench/dp_bench.py --compare "$out/one.json" "$out/two.json" 2>&1 | tee -a "$log" | tail -2
+    python3 bench/dp_bench.py --compare "$out/one.json" "$out/sharded.json" 2>&1 | tee -a "$log" | tail -2
+    d 100 --nproc-per-node 1 bench/dp_bench.py $A --batch-per-rank 16 --out "$out/ref.json"
+    python3 bench/dp_bench.py --compare "$out/one.json" "$out/sharded.json" --loss-ref "$out/ref.json" 2>&1 | tee -a "$log" | tail -3
+    [ -n "${SKIP_TESTS:-}" ] || timeout "${TESTS_S:-170}" python3 -m pytest -m gpu tests/test_gpu.py tests/test_loss.py -q -p no:cacheprovider 2>&1 | tee -a "$log" | tail -3 ;;
   *)
-    echo "usage: bash bench/two_gpu_acceptance.sh tests|bound|peer|opt|grads|ab|threads|scale|4b|8b|8b1|8b2|plans|dp|numa" >&2; exit 2 ;;
+    echo "usage: bash bench/two_gpu_acceptance.sh tests|bound|peer|opt|grads|ab|threads|scale|4b|8b|8b1|8b2|plans|dp|numa|shard" >&2; exit 2 ;;
 esac

@@ -18,6 +18,13 @@ compression). The core calls, and nothing else:
   right after that stream waited for the compute, before the gradient download. A layer with a reducer
   gets no gradient seed on upload: the reducer adds the accumulated host gradient itself (after
   weighting this rank's share).
+
+An implementation may also share the optimizer step itself across processes (data parallel with
+``shard_optimizer=True``): its optional ``step_sync`` attribute (absent or None otherwise) is a
+:class:`StepSync`, which the step kernel (``roundpipe.optim.step``) calls on the optimizer thread right
+before ``step_fn`` (``before_step_fn``), right after it (``after_step_fn``; before the updated
+optimizer copies are staged or copied into the model) and, instead of ``after_step_fn``, when the step
+failed (``abort``).
 """
 
 from __future__ import annotations
@@ -49,3 +56,18 @@ class GradSync(Protocol):
 
     def layer_reducer(self, model: Any, layer_id: int) -> Optional[LayerReducer]:
         """Main thread: the device reduction of ``model``'s layer ``layer_id``, or None."""
+
+
+@runtime_checkable
+class StepSync(Protocol):
+    """Optimizer-step hooks of a ``grad_sync`` that shares the step across processes (module docstring).
+    ``units`` are the step's optimizer units (``RoundPipeBase.optim_units()``)."""
+
+    def before_step_fn(self, units: List[Any], is_async: bool) -> None:
+        """Optimizer thread: the gradients are handed over; ``step_fn`` runs next."""
+
+    def after_step_fn(self, units: List[Any]) -> None:
+        """Optimizer thread: ``step_fn`` returned; the optimizer copies are read next."""
+
+    def abort(self) -> None:
+        """Optimizer thread: the step failed between ``before_step_fn`` and ``after_step_fn``."""

@@ -226,7 +226,7 @@ class RoundPipeBase(nn.Module):
         sync = self.grad_sync
         if sync is not None:
             sync.on_step_launch()
-        optim_step.launch(self.optim_units(), step_fn, is_async, args, kwargs, self.optim_updated, sync.reduce_host if sync is not None else None)
+        optim_step.launch(self.optim_units(), step_fn, is_async, args, kwargs, self.optim_updated, sync)
 
     def _cycles(self) -> List[StepCycle]:
         """The step cycles (``host_buffers.StepCycle``) of the RoundPipes whose calls this model's step ends."""

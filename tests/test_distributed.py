@@ -139,6 +139,72 @@ def test_resume_with_two_ranks_repeats_the_uninterrupted_run(tmp_path: Any) -> N
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The host optimizer step sharded across the ranks of a host (shard_optimizer=True)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--model", "mlp"],
+        ["--model", "mlp", "--optim", "adamw", "--clip", "0.5", "--sync"],
+        ["--model", "auto", "--optim", "adamw"],
+        ["--model", "lora", "--optim", "rpadam", "--clip", "1.0"],
+    ],
+    ids=["sequential-sgd-async", "sequential-adamw-clip-sync", "autoroundpipe-adamw-async", "lora-roundpipe-adam-clip-async"],
+)
+def test_sharded_step_equals_one_process_and_keeps_each_state_once(tmp_path: Any, args: List[str]) -> None:
+    """Each rank steps only its units, yet the replicas equal one process on the whole batch (the
+    clipping in step_fn sees the global norm); every parameter's moments live on exactly one rank."""
+    r = train(tmp_path, *args, "--shard", "--reference")
+    assert r["max_diff"] < EXACT and r["local_only_diff"] > 1e3 * EXACT, r
+    assert r["hidden_steps"] == 5 and r["owned"] == r["total_params"] and 0 < r["owned_here"] < r["total_params"], r
+    # mlp / auto: 'c' has a gradient nowhere, so no rank has state for it (and it must not move).
+    no_grad = 1 if args[1] in ("mlp", "auto") else 0
+    assert r["state_entries"] == r["masters"] - no_grad, r
+    if no_grad:
+        assert r["c_moved"] == 0.0
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_sharded_step_is_bit_identical_to_the_replicated_one(tmp_path: Any, nproc: int) -> None:
+    """Sharding changes who computes an update, not its arithmetic: the same masters, bit for bit."""
+    runs = {}
+    for shard in (False, True):
+        out = os.path.join(str(tmp_path), f"r{int(shard)}.json")
+        res = torchrun(["--model", "mlp", "--optim", "adamw", "--clip", "0.5", "--out", out] + (["--shard"] if shard else []), tmp_path, nproc=nproc)
+        assert res.returncode == 0, res.stderr[-4000:]
+        with open(out) as f:
+            runs[shard] = json.load(f)
+    assert runs[True]["digest"] == runs[False]["digest"] and runs[True]["losses"] == runs[False]["losses"]
+    assert runs[True]["owned_here"] < runs[True]["total_params"]
+
+
+@pytest.mark.timeout(150)
+def test_sharded_checkpoint_gathers_the_moments_and_resumes_exactly(tmp_path: Any) -> None:
+    """``full_optimizer_state_dict`` brings every rank's moments to rank 0; loading that state on both
+    ranks (each drops what it does not own) repeats the uninterrupted run bit for bit."""
+    ckpt = os.path.join(str(tmp_path), "ckpt.pt")
+    common = ["--model", "mlp", "--optim", "adamw", "--shard", "--ckpt", ckpt]
+    full = train(tmp_path, *common, "--save-at", "3")
+    state = torch.load(ckpt, weights_only=True)["optim"]["state"]
+    assert len(state) == full["state_entries"] and all("exp_avg" in v for v in state.values())
+    resumed = train(tmp_path, *common, "--resume")
+    assert resumed["start"] == 3 and resumed["losses"] == full["losses"][3:]
+    assert resumed["digest"] == full["digest"]
+    assert resumed["state_entries"] == full["state_entries"]  # the loaded foreign moments were dropped
+
+
+@pytest.mark.timeout(120)
+def test_sharded_step_refuses_the_streamed_step(tmp_path: Any) -> None:
+    res = torchrun(["--model", "mlp", "--shard"], tmp_path, env={"RPP_STEP_MODE": "streamed"})
+    assert res.returncode != 0
+    assert "RPP_STEP_MODE=streamed" in res.stderr and "shard_optimizer=False" in res.stderr, res.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Failures: no hang, a clear error
 # ---------------------------------------------------------------------------------------------------------
 
@@ -172,7 +238,7 @@ def test_a_stalled_rank_times_out_instead_of_hanging(tmp_path: Any) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_dp_bench_smoke_and_loss_curve(tmp_path: Any) -> None:
     bench = os.path.join(ROOT, "bench", "dp_bench.py")
     common = ["--model", "tiny", "--seq", "32", "--steps", "3", "--warmup", "1", "--lr", "1e-3"]
@@ -193,6 +259,18 @@ def test_dp_bench_smoke_and_loss_curve(tmp_path: Any) -> None:
     with open(two) as f:
         r = json.load(f)
     assert r["world"] == 2 and r["collectives_per_step"] >= 2 and r["grad_bytes"] > 0
+    # The host step shared by the two ranks (--shard-optimizer): the same loss curve.
+    sharded = os.path.join(str(tmp_path), "sharded.json")
+    res = torchrun(common + ["--batch-per-rank", "2", "--shard-optimizer", "--out", sharded], tmp_path, script=bench, timeout=150)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "sharded step" in res.stdout
+    cmp = subprocess.run(
+        [sys.executable, bench, "--compare", ref, sharded, "--loss-ref", ref, "--min-speedup", "0", "--loss-rtol", "1e-5"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert cmp.returncode == 0, cmp.stdout + cmp.stderr
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ which only re-exports the public names):
 * ``host_reduce``: the bucketed gloo reduction on the optimizer thread;
 * ``device_reduce``: the reduction on the devices, its streams and its collective monitor;
 * ``device_order``: why the ranks' device collectives come in the same order (the plan agreement);
+* ``optim_shard``: the host optimizer step shared by the ranks of a host (``shard_optimizer=True``);
 * ``data_parallel``: :class:`DataParallel`, the model's ``grad_sync`` (``roundpipe.grad_sync.GradSync``);
 * ``enable``: :func:`enable_data_parallel`.
 

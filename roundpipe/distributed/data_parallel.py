@@ -5,13 +5,14 @@ calls, and adds the user's calls (``normalize_by``, ``stats``, ``close``)."""
 
 from __future__ import annotations
 
-from typing import Any, List, Literal, Optional
+from typing import Any, Dict, List, Literal, Optional
 
 import torch
 from torch import nn
 
 from roundpipe.distributed.device_reduce import DeviceReduction, roundpipes_of
 from roundpipe.distributed.host_reduce import HostReduction
+from roundpipe.distributed.optim_shard import OptimizerShard
 from roundpipe.distributed.reduction import (
     DataParallelStats,
     ReduceOptions,
@@ -50,6 +51,8 @@ class DataParallel:
         options: Bucket size, op, reduction dtype, buckets in flight.
         stats: The reduction's counters (:class:`DataParallelStats`).
         reduce_on: ``"host"`` or ``"device"`` (what ``enable_data_parallel``'s ``reduce_on`` resolved to).
+        step_sync: With ``shard_optimizer=True``, this rank's share of the host optimizer step
+            (:class:`~roundpipe.distributed.optim_shard.OptimizerShard`), else None.
     """
 
     def __init__(
@@ -76,6 +79,8 @@ class DataParallel:
         self.rank, self.world_size, self.global_rank = self.host.rank, self.host.world_size, self.host.global_rank
         # Where the layers' gradients are reduced; the device part is attached by enable_data_parallel.
         self.reduce_on: Literal["host", "device"] = "host"
+        # The sharded host optimizer step (roundpipe.grad_sync.StepSync), attached by enable_data_parallel.
+        self.step_sync: Optional[OptimizerShard] = None
 
     @property
     def device(self) -> Optional[DeviceReduction]:
@@ -117,8 +122,24 @@ class DataParallel:
             return
         optim_thread.submit(self.host.set_count, count)
 
+    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> Optional[Dict[str, Any]]:
+        """``optimizer.state_dict()`` complete for a checkpoint. With ``shard_optimizer=True`` each rank
+        holds the moments of its own units only: this gathers them onto the first rank of each host
+        (global rank 0 among them) and returns None on the others; call it on every rank, between steps
+        (after ``model.synchronize()``). Without sharding, ``optimizer.state_dict()`` on every rank.
+        Loading the result on every rank resumes exactly: a sharded step drops the moments it does not own."""
+        if self.step_sync is None:
+            return optimizer.state_dict()
+        return self.step_sync.full_state_dict(optimizer)
+
     def close(self) -> None:
-        """Stop reducing (the model trains locally again). Call on every rank after ``model.synchronize()``."""
+        """Stop reducing (the model trains locally again). Call on every rank after ``model.synchronize()``.
+        A sharded step's masters become private copies again; the moments of units other ranks owned
+        are not on this rank (gather them first with :meth:`full_optimizer_state_dict` if needed)."""
+        if self.step_sync is not None:
+            optim_thread.synchronize()
+            self.step_sync.unshare()
+            self.step_sync = None
         device = self.host.device
         if device is not None:
             device.uninstall(self.model)

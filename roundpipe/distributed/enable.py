@@ -18,6 +18,7 @@ from roundpipe.distributed.data_parallel import DataParallel
 from roundpipe.distributed.device_reduce import setup_device_reduction
 from roundpipe.distributed.env import timeout_s
 from roundpipe.distributed.errors import DataParallelError
+from roundpipe.distributed.optim_shard import OptimizerShard
 from roundpipe.distributed.reduction import ReduceOn
 from roundpipe.optim import thread as optim_thread
 from roundpipe.roundpipe import RoundPipeBase
@@ -96,6 +97,7 @@ def enable_data_parallel(
     broadcast_init: Literal["trainable", "all", "none"] = "trainable",
     max_in_flight: int = 2,
     reduce_on: ReduceOn = "auto",
+    shard_optimizer: bool = False,
 ) -> DataParallel:
     """Make ``model`` a data-parallel replica: its gradients are all-reduced over the ranks at every
     step (asynchronous or not), so all ranks take identical optimizer steps.
@@ -131,6 +133,14 @@ def enable_data_parallel(
             ``"device"`` when every local device is a GPU and NCCL is available, else ``"host"``.
             Parameters used outside RoundPipe (an ``AutoRoundPipe``'s host parameters) are always
             reduced on the host. All ranks must resolve to the same mode (checked).
+        shard_optimizer: Share the host optimizer step among the ranks of each host (ZeRO stage 1 on
+            the host; ``roundpipe.distributed.optim_shard``): one copy of the fp32 masters per host in
+            shared memory, each layer's moments and update on one rank only, every rank copying the
+            updated masters into its weights. Ranks of one host then stream 1/W of the optimizer's memory
+            traffic each instead of all of it, and hold 1/W of the moments. Results are bit-identical to
+            the unsharded step. Checkpoints: ``optimizer.state_dict()`` holds this rank's moments only;
+            :meth:`DataParallel.full_optimizer_state_dict` gathers them. Not with ``RPP_STEP_MODE=streamed``
+            or a custom ``process_group``.
 
     Returns:
         The :class:`DataParallel` reducer (``normalize_by``, ``stats``, ``reduce_on``, ``close``).
@@ -152,6 +162,8 @@ def enable_data_parallel(
         raise ValueError(f"model {model.name!r} is already data parallel")
     if model.grad_sync is not None:
         raise ValueError(f"model {model.name!r} already has a grad_sync ({model.grad_sync!r})")
+    if shard_optimizer and process_group is not None:
+        raise ValueError("shard_optimizer=True shares the step among all ranks of each host (the default group); drop process_group or the sharding")
     if reduce_on == "device" and process_group is not None:
         raise ValueError("reduce_on='device' reduces over all ranks (one group per local device); process_group works with reduce_on='host' only")
     n_devices = device_mod.get_num_devices()  # creates the local devices (RPP_DEVICES) if needed
@@ -196,6 +208,8 @@ def enable_data_parallel(
     if mode == "device" and ranks > 1:
         assert device_backend is not None
         dp.attach_device(setup_device_reduction(model, dp.options, dp.counter, process_group, dp.host.set_weight, device_backend))
+    if shard_optimizer:
+        dp.step_sync = OptimizerShard(model, setup_group)
     model.grad_sync = dp
     if mode == "device":
         logger.info(

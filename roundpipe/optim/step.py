@@ -43,6 +43,7 @@ from torch import nn
 from roundpipe import settings
 from roundpipe.attribute import LayerAttribute, ParamAttribute, same_storage
 from roundpipe.context import OptimizerCtx
+from roundpipe.grad_sync import GradSync, StepSync
 from roundpipe.memory import pinned_empty
 from roundpipe.optim import thread as optim_thread
 from roundpipe.threads import AnnotatedEvent
@@ -75,12 +76,13 @@ def launch(
     args: Tuple[Any, ...],
     kwargs: Dict[str, Any],
     done: AnnotatedEvent,
-    reduce_host: Optional[Callable[[List[nn.Parameter]], None]] = None,
+    grad_sync: Optional[GradSync] = None,
 ) -> None:
     """Queue one step on the optimizer thread (main thread; see the module docstring).
 
     ``done`` (the model's ``optim_updated``) is cleared now and set when the step ends, failed or not.
-    ``reduce_host`` (the model's ``grad_sync.reduce_host``) is called per unit on the optimizer thread.
+    The model's ``grad_sync`` (``roundpipe.grad_sync``): its ``reduce_host`` is called per unit on the
+    optimizer thread, its ``step_sync`` (if any) around ``step_fn``.
     Without ``is_async`` this returns when the step has finished.
     """
     # The previous step must be done with these layers before this one clears their events: its
@@ -91,7 +93,9 @@ def launch(
         attr.grad_copied.wait()
         attr.grad_copied.clear()
     done.clear()
-    optim_thread.submit(_step_kernel, units, step_fn, is_async, args, kwargs, done, reduce_host)
+    reduce_host = grad_sync.reduce_host if grad_sync is not None else None
+    step_sync: Optional[StepSync] = getattr(grad_sync, "step_sync", None)
+    optim_thread.submit(_step_kernel, units, step_fn, is_async, args, kwargs, done, reduce_host, step_sync)
     if not is_async:
         optim_thread.synchronize()
 
@@ -104,6 +108,7 @@ def _step_kernel(
     kwargs: Dict[str, Any],
     done: AnnotatedEvent,
     reduce_host: Optional[Callable[[List[nn.Parameter]], None]],
+    step_sync: Optional[StepSync] = None,
 ) -> None:
     """Optimizer-thread body of a step (the protocol in the module docstring)."""
     streamed = is_async and settings.streamed_steps()
@@ -126,8 +131,17 @@ def _step_kernel(
                 # After the staging buffers are chosen: the next call's downloads may move weights there.
                 attr.grad_copied.set()
             publisher = Publisher(units) if streamed else None
-            with publisher.active() if publisher is not None else contextlib.nullcontext():
-                step_fn(*args, **kwargs)
+            if step_sync is not None:
+                step_sync.before_step_fn(units, is_async)
+            try:
+                with publisher.active() if publisher is not None else contextlib.nullcontext():
+                    step_fn(*args, **kwargs)
+            except BaseException:
+                if step_sync is not None:
+                    step_sync.abort()
+                raise
+            if step_sync is not None:
+                step_sync.after_step_fn(units)
             if publisher is not None:
                 publisher.finish()  # layers no optimizer reported (other optimizers, no gradient)
                 release_grad_buffers(units)

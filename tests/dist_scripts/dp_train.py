@@ -142,12 +142,21 @@ class Trainer:
         else:
             self.model = roundpipe.wrap_model_to_roundpipe(build_lora(adapter_seed), optim_dtype=torch.float32, model_run_config=cfg, name="lora")
         reduce_dtype = {"": None, "fp32": torch.float32}[args.reduce_dtype]
-        self.dp = rdist.enable_data_parallel(self.model, bucket_mb=args.bucket_mb, reduce_dtype=reduce_dtype) if data_parallel else None
+        shard = args.shard and data_parallel
+        self.dp = rdist.enable_data_parallel(self.model, bucket_mb=args.bucket_mb, reduce_dtype=reduce_dtype, shard_optimizer=shard) if data_parallel else None
         self.named = [(n, m) for n, m in self.model.optim_named_parameters()]
-        self.opt = torch.optim.SGD([m for _, m in self.named], lr=args.lr, momentum=0.9, weight_decay=0.01)
+        masters = [m for _, m in self.named]
+        if args.optim == "sgd":
+            self.opt: torch.optim.Optimizer = torch.optim.SGD(masters, lr=args.lr, momentum=0.9, weight_decay=0.01)
+        elif args.optim == "adamw":
+            self.opt = torch.optim.AdamW(masters, lr=args.lr * 0.1, weight_decay=0.01)
+        else:
+            self.opt = roundpipe.optim.Adam(masters, lr=args.lr * 0.1, weight_decay=0.01, decoupled_weight_decay=True)
         self.losses: List[float] = []
 
     def step_fn(self) -> None:
+        if self.args.clip:  # as the user guide writes it: the norm must be the global one on every rank
+            torch.nn.utils.clip_grad_norm_(self.opt.param_groups[0]["params"], max_norm=self.args.clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
@@ -179,12 +188,18 @@ class Trainer:
     # Checkpoints: fp32 masters, the model's weights as the devices compute with them (one step old in
     # async mode) and the optimizer state, so a resumed run repeats the uninterrupted one exactly.
     def save(self, path: str, step: int) -> None:
+        """Every rank calls this (a sharded optimizer's state is gathered); rank 0 writes."""
         optim_thread.synchronize()  # the step kernels are done; model weights stay one step old
+        assert self.dp is not None
+        optim = self.dp.full_optimizer_state_dict(self.opt)
+        if not rdist.is_main_process():
+            return
+        assert optim is not None
         state = {
             "step": step,
             "masters": {n: m.detach().clone() for n, m in self.named},
             "model": {n: p.detach().clone() for n, p in self.model.model.named_parameters() if p.requires_grad},
-            "optim": self.opt.state_dict(),
+            "optim": optim,
         }
         tmp = path + ".tmp"
         torch.save(state, tmp)
@@ -222,6 +237,9 @@ def main() -> int:
     ap.add_argument("--reduce-dtype", choices=["", "fp32"], default="")
     ap.add_argument("--mismatch", action="store_true", help="rank 1 builds a model with one more layer")
     ap.add_argument("--no-normalize", action="store_true", help="--uneven without normalize_by (must NOT match)")
+    ap.add_argument("--shard", action="store_true", help="enable_data_parallel(shard_optimizer=True)")
+    ap.add_argument("--optim", choices=["sgd", "adamw", "rpadam"], default="sgd", help="rpadam: roundpipe.optim.Adam")
+    ap.add_argument("--clip", type=float, default=0.0, help="clip_grad_norm_ to this in step_fn")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--sync", action="store_true", help="is_async=False")
     ap.add_argument("--uneven", action="store_true")
@@ -253,8 +271,7 @@ def main() -> int:
             time.sleep(3600)
         trainer.train(step, rdist.shard)
         if args.save_at is not None and step + 1 == args.save_at:
-            if rdist.is_main_process():
-                trainer.save(args.ckpt, step + 1)
+            trainer.save(args.ckpt, step + 1)
             rdist.barrier()  # the checkpoint is complete before any rank could read it
     masters = trainer.masters()
     rdist.assert_same_across_ranks(digest(masters), "parameters after training")
@@ -270,6 +287,13 @@ def main() -> int:
         "collectives": stats.collectives,
         "seconds": time.time() - t0,
     }
+    shard = trainer.dp.step_sync
+    if shard is not None:
+        # Each parameter's optimizer state on exactly one rank, the owned shares covering every parameter.
+        n_state = sum(1 for m in trainer.opt.state.values() if m)
+        result["state_entries"], result["owned"] = rdist.all_reduce_scalars([n_state, shard.owned_params])
+        result["owned_here"], result["total_params"], result["hidden_steps"] = shard.owned_params, shard.total_params, shard.hidden_steps
+        result["masters"] = len([m for _, m in trainer.named])
     if args.reference and rank == 0:
         # One process, no data parallel, the whole global batch: the run DP must reproduce.
         ref = Trainer(args, data_parallel=False, adapter_seed=100)
