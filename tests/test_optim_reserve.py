@@ -189,3 +189,26 @@ def test_resume_builds_nothing_and_a_roundpipe_training_call_starts_the_builder(
     rp.step(lambda: (opt.step(), opt.zero_grad()))
     rp.synchronize()
     assert opt._reserve is None and all(len(opt.state[p]) == 3 for p in rp.optim_parameters())
+
+
+def test_parameters_stepped_elsewhere_get_no_reserved_state() -> None:
+    """A sharded data-parallel step (``roundpipe.distributed.optim_shard``) declares the parameters other
+    ranks step: no reserve builds their moments (the memory the sharding saves), and declaring them
+    local again lets the next reserve build them."""
+    from roundpipe.optim.reserve import stepped_elsewhere
+
+    params = _params()
+    stepped_elsewhere(params[1:])
+    try:
+        reserve = StateReserve("t")
+        reserve.add(params, lambda p: {"m": torch.zeros_like(p)})
+        reserve.start()
+        reserve.wait()
+        assert len(reserve) == 1 and reserve.take(params[0]) is not None and reserve.take(params[1]) is None
+    finally:
+        stepped_elsewhere(params[1:], elsewhere=False)
+    again = StateReserve("t")
+    again.add(params, lambda p: {"m": torch.zeros_like(p)})
+    again.start()
+    again.wait()
+    assert len(again) == 3

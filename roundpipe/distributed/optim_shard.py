@@ -51,6 +51,7 @@ from roundpipe import settings
 from roundpipe.attribute import ParamAttribute
 from roundpipe.distributed.env import timeout_s
 from roundpipe.distributed.errors import DataParallelError, run_collective
+from roundpipe.optim import reserve
 from roundpipe.optim import thread as optim_thread
 from roundpipe.roundpipe import RoundPipeBase
 
@@ -160,6 +161,7 @@ class OptimizerShard:
             for m, view in zip(masters, views):
                 m.data = view
         self.masters = masters
+        reserve.stepped_elsewhere(m for m in masters if id(m) in self.unowned)  # no moments built for them here
         self._ptrs = {id(m): m.data_ptr() for m in masters}
         self.total_params = sum(m.numel() for m in masters)
         self.owned_params = sum(m.numel() for m in masters if id(m) not in self.unowned)
@@ -243,6 +245,7 @@ class OptimizerShard:
     def unshare(self) -> None:
         """Main thread, nothing in flight: give every master a private copy (the model trains alone again)."""
         _active.shard = None
+        reserve.stepped_elsewhere(self.masters, elsewhere=False)
         with torch.no_grad():
             for m in self.masters:
                 m.data = m.data.clone()

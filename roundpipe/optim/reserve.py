@@ -37,6 +37,29 @@ _registry_lock = threading.Lock()
 
 StateFactory = Callable[[Tensor], Dict[str, Tensor]]  # parameter -> its zero state (tensors only)
 
+# Parameters whose optimizer state another process keeps (a host optimizer step sharded across data-
+# parallel ranks, ``roundpipe.distributed.optim_shard``): this process never steps them, so no reserve
+# builds their state. id -> weak reference: the entry does not keep a parameter alive, and a reused id is
+# told apart by the reference.
+_stepped_elsewhere: Dict[int, "weakref.ReferenceType[Tensor]"] = {}
+
+
+def stepped_elsewhere(params: Iterable[Tensor], elsewhere: bool = True) -> None:
+    """Declare that this process's optimizers never step ``params`` (or, with ``elsewhere=False``, that
+    they do again): reserves then build no state for them."""
+    with _registry_lock:
+        for p in params:
+            if elsewhere:
+                _stepped_elsewhere[id(p)] = weakref.ref(p)
+            else:
+                _stepped_elsewhere.pop(id(p), None)
+
+
+def _is_stepped_elsewhere(p: Tensor) -> bool:
+    with _registry_lock:
+        ref = _stepped_elsewhere.get(id(p))
+    return ref is not None and ref() is p
+
 
 class StateReserve:
     """Zero optimizer states built in the background for parameters given to :meth:`add`."""
@@ -82,6 +105,8 @@ class StateReserve:
         for p in params:
             if self._closed:
                 return
+            if _is_stepped_elsewhere(p):
+                continue
             try:
                 key = (p.shape, p.dtype)
                 state = make(p)
