@@ -264,7 +264,9 @@ class ParamAttribute:
 
     def host_buffers(self, param: torch.Tensor) -> List[torch.Tensor]:
         """Every distinct host tensor of the parameter's shape this attribute knows (model data,
-        staging, gradient, spare and per-layer buffers): what its host memory costs, for tests."""
+        staging, gradient, spare and per-layer buffers): what its host memory costs, for tests. May run
+        while a step hands buffers on (optimizer thread): it reads the gradient roles first, so a buffer
+        given its next role before its old one lets go of it (``optim.step.copy_grad_to_optim``) is seen."""
         found: Dict[int, torch.Tensor] = {}
         grads = [param.grad, self.held, self.optim.grad if self.optim is not None else None]
         spare = [b for b, _ in self.spare]

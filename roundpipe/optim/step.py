@@ -461,6 +461,11 @@ def copy_grad_to_optim(p: nn.Parameter, stage_into_grad: bool = False) -> None:
                 if freed is not None:
                     attr.give_spare(freed)
             optim.grad.add_(g.to(optim.dtype))
-    p.grad = None
+    # Copied: the download buffer takes its next role (staging, else spare) before ``p.grad`` lets go
+    # of it, as a handed-over one does above, so that it always has one: the main thread may count the
+    # host buffers (``ParamAttribute.host_buffers``, which reads ``p.grad`` before those roles) while
+    # this step runs, and saw one buffer too few in between. No download takes the spare before
+    # ``grad_copied``.
     if g is not None and not attr.shared and not (stage_into_grad and attr.choose_staging(p, g)):
-        attr.give_spare(g)  # copied: the download buffer is free for the next role
+        attr.give_spare(g)
+    p.grad = None
