@@ -89,6 +89,12 @@ class TrainConfig:
     )
     master_rounding: str = _f("stochastic", "how bfloat16 masters take an update: stochastic, kahan (+2 bytes/param) or nearest", group="optim")
     async_step: bool = _f(True, "overlap the optimizer step with the next iteration (weights one step stale)", group="optim")
+    shard_optimizer: bool = _f(
+        False,
+        "several ranks on one host (torchrun): share the host optimizer step among them (masters once per host, each layer's update on "
+        "one rank; same results; docs/multi-node.md)",
+        group="optim",
+    )
     on_nonfinite: str = _f(
         "stop",
         "a NaN/inf loss or gradient norm: stop (exit with an error; the step is not applied, checkpoints stay intact) or skip (drop that "

@@ -102,7 +102,7 @@ class Recipe:
             # After the masters exist (it broadcasts rank 0's) and before a checkpoint is loaded (the
             # broadcast would overwrite the loaded device weights with the masters). The loss of every
             # rank is already normalised by the global token count (see _train_step): sum, not mean.
-            self.dp = rdist.enable_data_parallel(self.model.rp, op="sum")
+            self.dp = rdist.enable_data_parallel(self.model.rp, op="sum", shard_optimizer=self.cfg.shard_optimizer)
             w = self.env.world_size
             if self.cfg.batch_size < w and getattr(self.dp, "reduce_on", "host") == "device":
                 raise ConfigError(
@@ -262,9 +262,11 @@ class Recipe:
         cfg = self.cfg
         rngs = parallel.gather_to_main(rng_state(), f"checkpoint of step {self.step}") if self.env.distributed else None
         progress = Progress(self.step, self.total_steps, self.tokens_seen, self.elapsed_before + (time.time() - self.t_start))
+        # A sharded step: every rank holds its layers' moments; gathered onto rank 0 (every rank takes part).
+        state = self.dp.full_optimizer_state_dict(self.optim.optimizer) if self.dp is not None and self.dp.step_sync is not None else None
 
         def write(d: str) -> None:
-            write_payload(d, cfg, self.source, self.dtype, self.model, self.tokenizer, self.optim, self.stream, progress, rngs)
+            write_payload(d, cfg, self.source, self.dtype, self.model, self.tokenizer, self.optim, self.stream, progress, rngs, state)
 
         step = self.step
         path = parallel.on_main(
@@ -401,6 +403,11 @@ class Recipe:
                 f"data parallel: {w} ranks, each trains on its rows of every batch ({low if low == high else f'{low}-{high}'} of {cfg.batch_size}); "
                 "losses and tokens/s are over all ranks; rank 0 writes metrics and checkpoints"
             )
+            shard = self.dp.step_sync if self.dp is not None else None
+            if shard is not None:
+                self.log(f"host optimizer step shared by the {shard.local_size} ranks of this host (--shard-optimizer)")
+        elif cfg.shard_optimizer:
+            self.log("note: --shard-optimizer shares the step among the ranks of a host; one process has nothing to share")
         end = self.total_steps if cfg.stop_at is None else min(cfg.stop_at, self.total_steps)
         bar_on = cfg.progress and progress_enabled() and self.is_main
         if bar_on:

@@ -86,9 +86,11 @@ def write_payload(
     stream: Any,
     progress: Progress,
     rngs: Optional[List[Dict[str, Any]]],
+    optimizer_state: Optional[Dict[str, Any]] = None,
 ) -> None:
     """Fill checkpoint directory ``d`` (call with no optimizer step in flight). ``rngs``: every rank's
-    RNG state in rank order (data parallel), else None."""
+    RNG state in rank order (data parallel), else None. ``optimizer_state``: the optimizer's state dict
+    to save instead of this process's (a sharded step's, gathered from every rank)."""
     lora = hasattr(model.hf_model, "peft_config")
     kind = weights_kind(source, lora)
     os.makedirs(os.path.join(d, "optim"))
@@ -105,7 +107,7 @@ def write_payload(
     ckpt.save_tensors(dict(model.trainable_named()), os.path.join(d, "optim", "device.safetensors"))
     ckpt.save_tensors(dict(model.master_named()), os.path.join(d, "optim", "master.safetensors"))
     states = optim.state_dicts()
-    ckpt.save_torch(states["optimizer"], os.path.join(d, "optim", "state.pt"))
+    ckpt.save_torch(optimizer_state if optimizer_state is not None else states["optimizer"], os.path.join(d, "optim", "state.pt"))
     trainer = {
         "step": progress.step,
         "total_steps": progress.total_steps,

@@ -147,6 +147,34 @@ def test_resume_with_two_ranks_repeats_the_uninterrupted_run(two_ranks: Dict[str
     assert all(torch.equal(got[k], want[k]) for k in want)  # bit for bit
 
 
+@pytest.mark.timeout(240)
+def test_shared_optimizer_step_repeats_the_replicated_run_and_resumes(two_ranks: Dict[str, Any]) -> None:
+    """``--shard-optimizer``: the same metrics and masters as the replicated 2-rank run, bit for bit; its
+    checkpoint holds every parameter's moments (gathered from both ranks), and resuming from it
+    repeats the uninterrupted run bit for bit."""
+    out = os.path.join(two_ranks["root"], "sharded")
+    res = torchrun(ARGS + ["--shard-optimizer", "--output-dir", out], two_ranks["root"])
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "host optimizer step shared by the 2 ranks of this host" in res.stdout
+    key = [(r["step"], r["loss"], r["grad_norm"]) for r in rows(out)]
+    assert key == [(r["step"], r["loss"], r["grad_norm"]) for r in rows(two_ranks["out"])]
+    for step in (2, 4):
+        got, want = masters(out, step), masters(two_ranks["out"], step)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    step2 = os.path.join(out, "checkpoints", "step-0000002")
+    state = load_torch(os.path.join(step2, "optim", "state.pt"))
+    replicated = load_torch(os.path.join(two_ranks["out"], "checkpoints", "step-0000002", "optim", "state.pt"))
+    assert sorted(state["state"]) == sorted(replicated["state"])  # type: ignore[index]
+    for i, entry in replicated["state"].items():  # type: ignore[index]
+        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(state["state"][i][k])) for k, v in entry.items())  # type: ignore[index]
+    resumed = os.path.join(two_ranks["root"], "sharded-resumed")
+    res = torchrun(["--resume", step2, "--output-dir", resumed], two_ranks["root"])
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in rows(resumed)] == key[2:]
+    got, want = masters(resumed, 4), masters(out, 4)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 @pytest.mark.timeout(120)
 def test_only_rank_0_writes_and_logs(two_ranks: Dict[str, Any]) -> None:
     out = two_ranks["out"]
