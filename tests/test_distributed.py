@@ -249,13 +249,17 @@ def test_dp_bench_smoke_and_loss_curve(tmp_path: Any) -> None:
     assert "2 rank(s)" in res.stdout
     res = torchrun(common + ["--batch-per-rank", "4", "--out", ref], tmp_path, nproc=1, script=bench, timeout=150)
     assert res.returncode == 0, res.stderr[-3000:]
-    cmp = subprocess.run(
-        [sys.executable, bench, "--compare", ref, two, "--loss-ref", ref, "--min-speedup", "0", "--loss-rtol", "1e-5"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert cmp.returncode == 0, cmp.stdout + cmp.stderr
+
+    def same_curve(run: str) -> None:
+        cmp = subprocess.run(
+            [sys.executable, bench, "--compare", ref, run, "--loss-ref", ref, "--min-speedup", "0", "--loss-rtol", "1e-5"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert cmp.returncode == 0, cmp.stdout + cmp.stderr
+
+    same_curve(two)
     with open(two) as f:
         r = json.load(f)
     assert r["world"] == 2 and r["collectives_per_step"] >= 2 and r["grad_bytes"] > 0
@@ -264,13 +268,7 @@ def test_dp_bench_smoke_and_loss_curve(tmp_path: Any) -> None:
     res = torchrun(common + ["--batch-per-rank", "2", "--shard-optimizer", "--out", sharded], tmp_path, script=bench, timeout=150)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "sharded step" in res.stdout
-    cmp = subprocess.run(
-        [sys.executable, bench, "--compare", ref, sharded, "--loss-ref", ref, "--min-speedup", "0", "--loss-rtol", "1e-5"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert cmp.returncode == 0, cmp.stdout + cmp.stderr
+    same_curve(sharded)
 
 
 # ---------------------------------------------------------------------------------------------------------
