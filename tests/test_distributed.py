@@ -198,6 +198,16 @@ def test_sharded_checkpoint_gathers_the_moments_and_resumes_exactly(tmp_path: An
 
 
 @pytest.mark.timeout(120)
+def test_sharded_step_with_a_dead_rank_fails_clearly(tmp_path: Any) -> None:
+    """The step's barriers and the shared masters do not turn a dead peer into a hang."""
+    t0 = time.time()
+    res = torchrun(["--model", "mlp", "--shard", "--fail-at", "2", "--fail-how", "exit"], tmp_path, monitor_s=5)
+    assert res.returncode != 0
+    assert "DataParallelError: rank 0/2:" in res.stderr and "Another rank probably died or stalled" in res.stderr, res.stderr[-3000:]
+    assert time.time() - t0 < 60
+
+
+@pytest.mark.timeout(120)
 def test_sharded_step_refuses_the_streamed_step(tmp_path: Any) -> None:
     res = torchrun(["--model", "mlp", "--shard"], tmp_path, env={"RPP_STEP_MODE": "streamed"})
     assert res.returncode != 0
