@@ -405,9 +405,7 @@ def release_grad_buffers(units: Units) -> None:
     for _, params in units:
         for p in params:
             pa = ParamAttribute.get(p)
-            freed = pa.release_held()
-            if freed is not None:
-                pa.give_spare(freed)
+            pa.release_held_to_spare()
             if pa.staged is not None:
                 pa.give_spare(pa.staged)
                 pa.staged, pa.staged_valid = None, False
@@ -457,9 +455,7 @@ def copy_grad_to_optim(p: nn.Parameter, stage_into_grad: bool = False) -> None:
                 # A handed-over gradient not yet cleared by zero_grad: accumulate in a copy of the
                 # optimizer's dtype, which also gives the buffer back to the downloads.
                 optim.grad = optim.grad.to(optim.dtype)
-                freed = attr.release_held()
-                if freed is not None:
-                    attr.give_spare(freed)
+                attr.release_held_to_spare()
             optim.grad.add_(g.to(optim.dtype))
     # Copied: the download buffer takes its next role (staging, else spare) before ``p.grad`` lets go
     # of it, as a handed-over one does above, so that it always has one: the main thread may count the
