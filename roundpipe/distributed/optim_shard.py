@@ -126,9 +126,9 @@ class OptimizerShard:
         masters: List[nn.Parameter] = [m for ms in units for m in ms if m is not None]
         # The ranks of this host (main thread, default group: every rank takes part in every new_group).
         keys: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(keys, (_host_key(), os.getpid()), group=setup_group)
+        dist.all_gather_object(keys, _host_key(), group=setup_group)
         hosts: Dict[str, List[int]] = {}
-        for r, (key, _) in enumerate(keys):
+        for r, key in enumerate(keys):
             hosts.setdefault(key, []).append(r)
         self.group: Any = None
         for key in sorted(hosts, key=lambda k: hosts[k][0]):
@@ -147,7 +147,7 @@ class OptimizerShard:
         for m in masters:
             offsets.append(total)
             total += (m.numel() * m.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN
-        self.segment = self._map_segment(max(total, _ALIGN), keys, local, setup_group)
+        self.segment = self._map_segment(max(total, _ALIGN), local, setup_group)
         # Each owner writes its own masters into the segment (identical on every rank after the initial
         # broadcast, but the owner's copy is the one its optimizer keeps writing), then all switch over.
         views = []
@@ -175,7 +175,7 @@ class OptimizerShard:
             self.total_params,
         )
 
-    def _map_segment(self, nbytes: int, keys: List[Any], local: List[int], setup_group: Any) -> torch.Tensor:
+    def _map_segment(self, nbytes: int, local: List[int], setup_group: Any) -> torch.Tensor:
         """One shared memory segment of ``nbytes`` for the host's ranks: the host's first rank creates a
         memfd (no /dev/shm size limit; freed with the last mapping), the others map it through /proc."""
         me = dist.get_rank()
