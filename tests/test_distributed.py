@@ -496,3 +496,18 @@ def _slow_kernel_run(slow: bool) -> torch.Tensor:
 @pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
 def test_async_step_results_do_not_depend_on_optimizer_timing(workers: str) -> None:
     assert torch.equal(_slow_kernel_run(slow=True), _slow_kernel_run(slow=False))
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_sharded_step_deals_layers_out_by_size(ranks: int) -> None:
+    """Largest first to the least loaded rank: every rank's share within one layer of the others', and
+    the same answer wherever it is computed (every rank computes it alone)."""
+    from roundpipe.distributed.optim_shard import assign_owners
+
+    sizes = [311, 50, 52, 50, 48, 50, 51, 0, 49, 50]  # an embedding and decoder layers, one empty unit
+    owners = assign_owners(sizes, ranks)
+    assert owners == assign_owners(list(sizes), ranks) and set(owners) == set(range(ranks))
+    loads = [sum(s for s, o in zip(sizes, owners) if o == r) for r in range(ranks)]
+    assert sum(loads) == sum(sizes) and max(loads) - min(loads) <= max(sizes)
+    if ranks == 2:
+        assert max(loads) - min(loads) <= 52  # the embedding's rank also takes layers once it is the lighter one
