@@ -249,23 +249,13 @@ class ParamAttribute:
             if any(b is buf for b in bufs):
                 self.grad_buffer[layer_id] = [b for b in bufs if b is not buf]
 
-    def release_held_to_spare(self) -> None:
-        """:meth:`release_held` straight into the spares: appended there before ``held`` lets go of it,
-        so a count of the host buffers (:meth:`host_buffers`, which reads ``held`` before the spares)
-        made meanwhile on another thread sees it in one role or the other."""
-        with _SPARE_LOCK:
-            held = self.held
-            if held is None:
-                return
-            g = self.optim.grad if self.optim is not None else None
-            if g is not None and g.numel() > 0 and g.data_ptr() == held.data_ptr():
-                return
-            self.spare.append((held, backend.pin_enabled() and held.is_pinned()))
-            self.held = None
-
-    def release_held(self) -> Optional[torch.Tensor]:
+    def release_held(self, to_spare: bool = False) -> Optional[torch.Tensor]:
         """The buffer handed to the optimizer as its ``.grad``, once the optimizer no longer holds it
-        (its ``zero_grad`` ran; ownership passes to the caller); None while it does or if none was."""
+        (its ``zero_grad`` ran; ownership passes to the caller); None while it does or if none was.
+
+        ``to_spare``: put it straight into the spares instead (and return None), appended there before
+        ``held`` lets go of it, so a count of the host buffers made meanwhile on another thread
+        (:meth:`host_buffers`, which reads ``held`` before the spares) sees it in one role or the other."""
         with _SPARE_LOCK:
             held = self.held
             if held is None:
@@ -273,8 +263,10 @@ class ParamAttribute:
             g = self.optim.grad if self.optim is not None else None
             if g is not None and g.numel() > 0 and g.data_ptr() == held.data_ptr():
                 return None
+            if to_spare:
+                self.spare.append((held, backend.pin_enabled() and held.is_pinned()))
             self.held = None
-            return held
+            return None if to_spare else held
 
     def host_buffers(self, param: torch.Tensor) -> List[torch.Tensor]:
         """Every distinct host tensor of the parameter's shape this attribute knows (model data,

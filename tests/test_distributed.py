@@ -208,6 +208,14 @@ def test_sharded_step_with_a_dead_rank_fails_clearly(tmp_path: Any) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_sharded_step_refuses_a_master_moved_out_of_shared_memory(tmp_path: Any) -> None:
+    """``master.data = ...`` after sharding would leave the peers reading a stale copy: refused."""
+    res = torchrun(["--model", "mlp", "--shard", "--replace-master-at", "2"], tmp_path)
+    assert res.returncode != 0
+    assert "no longer lies in the host's shared memory" in res.stderr and "copy_" in res.stderr, res.stderr[-3000:]
+
+
+@pytest.mark.timeout(120)
 def test_sharded_step_refuses_the_streamed_step(tmp_path: Any) -> None:
     res = torchrun(["--model", "mlp", "--shard"], tmp_path, env={"RPP_STEP_MODE": "streamed"})
     assert res.returncode != 0

@@ -262,8 +262,8 @@ class Recipe:
         cfg = self.cfg
         rngs = parallel.gather_to_main(rng_state(), f"checkpoint of step {self.step}") if self.env.distributed else None
         progress = Progress(self.step, self.total_steps, self.tokens_seen, self.elapsed_before + (time.time() - self.t_start))
-        # A sharded step: every rank holds its layers' moments; gathered onto rank 0 (every rank takes part).
-        state = self.dp.full_optimizer_state_dict(self.optim.optimizer) if self.dp is not None and self.dp.step_sync is not None else None
+        # With a sharded step each rank holds its layers' moments: gathered onto rank 0 (every rank takes part).
+        state = self.dp.full_optimizer_state_dict(self.optim.optimizer) if self.dp is not None else None
 
         def write(d: str) -> None:
             write_payload(d, cfg, self.source, self.dtype, self.model, self.tokenizer, self.optim, self.stream, progress, rngs, state)

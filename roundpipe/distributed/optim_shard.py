@@ -162,7 +162,8 @@ class OptimizerShard:
                 m.data = view
         self.masters = masters
         reserve.stepped_elsewhere(m for m in masters if id(m) in self.unowned)  # no moments built for them here
-        self._ptrs = {id(m): m.data_ptr() for m in masters}
+        # (master, where it lies in the segment, stepped by another rank): checked and bumped per step.
+        self._masters_ptrs = [(m, m.data_ptr(), id(m) in self.unowned) for m in masters]
         self.total_params = sum(m.numel() for m in masters)
         self.owned_params = sum(m.numel() for m in masters if id(m) not in self.unowned)
         dist.barrier(group=self.group)
@@ -207,22 +208,23 @@ class OptimizerShard:
                 f"{self.where}: RPP_STEP_MODE=streamed publishes each layer from its own optimizer; with shard_optimizer=True "
                 "a rank steps only its units. Use the staged asynchronous step (unset RPP_STEP_MODE) or shard_optimizer=False"
             )
-        for m in self.masters:
-            if m.data_ptr() != self._ptrs[id(m)]:
-                raise DataParallelError(
-                    f"{self.where}: an optimizer copy of model {self.model.name!r} no longer lies in the host's shared memory "
-                    "(its .data was replaced after enable_data_parallel(shard_optimizer=True)): write into it in place (copy_) instead"
-                )
         self._barrier("read")
         _active.shard = self
 
     def after_step_fn(self, units: Units) -> None:
-        """After ``step_fn``: every owner has written its masters; the peers' ones count as written here."""
+        """After ``step_fn``: every owner has written its masters; the peers' ones count as written here
+        (their version counters, which this process's writes alone would move). A master moved out of
+        the segment would silently stop being shared: refused before anything reads it."""
         _active.shard = None
         self._barrier("written")
         with torch.no_grad():
-            for m in self.masters:
-                if id(m) in self.unowned:
+            for m, ptr, unowned in self._masters_ptrs:
+                if m.data_ptr() != ptr:
+                    raise DataParallelError(
+                        f"{self.where}: an optimizer copy of model {self.model.name!r} no longer lies in the host's shared memory "
+                        "(its .data was replaced after enable_data_parallel(shard_optimizer=True)): write into it in place (copy_) instead"
+                    )
+                if unowned:
                     torch.autograd.graph.increment_version(m)
 
     def abort(self) -> None:
@@ -249,7 +251,7 @@ class OptimizerShard:
         with torch.no_grad():
             for m in self.masters:
                 m.data = m.data.clone()
-        self.masters, self._ptrs = [], {}
+        self.masters, self._masters_ptrs = [], []
         del self.segment
 
     # ---- checkpoints (main thread) --------------------------------------------------------------------
@@ -260,32 +262,28 @@ class OptimizerShard:
         optim_thread.synchronize()
         sd = optimizer.state_dict()
         order = [p for g in optimizer.param_groups for p in g["params"]]
-        # Per owned parameter with state: its entries, tensors as (shape, dtype), the rest as they are.
+        # Per owned parameter with state: its tensors as (shape, dtype), its other entries as they are.
         mine = {
-            i: {k: (tuple(v.shape), v.dtype) if torch.is_tensor(v) else v for k, v in sd["state"][i].items()}
+            i: (
+                {k: (tuple(v.shape), v.dtype) for k, v in sd["state"][i].items() if torch.is_tensor(v)},
+                {k: v for k, v in sd["state"][i].items() if not torch.is_tensor(v)},
+            )
             for i, p in enumerate(order)
             if self.owner.get(id(p)) == self.local_rank and sd["state"].get(i)
         }
         metas: List[Any] = [None] * self.local_size
         dist.all_gather_object(metas, mine, group=self.group)
-        leader = self.ranks[0]
         first = self.local_rank == 0
-        for r, meta in enumerate(metas):
+        for r, meta in enumerate(metas[1:], start=1):  # the leader's own entries are in sd already
             for i in sorted(meta):
-                state = sd["state"].setdefault(i, {}) if first else None
-                for k, v in meta[i].items():
-                    if not (isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], torch.dtype)):
-                        if state is not None:
-                            state[k] = v
-                        continue
-                    if r == 0 and first:
-                        continue  # the leader's own moments
+                tensors, others = meta[i]
+                if first:
+                    state = sd["state"][i] = dict(others)
+                for k, (shape, dtype) in tensors.items():
                     if r == self.local_rank:
-                        dist.send(sd["state"][i][k].contiguous(), dst=leader, group=self.group)
+                        dist.send(sd["state"][i][k].contiguous(), dst=self.ranks[0], group=self.group)
                     elif first:
-                        buf = torch.empty(v[0], dtype=v[1])
-                        dist.recv(buf, src=self.ranks[r], group=self.group)
-                        assert state is not None
-                        state[k] = buf
+                        state[k] = torch.empty(shape, dtype=dtype)
+                        dist.recv(state[k], src=self.ranks[r], group=self.group)
         dist.barrier(group=self.group)
         return sd if first else None

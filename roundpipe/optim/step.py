@@ -405,7 +405,7 @@ def release_grad_buffers(units: Units) -> None:
     for _, params in units:
         for p in params:
             pa = ParamAttribute.get(p)
-            pa.release_held_to_spare()
+            pa.release_held(to_spare=True)
             if pa.staged is not None:
                 pa.give_spare(pa.staged)
                 pa.staged, pa.staged_valid = None, False
@@ -455,7 +455,7 @@ def copy_grad_to_optim(p: nn.Parameter, stage_into_grad: bool = False) -> None:
                 # A handed-over gradient not yet cleared by zero_grad: accumulate in a copy of the
                 # optimizer's dtype, which also gives the buffer back to the downloads.
                 optim.grad = optim.grad.to(optim.dtype)
-                attr.release_held_to_spare()
+                attr.release_held(to_spare=True)
             optim.grad.add_(g.to(optim.dtype))
     # Copied: the download buffer takes its next role (staging, else spare) before ``p.grad`` lets go
     # of it, as a handed-over one does above, so that it always has one: the main thread may count the

@@ -239,6 +239,7 @@ def main() -> int:
     ap.add_argument("--no-normalize", action="store_true", help="--uneven without normalize_by (must NOT match)")
     ap.add_argument("--shard", action="store_true", help="enable_data_parallel(shard_optimizer=True)")
     ap.add_argument("--optim", choices=["sgd", "adamw", "rpadam"], default="sgd", help="rpadam: roundpipe.optim.Adam")
+    ap.add_argument("--replace-master-at", type=int, default=None, help="give the first master new storage before this step")
     ap.add_argument("--clip", type=float, default=0.0, help="clip_grad_norm_ to this in step_fn")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--sync", action="store_true", help="is_async=False")
@@ -269,6 +270,9 @@ def main() -> int:
             if args.fail_how == "exit":
                 os._exit(17)
             time.sleep(3600)
+        if args.replace_master_at == step:  # the mistake the sharded step refuses: a master's storage swapped
+            trainer.model.synchronize()
+            trainer.named[0][1].data = trainer.named[0][1].data.clone()
         trainer.train(step, rdist.shard)
         if args.save_at is not None and step + 1 == args.save_at:
             trainer.save(args.ckpt, step + 1)
