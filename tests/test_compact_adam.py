@@ -450,3 +450,56 @@ def test_roundpipe_training_with_compact_state(workers: str, mode: Tuple[str, st
             assert all(p.dtype == torch.bfloat16 for p in rp.optim_parameters())
             assert all(opt.state[p]["step"].item() == 120 for p in rp.optim_parameters())
     assert final["compact"] < 1.5 * final["fp32"] + 0.01
+
+
+def _block_max(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Each element's block maximum of ``x`` (flat, >= 0) for blocks of ``block`` elements."""
+    pad = (-x.numel()) % block
+    b = torch.cat([x, x.new_zeros(pad)]).view(-1, block).amax(1)
+    return b.repeat_interleave(block)[: x.numel()]
+
+
+INT8_MODES = [("int8", "float32", "nearest"), ("int8", "bfloat16", "kahan")]
+
+
+@pytest.mark.parametrize("mode", INT8_MODES, ids=["f32", "bf16-kahan"])
+def test_int8_state_loads_into_another_block_size(mode: Tuple[str, str, str]) -> None:
+    """An int8 state saved with block_size 64 and loaded with 67 (the same number of blocks for every
+    tensor, so the layouts agree): the moments are decoded with the saved block size and requantised,
+    within one code step of the new blocks; read raw, elements near a block edge would take the
+    neighbour's scale. The same block size loads bit for bit."""
+    state_dtype, master, rounding = mode
+    shapes = ((37, 29), (100,))  # 17 and 2 blocks with either block size
+    kw = dict(lr=1e-2, state_dtype=state_dtype, master=master, master_rounding=rounding, seed=5)
+    ps = _params(master, shapes)
+    opt = Adam(ps, block_size=64, **kw)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        for p in ps:  # magnitudes over three decades: neighbouring blocks have very different scales
+            p.grad = (torch.randn(p.shape, generator=g) * torch.logspace(-3, 0, p.numel()).view(p.shape)).to(p.dtype)
+        opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    for p in ps:
+        assert quant.n_blocks(p.numel(), 64) == quant.n_blocks(p.numel(), 67)
+    same = Adam([nn.Parameter(p.detach().clone()) for p in ps], block_size=64, **kw)
+    same.load_state_dict(sd)
+    for i, q in enumerate(same.param_groups[0]["params"]):
+        assert set(same.state[q]) == set(sd["state"][i])
+        for k, t in sd["state"][i].items():
+            assert torch.equal(same.state[q][k], t), k
+    other = Adam([nn.Parameter(p.detach().clone()) for p in ps], block_size=67, **kw)
+    other.load_state_dict(sd)
+    for i, q in enumerate(other.param_groups[0]["params"]):
+        m0, v0 = compact.state_to_fp32(sd["state"][i], q.shape, 64)
+        m, v = compact.state_to_fp32(other.state[q], q.shape, 67)
+        m0, r0, m, r = m0.reshape(-1), v0.sqrt().reshape(-1), m.reshape(-1), v.sqrt().reshape(-1)
+        a, big_r = _block_max(m0.abs(), 67), _block_max(r0, 67)
+        dm = a / 254 * (2 * (m0.abs() / a).sqrt() + 1 / 254) * (1 + 1e-6)
+        dr = (big_r / 510 * (2 * (r0 / big_r).sqrt() + 1 / 510) + big_r / 255**2) * (1 + 1e-6)
+        assert ((m - m0).abs() <= dm).all(), ((m - m0).abs() / dm).max()
+        assert ((r - r0).abs() <= dr).all(), ((r - r0).abs() / dr).max()
+        assert other.state[q]["exp_avg_scale"].numel() == quant.n_blocks(q.numel(), 67)
+        assert other.state[q]["step"].item() == 3
+        if rounding == "kahan":
+            assert torch.equal(other.state[q]["kahan_comp"], sd["state"][i]["kahan_comp"])
+    _run(other, other.param_groups[0]["params"], 1)  # and it steps on

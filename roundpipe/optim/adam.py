@@ -363,8 +363,9 @@ class Adam(Optimizer):
 
         A state saved in this optimizer's format loads bit for bit (a resumed run continues exactly).
         Other formats are converted through fp32 (``compact.convert_state``): fp32 / torch.optim.Adam
-        state into a compact optimizer (moments rounded or quantised once), and a compact state into a
-        default optimizer (moments decoded to the parameters' dtype).
+        state into a compact optimizer (moments rounded or quantised once), an int8 state saved with
+        another ``block_size`` (decoded with the saved one, requantised into this one's blocks), and a
+        compact state into a default optimizer (moments decoded to the parameters' dtype).
         """
         self._drop_reserve()  # the loaded states replace what was built for a fresh start
         saved_cfg = state_dict.get("compact")
