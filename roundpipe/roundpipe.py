@@ -24,7 +24,7 @@ from roundpipe.pipeline import RoundPipeBatchedBackward, dispatch_forward, dispa
 from roundpipe.plan import ModelExecutePlan, RunType
 from roundpipe.planner import simulate_iteration
 from roundpipe.run import Run, call_profile
-from roundpipe.run_config import ResolvedRunConfig, RoundPipeRunConfig
+from roundpipe.run_config import ResolvedRunConfig, RoundPipeRunConfig, check_wrapper_arguments
 from roundpipe.threads import AnnotatedEvent, raise_if_failed
 from roundpipe.timer import ModelTimer
 from roundpipe.transfer import fold_shared_grads
@@ -47,6 +47,7 @@ class RoundPipeBase(nn.Module):
     """
 
     def __init__(self, model: nn.Module, name: Optional[str] = None, optim_dtype: Optional[torch.dtype] = None) -> None:
+        check_wrapper_arguments(type(self).__name__, model, optim_dtype)
         super().__init__()
         self.model = model
         self.original_model: Optional[nn.Module] = None
@@ -332,6 +333,7 @@ class RoundPipe(RoundPipeBase):
         model_run_config: RoundPipeRunConfig = RoundPipeRunConfig(),
         pin_model: PinMode = "alloc",
     ) -> None:
+        check_wrapper_arguments(type(self).__name__, model, optim_dtype, model_run_config)
         super().__init__(model, name if name is not None else get_call_location(1), optim_dtype)
         on_device = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type != "cpu"]
         if on_device:
@@ -340,8 +342,6 @@ class RoundPipe(RoundPipeBase):
                 f"{dict(model.named_parameters()).get(on_device[0], next(model.buffers(), None)).device}; "
                 "call model.cpu() (or load it on the CPU) before wrapping"
             )
-        if not isinstance(model_run_config, RoundPipeRunConfig):
-            raise ValueError("model_run_config must be a roundpipe.RoundPipeRunConfig")
         self.model_run_config = model_run_config
         settings.check_runtime()  # a bad RPP_* value of the host buffers fails here, naming the variable
         layers = list(model.children()) if isinstance(model, nn.Sequential) else [model]

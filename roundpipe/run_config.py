@@ -21,7 +21,8 @@ class RoundPipeRunConfig:
         preserve_rng_state: Restore RNG state for recompute so dropout masks match. Default: True.
         recompute_grain: 'stage' recomputes a backward stage at once; 'layer' recomputes and back-propagates
             one layer at a time (less activation memory). Default: 'stage'.
-        num_microbatch: Number of microbatches. Default: number of devices + 1.
+        num_microbatch: Number of microbatches. Default: number of devices + 1, at most the batch size
+            (a smaller batch runs in fewer microbatches; a count chosen here larger than the batch is an error).
         split_input: How to split (args, kwargs): a callable ``(args, kwargs, n)`` returning
             ``(args_list, kwargs_list)`` (or a list of ``(args_m, kwargs_m)`` pairs), or a spec tree
             ``(args_spec, kwargs_spec)`` of ``TensorChunkSpec(dim)`` / ``_Replicate`` entries where None
@@ -62,6 +63,23 @@ class RoundPipeRunConfig:
                 raise ValueError("execute_plan: expected a roundpipe.ModelExecutePlan")
 
 
+def check_wrapper_arguments(cls: str, model: Any, optim_dtype: Any, model_run_config: Any = None) -> None:
+    """A RoundPipe wrapper's constructor arguments, checked where they are given rather than at the first
+    call or step (``optim_dtype="bf16"`` used to fail there as "Invalid device string")."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"{cls} wraps an nn.Module (an nn.Sequential streams its children as layers), not {type(model).__name__} {model!r:.60}"
+        )
+    if optim_dtype is not None and not (isinstance(optim_dtype, torch.dtype) and optim_dtype.is_floating_point):
+        raise TypeError(
+            f"{cls}: optim_dtype={optim_dtype!r} is not a floating-point torch.dtype; pass torch.float32, "
+            "torch.bfloat16 or torch.float16 (or None: each parameter's own dtype)"
+        )
+    if model_run_config is not None and not isinstance(model_run_config, RoundPipeRunConfig):
+        kind = type(model_run_config).__name__
+        raise ValueError(f"model_run_config must be a roundpipe.RoundPipeRunConfig, not {kind}")
+
+
 class ResolvedRunConfig:
     """A per-call config merged with the model's config and the defaults: every field resolved (the
     spec's ``FullRoundPipeRunConfig``)."""
@@ -79,6 +97,9 @@ class ResolvedRunConfig:
         self.output_device: torch.device = torch.device("cpu") if self.output_device is None else self.output_device
         self.preserve_rng_state: bool = True if self.preserve_rng_state is None else bool(self.preserve_rng_state)
         self.recompute_grain: Literal["stage", "layer"] = self.recompute_grain or "stage"
+        # Whether a count was chosen (per call or per model): the default (devices + 1) is fitted to a
+        # smaller batch instead, where a chosen one is an error (roundpipe.batch).
+        self.num_microbatch_chosen: bool = self.num_microbatch is not None
         self.num_microbatch: int = self.num_microbatch or settings.default_num_microbatch(get_num_devices())
         self.merge_output: Any = True if self.merge_output is None else self.merge_output
         self.split_input: Optional[Callable[..., Any]]

@@ -29,7 +29,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Container, Dict, List, Optional
+import inspect
+from typing import Any, Callable, Container, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -189,6 +190,34 @@ class CausalLMLossSums(nn.Module):
         return {"sum": total.reshape(1), "count": count.reshape(1), "divisor": torch.full((1,), divisor, device=logits.device)}
 
 
+def _check_labels_first(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+    """Forward pre-hook of a causal LM whose ``loss_function`` runs on the devices: its ``labels`` /
+    ``shift_labels`` are checked (``check_label_range``) before any of its RoundPipes runs, so an
+    out-of-range label is a ValueError on the caller's thread, not a failure inside a worker's loss kernel
+    (a GPU's device-side assert) after the forward has half run."""
+    from roundpipe.models.loss import check_label_range
+
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+    vocab = head.weight.shape[0] if isinstance(getattr(head, "weight", None), torch.Tensor) else vocab
+    if vocab is None:
+        return
+    for name, shifted in (("labels", False), ("shift_labels", True)):
+        if isinstance(kwargs.get(name), torch.Tensor):
+            check_label_range(kwargs[name], vocab, shifted=shifted, name=name)
+
+
+def _no_cache_across_microbatches(
+    module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """Forward pre-hook of a model wrapped by size whose forward takes ``use_cache``: off unless the caller
+    sets it. A Hugging Face model builds one key / value cache per forward and hands it to every layer,
+    and a layer wrapped on its own runs once per microbatch: microbatch 1 would attend to microbatch 0's
+    keys (wrong outputs) and its backward would run through microbatch 0's graph."""
+    kwargs.setdefault("use_cache", False)
+    return args, kwargs
+
+
 def merge_causal_lm_loss(outputs: List[Dict[str, torch.Tensor]]) -> torch.Tensor:
     """The batch loss from per-microbatch ``CausalLMLossSums`` outputs: the sum of the token losses
     over ``num_items_in_batch`` when it was given, over the counted tokens otherwise (the mean)."""
@@ -215,6 +244,7 @@ def wrap_loss_function(model: nn.Module, model_run_config: RoundPipeRunConfig, n
     # Through the property's setter: a plain attribute write of a module would register a submodule
     # named ``loss_function`` that the property (a class attribute) hides.
     prop.fset(model, RoundPipe(CausalLMLossSums(ForCausalLMLoss), model_run_config=config, name=f"{name}.loss_function", **roundpipe_kwargs))
+    model.register_forward_pre_hook(_check_labels_first, with_kwargs=True)
     return True
 
 
@@ -280,6 +310,8 @@ def wrap_model_to_roundpipe(
     )
     if isinstance(wrapped, RoundPipeBase):
         return wrapped
+    if "use_cache" in inspect.signature(wrapped.forward).parameters:
+        wrapped.register_forward_pre_hook(_no_cache_across_microbatches, with_kwargs=True)
     wrap_loss_function(wrapped, model_run_config, name, **roundpipe_kwargs)
     return AutoRoundPipe(wrapped, name=name, optim_dtype=roundpipe_kwargs.get("optim_dtype"))
 

@@ -275,6 +275,34 @@ def shift_causal_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) 
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
+def check_label_range(
+    labels: Optional[torch.Tensor],
+    vocab_size: int,
+    ignore_index: int = IGNORE_INDEX,
+    shifted: bool = False,
+    name: str = "labels",
+) -> None:
+    """Every target of a causal-LM loss is a token id in ``[0, vocab_size)`` or ``ignore_index``; a
+    ValueError naming the first that is not otherwise. Checked on the caller's thread before any device
+    runs: an out-of-range target would otherwise fail inside a loss kernel on a worker, as a device-side
+    assert on a GPU (after which the CUDA context is unusable) or an index error of a compiled kernel.
+    ``shifted``: ``labels`` are the targets themselves (``shift_labels``); else ``labels[..., 1:]`` are."""
+    if labels is None or labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        return
+    target = labels if shifted else labels[..., 1:]
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
+    if not bool(bad.any()):
+        return
+    where = [int(i) for i in bad.nonzero()[0]]
+    value = int(target[tuple(where)])
+    if not shifted and where:
+        where[-1] += 1  # the position in ``labels``
+    raise ValueError(
+        f"{name}{where} = {value} is not a token id of this model (vocab_size={vocab_size}): a label is a token id in "
+        f"[0, {vocab_size}) or ignore_index={ignore_index}"
+    )
+
+
 def count_loss_tokens(
     labels: Optional[torch.Tensor] = None,
     shift_labels: Optional[torch.Tensor] = None,

@@ -35,7 +35,13 @@ from torch import nn
 from roundpipe.context import doing_recompute, get_recompute_data, save_for_recompute
 from roundpipe.models import kernels, tiling
 from roundpipe.models.inputs import BATCH_ARGS, CausalLMInputs, takes_inputs
-from roundpipe.models.loss import IGNORE_INDEX, causal_lm_loss, count_loss_tokens, shift_causal_labels
+from roundpipe.models.loss import (
+    IGNORE_INDEX,
+    causal_lm_loss,
+    check_label_range,
+    count_loss_tokens,
+    shift_causal_labels,
+)
 from roundpipe.models.moe import MoESpec, RouterStats, accumulate_router_stats, hook_routers, moe_spec, router_aux_loss, router_sink  # noqa: F401 - re-exported
 from roundpipe.transfer import HostScalar
 
@@ -405,6 +411,10 @@ class CausalLMPreset:
         the loss, and full logits are the largest tensor of the whole step.
         """
         has_labels = inputs.labels is not None or inputs.shift_labels is not None
+        if has_labels:  # here, on the host: a bad label must not reach a loss kernel (check_label_range)
+            vocab = self.model.get_output_embeddings().weight.shape[0]
+            check_label_range(inputs.labels, vocab)
+            check_label_range(inputs.shift_labels, vocab, shifted=True, name="shift_labels")
         attention_mask = inputs.attention_mask
         if (
             attention_mask is not None
