@@ -234,6 +234,8 @@ class Batch:
                 if bs is None:
                     n = 1  # nothing to split: one microbatch
                 else:
+                    if n > bs and not getattr(run_config, "num_microbatch_chosen", True):
+                        n = run_config.num_microbatch = bs  # the default count, fitted to a small batch
                     if n > bs:
                         raise ValueError(
                             f"num_microbatch={n} is larger than the batch size {bs}; lower num_microbatch "
