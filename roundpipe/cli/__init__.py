@@ -51,6 +51,10 @@ def train_main(argv: List[str]) -> int:
     from roundpipe.cli.config import parse_train_args, to_yaml
 
     args = parse_train_args(argv)  # before anything heavy is imported: --help and config errors answer at once
+    if not args.print_config:
+        from roundpipe.cli.run_dir import check_before_loading
+
+        check_before_loading(args.cfg, args.overwrite)  # an earlier run or an unwritable output_dir: at once too
     with _hf_quiet():
         if args.print_config:
             from roundpipe.cli.train import resolved_config
@@ -72,10 +76,13 @@ def export_main(argv: List[str]) -> int:
     from roundpipe.cli.export import check_export, export, parse_export_args
 
     args = parse_export_args(argv)
-    check_export(args.checkpoint, args.out)  # a mistake answers before transformers is imported
+    source = check_export(args.checkpoint, args.out)  # a mistake answers before transformers is imported
     with _hf_quiet():
         path = export(args.checkpoint, args.out, merge_lora=args.merge_lora, dtype=args.dtype)
-    print(f"exported {args.checkpoint} -> {path}")
+    from roundpipe.cli.checkpoint import verify_checkpoint
+
+    step = verify_checkpoint(source)["step"]  # verified by check_export: not hashed again
+    print(f"exported step {step} ({source}) -> {path}")
     return 0
 
 

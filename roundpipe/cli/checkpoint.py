@@ -227,11 +227,40 @@ def load_torch(path: str) -> object:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def current_umask() -> int:
+    """This process's umask: from ``/proc/self/status`` where the kernel tells it, else by setting and
+    restoring it (a moment in which another thread's new file would get the same mask anyway)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def share_like_other_files(*roots: str) -> None:
+    """Give the files under ``roots`` (files or directories) the permissions ``open()`` gives a new file,
+    ``0o666 & ~umask``: safetensors writes its files 0600 (a private temporary file renamed into place),
+    which would keep an exported model or a checkpoint from other users and containers."""
+    mode = 0o666 & ~current_umask()
+    for root in roots:
+        paths = [root] if os.path.isfile(root) else [os.path.join(b, n) for b, _, names in os.walk(root) for n in names]
+        for path in paths:
+            if not os.path.islink(path):
+                os.chmod(path, mode)
+
+
 def save_tensors(tensors: Dict[str, torch.Tensor], path: str, metadata: Optional[Dict[str, str]] = None) -> None:
-    """safetensors file of ``tensors`` (host tensors; no two may share storage: pass tied weights once)."""
+    """safetensors file of ``tensors`` (host tensors; no two may share storage: pass tied weights once),
+    with the permissions of the run's other files (:func:`share_like_other_files`)."""
     from safetensors.torch import save_file
 
     save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, path, metadata=metadata)
+    share_like_other_files(path)
 
 
 def load_tensors(path: str) -> Dict[str, torch.Tensor]:
@@ -248,5 +277,6 @@ __all__ = [
     "resolve_checkpoint",
     "save_checkpoint",
     "save_tensors",
+    "share_like_other_files",
     "verify_checkpoint",
 ]

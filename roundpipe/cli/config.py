@@ -19,10 +19,31 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: Short names of the dtypes, accepted wherever a dtype is (``--dtype bf16`` is ``--dtype bfloat16``).
+DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "fp32": "float32",
+    "f32": "float32",
+    "fp16": "float16",
+    "f16": "float16",
+    "half": "float16",
+}
 PLANS = ("auto", "layerwise", "single")
 OPTIM_STATES = ("float32", "bfloat16", "int8")
 MASTERS = ("float32", "bfloat16")
 MASTER_ROUNDINGS = ("stochastic", "kahan", "nearest")
+
+
+def normalize_dtype(value: str) -> str:
+    """The canonical name of a dtype value: ``bf16`` / ``torch.bfloat16`` -> ``bfloat16``; anything else as
+    given (validation names the choices)."""
+    name = str(value).strip().lower()
+    name = name[len("torch.") :] if name.startswith("torch.") else name
+    return DTYPE_ALIASES.get(name, name)
+
+
+#: The keys that hold a dtype name (aliases accepted).
+DTYPE_KEYS = ("dtype", "optim_state", "master")
 
 
 class ConfigError(Exception):
@@ -366,6 +387,8 @@ def merge(file_keys: Dict[str, Any], flag_keys: Dict[str, Any]) -> TrainConfig:
         values.update(TASK_PROFILE)
     values.update(given)
     cfg = TrainConfig(**{k: _coerce(k, v) for k, v in values.items()})
+    for name in DTYPE_KEYS:
+        setattr(cfg, name, normalize_dtype(getattr(cfg, name)))
     validate(cfg)
     return cfg
 
@@ -402,7 +425,8 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.plan not in PLANS:
         raise ConfigError(f"plan={cfg.plan!r} is not a plan", f"use one of {', '.join(PLANS)}")
     if cfg.dtype not in DTYPES:
-        raise ConfigError(f"dtype={cfg.dtype!r} is not supported", f"use one of {', '.join(DTYPES)}")
+        fix = f"use one of {', '.join(DTYPES)} (or bf16, fp32, fp16)"
+        raise ConfigError(f"dtype={cfg.dtype!r} is not supported", fix)
     if cfg.microbatches is not None and cfg.batch_size < cfg.microbatches:
         raise ConfigError(
             f"batch_size={cfg.batch_size} is smaller than microbatches={cfg.microbatches}",
@@ -418,20 +442,52 @@ def validate(cfg: TrainConfig) -> None:
         if cfg.epochs is not None:
             raise ConfigError("epochs is set but the built-in task has no epochs (it is generated on the fly)", "use --steps")
     else:
-        if not os.path.isfile(cfg.data):
-            raise ConfigError(f"data file {cfg.data!r} not found", "pass an existing .txt, .jsonl or .parquet file to --data")
-        if os.path.splitext(cfg.data)[1].lower() not in (".txt", ".jsonl", ".parquet"):
-            raise ConfigError(f"data file {cfg.data!r} has an unsupported extension", "use a .txt, .jsonl or .parquet file")
+        check_data_file(cfg.data)
+    from roundpipe.cli.model_names import check_model
+
+    check_model(cfg.model)
     if cfg.lora_r == 0 and cfg.lora_alpha is not None:
         raise ConfigError("lora_alpha is set but lora_r is 0 (full fine-tune)", "set --lora-r to enable LoRA, or drop lora_alpha")
 
 
-def to_yaml(cfg: TrainConfig) -> str:
+def check_data_file(path: str) -> None:
+    """A data file exists, has a supported extension and is not empty (whitespace alone is empty): checked
+    with the flags, before torch and the model load."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"data file {path!r} not found", "pass an existing .txt, .jsonl or .parquet file to --data")
+    if os.path.splitext(path)[1].lower() not in (".txt", ".jsonl", ".parquet"):
+        raise ConfigError(f"data file {path!r} has an unsupported extension", "use a .txt, .jsonl or .parquet file")
+    size = os.path.getsize(path)
+    if size == 0 or (size <= 1 << 20 and not path.lower().endswith(".parquet") and _blank(path)):
+        fix = "put the training text in it (.txt) or one JSON object per line (.jsonl)"
+        raise ConfigError(f"data file {path!r} is empty", fix)
+
+
+def _blank(path: str) -> bool:
+    with open(path, "rb") as f:
+        return not f.read().strip()
+
+
+def with_absolute_paths(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with its relative paths (data, output_dir, resume, a model directory) made absolute, as a run
+    saves it: resuming from another working directory then finds the run's data and model."""
+    from roundpipe.cli.model_names import BUILTIN_MODELS
+
+    def absolute(path: Any) -> Any:
+        return path if path is None or path == "latest" else os.path.abspath(path)
+
+    model = cfg.model if cfg.model in BUILTIN_MODELS else absolute(cfg.model)
+    paths = dict(data=absolute(cfg.data), output_dir=absolute(cfg.output_dir), resume=absolute(cfg.resume), model=model)
+    return dataclasses.replace(cfg, **paths)
+
+
+def to_yaml(cfg: TrainConfig, saved: bool = False) -> str:
     """The config as YAML (``config.yaml`` of runs and checkpoints, ``--print-config``). ``task`` is
-    left out when a data file replaces it, so the file can be passed to ``--config`` again."""
+    left out when a data file replaces it, so the file can be passed to ``--config`` again. ``saved``: a
+    run's own copy, whose paths are absolute (:func:`with_absolute_paths`)."""
     import yaml
 
-    values = cfg.to_dict()
+    values = (with_absolute_paths(cfg) if saved else cfg).to_dict()
     if cfg.data is not None:
         values.pop("task")
     return yaml.safe_dump(values, sort_keys=False)

@@ -17,7 +17,7 @@ import shutil
 from typing import Any, List, Optional
 
 from roundpipe.cli import checkpoint as ckpt
-from roundpipe.cli.config import DTYPES, ConfigError
+from roundpipe.cli.config import DTYPES, ConfigError, normalize_dtype
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -35,7 +35,9 @@ def parse_export_args(argv: List[str]) -> argparse.Namespace:
         default=True,
         help="merge LoRA into the base weights (default); --no-merge-lora writes a PEFT adapter",
     )
-    parser.add_argument("--dtype", choices=[d for d in DTYPES if d != "auto"], default=None, help="cast the weights (default: the training dtype)")
+    choices = [d for d in DTYPES if d != "auto"]
+    help_ = "cast the weights (default: the training dtype; bf16, fp32, fp16 work too)"
+    parser.add_argument("--dtype", type=normalize_dtype, choices=choices, default=None, help=help_)
     return parser.parse_args(argv)
 
 
@@ -121,6 +123,7 @@ def export(checkpoint: str, out: str, merge_lora: bool = True, dtype: Optional[s
         with open(cfg_path, "w") as f:
             json.dump(adapter, f, indent=2)
     AutoTokenizer.from_pretrained(os.path.join(path, "hf"), local_files_only=True).save_pretrained(tmp)
+    ckpt.share_like_other_files(tmp)  # the weights are written 0600: readable by whoever may read the rest
     if os.path.isdir(out):
         os.rmdir(out)
     os.rename(tmp, out)

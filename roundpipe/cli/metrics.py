@@ -94,6 +94,18 @@ def plot_metrics(csv_path: str, png_path: str) -> Optional[str]:
     rows = read_metrics(csv_path)
     if not rows:
         return None
+    fig = metrics_figure(rows)
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return png_path
+
+
+def metrics_figure(rows: List[Dict[str, float]]) -> Any:
+    """The figure of :func:`plot_metrics` (matplotlib's Agg backend): loss above, learning rate below,
+    over steps, whose axis ticks are whole steps (a short run would otherwise show steps 1.25, 1.5...)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
     steps = [r["step"] for r in rows]
     fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     loss = [r.get("loss", math.nan) for r in rows]
@@ -109,11 +121,10 @@ def plot_metrics(csv_path: str, png_path: str) -> Optional[str]:
     ax_lr.plot(steps, [r.get("lr", math.nan) for r in rows], color="tab:orange")
     ax_lr.set_ylabel("learning rate")
     ax_lr.set_xlabel("step")
+    ax_lr.xaxis.set_major_locator(MaxNLocator(integer=True))  # shared with the loss axis
     ax_lr.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
-    return png_path
+    return fig
 
 
 def progress_enabled() -> bool:
@@ -148,7 +159,8 @@ def format_duration(seconds: float) -> str:
 def write_summary(output_dir: str, metrics: MetricsWriter, result: Dict[str, Any]) -> List[str]:
     """The end of a run (rank 0): ``loss.png``, ``summary.json`` (``result`` with the memory peaks
     added) and the closing lines to print. ``result``: step, total_steps, final_loss, tokens_per_s,
-    seconds, accuracy, checkpoint."""
+    seconds (this process's training), elapsed_s (the run's, resumed parts included: the time the
+    progress lines show), accuracy, checkpoint."""
     plot = plot_metrics(metrics.path, os.path.join(output_dir, "loss.png"))
     gpu = device_peak_memory_gib()
     summary = {**result, "peak_gpu_memory_gib": gpu, "host_peak_rss_gib": host_peak_rss_gib()}
@@ -157,8 +169,13 @@ def write_summary(output_dir: str, metrics: MetricsWriter, result: Dict[str, Any
     files = [f"metrics {metrics.path}"] + ([f"plot {plot}"] if plot else []) + ([f"checkpoint {result['checkpoint']}"] if result["checkpoint"] else [])
     if metrics.tensorboard_dir:
         files.append(f"tensorboard {metrics.tensorboard_dir}")
+    elapsed = result.get("elapsed_s", result["seconds"])
+    took = format_duration(elapsed)
+    if elapsed - result["seconds"] >= 1:  # resumed: the progress lines count the earlier parts too
+        took += f" ({format_duration(result['seconds'])} since the resume)"
     return [
-        f"done: step {result['step']}/{result['total_steps']} in {format_duration(result['seconds'])}, {format_rate(result['tokens_per_s'])} tokens/s, "
+        f"done: step {result['step']}/{result['total_steps']} in {took}, "
+        f"{format_rate(result['tokens_per_s'])} tokens/s, "
         f"final loss {result['final_loss']:.4f}; peak GPU memory {'%.2f GiB' % gpu if gpu is not None else 'n/a (CPU workers)'}, "
         f"host peak RSS {summary['host_peak_rss_gib']:.2f} GiB",
         "wrote " + ", ".join(files),
@@ -172,6 +189,7 @@ __all__ = [
     "format_duration",
     "format_rate",
     "host_peak_rss_gib",
+    "metrics_figure",
     "plot_metrics",
     "progress_enabled",
     "read_metrics",

@@ -8,6 +8,7 @@ failure a user can fix is a :class:`ConfigError` naming the directory and what t
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from typing import Any, Dict
@@ -16,40 +17,8 @@ import torch
 from torch import nn
 
 from roundpipe.cli.config import ConfigError, TrainConfig
-from roundpipe.cli.tasks import BYTE_VOCAB_SIZE, EOS_ID, byte_tokenizer
-
-_QWEN3_COMMON = dict(head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960, vocab_size=151936)
-
-#: Built-in Qwen3 architectures (random init): the WORKLOADS.md sizes plus ``tiny`` for the default task.
-BUILTIN_MODELS: Dict[str, Dict[str, Any]] = {
-    "tiny": dict(
-        hidden_size=192,
-        intermediate_size=576,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=6,
-        head_dim=32,
-        vocab_size=BYTE_VOCAB_SIZE,
-        max_position_embeddings=1024,
-        rope_theta=10_000.0,
-        tie_word_embeddings=True,
-    ),
-    "qwen3-0.6b": dict(
-        _QWEN3_COMMON, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True
-    ),
-    "qwen3-1.7b": dict(
-        _QWEN3_COMMON, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True
-    ),
-    "qwen3-4b": dict(
-        _QWEN3_COMMON, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True
-    ),
-    "qwen3-8b": dict(
-        _QWEN3_COMMON, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False
-    ),
-    "qwen3-14b": dict(
-        _QWEN3_COMMON, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False
-    ),
-}
+from roundpipe.cli.model_names import BUILTIN_MODELS, check_model
+from roundpipe.cli.tasks import EOS_ID, byte_tokenizer
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,16 +32,10 @@ def builtin_config(name: str) -> Any:
 
 def model_source(cfg: TrainConfig) -> Dict[str, str]:
     """Where the model comes from: ``{"kind": "builtin", "name"}`` or ``{"kind": "local", "path"}``."""
+    check_model(cfg.model)
     if cfg.model in BUILTIN_MODELS:
         return {"kind": "builtin", "name": cfg.model}
-    if os.path.isdir(cfg.model):
-        if not os.path.isfile(os.path.join(cfg.model, "config.json")):
-            raise ConfigError(f"{cfg.model} has no config.json", "pass a Hugging Face model directory (save_pretrained output)")
-        return {"kind": "local", "path": os.path.abspath(cfg.model)}
-    raise ConfigError(
-        f"model {cfg.model!r} is neither a local directory nor a built-in architecture",
-        f"pass a Hugging Face model directory or one of: {', '.join(BUILTIN_MODELS)}",
-    )
+    return {"kind": "local", "path": os.path.abspath(cfg.model)}
 
 
 def load_model_config(source: Dict[str, str]) -> Any:
@@ -84,7 +47,29 @@ def load_model_config(source: Dict[str, str]) -> Any:
     try:
         return AutoConfig.from_pretrained(source["path"], local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read the model config in {source['path']} ({exc})", "pass a directory written by save_pretrained") from None
+        raise config_error(source["path"], exc) from None
+
+
+def config_error(path: str, exc: Exception) -> ConfigError:
+    """One line for a config transformers cannot read: its unknown ``model_type`` named, or the first
+    sentence of transformers' message (several paragraphs of advice, for an unknown type)."""
+    import transformers
+
+    text = " ".join(str(exc).split())
+    model_type = None
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        pass
+    if model_type is not None and "does not recognize this architecture" in text:
+        return ConfigError(
+            f"the model type {model_type!r} of {path} is unknown to transformers {transformers.__version__}",
+            "upgrade transformers (pip install -U transformers), or pass a model of a type it knows",
+        )
+    first = text.split(". ")[0].rstrip(".")
+    fix = "pass a directory written by save_pretrained"
+    return ConfigError(f"cannot read the model config in {path} ({first})", fix)
 
 
 def resolve_dtype(cfg: TrainConfig, model_config: Any) -> torch.dtype:
@@ -183,6 +168,7 @@ __all__ = [
     "apply_lora",
     "build_model",
     "builtin_config",
+    "config_error",
     "load_model_config",
     "load_tokenizer",
     "lora_config",

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from typing import List
 
-from roundpipe.cli.config import ConfigError
+from roundpipe.cli.config import ConfigError, TrainConfig
 
 RUN_FILES = ("config.yaml", "metrics.csv", "summary.json", "loss.png")
 RUN_DIRS = ("checkpoints", "tensorboard")
@@ -56,6 +56,23 @@ def check_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
             shutil.rmtree(created, ignore_errors=True)
 
 
+def check_flags(cfg: TrainConfig, overwrite: bool) -> None:
+    """``--overwrite`` and ``--resume`` exclude each other."""
+    if overwrite and cfg.resume is not None:
+        fix = "pass --resume to continue the run in output_dir, or --overwrite to replace it"
+        raise ConfigError("--overwrite and --resume are both given", fix)
+
+
+def check_before_loading(cfg: TrainConfig, overwrite: bool) -> None:
+    """The checks of a run that need no model, made right after the flags are parsed, before torch and
+    transformers load (a mistake answers in a fraction of a second): the flags, and the output
+    directory of a new run (:func:`check_output_dir`). A resumed run's directory is checked once its
+    checkpoint's config is read; so is every directory of a torchrun job, by rank 0 alone."""
+    check_flags(cfg, overwrite)
+    if cfg.resume is None and int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        check_output_dir(cfg.output_dir, False, overwrite)
+
+
 def clear_earlier_run(output_dir: str) -> List[str]:
     """Delete an earlier run's entries from ``output_dir`` (``--overwrite``); returns their names."""
     found = earlier_run(output_dir)
@@ -68,4 +85,12 @@ def clear_earlier_run(output_dir: str) -> List[str]:
     return found
 
 
-__all__ = ["RUN_DIRS", "RUN_FILES", "check_output_dir", "clear_earlier_run", "earlier_run"]
+__all__ = [
+    "RUN_DIRS",
+    "RUN_FILES",
+    "check_before_loading",
+    "check_flags",
+    "check_output_dir",
+    "clear_earlier_run",
+    "earlier_run",
+]

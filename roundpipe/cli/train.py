@@ -54,7 +54,7 @@ from roundpipe.cli.metrics import MetricsWriter, format_duration, format_rate, p
 from roundpipe.cli.model_loading import apply_lora, build_model, load_model_config, load_tokenizer, lora_config, model_source, resolve_dtype
 from roundpipe.cli.optimizer import HostOptimizer
 from roundpipe.cli.pipeline import PipelineModel
-from roundpipe.cli.run_dir import check_output_dir, clear_earlier_run
+from roundpipe.cli.run_dir import check_flags, check_output_dir, clear_earlier_run
 from roundpipe.cli.tasks import TaskStream, exact_match, held_out_examples, task_for
 from roundpipe.cli.train_state import Progress, TrainResult, read_payload, resume_config, rng_state, write_payload
 
@@ -376,7 +376,7 @@ class Recipe:
         if self.is_main:
             os.makedirs(cfg.output_dir, exist_ok=True)
             with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as f:
-                f.write(to_yaml(cfg))
+                f.write(to_yaml(cfg, saved=True))
             self.metrics = MetricsWriter(cfg.output_dir, self.step if resumed else None, cfg.tensorboard)
         self._pending: List[Dict[str, Any]] = []
         self.last_checkpoint: Optional[str] = None
@@ -417,7 +417,7 @@ class Recipe:
         old_handler = signal.signal(signal.SIGINT, self._on_sigint) if _main_thread() else None
         self.t_start = time.time()
         t_run = time.time()
-        tokens_this_run = 0
+        tokens_this_run, elapsed = 0, 0.0
         loss_value = math.nan
         try:
             while self.step < end:
@@ -459,7 +459,7 @@ class Recipe:
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None
-        seconds = time.time() - t_run
+        seconds = elapsed  # at the last step, as its progress line (the done line agrees with it): saves aside
         self.model.rp.synchronize()
         self._check_gradients(self.step)
         self._flush_rows(force=True)
@@ -489,6 +489,7 @@ class Recipe:
                 "final_loss": result.loss,
                 "tokens_per_s": result.tokens_per_s,
                 "seconds": result.seconds,
+                "elapsed_s": self.elapsed_before + result.seconds,  # the progress lines' time: resumed parts included
                 "accuracy": result.accuracy,
                 "checkpoint": result.checkpoint,
             }
@@ -551,8 +552,7 @@ def run(cfg: TrainConfig, given: Optional[Dict[str, Any]] = None, out: Callable[
     Launched by torchrun with several ranks, this joins the job first (data parallel, see
     :mod:`roundpipe.cli.parallel`) and leaves it at the end, also when training fails.
     """
-    if overwrite and cfg.resume is not None:
-        raise ConfigError("--overwrite and --resume are both given", "pass --resume to continue the run in output_dir, or --overwrite to replace it")
+    check_flags(cfg, overwrite)
     env = parallel.start()
     quiet = env.distributed and not env.is_main
     old_level = logger.level

@@ -95,7 +95,7 @@ def write_payload(
     kind = weights_kind(source, lora)
     os.makedirs(os.path.join(d, "optim"))
     with open(os.path.join(d, "config.yaml"), "w") as f:
-        f.write(to_yaml(cfg))
+        f.write(to_yaml(cfg, saved=True))
     with open(os.path.join(d, "source.json"), "w") as f:
         json.dump({**source, "weights": kind, "dtype": str(dtype).replace("torch.", "")}, f, indent=1)
     hf_dir = os.path.join(d, "hf")
