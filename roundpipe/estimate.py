@@ -257,6 +257,27 @@ def head_activation_bytes(shape: ModelShape, tokens: int, e: int = 2) -> float:
     return float(tokens * 3 * shape.hidden * e + 2 * min(tokens, loss_chunk_tokens(shape.vocab)) * shape.vocab * 4)
 
 
+def optimizer_state_bytes(
+    optim_state: str = "float32", master: str = "float32", master_rounding: str = "stochastic", block_size: int = 256
+) -> float:
+    """Host bytes per trainable parameter of ``roundpipe.optim.Adam``'s master and moments, for
+    ``estimate(optimizer_bytes_per_param=...)``: the table of docs/optimizer.md ("Host bytes per
+    parameter"), as ``roundpipe train --optim-state / --master / --master-rounding`` choose them. The
+    default (fp32 master, fp32 moments) is 12; int8 moments with bfloat16 masters 4.03."""
+    masters = {"float32": 4.0, "bfloat16": 2.0}
+    moments = {"float32": 8.0, "bfloat16": 4.0, "int8": 2.0 + 2 * 4.0 / block_size}  # int8: an fp32 scale per block
+    if master not in masters or optim_state not in moments:
+        raise ValueError(f"optim_state={optim_state!r}, master={master!r}: expected {list(moments)}, {list(masters)}")
+    kahan = 2.0 if master == "bfloat16" and master_rounding == "kahan" else 0.0
+    return masters[master] + moments[optim_state] + kahan
+
+
+def budgets(gpu_bytes: float, host_bytes: float) -> str:
+    """``"80.0 GiB per GPU and 23.5 GiB of host memory"``: the budgets, written one way wherever they are
+    printed (so one machine shows one host figure)."""
+    return f"{gpu_bytes / GiB:.1f} GiB per GPU and {host_bytes / GiB:.1f} GiB of host memory"
+
+
 def _pinned_block(nbytes: float) -> float:
     """The size torch's pinned caching allocator gives a request of ``nbytes``: the next power of two."""
     return float(1 << max(0, int(math.ceil(nbytes)) - 1).bit_length())
@@ -290,7 +311,7 @@ def estimate(
     tile: Optional[int] = None,
     layers_per_stage: int = 1,
     recompute_grain: str = "stage",
-    optimizer_bytes_per_param: int = 12,
+    optimizer_bytes_per_param: float = 12,
     grad_buffers: Optional[int] = None,
     pinned: bool = True,
     devices: int = 1,
@@ -310,7 +331,7 @@ def estimate(
         recompute_grain: 'stage' keeps the recompute graph of the whole stage; 'layer' only the
             inputs of its layers and one layer's graph.
         optimizer_bytes_per_param: Optimizer state and master bytes per trainable parameter (12: fp32
-            master + Adam m, v).
+            master + Adam m, v; :func:`optimizer_state_bytes` gives the compact states).
         grad_buffers: Host buffers per trainable parameter besides the weights (gradient download and
             staging). None: as the settings make it: 1 by default (downloads into the weights' buffers,
             ``RPP_GRAD_INTO_MODEL``), with ``RPP_STEP_MODE=streamed`` or ``RPP_STAGE_PARAMS=0
@@ -430,8 +451,8 @@ def describe_fit(shape: ModelShape, gpu_bytes: float, host_bytes: float, **kwarg
     """Lines saying the longest context that fits these budgets and how (for ``roundpipe plan``)."""
     seq, e = longest_context(shape, gpu_bytes, host_bytes, **kwargs)
     if e is None:
-        return [f"no sequence of 1,024 tokens or more fits {gpu_bytes / GiB:.1f} GiB per GPU and {host_bytes / GiB:.1f} GiB of host memory"]
+        return [f"no sequence of 1,024 tokens or more fits {budgets(gpu_bytes, host_bytes)}"]
     return [
-        f"longest context that fits {gpu_bytes / GiB:.1f} GiB per GPU and {host_bytes / GiB:.1f} GiB of host memory: "
-        f"{seq:,} tokens ({e.layers_per_stage} decoder layer(s) per backward stage)"
+        f"longest context that fits {budgets(gpu_bytes, host_bytes)}: {seq:,} tokens "
+        f"({e.layers_per_stage} decoder layer(s) per backward stage)"
     ]

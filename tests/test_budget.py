@@ -264,6 +264,7 @@ def test_roundpipe_plan_command(tmp_path: Any) -> None:
     too_big = plan("--model", "qwen3-8b", "--seq-len", "262144", "--lora-r", "16", "--gpu-memory", "24GiB", "--host-memory", "64GiB")
     assert too_big.returncode == 1 and "does NOT fit" in too_big.stdout
     config = tiny_model("qwen3").config
+    config.max_position_embeddings = 4096  # plan refuses a longer sequence than the model takes, as train does
     (tmp_path / "config.json").write_text(config.to_json_string())
     as_json = plan("--model", str(tmp_path), "--seq-len", "4096", "--gpu-memory", "8GiB", "--host-memory", "16GiB", "--json")
     assert as_json.returncode == 0, as_json.stderr

@@ -2,12 +2,15 @@
 
     roundpipe plan --model qwen3-8b --seq-len 262144 --lora-r 16
     roundpipe plan --model ~/models/Qwen3-8B --seq-len 131072 --gpu-memory 24GiB
+    roundpipe plan --model qwen3-8b --seq-len 4096 --optim-state int8 --master bfloat16
 
 Prints peak GPU memory (per GPU) and peak host memory of one step, the bytes each token costs, and
 the longest context that fits this machine (or the ``--gpu-memory`` / ``--host-memory`` given). The
 same numbers are ``roundpipe.estimate.estimate(...)`` and ``roundpipe.estimate.longest_context(...)``
-in Python. Nothing heavy is imported but torch, and torch only to read this machine's GPU size when
-``--gpu-memory`` is not given.
+in Python. Exit status 0 when the step fits, 1 when it does not (text and ``--json`` alike), 2 with one
+line for bad input. A run ``roundpipe train`` refuses is refused here too: a sequence beyond a model
+directory's ``max_position_embeddings``, more microbatches than sequences. Nothing heavy is imported but
+torch, and torch only to read this machine's GPU size when ``--gpu-memory`` is not given.
 """
 
 from __future__ import annotations
@@ -16,11 +19,19 @@ import argparse
 import json
 import os
 import sys
-from typing import List, NoReturn, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from roundpipe import estimate
+from roundpipe.cli.config import MASTER_ROUNDINGS, MASTERS, OPTIM_STATES, ConfigError, normalize_dtype
 
 GiB = float(1 << 30)
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are a :class:`ConfigError` (one line, no usage dump)."""
+
+    def error(self, message: str) -> Any:
+        raise ConfigError(message, f"see '{self.prog} --help'")
 
 
 def _size(text: str) -> float:
@@ -33,42 +44,79 @@ def _size(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 24GiB, 24GB or 20000MiB") from None
 
 
+def builtin_names() -> List[str]:
+    """The built-in shapes: ``roundpipe train``'s architectures and the larger Qwen3 shapes."""
+    from roundpipe.cli.model_names import BUILTIN_MODELS
+
+    return list(BUILTIN_MODELS) + [n for n in estimate.ModelShape.BUILTIN if n not in BUILTIN_MODELS]
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="roundpipe plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--model", required=True, help=f"a Hugging Face model directory (its config.json) or a built-in shape: {', '.join(estimate.ModelShape.BUILTIN)}"
-    )
+    raw = argparse.RawDescriptionHelpFormatter
+    p = _ArgumentParser(prog="roundpipe plan", description=__doc__, formatter_class=raw)
+    shapes = ", ".join(builtin_names())
+    p.add_argument("--model", required=True, help=f"a Hugging Face model directory (config.json) or a built-in: {shapes}")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument("--batch-size", type=int, default=1, help="sequences per step (default 1)")
-    p.add_argument("--microbatches", type=int, default=1, help="microbatches per step (default 1)")
-    p.add_argument("--lora-r", type=int, default=0, help="LoRA rank on all decoder projections (default 0: full fine-tune)")
-    p.add_argument("--gpu-memory", type=_size, default=None, help="memory per GPU (default: this machine's GPU, else 80GiB)")
+    p.add_argument("--microbatches", type=int, default=1, help="microbatches per step, at most batch-size (default 1)")
+    p.add_argument("--lora-r", type=int, default=0, help="LoRA rank on all decoder projections (0: full fine-tune)")
+    states, masters, roundings = (", ".join(c) for c in (OPTIM_STATES, MASTERS, MASTER_ROUNDINGS))
+    p.add_argument("--optim-state", type=normalize_dtype, default="float32", help=f"Adam moments: {states} (as train)")
+    p.add_argument("--master", type=normalize_dtype, default="float32", help=f"master weights: {masters} (as train)")
+    p.add_argument("--master-rounding", default="stochastic", help=f"bfloat16 masters: {roundings} (as train)")
+    p.add_argument("--gpu-memory", type=_size, default=None, help="memory per GPU (default: this machine's or 80GiB)")
     p.add_argument("--host-memory", type=_size, default=None, help="host memory (default: this machine's)")
     p.add_argument("--gpus", type=int, default=1, help="GPUs the process trains on (default 1)")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     return p
 
 
-def _fail(message: str) -> NoReturn:
-    """One line on stderr and exit status 2, as the other commands report bad input."""
-    print(f"roundpipe plan: {message}", file=sys.stderr)
-    raise SystemExit(2)
+def _read_config(path: str) -> Dict[str, Any]:
+    """A model directory's config.json as a dict (the text model's part of a multimodal config)."""
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        what = f"cannot read {path} ({type(exc).__name__}: {exc})"
+        raise ConfigError(what, "pass a directory written by save_pretrained") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} is not a JSON object", "pass a directory written by save_pretrained")
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
 
 
-def model_shape(model: str) -> estimate.ModelShape:
-    """The shape of a built-in name or of a model directory's config.json (no transformers import)."""
+#: The config keys the estimate reads; a config without them has another layout than the one it models.
+SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def model_shape(model: str) -> Tuple[estimate.ModelShape, Optional[int]]:
+    """The shape of a built-in name or of a model directory's config.json (no transformers import), and
+    the longest sequence the model takes (``max_position_embeddings`` of a directory; None for a
+    built-in shape, whose rotary tables ``roundpipe train`` extends as far as asked)."""
+    from roundpipe.cli.model_names import BUILTIN_MODELS, did_you_mean
+
     if model in estimate.ModelShape.BUILTIN:
-        return estimate.ModelShape.builtin(model)
+        return estimate.ModelShape.builtin(model), None
+    if model in BUILTIN_MODELS:
+        return estimate.ModelShape.from_config(argparse.Namespace(**BUILTIN_MODELS[model])), None
     path = os.path.join(os.path.expanduser(model), "config.json")
     if not os.path.isfile(path):
-        _fail(f"--model {model!r} is neither a built-in shape ({', '.join(estimate.ModelShape.BUILTIN)}) nor a directory with a config.json")
-    with open(path) as f:
-        config = json.load(f)
-    config = config.get("text_config", config)
-    try:
-        return estimate.ModelShape.from_config(argparse.Namespace(**config))
-    except (AttributeError, TypeError, KeyError) as exc:
-        _fail(f"{path} is not a decoder-only causal LM config (missing {exc})")
+        names = builtin_names()
+        raise ConfigError(
+            f"--model {model!r} is neither a built-in shape nor a directory with a config.json"
+            + did_you_mean(model, names),
+            f"pass a Hugging Face model directory or one of: {', '.join(names)}",
+        )
+    config = _read_config(path)
+    missing = [k for k in SHAPE_KEYS if not isinstance(config.get(k), int) or isinstance(config.get(k), bool)]
+    if missing:
+        kind = f"model_type {config.get('model_type')!r}" if config.get("model_type") else "no model_type"
+        raise ConfigError(
+            f"{path} ({kind}) has no integer {', '.join(missing)}",
+            "roundpipe plan estimates decoder-only LMs laid out like Llama / Qwen3 (those keys in config.json)",
+        )
+    limit = config.get("max_position_embeddings")
+    return estimate.ModelShape.from_config(argparse.Namespace(**config)), limit if isinstance(limit, int) else None
 
 
 def machine_memory() -> Tuple[Optional[float], float]:
@@ -79,7 +127,8 @@ def machine_memory() -> Tuple[Optional[float], float]:
             import torch
 
             if torch.cuda.is_available():
-                gpu = float(min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())))
+                sizes = [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+                gpu = float(min(sizes))
         except ImportError:
             pass
     import psutil
@@ -87,52 +136,78 @@ def machine_memory() -> Tuple[Optional[float], float]:
     return gpu, float(psutil.virtual_memory().total)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = parser().parse_args(argv)
+def check(args: argparse.Namespace, limit: Optional[int]) -> None:
+    """What ``roundpipe train`` refuses, refused here with the same words."""
     for name in ("seq_len", "batch_size", "microbatches", "gpus"):
+        flag = "--" + name.replace("_", "-")
         if getattr(args, name) < 1:
-            _fail(f"--{name.replace('_', '-')} must be at least 1")
-    shape = model_shape(args.model)
+            raise ConfigError(f"{flag}={getattr(args, name)} must be positive", f"set {flag} to 1 or more")
+    if args.lora_r < 0:
+        raise ConfigError(f"--lora-r={args.lora_r} is negative", "set --lora-r to 0 (full fine-tune) or more")
+    if args.microbatches > args.batch_size:
+        raise ConfigError(
+            f"batch_size={args.batch_size} is smaller than microbatches={args.microbatches}",
+            f"raise --batch-size to at least {args.microbatches} or lower --microbatches",
+        )
+    for name, choices in (("optim_state", OPTIM_STATES), ("master", MASTERS), ("master_rounding", MASTER_ROUNDINGS)):
+        if getattr(args, name) not in choices:
+            raise ConfigError(f"{name}={getattr(args, name)!r} is not a choice", f"use one of {', '.join(choices)}")
+    if limit is not None and args.seq_len > limit:
+        what = f"seq_len={args.seq_len} exceeds the model's limit (max_position_embeddings={limit})"
+        raise ConfigError(what, f"lower --seq-len to at most {limit}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Print the estimate; the exit status says whether the step fits (see the module docstring)."""
+    try:
+        return _plan(parser().parse_args(argv))
+    except ConfigError as exc:
+        print(f"roundpipe: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _plan(args: argparse.Namespace) -> int:
+    shape, limit = model_shape(args.model)
+    check(args, limit)
     gpu, host = args.gpu_memory, args.host_memory
     if gpu is None or host is None:
         found_gpu, found_host = machine_memory()
         gpu = gpu if gpu is not None else (found_gpu or 80 * GiB)
         host = host if host is not None else found_host
+    kw: Dict[str, Any] = dict(
+        batch_size=args.batch_size,
+        lora_rank=args.lora_r,
+        microbatches=args.microbatches,
+        devices=args.gpus,
+        optimizer_bytes_per_param=estimate.optimizer_state_bytes(args.optim_state, args.master, args.master_rounding),
+    )
     # As the planner does: one decoder layer per backward stage, or the fewest that let the stages'
     # input checkpoints fit the host (fewer checkpoints, more activations per stage on the GPU).
-    candidates = [
-        estimate.estimate(
-            shape, args.seq_len, args.batch_size, lora_rank=args.lora_r, microbatches=args.microbatches, layers_per_stage=g, devices=args.gpus, gpu_bytes=gpu
-        )
-        for g in range(1, 5)
-    ]
+    candidates = [estimate.estimate(shape, args.seq_len, layers_per_stage=g, gpu_bytes=gpu, **kw) for g in range(1, 5)]
     e = next((c for c in candidates if c.peak_gpu_bytes <= gpu and c.peak_host_bytes <= host), candidates[0])
-    seq, fit = estimate.longest_context(shape, gpu, host, batch_size=args.batch_size, lora_rank=args.lora_r, microbatches=args.microbatches, devices=args.gpus)
+    fits = e.peak_gpu_bytes <= gpu and e.peak_host_bytes <= host
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "peak_gpu_bytes": e.peak_gpu_bytes,
-                    "peak_host_bytes": e.peak_host_bytes,
-                    "gpu_bytes_per_token": e.gpu_bytes_per_token,
-                    "host_bytes_per_token": e.host_bytes_per_token,
-                    "gpu_parts": e.gpu_parts,
-                    "host_parts": e.host_parts,
-                    "longest_context": seq,
-                    "longest_context_layers_per_stage": fit.layers_per_stage if fit else None,
-                    "gpu_memory": gpu,
-                    "host_memory": host,
-                }
-            )
-        )
-        return 0
+        seq, fit = estimate.longest_context(shape, gpu, host, **kw)
+        result = {
+            "fits": fits,
+            "peak_gpu_bytes": e.peak_gpu_bytes,
+            "peak_host_bytes": e.peak_host_bytes,
+            "gpu_bytes_per_token": e.gpu_bytes_per_token,
+            "host_bytes_per_token": e.host_bytes_per_token,
+            "gpu_parts": e.gpu_parts,
+            "host_parts": e.host_parts,
+            "layers_per_stage": e.layers_per_stage,
+            "longest_context": seq,
+            "longest_context_layers_per_stage": fit.layers_per_stage if fit else None,
+            "gpu_memory": gpu,
+            "host_memory": host,
+        }
+        print(json.dumps(result))
+        return 0 if fits else 1
     print(f"{args.model}: {shape.params() / 1e9:.2f}B parameters, {shape.layers} layers, hidden {shape.hidden}")
     print(e.describe())
-    fits = e.peak_gpu_bytes <= gpu and e.peak_host_bytes <= host
-    print(f"this step {'fits' if fits else 'does NOT fit'} {gpu / GiB:.0f} GiB per GPU and {host / GiB:.0f} GiB of host memory")
-    print(
-        "\n".join(estimate.describe_fit(shape, gpu, host, batch_size=args.batch_size, lora_rank=args.lora_r, microbatches=args.microbatches, devices=args.gpus))
-    )
+    print(f"this step {'fits' if fits else 'does NOT fit'} {estimate.budgets(gpu, host)}")
+    print("\n".join(estimate.describe_fit(shape, gpu, host, **kw)))
     return 0 if fits else 1
 
 
