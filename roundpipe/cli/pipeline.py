@@ -36,9 +36,9 @@ class PipelineModel:
                 model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch),
             )
         except NotImplementedError as exc:
-            raise ConfigError(
-                f"this model is not supported by RoundPipe ({str(exc).splitlines()[0]})", "use a decoder-only causal LM (Qwen3, Llama, Mistral, ...)"
-            ) from None
+            why = str(exc).splitlines()[0].split("; supported:")[0]  # the class and its model type: one short line
+            fix = "use a decoder-only causal LM (Qwen3, Llama, Mistral, ...: roundpipe.models.SUPPORTED_MODELS)"
+            raise ConfigError(f"this model is not supported by RoundPipe ({why})", fix) from None
         n = self.rp.num_layers
         if plan == "single":  # one stage: forward, loss and backward of the whole model in one job
             self.rp.model_run_config.execute_plan = ModelExecutePlan([range(0, n)], [range(0, n)])

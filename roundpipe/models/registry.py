@@ -85,10 +85,11 @@ def table_family(model: nn.Module) -> ModelFamily:
     registered = any(SUPPORTED_MODELS.get(k) == BUILTIN for k in (name, model_type) if k is not None)
     if family is None or family.incompatible or not (family.verified or registered):
         if (family is not None and family.incompatible) or not has_standard_layout(base) or not name.endswith("ForCausalLM"):
+            # One short line (the CLI prints it as is): the supported types are a dict away, not listed.
             raise NotImplementedError(
-                f"{name}: no RoundPipe sequential preset (model_type={model_type!r}); supported: "
-                f"{sorted(SUPPORTED_MODELS)} and decoder-only causal LMs laid out model.embed_tokens -> "
-                "model.layers -> model.norm -> lm_head"
+                f"{name}: no RoundPipe sequential preset (model_type={model_type!r}); supported: the "
+                f"{len(SUPPORTED_MODELS)} types of roundpipe.models.SUPPORTED_MODELS (llama, qwen3, mistral, ...) "
+                "and causal LMs laid out model.embed_tokens -> model.layers -> model.norm -> lm_head"
             )
         if not registered:
             logger.warning(
