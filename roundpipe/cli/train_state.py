@@ -27,7 +27,7 @@ import torch
 
 from roundpipe import distributed as rdist
 from roundpipe.cli import checkpoint as ckpt
-from roundpipe.cli.config import ConfigError, TrainConfig, from_yaml_text, merge, to_yaml
+from roundpipe.cli.config import ConfigError, TrainConfig, from_yaml_text, merge, to_yaml, with_absolute_paths
 from roundpipe.cli.optimizer import HostOptimizer
 from roundpipe.cli.pipeline import PipelineModel
 
@@ -130,7 +130,10 @@ def resume_config(cfg: TrainConfig, given: Dict[str, Any], path: Optional[str] =
         path = ckpt.resolve_checkpoint(cfg.resume or "latest", cfg.output_dir)
     ckpt.verify_checkpoint(path)
     with open(os.path.join(path, "config.yaml")) as f:
-        saved = from_yaml_text(f.read()).to_dict()
+        saved_cfg = from_yaml_text(f.read())
+    saved = saved_cfg.to_dict()
+    # Paths compared resolved: the saved ones are absolute (older checkpoints' as given), flags as typed.
+    then, now = with_absolute_paths(saved_cfg).to_dict(), with_absolute_paths(cfg)
     saved["stop_at"] = None
     if saved.get("data") is not None:
         saved.pop("task", None)  # unused with a data file (configs saved before it was left out name it)
@@ -140,7 +143,7 @@ def resume_config(cfg: TrainConfig, given: Dict[str, Any], path: Optional[str] =
         k
         for k, v in given.items()
         if k not in ("resume", "stop_at", "output_dir", "progress", "log_every", "save_every", "keep_checkpoints", "devices", "tensorboard")
-        and saved.get(k) != getattr(cfg, k)
+        and then.get(k) != getattr(now, k)
     )
     if changed and rdist.is_main_process():
         logger.warning("resuming with changed %s: the run will not repeat the uninterrupted one exactly", ", ".join(changed))

@@ -123,6 +123,11 @@ def test_resume_from_another_directory_finds_the_data_and_reports_the_whole_run(
     assert (total, done_rate) == (shown, rate) and seconds(this_run) < 600
     summary = json.loads((work / "out" / "summary.json").read_text())
     assert summary["elapsed_s"] == pytest.approx(3600.0 + summary["seconds"])
+    assert "resuming with changed" not in proc.stderr
+    # The same relative data path given again (in the run's directory) is no change of the saved one.
+    proc = roundpipe(["train", "--resume", "--output-dir", "out", "--data", "notes.txt", "--steps", "5"], str(work))
+    assert proc.returncode == 0 and "done: step 5/5" in proc.stdout, proc.stderr[-3000:]
+    assert "resuming with changed steps:" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_loss_plot_shows_whole_steps() -> None:
