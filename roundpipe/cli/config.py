@@ -443,8 +443,6 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError("epochs is set but the built-in task has no epochs (it is generated on the fly)", "use --steps")
     else:
         check_data_file(cfg.data)
-    from roundpipe.cli.model_names import check_model
-
     check_model(cfg.model)
     if cfg.lora_r == 0 and cfg.lora_alpha is not None:
         raise ConfigError("lora_alpha is set but lora_r is 0 (full fine-tune)", "set --lora-r to enable LoRA, or drop lora_alpha")
@@ -466,6 +464,30 @@ def check_data_file(path: str) -> None:
 def _blank(path: str) -> bool:
     with open(path, "rb") as f:
         return not f.read().strip()
+
+
+def check_model(model: str) -> None:
+    """``model`` is a built-in architecture or a directory with a ``config.json``; a ConfigError saying
+    what to pass otherwise (the built-in name probably meant, or how to get a hub model's directory)."""
+    from roundpipe.cli.model_names import BUILTIN_MODELS, did_you_mean
+
+    if model in BUILTIN_MODELS:
+        return
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            fix = "pass a Hugging Face model directory (save_pretrained output)"
+            raise ConfigError(f"{model} has no config.json", fix)
+        return
+    fix = f"pass a Hugging Face model directory or one of: {', '.join(BUILTIN_MODELS)}"
+    if "/" in model or os.sep in model or os.path.exists(model):  # a path: no built-in name was meant
+        if model.count("/") == 1 and not model.startswith((".", "/", "~")) and not os.path.exists(model):
+            raise ConfigError(
+                f"model {model!r} is neither a local directory nor a built-in architecture (nothing is downloaded)",
+                f"download it first (hf download {model} --local-dir DIR), then pass --model DIR",
+            )
+        raise ConfigError(f"model {model!r} is neither a local directory nor a built-in architecture", fix)
+    hint = did_you_mean(model, BUILTIN_MODELS)
+    raise ConfigError(f"model {model!r} is neither a local directory nor a built-in architecture{hint}", fix)
 
 
 def with_absolute_paths(cfg: TrainConfig) -> TrainConfig:

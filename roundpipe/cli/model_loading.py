@@ -16,8 +16,8 @@ from typing import Any, Dict
 import torch
 from torch import nn
 
-from roundpipe.cli.config import ConfigError, TrainConfig
-from roundpipe.cli.model_names import BUILTIN_MODELS, check_model
+from roundpipe.cli.config import ConfigError, TrainConfig, check_model
+from roundpipe.cli.model_names import BUILTIN_MODELS
 from roundpipe.cli.tasks import EOS_ID, byte_tokenizer
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

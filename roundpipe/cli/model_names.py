@@ -1,15 +1,13 @@
-"""What a ``--model`` value names, answered without torch: a built-in architecture or a local Hugging Face
-directory. Config validation checks it before anything heavy loads, so a mistyped name costs no model
-loading time, and says which name was probably meant.
+"""The built-in architectures of ``roundpipe train`` and the name closest to a mistyped one, without torch:
+config validation (``roundpipe.cli.config.check_model``) and ``roundpipe plan`` read them before anything
+heavy loads, so a mistyped name costs no model loading time and is answered with the name probably meant.
 """
 
 from __future__ import annotations
 
 import difflib
-import os
 from typing import Any, Dict, Iterable
 
-from roundpipe.cli.config import ConfigError
 from roundpipe.cli.tasks import BYTE_VOCAB_SIZE
 
 _QWEN3_COMMON = dict(
@@ -58,26 +56,4 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     return f" (did you mean '{by_key[match[0]]}'?)" if match else ""
 
 
-def check_model(model: str) -> None:
-    """``model`` is a built-in architecture or a directory with a ``config.json``; a ConfigError saying
-    what to pass otherwise (the built-in name probably meant, or how to get a hub model's directory)."""
-    if model in BUILTIN_MODELS:
-        return
-    if os.path.isdir(model):
-        if not os.path.isfile(os.path.join(model, "config.json")):
-            fix = "pass a Hugging Face model directory (save_pretrained output)"
-            raise ConfigError(f"{model} has no config.json", fix)
-        return
-    fix = f"pass a Hugging Face model directory or one of: {', '.join(BUILTIN_MODELS)}"
-    if "/" in model or os.sep in model or os.path.exists(model):  # a path: no built-in name was meant
-        if model.count("/") == 1 and not model.startswith((".", "/", "~")) and not os.path.exists(model):
-            raise ConfigError(
-                f"model {model!r} is neither a local directory nor a built-in architecture (nothing is downloaded)",
-                f"download it first (hf download {model} --local-dir DIR), then pass --model DIR",
-            )
-        raise ConfigError(f"model {model!r} is neither a local directory nor a built-in architecture", fix)
-    hint = did_you_mean(model, BUILTIN_MODELS)
-    raise ConfigError(f"model {model!r} is neither a local directory nor a built-in architecture{hint}", fix)
-
-
-__all__ = ["BUILTIN_MODELS", "check_model", "did_you_mean"]
+__all__ = ["BUILTIN_MODELS", "did_you_mean"]
