@@ -67,9 +67,8 @@ def check_wrapper_arguments(cls: str, model: Any, optim_dtype: Any, model_run_co
     """A RoundPipe wrapper's constructor arguments, checked where they are given rather than at the first
     call or step (``optim_dtype="bf16"`` used to fail there as "Invalid device string")."""
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(
-            f"{cls} wraps an nn.Module (an nn.Sequential streams its children as layers), not {type(model).__name__} {model!r:.60}"
-        )
+        got = f"{type(model).__name__} {model!r:.60}"
+        raise TypeError(f"{cls} wraps an nn.Module (an nn.Sequential streams its children as layers), not {got}")
     if optim_dtype is not None and not (isinstance(optim_dtype, torch.dtype) and optim_dtype.is_floating_point):
         raise TypeError(
             f"{cls}: optim_dtype={optim_dtype!r} is not a floating-point torch.dtype; pass torch.float32, "

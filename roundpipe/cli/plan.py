@@ -55,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
     raw = argparse.RawDescriptionHelpFormatter
     p = _ArgumentParser(prog="roundpipe plan", description=__doc__, formatter_class=raw)
     shapes = ", ".join(builtin_names())
-    p.add_argument("--model", required=True, help=f"a Hugging Face model directory (config.json) or a built-in: {shapes}")
+    p.add_argument("--model", required=True, help=f"a Hugging Face model directory or a built-in: {shapes}")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument("--batch-size", type=int, default=1, help="sequences per step (default 1)")
     p.add_argument("--microbatches", type=int, default=1, help="microbatches per step, at most batch-size (default 1)")
