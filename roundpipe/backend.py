@@ -122,10 +122,13 @@ def record_event(stream: Stream) -> Event:
     return ev
 
 
+_NULL = contextlib.nullcontext()  # reusable: nullcontext keeps no state between uses
+
+
 def use_stream(stream: Stream) -> ContextManager[Any]:
     """Make ``stream`` current for the kernels issued in this block (no-op on CPU workers)."""
     if isinstance(stream, CpuStream):
-        return contextlib.nullcontext()
+        return _NULL
     return torch.cuda.stream(stream)
 
 
@@ -148,11 +151,11 @@ def compute_guard(device: torch.device) -> ContextManager[Any]:
     workers' compute, transfers and the optimizer thread can show on CPU (the shared RNG is then not
     isolated: run models without dropout in that mode)."""
     if is_cuda(device):
-        return contextlib.nullcontext()
-    from roundpipe import settings
+        return _NULL
+    from roundpipe import threads
 
-    if settings.STRESS_DELAY_S.get() > 0:
-        return contextlib.nullcontext()
+    if threads.stress_limit() > 0:
+        return _NULL
     return cpu_compute_lock
 
 

@@ -33,6 +33,7 @@ import torch
 
 from roundpipe import backend, profile, settings
 from roundpipe.backend import Event, Stream
+from roundpipe.graphs import GraphCache
 from roundpipe.threads import (
     AnnotatedEvent,
     AnnotatedSemaphore,
@@ -94,6 +95,9 @@ class DeviceManager:
         cur_job: The job to run next: (function, args, profiler label).
         drained: Set while no job is queued or running.
         location: What the running job is doing now (layer, microbatch), for error messages.
+        where: The same, unformatted: ``(format, args)``, formatted only when an error needs it (the
+            jobs update it per layer and microbatch, too often to build a string each time).
+        graphs: This device's weight slots and captured graphs (``roundpipe.graphs``).
         recent_jobs: Compute-done events of the last jobs; bounds prefetch to two resident stages.
     """
 
@@ -121,6 +125,8 @@ class DeviceManager:
         self.jobs_lock = threading.Lock()
         self.drained = AnnotatedEvent(name=f"{self.name}.drained", set=True)
         self.location = ""
+        self.where: Optional[Tuple[Callable[..., str], Tuple[Any, ...]]] = None
+        self.graphs = GraphCache(device, self.compute_stream)
         # The stage the running job executes: (model name, layers, bytes on the device), for OOM errors.
         self.stage: Optional[Tuple[str, range, float]] = None
         self.shutdown = False
@@ -167,6 +173,7 @@ class DeviceManager:
                 report_failure(self._locate(exc))
             finally:
                 self.location = ""
+                self.where = None
                 self.stage = None
                 self.controller_thread.is_active = False
                 with self.jobs_lock:
@@ -177,7 +184,8 @@ class DeviceManager:
     def _locate(self, exc: BaseException) -> BaseException:
         if isinstance(exc, (RoundPipeAborted, KeyboardInterrupt)):
             return exc
-        where = f"{self.location} on device {self.name}" if self.location else f"on device {self.name}"
+        location = self.describe_location()
+        where = f"{location} on device {self.name}" if location else f"on device {self.name}"
         if isinstance(exc, torch.OutOfMemoryError):
             err: RoundPipeWorkerError = RoundPipeOutOfMemoryError(f"{where}: out of memory. {self._oom_advice()}\n{type(exc).__name__}: {exc}")
         else:
@@ -185,6 +193,13 @@ class DeviceManager:
         err.__cause__ = exc
         err.original = exc  # type: ignore[attr-defined]
         return err
+
+    def describe_location(self) -> str:
+        """What the running job is doing now, formatted (``where`` wins over ``location``)."""
+        if self.where is not None:
+            fmt, args = self.where
+            return fmt(*args)
+        return self.location
 
     def _oom_advice(self) -> str:
         """What ran out of memory and the knobs that fix it (docs/resolve-oom.md)."""
@@ -268,6 +283,7 @@ def gc_collect() -> None:
             torch.cuda.synchronize(d.device)
         d.mem_manager.free_all()
         d.recent_jobs.clear()
+        d.graphs.clear()  # their pool's memory goes back with the next empty_cache
 
 
 def on_reset(callback: Callable[[], None]) -> None:

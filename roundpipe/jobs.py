@@ -10,29 +10,19 @@ hands jobs to devices in ``roundpipe.pipeline``.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
 
-from roundpipe import backend, settings
-from roundpipe.context import ForwardCtx, RecomputeCtx
-from roundpipe.run import Leaves, MicrobatchState, Run, differentiable
+from roundpipe import backend
+from roundpipe.compute import GroupBackward, GroupForward, backward_by_layer, call_layer, grad_leaves, graph_signatures, input_grads, wrap
+from roundpipe.run import Leaves, MicrobatchState, Run
 from roundpipe.transfer import async_d2h, async_h2d, download_layer, peer_copy, release_layers, snapshot_buffers, upload_layers, wait_layer
 
 if TYPE_CHECKING:
     from roundpipe.device import DeviceManager
-
-
-def _call_layer(layer: torch.nn.Module, x: Tuple[Tuple[Any, ...], Dict[str, Any]]) -> Any:
-    return layer(*x[0], **x[1])
-
-
-def _wrap(out: Any) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
-    """A layer's output as the next layer's (args, kwargs)."""
-    return ((out,), {})
+    from roundpipe.graphs import LayerSlot
 
 
 def _take_activation(device: "DeviceManager", run: Run, m: int) -> Leaves:
@@ -74,18 +64,28 @@ def _next_forward_device(run: Run, group: int, m: int) -> Optional["DeviceManage
 
 
 def _take_grads(device: "DeviceManager", ctx: MicrobatchState) -> List[Optional[torch.Tensor]]:
+    """The gradients w.r.t. this stage's outputs on ``device``: handed over on the device (the previous
+    backward job ran here, or peer-copied them here: the upload stream, which compute waits on next,
+    waits for the copy), else uploaded from the host copy."""
     handoff = ctx.grad_handoff
     ctx.grad_handoff = None
     if handoff is not None and handoff[0] is device:
+        for ev in handoff[2]:
+            device.upstream.wait_event(ev)
         return handoff[1]
     return async_h2d(device, ctx.grad_events, ctx.grad_states)
 
 
 def _give_grads(device: "DeviceManager", run: Run, ctx: MicrobatchState, group: int, in_grads: List[Optional[torch.Tensor]]) -> None:
-    """Input gradients of backward group ``group`` go to group - 1: on the device if it runs here, else
-    (and for the model input) to the host."""
-    if group > 0 and run.job_device.get(("b", group - 1)) is device:
-        ctx.grad_handoff = (device, in_grads)
+    """Input gradients of backward group ``group`` go to group - 1: on the device if it runs here, as a
+    peer copy to its device (``RPP_PEER_HANDOFF``), else (and for the model input) to the host."""
+    consumer = run.job_device.get(("b", group - 1)) if group > 0 else None
+    if consumer is device:
+        ctx.grad_handoff = (device, in_grads, [])
+        ctx.grad_states, ctx.grad_events = [], []
+        return
+    if consumer is not None and run.peer_handoff:
+        ctx.grad_handoff = (consumer, *peer_copy(device, consumer, in_grads))
         ctx.grad_states, ctx.grad_events = [], []
         return
     events: List[Any] = []
@@ -94,10 +94,18 @@ def _give_grads(device: "DeviceManager", run: Run, ctx: MicrobatchState, group: 
 
 
 def _upload_group(
-    device: "DeviceManager", run: Run, layers: range, with_grad: bool, for_recompute: bool, ready: Optional[List[Any]] = None, seed: bool = True
+    device: "DeviceManager",
+    run: Run,
+    layers: range,
+    with_grad: bool,
+    for_recompute: bool,
+    ready: Optional[List[Any]] = None,
+    seed: bool = True,
+    slots: Optional[List["LayerSlot"]] = None,
 ) -> List[torch.nn.Module]:
-    """Upload a job's layers; with ``ready``, compute waits layer by layer (``transfer.wait_layer``).
-    ``seed``: start device gradients from the host's (accumulated by earlier calls of this step)."""
+    """Upload a job's layers (into ``slots`` for a graphed job); with ``ready``, compute waits layer by
+    layer (``transfer.wait_layer``). ``seed``: start device gradients from the host's (accumulated by
+    earlier calls of this step)."""
     model = run.model
     sizes = model.layer_device_bytes("train" if with_grad else "infer")
     device.stage = (model.name, layers, sum(sizes[i] for i in layers))
@@ -111,7 +119,16 @@ def _upload_group(
         saved_buffers=run.saved_buffers if for_recompute else None,
         ready=ready,
         seed_grads=[seed and run.reducers[i] is None for i in layers],
+        slots=slots,
     )
+
+
+def _graph_slots(device: "DeviceManager", run: Run, layers: range, backward: bool) -> Tuple[int, Optional[List["LayerSlot"]]]:
+    """This job's parity on its device and, when it may be graphed (``compute.graph_signatures``), the
+    slots its layers upload into."""
+    parity = device.graphs.begin_job()
+    sigs = graph_signatures(run, device, layers, backward)
+    return parity, (device.graphs.take_slots(sigs, parity) if sigs is not None else None)
 
 
 def _hand_grads_back(device: "DeviceManager", run: Run, layers: range, gpu_layers: List[torch.nn.Module], part: int, with_buffer: bool, split: bool) -> None:
@@ -145,7 +162,7 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
     Results replace ``batch.flatten_states[m]``; inputs of backward stages and recompute data go to the
     host; layers' buffers (e.g. running statistics) are downloaded once all microbatches ran.
     """
-    model, batch, tracker, cfg = run.model, run.batch, run.tracker, run.cfg
+    model, batch, tracker = run.model, run.batch, run.tracker
     layers = run.plan.fwd_plan[layer_group_id]
     if run.enable_grad:
         for i in layers:
@@ -153,41 +170,35 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
                 # The previous forward's buffer download must land before we copy the host buffers.
                 model.layer_attrs[i].buffer_downloaded.synchronize()
                 run.saved_buffers[i] = snapshot_buffers(model.layers[i])
+    parity, slots = _graph_slots(device, run, layers, backward=False)
     # Per-layer upload events: the first microbatch starts on the first layer while the rest upload.
     ready: List[Any] = []
-    gpu_layers = _upload_group(device, run, layers, with_grad=False, for_recompute=False, ready=ready)
-    peer_handoff = settings.PEER_HANDOFF.get()
+    gpu_layers = _upload_group(device, run, layers, with_grad=False, for_recompute=False, ready=ready, slots=slots)
+    compute = GroupForward(run, device, layers, gpu_layers, ready, graphed=slots is not None, parity=parity)
+    peer_handoff = run.peer_handoff
+    saves_output = run.enable_grad and tracker.backward_need_input(layers.stop) and not (
+        run.run_type == "fused" and layers.stop == run.plan.bwd_plan[-1].start  # the fused job saves nothing
+    )
     for m in range(batch.num_microbatch):
         tracker.forward_wait_for(layer_group_id, m)
         ctx = run.contexts[m]
-        device.location = f"model {model.name!r}: forward of {run.layer_name(layers.start)}, microbatch {m}"
         host_leaves, spec, events = batch.flatten_states[m], batch.flatten_specs[m], batch.forward_events[m]
         dev_leaves = _take_activation(device, run, m)
         device.compute_stream.wait_stream(device.upstream)
+        if run.enable_grad and tracker.backward_need_input(layers.start):
+            if layers.start in run.kept_inputs[m]:
+                ctx.device_inputs[layers.start] = (dev_leaves, spec)  # the previous job kept no host copy
+            else:
+                ctx.flatten_inputs[layers.start] = (host_leaves, spec, events)
         with backend.use_stream(device.compute_stream), backend.compute_guard(device.device), torch.no_grad(), run.autocast_ctx(device):
-            x = pytree.tree_unflatten(dev_leaves, spec)
-            for k, (i, layer) in enumerate(zip(layers, gpu_layers)):
-                device.location = f"model {model.name!r}: forward of {run.layer_name(i)}, microbatch {m}"
-                if m == 0:
-                    wait_layer(device, ready, k)
-                if run.enable_grad and tracker.backward_need_input(i):
-                    if i == layers.start and i in run.kept_inputs[m]:
-                        ctx.device_inputs[i] = (dev_leaves, spec)  # the previous job kept no host copy
-                    elif i == layers.start:
-                        ctx.flatten_inputs[i] = (host_leaves, spec, events)
-                    else:
-                        leaves, sp = pytree.tree_flatten(x)
-                        if run.keep_on_device(leaves):
-                            ctx.device_inputs[i] = (leaves, sp)
-                        else:
-                            evs: List[Any] = []
-                            ctx.flatten_inputs[i] = (_download_reusing(device, evs, leaves, dev_leaves, host_leaves, events), sp, evs)
-                if run.enable_grad and cfg.preserve_rng_state:
-                    ctx.rng_states[i] = backend.get_rng_state(device.device)
-                save = functools.partial(ctx.save_for_recompute, i, device)
-                with ForwardCtx(save) if run.enable_grad else contextlib.nullcontext(), run.timer.time_fwd("fwd", i, device.compute_stream):
-                    x = _wrap(_call_layer(layer, x))
-            out_leaves, out_spec = pytree.tree_flatten(x)
+            out_leaves, out_spec, saved = compute(ctx, m, dev_leaves, spec)
+            # Backward stages starting inside the group: their inputs stay on the device or go to the host.
+            for i, leaves, sp in saved:
+                if run.keep_on_device(leaves):
+                    ctx.device_inputs[i] = (leaves, sp)
+                else:
+                    evs: List[Any] = []
+                    ctx.flatten_inputs[i] = (_download_reusing(device, evs, leaves, dev_leaves, host_leaves, events), sp, evs)
         consumer = _next_forward_device(run, layer_group_id, m)
         peer = peer_handoff and consumer is not None and consumer is not device
         if consumer is device:
@@ -195,13 +206,7 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
         elif peer and consumer is not None:
             run.act_handoff[m] = (consumer, *peer_copy(device, consumer, out_leaves))
         # The host copy is needed by another device, by the caller, or as a saved backward-stage input.
-        saved_for_backward = (
-            run.enable_grad
-            and tracker.backward_need_input(layers.stop)
-            and not (
-                run.run_type == "fused" and layers.stop == run.plan.bwd_plan[-1].start  # the fused job saves nothing
-            )
-        )
+        saved_for_backward = saves_output
         if consumer is device and saved_for_backward and run.keep_on_device(out_leaves):
             # The next job runs here and keeps this output, its stage input, on the device.
             run.kept_inputs[m].add(layers.stop)
@@ -214,62 +219,13 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
             batch.flatten_states[m] = [None if isinstance(t, torch.Tensor) else t for t in out_leaves]
             batch.forward_events[m] = []
         batch.flatten_specs[m] = out_spec
-        device.mem_manager.free((dev_leaves, out_leaves), device.compute_stream, device.downstream)
-        del dev_leaves, out_leaves, x
+        device.mem_manager.free((dev_leaves, out_leaves, saved), device.compute_stream, device.downstream)
+        del dev_leaves, out_leaves, saved
         tracker.forward_notify(layer_group_id, m)
     for i, layer in zip(layers, gpu_layers):
         download_layer(model.layers[i], layer, i, model.layer_attrs[i], device, with_buffer=True, with_grad=False)
-    release_layers(gpu_layers, device)
+    release_layers(gpu_layers, device, slots)
     device.job_done()
-
-
-def _backward_through(outputs: Leaves, grads: Sequence[Optional[torch.Tensor]], where: str) -> None:
-    """Back-propagate ``grads`` into ``outputs`` (pairs without gradient are skipped)."""
-    if len(outputs) != len(grads):
-        raise RuntimeError(
-            f"{where}: recompute produced {len(outputs)} outputs but forward produced {len(grads)}; "
-            "a layer's output structure must not change between forward and recompute"
-        )
-    pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
-    if pairs:
-        torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
-
-
-def _grad_leaves(leaves: Leaves, flags: Optional[List[bool]]) -> Leaves:
-    """Fresh leaves that collect input gradients: every float tensor, or those ``flags`` marks."""
-    out = []
-    for k, t in enumerate(leaves):
-        want = flags[k] if flags is not None else differentiable(t)
-        out.append(t.detach().requires_grad_(True) if want and isinstance(t, torch.Tensor) else t)
-    return out
-
-
-def _input_grads(leaves: Leaves) -> List[Optional[torch.Tensor]]:
-    return [t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in leaves]
-
-
-class _RngFork:
-    """Run recompute on the saved RNG states, then give the device its own RNG state back."""
-
-    def __init__(self, run: Run, device: "DeviceManager", ctx: MicrobatchState) -> None:
-        self.run, self.device, self.ctx = run, device, ctx
-        self.enabled = run.cfg.preserve_rng_state
-
-    def __enter__(self) -> "_RngFork":
-        if self.enabled:
-            self.own = backend.get_rng_state(self.device.device)
-        return self
-
-    def restore(self, layer_id: int) -> None:
-        if self.enabled:
-            state = self.ctx.rng_states.get(layer_id)
-            if state is None:
-                raise RuntimeError(f"no RNG state saved for layer {layer_id}; preserve_rng_state changed between forward and backward")
-            backend.set_rng_state(self.device.device, state)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.enabled:
-            backend.set_rng_state(self.device.device, self.own)
 
 
 def run_backward(device: "DeviceManager", run: Run, layer_group_id: int, part: int = 0) -> None:
@@ -279,18 +235,19 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int, part: i
     The last group of a 'train' call (the first backward job) may run in ``run.fused_parts`` parts, as
     the fused job does (``run_forward_backward``): part ``part`` takes microbatches part, part + parts,
     ...; part 0 seeds and downloads, the others hand their gradients over (``partial_grads``)."""
-    model, batch, tracker, cfg = run.model, run.batch, run.tracker, run.cfg
+    batch, tracker, cfg = run.batch, run.tracker, run.cfg
     layers = run.plan.bwd_plan[layer_group_id]
     split = layer_group_id == len(run.plan.bwd_plan) - 1 and run.fused_parts > 1
+    parity, slots = _graph_slots(device, run, layers, backward=True) if not split else (device.graphs.begin_job(), None)
     # Per-layer upload events: the first recompute starts on the first layer while the rest upload
     # (the backward itself runs after the recompute has waited for every layer).
     ready: List[Any] = []
-    gpu_layers = _upload_group(device, run, layers, with_grad=True, for_recompute=True, ready=ready, seed=part == 0)
+    gpu_layers = _upload_group(device, run, layers, with_grad=True, for_recompute=True, ready=ready, seed=part == 0, slots=slots)
+    by_stage = GroupBackward(run, device, layers, gpu_layers, ready, slots, parity) if cfg.recompute_grain == "stage" else None
     first = True  # the first microbatch that computes waits for each layer; later ones find them there
     for m in range(part, batch.num_microbatch, run.fused_parts if split else 1):
         tracker.backward_wait_for(layer_group_id, m)
         ctx = run.contexts[m]
-        device.location = f"model {model.name!r}: backward of {run.layer_name(layers.stop - 1)}, microbatch {m}"
         if all(g is None for g in ctx.grad_states) and ctx.grad_handoff is None:
             ctx.grad_states, ctx.grad_events = [None] * run.drop_stage_input(ctx, layers.start), []
             tracker.backward_notify(layer_group_id, m)
@@ -300,50 +257,11 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int, part: i
         recompute = {i: ctx.fetch_recompute_data(i, device) for i in layers}
         device.compute_stream.wait_stream(device.upstream)
         flags = ctx.input_requires_grad if layers.start == 0 else None
-        with backend.use_stream(device.compute_stream), backend.compute_guard(device.device), run.autocast_ctx(device), _RngFork(run, device, ctx) as rng:
-            if cfg.recompute_grain == "stage":
-                with torch.enable_grad():
-                    leaves = _grad_leaves(dev_in, flags)
-                    x = pytree.tree_unflatten(leaves, spec)
-                    for k, (i, layer) in enumerate(zip(layers, gpu_layers)):
-                        device.location = f"model {model.name!r}: recompute of {run.layer_name(i)}, microbatch {m}"
-                        if first:
-                            wait_layer(device, ready, k)
-                        rng.restore(i)
-                        with RecomputeCtx(recompute[i]), run.timer.time_fwd("re", i, device.compute_stream):
-                            x = _wrap(_call_layer(layer, x))
-                    device.location = f"model {model.name!r}: backward of {run.layer_name(layers.start)}-{layers.stop - 1}, microbatch {m}"
-                    with run.timer.time_bwd(layers, device.compute_stream):
-                        _backward_through(pytree.tree_leaves(x), dev_grads, device.location)
-                    in_grads = _input_grads(leaves)
+        with backend.use_stream(device.compute_stream), backend.compute_guard(device.device), run.autocast_ctx(device):
+            if by_stage is not None:
+                in_grads = by_stage(ctx, m, dev_in, spec, dev_grads, recompute, flags)
             else:
-                # 'layer': recompute the stage without a graph to get each layer's input, then
-                # recompute and back-propagate one layer at a time (one layer's graph alive at once).
-                inputs: List[Tuple[Leaves, pytree.TreeSpec]] = []
-                x_leaves, x_spec = dev_in, spec
-                with torch.no_grad():
-                    for k, (i, layer) in enumerate(zip(layers, gpu_layers)):
-                        device.location = f"model {model.name!r}: recompute of {run.layer_name(i)}, microbatch {m}"
-                        if first:
-                            wait_layer(device, ready, k)
-                        inputs.append((x_leaves, x_spec))
-                        rng.restore(i)
-                        with RecomputeCtx(recompute[i]):
-                            x_leaves, x_spec = pytree.tree_flatten(_wrap(_call_layer(layer, pytree.tree_unflatten(x_leaves, x_spec))))
-                grads = dev_grads
-                for k in reversed(range(len(layers))):
-                    i, layer = layers[k], gpu_layers[k]
-                    device.location = f"model {model.name!r}: backward of {run.layer_name(i)}, microbatch {m}"
-                    with torch.enable_grad():
-                        leaves = _grad_leaves(inputs[k][0], flags if i == 0 else None)
-                        rng.restore(i)
-                        with RecomputeCtx(recompute[i]), run.timer.time_fwd("re", i, device.compute_stream):
-                            out = _wrap(_call_layer(layer, pytree.tree_unflatten(leaves, inputs[k][1])))
-                        with run.timer.time_bwd(range(i, i + 1), device.compute_stream):
-                            _backward_through(pytree.tree_leaves(out), grads, device.location)
-                        grads = _input_grads(leaves)
-                    del out
-                in_grads = grads
+                in_grads = backward_by_layer(run, device, layers, gpu_layers, ready, first, ctx, m, dev_in, spec, dev_grads, recompute, flags)
         first = False
         _give_grads(device, run, ctx, layer_group_id, in_grads)
         device.mem_manager.free((dev_in, dev_grads, in_grads, recompute), device.compute_stream, device.downstream)
@@ -355,9 +273,23 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int, part: i
         # wait for the uploads.
         for k in range(len(ready)):
             wait_layer(device, ready, k)
+    if by_stage is not None:
+        by_stage.finish()
     _hand_grads_back(device, run, layers, gpu_layers, part, with_buffer=False, split=split)
-    release_layers(gpu_layers, device)
+    release_layers(gpu_layers, device, slots)
     device.job_done()
+
+
+def _at_fused(run: Run, what: str, i: int, m: int) -> str:
+    return f"model {run.model.name!r}: {what} {run.layer_name(i)}, microbatch {m}"
+
+
+def _at_loss(run: Run, m: int) -> str:
+    return f"model {run.model.name!r}: loss_fn, microbatch {m}"
+
+
+def _at_fused_backward(run: Run, layers: range, m: int) -> str:
+    return f"model {run.model.name!r}: fused backward of {run.layer_name(layers.start)}-{layers.stop - 1}, microbatch {m}"
 
 
 def _check_loss(loss: Any) -> List[torch.Tensor]:
@@ -377,15 +309,16 @@ def run_forward_backward(device: "DeviceManager", run: Run, part: int = 0) -> No
     part 0 downloads the layers' gradients with the other parts' added in (``partial_grads``), the
     others only hand theirs over. Only part 0 seeds its device gradients from the host (gradients
     accumulated by earlier calls), so the sum counts them once."""
-    model, batch, tracker = run.model, run.batch, run.tracker
+    batch, tracker = run.batch, run.tracker
     gid = len(run.plan.bwd_plan) - 1
     layers = run.plan.bwd_plan[gid]
     assert run.loss_fn is not None
+    device.graphs.begin_job()  # the fused job runs eagerly; it still takes its turn in the slot parity
     gpu_layers = _upload_group(device, run, layers, with_grad=True, for_recompute=False, seed=part == 0)
     for m in range(part, batch.num_microbatch, run.fused_parts):
         tracker.forward_wait_for(len(run.plan.fwd_plan), m)
         ctx = run.contexts[m]
-        device.location = f"model {model.name!r}: fused forward-backward of {run.layer_name(layers.start)}, microbatch {m}"
+        device.where = (_at_fused, (run, "fused forward-backward of", layers.start, m))
         spec = batch.flatten_specs[m]
         dev_in = _take_activation(device, run, m)
         label_leaves, label_spec = pytree.tree_flatten(batch.label_list[m])
@@ -393,23 +326,23 @@ def run_forward_backward(device: "DeviceManager", run: Run, part: int = 0) -> No
         device.compute_stream.wait_stream(device.upstream)
         flags = ctx.input_requires_grad if layers.start == 0 else None
         with backend.use_stream(device.compute_stream), backend.compute_guard(device.device), run.autocast_ctx(device), torch.enable_grad():
-            leaves = _grad_leaves(dev_in, flags)
+            leaves = grad_leaves(dev_in, flags)
             x = pytree.tree_unflatten(leaves, spec)
             for i, layer in zip(layers, gpu_layers):
-                device.location = f"model {model.name!r}: fused forward of {run.layer_name(i)}, microbatch {m}"
+                device.where = (_at_fused, (run, "fused forward of", i, m))
                 with run.timer.time_fwd("fwd", i, device.compute_stream):
-                    x = _wrap(_call_layer(layer, x))
+                    x = wrap(call_layer(layer, x))
             out = x[0][0]
             with run.timer.time_bwd(layers, device.compute_stream):
-                device.location = f"model {model.name!r}: loss_fn, microbatch {m}"
+                device.where = (_at_loss, (run, m))
                 raw_loss = run.loss_fn(out, dev_label)
                 run.loss_is_sequence = isinstance(raw_loss, (list, tuple))
                 losses = _check_loss(raw_loss)
-                device.location = f"model {model.name!r}: fused backward of {run.layer_name(layers.start)}-{layers.stop - 1}, microbatch {m}"
+                device.where = (_at_fused_backward, (run, layers, m))
                 total = losses[0] if len(losses) == 1 else torch.stack([t.reshape(()) for t in losses]).sum()
                 if total.requires_grad:
                     total.backward()
-            in_grads = _input_grads(leaves)
+            in_grads = input_grads(leaves)
         events: List[Any] = []
         loss_host = async_d2h(device, events, [t.detach().reshape(()) for t in losses])
         batch.loss_list[m] = loss_host

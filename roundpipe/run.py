@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tupl
 import torch
 from torch.utils import _pytree as pytree
 
-from roundpipe import budget, settings
+from roundpipe import budget, settings, threads
 from roundpipe import device as device_mod
 from roundpipe.batch import Batch
 from roundpipe.grad_sync import LayerReducer
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from roundpipe.roundpipe import RoundPipe
 
 Leaves = List[Any]
+_NO_AUTOCAST = contextlib.nullcontext()
 
 
 def differentiable(t: Any) -> bool:
@@ -69,7 +70,9 @@ class MicrobatchState:
         self.rng_states: Dict[int, torch.Tensor] = {}
         self.grad_states: List[Optional[torch.Tensor]] = []
         self.grad_events: List[Any] = []
-        self.grad_handoff: Optional[Tuple[Any, List[Optional[torch.Tensor]]]] = None
+        # Output gradients handed over on a device: (its device, the tensors there, events its upload
+        # stream waits for: none from a job on the same device, the copy's from a peer copy).
+        self.grad_handoff: Optional[Tuple[Any, List[Optional[torch.Tensor]], List[Any]]] = None
 
     def save_for_recompute(self, layer_id: int, device: "DeviceManager", *data: Any) -> None:
         """Download data a layer saved in forward; it is uploaded again for the layer's recompute."""
@@ -104,8 +107,11 @@ class Run:
         loss_fn: Optional[Callable[[Any, Any], Any]] = None,
         return_outputs: bool = False,
     ) -> None:
+        threads.refresh_stress()  # RPP_STRESS_DELAY_S, read once per call (the waits use it)
         self.model = model
         self.cfg = run_config
+        # Settings the device threads consult per job, read once per call.
+        self.peer_handoff = settings.PEER_HANDOFF.get()
         self.batch = batch
         self.run_type = run_type
         self.enable_grad = run_type != "infer"
@@ -204,7 +210,10 @@ class Run:
         self.saved_buffers = {}
         self.timer.finish()
 
-    def autocast_ctx(self, device: "DeviceManager") -> contextlib.ExitStack:
+    def autocast_ctx(self, device: "DeviceManager") -> Any:
+        """The caller's autocast settings for ``device``'s type (a no-op context without autocast)."""
+        if not self.autocast:
+            return _NO_AUTOCAST
         stack = contextlib.ExitStack()
         for dt, dtype in self.autocast:
             if dt == device.device.type:

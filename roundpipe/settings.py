@@ -245,8 +245,8 @@ PEER_HANDOFF: Setting[bool] = _register(
         False,
         "0",
         "`1` or `0`",
-        "On several GPUs, a forward job's output goes straight to the GPU of the next job (a peer copy) "
-        "instead of through pinned host memory (experimental; docs/execute-plans.md).",
+        "On several GPUs, a forward job's output and a backward job's input gradients go straight to the GPU of the "
+        "next job (a peer copy) instead of through pinned host memory (experimental; docs/execute-plans.md).",
     )
 )
 GRAD_STREAM: Setting[bool] = _register(
@@ -258,6 +258,17 @@ GRAD_STREAM: Setting[bool] = _register(
         "`1` or `0`",
         "Parameter gradients go to the host on a stream of their own, so activation hand-overs never queue "
         "behind them (0: one download stream for both, for comparison; read when the devices are created).",
+    )
+)
+GRAPHS: Setting[str] = _register(
+    Setting(
+        "RPP_GRAPHS",
+        _tristate,
+        "auto",
+        "auto",
+        "`auto`, `1` or `0`",
+        "Run the decoder-layer jobs' per-microbatch compute as captured CUDA graphs, weights in fixed device slots "
+        "(auto: on a pool of several GPUs; `1` on CPU workers runs a stand-in of the same data flow, for tests).",
     )
 )
 WATCHDOG_S: Setting[float] = _register(

@@ -151,15 +151,36 @@ def _poll(attempt: Callable[[float], bool], timeout: Optional[float]) -> bool:
 
 
 _stress_rng = random.Random(0)
+_stress_limit = 0.0
+
+
+def refresh_stress() -> float:
+    """Read ``RPP_STRESS_DELAY_S`` again (each RoundPipe call does, at its start) and return it. Waits
+    use the value read last: a wait is too frequent a place to parse the environment."""
+    global _stress_limit
+    from roundpipe import settings
+
+    _stress_limit = settings.STRESS_DELAY_S.get()
+    return _stress_limit
+
+
+def _watch_stress_setting() -> None:
+    from roundpipe import settings
+
+    settings.on_change(settings.STRESS_DELAY_S, refresh_stress)
+    refresh_stress()
+
+
+def stress_limit() -> float:
+    """The stress delay in force (seconds; 0: off), as last read by ``refresh_stress``."""
+    return _stress_limit
 
 
 def stress_delay() -> None:
     """In stress mode (``RPP_STRESS_DELAY_S``), sleep a random time before a wait: the threads reach
     each synchronisation point in ever different orders, so a missing fence shows in the tests as a
     wrong result or a hang instead of hiding behind one lucky interleaving."""
-    from roundpipe import settings
-
-    limit = settings.STRESS_DELAY_S.get()
+    limit = _stress_limit
     if limit > 0:
         time.sleep(_stress_rng.uniform(0.0, limit))
 
@@ -262,3 +283,6 @@ def raise_if_failed(where: str = "") -> None:
         raise exc
     err = RoundPipeWorkerError(f"{where}: {type(exc).__name__}: {exc}" if where else f"{type(exc).__name__}: {exc}")
     raise err from exc
+
+
+_watch_stress_setting()

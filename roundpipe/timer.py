@@ -24,6 +24,13 @@ gets a stand-in when its kind first switches to time (see ``ModelTimer._fallback
 the fused group are never recomputed, and their recompute stand-in is their forward time, which makes
 their backward estimate (recompute + backward) the fused cost forward + backward.
 
+A graphed job (``roundpipe.graphs``) is timed per group and microbatch (``time_group``): its forward
+time is spread over the layers like a backward group's, and a recompute + backward time is split into
+'re' and 'bwd' in the proportions of the current estimates.
+
+Timing costs the device threads two events per layer and microbatch. Once estimates exist it samples:
+``ModelTimer.new_iter`` times the first ``TIMED_FIRST`` calls, then every ``TIMED_EVERY``-th.
+
 Times are in milliseconds.
 """
 
@@ -44,7 +51,8 @@ TimeKind = Literal["fwd", "re", "bwd"]
 EventPair = Tuple[Any, Any]  # (start, end): torch.cuda.Event or WallClockEvent
 TimerFwdEventsType = Dict[Tuple[str, int], List[EventPair]]  # ('fwd' | 're', layer) -> one pair per run
 TimerBwdEventsType = Dict[range, List[EventPair]]  # layer group -> one pair per run
-TimerQueueType = Deque[Tuple[TimerFwdEventsType, TimerBwdEventsType]]
+TimerGroupEventsType = Dict[Tuple[str, range], List[EventPair]]  # ('fwd' | 'rebwd', group) -> pairs
+TimerQueueType = Deque[Tuple[TimerFwdEventsType, TimerBwdEventsType, TimerGroupEventsType]]
 
 _KINDS: Tuple[TimeKind, ...] = ("fwd", "re", "bwd")
 
@@ -100,33 +108,63 @@ class LayerTimingContext:
             self.on_exit()
 
 
+class _NoTiming:
+    """The context of an iteration that is not timed (``IterTimer.active`` False): does nothing."""
+
+    def __enter__(self) -> "_NoTiming":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+_NO_TIMING = _NoTiming()
+
+
 class IterTimer:
     """Collects the timing events of one iteration; safe to use from several device threads at once.
 
     Call ``finish()`` when the iteration has been dispatched (events may still be pending on the device);
     it hands the events to the parent. ``__del__`` calls it if nobody did. Records made after ``finish``
-    are dropped.
+    are dropped. An inactive timer (a call the parent does not sample) hands out contexts that record
+    nothing.
     """
 
-    def __init__(self, parent: "ModelTimer") -> None:
+    def __init__(self, parent: "ModelTimer", active: bool = True) -> None:
         self.parent = parent
+        self.active = active
         self.fwd_events: TimerFwdEventsType = {}
         self.bwd_events: TimerBwdEventsType = {}
+        self.group_events: TimerGroupEventsType = {}
         self.lock = threading.Lock()
         self.finished = False
 
-    def time_fwd(self, action: Literal["fwd", "re"], layer_idx: int, stream: Any) -> LayerTimingContext:
+    def time_fwd(self, action: Literal["fwd", "re"], layer_idx: int, stream: Any) -> Any:
         """Time the forward ('fwd') or the backward recompute ('re') of one layer on ``stream``."""
         if action not in ("fwd", "re"):
             raise ValueError(f"time_fwd: action must be 'fwd' or 're', got {action!r}")
+        if not self.active:
+            return _NO_TIMING
         self.parent._check_layers(range(layer_idx, layer_idx + 1))
         return self._context(self.fwd_events, (action, layer_idx), stream)
 
-    def time_bwd(self, layer_ids: range, stream: Any) -> LayerTimingContext:
+    def time_bwd(self, layer_ids: range, stream: Any) -> Any:
         """Time the backward (without recompute) of a group of layers on ``stream``; the group's time is
         later spread over its layers in proportion to their current backward estimates."""
+        if not self.active:
+            return _NO_TIMING
         self.parent._check_layers(layer_ids)
         return self._context(self.bwd_events, layer_ids, stream)
+
+    def time_group(self, kind: Literal["fwd", "rebwd"], layer_ids: range, stream: Any) -> Any:
+        """Time a whole group at once: its forward ('fwd') or its recompute + backward ('rebwd'), as a
+        graphed job runs them (one replay per microbatch)."""
+        if kind not in ("fwd", "rebwd"):
+            raise ValueError(f"time_group: kind must be 'fwd' or 'rebwd', got {kind!r}")
+        if not self.active:
+            return _NO_TIMING
+        self.parent._check_layers(layer_ids)
+        return self._context(self.group_events, (kind, layer_ids), stream)
 
     def finish(self) -> None:
         """Hand this iteration's events to the parent timer (once)."""
@@ -134,8 +172,8 @@ class IterTimer:
             if self.finished:
                 return
             self.finished = True
-        if self.fwd_events or self.bwd_events:
-            self.parent.add_iteration(self.fwd_events, self.bwd_events)
+        if self.fwd_events or self.bwd_events or self.group_events:
+            self.parent.add_iteration(self.fwd_events, self.bwd_events, self.group_events)
 
     def __del__(self) -> None:
         if getattr(self, "finished", True):
@@ -176,6 +214,9 @@ class ModelTimer:
     SMOOTH_RATE: float = 0.9
     BACKWARD_MULTIPLIER: float = 2.0
     VERBOSE: bool = settings.VERBOSE_TIMER.get()
+    #: Calls timed from the start (warm-up and the first estimates), then one call in ``TIMED_EVERY``.
+    TIMED_FIRST: int = 8
+    TIMED_EVERY: int = 4
 
     def __init__(self, n_layers: int, layer_sizes: Sequence[float]) -> None:
         if len(layer_sizes) != n_layers:
@@ -187,16 +228,21 @@ class ModelTimer:
         self.estimate: Dict[TimeKind, List[float]] = {k: [0.0] * n_layers for k in _KINDS}
         self.iter_results: TimerQueueType = deque()
         self.version = 0
+        self.calls = 0
         self.lock = threading.RLock()
 
     def new_iter(self) -> IterTimer:
-        """A fresh ``IterTimer`` for the next iteration."""
-        return IterTimer(self)
+        """A fresh ``IterTimer`` for the next call: active for the first ``TIMED_FIRST`` calls, then for
+        one in ``TIMED_EVERY``."""
+        with self.lock:
+            n = self.calls
+            self.calls += 1
+        return IterTimer(self, active=n < self.TIMED_FIRST or n % self.TIMED_EVERY == 0)
 
-    def add_iteration(self, fwd_events: TimerFwdEventsType, bwd_events: TimerBwdEventsType) -> None:
+    def add_iteration(self, fwd_events: TimerFwdEventsType, bwd_events: TimerBwdEventsType, group_events: Optional[TimerGroupEventsType] = None) -> None:
         """Queue a finished iteration's events (called by ``IterTimer.finish``)."""
         with self.lock:
-            self.iter_results.append((fwd_events, bwd_events))
+            self.iter_results.append((fwd_events, bwd_events, group_events or {}))
 
     def update_times(self) -> bool:
         """Fold in every queued iteration whose events the device has completed, oldest first, without
@@ -204,12 +250,12 @@ class ModelTimer:
         changed = False
         with self.lock:
             while self.iter_results:
-                fwd_events, bwd_events = self.iter_results[0]
-                tables = (*fwd_events.values(), *bwd_events.values())
+                fwd_events, bwd_events, group_events = self.iter_results[0]
+                tables = (*fwd_events.values(), *bwd_events.values(), *group_events.values())
                 if not all(end.query() for pairs in tables for _, end in pairs):
                     break
                 self.iter_results.popleft()
-                if self._absorb(fwd_events, bwd_events):
+                if self._absorb(fwd_events, bwd_events, group_events):
                     self.version += 1
                     changed = True
         return changed
@@ -253,10 +299,16 @@ class ModelTimer:
 
     # -----------------------------------------------------------------------------------------------------
 
-    def _absorb(self, fwd_events: TimerFwdEventsType, bwd_events: TimerBwdEventsType) -> bool:
+    def _absorb(self, fwd_events: TimerFwdEventsType, bwd_events: TimerBwdEventsType, group_events: Optional[TimerGroupEventsType] = None) -> bool:
         fwd_ms = _mean_ms({layer: ps for (action, layer), ps in fwd_events.items() if action == "fwd"})
         re_ms = _mean_ms({layer: ps for (action, layer), ps in fwd_events.items() if action == "re"})
         group_ms = _mean_ms(bwd_events)
+        if group_events:
+            fwd_groups = _mean_ms({g: ps for (kind, g), ps in group_events.items() if kind == "fwd"})
+            fwd_ms.update(self._spread(fwd_groups, "fwd"))
+            for i, (r, b) in self._split_rebwd(_mean_ms({g: ps for (kind, g), ps in group_events.items() if kind == "rebwd"})).items():
+                re_ms[i] = r
+                group_ms[range(i, i + 1)] = b
         changed = False
         if fwd_ms:
             changed |= self._advance(("fwd",), {"fwd": fwd_ms})
@@ -298,10 +350,27 @@ class ModelTimer:
         ms_per_size = sum(measured.values()) / size if size > 0 else 0.0
         return [s * ms_per_size for s in self.layer_sizes]
 
-    def _spread(self, group_ms: Dict[range, float]) -> Dict[int, float]:
-        """Split each backward group's time over its layers in proportion to their current estimates."""
-        if self.stage["bwd"] == 2:
-            weights = self.current("bwd")
+    def _split_rebwd(self, group_ms: Dict[range, float]) -> Dict[int, Tuple[float, float]]:
+        """Split each group's recompute + backward time into per-layer (recompute, backward) times in the
+        proportions of the current estimates (recompute ~ forward and backward ~ ``BACKWARD_MULTIPLIER``
+        x forward before they exist)."""
+        fwd = self.current("fwd") if self.stage["fwd"] == 2 else self.layer_sizes
+        re = self.current("re") if self.stage["re"] == 2 else fwd
+        bwd = self.current("bwd") if self.stage["bwd"] == 2 else [self.BACKWARD_MULTIPLIER * t for t in fwd]
+        out: Dict[int, Tuple[float, float]] = {}
+        for group, ms in group_ms.items():
+            total = sum(re[i] + bwd[i] for i in group)
+            for i in group:
+                share = (re[i] + bwd[i]) / total if total > 0 else 1.0 / len(group)
+                part = re[i] / (re[i] + bwd[i]) if re[i] + bwd[i] > 0 else 1.0 / (1.0 + self.BACKWARD_MULTIPLIER)
+                out[i] = (ms * share * part, ms * share * (1.0 - part))
+        return out
+
+    def _spread(self, group_ms: Dict[range, float], kind: TimeKind = "bwd") -> Dict[int, float]:
+        """Split each group's time over its layers in proportion to their current estimates of ``kind``
+        (backward groups; the forward groups of graphed jobs)."""
+        if self.stage[kind] == 2:
+            weights = self.current(kind)
         elif self.stage["fwd"] == 2:
             weights = self.current("fwd")
         else:

@@ -127,6 +127,20 @@ def _upload_param(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out
 
 
+def _upload_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``_upload_param`` into existing device storage (a graph slot): the same copies, sliced above
+    ``CHUNK_UPLOAD_SIZE``, from pinned memory (a pageable source is staged through the pinned cache)."""
+    if dst.device.type != "cuda":
+        dst.copy_(src)
+        return
+    if src.device.type == "cpu" and not src.is_pinned():
+        src = _pinned_copy(src)
+    if _sliced(dst, src):
+        _copy_in_chunks(dst, src, CHUNK_UPLOAD_SIZE)
+    else:
+        dst.copy_(src, non_blocking=True)
+
+
 def async_h2d(device: Any, host_ready_event: Iterable[Event], host_tensors: Iterable[Any], keep_requires_grad: bool = False) -> List[Any]:
     """Upload tensors (non-tensors pass through) on the activation upload stream.
 
@@ -252,6 +266,7 @@ def upload_layers(
     saved_buffers: Optional[Dict[int, Dict[str, torch.Tensor]]] = None,
     ready: Optional[List[Event]] = None,
     seed_grads: Optional[Sequence[bool]] = None,
+    slots: Optional[Sequence[Any]] = None,
 ) -> List[nn.Module]:
     """Copy layers onto ``device`` (parameter upload stream) and return their device copies.
 
@@ -269,24 +284,48 @@ def upload_layers(
     ``seed_grads[k]`` False: layer k's trainable parameters start without a gradient (data parallel
     reducing on the device adds the accumulated host gradient inside the reduction, after weighting
     this rank's share; see ``roundpipe.grad_sync``). Default: all seeded.
+
+    ``slots`` (``graphs.LayerSlot`` per layer, a graphed job): the weights go into the slots' fixed
+    storage instead of new tensors, and the slot's gradient buffer of a trainable one is seeded from the
+    host gradient (and is its ``.grad``) or zeroed. The stream first waits for the slot's ``release``: the job that used it
+    last is done reading it (its compute and gradient downloads).
     """
     stream = device.param_upstream
     out: List[nn.Module] = []
     with torch.no_grad(), backend.use_stream(stream):
         seeds = seed_grads if seed_grads is not None else [True] * len(layers)
-        for layer, lid, attr, seed in zip(layers, layer_ids, layer_attrs, seeds):
+        for k, (layer, lid, attr, seed) in enumerate(zip(layers, layer_ids, layer_attrs, seeds)):
             stream.wait_event(attr.buffer_downloaded)
+            slot = slots[k] if slots is not None else None
+            if slot is not None and slot.release is not None:
+                stream.wait_event(slot.release)
             tensors: Dict[int, torch.Tensor] = {}
             buffers = (saved_buffers or {}).get(lid)
+            j = 0  # the parameter's index in the slot (the order of ``graphs.layer_signature``)
             for host_mod in layer.modules():
                 for p in host_mod._parameters.values():
                     if p is None or id(p) in tensors:
                         continue
                     train = with_grad and p.requires_grad
-                    dp = nn.Parameter(_upload_param(p, device.device), requires_grad=train)
                     g = host_grad(p, lid) if train and seed else None
-                    if g is not None:
-                        dp.grad = _upload_param(g, device.device)
+                    if slot is None:
+                        dp = nn.Parameter(_upload_param(p, device.device), requires_grad=train)
+                        if g is not None:
+                            dp.grad = _upload_param(g, device.device)
+                    else:
+                        _upload_into(slot.params[j], p)
+                        dp = nn.Parameter(slot.params[j], requires_grad=train)
+                        if train:
+                            # Seeded: the gradient accumulates onto the host's. Unseeded: the zeroed buffer
+                            # becomes ``.grad`` only once a microbatch reaches the parameter
+                            # (``compute.GroupBackward``): an unused parameter keeps ``.grad = None``.
+                            buf = slot.grad(j)
+                            if g is not None:
+                                _upload_into(buf, g)
+                                dp.grad = buf
+                            else:
+                                buf.zero_()
+                    j += 1
                     tensors[id(p)] = dp
                 for name, b in host_mod._buffers.items():
                     if b is None or id(b) in tensors:
@@ -537,9 +576,17 @@ def _grad_buffer(p: torch.Tensor, attr: ParamAttribute, layer_id: int, dev_grad:
     return buf
 
 
-def release_layers(gpu_layers: Sequence[nn.Module], device: Any) -> None:
+def release_layers(gpu_layers: Sequence[nn.Module], device: Any, slots: Optional[Sequence[Any]] = None) -> None:
     """Drop a job's device copies: their tensors go to the memory manager, which frees them once the
-    compute and gradient streams (``download_layer``) are past their last use."""
+    compute and gradient streams (``download_layer``) are past their last use. A graphed job's slots
+    (``slots``) instead get their ``release`` event: the gradient stream (where the job's downloads
+    were queued) after the compute stream, so the next upload into them waits for both."""
+    if slots:
+        device.grad_stream.wait_stream(device.compute_stream)
+        done = backend.record_event(device.grad_stream)
+        for slot in slots:
+            slot.release = done
+        return
     held: List[torch.Tensor] = []
     for layer in gpu_layers:
         for p in layer.parameters():

@@ -443,8 +443,9 @@ def test_split_fused_job_equals_pytorch(workers: str, num_microbatch: int, grain
 @pytest.mark.parametrize("grain", ["stage", "layer"])
 @pytest.mark.parametrize("fused", [True, False])
 def test_peer_handoff_equals_pytorch(workers: str, grain: str, fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """RPP_PEER_HANDOFF=1: a forward job's output goes to the next job's device directly when that job
-    runs on another device (no host copy unless it is a backward stage's input). Results equal plain
+    """RPP_PEER_HANDOFF=1: a forward job's output, and a backward job's input gradients, go to the next
+    job's device directly when that job runs on another device (no host copy unless it is a backward
+    stage's input). Results equal plain
     PyTorch over two calls, through forward_backward and forward + loss.backward(); with several devices
     the copies happened."""
     from roundpipe import jobs

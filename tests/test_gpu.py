@@ -513,3 +513,57 @@ def test_fused_decoder_layers_on_gpu_match_hf_at_two_lengths() -> None:
         res = kernels_bench.main(["--batch", "2", "--seq", str(seq), "--warmup", "1", "--iters", "3"])
         assert res["ok"] == 1.0
     assert kernels.DECODER_LAYER.compiled and not any(op.failed for op in kernels.OPS)
+
+
+def _graph_run(graphs: str, devices: str, lengths: tuple) -> tuple:
+    """A 4-layer Qwen3 (bf16, preset with fused kernels) trained a few synchronous steps per sequence
+    length with ``RPP_GRAPHS=graphs``: (losses, parameters after training, graph counts)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import roundpipe
+    from roundpipe import device as device_mod
+    from roundpipe import settings
+
+    settings.configure(graphs=graphs)
+    use_devices(devices)
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=4096, hidden_size=1024, intermediate_size=3072, num_hidden_layers=4, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=64, use_cache=False, attn_implementation="sdpa",
+    )
+    hf = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model = roundpipe.wrap_model_to_roundpipe(hf, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=4))
+    opt = torch.optim.SGD(model.optim_parameters(), lr=1e-2)
+    losses = []
+    for seq in lengths:
+        ids = torch.randint(0, 4096, (4, seq), generator=torch.Generator().manual_seed(seq))
+        for _ in range(4):
+            losses.append(model.train_step(input_ids=ids, labels=ids).item())
+            model.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+    model.synchronize()
+    devs = device_mod.get_devices()
+    counts = {"captures": sum(d.graphs.captures for d in devs), "replays": sum(d.graphs.replays for d in devs)}
+    params = [p.detach().float().cpu() for p in hf.parameters()]
+    settings.unconfigure("RPP_GRAPHS")
+    return losses, params, counts
+
+
+@pytest.mark.parametrize("devices", ["cuda:0", "cuda:0,1"])
+def test_graphed_layers_match_eager_and_recapture_a_new_length(devices: str) -> None:
+    """The decoder-layer jobs as CUDA graphs (``RPP_GRAPHS=1``) against the eager runtime, on one and
+    two GPUs: the same losses and trained weights within bf16 rounding over steps at two sequence
+    lengths (the second is captured anew, not replayed with the first's shapes), and the graphs really
+    replay."""
+    if devices == "cuda:0,1" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    lengths = (128, 192)
+    eager_losses, eager_params, eager_counts = _graph_run("0", devices, lengths)
+    graph_losses, graph_params, counts = _graph_run("1", devices, lengths)
+    print("eager", [round(v, 4) for v in eager_losses], "graphed", [round(v, 4) for v in graph_losses], counts)
+    assert eager_counts["captures"] == 0
+    assert counts["replays"] > 0 and counts["captures"] >= 2, counts
+    for a, b in zip(eager_losses, graph_losses):
+        assert abs(a - b) <= 1e-2 * abs(a), (eager_losses, graph_losses)
+    worst = max(((p - q).norm() / q.norm().clamp_min(1e-12)).item() for p, q in zip(graph_params, eager_params))
+    print(f"worst relative parameter difference after training: {worst:.3g}")
+    assert worst < 1e-2

@@ -1,0 +1,287 @@
+"""The GPU pool, side by side: one model trained on 1, 2, ... N GPUs of one machine in one process, with
+and without graphed jobs, and where each iteration's time goes.
+
+The model is built and wrapped once; between configurations the device pool is re-created
+(``roundpipe.configure(devices=...)``) and the plans are dropped, so every row runs the same weights,
+optimizer and batch on the same machine. Per row: tokens/s, the ratio to the first row of its graph
+mode, and per iteration:
+
+* each GPU's busy share (kernels merged over the timed iterations, from CUDA events recorded around
+  them: ``--busy`` profiles one extra iteration with the torch profiler, CUDA activity only);
+* each RoundPipe thread's CPU seconds (device threads, the optimizer thread, the main thread);
+* the interpreter lock: a probe thread sleeps 1 ms at a time and measures how late it wakes (the
+  time a thread waits for the lock once it wants it), and, with ``--gil-sampler``, the share of
+  samples in which a device thread holds the lock (py-spy ``--gil``; attached to this process).
+
+    python bench/pool_bench.py --workload qwen3-1.7b --batch 16 --devices 1,2,4 --graphs 0,1
+    RPP_DEVICES=cpu:2 python bench/pool_bench.py --workload tiny --seq 64 --batch 4 --devices 1,2 --iters 2   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_bench import WORKLOADS, build_model, cuda_sync, thread_cpu_seconds  # noqa: E402
+
+
+class GilProbe:
+    """A thread that sleeps ``period_s`` at a time and records how late it wakes: a sleeping thread
+    needs the interpreter lock back to continue, so its lateness is the wait any thread sees for the
+    lock (near zero when it is free)."""
+
+    def __init__(self, period_s: float = 0.001) -> None:
+        self.period_s = period_s
+        self.late: List[float] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="gil-probe", daemon=True)
+
+    def _loop(self) -> None:
+        while not self.stop.is_set():
+            t = time.perf_counter()
+            time.sleep(self.period_s)
+            self.late.append(time.perf_counter() - t - self.period_s)
+
+    def __enter__(self) -> "GilProbe":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def summary(self) -> Dict[str, float]:
+        late = sorted(self.late) or [0.0]
+        return {
+            "gil_wait_mean_ms": 1e3 * statistics.fmean(late),
+            "gil_wait_p90_ms": 1e3 * late[int(0.9 * (len(late) - 1))],
+        }
+
+
+class GilSampler:
+    """py-spy attached to this process with ``--gil`` (only the thread holding the interpreter lock is
+    sampled): the share of wall time each thread holds the lock. None when py-spy cannot attach."""
+
+    def __init__(self, seconds: float, rate: int = 250) -> None:
+        self.out = os.path.join(tempfile.mkdtemp(), "gil.txt")
+        exe = shutil.which("py-spy")
+        self.proc: Optional[subprocess.Popen] = None
+        self.rate, self.seconds = rate, seconds
+        if exe is not None:
+            cmd = [
+                exe,
+                "record",
+                "--pid",
+                str(os.getpid()),
+                "--gil",
+                "--threads",
+                "--idle",
+                "-r",
+                str(rate),
+                "-d",
+                str(int(seconds + 1)),
+                "--format",
+                "raw",
+                "-o",
+                self.out,
+                "--nonblocking",
+            ]
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            time.sleep(1.0)  # attach
+
+    def shares(self, wall_s: float) -> Optional[Dict[str, float]]:
+        if self.proc is None:
+            return None
+        try:
+            _, err = self.proc.communicate(timeout=self.seconds + 30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return None
+        if not os.path.exists(self.out):
+            print(f"py-spy: {err.strip()[-300:]}")
+            return None
+        per_thread: Dict[str, int] = {}
+        for line in open(self.out):
+            stack, _, n = line.rstrip().rpartition(" ")
+            if not n.isdigit():  # a frame's text broke the line
+                continue
+            thread = stack.split(";", 1)[0]
+            per_thread[thread] = per_thread.get(thread, 0) + int(n)
+        samples = self.rate * min(wall_s, self.seconds)
+        return {t: n / samples for t, n in sorted(per_thread.items(), key=lambda kv: -kv[1])}
+
+
+def busy_shares(step: Any) -> List[float]:
+    """Each GPU's kernel-busy share of one iteration (torch profiler, CUDA activity only)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        step()
+        cuda_sync()
+        wall = (time.perf_counter() - t0) * 1e6
+    per_dev: Dict[int, List[tuple]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")):
+            per_dev.setdefault(e.device_index, []).append((e.time_range.start, e.time_range.end))
+    out = []
+    for dev in sorted(per_dev):
+        busy, end = 0.0, None
+        for s, e in sorted(per_dev[dev]):
+            if end is None or s > end:
+                busy, end = busy + e - s, e
+            elif e > end:
+                busy, end = busy + e - end, e
+        out.append(busy / wall)
+    return out
+
+
+def run_config(
+    model: Any, opt: Any, ids: torch.Tensor, args: argparse.Namespace, devices: str, graphs: str, peer: str = "0"
+) -> Dict[str, Any]:
+    import roundpipe
+    from roundpipe import RoundPipeRunConfig
+    from roundpipe.timer import ModelTimer
+
+    roundpipe.configure(devices=devices, graphs=graphs, peer_handoff=peer)
+    n = roundpipe.get_num_devices()
+    n_mb = args.microbatches or 2 * n
+    model.model_run_config = RoundPipeRunConfig(num_microbatch=n_mb)
+    # A fresh start for every row, as a new process would have: no plan, and no timings (the previous
+    # row's, or this row's first calls on devices that compile their kernels, would steer the plan).
+    model.__dict__["_plans"].clear()
+    old = model.model_timer
+    model.model_timer = ModelTimer(old.n_layers, old.layer_sizes)
+
+    def step() -> None:
+        model.train_step(input_ids=ids, labels=ids)
+        model.step(lambda: (opt.step(), opt.zero_grad()))
+
+    for _ in range(args.warmup):
+        step()
+    cuda_sync()
+    cpu0 = thread_cpu_seconds()
+    sampler = GilSampler(seconds=min(args.iters * 3.0, 20.0)) if args.gil_sampler else None
+    times = []
+    with GilProbe() as probe:
+        for _ in range(args.iters):
+            t0 = time.perf_counter()
+            step()
+            cuda_sync()
+            times.append(time.perf_counter() - t0)
+    cpu1 = thread_cpu_seconds()
+    wall = sum(times)
+    row: Dict[str, Any] = {
+        "devices": n,
+        "graphs": graphs,
+        "peer_handoff": peer,
+        "microbatches": n_mb,
+        "s_per_iter": statistics.median(times),
+        "tokens_per_s": ids.numel() / statistics.median(times),
+        "plan": repr(model._plans and next(iter(model._plans.values()))[0]),
+        "fwd_ms_per_layer_median": round(statistics.median(model.model_timer.get_estimate("fused")[1][1:-1]), 3),
+        "bwd_ms_per_layer_median": round(statistics.median(model.model_timer.get_estimate("fused")[2][1:-1]), 3),
+        "thread_cpu_s_per_iter": {
+            k: round((cpu1[k] - cpu0.get(k, 0.0)) / args.iters, 3)
+            for k in cpu1
+            if k.startswith("roundpipe") or k == "MainThread"
+        },
+        **probe.summary(),
+    }
+    if sampler is not None:
+        row["gil_held_share"] = sampler.shares(wall)
+    devs = roundpipe.device.get_devices()
+    row["graph_captures"] = sum(d.graphs.captures for d in devs)
+    row["graph_replays"] = sum(d.graphs.replays for d in devs)
+    row["graph_refused"] = sum(len(d.graphs.refused) for d in devs)
+    row["graph_error"] = next((d.graphs.last_error for d in devs if d.graphs.last_error), "")
+    if args.busy and torch.cuda.is_available():
+        row["gpu_busy"] = [round(b, 3) for b in busy_shares(step)]
+    return row
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="qwen3-1.7b")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument(
+        "--devices", default="1,2,4", help="GPU counts (the first k GPUs), e.g. 1,2,4; on CPU: worker counts"
+    )
+    p.add_argument("--graphs", default="0,1", help="RPP_GRAPHS values to run, e.g. 0,1")
+    p.add_argument(
+        "--peer", default="0", help="RPP_PEER_HANDOFF values to run, e.g. 0,1 (hand-overs between GPUs as peer copies)"
+    )
+    p.add_argument("--microbatches", type=int, default=0, help="default: 2 per device")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=4)
+    p.add_argument("--busy", action="store_true", help="profile one more iteration per row: each GPU's busy share")
+    p.add_argument(
+        "--gil-sampler", action="store_true", help="py-spy --gil on this process during the timed iterations"
+    )
+    p.add_argument("--json", default="", help="append each row as a JSON line to this file")
+    p.add_argument(
+        "--switch-interval",
+        type=float,
+        default=0.0,
+        help="sys.setswitchinterval (s) for the whole run; 0: Python's default",
+    )
+    args = p.parse_args(argv)
+    if args.switch_interval > 0:
+        sys.setswitchinterval(args.switch_interval)
+
+    import roundpipe
+
+    cuda = torch.cuda.is_available()
+    counts = [int(c) for c in args.devices.split(",")]
+    if cuda and max(counts) > torch.cuda.device_count():
+        p.error(f"--devices {args.devices}: this machine has {torch.cuda.device_count()} GPUs")
+    hf = build_model(args.workload, "cpu")
+    n_params = sum(q.numel() for q in hf.parameters())
+    model = roundpipe.wrap_model_to_roundpipe(hf, optim_dtype=torch.float32)
+    opt = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-5, decoupled_weight_decay=True)
+    ids = torch.randint(0, hf.config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    print(
+        f"{args.workload} ({n_params / 1e9:.2f}B params), {args.batch} x {args.seq}; {torch.cuda.get_device_name(0) if cuda else 'CPU workers'}"
+    )
+    base: Dict[str, float] = {}
+    for graphs, peer, c in [(g, q, c) for g in args.graphs.split(",") for q in args.peer.split(",") for c in counts]:
+        if c:
+            devices = (f"cuda:{','.join(str(i) for i in range(c))}") if cuda else f"cpu:{c}"
+            row = run_config(model, opt, ids, args, devices, graphs, peer)
+            base.setdefault(graphs, row["tokens_per_s"])
+            row["vs_first"] = row["tokens_per_s"] / base[graphs]
+            row["tflops_per_gpu"] = 6 * n_params * row["tokens_per_s"] / 1e12 / c
+            print(
+                f"graphs={graphs} peer={peer} {c} device(s), {row['microbatches']} microbatches: {row['tokens_per_s']:,.0f} tokens/s "
+                f"({row['vs_first']:.2f}x), {row['s_per_iter']:.3f} s/iter, {row['tflops_per_gpu']:.0f} TFLOP/s per GPU; "
+                f"GIL wait mean {row['gil_wait_mean_ms']:.2f} ms p90 {row['gil_wait_p90_ms']:.2f} ms; "
+                f"captures {row['graph_captures']} replays {row['graph_replays']} refused {row['graph_refused']} {row['graph_error']}"
+            )
+            print(
+                f"  plan {row['plan']}; timer per middle layer fwd {row['fwd_ms_per_layer_median']} ms, bwd {row['bwd_ms_per_layer_median']} ms"
+            )
+            print(f"  thread CPU s/iter {row['thread_cpu_s_per_iter']}")
+            if "gpu_busy" in row:
+                print(f"  GPU busy {row['gpu_busy']}")
+            if row.get("gil_held_share"):
+                print(f"  GIL held share {row['gil_held_share']}")
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps({"workload": args.workload, "batch": args.batch, "seq": args.seq, **row}) + "\n")
+            sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
