@@ -21,8 +21,9 @@ from roundpipe.batch import Batch
 from roundpipe.grad_sync import LayerReducer
 from roundpipe.partial_grads import PartialGrads, split_parts
 from roundpipe.plan import ModelExecutePlan, RunType
+from roundpipe.tied_grads import TiedGrads
 from roundpipe.tracker import ModelTracker
-from roundpipe.transfer import TiedGrads, async_d2h, async_h2d, device_saved_limit, tensor_bytes
+from roundpipe.transfer import async_d2h, async_h2d, device_saved_limit, tensor_bytes
 
 if TYPE_CHECKING:
     from roundpipe.device import DeviceManager

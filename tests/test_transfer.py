@@ -198,6 +198,7 @@ def test_parameter_gradients_go_on_their_own_stream_with_other_devices_shares_fe
     from roundpipe import backend as backend_mod
     from roundpipe import device as device_mod
     from roundpipe import partial_grads as partial_mod
+    from roundpipe import tied_grads as tied_mod
     from roundpipe import transfer as transfer_mod
     from roundpipe.plan import ModelExecutePlan
 
@@ -227,6 +228,7 @@ def test_parameter_gradients_go_on_their_own_stream_with_other_devices_shares_fe
 
     monkeypatch.setattr(transfer_mod, "to_device", upload)
     monkeypatch.setattr(partial_mod, "to_device", upload)
+    monkeypatch.setattr(tied_mod, "to_device", upload)  # the tied weights' shares (TiedGrads.fetch)
     monkeypatch.setattr(transfer_mod, "set_host_grad", downloaded)
     torch.manual_seed(0)
     emb, head = torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 8, bias=False)
