@@ -9,7 +9,9 @@ model.step(lambda: (optimizer.step(), optimizer.zero_grad()))
 import importlib
 from typing import Any
 
-from roundpipe.settings import configure
+from roundpipe.settings import configure, prefer_expandable_segments
+
+prefer_expandable_segments()  # before CUDA starts, unless the user chose the allocator's settings
 
 __version__ = "0.1.0"
 

@@ -178,9 +178,12 @@ def apply_memory_cap(device: torch.device) -> None:
     if cap > total:
         raise ValueError(f"RPP_GPU_MEMORY={cap / 2**30:.1f} GiB is more than {device}'s {total / 2**30:.1f} GiB; lower it or unset it")
     torch.cuda.set_per_process_memory_fraction(cap / total, device)
-    if "expandable_segments:true" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():
+    conf = ",".join(os.environ.get(name, "") for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"))
+    if "expandable_segments:true" not in conf.replace(" ", "").lower():
         # Measured on an H100 capped at 24 GiB (qwen3-8b LoRA, 131,072 tokens): fixed-size segments
         # left the allocator unable to serve a backward stage that fits with expandable ones.
+        # ``import roundpipe`` sets them when it can (``settings.prefer_expandable_segments``); here
+        # the user chose otherwise, or CUDA had started first.
         logging.getLogger("roundpipe").warning(
             "RPP_GPU_MEMORY caps %s at %.1f GiB: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before "
             "the process starts, or long sequences may fail from fragmentation well under the cap",

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from typing import Any, Callable, Deque, List, Optional, Tuple
 
 import torch
@@ -126,6 +127,7 @@ class DeviceManager:
         self.drained = AnnotatedEvent(name=f"{self.name}.drained", set=True)
         self.location = ""
         self.where: Optional[Tuple[Callable[..., str], Tuple[Any, ...]]] = None
+        self.spin_s = 0.0  # CPU seconds this thread spent in spinning waits (``throttle_prefetch``)
         self.graphs = GraphCache(device, self.compute_stream)
         # The stage the running job executes: (model name, layers, bytes on the device), for OOM errors.
         self.stage: Optional[Tuple[str, range, float]] = None
@@ -230,8 +232,12 @@ class DeviceManager:
         """Keep at most two jobs' parameters on the device: before a new job uploads, wait (on this
         worker thread, never the main one) for the job before the previous one to finish computing."""
         self.mem_manager.flush()
-        while len(self.recent_jobs) >= 2:
-            self.recent_jobs.popleft().synchronize()
+        if len(self.recent_jobs) >= 2:
+            # The wait spins on CUDA: its CPU time is not the job's host cost (``jobs.HostClock``).
+            t0 = time.thread_time()
+            while len(self.recent_jobs) >= 2:
+                self.recent_jobs.popleft().synchronize()
+            self.spin_s += time.thread_time() - t0
         self.mem_manager.flush()
 
     def job_done(self) -> None:

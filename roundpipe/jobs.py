@@ -10,6 +10,7 @@ hands jobs to devices in ``roundpipe.pipeline``.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 import torch
@@ -23,6 +24,33 @@ from roundpipe.transfer import async_d2h, async_h2d, download_layer, peer_copy, 
 if TYPE_CHECKING:
     from roundpipe.device import DeviceManager
     from roundpipe.graphs import LayerSlot
+
+
+class HostClock:
+    """A job's host cost: its device thread's CPU time, less the compute on CPU workers (which run it on
+    this thread) and the waits that spin on CUDA (``DeviceManager.spin_s``), per microbatch; noted in
+    the model's timer for the planner (``ModelTimer.note_job``)."""
+
+    def __init__(self, device: "DeviceManager") -> None:
+        self.device = device
+        self.serial = not backend.is_cuda(device.device)
+        self.start = time.thread_time()
+        self.spin0 = device.spin_s
+        self.compute_s = 0.0
+        self.t = 0.0
+
+    def __enter__(self) -> "HostClock":
+        if self.serial:
+            self.t = time.thread_time()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.serial:
+            self.compute_s += time.thread_time() - self.t
+
+    def note(self, run: Run, microbatches: int, layers: int) -> None:
+        host = time.thread_time() - self.start - (self.device.spin_s - self.spin0) - self.compute_s
+        run.model.model_timer.note_job(1e3 * max(0.0, host), microbatches, layers)
 
 
 def _take_activation(device: "DeviceManager", run: Run, m: int) -> Leaves:
@@ -170,6 +198,7 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
                 # The previous forward's buffer download must land before we copy the host buffers.
                 model.layer_attrs[i].buffer_downloaded.synchronize()
                 run.saved_buffers[i] = snapshot_buffers(model.layers[i])
+    clock = HostClock(device)
     parity, slots = _graph_slots(device, run, layers, backward=False)
     # Per-layer upload events: the first microbatch starts on the first layer while the rest upload.
     ready: List[Any] = []
@@ -191,7 +220,8 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
             else:
                 ctx.flatten_inputs[layers.start] = (host_leaves, spec, events)
         with backend.use_stream(device.compute_stream), backend.compute_guard(device.device), torch.no_grad(), run.autocast_ctx(device):
-            out_leaves, out_spec, saved = compute(ctx, m, dev_leaves, spec)
+            with clock:
+                out_leaves, out_spec, saved = compute(ctx, m, dev_leaves, spec)
             # Backward stages starting inside the group: their inputs stay on the device or go to the host.
             for i, leaves, sp in saved:
                 if run.keep_on_device(leaves):
@@ -226,6 +256,7 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
         download_layer(model.layers[i], layer, i, model.layer_attrs[i], device, with_buffer=True, with_grad=False)
     release_layers(gpu_layers, device, slots)
     device.job_done()
+    clock.note(run, batch.num_microbatch, len(layers))
 
 
 def run_backward(device: "DeviceManager", run: Run, layer_group_id: int, part: int = 0) -> None:
@@ -238,6 +269,7 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int, part: i
     batch, tracker, cfg = run.batch, run.tracker, run.cfg
     layers = run.plan.bwd_plan[layer_group_id]
     split = layer_group_id == len(run.plan.bwd_plan) - 1 and run.fused_parts > 1
+    clock = HostClock(device)
     parity, slots = _graph_slots(device, run, layers, backward=True) if not split else (device.graphs.begin_job(), None)
     # Per-layer upload events: the first recompute starts on the first layer while the rest upload
     # (the backward itself runs after the recompute has waited for every layer).
@@ -257,7 +289,7 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int, part: i
         recompute = {i: ctx.fetch_recompute_data(i, device) for i in layers}
         device.compute_stream.wait_stream(device.upstream)
         flags = ctx.input_requires_grad if layers.start == 0 else None
-        with backend.use_stream(device.compute_stream), backend.compute_guard(device.device), run.autocast_ctx(device):
+        with backend.use_stream(device.compute_stream), backend.compute_guard(device.device), run.autocast_ctx(device), clock:
             if by_stage is not None:
                 in_grads = by_stage(ctx, m, dev_in, spec, dev_grads, recompute, flags)
             else:
@@ -278,6 +310,7 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int, part: i
     _hand_grads_back(device, run, layers, gpu_layers, part, with_buffer=False, split=split)
     release_layers(gpu_layers, device, slots)
     device.job_done()
+    clock.note(run, len(range(part, batch.num_microbatch, run.fused_parts if split else 1)), len(layers))
 
 
 def _at_fused(run: Run, what: str, i: int, m: int) -> str:
@@ -313,6 +346,7 @@ def run_forward_backward(device: "DeviceManager", run: Run, part: int = 0) -> No
     gid = len(run.plan.bwd_plan) - 1
     layers = run.plan.bwd_plan[gid]
     assert run.loss_fn is not None
+    clock = HostClock(device)
     device.graphs.begin_job()  # the fused job runs eagerly; it still takes its turn in the slot parity
     gpu_layers = _upload_group(device, run, layers, with_grad=True, for_recompute=False, seed=part == 0)
     for m in range(part, batch.num_microbatch, run.fused_parts):
@@ -325,7 +359,7 @@ def run_forward_backward(device: "DeviceManager", run: Run, part: int = 0) -> No
         dev_label = pytree.tree_unflatten(async_h2d(device, [], label_leaves), label_spec)
         device.compute_stream.wait_stream(device.upstream)
         flags = ctx.input_requires_grad if layers.start == 0 else None
-        with backend.use_stream(device.compute_stream), backend.compute_guard(device.device), run.autocast_ctx(device), torch.enable_grad():
+        with backend.use_stream(device.compute_stream), backend.compute_guard(device.device), run.autocast_ctx(device), torch.enable_grad(), clock:
             leaves = grad_leaves(dev_in, flags)
             x = pytree.tree_unflatten(leaves, spec)
             for i, layer in zip(layers, gpu_layers):
@@ -357,3 +391,4 @@ def run_forward_backward(device: "DeviceManager", run: Run, part: int = 0) -> No
     _hand_grads_back(device, run, layers, gpu_layers, part, with_buffer=True, split=run.partial_grads is not None)
     release_layers(gpu_layers, device)
     device.job_done()
+    clock.note(run, len(range(part, batch.num_microbatch, run.fused_parts)), len(layers))

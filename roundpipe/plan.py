@@ -6,10 +6,13 @@ algorithms that choose one (``auto``) and check one (``check_valid``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional, Union
+import functools
+from typing import TYPE_CHECKING, Callable, List, Optional, Union
 
-from roundpipe import device
+from roundpipe import device, settings
+from roundpipe.partial_grads import split_parts
 from roundpipe.planner import ActivationCosts, RunType, plan_stages, validate_plan
+from roundpipe.simulate import HostCosts, simulate_iteration
 
 if TYPE_CHECKING:
     from roundpipe.roundpipe import RoundPipe
@@ -81,10 +84,14 @@ class ModelExecutePlan:
         upper_threshold: float = 1.1,
         model_memory_limit: Optional[float] = None,
         activations: Optional[ActivationCosts] = None,
+        num_microbatch: Optional[int] = None,
+        host: Optional[HostCosts] = None,
     ) -> Union["ModelExecutePlan", List["ModelExecutePlan"]]:
         """Plan from the models' timers (see ``roundpipe.planner``): the plan of a single model, or a
         list with one plan per model when several share the memory budget (``auto_many`` always
-        returns the list). ``activations`` budgets a training call's activations (one model)."""
+        returns the list). ``activations`` budgets a training call's activations (one model).
+        ``host`` (the host's measured cost per job and microbatch) with ``num_microbatch``: fewer,
+        longer groups where they simulate faster (``choose_by_host_cost``)."""
         plans = cls.auto_many(
             run_type,
             *models,
@@ -92,6 +99,8 @@ class ModelExecutePlan:
             upper_threshold=upper_threshold,
             model_memory_limit=model_memory_limit,
             activations=[activations] * len(models) if activations is not None else None,
+            num_microbatch=num_microbatch,
+            host=host,
         )
         return plans[0] if len(models) == 1 else plans
 
@@ -104,9 +113,12 @@ class ModelExecutePlan:
         upper_threshold: float = 1.1,
         model_memory_limit: Optional[float] = None,
         activations: Optional[List[Optional[ActivationCosts]]] = None,
+        num_microbatch: Optional[int] = None,
+        host: Optional[HostCosts] = None,
     ) -> List["ModelExecutePlan"]:
         """Plans for several models sharing one device memory budget; ``activations`` (per model) also
-        budgets a training call's activations (``planner.ActivationCosts``)."""
+        budgets a training call's activations (``planner.ActivationCosts``); ``host`` and
+        ``num_microbatch`` as in ``auto``."""
         if not models:
             raise ValueError("ModelExecutePlan.auto needs at least one RoundPipe model")
         if min_stages is None:
@@ -120,15 +132,83 @@ class ModelExecutePlan:
             share = model_memory_limit * (sum(m.layer_size) / total) if len(models) > 1 else model_memory_limit
             _, fwd_t, bwd_t = m.model_timer.get_estimate(run_type)
             layer_bytes = [int(b) for b in m.layer_device_bytes(run_type)]
-            fwd, bwd = plan_stages(
+
+            cut = functools.partial(
+                _cut,
+                cls,
                 run_type,
                 fwd_t,
                 bwd_t,
                 layer_bytes,
-                min_stages=min_stages,
-                upper_threshold=upper_threshold,
-                memory_limit_bytes=share * 1024**3,
-                activations=activations[k] if activations is not None else None,
+                min_stages,
+                share * 1024**3,
+                activations[k] if activations is not None else None,
             )
-            plans.append(cls(fwd, bwd))
+            plan = cut(upper_threshold)
+            if host is not None and host.job_ms > 0 and num_microbatch and run_type != "infer":
+                if host.serial_compute:
+                    # Devices that compute one at a time (CPU workers) gain nothing from a group per
+                    # device: candidates may have fewer groups than devices.
+                    cut = functools.partial(cut.func, *cut.args[:5], 1, *cut.args[6:])
+                plan = choose_by_host_cost(run_type, plan, cut, upper_threshold, fwd_t, bwd_t, min_stages, num_microbatch, host)
+            plans.append(plan)
         return plans
+
+
+def _cut(
+    cls: type,
+    run_type: RunType,
+    fwd_t: List[float],
+    bwd_t: List[float],
+    layer_bytes: List[int],
+    min_stages: int,
+    memory_limit_bytes: float,
+    activations: Optional[ActivationCosts],
+    threshold: float,
+) -> ModelExecutePlan:
+    """``plan_stages`` under the time cap ``threshold`` x the slowest layer, as a plan."""
+    fwd, bwd = plan_stages(
+        run_type,
+        fwd_t,
+        bwd_t,
+        layer_bytes,
+        min_stages=min_stages,
+        upper_threshold=threshold,
+        memory_limit_bytes=memory_limit_bytes,
+        activations=activations,
+    )
+    return cls(fwd, bwd)
+
+
+#: Time caps tried by ``choose_by_host_cost``, as multiples of the planner's threshold.
+HOST_COST_CAPS = (2.0, 4.0, 8.0, 16.0, 64.0, float("inf"))
+
+
+def choose_by_host_cost(
+    run_type: RunType,
+    plan: ModelExecutePlan,
+    cut: Callable[[float], ModelExecutePlan],
+    upper_threshold: float,
+    fwd_t: List[float],
+    bwd_t: List[float],
+    devices: int,
+    num_microbatch: int,
+    host: HostCosts,
+) -> ModelExecutePlan:
+    """Among plans with longer groups than ``plan`` (time caps ``HOST_COST_CAPS`` x the threshold, each
+    still within the memory caps and at least one group per device), the one the pipeline model with
+    the host's cost per job (``roundpipe.simulate``) runs fastest; ``plan`` unless another is at least
+    2% faster. Each job and microbatch costs the host ``host.job_ms`` whatever its length, so where
+    that cost is near a layer's time (small layers, small microbatches, CPU workers) fewer jobs win."""
+    parts = split_parts(devices, num_microbatch, False, settings.SPLIT_FUSED.get())
+
+    def cost(p: ModelExecutePlan) -> float:
+        return simulate_iteration(run_type, p.fwd_plan, p.bwd_plan, fwd_t, bwd_t, devices, num_microbatch, parts, host)
+
+    best, best_cost = plan, cost(plan)
+    for scale in HOST_COST_CAPS:
+        candidate = cut(upper_threshold * scale)
+        c = cost(candidate)
+        if c < 0.98 * best_cost:
+            best, best_cost = candidate, c
+    return best

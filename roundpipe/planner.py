@@ -1,9 +1,9 @@
 """Cut a model's layers into stages (layer groups) for the forward and the backward pass.
 
 This module is the pure algorithm behind ``ModelExecutePlan.auto`` and ``ModelExecutePlan.check_valid``:
-it sees per-layer times and sizes as plain numbers and knows nothing of devices. ``simulate_iteration``
-models what a plan costs under round-robin dispatch over several devices (bench/train_bench.py prints it
-next to the measured iteration, which shows how far the timer's view is from the run).
+it sees per-layer times and sizes as plain numbers and knows nothing of devices. What a plan costs
+under the dispatch policy over several devices, the host's costs included, is ``roundpipe.simulate``
+(``simulate_iteration`` is re-exported here).
 
 A stage is a contiguous ``range`` of layers that is uploaded to a device, run, and dropped. Two things
 bound a stage:
@@ -26,9 +26,9 @@ import math
 import statistics
 import warnings
 from dataclasses import dataclass
-from typing import List, Literal, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
-RunType = Literal["infer", "train", "fused"]
+from roundpipe.simulate import HostCosts, RunType, simulate_iteration  # noqa: F401 - re-exported (the planner's model of a call)
 
 GiB = float(1 << 30)
 
@@ -485,55 +485,6 @@ def _prefix(values: Sequence[float]) -> List[float]:
     for v in values:
         out.append(out[-1] + float(v))
     return out
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Several devices: the round-robin pipeline
-
-
-def simulate_iteration(
-    run_type: RunType,
-    fwd_plan: Sequence[range],
-    bwd_plan: Sequence[range],
-    fwd_times: Sequence[float],
-    bwd_times: Sequence[float],
-    num_devices: int,
-    num_microbatch: int,
-    fused_parts: int = 1,
-) -> float:
-    """Device time of one call under RoundPipe's dispatch, from per-layer, per-microbatch costs.
-
-    The jobs (forward groups, the fused group for 'fused', backward groups in reverse) go to the devices
-    round robin; a device runs its jobs in order, each over its microbatches; microbatch m of a job
-    starts when its device is free and the previous job has finished microbatch m. The fused group runs
-    in ``fused_parts`` jobs, part j taking microbatches j, j + parts, ... (``jobs.run_forward_backward``;
-    for 'train' the first backward job, ``jobs.run_backward``).
-    Transfers and parameter uploads are taken as hidden (they run on their own streams). Returns the time
-    the last device finishes: with one device the sum of all costs, with several it adds the waits that
-    a slow job imposes on the jobs after it, and the pipeline's fill and drain.
-    """
-    every = range(max(1, num_microbatch))
-    jobs: List[Tuple[float, Sequence[int]]] = [(math.fsum(fwd_times[i] for i in r), every) for r in fwd_plan]
-    if run_type == "fused" and bwd_plan:
-        fused = math.fsum(bwd_times[i] for i in bwd_plan[-1])  # forward + loss + backward
-        parts = max(1, fused_parts)
-        jobs += [(fused, range(j, len(every), parts)) for j in range(parts)]
-        jobs += [(math.fsum(bwd_times[i] for i in r), every) for r in reversed(bwd_plan[:-1])]
-    elif run_type == "train" and bwd_plan:
-        top = math.fsum(bwd_times[i] for i in bwd_plan[-1])  # the first backward job, in parts like the fused one
-        parts = max(1, fused_parts)
-        jobs += [(top, range(j, len(every), parts)) for j in range(parts)]
-        jobs += [(math.fsum(bwd_times[i] for i in r), every) for r in reversed(bwd_plan[:-1])]
-    free = [0.0] * max(1, num_devices)
-    ready = [0.0] * len(every)  # when the previous job finished each microbatch
-    for k, (cost, mbs) in enumerate(jobs):
-        d = k % len(free)
-        t = free[d]
-        for m in mbs:
-            t = max(t, ready[m]) + cost
-            ready[m] = t
-        free[d] = t
-    return max(free)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -9,21 +9,19 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from roundpipe import backend, budget, host_buffers, settings
+from roundpipe import budget, host_buffers, plan_choice, settings
 from roundpipe.attribute import LayerAttribute, ParamAttribute
 from roundpipe.batch import Batch
 from roundpipe.context import doing_optimizer
-from roundpipe.device import get_num_devices
 from roundpipe.grad_sync import GradSync
 from roundpipe.host_buffers import StepCycle
 from roundpipe.memory import PinMode, pin_module
 from roundpipe.optim import step as optim_step
 from roundpipe.optim import thread as optim_thread
-from roundpipe.partial_grads import PartialGradStore, split_parts
+from roundpipe.partial_grads import PartialGradStore
 from roundpipe.pipeline import RoundPipeBatchedBackward, dispatch_forward, dispatch_fused, finish_backward, guarded
 from roundpipe.plan import ModelExecutePlan, RunType
-from roundpipe.planner import simulate_iteration
-from roundpipe.run import Run, call_profile
+from roundpipe.run import Run
 from roundpipe.run_config import ResolvedRunConfig, RoundPipeRunConfig, check_wrapper_arguments
 from roundpipe.threads import AnnotatedEvent, raise_if_failed
 from roundpipe.timer import ModelTimer
@@ -397,41 +395,8 @@ class RoundPipe(RoundPipeBase):
         return plan if self.grad_sync is None else self.grad_sync.agree_plan(self, run_type, plan)
 
     def _local_plan(self, cfg: ResolvedRunConfig, run_type: RunType, batch: Optional[Batch] = None) -> ModelExecutePlan:
-        """This process's plan: the user's (validated) or the model's default for ``run_type``."""
-        if cfg.execute_plan is not None:
-            plan = cfg.execute_plan.for_run_type(run_type, self.num_layers)
-            plan.check_valid(self.num_layers, run_type)
-            return plan
-        profile = call_profile(self, batch, cfg.recompute_grain) if batch is not None and run_type != "infer" else None
-        # Auto plan: from size estimates at first, re-planned once real timings exist and then every
-        # REPLAN_EVERY timer updates (plans do not churn every iteration); per size of the call's
-        # activations (rounded up to a power of two of tokens) when the model reports them.
-        key = (run_type, 1 << max(0, profile.tokens - 1).bit_length()) if profile is not None else (run_type, 0)
-        if profile is not None and self.__dict__.get("_last_activation_key", key) != key:
-            # Another length than the last call: the pinned blocks cached for its checkpoints would
-            # stay next to this call's (the host caching allocator reuses blocks of one size only).
-            backend.empty_host_cache()
-        if profile is not None:
-            self.__dict__["_last_activation_key"] = key
-        version = self.model_timer.version if self.model_timer.has_measurements(run_type) else -1
-        cached = self._plans.get(key)
-        if cached is None or (cached[1] != version and (cached[1] < 0 or version - cached[1] >= self.REPLAN_EVERY)):
-            layer_bytes = self.layer_device_bytes(run_type)
-            plan = budget.plan_or_refuse(
-                self.name, profile, layer_bytes, lambda costs: ModelExecutePlan.auto(run_type, self, activations=costs)
-            )  # one model: one plan
-            assert isinstance(plan, ModelExecutePlan)
-            plan.check_valid(self.num_layers, run_type)
-            # The plan in use stays unless the new one pays, and only while it still fits the budgets.
-            if (
-                cached is not None
-                and version >= 0
-                and not self._replan_pays(cached[0], plan, run_type, cfg.num_microbatch)
-                and budget.still_fits(profile, layer_bytes, cached[0].bwd_plan, run_type == "fused")
-            ):
-                plan = cached[0]
-            self._plans[key] = (plan, version)
-        return self._plans[key][0]
+        """This process's plan: the user's (validated) or the model's default (``plan_choice``)."""
+        return plan_choice.local_plan(self, cfg, run_type, batch)
 
     #: A re-plan replaces the plan in use only when the planner's model of an iteration, from the
     #: same timings, is this much faster: plans of equal cost flip on timer noise otherwise (measured on
@@ -440,17 +405,8 @@ class RoundPipe(RoundPipeBase):
     REPLAN_GAIN = 0.02
 
     def _replan_pays(self, old: ModelExecutePlan, new: ModelExecutePlan, run_type: RunType, num_microbatch: int) -> bool:
-        """Whether ``new`` simulates at least ``REPLAN_GAIN`` faster than ``old`` under the current timings."""
-        if old.fwd_plan == new.fwd_plan and old.bwd_plan == new.bwd_plan:
-            return True
-        _, fwd_t, bwd_t = self.model_timer.get_estimate(run_type)
-        devices = get_num_devices()
-        parts = split_parts(devices, num_microbatch, False, settings.SPLIT_FUSED.get())
-
-        def cost(p: ModelExecutePlan) -> float:
-            return simulate_iteration(run_type, p.fwd_plan, p.bwd_plan, fwd_t, bwd_t, devices, num_microbatch, parts)
-
-        return cost(new) < (1.0 - self.REPLAN_GAIN) * cost(old)
+        """Whether ``new`` simulates at least ``REPLAN_GAIN`` faster than ``old`` (``plan_choice``)."""
+        return plan_choice.replan_pays(self, old, new, run_type, num_microbatch)
 
     def activation_profile(self, batch: Batch, recompute_grain: str) -> Optional["budget.ActivationProfile"]:
         """What a training call over ``batch`` keeps per layer (``roundpipe.budget``), or None when the

@@ -31,6 +31,11 @@ time is spread over the layers like a backward group's, and a recompute + backwa
 Timing costs the device threads two events per layer and microbatch. Once estimates exist it samples:
 ``ModelTimer.new_iter`` times the first ``TIMED_FIRST`` calls, then every ``TIMED_EVERY``-th.
 
+The timer also keeps the host's cost of a job (``note_job``): the device thread's CPU time for it, less
+what it spends in the job's compute on CPU workers and in waits that spin, fitted as a cost per
+microbatch and one per layer. The planner weighs group sizes with it (``host_costs``,
+``roundpipe.simulate``).
+
 Times are in milliseconds.
 """
 
@@ -46,6 +51,7 @@ import torch
 
 from roundpipe import settings
 from roundpipe.planner import RunType
+from roundpipe.simulate import HostCosts
 
 TimeKind = Literal["fwd", "re", "bwd"]
 EventPair = Tuple[Any, Any]  # (start, end): torch.cuda.Event or WallClockEvent
@@ -230,6 +236,10 @@ class ModelTimer:
         self.version = 0
         self.calls = 0
         self.lock = threading.RLock()
+        self.job_ms = 0.0  # host time per job and microbatch (see ``note_job``)
+        self.layer_ms = 0.0  # host time per job and layer
+        self.jobs_noted = 0
+        self._host_sums = [0.0] * 5
 
     def new_iter(self) -> IterTimer:
         """A fresh ``IterTimer`` for the next call: active for the first ``TIMED_FIRST`` calls, then for
@@ -259,6 +269,37 @@ class ModelTimer:
                     self.version += 1
                     changed = True
         return changed
+
+    #: Jobs whose host time is not noted: the first ones compile kernels and build buffers.
+    JOBS_SKIPPED = 8
+
+    def note_job(self, host_ms: float, microbatches: int, layers: int) -> None:
+        """Fold one job's host time (ms) into the host cost model ``host_ms = job_ms x microbatches +
+        layer_ms x layers``: a least-squares fit over the jobs seen, older jobs weighing less (called
+        by the device threads; jobs of several group sizes and microbatch counts tell the two apart)."""
+        with self.lock:
+            self.jobs_noted += 1
+            if self.jobs_noted <= self.JOBS_SKIPPED:
+                return
+            keep = 0.98
+            m, n = float(microbatches), float(layers)
+            s = self._host_sums
+            for k, v in enumerate((m * m, m * n, n * n, host_ms * m, host_ms * n)):
+                s[k] = keep * s[k] + v
+            mm, mn, nn, hm, hn = s
+            det = mm * nn - mn * mn
+            if det > 1e-9 * max(mm * nn, 1e-30):
+                a, b = (hm * nn - hn * mn) / det, (hn * mm - hm * mn) / det
+                if a >= 0 and b >= 0:
+                    self.job_ms, self.layer_ms = a, b
+                    return
+            # Too few kinds of jobs to tell the terms apart (or a negative one): all per microbatch.
+            self.job_ms, self.layer_ms = hm / mm if mm > 0 else 0.0, 0.0
+
+    def host_costs(self, serial_compute: bool) -> HostCosts:
+        """The measured host costs of a job (zero until measured), for ``roundpipe.simulate``."""
+        with self.lock:
+            return HostCosts(job_ms=self.job_ms, layer_ms=self.layer_ms, serial_compute=serial_compute)
 
     def has_measurements(self, run_type: RunType) -> bool:
         """Whether ``get_estimate(run_type)`` is fully based on measured time (after folding in completed

@@ -29,6 +29,24 @@ def test_bench_script_runs(argv: list) -> None:
     assert "|" in res.stdout  # the results table
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["bench/job_cost.py", "--workers", "1", "2", "--iters", "3", "--warmup", "2", "--layers", "6"], "ratio"),
+        (["bench/pool_bench.py", "--workload", "tiny", "--seq", "32", "--batch", "4", "--devices", "1,2", "--graphs", "0,1", "--warmup", "1", "--iters", "1"], "tokens/s"),
+        (["bench/user_script.py", "--workload", "tiny", "--seq", "32", "--batch", "2", "--steps", "1"], "tokens/s"),
+    ],
+    ids=["job_cost", "pool_bench", "user_script"],
+)
+def test_pool_scripts_run(argv: list, expect: str) -> None:
+    """The pool's benchmarks (per-job cost, 1..N devices side by side, a user's own script) on CPU workers."""
+    env = dict(os.environ, RPP_DEVICES="cpu:1", PYTHONPATH=ROOT)
+    res = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert expect in res.stdout
+
+
 def _split_gaps(events: list, **kwargs: str) -> list:
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     try:

@@ -44,9 +44,14 @@ def _proposing(monkeypatch: pytest.MonkeyPatch) -> Tuple[List[ModelExecutePlan],
 def test_replan_pays_only_for_a_real_gain(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Same layers in other groups at equal cost: no gain, the old plan stays. A plan that halves the
     simulated time on two devices (or removes a slow group's wait) pays."""
+    from roundpipe import plan_choice
+    from roundpipe.simulate import HostCosts
+
     rp = _model()
     times = [1.0, 1.0, 1.0, 1.0]
     monkeypatch.setattr(rp.model_timer, "get_estimate", lambda run_type: (None, list(times), [3.0 * t for t in times] + [3.0]))
+    # Devices that compute at once, as GPUs do (CPU workers compute under one lock: below).
+    monkeypatch.setattr(plan_choice, "host_costs", lambda model: HostCosts())
     old = _plan([range(0, 2), range(2, 3), range(3, 4)], [range(0, 2), range(2, 4), range(4, 5)])
     same_cost = _plan([range(0, 1), range(1, 2), range(2, 3), range(3, 4)], [range(0, 2), range(2, 4), range(4, 5)])
     assert rp._replan_pays(old, old, "train", 2)  # identical plans: nothing to compare
@@ -57,6 +62,10 @@ def test_replan_pays_only_for_a_real_gain(workers: str, monkeypatch: pytest.Monk
     split = _plan([range(0, 1), range(1, 2), range(2, 3), range(3, 4)], [range(0, 1), range(1, 2), range(2, 3), range(3, 4), range(4, 5)])
     if workers == "cpu:2":
         assert rp._replan_pays(lumped, split, "train", 2)
+        # CPU workers compute one at a time: splitting overlaps nothing, and each job costs the host.
+        monkeypatch.setattr(plan_choice, "host_costs", lambda model: HostCosts(job_ms=0.5, serial_compute=True))
+        assert not rp._replan_pays(lumped, split, "train", 2)
+        assert rp._replan_pays(split, lumped, "train", 2)
 
 
 @pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)

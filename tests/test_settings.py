@@ -90,3 +90,26 @@ def test_default_microbatch_count_is_one_function() -> None:
 
     full = FullRoundPipeRunConfig(RoundPipeRunConfig(), RoundPipeRunConfig())
     assert full.num_microbatch == settings.default_num_microbatch(roundpipe.get_num_devices())
+
+
+def _alloc_env_after_import(env: dict, preamble: str = "") -> dict:
+    import json
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if k not in settings.ALLOC_CONF_VARS}
+    code = preamble + "import os, json, roundpipe; print(json.dumps({k: os.environ.get(k) for k in %r}))" % (settings.ALLOC_CONF_VARS,)
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_import_chooses_expandable_segments_only_when_nobody_chose() -> None:
+    """``import roundpipe`` gives the CUDA allocator expandable segments (small cards fail long sequences
+    on fragmentation otherwise) unless the user set the allocator's variable, whatever it says; torch
+    imported first (CUDA not started) changes nothing."""
+    chosen = _alloc_env_after_import({})
+    assert "expandable_segments:True" in [v for v in chosen.values() if v], chosen
+    assert _alloc_env_after_import({}, preamble="import torch; ") == chosen
+    for name in settings.ALLOC_CONF_VARS:
+        mine = _alloc_env_after_import({name: "expandable_segments:False"})
+        assert mine[name] == "expandable_segments:False" and all(mine[n] is None for n in settings.ALLOC_CONF_VARS if n != name), mine

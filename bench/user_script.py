@@ -1,0 +1,69 @@
+"""A user's own training script, as short as one writes it: build the model on the GPU, move it to the
+host, wrap it, train with roundpipe.optim.Adam's defaults. Its tokens/s is compared with
+bench/train_bench.py (the same workload) and the GPU-resident Liger baseline (docs/benchmarks.md);
+the issue's target is the bench's speed.
+
+    python bench/user_script.py --workload qwen3-1.7b --batch 8
+    RPP_DEVICES=cpu:1 python bench/user_script.py --workload tiny --seq 64 --batch 2 --steps 3   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_bench import WORKLOADS  # noqa: E402  (the workload shapes, nothing else)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="qwen3-1.7b")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=6, help="timed steps after 3 warm-up steps")
+    args = p.parse_args()
+
+    import roundpipe
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    hidden, inter, layers, heads, kv, tied = WORKLOADS[args.workload]
+    config = Qwen3Config(
+        vocab_size=512 if args.workload == "tiny" else 151936,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=16 if args.workload == "tiny" else 128,
+        tie_word_embeddings=tied,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = Qwen3ForCausalLM(config).to(device, torch.bfloat16 if device == "cuda" else torch.float32).to("cpu")
+    model = roundpipe.wrap_model_to_roundpipe(model)
+    opt = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-5)
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq))
+
+    def step() -> None:
+        model.train_step(input_ids=ids, labels=ids)
+        model.step(lambda: (opt.step(), opt.zero_grad(), None)[-1])
+
+    for _ in range(3):
+        step()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    model.synchronize()
+    seconds = (time.perf_counter() - t0) / args.steps
+    print(f"user script: {args.workload} {args.batch} x {args.seq}: {ids.numel() / seconds:,.0f} tokens/s, {seconds:.3f} s/step")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
