@@ -28,8 +28,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=6, help="timed steps after 3 warm-up steps")
     args = p.parse_args()
 
-    import roundpipe
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    import roundpipe
 
     hidden, inter, layers, heads, kv, tied = WORKLOADS[args.workload]
     config = Qwen3Config(

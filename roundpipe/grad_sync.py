@@ -20,8 +20,7 @@ compression). The core calls, and nothing else:
   weighting this rank's share).
 
 An implementation may also share the optimizer step itself across processes (data parallel with
-``shard_optimizer=True``): its optional ``step_sync`` attribute (absent or None otherwise) is a
-:class:`StepSync`, which the step kernel (``roundpipe.optim.step``) calls on the optimizer thread right
+``shard_optimizer=True``): its ``step_sync`` attribute (None when it does not) is a :class:`StepSync`, which the step kernel (``roundpipe.optim.step``) calls on the optimizer thread right
 before ``step_fn`` (``before_step_fn``), right after it (``after_step_fn``; before the updated
 optimizer copies are staged or copied into the model) and, instead of ``after_step_fn``, when the step
 failed (``abort``).
@@ -44,6 +43,9 @@ LayerReducer = Callable[[nn.Module, nn.Module, int, "DeviceManager"], None]
 @runtime_checkable
 class GradSync(Protocol):
     """Gradient synchronisation hooks of a RoundPipe model (see the module docstring)."""
+
+    step_sync: Optional["StepSync"]
+    """The optimizer step shared across processes, or None (each process steps all its parameters)."""
 
     def on_step_launch(self) -> None:
         """Main thread, at the start of ``model.step``."""

@@ -26,7 +26,8 @@ What a graph needs, and who provides it:
 
 Graphs of a device share one memory pool. They run one at a time on the compute stream and every
 graph's static outputs stay allocated while the graph is cached, so what two graphs share is only
-their temporaries: safe in any replay order. At most ``MAX_GRAPHS`` graphs are kept per device.
+their temporaries: safe in any replay order. At most ``MAX_GRAPHS`` graphs are kept per device, and a
+new shape (another sequence length) is a new key: shapes that keep changing run eagerly.
 
 CPU workers (``RPP_GRAPHS=1`` on CPU) get a stand-in that "captures" by recording the function and
 "replays" by running it again on the static inputs and copying its results into the static outputs:
@@ -165,7 +166,11 @@ class GraphCache:
     """
 
     WARMUP = 2
-    MAX_GRAPHS = 64
+    #: Graphs kept per device (least recently used dropped first): each holds static outputs of its
+    #: own, so a run whose lengths keep changing must not collect them without bound.
+    MAX_GRAPHS = 16
+    #: Keys remembered (warm-up counts, refusals) before they are forgotten and start over.
+    MAX_KEYS = 1024
 
     def __init__(self, device: torch.device, compute_stream: Any) -> None:
         self.device = device
@@ -241,6 +246,9 @@ class GraphCache:
             return out
         if key in self.refused:
             return eager(inputs)
+        if len(self.warm) > self.MAX_KEYS or len(self.refused) > self.MAX_KEYS:
+            self.warm.clear()
+            self.refused.clear()
         if self.warm[key] < self.WARMUP:
             self.warm[key] += 1
             out = eager(inputs)

@@ -4,8 +4,13 @@ One job is one layer group over all microbatches of the call, run by one device'
 upload the group's parameters (parameter stream), then per microbatch wait for the previous group's
 result (``ModelTracker``), upload the activation (activation stream), compute, download the result
 (download stream). Training forwards run without an autograd graph and keep only each backward stage's
-input on the host; backward jobs recompute the stage from it and back-propagate. The main thread
-hands jobs to devices in ``roundpipe.pipeline``.
+input on the host; backward jobs recompute the stage from it and back-propagate. What a microbatch
+computes, eagerly or as one replay of a CUDA graph, is ``roundpipe.compute``; this module moves the
+data around it. The main thread hands jobs to devices in ``roundpipe.pipeline``.
+
+A graphed job uploads its layers into the device's slots (``graphs.LayerSlot``): its parameter stream
+first waits for the slots' ``release`` event of the job that used them two jobs before (recorded on
+the gradient stream after that job's compute and gradient downloads, ``transfer.release_layers``).
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ if TYPE_CHECKING:
 
 class HostClock:
     """A job's host cost: its device thread's CPU time, less the compute on CPU workers (which run it on
-    this thread) and the waits that spin on CUDA (``DeviceManager.spin_s``), per microbatch; noted in
-    the model's timer for the planner (``ModelTimer.note_job``)."""
+    this thread) and the waits that spin on CUDA (``DeviceManager.spin_s``); noted with the job's
+    microbatch and layer counts in the model's timer for the planner (``ModelTimer.note_job``)."""
 
     def __init__(self, device: "DeviceManager") -> None:
         self.device = device

@@ -45,7 +45,7 @@ class HostCosts:
 
 
 def round_robin(n_jobs: int, num_devices: int) -> List[int]:
-    """The dispatcher's policy (``roundpipe.dispatch``) from position 0: job k on device k mod N."""
+    """Round robin from position 0 (``roundpipe.dispatch.RoundRobin``): job k on device k mod N."""
     return [k % num_devices for k in range(n_jobs)]
 
 
@@ -91,7 +91,8 @@ def simulate_iteration(
 
     ``fwd_times`` / ``bwd_times``: per layer and microbatch (``bwd`` = recompute + backward; for the
     fused group forward + loss + backward). ``assign``: the dispatch policy, ``(jobs, devices) ->
-    device of each job`` (default ``round_robin``)."""
+    device of each job`` (default ``round_robin``; the runtime passes its ``DispatchPolicy``'s
+    ``devices_for``, see ``plan_choice``)."""
     jobs = call_jobs(run_type, fwd_plan, bwd_plan, fwd_times, bwd_times, num_microbatch, fused_parts)
     n_dev = max(1, num_devices)
     devices = (assign or round_robin)(len(jobs), n_dev)

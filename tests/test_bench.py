@@ -34,7 +34,11 @@ def test_bench_script_runs(argv: list) -> None:
     "argv, expect",
     [
         (["bench/job_cost.py", "--workers", "1", "2", "--iters", "3", "--warmup", "2", "--layers", "6"], "ratio"),
-        (["bench/pool_bench.py", "--workload", "tiny", "--seq", "32", "--batch", "4", "--devices", "1,2", "--graphs", "0,1", "--warmup", "1", "--iters", "1"], "tokens/s"),
+        (
+            ["bench/pool_bench.py", "--workload", "tiny", "--seq", "32", "--batch", "4", "--devices", "1,2"]
+            + ["--graphs", "0,1", "--warmup", "1", "--iters", "1"],
+            "tokens/s",
+        ),
         (["bench/user_script.py", "--workload", "tiny", "--seq", "32", "--batch", "2", "--steps", "1"], "tokens/s"),
     ],
     ids=["job_cost", "pool_bench", "user_script"],

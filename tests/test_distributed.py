@@ -470,6 +470,8 @@ def _slow_kernel_run(slow: bool) -> torch.Tensor:
     calls = [0]
 
     class SlowSync:  # a data-parallel all-reduce waiting for a slow peer (roundpipe.grad_sync.GradSync)
+        step_sync = None
+
         def on_step_launch(self) -> None:
             pass
 

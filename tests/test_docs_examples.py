@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import pytest
-
 from helpers import ROOT
 
 #: Hub ids the pages load -> the architecture of the tiny stand-in saved in their place.
@@ -86,9 +85,8 @@ for block in json.load(open(sys.argv[1])):
 def save_stand_in(kind: str, path: str) -> str:
     """A tiny random model of architecture ``kind`` with a tokenizer, saved as save_pretrained writes it."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     from cli.local_model import word_tokenizer
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     assert kind == "qwen3", kind
     tokenizer = word_tokenizer()

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Iterator, List
 
 import pytest
-
 from helpers import ROOT
 
 PACKAGE = Path(ROOT) / "roundpipe"

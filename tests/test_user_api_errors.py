@@ -12,10 +12,10 @@ import sys
 
 import pytest
 import torch
+from helpers import ROOT, rel_err
 from torch import nn
 
 import roundpipe
-from helpers import ROOT, rel_err
 from roundpipe import AutoRoundPipe, RoundPipe, RoundPipeRunConfig, settings
 
 
@@ -104,7 +104,7 @@ def test_gpt2_wrapped_by_size_trains_a_batch_of_one() -> None:
 
 # Runs in a subprocess: an abort (a device-side assert, a compiled kernel's failure) would kill pytest.
 LABEL_SCRIPT = r"""
-import sys, torch, roundpipe
+import os, sys, torch, roundpipe
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
 
 torch.manual_seed(0)
@@ -133,8 +133,9 @@ for name, hf in (("qwen3", qwen), ("gpt2", gpt2)):
                 print(name, call, "ValueError:", exc)
             else:
                 print(name, call, "no error")
-    model(input_ids=ids, labels=ids).loss.backward()  # the model still trains after the refusals
-    print(name, "trains")
+    if os.environ.get("RPP_DISABLE_TORCH_COMPILE") == "1":  # compiled training is tested elsewhere (slow here)
+        model(input_ids=ids, labels=ids).loss.backward()  # the model still trains after the refusals
+        print(name, "trains")
 if sys.argv[1] == "uncaught":
     labels = ids.clone()
     labels[0, 1] = 64
@@ -162,7 +163,7 @@ def test_out_of_range_label_raises_and_never_aborts(tmp_path, compile_off: str) 
             for call in calls:
                 want = f"{name} {call} ValueError: labels[1, 5] = {bad} is not a token id of this model (vocab_size=64)"
                 assert any(line.startswith(want) for line in lines), (want, proc.stdout)
-        assert f"{name} trains" in lines
+        assert (f"{name} trains" in lines) == (compile_off == "1")
 
 
 def test_label_check_names_the_position_and_allows_ignored_and_first_labels() -> None:

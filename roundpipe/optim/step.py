@@ -94,7 +94,7 @@ def launch(
         attr.grad_copied.clear()
     done.clear()
     reduce_host = grad_sync.reduce_host if grad_sync is not None else None
-    step_sync: Optional[StepSync] = getattr(grad_sync, "step_sync", None)
+    step_sync: Optional[StepSync] = grad_sync.step_sync if grad_sync is not None else None
     optim_thread.submit(_step_kernel, units, step_fn, is_async, args, kwargs, done, reduce_host, step_sync)
     if not is_async:
         optim_thread.synchronize()

@@ -13,8 +13,8 @@ from typing import Callable, Dict, List, Tuple
 
 import pytest
 import yaml
-
 from helpers import ROOT
+
 from roundpipe.cli.config import ConfigError, merge, parse_train_args
 from roundpipe.cli.export import parse_export_args
 

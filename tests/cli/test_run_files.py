@@ -14,7 +14,6 @@ import sys
 from typing import Any, Dict, List, Optional
 
 import pytest
-
 from helpers import ROOT
 
 from .runner import one_line_error, roundpipe

@@ -1,0 +1,51 @@
+"""The dispatch policy's contract (``roundpipe.dispatch``): data parallel relies on it, the planner's
+model of a call asks it."""
+
+from __future__ import annotations
+
+import pytest
+
+from roundpipe import device as device_mod
+from roundpipe import dispatch, settings
+from roundpipe.dispatch import DispatchPolicy, RoundRobin
+from roundpipe.simulate import round_robin, simulate_iteration
+
+
+def test_round_robin_is_the_policy() -> None:
+    assert isinstance(dispatch.dispatcher, DispatchPolicy)
+    assert isinstance(RoundRobin(), DispatchPolicy)
+
+
+@pytest.mark.parametrize("workers", ["cpu:3"], indirect=True)
+def test_assignment_depends_on_position_and_count_only(workers: str) -> None:
+    """Two policies at the same position give the same devices for the same number of jobs, whatever
+    happened before; ``seek`` adopts another's position; the position wraps around the pool."""
+    a, b = RoundRobin(), RoundRobin()
+    a.assign(5)  # a's history differs
+    b.seek(a.position())
+    assert [d.id for d in a.assign(7)] == [d.id for d in b.assign(7)]
+    assert a.position() == b.position() == (5 + 7) % 3
+    c = RoundRobin()
+    c.seek(4)
+    assert c.position() == 1 and [d.id for d in c.assign(4)] == [1, 2, 0, 1]
+    assert c.devices_for(4, 3, 1) == [1, 2, 0, 1]
+
+
+@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
+def test_a_new_pool_starts_at_device_zero(workers: str) -> None:
+    dispatch.dispatcher.assign(3)
+    assert dispatch.dispatcher.position() == 1
+    settings.configure(devices="cpu:3")  # the pool is re-created
+    assert dispatch.dispatcher.position() == 0
+    assert device_mod.get_num_devices() == 3
+
+
+def test_the_simulator_asks_the_same_policy() -> None:
+    """``simulate_iteration`` with the policy's own assignment equals its default round robin, and a
+    policy that puts every job on one device simulates one device."""
+    fwd = [range(0, 1), range(1, 2), range(2, 3)]
+    times = [1.0, 2.0, 1.0]
+    policy = RoundRobin()
+    by_policy = simulate_iteration("infer", fwd, [], times, [], 2, 4, assign=lambda n, d: policy.devices_for(n, d, 0))
+    assert by_policy == pytest.approx(simulate_iteration("infer", fwd, [], times, [], 2, 4))
+    assert round_robin(5, 2) == policy.devices_for(5, 2, 0)
