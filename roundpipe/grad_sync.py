@@ -20,7 +20,8 @@ compression). The core calls, and nothing else:
   weighting this rank's share).
 
 An implementation may also share the optimizer step itself across processes (data parallel with
-``shard_optimizer=True``): its ``step_sync`` attribute (None when it does not) is a :class:`StepSync`, which the step kernel (``roundpipe.optim.step``) calls on the optimizer thread right
+``shard_optimizer=True``): its ``step_sync`` attribute (None when it does not) is a :class:`StepSync`,
+which the step kernel (``roundpipe.optim.step``) calls on the optimizer thread right
 before ``step_fn`` (``before_step_fn``), right after it (``after_step_fn``; before the updated
 optimizer copies are staged or copied into the model) and, instead of ``after_step_fn``, when the step
 failed (``abort``).
