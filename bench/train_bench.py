@@ -488,10 +488,9 @@ def simulated_ms(model: Any, plan: Any, n_mb: int) -> str:
 
     _, fwd_t, bwd_t = model.model_timer.get_estimate("fused")
     devices = roundpipe.get_num_devices()
-    from roundpipe import settings
-    from roundpipe.partial_grads import split_parts
+    from roundpipe.partial_grads import split_enabled, split_parts
 
-    parts = split_parts(devices, n_mb, False, settings.SPLIT_FUSED.get())
+    parts = split_parts(devices, n_mb, False, split_enabled())
     sim = simulate_iteration("fused", plan.fwd_plan, plan.bwd_plan, fwd_t, bwd_t, devices, n_mb, parts)
     one = simulate_iteration("fused", plan.fwd_plan, plan.bwd_plan, fwd_t, bwd_t, 1, n_mb)
     mid_f, mid_b = fwd_t[1:-1] or fwd_t, bwd_t[1:-1] or bwd_t

@@ -9,8 +9,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Callable, List, Optional, Union
 
-from roundpipe import device, settings
-from roundpipe.partial_grads import split_parts
+from roundpipe import device
+from roundpipe.partial_grads import split_enabled, split_parts
 from roundpipe.planner import ActivationCosts, RunType, plan_stages, validate_plan
 from roundpipe.simulate import HostCosts, simulate_iteration
 
@@ -200,7 +200,7 @@ def choose_by_host_cost(
     the host's cost per job (``roundpipe.simulate``) runs fastest; ``plan`` unless another is at least
     2% faster. Each job and microbatch costs the host ``host.job_ms`` whatever its length, so where
     that cost is near a layer's time (small layers, small microbatches, CPU workers) fewer jobs win."""
-    parts = split_parts(devices, num_microbatch, False, settings.SPLIT_FUSED.get())
+    parts = split_parts(devices, num_microbatch, False, split_enabled())
 
     def cost(p: ModelExecutePlan) -> float:
         return simulate_iteration(run_type, p.fwd_plan, p.bwd_plan, fwd_t, bwd_t, devices, num_microbatch, parts, host)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-from roundpipe import backend, budget, settings, threads
+from roundpipe import backend, budget, threads
 from roundpipe import device as device_mod
 from roundpipe.batch import Batch
-from roundpipe.partial_grads import split_parts
+from roundpipe.partial_grads import split_enabled, split_parts
 from roundpipe.plan import ModelExecutePlan, RunType
 from roundpipe.run import call_profile
 from roundpipe.run_config import ResolvedRunConfig
@@ -79,7 +79,7 @@ def replan_pays(model: "RoundPipe", old: ModelExecutePlan, new: ModelExecutePlan
         return True
     _, fwd_t, bwd_t = model.model_timer.get_estimate(run_type)
     devices = device_mod.get_num_devices()
-    parts = split_parts(devices, num_microbatch, False, settings.SPLIT_FUSED.get())
+    parts = split_parts(devices, num_microbatch, False, split_enabled())
     host = host_costs(model)
 
     def cost(p: ModelExecutePlan) -> float:

@@ -19,7 +19,7 @@ from roundpipe import budget, settings, threads
 from roundpipe import device as device_mod
 from roundpipe.batch import Batch
 from roundpipe.grad_sync import LayerReducer
-from roundpipe.partial_grads import PartialGrads, split_parts
+from roundpipe.partial_grads import PartialGrads, split_enabled, split_parts
 from roundpipe.plan import ModelExecutePlan, RunType
 from roundpipe.tied_grads import TiedGrads
 from roundpipe.tracker import ModelTracker
@@ -135,7 +135,7 @@ class Run:
         if run_type in ("fused", "train") and plan.bwd_plan:
             fused = plan.bwd_plan[-1]
             has_buffers = any(True for i in fused for _ in model.layers[i].buffers())
-            self.fused_parts = split_parts(device_mod.get_num_devices(), batch.num_microbatch, has_buffers, settings.SPLIT_FUSED.get())
+            self.fused_parts = split_parts(device_mod.get_num_devices(), batch.num_microbatch, has_buffers, split_enabled())
             if self.fused_parts > 1:
                 self.partial_grads = PartialGrads(self.fused_parts, fused, model.partial_grad_store)
         # Which device runs each job ('f', g) / ('b', b) / ('fb', part), fixed at dispatch (roundpipe.dispatch).

@@ -229,14 +229,15 @@ STEP_MODE: Setting[str] = _register(
         "`streamed` (not stale, two copies: the next forward follows the step layer by layer).",
     )
 )
-SPLIT_FUSED: Setting[bool] = _register(
+SPLIT_FUSED: Setting[str] = _register(
     Setting(
         "RPP_SPLIT_FUSED",
-        _bool,
-        True,
-        "1",
-        "`1` or `0`",
-        "On several devices, split the fused forward-backward job (the loss head) by microbatch over the devices.",
+        _tristate,
+        "auto",
+        "auto",
+        "`auto`, `1` or `0`",
+        "On several devices, split the fused forward-backward job (the loss head) by microbatch over the devices "
+        "(auto: where the devices compute at once: GPUs, or CPU workers in the stress mode).",
     )
 )
 PEER_HANDOFF: Setting[bool] = _register(

@@ -280,7 +280,7 @@ def test_estimate_counts_the_split_fused_stage_host_buffers() -> None:
     and the second part's gradients reach the first through host buffers the estimate counts."""
     from roundpipe import settings
 
-    settings.configure(devices="cpu:2")
+    settings.configure(devices="cpu:2", split_fused="1")  # split as on GPUs (CPU workers' default keeps it whole)
     hf = tiny_model("qwen3")
     config = hf.config
     n = config.num_hidden_layers + 2

@@ -461,6 +461,22 @@ def test_peer_handoff_equals_pytorch(workers: str, grain: str, fused: bool, monk
     assert bool(copies) == (workers != "cpu:1")
 
 
+@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
+def test_split_auto_splits_only_where_devices_compute_at_once(workers: str) -> None:
+    """``RPP_SPLIT_FUSED=auto`` (the default): CPU workers compute one at a time, so the fused job stays
+    whole; in the stress mode they compute at once, as GPUs do, and it is split; 1 and 0 force."""
+    from roundpipe import settings
+    from roundpipe.partial_grads import split_enabled
+
+    assert not split_enabled()
+    with settings.overridden(stress_delay_s=0.001):
+        assert split_enabled()
+    with settings.overridden(split_fused="1"):
+        assert split_enabled()
+    with settings.overridden(split_fused="0", stress_delay_s=0.001):
+        assert not split_enabled()
+
+
 def test_split_parts_rule() -> None:
     from roundpipe.partial_grads import split_parts
 

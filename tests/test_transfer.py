@@ -202,7 +202,7 @@ def test_parameter_gradients_go_on_their_own_stream_with_other_devices_shares_fe
     from roundpipe import transfer as transfer_mod
     from roundpipe.plan import ModelExecutePlan
 
-    settings.configure(grad_stream=separate)
+    settings.configure(grad_stream=separate, split_fused="1")  # the fused job's parts, as on GPUs
     device_mod.reset_devices()
     devices = device_mod.get_devices()
     assert all((d.grad_stream is not d.downstream) == separate for d in devices)
