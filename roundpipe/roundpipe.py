@@ -368,10 +368,15 @@ class RoundPipe(RoundPipeBase):
         return self.__dict__["_shared_list"]
 
     def optim_units(self) -> List[Tuple[LayerAttribute, List[nn.Parameter]]]:
+        # Each layer's parameters are listed once (the layer list is fixed at wrapping); which of them
+        # train is asked per call (``requires_grad`` may change, e.g. to freeze a layer).
+        cached = self.__dict__.get("_layer_params")
+        if cached is None:
+            cached = self.__dict__["_layer_params"] = [list(layer.parameters()) for layer in self.layers]
         seen: set = set()
         units = []
-        for attr, layer in zip(self.layer_attrs, self.layers):
-            params = [p for p in layer.parameters() if p.requires_grad and id(p) not in seen]
+        for attr, layer_params in zip(self.layer_attrs, cached):
+            params = [p for p in layer_params if p.requires_grad and id(p) not in seen]
             seen.update(id(p) for p in params)
             units.append((attr, params))
         return units
