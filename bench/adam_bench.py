@@ -98,7 +98,9 @@ def timed_step(opt: torch.optim.Optimizer, impl: str) -> float:
     return time.perf_counter() - t0
 
 
-def bench_candidates(shapes: List[Tuple[int, ...]], names: List[str], repeats: int, warmup: int) -> Dict[str, List[float]]:
+def bench_candidates(
+    shapes: List[Tuple[int, ...]], names: List[str], repeats: int, warmup: int
+) -> Dict[str, List[float]]:
     opts = {name: make_optimizer(name, shapes) for name in names}
     times: Dict[str, List[float]] = {name: [] for name in names}
     for r in range(warmup + repeats):
@@ -180,7 +182,10 @@ def main() -> None:
 
 
 def run_table(args: argparse.Namespace, names: List[str]) -> None:
-    print("| layout | params | tensors | implementation | step (ms, median) | best (ms) | params/s | GB/s (28 B/param) | vs fused |")
+    print(
+        "| layout | params | tensors | implementation | step (ms, median) | best (ms) | params/s | GB/s (28 "
+        "B/param) | vs fused |"
+    )
     print("|---|---:|---:|---|---:|---:|---:|---:|---:|")
     for layout in args.layouts.split(","):
         for size in args.sizes.split(","):

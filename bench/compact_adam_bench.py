@@ -30,8 +30,18 @@ CANDIDATES: List[Tuple[str, Dict[str, str], torch.dtype, torch.dtype]] = [
     ("int8 state, fp32 master", {"state_dtype": "int8"}, torch.float32, torch.bfloat16),
     ("bf16 state, bf16 master SR", {"state_dtype": "bfloat16", "master": "bfloat16"}, torch.bfloat16, torch.bfloat16),
     ("int8 state, bf16 master SR", {"state_dtype": "int8", "master": "bfloat16"}, torch.bfloat16, torch.bfloat16),
-    ("int8 state, bf16 master Kahan", {"state_dtype": "int8", "master": "bfloat16", "master_rounding": "kahan"}, torch.bfloat16, torch.bfloat16),
-    ("int8 state, bf16 master nearest", {"state_dtype": "int8", "master": "bfloat16", "master_rounding": "nearest"}, torch.bfloat16, torch.bfloat16),
+    (
+        "int8 state, bf16 master Kahan",
+        {"state_dtype": "int8", "master": "bfloat16", "master_rounding": "kahan"},
+        torch.bfloat16,
+        torch.bfloat16,
+    ),
+    (
+        "int8 state, bf16 master nearest",
+        {"state_dtype": "int8", "master": "bfloat16", "master_rounding": "nearest"},
+        torch.bfloat16,
+        torch.bfloat16,
+    ),
 ]
 
 

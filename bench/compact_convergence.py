@@ -81,7 +81,9 @@ def evaluate(model: torch.nn.Module, held: List[torch.Tensor]) -> float:
     return sum(losses) / len(losses)
 
 
-def train(kw: Dict[str, str], args: argparse.Namespace, train_b: List[torch.Tensor], held: List[torch.Tensor]) -> Tuple[List[float], float]:
+def train(
+    kw: Dict[str, str], args: argparse.Namespace, train_b: List[torch.Tensor], held: List[torch.Tensor]
+) -> Tuple[List[float], float]:
     """Train one mode; returns (smoothed train losses, final held-out loss)."""
     model = make_model(args.seed)
     if kw.get("master") == "bfloat16":
@@ -108,7 +110,11 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--modes", default="", help="comma-separated indices into MODES (default: all; 0 is the fp32 baseline, always run)")
+    ap.add_argument(
+        "--modes",
+        default="",
+        help="comma-separated indices into MODES (default: all; 0 is the fp32 baseline, always run)",
+    )
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "docs" / "img" / "compact_convergence.png"))
     args = ap.parse_args()

@@ -31,7 +31,9 @@ def build(layers: int, hidden: int, dtype: torch.dtype) -> nn.Sequential:
 
 def bench_roundpipe(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> tuple:
     model = RoundPipe(
-        build(args.layers, args.hidden, args.dtype), optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=args.microbatches)
+        build(args.layers, args.hidden, args.dtype),
+        optim_dtype=torch.float32,
+        model_run_config=RoundPipeRunConfig(num_microbatch=args.microbatches),
     )
     params = list(model.optim_parameters())
     if args.optimizer == "adamw":
@@ -105,9 +107,21 @@ def main() -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base_times = bench_resident(args, x, y)
-        rows.append(("gpu-resident", args.tokens / (sum(base_times) / len(base_times)), torch.cuda.max_memory_allocated() / 1024**3))
-    print(f"roundpipe optimizer={args.optimizer} sync_step={args.sync_step}; per-iteration seconds: {[round(t, 3) for t in rp_times]}")
-    print(f"MLP stack: {args.layers} blocks, hidden {args.hidden}, {params / 1e9:.2f}B params, {args.tokens} tokens/iter, {args.microbatches} microbatches")
+        rows.append(
+            (
+                "gpu-resident",
+                args.tokens / (sum(base_times) / len(base_times)),
+                torch.cuda.max_memory_allocated() / 1024**3,
+            )
+        )
+    print(
+        f"roundpipe optimizer={args.optimizer} sync_step={args.sync_step}; per-iteration seconds: "
+        f"{[round(t, 3) for t in rp_times]}"
+    )
+    print(
+        f"MLP stack: {args.layers} blocks, hidden {args.hidden}, {params / 1e9:.2f}B params, {args.tokens} "
+        f"tokens/iter, {args.microbatches} microbatches"
+    )
     print("| system | tokens/s | TFLOP/s (6·P·T) | peak GPU GiB | ratio |")
     print("|---|---|---|---|---|")
     base = rows[-1][1]

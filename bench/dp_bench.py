@@ -15,7 +15,8 @@ writes ``two.host.json`` and ``two.device.json``:
     B=4; S=4096; A="--model qwen3-1.7b --seq $S --steps 20 --warmup 4 --threads 16"
     torchrun --standalone --nproc-per-node 1 bench/dp_bench.py $A --batch-per-rank $B       --out one.json
     torchrun --standalone --nproc-per-node 1 bench/dp_bench.py $A --batch-per-rank $((2*B)) --out ref.json
-    torchrun --standalone --nproc-per-node 2 bench/dp_bench.py $A --batch-per-rank $B --reduce-on host device --out two.json
+    torchrun --standalone --nproc-per-node 2 bench/dp_bench.py $A --batch-per-rank $B --reduce-on host device \
+        --out two.json
     python bench/dp_bench.py --compare one.json two.device.json --loss-ref ref.json   # exit 1 if < 1.8x or off curve
     python bench/dp_bench.py --compare one.json two.host.json --loss-ref ref.json
 
@@ -86,8 +87,10 @@ def simulate(args: argparse.Namespace) -> int:
             t = iteration_s(t1, r, args.fwd_frac, args.optim_s)
             rows.append((gbps, n, r, t, n * t1 / t))
     print(
-        f"model: {args.params / 1e9:.2f}B params, {grad_bytes / 1e9:.2f} GB of gradients, one-node iteration {t1:.2f} s "
-        f"(forward {args.fwd_frac:.0%}), host optimizer {args.optim_s:.2f} s, {args.buckets} buckets, {args.latency_us:g} us per hop"
+        f"model: {args.params / 1e9:.2f}B params, {grad_bytes / 1e9:.2f} GB of gradients, one-node iteration "
+        f"{t1:.2f} s "
+        f"(forward {args.fwd_frac:.0%}), host optimizer {args.optim_s:.2f} s, {args.buckets} buckets, "
+        f"{args.latency_us:g} us per hop"
     )
     print("| network Gbit/s | nodes | all-reduce s | s / iteration | speedup | efficiency |")
     print("|---|---|---|---|---|---|")
@@ -134,7 +137,10 @@ def calibrate(one_path: str, two_path: str, fwd_frac: float) -> int:
         f"{two['latency_s'] * 1e6:.0f} us per hop, {two['collectives_per_step']:.0f} calls)"
     )
     for name, t in (("overlapped", over), ("serialised", serial)):
-        print(f"predicted {name}: {t:.3f} s/iter ({(t - tw) / tw:+.0%} vs measured), speedup {w * t1 / t:.2f}x (measured {w * t1 / tw:.2f}x)")
+        print(
+            f"predicted {name}: {t:.3f} s/iter ({(t - tw) / tw:+.0%} vs measured), speedup {w * t1 / t:.2f}x "
+            f"(measured {w * t1 / tw:.2f}x)"
+        )
     return 0
 
 
@@ -197,7 +203,9 @@ def run(args: argparse.Namespace) -> int:
         os.sched_setaffinity(0, set(range(local_rank * k, (local_rank + 1) * k)))
     from roundpipe.optim.thread import rank_share
 
-    threads = args.threads or (rank_share(os.cpu_count() or 1, local_world) if local_world > 1 else (os.cpu_count() or 1))
+    threads = args.threads or (
+        rank_share(os.cpu_count() or 1, local_world) if local_world > 1 else (os.cpu_count() or 1)
+    )
     torch.set_num_threads(threads)
     os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "0" if torch.cuda.is_available() else "1")
     sys.path.insert(0, HERE)
@@ -227,7 +235,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_one(args: argparse.Namespace, mode: str, out: Optional[str], rank: int, world: int, threads: int, train_bench: Any) -> int:
+def run_one(
+    args: argparse.Namespace, mode: str, out: Optional[str], rank: int, world: int, threads: int, train_bench: Any
+) -> int:
     """Build the model, train ``--steps`` steps with data parallel reducing on ``mode``, write ``out``."""
     import torch
 
@@ -241,12 +251,22 @@ def run_one(args: argparse.Namespace, mode: str, out: Optional[str], rank: int, 
         import peft
 
         torch.manual_seed(1)
-        hf = peft.get_peft_model(hf, peft.LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear"))
+        hf = peft.get_peft_model(
+            hf, peft.LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear")
+        )
     vocab = hf.config.vocab_size
     n_mb = args.microbatches or 2 * roundpipe.get_num_devices()
-    model = roundpipe.wrap_model_to_roundpipe(hf, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=n_mb))
+    model = roundpipe.wrap_model_to_roundpipe(
+        hf, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=n_mb)
+    )
     dp = (
-        rdist.enable_data_parallel(model, bucket_mb=args.bucket_mb, max_in_flight=args.in_flight, reduce_on=mode, shard_optimizer=args.shard_optimizer)
+        rdist.enable_data_parallel(
+            model,
+            bucket_mb=args.bucket_mb,
+            max_in_flight=args.in_flight,
+            reduce_on=mode,
+            shard_optimizer=args.shard_optimizer,
+        )
         if world > 1
         else None
     )
@@ -324,11 +344,19 @@ def run_one(args: argparse.Namespace, mode: str, out: Optional[str], rank: int, 
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # shared pages count in every rank
     }
     if rank == 0:
-        where = f" ({result['reduce_on']}, {result['reduce_backend']}{', sharded step' if result['shard_optimizer'] else ''})" if dp is not None else ""
+        where = (
+            f" ({result['reduce_on']}, "
+            f"{result['reduce_backend']}{', sharded step' if result['shard_optimizer'] else ''})"
+            if dp is not None
+            else ""
+        )
         print(
-            f"| {args.model}{' lora r=%d' % args.lora if args.lora else ''} | {world} rank(s) x {result['devices_per_rank']} device(s){where} | "
-            f"{result['tokens_per_s']:,.0f} tok/s | {result['s_per_iter']:.3f} s/iter | reduce {result['reduce_s_per_step']:.3f} s/step | "
-            f"optim {optim_s:.3f} s/step | peak RSS {result['peak_rss_gb']:.1f} GB | loss {losses[0]:.4f} -> {losses[-1]:.4f} |",
+            f"| {args.model}{' lora r=%d' % args.lora if args.lora else ''} | {world} rank(s) x "
+            f"{result['devices_per_rank']} device(s){where} | "
+            f"{result['tokens_per_s']:,.0f} tok/s | {result['s_per_iter']:.3f} s/iter | reduce "
+            f"{result['reduce_s_per_step']:.3f} s/step | "
+            f"optim {optim_s:.3f} s/step | peak RSS {result['peak_rss_gb']:.1f} GB | loss {losses[0]:.4f} -> "
+            f"{losses[-1]:.4f} |",
             flush=True,
         )
         if out:
@@ -340,7 +368,9 @@ def run_one(args: argparse.Namespace, mode: str, out: Optional[str], rank: int, 
     return 0
 
 
-def reduce_only(args: argparse.Namespace, model: Any, dp: Any, rank: int, world: int, grad_bytes: int, net: Tuple[float, float]) -> int:
+def reduce_only(
+    args: argparse.Namespace, model: Any, dp: Any, rank: int, world: int, grad_bytes: int, net: Tuple[float, float]
+) -> int:
     """Time the gradient reduction alone: random host gradients, synchronous steps, no compute."""
     import statistics
 
@@ -355,7 +385,8 @@ def reduce_only(args: argparse.Namespace, model: Any, dp: Any, rank: int, world:
     med = statistics.median(hist)
     if rank == 0:
         print(
-            f"| reduce only | {world} ranks | {grad_bytes / 2**20:.1f} MiB | buckets {args.bucket_mb:g} MiB x {args.in_flight} in flight | "
+            f"| reduce only | {world} ranks | {grad_bytes / 2**20:.1f} MiB | buckets {args.bucket_mb:g} MiB x "
+            f"{args.in_flight} in flight | "
             f"{dp.stats.collectives / max(dp.stats.steps, 1):.0f} calls/step | median {med * 1e3:.1f} ms | "
             f"{2 * (world - 1) / world * grad_bytes * 8 / 1e9 / med:.2f} Gbit/s bus (raw {net[0]:.2f}) |"
         )
@@ -372,9 +403,14 @@ def compare(one_path: str, many_path: str, ref_path: Optional[str], min_speedup:
     one, many = _load(one_path), _load(many_path)
     speedup = many["tokens_per_s"] / one["tokens_per_s"]
     ok = speedup >= min_speedup
-    mode = f" (gradients reduced on the {many['reduce_on']}, {many.get('reduce_backend', '?')})" if "reduce_on" in many else ""
+    mode = (
+        f" (gradients reduced on the {many['reduce_on']}, {many.get('reduce_backend', '?')})"
+        if "reduce_on" in many
+        else ""
+    )
     print(
-        f"throughput: 1 rank {one['tokens_per_s']:,.0f} tok/s, {many['world']} ranks{mode} {many['tokens_per_s']:,.0f} tok/s: "
+        f"throughput: 1 rank {one['tokens_per_s']:,.0f} tok/s, {many['world']} ranks{mode} "
+        f"{many['tokens_per_s']:,.0f} tok/s: "
         f"{speedup:.2f}x (need >= {min_speedup}x) {'ok' if speedup >= min_speedup else 'FAIL'}"
     )
     if ref_path:
@@ -384,15 +420,22 @@ def compare(one_path: str, many_path: str, ref_path: Optional[str], min_speedup:
             return 1
         n = min(len(ref["losses"]), len(many["losses"]))
         worst = max(abs(a - b) / abs(b) for a, b in zip(many["losses"][:n], ref["losses"][:n]))
-        print(f"loss curve, first {n} steps: worst relative difference {worst:.2e} (tolerance {loss_rtol:g}) {'ok' if worst <= loss_rtol else 'FAIL'}")
+        print(
+            f"loss curve, first {n} steps: worst relative difference {worst:.2e} (tolerance {loss_rtol:g}) "
+            f"{'ok' if worst <= loss_rtol else 'FAIL'}"
+        )
         ok = ok and worst <= loss_rtol
     return 0 if ok else 1
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3-1.7b", help="a bench/train_bench.py workload: tiny, qwen3-0.6b, qwen3-1.7b, ...")
-    p.add_argument("--shape", default=None, help="custom model: hidden,intermediate,layers,heads,kv_heads (with --model NAME)")
+    p.add_argument(
+        "--model", default="qwen3-1.7b", help="a bench/train_bench.py workload: tiny, qwen3-0.6b, qwen3-1.7b, ..."
+    )
+    p.add_argument(
+        "--shape", default=None, help="custom model: hidden,intermediate,layers,heads,kv_heads (with --model NAME)"
+    )
     p.add_argument("--vocab", type=int, default=0, help="vocabulary size (default: the workload's)")
     p.add_argument("--lora", type=int, default=0, help="LoRA rank (0: full fine-tune)")
     p.add_argument("--batch-per-rank", type=int, default=4)
@@ -404,13 +447,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--in-flight", type=int, default=2, help="gradient buckets in flight at once")
     p.add_argument("--sync", action="store_true", help="synchronous optimizer step")
-    p.add_argument("--shard-optimizer", action="store_true", help="enable_data_parallel(shard_optimizer=True): the host step shared by a host's ranks")
     p.add_argument(
-        "--threads", type=int, default=0, help="torch threads per rank (default: all cores for one rank; for several, roundpipe.optim_thread.rank_share)"
+        "--shard-optimizer",
+        action="store_true",
+        help="enable_data_parallel(shard_optimizer=True): the host step shared by a host's ranks",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads per rank (default: all cores for one rank; for several, roundpipe.optim_thread.rank_share)",
     )
     p.add_argument("--gpus-per-rank", type=int, default=1, help="rank r uses GPUs r*k..; 0: leave RPP_DEVICES alone")
     p.add_argument("--pin-cores", type=int, default=0, help="pin rank r to cores [r*k, (r+1)*k) (CPU scaling runs)")
-    p.add_argument("--reduce-only", action="store_true", help="time the host gradient all-reduce alone (random gradients)")
+    p.add_argument(
+        "--reduce-only", action="store_true", help="time the host gradient all-reduce alone (random gradients)"
+    )
     p.add_argument(
         "--reduce-on",
         nargs="+",

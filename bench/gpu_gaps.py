@@ -1,13 +1,13 @@
 """Idle time of each GPU in a profiled iteration, split into gaps between layer groups and gaps inside one.
 
-RoundPipe marks each job (one layer group over all microbatches) on its device thread with a profiler
-range when ``RPP_PROFILER=torch`` (``roundpipe.device``). In a chrome trace of a ``torch.profiler`` run
-that records CPU and CUDA activity on all threads, each kernel carries the correlation id of the runtime
-call that launched it, and that call lies on the launching thread's timeline, inside the job's range.
-Kernels that autograd's worker thread launches during a job's backward are given the job that runs on
-the GPU's device thread at that moment. So every kernel can be given its job, and every idle gap on a GPU (no kernel running; copies are not
-compute) falls either between two jobs or inside one. The planner's acceptance (issue 5) is about the
-first kind: time a GPU waits because one group ended and the next was not ready.
+RoundPipe marks each job (one layer group over all microbatches) on its device thread with a profiler range when
+``RPP_PROFILER=torch`` (``roundpipe.device``). In a chrome trace of a ``torch.profiler`` run that records CPU and CUDA
+activity on all threads, each kernel carries the correlation id of the runtime call that launched it, and that call lies
+on the launching thread's timeline, inside the job's range. Kernels that autograd's worker thread launches during a
+job's backward are given the job that runs on the GPU's device thread at that moment. So every kernel can be given its
+job, and every idle gap on a GPU (no kernel running; copies are not compute) falls either between two jobs or inside
+one. The planner's acceptance (issue 5) is about the first kind: time a GPU waits because one group ended and the next
+was not ready.
 
     from gpu_gaps import split_gaps
     for d in split_gaps(json.load(open("trace.json"))["traceEvents"]):
@@ -47,7 +47,8 @@ class DeviceGaps:
         """One line: busy share and the two kinds of idle time as shares of ``wall_us`` (the iteration)."""
         return (
             f"GPU {self.device}: busy {self.busy_us / wall_us:.1%} of the iteration; idle between layer groups "
-            f"{self.between_us / 1e3:.1f} ms ({self.between_us / wall_us:.1%}, {self.between_count} gaps), inside groups "
+            f"{self.between_us / 1e3:.1f} ms ({self.between_us / wall_us:.1%}, {self.between_count} gaps), "
+            "inside groups "
             f"{self.within_us / 1e3:.1f} ms ({self.within_us / wall_us:.1%}, {self.within_count} gaps); "
             f"{self.kernels - self.unattributed}/{self.kernels} kernels attributed to a job"
             + (
@@ -77,12 +78,16 @@ def split_gaps(events: Iterable[Dict[str, Any]], job_prefix: str = JOB_PREFIX, w
         if cat == "user_annotation" and window and e.get("name") == window:
             span = (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
         elif cat == "user_annotation" and str(e.get("name", "")).startswith(job_prefix):
-            jobs.setdefault(e.get("tid"), []).append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["name"]))
+            jobs.setdefault(e.get("tid"), []).append(
+                (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["name"])
+            )
         elif cat in _LAUNCH_CATEGORIES and "correlation" in args:
             launches[int(args["correlation"])] = (e.get("tid"), float(e["ts"]))
         elif cat == "kernel":
             dev = int(args.get("device", 0))
-            kernels.setdefault(dev, []).append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), int(args.get("correlation", -1))))
+            kernels.setdefault(dev, []).append(
+                (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), int(args.get("correlation", -1)))
+            )
     for ranges in jobs.values():
         ranges.sort()
     starts = {tid: [r[0] for r in ranges] for tid, ranges in jobs.items()}
@@ -120,5 +125,9 @@ def split_gaps(events: Iterable[Dict[str, Any]], job_prefix: str = JOB_PREFIX, w
             elif stop > end:
                 busy, end, last_owner = busy + stop - end, stop, owner
         head, tail = (ks[0][0] - span[0], span[1] - end) if span is not None else (None, None)
-        out.append(DeviceGaps(dev, busy, end - ks[0][0], between, within, n_between, n_within, len(ks), owners.count(None), head, tail))
+        out.append(
+            DeviceGaps(
+                dev, busy, end - ks[0][0], between, within, n_between, n_within, len(ks), owners.count(None), head, tail
+            )
+        )
     return out

@@ -114,7 +114,8 @@ def main(argv: List[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
     print(
-        f"{args.layers} x Linear({args.width}), {args.microbatches} microbatches: {result['jobs_per_iteration']} jobs per iteration"
+        f"{args.layers} x Linear({args.width}), {args.microbatches} microbatches: "
+        f"{result['jobs_per_iteration']} jobs per iteration"
     )
     print("workers  runtime us/job  plain us/job  ratio")
     for r in result["rows"]:  # type: ignore[union-attr]

@@ -1,14 +1,13 @@
 """One Qwen3 decoder layer, Hugging Face eager vs RoundPipe's fused kernels (roundpipe.models.kernels).
 
-Times what RoundPipe runs per layer and microbatch: a forward without grad (the pipelined forward), and
-a forward with grad + backward (the recompute and backward), for Hugging Face's layer, the fused ops per
-module (``RPP_FUSED_LAYERS=0``) and the whole layer as one fused op (the default). Besides the time
-until the GPU is done it reports the host CPU time spent issuing the work (the calling thread's CPU
-time): on several GPUs the device threads share one interpreter lock, so that is what bounds them. Default shape: Qwen3-1.7B (hidden 2048,
-intermediate 6144, 16 heads, 8 kv heads, head_dim 128, qk-norm), 4 x 4096 tokens, bf16, sdpa. Checks
-that the fused layer's output and gradients (input and every parameter) agree with Hugging Face's
-within bf16 rounding: both are compared with an fp32 copy of the layer, and the fused error must not
-exceed the eager one by more than a rounding margin.
+Times what RoundPipe runs per layer and microbatch: a forward without grad (the pipelined forward), and a forward with
+grad + backward (the recompute and backward), for Hugging Face's layer, the fused ops per module
+(``RPP_FUSED_LAYERS=0``) and the whole layer as one fused op (the default). Besides the time until the GPU is done it
+reports the host CPU time spent issuing the work (the calling thread's CPU time): on several GPUs the device threads
+share one interpreter lock, so that is what bounds them. Default shape: Qwen3-1.7B (hidden 2048, intermediate 6144, 16
+heads, 8 kv heads, head_dim 128, qk-norm), 4 x 4096 tokens, bf16, sdpa. Checks that the fused layer's output and
+gradients (input and every parameter) agree with Hugging Face's within bf16 rounding: both are compared with an fp32
+copy of the layer, and the fused error must not exceed the eager one by more than a rounding margin.
 
     python bench/kernels_bench.py                 # device machine, < 60 s with compilation
     python bench/kernels_bench.py --cpu --tiny    # CPU smoke (tests/test_kernels.py runs it)
@@ -59,7 +58,9 @@ def build_layer(shape: str, dtype: torch.dtype, device: torch.device) -> Tuple[n
     return layer.to(device=device, dtype=dtype), Qwen3RotaryEmbedding(config).to(device), config
 
 
-def layer_inputs(layer_config: object, rotary: nn.Module, batch: int, seq: int, dtype: torch.dtype, device: torch.device):
+def layer_inputs(
+    layer_config: object, rotary: nn.Module, batch: int, seq: int, dtype: torch.dtype, device: torch.device
+):
     """Hidden states, (cos, sin) and the causal mask as the RoundPipe prefix builds them."""
     from transformers.masking_utils import create_causal_mask
 
@@ -70,12 +71,27 @@ def layer_inputs(layer_config: object, rotary: nn.Module, batch: int, seq: int, 
     x = torch.randn(batch, seq, hidden, generator=g).to(device=device, dtype=dtype)
     position_ids = torch.arange(seq, device=device).unsqueeze(0)
     cos, sin = rotary(x, position_ids)
-    mask = _call_mask_function(create_causal_mask, config=layer_config, inputs_embeds=x, attention_mask=None, past_key_values=None, position_ids=position_ids)
+    mask = _call_mask_function(
+        create_causal_mask,
+        config=layer_config,
+        inputs_embeds=x,
+        attention_mask=None,
+        past_key_values=None,
+        position_ids=position_ids,
+    )
     grad_out = torch.randn(batch, seq, hidden, generator=g).to(device=device, dtype=dtype)
     return x, (cos, sin), mask, position_ids, grad_out
 
 
-def run_layer(layer: nn.Module, x: torch.Tensor, pos: Tuple[torch.Tensor, torch.Tensor], mask, position_ids, grad_out=None, collect=True):
+def run_layer(
+    layer: nn.Module,
+    x: torch.Tensor,
+    pos: Tuple[torch.Tensor, torch.Tensor],
+    mask,
+    position_ids,
+    grad_out=None,
+    collect=True,
+):
     """Forward (and backward when ``grad_out`` is given); returns output, input grad, parameter grads
     (the latter only with ``collect``)."""
     x = x.detach().requires_grad_(grad_out is not None)
@@ -216,27 +232,40 @@ def main(argv=None) -> Dict[str, float]:
     dev_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(
         f"Qwen3 decoder layer {shape} {SHAPES[shape]}, {batch} x {seq} tokens, {args.dtype}, sdpa, {dev_name}, "
-        f"torch {torch.__version__}; fused: {', '.join(n or '(layer)' for n in swapped)}; compile {'off' if args.no_compile else 'on'}"
+        f"torch {torch.__version__}; fused: {', '.join(n or '(layer)' for n in swapped)}; compile "
+        f"{'off' if args.no_compile else 'on'}"
     )
-    print("first fused forward + backward (incl. compile): " + ", ".join(f"{v} {c['compile_s']:.1f} s" for v, c in checks.items()))
-    print("| pass | HF eager ms | fused modules ms | fused layer ms | layer speed-up | host CPU ms: HF / modules / layer |")
+    print(
+        "first fused forward + backward (incl. compile): "
+        + ", ".join(f"{v} {c['compile_s']:.1f} s" for v, c in checks.items())
+    )
+    print(
+        "| pass | HF eager ms | fused modules ms | fused layer ms | layer speed-up | host CPU ms: HF / modules "
+        "/ layer |"
+    )
     print("|---|---|---|---|---|---|")
     for label, key in (("forward, no grad", "fwd"), ("forward + backward", "fwd_bwd")):
         ms = [res[f"{n}_{key}_ms"] for n in ("hf", "modules", "layer")]
         cpu = [res[f"{n}_{key}_cpu_ms"] for n in ("hf", "modules", "layer")]
-        print(f"| {label} | {ms[0]:.3f} | {ms[1]:.3f} | {ms[2]:.3f} | {ms[0] / ms[2]:.2f}x | {cpu[0]:.2f} / {cpu[1]:.2f} / {cpu[2]:.2f} |")
+        print(
+            f"| {label} | {ms[0]:.3f} | {ms[1]:.3f} | {ms[2]:.3f} | {ms[0] / ms[2]:.2f}x | {cpu[0]:.2f} / "
+            f"{cpu[1]:.2f} / {cpu[2]:.2f} |"
+        )
     per_layer = {n: res[f"{n}_fwd_ms"] + res[f"{n}_fwd_bwd_ms"] for n in ("hf", "modules", "layer")}
     per_layer_cpu = {n: res[f"{n}_fwd_cpu_ms"] + res[f"{n}_fwd_bwd_cpu_ms"] for n in ("hf", "modules", "layer")}
     print(
-        f"| RoundPipe per layer (both) | {per_layer['hf']:.3f} | {per_layer['modules']:.3f} | {per_layer['layer']:.3f} | "
+        f"| RoundPipe per layer (both) | {per_layer['hf']:.3f} | {per_layer['modules']:.3f} | "
+        f"{per_layer['layer']:.3f} | "
         f"{per_layer['hf'] / per_layer['layer']:.2f}x | {per_layer_cpu['hf']:.2f} / {per_layer_cpu['modules']:.2f} / "
         f"{per_layer_cpu['layer']:.2f} |"
     )
     for variant, c in checks.items():
         print(
             f"fused {variant}: rel. error vs fp32 layer, worst of output/grads {c['fused_err']:.2e} (HF eager "
-            f"{max(e_eager.values()):.2e}), vs HF eager {c['vs']:.2e}; agreement {'OK' if c['ok'] else 'FAILED'}: worst "
-            f"relative to eager is {c['worst']!r}: {c['err']:.2e} vs eager {e_eager[c['worst']]:.2e} (limit {c['margin']:.2e})"
+            f"{max(e_eager.values()):.2e}), vs HF eager {c['vs']:.2e}; agreement "
+            f"{'OK' if c['ok'] else 'FAILED'}: worst "
+            f"relative to eager is {c['worst']!r}: {c['err']:.2e} vs eager {e_eager[c['worst']]:.2e} (limit "
+            f"{c['margin']:.2e})"
         )
     print(f"agreement {'OK' if ok else 'FAILED'}; total {time.perf_counter() - t_start:.1f} s")
     if not ok:

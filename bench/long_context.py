@@ -178,7 +178,9 @@ def roundpipe_results(args: argparse.Namespace, lengths: List[int]) -> List[Resu
         from peft import LoraConfig, get_peft_model
 
         hf = get_peft_model(hf, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules=LORA_TARGETS))
-    model = roundpipe.wrap_model_to_roundpipe(hf, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=1))
+    model = roundpipe.wrap_model_to_roundpipe(
+        hf, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=1)
+    )
     opt = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-5)
     vocab = model.config.vocab_size
     base = hf.get_base_model() if lora else hf
@@ -221,7 +223,8 @@ def estimate_for(args: argparse.Namespace, seq: int) -> Optional[tuple]:
         vocab=512 if args.workload == "tiny" else 151936,
         tied=tied,
     )
-    # The GPU the runtime plans to (RPP_GPU_MEMORY's cap included): on one GPU the stage inputs its room holds stay there.
+    # The GPU the runtime plans to (RPP_GPU_MEMORY's cap included): on one GPU the stage inputs its room holds stay
+    # there.
     gpu_bytes = None
     if torch.cuda.is_available():
         from roundpipe import device as device_mod
@@ -286,7 +289,12 @@ def main() -> None:
     p.add_argument("--warmup-len", type=int, default=4096)
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--baseline-only", action="store_true")
-    p.add_argument("--budget-s", type=float, default=0.0, help="stop before a length that would not finish within this many seconds of the start")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=0.0,
+        help="stop before a length that would not finish within this many seconds of the start",
+    )
     p.add_argument("--out", default="", help="write the results as JSON here")
     args = p.parse_args()
     lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
@@ -297,14 +305,18 @@ def main() -> None:
         results += roundpipe_results(args, lengths)
     cap = os.environ.get("RPP_GPU_MEMORY", "")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    print(f"\n{args.workload} {'LoRA r=%d' % args.lora if args.lora else 'full fine-tune'}, batch 1, device {device}{', GPU capped at ' + cap if cap else ''}")
+    print(
+        f"\n{args.workload} {'LoRA r=%d' % args.lora if args.lora else 'full fine-tune'}, batch 1, device "
+        f"{device}{', GPU capped at ' + cap if cap else ''}"
+    )
     print("| system | seq | s/step | tokens/s | TFLOP/s | peak GPU GiB (estimate) | peak host GiB (estimate) | note |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         if r.ok:
             print(
                 f"| {r.system} | {r.seq:,} | {r.s_per_step:.1f} | {r.tokens_per_s:,.0f} | {r.tflops:.0f} | "
-                f"{r.peak_gpu_gib:.1f} ({r.estimate_gpu_gib:.1f}) | {r.peak_host_gib:.1f} ({r.estimate_host_gib:.1f}) | {r.note} |"
+                f"{r.peak_gpu_gib:.1f} ({r.estimate_gpu_gib:.1f}) | {r.peak_host_gib:.1f} "
+                f"({r.estimate_host_gib:.1f}) | {r.note} |"
             )
         else:
             print(f"| {r.system} | {r.seq:,} | fails | | | | | {r.note} |")

@@ -14,7 +14,8 @@ mode, and per iteration:
   samples in which a device thread holds the lock (py-spy ``--gil``; attached to this process).
 
     python bench/pool_bench.py --workload qwen3-1.7b --batch 16 --devices 1,2,4 --graphs 0,1
-    RPP_DEVICES=cpu:2 python bench/pool_bench.py --workload tiny --seq 64 --batch 4 --devices 1,2 --iters 2   # CPU smoke
+    # CPU smoke:
+    RPP_DEVICES=cpu:2 python bench/pool_bench.py --workload tiny --seq 64 --batch 4 --devices 1,2 --iters 2
 """
 
 from __future__ import annotations
@@ -252,7 +253,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     opt = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-5, decoupled_weight_decay=True)
     ids = torch.randint(0, hf.config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     print(
-        f"{args.workload} ({n_params / 1e9:.2f}B params), {args.batch} x {args.seq}; {torch.cuda.get_device_name(0) if cuda else 'CPU workers'}"
+        f"{args.workload} ({n_params / 1e9:.2f}B params), {args.batch} x {args.seq}; "
+        f"{torch.cuda.get_device_name(0) if cuda else 'CPU workers'}"
     )
     base: Dict[str, float] = {}
     for graphs, peer, c in [(g, q, c) for g in args.graphs.split(",") for q in args.peer.split(",") for c in counts]:
@@ -263,13 +265,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             row["vs_first"] = row["tokens_per_s"] / base[graphs]
             row["tflops_per_gpu"] = 6 * n_params * row["tokens_per_s"] / 1e12 / c
             print(
-                f"graphs={graphs} peer={peer} {c} device(s), {row['microbatches']} microbatches: {row['tokens_per_s']:,.0f} tokens/s "
-                f"({row['vs_first']:.2f}x), {row['s_per_iter']:.3f} s/iter, {row['tflops_per_gpu']:.0f} TFLOP/s per GPU; "
+                f"graphs={graphs} peer={peer} {c} device(s), {row['microbatches']} microbatches: "
+                f"{row['tokens_per_s']:,.0f} tokens/s "
+                f"({row['vs_first']:.2f}x), {row['s_per_iter']:.3f} s/iter, {row['tflops_per_gpu']:.0f} "
+                "TFLOP/s per GPU; "
                 f"GIL wait mean {row['gil_wait_mean_ms']:.2f} ms p90 {row['gil_wait_p90_ms']:.2f} ms; "
-                f"captures {row['graph_captures']} replays {row['graph_replays']} refused {row['graph_refused']} {row['graph_error']}"
+                f"captures {row['graph_captures']} replays {row['graph_replays']} refused "
+                f"{row['graph_refused']} {row['graph_error']}"
             )
             print(
-                f"  plan {row['plan']}; timer per middle layer fwd {row['fwd_ms_per_layer_median']} ms, bwd {row['bwd_ms_per_layer_median']} ms"
+                f"  plan {row['plan']}; timer per middle layer fwd {row['fwd_ms_per_layer_median']} ms, bwd "
+                f"{row['bwd_ms_per_layer_median']} ms"
             )
             print(f"  thread CPU s/iter {row['thread_cpu_s_per_iter']}")
             if "gpu_busy" in row:

@@ -35,7 +35,9 @@ SHAPES = {
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def build(shape: str, layers: int, lora: bool, fused: bool, dtype: torch.dtype, device: torch.device) -> Tuple[List[nn.Module], nn.Module]:
+def build(
+    shape: str, layers: int, lora: bool, fused: bool, dtype: torch.dtype, device: torch.device
+) -> Tuple[List[nn.Module], nn.Module]:
     """``layers`` randomly initialised Qwen3 decoder layers as preset stages, and the rotary embedding."""
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
@@ -62,7 +64,9 @@ def build(shape: str, layers: int, lora: bool, fused: bool, dtype: torch.dtype, 
         if lora:
             import peft
 
-            layer = peft.inject_adapter_in_model(peft.LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS), layer)
+            layer = peft.inject_adapter_in_model(
+                peft.LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS), layer
+            )
             for name, p in layer.named_parameters():
                 p.requires_grad_("lora_" in name)
         layer = layer.to(device=device, dtype=dtype)
@@ -89,7 +93,14 @@ def step(stages: List[nn.Module], state: Dict[str, Any], grad: torch.Tensor) -> 
 
 
 def measure(
-    stages: List[nn.Module], rotary: nn.Module, hidden: int, seq: int, variants: List[str], iters: int, device: torch.device, dtype: torch.dtype
+    stages: List[nn.Module],
+    rotary: nn.Module,
+    hidden: int,
+    seq: int,
+    variants: List[str],
+    iters: int,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> Dict[str, Tuple[float, float]]:
     """Per variant (``untiled`` or ``T``, tokens per tile): (min ms of :func:`step` over ``iters`` rounds
     run variant after variant, peak GiB above what was allocated before it: the parameters, the input
@@ -137,7 +148,15 @@ def measure(
     return {v: (min(times[v]), peaks[v]) for v in variants}
 
 
-def profile(stages: List[nn.Module], rotary: nn.Module, hidden: int, seq: int, tile: int, device: torch.device, dtype: torch.dtype) -> None:
+def profile(
+    stages: List[nn.Module],
+    rotary: nn.Module,
+    hidden: int,
+    seq: int,
+    tile: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> None:
     """The GPU kernels of one :func:`step` (after a warm-up), by total time."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -168,13 +187,24 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--seqs", default="4096,8192,16384,32768")
     ap.add_argument("--tile", type=int, default=16384)
-    ap.add_argument("--variants", default="", help="comma-separated: untiled, T (tokens per tile); default: untiled,--tile")
-    ap.add_argument("--pre-tiles", type=int, default=None, help="tiling.PRE_TILES_IN_RECOMPUTE (1: the pre-attention part always tiled)")
+    ap.add_argument(
+        "--variants", default="", help="comma-separated: untiled, T (tokens per tile); default: untiled,--tile"
+    )
+    ap.add_argument(
+        "--pre-tiles",
+        type=int,
+        default=None,
+        help="tiling.PRE_TILES_IN_RECOMPUTE (1: the pre-attention part always tiled)",
+    )
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--modes", default="full,lora")
     ap.add_argument("--fused", action="store_true", help="fused kernels (compiled unless RPP_DISABLE_TORCH_COMPILE=1)")
-    ap.add_argument("--profile", action="store_true", help="print the GPU kernels of one step, untiled and tiled, per sequence length")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="print the GPU kernels of one step, untiled and tiled, per sequence length",
+    )
     args = ap.parse_args()
     torch._dynamo.config.recompile_limit = 64  # every variant in one process: more shapes than training sees
     if args.pre_tiles is not None:
@@ -200,7 +230,10 @@ def main() -> None:
                 continue
             res = measure(stages, rotary, SHAPES[shape][0], seq, variants, args.iters, device, dtype)
             base = res[variants[0]][0]
-            cells = [f"{t:.1f} ({m:.2f})" + ("" if v == variants[0] else f" {100 * (t / base - 1):+.1f}%") for v, (t, m) in res.items()]
+            cells = [
+                f"{t:.1f} ({m:.2f})" + ("" if v == variants[0] else f" {100 * (t / base - 1):+.1f}%")
+                for v, (t, m) in res.items()
+            ]
             print(f"| {mode} | {seq} | " + " | ".join(cells) + " |", flush=True)
         del stages, rotary
         if device.type == "cuda":

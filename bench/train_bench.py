@@ -117,7 +117,13 @@ class Row:
     note: str = ""
 
 
-def timed(step: Callable[[], None], warmup: int, iters: int, sync: Callable[[], None], progress: Optional[Callable[[int, float], None]] = None) -> List[float]:
+def timed(
+    step: Callable[[], None],
+    warmup: int,
+    iters: int,
+    sync: Callable[[], None],
+    progress: Optional[Callable[[int, float], None]] = None,
+) -> List[float]:
     times = []
     for i in range(warmup + iters):
         t0 = time.perf_counter()
@@ -164,7 +170,12 @@ def bench_baseline(args: argparse.Namespace, ids: torch.Tensor, liger: bool = Fa
             opt.zero_grad(set_to_none=True)
 
         times = timed(step, args.warmup, args.iters, cuda_sync)
-        row = Row(f"{name} ({len(chunks)} microbatches)", ids.numel() / (sum(times) / len(times)), torch.cuda.max_memory_allocated() / 1024**3, float("nan"))
+        row = Row(
+            f"{name} ({len(chunks)} microbatches)",
+            ids.numel() / (sum(times) / len(times)),
+            torch.cuda.max_memory_allocated() / 1024**3,
+            float("nan"),
+        )
     except torch.OutOfMemoryError:
         row = Row(name, float("nan"), float("nan"), float("nan"), "does not fit on the GPU")
     finally:
@@ -189,7 +200,9 @@ def busy_fraction(step: Callable[[], None], trace: str = "", gpu_only: bool = Fa
     # With RPP_PROFILER=torch RoundPipe marks each job (layer group) on its device thread; recording CPU
     # activity on all threads then lets gpu_gaps give every kernel its group (costs some host time).
     by_group = profile.PROFILER_TYPE == "torch"
-    acts = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if (trace or by_group) and not gpu_only else [])
+    acts = [torch.profiler.ProfilerActivity.CUDA] + (
+        [torch.profiler.ProfilerActivity.CPU] if (trace or by_group) and not gpu_only else []
+    )
     config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True) if by_group else None
     with torch.profiler.profile(activities=acts, experimental_config=config) as prof:
         t0 = time.perf_counter()
@@ -242,15 +255,20 @@ def busy_fraction(step: Callable[[], None], trace: str = "", gpu_only: bool = Fa
         total_gap = sum(g[0] for g in gaps)
         span = (kernels[-1][1] - kernels[0][0]) / 1e3
         print(
-            f"GPU {dev}: busy {busy / wall:.0%} of the iteration; kernels from {(kernels[0][0] - t_first) / 1e3:.1f} to "
-            f"{(end - t_first) / 1e3:.1f} ms (span {span:.0f} ms); idle gaps: {len(gaps)} totalling {total_gap / 1e3:.1f} ms; longest:"
+            f"GPU {dev}: busy {busy / wall:.0%} of the iteration; kernels from "
+            f"{(kernels[0][0] - t_first) / 1e3:.1f} to "
+            f"{(end - t_first) / 1e3:.1f} ms (span {span:.0f} ms); idle gaps: {len(gaps)} totalling "
+            f"{total_gap / 1e3:.1f} ms; longest:"
         )
         for g, at, before, after in gaps[:12]:
             print(f"  {g / 1e3:7.2f} ms at {at / 1e3:8.1f} ms  after {before[:60]!r}  before {after[:60]!r}")
         if gaps and gaps[0][0] > 20e3:  # the copies running during the longest gap (did compute wait for one?)
             lo = gaps[0][1] + t_first
             inside = [c for c in copies if c[1] > lo and c[0] < lo + gaps[0][0]]
-            print(f"  copies during the longest gap: {len(inside)}, {sum(min(c[1], lo + gaps[0][0]) - max(c[0], lo) for c in inside) / 1e3:.1f} ms")
+            print(
+                f"  copies during the longest gap: {len(inside)}, "
+                f"{sum(min(c[1], lo + gaps[0][0]) - max(c[0], lo) for c in inside) / 1e3:.1f} ms"
+            )
             for c in sorted(inside, key=lambda c: c[0] - c[1])[:5]:
                 print(f"    {(c[1] - c[0]) / 1e3:7.2f} ms from {(c[0] - t_first) / 1e3:8.1f} ms: {c[2][:50]}")
         shares.append(f"{busy / wall:.0%}")
@@ -364,7 +382,10 @@ def host_allocs(step: Callable[[], None], iters: int = 2) -> None:
     s1 = stats()
     n = s1.get("num_host_alloc", 0) - s0.get("num_host_alloc", 0)
     ms = (s1.get("host_alloc_time.total", 0) - s0.get("host_alloc_time.total", 0)) / 1e3
-    print(f"host allocs over {iters} more iterations: {n} cudaHostAlloc, {ms:.1f} ms; from torch.empty(pin_memory=True): {sum(sites.values())}")
+    print(
+        f"host allocs over {iters} more iterations: {n} cudaHostAlloc, {ms:.1f} ms; from "
+        f"torch.empty(pin_memory=True): {sum(sites.values())}"
+    )
     for (mib, where), c in sites.most_common(10):
         print(f"  {c} x {mib} MiB at {where}")
 
@@ -521,7 +542,9 @@ def _plan_name(value: str) -> str:
     raise argparse.ArgumentTypeError(f"--plan: auto, layerwise or fwdK (forward groups of K layers), got {value!r}")
 
 
-def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, plan: str = "auto", fused: Optional[bool] = None) -> Row:
+def bench_roundpipe(
+    args: argparse.Namespace, ids: torch.Tensor, n_params: int, plan: str = "auto", fused: Optional[bool] = None
+) -> Row:
     import roundpipe
     from roundpipe import RoundPipeRunConfig
     from roundpipe.run_config import ResolvedRunConfig
@@ -542,9 +565,13 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
     n_mb = args.microbatches or 2 * roundpipe.get_num_devices()
     # --master bfloat16: the optimizer steps the bf16 weights themselves (no fp32 copy on the host).
     optim_dtype = None if args.master == "bfloat16" else torch.float32
-    model = roundpipe.wrap_model_to_roundpipe(hf, optim_dtype=optim_dtype, model_run_config=RoundPipeRunConfig(num_microbatch=n_mb), fused_kernels=fused)
+    model = roundpipe.wrap_model_to_roundpipe(
+        hf, optim_dtype=optim_dtype, model_run_config=RoundPipeRunConfig(num_microbatch=n_mb), fused_kernels=fused
+    )
     if plan != "auto":
-        model.model_run_config = RoundPipeRunConfig(num_microbatch=n_mb, execute_plan=fixed_plan(plan, model.num_layers))
+        model.model_run_config = RoundPipeRunConfig(
+            num_microbatch=n_mb, execute_plan=fixed_plan(plan, model.num_layers)
+        )
     opt = roundpipe.optim.Adam(
         model.optim_parameters(),
         lr=1e-5,
@@ -616,7 +643,9 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
 
     gpu_segments: List[int] = []  # segments created per iteration
     last_segments = [gpu_segments_total()]
-    plans_seen: List[Any] = []  # the model's cached plans after each iteration: (key, fwd groups, bwd groups, timer version)
+    plans_seen: List[
+        Any
+    ] = []  # the model's cached plans after each iteration: (key, fwd groups, bwd groups, timer version)
 
     gc_timer = GcTimer()
     gc_per_iter: List[List[float]] = []
@@ -635,13 +664,18 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
             h = torch.cuda.host_memory_stats()
             prev = last_host[0]
             pinned_per_iter.append(
-                (h.get("num_host_alloc", 0) - prev.get("num_host_alloc", 0), (h.get("host_alloc_time.total", 0) - prev.get("host_alloc_time.total", 0)) / 1e3)
+                (
+                    h.get("num_host_alloc", 0) - prev.get("num_host_alloc", 0),
+                    (h.get("host_alloc_time.total", 0) - prev.get("host_alloc_time.total", 0)) / 1e3,
+                )
             )
             last_host[0] = h
             segs = gpu_segments_total()
             gpu_segments.append(segs - last_segments[0])
             last_segments[0] = segs
-        plans_seen.append(sorted((str(k), len(p.fwd_plan), len(p.bwd_plan), v) for k, (p, v) in getattr(model, "_plans", {}).items()))
+        plans_seen.append(
+            sorted((str(k), len(p.fwd_plan), len(p.bwd_plan), v) for k, (p, v) in getattr(model, "_plans", {}).items())
+        )
         if i == 0:  # issue "steady from the first step": model load (build + wrap) to the first step's end
             first_step_s.append(time.perf_counter() - t_load)
         if i == args.warmup - 1:  # warm-up done: count thread CPU time over the timed iterations only
@@ -650,8 +684,14 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
 
     times = timed(tracked_step, args.warmup, args.iters, cuda_sync, timed_progress)
     if pinned_per_iter:
-        print("pinned blocks created per iteration (warm-up first; count, ms in cudaHostAlloc): " + ", ".join(f"{n} {ms:.0f}" for n, ms in pinned_per_iter))
-    print("seconds in garbage collection per iteration (warm-up first; generations 0/1/2): " + ", ".join("/".join(f"{x:.3f}" for x in g) for g in gc_per_iter))
+        print(
+            "pinned blocks created per iteration (warm-up first; count, ms in cudaHostAlloc): "
+            + ", ".join(f"{n} {ms:.0f}" for n, ms in pinned_per_iter)
+        )
+    print(
+        "seconds in garbage collection per iteration (warm-up first; generations 0/1/2): "
+        + ", ".join("/".join(f"{x:.3f}" for x in g) for g in gc_per_iter)
+    )
     if gpu_segments:
         print("GPU segments (cudaMalloc) per iteration (warm-up first): " + ", ".join(str(n) for n in gpu_segments))
     changes = [i for i in range(1, len(plans_seen)) if plans_seen[i] != plans_seen[i - 1]]
@@ -660,15 +700,26 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
         f"changed after iterations {[i + 1 for i in changes]}: {[plans_seen[i] for i in changes]}"
     )
     cpu1 = thread_cpu_seconds()
-    per_iter = {k: (v - cpu0.get(k, 0.0)) / args.iters for k, v in cpu1.items() if k == "MainThread" or k.startswith("roundpipe")}
-    print(f"thread CPU seconds per iteration (wall {sum(times) / len(times):.3f} s): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(per_iter.items())))
+    per_iter = {
+        k: (v - cpu0.get(k, 0.0)) / args.iters
+        for k, v in cpu1.items()
+        if k == "MainThread" or k.startswith("roundpipe")
+    }
+    print(
+        f"thread CPU seconds per iteration (wall {sum(times) / len(times):.3f} s): "
+        + ", ".join(f"{k} {v:.3f}" for k, v in sorted(per_iter.items()))
+    )
     if args.iters >= 20:  # steadiness of host memory over a long run: RSS after warm-up vs at the end
         k = args.warmup
         print(
             f"host RSS GiB after iteration {k}: {rss[k]:.2f}, {k + args.iters // 2}: {rss[k + args.iters // 2]:.2f}, "
             f"{k + args.iters - 1}: {rss[-1]:.2f} (growth {100 * (rss[-1] / rss[k] - 1):+.1f}%)"
         )
-    notes = [busy_fraction(step, args.trace, args.trace_gpu_only) for _ in range(args.profile_iters)] if args.profile and torch.cuda.is_available() else []
+    notes = (
+        [busy_fraction(step, args.trace, args.trace_gpu_only) for _ in range(args.profile_iters)]
+        if args.profile and torch.cuda.is_available()
+        else []
+    )
     note = " | ".join(notes) + "; " if notes else ""
     if args.sample_stacks:
         sample_stacks(step)
@@ -680,10 +731,13 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
         hs = torch.cuda.host_memory_stats()
         print(
             f"roundpipe host RSS growth {host / 1024**3:.2f} GiB; torch's pinned block cache holds "
-            f"{hs.get('reserved_bytes.current', 0) / 1024**3:.2f} GiB of it ({hs.get('allocated_bytes.current', 0) / 1024**3:.2f} GiB in use)"
+            f"{hs.get('reserved_bytes.current', 0) / 1024**3:.2f} GiB of it "
+            f"({hs.get('allocated_bytes.current', 0) / 1024**3:.2f} GiB in use)"
         )
     peak = torch.cuda.max_memory_allocated() / 1024**3 if torch.cuda.is_available() else float("nan")
-    auto_plan = model.resolve_plan(ResolvedRunConfig(RoundPipeRunConfig(), model.model_run_config), "fused")  # the model's own (auto) plan
+    auto_plan = model.resolve_plan(
+        ResolvedRunConfig(RoundPipeRunConfig(), model.model_run_config), "fused"
+    )  # the model's own (auto) plan
     print(f"roundpipe plan: {auto_plan}")
     print(f"roundpipe {simulated_ms(model, auto_plan, n_mb)}")
     print(f"roundpipe per-iteration seconds: {[round(t, 3) for t in times]}")
@@ -702,15 +756,24 @@ def bench_roundpipe(args: argparse.Namespace, ids: torch.Tensor, n_params: int, 
         # Where the first timed iteration's time goes: the warm-up steps, and per iteration (warm-up first)
         # the training call's return (its jobs all issued and the loss read) against the whole iteration.
         print(
-            f"roundpipe warm-up step seconds: {[round(t, 3) for t in optim_s[: args.warmup]]}; training call seconds per "
+            f"roundpipe warm-up step seconds: {[round(t, 3) for t in optim_s[: args.warmup]]}; training call "
+            "seconds per "
             f"iteration (warm-up first): {[round(t, 3) for t in call_s]}"
         )
-    what = f"LoRA r={args.lora}, {n_params / 1e6:.1f}M trainable" if args.lora else f"{host / n_params:.1f} bytes/param host"
+    what = (
+        f"LoRA r={args.lora}, {n_params / 1e6:.1f}M trainable"
+        if args.lora
+        else f"{host / n_params:.1f} bytes/param host"
+    )
     if (args.optim_state, args.master) != ("float32", "float32"):
         what += f", Adam state {args.optim_state}, master {args.master}"
     from roundpipe.models import kernels as fused_ops
 
-    kernels = ", HF kernels" if not model.preset.fused_kernels else (", fused layers" if fused_ops.whole_layer_enabled() else ", fused ops per module")
+    kernels = (
+        ", HF kernels"
+        if not model.preset.fused_kernels
+        else (", fused layers" if fused_ops.whole_layer_enabled() else ", fused ops per module")
+    )
     row = Row(
         f"roundpipe ({roundpipe.get_num_devices()} device, {plan} plan{kernels})",
         ids.numel() / (sum(times) / len(times)),
@@ -734,35 +797,83 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--sync-step", action="store_true")
     p.add_argument("--skip-baseline", action="store_true")
-    p.add_argument("--baselines", default="eager,liger", help="GPU-resident baselines, run after roundpipe: eager, liger (WORKLOADS.md)")
-    p.add_argument("--compare-tiling", action="store_true", help="also run roundpipe with sequence tiling off (RPP_SEQ_TILE=0)")
+    p.add_argument(
+        "--baselines",
+        default="eager,liger",
+        help="GPU-resident baselines, run after roundpipe: eager, liger (WORKLOADS.md)",
+    )
+    p.add_argument(
+        "--compare-tiling", action="store_true", help="also run roundpipe with sequence tiling off (RPP_SEQ_TILE=0)"
+    )
     p.add_argument(
         "--plan",
         default="auto",
         type=_plan_name,
-        help="the execute plan: auto, layerwise (one layer per group) or fwdK (forward groups of K layers, backward one)",
+        help="the execute plan: auto, layerwise (one layer per group) or fwdK (forward groups of K layers, backward "
+        "one)",
     )
     p.add_argument("--compare-plans", action="store_true", help="also run roundpipe with the one-layer-per-group plan")
     p.add_argument("--compare-kernels", action="store_true", help="also run roundpipe with Hugging Face's own kernels")
     p.add_argument(
         "--compare-layers",
         action="store_true",
-        help="also run roundpipe with the fused ops per module instead of one op per decoder layer (RPP_FUSED_LAYERS=0)",
+        help="also run roundpipe with the fused ops per module instead of one op per decoder layer "
+        "(RPP_FUSED_LAYERS=0)",
     )
     p.add_argument("--profile", action="store_true", help="report the GPU busy share of one iteration")
-    p.add_argument("--profile-iters", type=int, default=1, help="with --profile: profile this many iterations, one by one")
+    p.add_argument(
+        "--profile-iters", type=int, default=1, help="with --profile: profile this many iterations, one by one"
+    )
     p.add_argument("--trace", default="", help="with --profile: write a chrome trace of that iteration here")
-    p.add_argument("--trace-gpu-only", action="store_true", help="with --trace: record GPU kernels and copies only (host threads unslowed)")
+    p.add_argument(
+        "--trace-gpu-only",
+        action="store_true",
+        help="with --trace: record GPU kernels and copies only (host threads unslowed)",
+    )
     p.add_argument("--lora", type=int, default=0, help="LoRA rank on all decoder projections (0: full fine-tune)")
-    p.add_argument("--wait-log", action="store_true", help="diagnostic: the runtime threads' blocking waits (>= 5 ms) per iteration")
-    p.add_argument("--profile-timed", default="", help="diagnostic: timed iterations (1 = the first) to profile on the GPU, e.g. 1,3: busy share, idle gaps")
-    p.add_argument("--pause-after-warmup", type=float, default=0.0, help="diagnostic: wait for the optimizer, then sleep this long, before timing")
-    p.add_argument("--gc-freeze", action="store_true", help="diagnostic: gc.collect(); gc.freeze() after the warm-up iterations")
-    p.add_argument("--noop-step", action="store_true", help="diagnostic: the asynchronous step runs, without Adam (gradients zeroed only)")
+    p.add_argument(
+        "--wait-log",
+        action="store_true",
+        help="diagnostic: the runtime threads' blocking waits (>= 5 ms) per iteration",
+    )
+    p.add_argument(
+        "--profile-timed",
+        default="",
+        help="diagnostic: timed iterations (1 = the first) to profile on the GPU, e.g. 1,3: busy share, idle gaps",
+    )
+    p.add_argument(
+        "--pause-after-warmup",
+        type=float,
+        default=0.0,
+        help="diagnostic: wait for the optimizer, then sleep this long, before timing",
+    )
+    p.add_argument(
+        "--gc-freeze", action="store_true", help="diagnostic: gc.collect(); gc.freeze() after the warm-up iterations"
+    )
+    p.add_argument(
+        "--noop-step",
+        action="store_true",
+        help="diagnostic: the asynchronous step runs, without Adam (gradients zeroed only)",
+    )
     p.add_argument("--no-step", action="store_true", help="diagnostic: skip the optimizer (pipeline alone)")
-    p.add_argument("--optim-state", default="float32", choices=["float32", "bfloat16", "int8"], help="Adam moments' dtype (docs/optimizer.md)")
-    p.add_argument("--master", default="float32", choices=["float32", "bfloat16"], help="master weights (bfloat16: the weights themselves)")
-    p.add_argument("--master-rounding", default="stochastic", choices=["stochastic", "kahan", "nearest"], help="with --master bfloat16")
+    p.add_argument(
+        "--optim-state",
+        default="float32",
+        choices=["float32", "bfloat16", "int8"],
+        help="Adam moments' dtype (docs/optimizer.md)",
+    )
+    p.add_argument(
+        "--master",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="master weights (bfloat16: the weights themselves)",
+    )
+    p.add_argument(
+        "--master-rounding",
+        default="stochastic",
+        choices=["stochastic", "kahan", "nearest"],
+        help="with --master bfloat16",
+    )
     p.add_argument(
         "--stack-timeline",
         type=int,
@@ -771,11 +882,20 @@ def main() -> None:
         help="diagnostic: the threads' most frequent frames per 20 ms window over timed iteration K (1 = the first)",
     )
     p.add_argument(
-        "--sample-stacks", action="store_true", help="diagnostic: sample the threads' stacks over two more iterations (where they spend time, GIL waits)"
+        "--sample-stacks",
+        action="store_true",
+        help="diagnostic: sample the threads' stacks over two more iterations (where they spend time, GIL waits)",
     )
-    p.add_argument("--host-allocs", action="store_true", help="diagnostic: where pinned host blocks are created over two more iterations")
     p.add_argument(
-        "--switch-interval", type=float, default=0.0, help="diagnostic: Python's thread switch interval in seconds (sys.setswitchinterval; 0: leave it)"
+        "--host-allocs",
+        action="store_true",
+        help="diagnostic: where pinned host blocks are created over two more iterations",
+    )
+    p.add_argument(
+        "--switch-interval",
+        type=float,
+        default=0.0,
+        help="diagnostic: Python's thread switch interval in seconds (sys.setswitchinterval; 0: leave it)",
     )
     args = p.parse_args()
     if args.switch_interval > 0:
@@ -817,12 +937,17 @@ def main() -> None:
         f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2:.1f} GiB"
     )
     refs = [b for b in baselines if b.tokens_per_s == b.tokens_per_s] or rows[:1]
-    print("| system | tokens/s | TFLOP/s | peak GPU GiB | host GiB | " + " | ".join(f"ratio to {b.system.split(' (')[0]}" for b in refs) + " | note |")
+    print(
+        "| system | tokens/s | TFLOP/s | peak GPU GiB | host GiB | "
+        + " | ".join(f"ratio to {b.system.split(' (')[0]}" for b in refs)
+        + " | note |"
+    )
     print("|---|---|---|---|---|" + "---|" * len(refs) + "---|")
     for r in rows:
         ratios = " | ".join(f"{r.tokens_per_s / b.tokens_per_s:.2f}" for b in refs)
         print(
-            f"| {r.system} | {r.tokens_per_s:,.0f} | {6 * n_params * r.tokens_per_s / 1e12:.1f} | {r.peak_gpu_gib:.1f} | "
+            f"| {r.system} | {r.tokens_per_s:,.0f} | {6 * n_params * r.tokens_per_s / 1e12:.1f} | "
+            f"{r.peak_gpu_gib:.1f} | "
             f"{r.host_gib:.1f} | {ratios} | {r.note} |"
         )
 

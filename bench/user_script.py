@@ -62,7 +62,10 @@ def main() -> int:
         step()
     model.synchronize()
     seconds = (time.perf_counter() - t0) / args.steps
-    print(f"user script: {args.workload} {args.batch} x {args.seq}: {ids.numel() / seconds:,.0f} tokens/s, {seconds:.3f} s/step")
+    print(
+        f"user script: {args.workload} {args.batch} x {args.seq}: {ids.numel() / seconds:,.0f} tokens/s, "
+        f"{seconds:.3f} s/step"
+    )
     return 0
 
 

@@ -203,7 +203,10 @@ class ParamAttribute:
         marked current and neither tensor written since: writes through ``param.data`` are not seen)."""
         if not self.staged_valid:
             return False
-        return self.marked is None or self.marked == (param._version, self.optim._version if self.optim is not None else 0)
+        return self.marked is None or self.marked == (
+            param._version,
+            self.optim._version if self.optim is not None else 0,
+        )
 
     def move_weights(self, param: torch.Tensor, dtype: torch.dtype, pinned: bool) -> Optional[torch.Tensor]:
         """Move ``param``'s weights to the staging buffer and return the old weights buffer (now the
@@ -222,7 +225,9 @@ class ParamAttribute:
             param.data, self.staged, self.in_place, self.marked = new, None, True, None
             return old
 
-    def shared_grad_buffer(self, layer_id: int, dev_grad: torch.Tensor, seed: Optional[torch.Tensor], moved: Optional[torch.Tensor]) -> torch.Tensor:
+    def shared_grad_buffer(
+        self, layer_id: int, dev_grad: torch.Tensor, seed: Optional[torch.Tensor], moved: Optional[torch.Tensor]
+    ) -> torch.Tensor:
         """A host buffer for one layer's share of a shared parameter's gradient (a device thread, in the
         layer's download): the old weights buffer ``moved`` (``move_weights`` at the owner's download);
         else its upload's ``seed`` (the cycle's running sum, ``transfer.host_grad``, added in on the
@@ -230,7 +235,9 @@ class ParamAttribute:
         (none of the list is the optimizer's ``.grad``: the step takes the owner's out of it,
         ``forget_grad_buffer``, and hands the others' sum over in the owner's or a copy); else a spare
         (built ahead by ``host_buffers``), else a new one."""
-        bufs = [b for b in self.grad_buffer.get(layer_id, []) if b.shape == dev_grad.shape and b.dtype == dev_grad.dtype]
+        bufs = [
+            b for b in self.grad_buffer.get(layer_id, []) if b.shape == dev_grad.shape and b.dtype == dev_grad.dtype
+        ]
         buf = moved if moved is not None else next((b for b in bufs if b is seed), bufs[0] if bufs else None)
         if buf is None:
             buf = self.take_spare(dev_grad.shape, dev_grad.dtype, backend.pin_enabled())

@@ -76,13 +76,17 @@ def parse_devices(spec: str) -> List[torch.device]:
         try:
             n = int(rest) if rest else 1
         except ValueError:
-            raise ValueError(f"RPP_DEVICES={spec!r}: expected 'cpu:N' with an integer N, e.g. RPP_DEVICES=cpu:2") from None
+            raise ValueError(
+                f"RPP_DEVICES={spec!r}: expected 'cpu:N' with an integer N, e.g. RPP_DEVICES=cpu:2"
+            ) from None
         if n < 1:
             raise ValueError(f"RPP_DEVICES={spec!r}: need at least one CPU worker")
         return [torch.device("cpu") for _ in range(n)]
     if kind == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError(f"RPP_DEVICES={spec!r} asks for CUDA but torch.cuda.is_available() is False; use RPP_DEVICES=cpu:N")
+            raise RuntimeError(
+                f"RPP_DEVICES={spec!r} asks for CUDA but torch.cuda.is_available() is False; use RPP_DEVICES=cpu:N"
+            )
         count = torch.cuda.device_count()
         if not rest:
             return [torch.device("cuda", i) for i in range(count)]
@@ -176,7 +180,10 @@ def apply_memory_cap(device: torch.device) -> None:
         return
     total = torch.cuda.get_device_properties(device).total_memory
     if cap > total:
-        raise ValueError(f"RPP_GPU_MEMORY={cap / 2**30:.1f} GiB is more than {device}'s {total / 2**30:.1f} GiB; lower it or unset it")
+        raise ValueError(
+            f"RPP_GPU_MEMORY={cap / 2**30:.1f} GiB is more than {device}'s {total / 2**30:.1f} GiB; lower it "
+            "or unset it"
+        )
     torch.cuda.set_per_process_memory_fraction(cap / total, device)
     conf = ",".join(os.environ.get(name, "") for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"))
     if "expandable_segments:true" not in conf.replace(" ", "").lower():
@@ -250,7 +257,8 @@ def empty_host_cache() -> None:
     if not torch.cuda.is_available():
         return
     for fn in (
-        getattr(getattr(torch, "accelerator", None), "memory", None) and getattr(torch.accelerator.memory, "empty_host_cache", None),
+        getattr(getattr(torch, "accelerator", None), "memory", None)
+        and getattr(torch.accelerator.memory, "empty_host_cache", None),
         getattr(torch._C, "_accelerator_emptyHostCache", None),
         getattr(torch._C, "_host_emptyCache", None),
     ):

@@ -70,7 +70,10 @@ def guess_split_spec(data: Any, expected_batchsize: Optional[int] = None) -> Tup
     bs = expected_batchsize
     if bs is None:
         bs = next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() >= 1), None)
-    chunk = [TensorChunkSpec(0) if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == bs else _Replicate for t in leaves]
+    chunk = [
+        TensorChunkSpec(0) if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == bs else _Replicate
+        for t in leaves
+    ]
     return pytree.tree_unflatten(chunk, spec), bs
 
 
@@ -125,7 +128,10 @@ def per_leaf_spec(spec: Any, data: Any, what: str, path: str = "") -> List[Any]:
     if isinstance(spec, dict) and isinstance(data, dict):
         extra = sorted(map(str, set(spec) - set(data)))
         if extra:
-            raise ValueError(f"{what}: the spec{path} names {extra}, which the data there does not have (it has {sorted(map(str, data))})")
+            raise ValueError(
+                f"{what}: the spec{path} names {extra}, which the data there does not have (it has "
+                f"{sorted(map(str, data))})"
+            )
         return [x for k, d in data.items() for x in per_leaf_spec(spec.get(k), d, what, f"{path}[{k!r}]")]
     raise ValueError(f"{what}: the spec{path} is a {type(spec).__name__} but the data there is a {type(data).__name__}")
 
@@ -141,7 +147,10 @@ def _packed_sizes(data: Any) -> Optional[List[int]]:
     """Microbatch sizes (dim 0) of the first packed data in ``data`` whose microbatches hold tensors."""
     for x in pytree.tree_leaves(data, is_leaf=_is_packed):
         if _is_packed(x):
-            sizes = [next((t.shape[0] for t in pytree.tree_leaves(mb) if isinstance(t, torch.Tensor) and t.dim() >= 1), None) for mb in x]
+            sizes = [
+                next((t.shape[0] for t in pytree.tree_leaves(mb) if isinstance(t, torch.Tensor) and t.dim() >= 1), None)
+                for mb in x
+            ]
             if all(size is not None for size in sizes):
                 return [int(size) for size in sizes if size is not None]
     return None
@@ -199,7 +208,9 @@ def _custom_split_parts(result: Any) -> List[Tuple[Tuple[Any, ...], Dict[str, An
         return [(tuple(a), dict(kw)) for a, kw in zip(args_list, kwargs_list)]
     parts = list(result)
     if not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], dict) for p in parts):
-        raise ValueError("split_input must return (args_list, kwargs_list), or a list of (args_tuple, kwargs_dict) pairs")
+        raise ValueError(
+            "split_input must return (args_list, kwargs_list), or a list of (args_tuple, kwargs_dict) pairs"
+        )
     return [(tuple(a), kw) for a, kw in parts]
 
 
@@ -297,7 +308,9 @@ class Batch:
         """
         if outputs is None:
             outputs = [self.stage_input(m)[0][0] for m in range(self.num_microbatch)]
-        events: List[Tuple[Sequence[Event], Sequence[Event]]] = [(ev, self.backward_events[m]) for m, ev in enumerate(self.forward_events)]
+        events: List[Tuple[Sequence[Event], Sequence[Event]]] = [
+            (ev, self.backward_events[m]) for m, ev in enumerate(self.forward_events)
+        ]
         merge = run_config.merge_output
         if merge is False:
             return RoundPipePackedData(outputs, events)
@@ -309,7 +322,10 @@ class Batch:
         else:
             merged = merge_microbatches(outputs, None if merge is True else merge, events)
         if run_config.output_device.type != "cpu":
-            merged = pytree.tree_map(lambda t: t.to(run_config.output_device, non_blocking=True) if isinstance(t, torch.Tensor) else t, merged)
+            merged = pytree.tree_map(
+                lambda t: t.to(run_config.output_device, non_blocking=True) if isinstance(t, torch.Tensor) else t,
+                merged,
+            )
         return merged
 
 
@@ -347,7 +363,11 @@ def _same_in_all(column: List[Any], where: str) -> Any:
     """The value every microbatch agrees on (a replicated output); an error naming it otherwise."""
     first = column[0]
     for m, x in enumerate(column[1:], 1):
-        same = torch.equal(first, x) if isinstance(first, torch.Tensor) and isinstance(x, torch.Tensor) else _plain_equal(first, x)
+        same = (
+            torch.equal(first, x)
+            if isinstance(first, torch.Tensor) and isinstance(x, torch.Tensor)
+            else _plain_equal(first, x)
+        )
         if not same:
             raise ValueError(
                 f"merge_output: output {where} differs between microbatch 0 and {m} ({first!r} vs {x!r}); "

@@ -50,7 +50,9 @@ def gpu_budget(layer_bytes: List[float]) -> float:
 DEVICE_SAVED_SHARE = 0.75
 
 
-def device_saved_room(profile: Optional[ActivationProfile], layer_bytes: List[float], bwd_plan: Sequence[range]) -> float:
+def device_saved_room(
+    profile: Optional[ActivationProfile], layer_bytes: List[float], bwd_plan: Sequence[range]
+) -> float:
     """Device bytes a one-device call may keep its backward-stage inputs in instead of host copies: a
     share of the GPU budget less the plan's largest backward stage (the inputs kept are freed stage by
     stage in backward, so that stage still fits beside the ones not yet consumed). 0 for a model that
@@ -92,9 +94,15 @@ def refusal(
     longest = (lo // 1024) * 1024 if lo >= 2048 else lo
     need = []
     if error.gpu_needed:
-        need.append(f"{error.gpu_needed / GiB:.1f} GiB per device for a backward stage's activations ({gpu_limit / GiB:.1f} GiB available)")
+        need.append(
+            f"{error.gpu_needed / GiB:.1f} GiB per device for a backward stage's activations "
+            f"({gpu_limit / GiB:.1f} GiB available)"
+        )
     if error.host_needed:
-        need.append(f"{error.host_needed / GiB:.1f} GiB of host memory for activation checkpoints ({host_limit / GiB:.1f} GiB available)")
+        need.append(
+            f"{error.host_needed / GiB:.1f} GiB of host memory for activation checkpoints "
+            f"({host_limit / GiB:.1f} GiB available)"
+        )
     what = "; ".join(need) if need else str(error)
     return MemoryError(
         f"model {model_name!r}: a step of {profile.tokens:,} tokens ({profile.seq_len:,} per sequence) does not fit: "
@@ -105,7 +113,9 @@ def refusal(
     )
 
 
-def still_fits(profile: Optional[ActivationProfile], layer_bytes: List[float], bwd_plan: Sequence[range], fused: bool) -> bool:
+def still_fits(
+    profile: Optional[ActivationProfile], layer_bytes: List[float], bwd_plan: Sequence[range], fused: bool
+) -> bool:
     """Whether a backward plan made earlier still fits the budgets as they are now (host memory shrinks
     as the optimizer state and pinned blocks appear); a plan by weights alone (no profile) always does."""
     if profile is None:

@@ -96,9 +96,13 @@ def get_recompute_data() -> Tuple[Any, ...]:
     """Data the current layer saved with ``save_for_recompute`` in its forward pass (always a tuple)."""
     ctx = _get("recompute_ctx")
     if ctx is None:
-        raise RuntimeError("get_recompute_data() called outside a RoundPipe recompute; guard it with doing_recompute().")
+        raise RuntimeError(
+            "get_recompute_data() called outside a RoundPipe recompute; guard it with doing_recompute()."
+        )
     if ctx.recompute_data is None:
-        raise RuntimeError("get_recompute_data(): this layer saved nothing in forward; call save_for_recompute(...) in its forward.")
+        raise RuntimeError(
+            "get_recompute_data(): this layer saved nothing in forward; call save_for_recompute(...) in its forward."
+        )
     return ctx.recompute_data
 
 

@@ -189,7 +189,9 @@ class DeviceManager:
         location = self.describe_location()
         where = f"{location} on device {self.name}" if location else f"on device {self.name}"
         if isinstance(exc, torch.OutOfMemoryError):
-            err: RoundPipeWorkerError = RoundPipeOutOfMemoryError(f"{where}: out of memory. {self._oom_advice()}\n{type(exc).__name__}: {exc}")
+            err: RoundPipeWorkerError = RoundPipeOutOfMemoryError(
+                f"{where}: out of memory. {self._oom_advice()}\n{type(exc).__name__}: {exc}"
+            )
         else:
             err = RoundPipeWorkerError(f"{where}: {type(exc).__name__}: {exc}")
         err.__cause__ = exc
@@ -209,7 +211,10 @@ class DeviceManager:
         stage = ""
         if self.stage is not None:
             name, layers, nbytes = self.stage
-            stage = f"Stage layers {layers.start}-{layers.stop - 1} of model {name!r} needs {nbytes / 1024**3:.2f} GiB for parameters (and gradients); "
+            stage = (
+                f"Stage layers {layers.start}-{layers.stop - 1} of model {name!r} needs {nbytes / 1024**3:.2f} GiB "
+                "for parameters (and gradients); "
+            )
         return (
             f"{stage}{free:.2f} GiB of device memory is free now. Fixes: more microbatches "
             "(RoundPipeRunConfig(num_microbatch=...)) for smaller activations; smaller stages (a manual "

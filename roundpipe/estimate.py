@@ -82,7 +82,9 @@ class ModelShape:
     def builtin(cls, name: str) -> "ModelShape":
         """One of the Qwen3 shapes of ``bench/WORKLOADS.md`` (and qwen3-32b)."""
         if name not in cls.BUILTIN:
-            raise ValueError(f"unknown model shape {name!r}; built in: {sorted(cls.BUILTIN)} (or give a model directory)")
+            raise ValueError(
+                f"unknown model shape {name!r}; built in: {sorted(cls.BUILTIN)} (or give a model directory)"
+            )
         hidden, inter, layers, heads, kv, tied = cls.BUILTIN[name]
         return cls(hidden, inter, layers, heads, kv, 128, 151936, tied)
 
@@ -168,14 +170,22 @@ class Estimate:
             [
                 f"{mode}, {self.batch_size} x {self.seq_len:,} tokens, {self.microbatches} microbatch(es), "
                 f"{self.layers_per_stage} decoder layer(s) per backward stage",
-                f"peak GPU  {self.peak_gpu_bytes / GiB:6.1f} GiB  ({parts(self.gpu_parts)}); {self.gpu_bytes_per_token / 1024:.1f} KiB per token",
-                f"peak host {self.peak_host_bytes / GiB:6.1f} GiB  ({parts(self.host_parts)}); {self.host_bytes_per_token / 1024:.1f} KiB per token",
+                f"peak GPU  {self.peak_gpu_bytes / GiB:6.1f} GiB  ({parts(self.gpu_parts)}); "
+                f"{self.gpu_bytes_per_token / 1024:.1f} KiB per token",
+                f"peak host {self.peak_host_bytes / GiB:6.1f} GiB  ({parts(self.host_parts)}); "
+                f"{self.host_bytes_per_token / 1024:.1f} KiB per token",
             ]
         )
 
 
 def decoder_layer_bytes(
-    shape: ModelShape, tokens: int, tile: int, tiled: bool, e: int = 2, whole_layer: bool = True, extra_per_token: float = 0.0
+    shape: ModelShape,
+    tokens: int,
+    tile: int,
+    tiled: bool,
+    e: int = 2,
+    whole_layer: bool = True,
+    extra_per_token: float = 0.0,
 ) -> Tuple[float, float]:
     """(kept, peak) GPU bytes of one decoder layer's recompute + backward for a microbatch of ``tokens``,
     beyond its weights, its input and its output gradient (those are counted by the caller).
@@ -406,13 +416,17 @@ def estimate(
     fused_trainable = shape.lora_params(lora_rank) if lora_rank else shape.layer_params() + shape.vocab * h
     host = {
         "weights": float(n * b),
-        "optimizer": float(trainable * (optimizer_bytes_per_param + grad_buffers * b) + (parts - 1) * fused_trainable * b),
+        "optimizer": float(
+            trainable * (optimizer_bytes_per_param + grad_buffers * b) + (parts - 1) * fused_trainable * b
+        ),
         "checkpoints": float(checkpoints),
         "runtime": float(HOST_OVERHEAD_BYTES),
     }
     per_token_gpu = gpu["activations"] / t
     per_token_host = checkpoints / total_tokens
-    return Estimate(seq_len, batch_size, microbatches, lora_rank, layers_per_stage, gpu, host, per_token_gpu, per_token_host)
+    return Estimate(
+        seq_len, batch_size, microbatches, lora_rank, layers_per_stage, gpu, host, per_token_gpu, per_token_host
+    )
 
 
 def longest_context(

@@ -155,7 +155,13 @@ class StepCycle:
                 "calls per step fixed (the next steps adapt to it), or set RPP_GRAD_INTO_MODEL=0.",
                 stacklevel=4,  # the user's call (StepCycle.begin_call <- begin_call <- RoundPipe.forward*)
             )
-        into = train and self.async_staged and self.last_calls == 1 and self.calls == 0 and settings.grad_into_model_enabled()
+        into = (
+            train
+            and self.async_staged
+            and self.last_calls == 1
+            and self.calls == 0
+            and settings.grad_into_model_enabled()
+        )
         if train:
             self.calls += 1
         self.moved = into
@@ -186,7 +192,9 @@ def begin_call(model: "RoundPipe", train: bool) -> bool:
         if prep.started:
             prep.finish()
         else:
-            prep.start([p for _, ps in model.optim_units() for p in ps if ParamAttribute.get(p).optim is not None], model.name)
+            prep.start(
+                [p for _, ps in model.optim_units() for p in ps if ParamAttribute.get(p).optim is not None], model.name
+            )
     into_weights, resync = step_cycle(model).begin_call(train)
     if resync:
         optim_step.settle_params(model.optim_units())

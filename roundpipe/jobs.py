@@ -22,9 +22,27 @@ import torch
 from torch.utils import _pytree as pytree
 
 from roundpipe import backend
-from roundpipe.compute import GroupBackward, GroupForward, backward_by_layer, call_layer, grad_leaves, graph_signatures, input_grads, wrap
+from roundpipe.compute import (
+    GroupBackward,
+    GroupForward,
+    backward_by_layer,
+    call_layer,
+    grad_leaves,
+    graph_signatures,
+    input_grads,
+    wrap,
+)
 from roundpipe.run import Leaves, MicrobatchState, Run
-from roundpipe.transfer import async_d2h, async_h2d, download_layer, peer_copy, release_layers, snapshot_buffers, upload_layers, wait_layer
+from roundpipe.transfer import (
+    async_d2h,
+    async_h2d,
+    download_layer,
+    peer_copy,
+    release_layers,
+    snapshot_buffers,
+    upload_layers,
+    wait_layer,
+)
 
 if TYPE_CHECKING:
     from roundpipe.device import DeviceManager
@@ -72,14 +90,23 @@ def _take_activation(device: "DeviceManager", run: Run, m: int) -> Leaves:
     return async_h2d(device, batch.forward_events[m], batch.flatten_states[m])
 
 
-def _download_reusing(device: "DeviceManager", events: List[Any], leaves: Leaves, dev_inputs: Leaves, host_inputs: Leaves, input_events: List[Any]) -> Leaves:
+def _download_reusing(
+    device: "DeviceManager",
+    events: List[Any],
+    leaves: Leaves,
+    dev_inputs: Leaves,
+    host_inputs: Leaves,
+    input_events: List[Any],
+) -> Leaves:
     """Host copies of a job's output ``leaves`` for the next job or a backward stage. A leaf that is one of
     the job's input tensors, passed through its layers unchanged (position ids, rotary tables, labels
     of a causal LM), reuses that input's host copy instead of a new download: one host copy per call,
     not one per backward stage (at long context the rotary tables alone are ~6% of a checkpoint).
     ``events`` gets the new downloads' events and, when a copy is reused, the input's (the reused copy
     may still be landing)."""
-    by_id = {id(d): h for d, h in zip(dev_inputs, host_inputs) if isinstance(d, torch.Tensor) and isinstance(h, torch.Tensor)}
+    by_id = {
+        id(d): h for d, h in zip(dev_inputs, host_inputs) if isinstance(d, torch.Tensor) and isinstance(h, torch.Tensor)
+    }
     reused = [by_id.get(id(t)) if isinstance(t, torch.Tensor) else None for t in leaves]
     if not any(r is not None for r in reused):
         return async_d2h(device, events, leaves)
@@ -109,7 +136,9 @@ def _take_grads(device: "DeviceManager", ctx: MicrobatchState) -> List[Optional[
     return async_h2d(device, ctx.grad_events, ctx.grad_states)
 
 
-def _give_grads(device: "DeviceManager", run: Run, ctx: MicrobatchState, group: int, in_grads: List[Optional[torch.Tensor]]) -> None:
+def _give_grads(
+    device: "DeviceManager", run: Run, ctx: MicrobatchState, group: int, in_grads: List[Optional[torch.Tensor]]
+) -> None:
     """Input gradients of backward group ``group`` go to group - 1: on the device if it runs here, as a
     peer copy to its device (``RPP_PEER_HANDOFF``), else (and for the model input) to the host."""
     consumer = run.job_device.get(("b", group - 1)) if group > 0 else None
@@ -156,7 +185,9 @@ def _upload_group(
     )
 
 
-def _graph_slots(device: "DeviceManager", run: Run, layers: range, backward: bool) -> Tuple[int, Optional[List["LayerSlot"]]]:
+def _graph_slots(
+    device: "DeviceManager", run: Run, layers: range, backward: bool
+) -> Tuple[int, Optional[List["LayerSlot"]]]:
     """This job's parity on its device and, when it may be graphed (``compute.graph_signatures``), the
     slots its layers upload into."""
     parity = device.graphs.begin_job()
@@ -164,7 +195,15 @@ def _graph_slots(device: "DeviceManager", run: Run, layers: range, backward: boo
     return parity, (device.graphs.take_slots(sigs, parity) if sigs is not None else None)
 
 
-def _hand_grads_back(device: "DeviceManager", run: Run, layers: range, gpu_layers: List[torch.nn.Module], part: int, with_buffer: bool, split: bool) -> None:
+def _hand_grads_back(
+    device: "DeviceManager",
+    run: Run,
+    layers: range,
+    gpu_layers: List[torch.nn.Module],
+    part: int,
+    with_buffer: bool,
+    split: bool,
+) -> None:
     """A backward job's parameter gradients to the host: a secondary part of a split group hands them
     to part 0 (``partial_grads``); part 0 (or an unsplit job) downloads them, the other parts' added in."""
     model = run.model
@@ -210,8 +249,12 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
     gpu_layers = _upload_group(device, run, layers, with_grad=False, for_recompute=False, ready=ready, slots=slots)
     compute = GroupForward(run, device, layers, gpu_layers, ready, graphed=slots is not None, parity=parity)
     peer_handoff = run.peer_handoff
-    saves_output = run.enable_grad and tracker.backward_need_input(layers.stop) and not (
-        run.run_type == "fused" and layers.stop == run.plan.bwd_plan[-1].start  # the fused job saves nothing
+    saves_output = (
+        run.enable_grad
+        and tracker.backward_need_input(layers.stop)
+        and not (
+            run.run_type == "fused" and layers.stop == run.plan.bwd_plan[-1].start  # the fused job saves nothing
+        )
     )
     for m in range(batch.num_microbatch):
         tracker.forward_wait_for(layer_group_id, m)
@@ -224,7 +267,12 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
                 ctx.device_inputs[layers.start] = (dev_leaves, spec)  # the previous job kept no host copy
             else:
                 ctx.flatten_inputs[layers.start] = (host_leaves, spec, events)
-        with backend.use_stream(device.compute_stream), backend.compute_guard(device.device), torch.no_grad(), run.autocast_ctx(device):
+        with (
+            backend.use_stream(device.compute_stream),
+            backend.compute_guard(device.device),
+            torch.no_grad(),
+            run.autocast_ctx(device),
+        ):
             with clock:
                 out_leaves, out_spec, saved = compute(ctx, m, dev_leaves, spec)
             # Backward stages starting inside the group: their inputs stay on the device or go to the host.
@@ -233,7 +281,11 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
                     ctx.device_inputs[i] = (leaves, sp)
                 else:
                     evs: List[Any] = []
-                    ctx.flatten_inputs[i] = (_download_reusing(device, evs, leaves, dev_leaves, host_leaves, events), sp, evs)
+                    ctx.flatten_inputs[i] = (
+                        _download_reusing(device, evs, leaves, dev_leaves, host_leaves, events),
+                        sp,
+                        evs,
+                    )
         consumer = _next_forward_device(run, layer_group_id, m)
         peer = peer_handoff and consumer is not None and consumer is not device
         if consumer is device:
@@ -279,8 +331,12 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int, part: i
     # Per-layer upload events: the first recompute starts on the first layer while the rest upload
     # (the backward itself runs after the recompute has waited for every layer).
     ready: List[Any] = []
-    gpu_layers = _upload_group(device, run, layers, with_grad=True, for_recompute=True, ready=ready, seed=part == 0, slots=slots)
-    by_stage = GroupBackward(run, device, layers, gpu_layers, ready, slots, parity) if cfg.recompute_grain == "stage" else None
+    gpu_layers = _upload_group(
+        device, run, layers, with_grad=True, for_recompute=True, ready=ready, seed=part == 0, slots=slots
+    )
+    by_stage = (
+        GroupBackward(run, device, layers, gpu_layers, ready, slots, parity) if cfg.recompute_grain == "stage" else None
+    )
     first = True  # the first microbatch that computes waits for each layer; later ones find them there
     for m in range(part, batch.num_microbatch, run.fused_parts if split else 1):
         tracker.backward_wait_for(layer_group_id, m)
@@ -294,11 +350,18 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int, part: i
         recompute = {i: ctx.fetch_recompute_data(i, device) for i in layers}
         device.compute_stream.wait_stream(device.upstream)
         flags = ctx.input_requires_grad if layers.start == 0 else None
-        with backend.use_stream(device.compute_stream), backend.compute_guard(device.device), run.autocast_ctx(device), clock:
+        with (
+            backend.use_stream(device.compute_stream),
+            backend.compute_guard(device.device),
+            run.autocast_ctx(device),
+            clock,
+        ):
             if by_stage is not None:
                 in_grads = by_stage(ctx, m, dev_in, spec, dev_grads, recompute, flags)
             else:
-                in_grads = backward_by_layer(run, device, layers, gpu_layers, ready, first, ctx, m, dev_in, spec, dev_grads, recompute, flags)
+                in_grads = backward_by_layer(
+                    run, device, layers, gpu_layers, ready, first, ctx, m, dev_in, spec, dev_grads, recompute, flags
+                )
         first = False
         _give_grads(device, run, ctx, layer_group_id, in_grads)
         device.mem_manager.free((dev_in, dev_grads, in_grads, recompute), device.compute_stream, device.downstream)
@@ -327,7 +390,9 @@ def _at_loss(run: Run, m: int) -> str:
 
 
 def _at_fused_backward(run: Run, layers: range, m: int) -> str:
-    return f"model {run.model.name!r}: fused backward of {run.layer_name(layers.start)}-{layers.stop - 1}, microbatch {m}"
+    return (
+        f"model {run.model.name!r}: fused backward of {run.layer_name(layers.start)}-{layers.stop - 1}, microbatch {m}"
+    )
 
 
 def _check_loss(loss: Any) -> List[torch.Tensor]:
@@ -335,7 +400,10 @@ def _check_loss(loss: Any) -> List[torch.Tensor]:
     for item in losses:
         if not isinstance(item, torch.Tensor) or item.numel() != 1:
             shape = tuple(item.shape) if isinstance(item, torch.Tensor) else type(item).__name__
-            raise ValueError(f"loss_fn must return a scalar tensor or a sequence of scalar tensors; got {shape}. Reduce it, e.g. loss.mean() or loss.sum()")
+            raise ValueError(
+                f"loss_fn must return a scalar tensor or a sequence of scalar tensors; got {shape}. Reduce it, "
+                "e.g. loss.mean() or loss.sum()"
+            )
     return losses
 
 
@@ -364,7 +432,13 @@ def run_forward_backward(device: "DeviceManager", run: Run, part: int = 0) -> No
         dev_label = pytree.tree_unflatten(async_h2d(device, [], label_leaves), label_spec)
         device.compute_stream.wait_stream(device.upstream)
         flags = ctx.input_requires_grad if layers.start == 0 else None
-        with backend.use_stream(device.compute_stream), backend.compute_guard(device.device), run.autocast_ctx(device), torch.enable_grad(), clock:
+        with (
+            backend.use_stream(device.compute_stream),
+            backend.compute_guard(device.device),
+            run.autocast_ctx(device),
+            torch.enable_grad(),
+            clock,
+        ):
             leaves = grad_leaves(dev_in, flags)
             x = pytree.tree_unflatten(leaves, spec)
             for i, layer in zip(layers, gpu_layers):
@@ -387,7 +461,10 @@ def run_forward_backward(device: "DeviceManager", run: Run, part: int = 0) -> No
         batch.loss_list[m] = loss_host
         if run.return_outputs:
             out_leaves, out_spec = pytree.tree_flatten(out)
-            run.outputs[m] = pytree.tree_unflatten(async_d2h(device, events, [t.detach() if isinstance(t, torch.Tensor) else t for t in out_leaves]), out_spec)
+            run.outputs[m] = pytree.tree_unflatten(
+                async_d2h(device, events, [t.detach() if isinstance(t, torch.Tensor) else t for t in out_leaves]),
+                out_spec,
+            )
         batch.forward_events[m] = events
         _give_grads(device, run, ctx, gid, in_grads)
         device.mem_manager.free((dev_in, dev_label, in_grads, out), device.compute_stream, device.downstream)

@@ -1,12 +1,11 @@
 """Host memory for the model: pinned (page-locked) storage so uploads run as fast, asynchronous DMA.
 
-'alloc' copies each tensor into a fresh pinned allocation (fast transfers). Tensors of at least
-``EXACT_MIN_BYTES`` get an exact-size allocation (``pinned_empty``: an anonymous mapping registered with
-CUDA), because torch's caching host allocator rounds every block up to a power of two, which costs up
-to 2x memory for odd sizes (a 24 MiB weight takes 32 MiB); smaller ones use the caching allocator.
-'register' pins the existing storage in place with cudaHostRegister (no copy, CUDA only). 'off' leaves memory pageable: with
-mmap-loaded weights Linux pages them in on demand, which lets LoRA train base models larger than RAM.
-Pinning is skipped on CPU workers (there is no device to transfer to).
+'alloc' copies each tensor into a fresh pinned allocation (fast transfers). Tensors of at least ``EXACT_MIN_BYTES`` get
+an exact-size allocation (``pinned_empty``: an anonymous mapping registered with CUDA), because torch's caching host
+allocator rounds every block up to a power of two, which costs up to 2x memory for odd sizes (a 24 MiB weight takes 32
+MiB); smaller ones use the caching allocator. 'register' pins the existing storage in place with cudaHostRegister (no
+copy, CUDA only). 'off' leaves memory pageable: with mmap-loaded weights Linux pages them in on demand, which lets LoRA
+train base models larger than RAM. Pinning is skipped on CPU workers (there is no device to transfer to).
 """
 
 from __future__ import annotations
@@ -58,7 +57,9 @@ def _release_mapping(ptr: int, mapping: mmap.mmap, unregister: Unregistrar, owne
         pass
 
 
-def mapped_empty(shape: Sequence[int], dtype: torch.dtype, register: Registrar, unregister: Unregistrar) -> torch.Tensor:
+def mapped_empty(
+    shape: Sequence[int], dtype: torch.dtype, register: Registrar, unregister: Unregistrar
+) -> torch.Tensor:
     """An uninitialised host tensor in its own anonymous mapping of exactly its size (rounded to a page),
     registered with ``register`` (page-locking it) and unregistered by ``unregister`` once the last
     tensor viewing it is gone.
@@ -73,7 +74,8 @@ def mapped_empty(shape: Sequence[int], dtype: torch.dtype, register: Registrar, 
         mapping = mmap.mmap(-1, nbytes)
     except OSError as e:  # out of memory, or vm.max_map_count reached
         raise RuntimeError(
-            f"could not map {nbytes / 2**20:.1f} MiB of host memory ({e}); free host memory or lower RoundPipe's use of it (see docs/resolve-oom.md)"
+            f"could not map {nbytes / 2**20:.1f} MiB of host memory ({e}); free host memory or lower "
+            "RoundPipe's use of it (see docs/resolve-oom.md)"
         ) from e
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
@@ -131,7 +133,9 @@ def pin_module_register(mod: nn.Module) -> None:
         nbytes = t.untyped_storage().nbytes()
         err = cudart.cudaHostRegister(t.untyped_storage().data_ptr(), nbytes, 0)
         if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister failed ({err}) for a tensor of {nbytes} bytes; use pin_model='alloc' or 'off'")
+            raise RuntimeError(
+                f"cudaHostRegister failed ({err}) for a tensor of {nbytes} bytes; use pin_model='alloc' or 'off'"
+            )
 
 
 def pin_module(mod: nn.Module, mode: PinMode) -> None:

@@ -65,7 +65,9 @@ class PartialGrads:
     def __init__(self, parts: int, layers: range, store: PartialGradStore) -> None:
         self.parts = parts
         self.store = store
-        self.ready = {(j, i): AnnotatedEvent(f"fused_part{j}.layer{i}.grads_issued") for j in range(1, parts) for i in layers}
+        self.ready = {
+            (j, i): AnnotatedEvent(f"fused_part{j}.layer{i}.grads_issued") for j in range(1, parts) for i in layers
+        }
         # (part, layer) -> (id of host parameter -> host buffer, the download's device event)
         self.published: Dict[Tuple[int, int], Tuple[Dict[int, torch.Tensor], Any]] = {}
 
@@ -94,7 +96,9 @@ class PartialGrads:
         self.published[(part, layer_id)] = (bufs, event)
         self.ready[(part, layer_id)].set()
 
-    def fetch(self, layer_id: int, cpu_layer: nn.Module, gpu_layer: nn.Module, device: Any) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    def fetch(
+        self, layer_id: int, cpu_layer: nn.Module, gpu_layer: nn.Module, device: Any
+    ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
         """Primary part, on its gradient stream (current) before it waits for its own compute: upload every
         secondary part's gradients of this layer. Returns (device parameter, uploaded share) pairs for
         ``add``."""

@@ -77,7 +77,9 @@ def _launch(run: Run, jobs: List[Tuple[str, int, "DeviceManager"]]) -> None:
             dev.launch(run_backward, run, gid, label=_job_label(run, "backward", run.plan.bwd_plan[gid]))
         elif kind == "bp":  # part gid > 0 of the last backward group: part 0 ("b") fenced its layers
             last = len(run.plan.bwd_plan) - 1
-            dev.launch(run_backward, run, last, gid, label=_job_label(run, f"backward part {gid}", run.plan.bwd_plan[last]))
+            dev.launch(
+                run_backward, run, last, gid, label=_job_label(run, f"backward part {gid}", run.plan.bwd_plan[last])
+            )
         else:
             if gid == 0:  # the parts of a split fused job share one fence (their uploads are one use)
                 for i in run.plan.bwd_plan[-1]:
@@ -105,7 +107,13 @@ def dispatch_backward(run: Run) -> None:
     """Dispatch the backward groups, last first (in ``run.fused_parts`` parts), round robin, then wait
     for group 0."""
     last = len(run.plan.bwd_plan) - 1
-    jobs = [("b", last)] + [("bp", part) for part in range(1, run.fused_parts)] + [("b", b) for b in range(last - 1, -1, -1)] if last >= 0 else []
+    jobs = (
+        [("b", last)]
+        + [("bp", part) for part in range(1, run.fused_parts)]
+        + [("b", b) for b in range(last - 1, -1, -1)]
+        if last >= 0
+        else []
+    )
     _launch(run, _assign(run, jobs))
     run.tracker.backward_wait_complete(run.batch.num_microbatch)
 
@@ -133,23 +141,30 @@ class RoundPipeBatchedBackward(torch.autograd.Function):
     microbatches; its backward runs the pipelined backward and returns the input gradients."""
 
     @staticmethod
-    def forward(ctx: Any, run: Run, tag: torch.Tensor, *all_inputs: torch.Tensor) -> Tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, run: Run, tag: torch.Tensor, *all_inputs: torch.Tensor
+    ) -> Tuple[torch.Tensor, ...]:
         ctx.run = run
         ctx.set_materialize_grads(False)
         guarded(run, f"model {run.model.name!r} forward", lambda: dispatch_forward(run))
-        outs: List[torch.Tensor] = [t for leaves in run.batch.flatten_states for t in leaves if isinstance(t, torch.Tensor)]
+        outs: List[torch.Tensor] = [
+            t for leaves in run.batch.flatten_states for t in leaves if isinstance(t, torch.Tensor)
+        ]
         nondiff = [t for t in outs if not differentiable(t)]
         if nondiff:
             ctx.mark_non_differentiable(*nondiff)
         return tuple(outs)
 
     @staticmethod
-    def backward(ctx: Any, *grad_outputs: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
+    def backward(  # type: ignore[override]
+        ctx: Any, *grad_outputs: Optional[torch.Tensor]
+    ) -> Tuple[Optional[torch.Tensor], ...]:
         run: Run = ctx.run
         if run.backward_done:
             raise RuntimeError(
                 f"RoundPipe model {run.model.name!r}: backward through the same forward a second time; "
-                "RoundPipe frees the saved activations after the first backward (retain_graph is not supported). Run forward again."
+                "RoundPipe frees the saved activations after the first backward (retain_graph is not "
+                "supported). Run forward again."
             )
         run.backward_done = True
         it = iter(grad_outputs)

@@ -40,10 +40,16 @@ class ModelExecutePlan:
         def fmt(plan: List[range]) -> str:
             return "[" + ", ".join(f"{r.start}-{r.stop - 1}" if len(r) > 1 else f"{r.start}" for r in plan) + "]"
 
-        return f"ModelExecutePlan(fwd={fmt(self.fwd_plan)} ({len(self.fwd_plan)} groups), bwd={fmt(self.bwd_plan)} ({len(self.bwd_plan)} groups))"
+        return (
+            f"ModelExecutePlan(fwd={fmt(self.fwd_plan)} ({len(self.fwd_plan)} groups), bwd={fmt(self.bwd_plan)} "
+            f"({len(self.bwd_plan)} groups))"
+        )
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, ModelExecutePlan) and (self.fwd_plan, self.bwd_plan) == (other.fwd_plan, other.bwd_plan)
+        return isinstance(other, ModelExecutePlan) and (self.fwd_plan, self.bwd_plan) == (
+            other.fwd_plan,
+            other.bwd_plan,
+        )
 
     @classmethod
     def layerwise(cls, num_layers: int, run_type: RunType) -> "ModelExecutePlan":
@@ -150,7 +156,9 @@ class ModelExecutePlan:
                     # Devices that compute one at a time (CPU workers) gain nothing from a group per
                     # device: candidates may have fewer groups than devices.
                     cut = functools.partial(cut.func, *cut.args[:5], 1, *cut.args[6:])
-                plan = choose_by_host_cost(run_type, plan, cut, upper_threshold, fwd_t, bwd_t, min_stages, num_microbatch, host)
+                plan = choose_by_host_cost(
+                    run_type, plan, cut, upper_threshold, fwd_t, bwd_t, min_stages, num_microbatch, host
+                )
             plans.append(plan)
         return plans
 

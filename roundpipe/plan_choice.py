@@ -31,7 +31,9 @@ def host_costs(model: "RoundPipe") -> HostCosts:
     return model.model_timer.host_costs(serial)
 
 
-def local_plan(model: "RoundPipe", cfg: ResolvedRunConfig, run_type: RunType, batch: Optional[Batch] = None) -> ModelExecutePlan:
+def local_plan(
+    model: "RoundPipe", cfg: ResolvedRunConfig, run_type: RunType, batch: Optional[Batch] = None
+) -> ModelExecutePlan:
     """This process's plan for a call (see the module docstring)."""
     if cfg.execute_plan is not None:
         plan = cfg.execute_plan.for_run_type(run_type, model.num_layers)
@@ -53,7 +55,9 @@ def local_plan(model: "RoundPipe", cfg: ResolvedRunConfig, run_type: RunType, ba
         host = host_costs(model)
 
         def auto(costs: Optional[budget.ActivationCosts]) -> ModelExecutePlan:
-            plan = ModelExecutePlan.auto(run_type, model, activations=costs, num_microbatch=cfg.num_microbatch, host=host)
+            plan = ModelExecutePlan.auto(
+                run_type, model, activations=costs, num_microbatch=cfg.num_microbatch, host=host
+            )
             assert isinstance(plan, ModelExecutePlan)  # one model: one plan
             return plan
 
@@ -72,7 +76,9 @@ def local_plan(model: "RoundPipe", cfg: ResolvedRunConfig, run_type: RunType, ba
     return plans[key][0]
 
 
-def replan_pays(model: "RoundPipe", old: ModelExecutePlan, new: ModelExecutePlan, run_type: RunType, num_microbatch: int) -> bool:
+def replan_pays(
+    model: "RoundPipe", old: ModelExecutePlan, new: ModelExecutePlan, run_type: RunType, num_microbatch: int
+) -> bool:
     """Whether ``new`` simulates at least ``REPLAN_GAIN`` faster than ``old`` under the current timings
     and host costs."""
     if old.fwd_plan == new.fwd_plan and old.bwd_plan == new.bwd_plan:

@@ -28,7 +28,8 @@ import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from roundpipe.simulate import HostCosts, RunType, simulate_iteration  # noqa: F401 - re-exported (the planner's model of a call)
+# re-exported (the planner's model of a call)
+from roundpipe.simulate import HostCosts, RunType, simulate_iteration  # noqa: F401
 
 GiB = float(1 << 30)
 
@@ -149,7 +150,10 @@ def plan_stages(
     if run_type not in ("infer", "train", "fused"):
         raise ValueError(f"plan_stages: run_type must be 'infer', 'train' or 'fused', got {run_type!r}")
     if not upper_threshold >= 1.0:
-        raise ValueError(f"plan_stages: upper_threshold must be >= 1 (a group cannot be faster than its slowest layer), got {upper_threshold}")
+        raise ValueError(
+            "plan_stages: upper_threshold must be >= 1 (a group cannot be faster than its slowest layer), got "
+            f"{upper_threshold}"
+        )
     if not memory_limit_bytes > 0:
         raise ValueError(f"plan_stages: memory_limit_bytes must be > 0, got {memory_limit_bytes}")
     _check_costs("fwd_times", fwd_times, n)
@@ -161,7 +165,11 @@ def plan_stages(
     if layer_bytes[largest] > memory_limit_bytes / 2:
         # No stage could hold this layer: plan with a limit that fits it (the layer's stage then holds
         # it alone) instead of refusing; the device may still have the room, the limit is an estimate.
-        warnings.warn(_layer_too_big_message(largest, layer_bytes[largest], memory_limit_bytes, run_type), RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            _layer_too_big_message(largest, layer_bytes[largest], memory_limit_bytes, run_type),
+            RuntimeWarning,
+            stacklevel=3,
+        )
         memory_limit_bytes = 2.0 * layer_bytes[largest]
     mem_cap = memory_limit_bytes / 2
 
@@ -174,7 +182,9 @@ def plan_stages(
         plain = _plain_training_plan(run_type, fwd_times, bwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
         if fits_budgets(plain[1], activations, run_type == "fused", layer_bytes):
             return plain
-        return _plan_with_activations(run_type, fwd_times, bwd_times, layer_bytes, min_stages, upper_threshold, mem_cap, activations)
+        return _plan_with_activations(
+            run_type, fwd_times, bwd_times, layer_bytes, min_stages, upper_threshold, mem_cap, activations
+        )
     return _plain_training_plan(run_type, fwd_times, bwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
 
 
@@ -206,7 +216,14 @@ def _plain_training_plan(
     # enough to pair layers, and two plans of one command on one machine ran 1.105 s with one layer per
     # group and 1.267 s with pairs. A layer above the cap still forms a group of its own.
     body_bwd = bwd_times[:fused_start]
-    bwd_plan = _partition(body_bwd, layer_bytes[:fused_start], min_stages - 1, upper_threshold, mem_cap, slowest=statistics.median(body_bwd)) + [bwd_plan[-1]]
+    bwd_plan = _partition(
+        body_bwd,
+        layer_bytes[:fused_start],
+        min_stages - 1,
+        upper_threshold,
+        mem_cap,
+        slowest=statistics.median(body_bwd),
+    ) + [bwd_plan[-1]]
     # Forward groups may take as long as a typical (median) one of those backward groups, not only the
     # threshold times the slowest forward layer: a forward job no longer than a backward job does not
     # become the pipeline's bottleneck, and each forward group boundary costs a hand-over, which on
@@ -220,7 +237,9 @@ def _plain_training_plan(
     body = [math.fsum(bwd_times[i] for i in r) for r in bwd_plan[:-1]]
     # (``_partition`` caps at upper_threshold x slowest; a backward group's time is a cap as it is.)
     slowest = max([max(fwd_times[:fused_start])] + ([statistics.median(body) / upper_threshold] if body else []))
-    fwd_plan = _partition(fwd_times[:fused_start], layer_bytes[:fused_start], min_stages - 1, upper_threshold, mem_cap, slowest=slowest)
+    fwd_plan = _partition(
+        fwd_times[:fused_start], layer_bytes[:fused_start], min_stages - 1, upper_threshold, mem_cap, slowest=slowest
+    )
     return fwd_plan, bwd_plan
 
 
@@ -267,7 +286,8 @@ def _plan_with_activations(
     if any(a.peak[i] > a.gpu_limit for i in range(n)):
         worst = max(range(n), key=lambda i: a.peak[i])
         raise ActivationMemoryError(
-            f"layer {worst} alone needs {a.peak[worst] / GiB:.1f} GiB of device memory for its activations; {a.gpu_limit / GiB:.1f} GiB are available",
+            f"layer {worst} alone needs {a.peak[worst] / GiB:.1f} GiB of device memory for its activations; "
+            f"{a.gpu_limit / GiB:.1f} GiB are available",
             a.peak[worst],
             0.0,
         )
@@ -282,7 +302,9 @@ def _plan_with_activations(
     return fwd, bwd
 
 
-def _activation_partition(sizes: Sequence[float], mem_cap: float, a: ActivationCosts, n: int, last_free: bool) -> List[range]:
+def _activation_partition(
+    sizes: Sequence[float], mem_cap: float, a: ActivationCosts, n: int, last_free: bool
+) -> List[range]:
     """Contiguous backward groups of all ``n`` layers under the weight cap and the GPU activation budget
     whose checkpoints fit the host budget, as many groups as possible (smaller stages keep less on the
     device): a dynamic program over (groups, end) of the fewest checkpoint bytes, exact for contiguous
@@ -334,7 +356,8 @@ def _activation_partition(sizes: Sequence[float], mem_cap: float, a: ActivationC
         gpu = max(a.stage_bytes(r.start, r.stop, sizes) for r in plan)
         raise ActivationMemoryError(
             f"the backward stages' input checkpoints need at least {fewest / GiB:.1f} GiB of host memory "
-            f"(with stages of up to {max(len(r) for r in plan)} layers, which need {gpu / GiB:.1f} GiB of device memory); "
+            f"(with stages of up to {max(len(r) for r in plan)} layers, which need {gpu / GiB:.1f} GiB of "
+            "device memory); "
             f"{a.host_limit / GiB:.1f} GiB are available",
             gpu,
             fewest,
@@ -524,24 +547,35 @@ def _check_cover(name: str, plan: Sequence[range], stop: int, num_layers: int, w
         raise ValueError(f"{name} must be a list of ranges, got {type(plan).__name__}")
     for i, r in enumerate(plan):
         if not isinstance(r, range):
-            raise ValueError(f"{name}[{i}] is {r!r} ({type(r).__name__}); each group must be a range of layers, e.g. range(0, 4)")
+            raise ValueError(
+                f"{name}[{i}] is {r!r} ({type(r).__name__}); each group must be a range of layers, e.g. range(0, 4)"
+            )
         if r.step != 1:
             raise ValueError(f"{name}[{i}] = {r} has step {r.step}; groups must be contiguous (step 1)")
         if len(r) == 0:
             raise ValueError(f"{name}[{i}] = {r} is empty; every group needs at least one layer")
         if r.start < 0 or r.stop > num_layers:
             bad = range(r.start, 0) if r.start < 0 else range(num_layers, r.stop)
-            raise ValueError(f"{name}[{i}] = {r}: {_layers(bad.start, bad.stop)} out of range; the model has {num_layers} layers (0..{num_layers - 1})")
+            raise ValueError(
+                f"{name}[{i}] = {r}: {_layers(bad.start, bad.stop)} out of range; the model has {num_layers} "
+                f"layers (0..{num_layers - 1})"
+            )
     for i in range(1, len(plan)):
         prev, cur = plan[i - 1], plan[i]
         if cur.start < prev.start:
-            raise ValueError(f"{name}: groups out of order: {name}[{i - 1}] = {prev} comes before {name}[{i}] = {cur}; list groups in layer order")
+            raise ValueError(
+                f"{name}: groups out of order: {name}[{i - 1}] = {prev} comes before {name}[{i}] = {cur}; list "
+                "groups in layer order"
+            )
     covered = 0
     for i, r in enumerate(plan):
         if r.start > covered:
             raise ValueError(f"{name}: {_layers(covered, r.start)} not covered (gap before {name}[{i}] = {r})")
         if r.start < covered:
-            raise ValueError(f"{name}: {_layers(r.start, min(r.stop, covered))} covered twice ({name}[{i}] = {r} overlaps {name}[{i - 1}] = {plan[i - 1]})")
+            raise ValueError(
+                f"{name}: {_layers(r.start, min(r.stop, covered))} covered twice ({name}[{i}] = {r} overlaps "
+                f"{name}[{i - 1}] = {plan[i - 1]})"
+            )
         covered = r.stop
     if covered > stop:
         raise ValueError(f"{name}: {_layers(stop, covered)} must not be in {name}{must}")

@@ -110,7 +110,9 @@ class RoundPipeBase(nn.Module):
 
     def __delattr__(self, name: str) -> None:
         """Delete an own attribute, else delete ``name`` from every wrapped model that has it."""
-        if name in self.__dict__ or any(name in self.__dict__.get(d, {}) for d in ("_modules", "_parameters", "_buffers")):
+        if name in self.__dict__ or any(
+            name in self.__dict__.get(d, {}) for d in ("_modules", "_parameters", "_buffers")
+        ):
             super().__delattr__(name)
             return
         found = False
@@ -149,12 +151,16 @@ class RoundPipeBase(nn.Module):
             seen.add(id(p))
             yield name, p
 
-    def optim_named_parameters(self, prefix: str = "", remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+    def optim_named_parameters(
+        self, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[Tuple[str, nn.Parameter]]:
         """Named optimizer copies of the trainable parameters (fp32 masters when ``optim_dtype`` says so)."""
         for name, p in self._trainable(remove_duplicate):
             yield (f"{prefix}.{name}" if prefix else name), self._optim_param(p)
 
-    def named_optim_parameters(self, prefix: str = "", remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+    def named_optim_parameters(
+        self, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[Tuple[str, nn.Parameter]]:
         """Alias of ``optim_named_parameters`` (the name the spec's ``OptimizerCtx`` text uses)."""
         return self.optim_named_parameters(prefix, remove_duplicate)
 
@@ -171,7 +177,11 @@ class RoundPipeBase(nn.Module):
         if attr.optim is None:
             dtype = self.optim_dtype or p.dtype
             attr.optim = nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=True)
-            wider = dtype.is_floating_point and p.dtype.is_floating_point and torch.finfo(dtype).bits > torch.finfo(p.dtype).bits
+            wider = (
+                dtype.is_floating_point
+                and p.dtype.is_floating_point
+                and torch.finfo(dtype).bits > torch.finfo(p.dtype).bits
+            )
             if dtype == p.dtype or wider:  # the weights round-trip exactly: they are its version
                 attr.mark_current(p)
         return attr.optim
@@ -183,13 +193,16 @@ class RoundPipeBase(nn.Module):
         # nn.Module.parameters goes through named_parameters, whose warning is for the named form.
         return (p for _, p in nn.Module.named_parameters(self, recurse=recurse))
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:  # type: ignore[override]
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[Tuple[str, nn.Parameter]]:  # type: ignore[override]
         """Named model parameters; the optimizer copies inside ``OptimizerCtx``."""
         if doing_optimizer():
             return self.optim_named_parameters(prefix, remove_duplicate)
         if self.optim_dtype is not None and any(p.dtype != self.optim_dtype for _, p in super().named_parameters()):
             warnings.warn(
-                f"{type(self).__name__}.named_parameters() returns the model's {next(iter(self.model.parameters())).dtype} "
+                f"{type(self).__name__}.named_parameters() returns the model's "
+                f"{next(iter(self.model.parameters())).dtype} "
                 f"parameters; give optim_parameters() (the {self.optim_dtype} master copies) to the optimizer",
                 stacklevel=2,
             )
@@ -257,7 +270,11 @@ class RoundPipeBase(nn.Module):
         copies (for inspection, evaluation or saving)."""
         optim_thread.synchronize()
         # Parameters never handed to an optimizer (no optim_parameters() call) have no copy to sync.
-        if any(ParamAttribute.has(p) and ParamAttribute.get(p).optim is not None for _, params in self.optim_units() for p in params):
+        if any(
+            ParamAttribute.has(p) and ParamAttribute.get(p).optim is not None
+            for _, params in self.optim_units()
+            for p in params
+        ):
             self.sync_optim_param()
 
     def optim_param_state_dict(self) -> Dict[str, torch.Tensor]:
@@ -276,7 +293,9 @@ class RoundPipeBase(nn.Module):
                 if state is None:
                     master.copy_(p.detach())
                 elif name not in state:
-                    raise KeyError(f"load_optim_params: no saved optimizer copy for {name!r} (saved: {len(state)} tensors)")
+                    raise KeyError(
+                        f"load_optim_params: no saved optimizer copy for {name!r} (saved: {len(state)} tensors)"
+                    )
                 else:
                     master.copy_(state[name])
         self.sync_optim_param()
@@ -333,7 +352,9 @@ class RoundPipe(RoundPipeBase):
     ) -> None:
         check_wrapper_arguments(type(self).__name__, model, optim_dtype, model_run_config)
         super().__init__(model, name if name is not None else get_call_location(1), optim_dtype)
-        on_device = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type != "cpu"]
+        on_device = [
+            n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type != "cpu"
+        ]
         if on_device:
             raise ValueError(
                 f"RoundPipe keeps the model in host memory, but {on_device[0]} is on "
@@ -388,10 +409,14 @@ class RoundPipe(RoundPipeBase):
         key = "infer" if run_type == "infer" else "train"
         cache = self.__dict__.setdefault("_device_bytes", {})
         if key not in cache:
-            cache[key] = [float(get_model_size(l) + (get_model_active_size(l) if key == "train" else 0)) for l in self.layers]
+            cache[key] = [
+                float(get_model_size(l) + (get_model_active_size(l) if key == "train" else 0)) for l in self.layers
+            ]
         return cache[key]
 
-    def resolve_plan(self, cfg: ResolvedRunConfig, run_type: RunType, batch: Optional[Batch] = None) -> ModelExecutePlan:
+    def resolve_plan(
+        self, cfg: ResolvedRunConfig, run_type: RunType, batch: Optional[Batch] = None
+    ) -> ModelExecutePlan:
         """The plan for this call: the user's (validated) or the model's default for ``run_type`` (for a
         training call over ``batch``, within the activation budgets: ``roundpipe.budget``), or the one
         the model's ``grad_sync`` agrees on across processes (data parallel reducing on the devices:
@@ -409,7 +434,9 @@ class RoundPipe(RoundPipeBase):
     #: and device memory peak cost more than the noise they chase.
     REPLAN_GAIN = 0.02
 
-    def _replan_pays(self, old: ModelExecutePlan, new: ModelExecutePlan, run_type: RunType, num_microbatch: int) -> bool:
+    def _replan_pays(
+        self, old: ModelExecutePlan, new: ModelExecutePlan, run_type: RunType, num_microbatch: int
+    ) -> bool:
         """Whether ``new`` simulates at least ``REPLAN_GAIN`` faster than ``old`` (``plan_choice``)."""
         return plan_choice.replan_pays(self, old, new, run_type, num_microbatch)
 
@@ -424,13 +451,18 @@ class RoundPipe(RoundPipeBase):
             return True
         return any(isinstance(t, torch.Tensor) and t.requires_grad for leaves in batch.flatten_states for t in leaves)
 
-    def forward(self, *args: Any, roundpipe_run_config: RoundPipeRunConfig = RoundPipeRunConfig(), **kwargs: Any) -> Any:
+    def forward(
+        self, *args: Any, roundpipe_run_config: RoundPipeRunConfig = RoundPipeRunConfig(), **kwargs: Any
+    ) -> Any:
         """Run the model over all microbatches; with gradients enabled the result is connected to
         autograd, and ``backward()`` on it runs the pipelined backward."""
 
         cfg = ResolvedRunConfig(roundpipe_run_config, self.model_run_config)
         if cfg.requires_grad and not torch.is_grad_enabled():
-            raise RuntimeError("RoundPipeRunConfig(requires_grad=True) but gradients are disabled (torch.no_grad); enable grad or drop requires_grad")
+            raise RuntimeError(
+                "RoundPipeRunConfig(requires_grad=True) but gradients are disabled (torch.no_grad); enable "
+                "grad or drop requires_grad"
+            )
         self._check_optimizer_idle()
         batch = Batch(args, kwargs, cfg)
         train = cfg.requires_grad and self._needs_graph(batch)
@@ -443,7 +475,12 @@ class RoundPipe(RoundPipeBase):
                 guarded(run, f"model {self.name!r} forward", lambda: dispatch_forward(run))
             run.timer.finish()
             return batch.dump(cfg)
-        inputs = [t for leaves in run.input_leaves for t, want in zip(leaves, [isinstance(x, torch.Tensor) and x.requires_grad for x in leaves]) if want]
+        inputs = [
+            t
+            for leaves in run.input_leaves
+            for t, want in zip(leaves, [isinstance(x, torch.Tensor) and x.requires_grad for x in leaves])
+            if want
+        ]
         tag = torch.empty(0, requires_grad=True)
         outs = iter(RoundPipeBatchedBackward.apply(run, tag, *inputs))
         for m, leaves in enumerate(batch.flatten_states):
@@ -512,7 +549,9 @@ class AutoRoundPipe(RoundPipeBase):
     thread; they form one extra unit of the step protocol, fenced at the start of ``forward``.
     """
 
-    def __init__(self, model: nn.Module, name: Optional[str] = None, optim_dtype: Optional[torch.dtype] = None, **kwargs: Any) -> None:
+    def __init__(
+        self, model: nn.Module, name: Optional[str] = None, optim_dtype: Optional[torch.dtype] = None, **kwargs: Any
+    ) -> None:
         super().__init__(model, name if name is not None else get_call_location(1), optim_dtype)
         self.__dict__["_host_attr"] = LayerAttribute(-1, f"{self.name}.host")
         self._finish_init()

@@ -121,7 +121,9 @@ class Run:
         self.contexts = [MicrobatchState(m) for m in range(batch.num_microbatch)]
         # Per layer: its device gradient reduction (data parallel, ``grad_sync.layer_reducer``) or None.
         sync = model.grad_sync if self.enable_grad else None
-        self.reducers: List[Optional[LayerReducer]] = [sync.layer_reducer(model, i) if sync is not None else None for i in range(model.num_layers)]
+        self.reducers: List[Optional[LayerReducer]] = [
+            sync.layer_reducer(model, i) if sync is not None else None for i in range(model.num_layers)
+        ]
         self.saved_buffers: Dict[int, Dict[str, torch.Tensor]] = {}
         self.loss_fn = loss_fn
         self.return_outputs = return_outputs
@@ -135,7 +137,9 @@ class Run:
         if run_type in ("fused", "train") and plan.bwd_plan:
             fused = plan.bwd_plan[-1]
             has_buffers = any(True for i in fused for _ in model.layers[i].buffers())
-            self.fused_parts = split_parts(device_mod.get_num_devices(), batch.num_microbatch, has_buffers, split_enabled())
+            self.fused_parts = split_parts(
+                device_mod.get_num_devices(), batch.num_microbatch, has_buffers, split_enabled()
+            )
             if self.fused_parts > 1:
                 self.partial_grads = PartialGrads(self.fused_parts, fused, model.partial_grad_store)
         # Which device runs each job ('f', g) / ('b', b) / ('fb', part), fixed at dispatch (roundpipe.dispatch).
@@ -148,7 +152,9 @@ class Run:
         # Bytes of backward-stage inputs this call may still keep on the device (one device only: there
         # every job runs on the same device thread, the only one that reserves from this budget). The
         # budget is per call: every call awaiting its backward may hold this much.
-        self.device_saved_left = self._device_saved_budget() if self.enable_grad and device_mod.get_num_devices() == 1 else 0
+        self.device_saved_left = (
+            self._device_saved_budget() if self.enable_grad and device_mod.get_num_devices() == 1 else 0
+        )
         # Gradient shares of tied parameters, summed into the owner layer's share on its device.
         self.tied = TiedGrads(model.layer_attrs, device_mod.get_num_devices() == 1) if self.enable_grad else None
         # Per microbatch: group boundaries whose output the producing job left on the device for the
@@ -158,7 +164,9 @@ class Run:
         # the call's start, ``roundpipe.host_buffers.StepCycle``; read by the device threads).
         self.grad_into_weights = False
         # Autocast is thread-local: carry the caller's settings into the device threads.
-        self.autocast: List[Tuple[str, torch.dtype]] = [(dt, torch.get_autocast_dtype(dt)) for dt in ("cuda", "cpu") if torch.is_autocast_enabled(dt)]
+        self.autocast: List[Tuple[str, torch.dtype]] = [
+            (dt, torch.get_autocast_dtype(dt)) for dt in ("cuda", "cpu") if torch.is_autocast_enabled(dt)
+        ]
         # The model input per microbatch (the batch's states are replaced by each group's outputs).
         self.input_leaves: List[Leaves] = [list(leaves) for leaves in batch.flatten_states]
         for ctx, leaves in zip(self.contexts, batch.flatten_states):
@@ -185,7 +193,9 @@ class Run:
         self.device_saved_left -= nbytes
         return True
 
-    def take_stage_input(self, ctx: MicrobatchState, layer_id: int, device: "DeviceManager") -> Tuple[Leaves, pytree.TreeSpec]:
+    def take_stage_input(
+        self, ctx: MicrobatchState, layer_id: int, device: "DeviceManager"
+    ) -> Tuple[Leaves, pytree.TreeSpec]:
         """Backward stage ``layer_id``'s saved input of ``ctx``'s microbatch on ``device``: kept there in
         forward, or uploaded from its host copy."""
         kept = ctx.device_inputs.pop(layer_id, None)

@@ -48,7 +48,9 @@ class RoundPipeRunConfig:
     def __post_init__(self) -> None:
         if self.recompute_grain is not None and self.recompute_grain not in _RECOMPUTE_GRAINS:
             raise ValueError(f"recompute_grain={self.recompute_grain!r}: expected 'stage' or 'layer'")
-        if self.num_microbatch is not None and (isinstance(self.num_microbatch, bool) or not isinstance(self.num_microbatch, int) or self.num_microbatch < 1):
+        if self.num_microbatch is not None and (
+            isinstance(self.num_microbatch, bool) or not isinstance(self.num_microbatch, int) or self.num_microbatch < 1
+        ):
             raise ValueError(f"num_microbatch={self.num_microbatch!r}: expected a positive integer")
         if self.output_device is not None:
             self.output_device = torch.device(self.output_device)

@@ -127,7 +127,10 @@ def _watch(limit: float) -> None:
         stalled = time.monotonic() - _last_progress
         if _main_waits > 0 and stalled > limit:
             with thread_exception_print_lock:
-                print(f"roundpipe watchdog: no progress for {stalled:.0f} s (RPP_WATCHDOG_S={limit:g}); thread stacks:", file=sys.stderr)
+                print(
+                    f"roundpipe watchdog: no progress for {stalled:.0f} s (RPP_WATCHDOG_S={limit:g}); thread stacks:",
+                    file=sys.stderr,
+                )
                 print("--- main thread ---", file=sys.stderr)
                 print_trimmed_traceback(sys._current_frames().get(threading.main_thread().ident))
             dump_all_active_threads()

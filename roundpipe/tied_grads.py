@@ -84,7 +84,14 @@ class TiedGrads:
                     attr.grad_cpu[lid] = None  # summed here: reduce_shared_grads must not add it again
                 self.fetched[id(p)] = shares
 
-    def merge(self, p: torch.Tensor, attr: ParamAttribute, layer_id: int, grad: Optional[torch.Tensor], hold: List[torch.Tensor]) -> Optional[torch.Tensor]:
+    def merge(
+        self,
+        p: torch.Tensor,
+        attr: ParamAttribute,
+        layer_id: int,
+        grad: Optional[torch.Tensor],
+        hold: List[torch.Tensor],
+    ) -> Optional[torch.Tensor]:
         """At the owner's download (the current stream is its gradient stream, past its compute): add the
         sharers' shares (kept on this device, or uploaded by ``fetch``) into ``grad`` and return the
         gradient to download. Device tensors read here go to ``hold``: the caller keeps them until the

@@ -98,7 +98,9 @@ class LayerTimingContext:
     keep only complete measurements.
     """
 
-    def __init__(self, start_event: Any, end_event: Any, stream: Any, on_exit: Optional[Callable[[], None]] = None) -> None:
+    def __init__(
+        self, start_event: Any, end_event: Any, stream: Any, on_exit: Optional[Callable[[], None]] = None
+    ) -> None:
         self.start_event = start_event
         self.end_event = end_event
         self.stream = stream
@@ -249,7 +251,12 @@ class ModelTimer:
             self.calls += 1
         return IterTimer(self, active=n < self.TIMED_FIRST or n % self.TIMED_EVERY == 0)
 
-    def add_iteration(self, fwd_events: TimerFwdEventsType, bwd_events: TimerBwdEventsType, group_events: Optional[TimerGroupEventsType] = None) -> None:
+    def add_iteration(
+        self,
+        fwd_events: TimerFwdEventsType,
+        bwd_events: TimerBwdEventsType,
+        group_events: Optional[TimerGroupEventsType] = None,
+    ) -> None:
         """Queue a finished iteration's events (called by ``IterTimer.finish``)."""
         with self.lock:
             self.iter_results.append((fwd_events, bwd_events, group_events or {}))
@@ -340,14 +347,21 @@ class ModelTimer:
 
     # -----------------------------------------------------------------------------------------------------
 
-    def _absorb(self, fwd_events: TimerFwdEventsType, bwd_events: TimerBwdEventsType, group_events: Optional[TimerGroupEventsType] = None) -> bool:
+    def _absorb(
+        self,
+        fwd_events: TimerFwdEventsType,
+        bwd_events: TimerBwdEventsType,
+        group_events: Optional[TimerGroupEventsType] = None,
+    ) -> bool:
         fwd_ms = _mean_ms({layer: ps for (action, layer), ps in fwd_events.items() if action == "fwd"})
         re_ms = _mean_ms({layer: ps for (action, layer), ps in fwd_events.items() if action == "re"})
         group_ms = _mean_ms(bwd_events)
         if group_events:
             fwd_groups = _mean_ms({g: ps for (kind, g), ps in group_events.items() if kind == "fwd"})
             fwd_ms.update(self._spread(fwd_groups, "fwd"))
-            for i, (r, b) in self._split_rebwd(_mean_ms({g: ps for (kind, g), ps in group_events.items() if kind == "rebwd"})).items():
+            for i, (r, b) in self._split_rebwd(
+                _mean_ms({g: ps for (kind, g), ps in group_events.items() if kind == "rebwd"})
+            ).items():
                 re_ms[i] = r
                 group_ms[range(i, i + 1)] = b
         changed = False

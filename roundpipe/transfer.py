@@ -111,7 +111,12 @@ def _sliced(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """Whether a host-device copy of ``src`` into ``dst`` goes in ``CHUNK_UPLOAD_SIZE`` slices: large
     and contiguous on both sides, with ``chunked_upload`` on. A copy engine can then take the copies of
     a higher-priority stream (activations) between the slices instead of after the whole tensor."""
-    return chunked_upload and src.numel() * src.element_size() > CHUNK_UPLOAD_SIZE and src.is_contiguous() and dst.is_contiguous()
+    return (
+        chunked_upload
+        and src.numel() * src.element_size() > CHUNK_UPLOAD_SIZE
+        and src.is_contiguous()
+        and dst.is_contiguous()
+    )
 
 
 def _upload_param(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -141,7 +146,9 @@ def _upload_into(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
 
 
-def async_h2d(device: Any, host_ready_event: Iterable[Event], host_tensors: Iterable[Any], keep_requires_grad: bool = False) -> List[Any]:
+def async_h2d(
+    device: Any, host_ready_event: Iterable[Event], host_tensors: Iterable[Any], keep_requires_grad: bool = False
+) -> List[Any]:
     """Upload tensors (non-tensors pass through) on the activation upload stream.
 
     The upload stream first waits for ``host_ready_event`` (e.g. the download that produced the host
@@ -163,7 +170,9 @@ def async_h2d(device: Any, host_ready_event: Iterable[Event], host_tensors: Iter
     return out
 
 
-def _copy_after_compute(device: Any, tensors: List[Any], copy: Callable[[torch.Tensor], torch.Tensor]) -> Tuple[List[Any], Event]:
+def _copy_after_compute(
+    device: Any, tensors: List[Any], copy: Callable[[torch.Tensor], torch.Tensor]
+) -> Tuple[List[Any], Event]:
     """``copy`` of each tensor (non-tensors pass through), issued on ``device``'s download stream after
     the compute queued so far, and the event that marks the copies done.
 
@@ -175,7 +184,9 @@ def _copy_after_compute(device: Any, tensors: List[Any], copy: Callable[[torch.T
     with torch.no_grad(), backend.use_stream(stream):
         out = [copy(t) if isinstance(t, torch.Tensor) else t for t in tensors]
     done = backend.record_event(stream)
-    device.mem_manager.free_after([done], [t for t in tensors if isinstance(t, torch.Tensor) and t.device.type != "cpu"])
+    device.mem_manager.free_after(
+        [done], [t for t in tensors if isinstance(t, torch.Tensor) and t.device.type != "cpu"]
+    )
     return out, done
 
 
@@ -187,7 +198,9 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def async_d2h(device: Any, transfer_finish_event: List[Event], device_tensors: Iterable[Any], keep_requires_grad: bool = False) -> List[Any]:
+def async_d2h(
+    device: Any, transfer_finish_event: List[Event], device_tensors: Iterable[Any], keep_requires_grad: bool = False
+) -> List[Any]:
     """Download tensors to (pinned) host memory on ``downstream`` after the compute queued so far.
 
     Appends the event marking completion to ``transfer_finish_event``. Non-tensors pass through.
@@ -233,7 +246,9 @@ def _device_copy(mod: nn.Module, tensors: Dict[int, torch.Tensor], memo: Dict[in
     memo[id(mod)] = new
     new.__dict__["_parameters"] = {k: (None if p is None else tensors[id(p)]) for k, p in mod._parameters.items()}
     new.__dict__["_buffers"] = {k: (None if b is None else tensors[id(b)]) for k, b in mod._buffers.items()}
-    new.__dict__["_modules"] = {k: (None if c is None else _device_copy(c, tensors, memo)) for k, c in mod._modules.items()}
+    new.__dict__["_modules"] = {
+        k: (None if c is None else _device_copy(c, tensors, memo)) for k, c in mod._modules.items()
+    }
     return new
 
 
@@ -243,7 +258,12 @@ def host_grad(p: torch.Tensor, layer_id: int) -> Optional[torch.Tensor]:
     if not attr.shared:
         return p.grad
     g = attr.grad_cpu.get(layer_id)
-    if g is None and layer_id == min(attr.layer_ids) and p.grad is not None and any(p.grad is b for b in attr.grad_buffer.get(layer_id, [])):
+    if (
+        g is None
+        and layer_id == min(attr.layer_ids)
+        and p.grad is not None
+        and any(p.grad is b for b in attr.grad_buffer.get(layer_id, []))
+    ):
         # reduce_shared_grads summed the shares into this layer's buffer: it carries the running sum.
         return p.grad
     return g
@@ -285,10 +305,10 @@ def upload_layers(
     reducing on the device adds the accumulated host gradient inside the reduction, after weighting
     this rank's share; see ``roundpipe.grad_sync``). Default: all seeded.
 
-    ``slots`` (``graphs.LayerSlot`` per layer, a graphed job): the weights go into the slots' fixed
-    storage instead of new tensors, and the slot's gradient buffer of a trainable one is seeded from the
-    host gradient (and is its ``.grad``) or zeroed. The stream first waits for the slot's ``release``: the job that used it
-    last is done reading it (its compute and gradient downloads).
+    ``slots`` (``graphs.LayerSlot`` per layer, a graphed job): the weights go into the slots' fixed storage instead of
+    new tensors, and the slot's gradient buffer of a trainable one is seeded from the host gradient (and is its
+    ``.grad``) or zeroed. The stream first waits for the slot's ``release``: the job that used it last is done reading
+    it (its compute and gradient downloads).
     """
     stream = device.param_upstream
     out: List[nn.Module] = []
@@ -438,7 +458,9 @@ def download_layer(
             layer_attr.grad_download_started.set()
 
 
-def _grad_buffer(p: torch.Tensor, attr: ParamAttribute, layer_id: int, dev_grad: torch.Tensor, into_weights: bool = False) -> torch.Tensor:
+def _grad_buffer(
+    p: torch.Tensor, attr: ParamAttribute, layer_id: int, dev_grad: torch.Tensor, into_weights: bool = False
+) -> torch.Tensor:
     """A pinned host buffer to download ``dev_grad`` into: one the optimizer is not reading.
 
     A gradient still accumulating on the host (``p.grad``, added into ``dev_grad`` by the upload) is
@@ -468,7 +490,11 @@ def _grad_buffer(p: torch.Tensor, attr: ParamAttribute, layer_id: int, dev_grad:
     pinned = backend.pin_enabled()  # asynchronous downloads need pinned memory
     if attr.shared:
         seed = host_grad(p, layer_id)
-        moved = attr.move_weights(p, dev_grad.dtype, pinned) if into_weights and layer_id == min(attr.layer_ids) and seed is None else None
+        moved = (
+            attr.move_weights(p, dev_grad.dtype, pinned)
+            if into_weights and layer_id == min(attr.layer_ids) and seed is None
+            else None
+        )
         return attr.shared_grad_buffer(layer_id, dev_grad, seed, moved)
     g = p.grad
     if g is not None and g.device.type == "cpu" and g.shape == dev_grad.shape and g.dtype == dev_grad.dtype:
@@ -477,7 +503,12 @@ def _grad_buffer(p: torch.Tensor, attr: ParamAttribute, layer_id: int, dev_grad:
     if moved is not None:
         return moved
     buf = attr.take_spare(dev_grad.shape, dev_grad.dtype, pinned)
-    if buf is None and attr.held is not None and settings.grad_buffers_limit() == 1 and not settings.stage_params_enabled():
+    if (
+        buf is None
+        and attr.held is not None
+        and settings.grad_buffers_limit() == 1
+        and not settings.stage_params_enabled()
+    ):
         from roundpipe.optim import thread as optim_thread
 
         optim_thread.synchronize()

@@ -27,7 +27,12 @@ def get_model_compute_size(model: nn.Module) -> float:
     parameters and buffers, with embedding tables counted at 1% (a lookup reads only the rows it needs,
     so a 150k-token embedding is fast however large; counting it in full made the first plan treat it as
     the slowest layer and group everything else around it)."""
-    lookup = {id(t) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for t in m.parameters(recurse=False)}
+    lookup = {
+        id(t)
+        for m in model.modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+        for t in m.parameters(recurse=False)
+    }
     seen = {}
     for t in list(model.parameters()) + list(model.buffers()):
         seen[id(t)] = t.numel() * t.element_size() * (0.01 if id(t) in lookup else 1.0)

@@ -147,7 +147,9 @@ def wrap_model_recursive(
     Returns:
         A RoundPipe wrapping ``model``, or ``model`` itself with its children replaced in place.
     """
-    walk = _Wrapping(lower_threshold, upper_threshold, skip_modules, override_config, model_run_config, roundpipe_kwargs)
+    walk = _Wrapping(
+        lower_threshold, upper_threshold, skip_modules, override_config, model_run_config, roundpipe_kwargs
+    )
     if _is_skipped(model, skip_modules) or isinstance(model, RoundPipeBase):
         return model
     if walk.fits(model):
@@ -184,10 +186,24 @@ class CausalLMLossSums(nn.Module):
             shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         shift_labels = shift_labels.to(logits.device).contiguous()
         # num_items_in_batch=1 makes the loss a plain sum (the function's own "sum" reduction).
-        total = self.loss_function(logits, None, vocab_size, num_items_in_batch=1, ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+        total = self.loss_function(
+            logits,
+            None,
+            vocab_size,
+            num_items_in_batch=1,
+            ignore_index=ignore_index,
+            shift_labels=shift_labels,
+            **kwargs,
+        )
         count = (shift_labels != ignore_index).sum().to(torch.float32)
-        divisor = float(num_items_in_batch.item() if isinstance(num_items_in_batch, torch.Tensor) else (num_items_in_batch or 0))
-        return {"sum": total.reshape(1), "count": count.reshape(1), "divisor": torch.full((1,), divisor, device=logits.device)}
+        divisor = float(
+            num_items_in_batch.item() if isinstance(num_items_in_batch, torch.Tensor) else (num_items_in_batch or 0)
+        )
+        return {
+            "sum": total.reshape(1),
+            "count": count.reshape(1),
+            "divisor": torch.full((1,), divisor, device=logits.device),
+        }
 
 
 def _check_labels_first(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
@@ -228,7 +244,9 @@ def merge_causal_lm_loss(outputs: List[Dict[str, torch.Tensor]]) -> torch.Tensor
     return total / torch.cat([o["count"] for o in outputs]).sum()
 
 
-def wrap_loss_function(model: nn.Module, model_run_config: RoundPipeRunConfig, name: str, **roundpipe_kwargs: Any) -> bool:
+def wrap_loss_function(
+    model: nn.Module, model_run_config: RoundPipeRunConfig, name: str, **roundpipe_kwargs: Any
+) -> bool:
     """Put a Hugging Face model's causal-LM ``loss_function`` on the devices: a RoundPipe over
     :class:`CausalLMLossSums` (merged exactly by :func:`merge_causal_lm_loss`) replaces it through
     the model's ``loss_function`` setter. Other loss functions stay as they are. Returns whether it
@@ -238,12 +256,21 @@ def wrap_loss_function(model: nn.Module, model_run_config: RoundPipeRunConfig, n
     except ImportError:  # pragma: no cover - transformers without the loss mapping
         return False
     prop = getattr(type(model), "loss_function", None)
-    if getattr(model, "loss_function", None) is not ForCausalLMLoss or not isinstance(prop, property) or prop.fset is None:
+    if (
+        getattr(model, "loss_function", None) is not ForCausalLMLoss
+        or not isinstance(prop, property)
+        or prop.fset is None
+    ):
         return False
     config = dataclasses.replace(model_run_config, merge_output=merge_causal_lm_loss)
     # Through the property's setter: a plain attribute write of a module would register a submodule
     # named ``loss_function`` that the property (a class attribute) hides.
-    prop.fset(model, RoundPipe(CausalLMLossSums(ForCausalLMLoss), model_run_config=config, name=f"{name}.loss_function", **roundpipe_kwargs))
+    prop.fset(
+        model,
+        RoundPipe(
+            CausalLMLossSums(ForCausalLMLoss), model_run_config=config, name=f"{name}.loss_function", **roundpipe_kwargs
+        ),
+    )
     model.register_forward_pre_hook(_check_labels_first, with_kwargs=True)
     return True
 
@@ -316,4 +343,10 @@ def wrap_model_to_roundpipe(
     return AutoRoundPipe(wrapped, name=name, optim_dtype=roundpipe_kwargs.get("optim_dtype"))
 
 
-__all__ = ["CausalLMLossSums", "merge_causal_lm_loss", "wrap_loss_function", "wrap_model_recursive", "wrap_model_to_roundpipe"]
+__all__ = [
+    "CausalLMLossSums",
+    "merge_causal_lm_loss",
+    "wrap_loss_function",
+    "wrap_model_recursive",
+    "wrap_model_to_roundpipe",
+]

@@ -92,7 +92,9 @@ def torchrun(
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     if monitor_s is not None:
         cmd += ["--monitor-interval", str(monitor_s)]
-    return subprocess.run(cmd + [script, *args], cwd=str(tmp_path), env=full_env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        cmd + [script, *args], cwd=str(tmp_path), env=full_env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 # Ops whose result the host must wait for on CUDA (data-dependent sizes, or a value read back).

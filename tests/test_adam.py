@@ -210,7 +210,9 @@ def test_state_dict_round_trip_both_ways(impl) -> None:
     assert sd_ours["param_groups"] == sd_ref["param_groups"]
     assert sd_ours["state"].keys() == sd_ref["state"].keys()
     for i, st in sd_ref["state"].items():
-        assert {k: (v.dtype, v.shape) for k, v in st.items()} == {k: (v.dtype, v.shape) for k, v in sd_ours["state"][i].items()}
+        assert {k: (v.dtype, v.shape) for k, v in st.items()} == {
+            k: (v.dtype, v.shape) for k, v in sd_ours["state"][i].items()
+        }
 
 
 def test_named_parameters(impl) -> None:
@@ -352,7 +354,9 @@ def test_the_kernel_is_built_before_the_first_step(impl, monkeypatch, tmp_path) 
     monkeypatch.setattr(optim_builder, "_build_errors", {})
     compiled_on: List[str] = []
     real = optim_builder._compile
-    monkeypatch.setattr(optim_builder, "_compile", lambda *a: (compiled_on.append(threading.current_thread().name), real(*a))[1])
+    monkeypatch.setattr(
+        optim_builder, "_compile", lambda *a: (compiled_on.append(threading.current_thread().name), real(*a))[1]
+    )
     ps = make_params(2)
     opt = Adam(ps, lr=0.01)
     for t in threading.enumerate():

@@ -144,7 +144,9 @@ def test_no_module_imports_a_private_name_of_another() -> None:
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_files_stay_under_the_size_limit(name: str) -> None:
     lines = len(MODULES[name].read_text().splitlines())
-    assert lines <= MAX_LINES, f"{MODULES[name].relative_to(ROOT)} has {lines} lines (limit {MAX_LINES}); split it along its joints"
+    assert lines <= MAX_LINES, (
+        f"{MODULES[name].relative_to(ROOT)} has {lines} lines (limit {MAX_LINES}); split it along its joints"
+    )
 
 
 def test_the_device_layer_knows_nothing_of_runs() -> None:

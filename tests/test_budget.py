@@ -38,7 +38,9 @@ def _profile(rp: Any, batch: Dict[str, torch.Tensor]) -> budget.ActivationProfil
 
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
-def test_host_budget_merges_backward_stages_and_training_is_unchanged(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_host_budget_merges_backward_stages_and_training_is_unchanged(
+    workers: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With room for two stage-input checkpoints only, the plan cuts the decoder layers into stages of
     several layers (fewer checkpoints); loss and gradients stay those of Hugging Face."""
     hf = tiny_model("qwen3")
@@ -75,7 +77,9 @@ def test_a_call_that_cannot_fit_is_refused_before_its_first_job(workers: str, mo
         rp.train_step(**{k: v for k, v in batch.items() if v is not None})
     msg = str(err.value)
     assert "does not fit" in msg and "GiB of host memory for activation checkpoints" in msg and "available" in msg
-    longest = int(msg.split("The longest sequence of this batch shape that fits: ")[1].split(" tokens")[0].replace(",", ""))
+    longest = int(
+        msg.split("The longest sequence of this batch shape that fits: ")[1].split(" tokens")[0].replace(",", "")
+    )
     assert 0 < longest < SEQ
     assert launched == []
     # The sequence it names does fit (the same budgets plan it).
@@ -95,7 +99,10 @@ def test_estimate_counts_the_checkpoints_the_runtime_keeps(monkeypatch: pytest.M
     config = hf.config
     batch = make_batch(False, batch=BATCH, seq=SEQ)
     rp = roundpipe.wrap_model_to_roundpipe(
-        hf, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=ModelExecutePlan.layerwise(config.num_hidden_layers + 2, "fused"))
+        hf,
+        model_run_config=RoundPipeRunConfig(
+            num_microbatch=2, execute_plan=ModelExecutePlan.layerwise(config.num_hidden_layers + 2, "fused")
+        ),
     )
     saved: Dict[int, int] = {}  # storage -> bytes, over every saved stage input of every microbatch
     stages = set()
@@ -117,7 +124,9 @@ def test_estimate_counts_the_checkpoints_the_runtime_keeps(monkeypatch: pytest.M
     shape = estimate.ModelShape.from_config(config)
     assert len([lid for lid in stages if lid > 0]) == config.num_hidden_layers
     e = estimate.estimate(shape, SEQ, BATCH, microbatches=2, dtype_bytes=4, tile=0, pinned=False)
-    measured = sum(saved.values()) - sum(t.numel() * t.element_size() for t in batch.values() if t is not None)  # not the model input
+    measured = sum(saved.values()) - sum(
+        t.numel() * t.element_size() for t in batch.values() if t is not None
+    )  # not the model input
     assert abs(e.host_parts["checkpoints"] - measured) / measured < 0.15, (e.host_parts["checkpoints"], measured)
 
 
@@ -144,7 +153,11 @@ def test_decoder_layer_estimate_matches_the_saved_tensors_of_a_tiled_layer() -> 
     from roundpipe.context import RecomputeCtx
 
     # As the runtime runs it before the backward: a recompute (the layer's last in its stage).
-    with roundpipe.settings.overridden(seq_tile=tile), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), RecomputeCtx(None):
+    with (
+        roundpipe.settings.overridden(seq_tile=tile),
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        RecomputeCtx(None),
+    ):
         out = tiling.maybe_tiled_forward(layer, x, mask, pos, pe)
         assert out is not None, "the layer did not tile"
     config = base.config
@@ -174,7 +187,11 @@ def _saved_bytes_of_layer(base: torch.nn.Module, layer: torch.nn.Module, seq: in
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(x, attention_mask=mask, position_ids=pos, position_embeddings=pe)
-    skip = {x.untyped_storage().data_ptr()} | {t.untyped_storage().data_ptr() for t in pe} | {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    skip = (
+        {x.untyped_storage().data_ptr()}
+        | {t.untyped_storage().data_ptr() for t in pe}
+        | {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    )
     if mask is not None:
         skip.add(mask.untyped_storage().data_ptr())
     return sum(v for k, v in storages.items() if k not in skip)
@@ -210,7 +227,9 @@ def test_decoder_layer_estimate_matches_the_saved_tensors_of_a_layer_run_module_
     kept, peak, extra = _module_estimate(base, layer, seq)
     shape = estimate.ModelShape.from_config(base.config)
     norms = 2 * (2 * shape.hidden + shape.q_dim + shape.kv_dim)
-    assert extra == (estimate.lora_bytes_per_token(shape, 4) if lora else norms + estimate.projection_inputs_per_token(shape))
+    assert extra == (
+        estimate.lora_bytes_per_token(shape, 4) if lora else norms + estimate.projection_inputs_per_token(shape)
+    )
     assert abs(measured - kept) / measured < 0.15, (measured, kept)
     assert peak > kept
     # The whole-layer formula, which this path had used, falls far short of it.
@@ -220,7 +239,9 @@ def test_decoder_layer_estimate_matches_the_saved_tensors_of_a_layer_run_module_
 
 @pytest.mark.parametrize("targets", [("q_proj", "v_proj"), ("gate_proj", "up_proj", "down_proj")], ids=["qv", "mlp"])
 @pytest.mark.parametrize("adapter_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_layer_estimate_follows_which_projections_have_adapters(targets: Tuple[str, ...], adapter_dtype: torch.dtype) -> None:
+def test_layer_estimate_follows_which_projections_have_adapters(
+    targets: Tuple[str, ...], adapter_dtype: torch.dtype
+) -> None:
     """With frozen base weights a projection's input is saved only where an adapter reads it: in the
     layer's dtype it is the input itself (shared by q / k / v or gate / up), in another dtype each
     adapter's own cast copy. The estimate read off the layer equals the saved-tensor bytes of an eager
@@ -256,20 +277,53 @@ def test_roundpipe_plan_command(tmp_path: Any) -> None:
     import sys
 
     def plan(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "roundpipe.cli.plan", *args], capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "roundpipe.cli.plan", *args], capture_output=True, text=True, timeout=120
+        )
 
-    ok = plan("--model", "qwen3-8b", "--seq-len", "262144", "--lora-r", "16", "--gpu-memory", "80GB", "--host-memory", "128GiB")
+    ok = plan(
+        "--model",
+        "qwen3-8b",
+        "--seq-len",
+        "262144",
+        "--lora-r",
+        "16",
+        "--gpu-memory",
+        "80GB",
+        "--host-memory",
+        "128GiB",
+    )
     assert ok.returncode == 0, ok.stderr
-    assert "peak GPU" in ok.stdout and "peak host" in ok.stdout and "KiB per token" in ok.stdout and "longest context" in ok.stdout
-    too_big = plan("--model", "qwen3-8b", "--seq-len", "262144", "--lora-r", "16", "--gpu-memory", "24GiB", "--host-memory", "64GiB")
+    assert (
+        "peak GPU" in ok.stdout
+        and "peak host" in ok.stdout
+        and "KiB per token" in ok.stdout
+        and "longest context" in ok.stdout
+    )
+    too_big = plan(
+        "--model",
+        "qwen3-8b",
+        "--seq-len",
+        "262144",
+        "--lora-r",
+        "16",
+        "--gpu-memory",
+        "24GiB",
+        "--host-memory",
+        "64GiB",
+    )
     assert too_big.returncode == 1 and "does NOT fit" in too_big.stdout
     config = tiny_model("qwen3").config
     config.max_position_embeddings = 4096  # plan refuses a longer sequence than the model takes, as train does
     (tmp_path / "config.json").write_text(config.to_json_string())
-    as_json = plan("--model", str(tmp_path), "--seq-len", "4096", "--gpu-memory", "8GiB", "--host-memory", "16GiB", "--json")
+    as_json = plan(
+        "--model", str(tmp_path), "--seq-len", "4096", "--gpu-memory", "8GiB", "--host-memory", "16GiB", "--json"
+    )
     assert as_json.returncode == 0, as_json.stderr
     got = json.loads(as_json.stdout)
-    want = estimate.estimate(estimate.ModelShape.from_config(config), 4096, gpu_bytes=8 * estimate.GiB)  # one GPU: its stage inputs there
+    want = estimate.estimate(
+        estimate.ModelShape.from_config(config), 4096, gpu_bytes=8 * estimate.GiB
+    )  # one GPU: its stage inputs there
     assert got["peak_gpu_bytes"] == want.peak_gpu_bytes and got["peak_host_bytes"] == want.peak_host_bytes
     bad = plan("--model", str(tmp_path / "missing"), "--seq-len", "4096")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "config.json" in bad.stderr
@@ -284,13 +338,17 @@ def test_estimate_counts_the_split_fused_stage_host_buffers() -> None:
     hf = tiny_model("qwen3")
     config = hf.config
     n = config.num_hidden_layers + 2
-    plan = ModelExecutePlan([range(i, i + 1) for i in range(n - 2)], [range(i, i + 1) for i in range(n - 2)] + [range(n - 2, n)])
+    plan = ModelExecutePlan(
+        [range(i, i + 1) for i in range(n - 2)], [range(i, i + 1) for i in range(n - 2)] + [range(n - 2, n)]
+    )
     rp = roundpipe.wrap_model_to_roundpipe(hf, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
     batch = make_batch(False, batch=BATCH, seq=SEQ)
     rp.train_step(**{k: v for k, v in batch.items() if v is not None})
     measured = sum(buf.numel() * buf.element_size() for buf in rp.partial_grad_store.values())
     shape = estimate.ModelShape.from_config(config)
-    one, two = (estimate.estimate(shape, SEQ, BATCH, microbatches=2, dtype_bytes=4, pinned=False, devices=d) for d in (1, 2))
+    one, two = (
+        estimate.estimate(shape, SEQ, BATCH, microbatches=2, dtype_bytes=4, pinned=False, devices=d) for d in (1, 2)
+    )
     expected = two.host_parts["optimizer"] - one.host_parts["optimizer"]
     assert measured > 0 and abs(expected - measured) / measured < 0.02, (expected, measured)
 
@@ -331,7 +389,9 @@ def _kept_counts(monkeypatch: pytest.MonkeyPatch) -> List[bool]:
 
 @pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
 @pytest.mark.parametrize("room", ["all", "none", "explicit 0"])
-def test_auto_keeps_stage_inputs_in_the_room_the_plan_leaves(workers: str, room: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_keeps_stage_inputs_in_the_room_the_plan_leaves(
+    workers: str, room: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``RPP_DEVICE_SAVED_GB=auto`` (the default) on one device: a forward_backward call keeps its
     backward-stage inputs on the device while the room the plan leaves holds them (all of them on a CPU
     worker's host-sized "device"; none when that room is 0 or the variable says 0); loss and
@@ -398,7 +458,9 @@ def test_the_estimates_room_for_stage_inputs_is_the_runtimes(monkeypatch: pytest
 
 
 @pytest.mark.parametrize("setting", ["auto", "0", "2", "several GPUs", "small GPU"])
-def test_estimate_keeps_stage_inputs_on_one_gpu_as_the_runtime_does(setting: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_estimate_keeps_stage_inputs_on_one_gpu_as_the_runtime_does(
+    setting: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With the GPU's memory given, a one-GPU estimate counts the backward stages' inputs that fit the room
     (``RPP_DEVICE_SAVED_GB``: auto, or a number of GiB) on the GPU, whole and unrounded, and the rest on
     the host; host plus GPU keep every input once; 0, several GPUs or no GPU size: all on the host as
@@ -425,7 +487,9 @@ def test_estimate_keeps_stage_inputs_on_one_gpu_as_the_runtime_does(setting: str
     assert e.peak_gpu_bytes <= gpu
 
 
-def test_plan_cli_counts_one_gpus_stage_inputs_on_the_gpu(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plan_cli_counts_one_gpus_stage_inputs_on_the_gpu(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``roundpipe plan`` on one 80 GiB GPU: qwen3-1.7b at 8 x 4096 keeps every stage input on the GPU
     (measured with the default on an H100: 16.4 host bytes/param, docs/benchmarks.md), so its host
     estimate is the weights, optimizer and one buffer (16 bytes/param), the side tensors and the

@@ -91,7 +91,9 @@ def _reference_state(shape: Tuple[int, ...], steps: int) -> Tuple[torch.Tensor, 
     return m, v, 1.0 + 0.3 * torch.randn(shape, generator=g, dtype=torch.float64)
 
 
-def _one_step_from(state_dtype: str, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, step: int) -> Tuple[torch.Tensor, Adam]:
+def _one_step_from(
+    state_dtype: str, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, step: int
+) -> Tuple[torch.Tensor, Adam]:
     """The update of one compact step from the fp32 state (m, v) converted into ``state_dtype``."""
     p = nn.Parameter(torch.zeros(m.shape))
     opt = Adam([p], lr=1e-3, state_dtype=state_dtype)
@@ -163,7 +165,9 @@ def test_modes_track_float64_adam(impl: str, mode: Tuple[str, str, str]) -> None
         err = (p.detach().double() - r).abs()
         tol = 0.05 * moved if state_dtype == "int8" else 0.01 * moved
         if master == "bfloat16":
-            tol += 2 * r.abs().max().item() * 2.0**-8 if rounding != "stochastic" else 4 * r.abs().max().item() * 2.0**-8
+            tol += (
+                2 * r.abs().max().item() * 2.0**-8 if rounding != "stochastic" else 4 * r.abs().max().item() * 2.0**-8
+            )
         assert err.mean() < tol / 4 and err.max() < tol * 4
 
 
@@ -221,7 +225,16 @@ def test_kahan_keeps_tiny_updates_that_nearest_loses(impl: str) -> None:
 @pytest.mark.parametrize("mode", MODES, ids=["-".join(m) for m in MODES])
 def test_checkpoint_resume_is_exact(impl: str, mode: Tuple[str, str, str]) -> None:
     state_dtype, master, rounding = mode
-    kw = dict(lr=1e-2, weight_decay=0.01, decoupled_weight_decay=True, state_dtype=state_dtype, master=master, master_rounding=rounding, block_size=32, seed=7)
+    kw = dict(
+        lr=1e-2,
+        weight_decay=0.01,
+        decoupled_weight_decay=True,
+        state_dtype=state_dtype,
+        master=master,
+        master_rounding=rounding,
+        block_size=32,
+        seed=7,
+    )
     ps = _params(master)
     opt = Adam(ps, **kw)
     _run(opt, ps, 3)
@@ -261,7 +274,9 @@ def test_fp32_state_converts_to_compact_and_back() -> None:
     for i, q in enumerate(plain.param_groups[0]["params"]):
         st = plain.state[q]
         m, v = compact.state_to_fp32(sd2["state"][i], q.shape, 64)
-        assert st["exp_avg"].dtype == torch.float32 and torch.equal(st["exp_avg"], m) and torch.equal(st["exp_avg_sq"], v)
+        assert (
+            st["exp_avg"].dtype == torch.float32 and torch.equal(st["exp_avg"], m) and torch.equal(st["exp_avg_sq"], v)
+        )
         assert set(st) == {"step", "exp_avg", "exp_avg_sq"}
     _run(plain, plain.param_groups[0]["params"], 2)
 
@@ -278,11 +293,18 @@ def _assert_same_results(finals: Dict[str, Tuple[List[nn.Parameter], Adam]]) -> 
 
 @pytest.mark.parametrize("mode", MODES, ids=["-".join(m) for m in MODES])
 @pytest.mark.parametrize("variant", ["decoupled", "coupled-maximize", "bf16-grad"])
-def test_cpp_and_torch_fallback_agree(mode: Tuple[str, str, str], variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpp_and_torch_fallback_agree(
+    mode: Tuple[str, str, str], variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if not _kernel_available():
         pytest.skip("no C++ compiler")
     state_dtype, master, rounding = mode
-    kw = dict(lr=1e-2, weight_decay=0.05, decoupled_weight_decay=variant == "decoupled", maximize=variant == "coupled-maximize")
+    kw = dict(
+        lr=1e-2,
+        weight_decay=0.05,
+        decoupled_weight_decay=variant == "decoupled",
+        maximize=variant == "coupled-maximize",
+    )
     finals = {}
     shapes = ((181, 367), (7,), (0,), (3, 5))  # (181, 367) spans chunks and ragged blocks
     for which in ("cpp", "torch"):
@@ -301,7 +323,9 @@ def test_cpp_and_torch_fallback_agree(mode: Tuple[str, str, str], variant: str, 
 
 
 @pytest.mark.parametrize("mode", MODES, ids=["-".join(m) for m in MODES])
-def test_cpp_and_torch_fallback_agree_on_extreme_values(mode: Tuple[str, str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpp_and_torch_fallback_agree_on_extreme_values(
+    mode: Tuple[str, str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Gradients from 1e-40 (subnormal) to 1e18 and zeros, coupled weight decay, in tensors whose sizes
     leave every tail of the kernel's vector loops and cross the 2^16-element step of the rounding hash."""
     if not _kernel_available():
@@ -312,7 +336,16 @@ def test_cpp_and_torch_fallback_agree_on_extreme_values(mode: Tuple[str, str, st
     for which in ("cpp", "torch"):
         monkeypatch.setenv(settings.ADAM_IMPL.name, which)
         ps = _params(master, shapes)
-        opt = Adam(ps, lr=1e-2, weight_decay=0.1, state_dtype=state_dtype, master=master, master_rounding=rounding, block_size=64, seed=3)
+        opt = Adam(
+            ps,
+            lr=1e-2,
+            weight_decay=0.1,
+            state_dtype=state_dtype,
+            master=master,
+            master_rounding=rounding,
+            block_size=64,
+            seed=3,
+        )
         g = torch.Generator().manual_seed(8)
         for _ in range(3):
             for p in ps:
@@ -428,7 +461,9 @@ def test_roundpipe_training_with_compact_state(workers: str, mode: Tuple[str, st
     final = {}
     for kind in ("fp32", "compact"):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3)).to(torch.bfloat16)
+        model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3)).to(
+            torch.bfloat16
+        )
         if kind == "fp32":
             rp = RoundPipe(model, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2))
             opt = Adam(rp.optim_parameters(), lr=1e-2)
@@ -440,7 +475,9 @@ def test_roundpipe_training_with_compact_state(workers: str, mode: Tuple[str, st
         losses = []
         for _ in range(120):
             x = torch.randn(16, 6)
-            loss = rp.forward_backward(input_args=(x.bfloat16(),), label=x @ w_true, loss_fn=lambda o, t: ((o.float() - t) ** 2).mean())
+            loss = rp.forward_backward(
+                input_args=(x.bfloat16(),), label=x @ w_true, loss_fn=lambda o, t: ((o.float() - t) ** 2).mean()
+            )
             rp.step(lambda: (opt.step(), opt.zero_grad()))
             losses.append(loss.item())
         rp.synchronize()

@@ -77,7 +77,9 @@ def test_public_fine_tuning_guide_calls_match_hugging_face(workers: str) -> None
     n = 3
     hf = tiny_model("qwen3")
     ref = copy.deepcopy(hf)
-    model = roundpipe.wrap_model_to_roundpipe(hf, model_run_config=RoundPipeRunConfig(num_microbatch=n), optim_dtype=torch.float32)
+    model = roundpipe.wrap_model_to_roundpipe(
+        hf, model_run_config=RoundPipeRunConfig(num_microbatch=n), optim_dtype=torch.float32
+    )
     batch = make_batch(padding=True)
     ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
     # loss_function and vocab_size resolve to the Hugging Face model's.
@@ -86,7 +88,9 @@ def test_public_fine_tuning_guide_calls_match_hugging_face(workers: str) -> None
     loss = model.forward_backward(
         input_kwargs={"input_ids": ids, "attention_mask": mask},
         label=labels,
-        loss_fn=lambda outputs, labels: model.loss_function(logits=outputs.logits, labels=labels, vocab_size=model.vocab_size) / n,
+        loss_fn=lambda outputs, labels: (
+            model.loss_function(logits=outputs.logits, labels=labels, vocab_size=model.vocab_size) / n
+        ),
     )
     ref_loss = _hf_microbatch_reference(
         ref,
@@ -97,8 +101,16 @@ def test_public_fine_tuning_guide_calls_match_hugging_face(workers: str) -> None
     assert rel_err(loss, ref_loss) < TOL
     assert_grads_close(grads(hf), grads(ref), TOL)
 
-    loss = model.forward_backward(input_kwargs={"input_ids": ids, "attention_mask": mask, "labels": labels}, loss_fn=lambda outputs, _: outputs.loss / n)
-    ref_loss = _hf_microbatch_reference(ref, {"input_ids": ids, "attention_mask": mask, "labels": labels, "label": labels}, n, lambda m, out, lab: out.loss / n)
+    loss = model.forward_backward(
+        input_kwargs={"input_ids": ids, "attention_mask": mask, "labels": labels},
+        loss_fn=lambda outputs, _: outputs.loss / n,
+    )
+    ref_loss = _hf_microbatch_reference(
+        ref,
+        {"input_ids": ids, "attention_mask": mask, "labels": labels, "label": labels},
+        n,
+        lambda m, out, lab: out.loss / n,
+    )
     assert rel_err(loss, ref_loss) < TOL
     assert_grads_close(grads(hf), grads(ref), TOL)
 
@@ -223,7 +235,9 @@ def test_split_input_callable_returns_args_and_kwargs_lists(workers: str) -> Non
         seen.append(num_microbatch)
         return [(c, args[1]) for c in xs], [kwargs] * num_microbatch
 
-    rp = RoundPipe(copy.deepcopy(module), model_run_config=RoundPipeRunConfig(num_microbatch=3, split_input=custom_split))
+    rp = RoundPipe(
+        copy.deepcopy(module), model_run_config=RoundPipeRunConfig(num_microbatch=3, split_input=custom_split)
+    )
     with torch.no_grad():
         assert rel_err(rp(x, scale), module(x, scale)) < 1e-6
     assert seen == [3]
@@ -243,9 +257,14 @@ def test_none_in_a_split_spec_means_automatic(workers: str) -> None:
         with torch.no_grad():
             assert rel_err(rp(x, scale), module(x, scale)) < 1e-6, spec
     # Labels likewise: (targets, weights) with the weights automatic.
-    rp = RoundPipe(copy.deepcopy(module), model_run_config=RoundPipeRunConfig(num_microbatch=3, split_label=(TensorChunkSpec(0), None)))
+    rp = RoundPipe(
+        copy.deepcopy(module),
+        model_run_config=RoundPipeRunConfig(num_microbatch=3, split_label=(TensorChunkSpec(0), None)),
+    )
     y, w = torch.randn(6, 8), torch.tensor(0.5)
-    loss = rp.forward_backward(input_args=(x, per_sample), label=(y, w), loss_fn=lambda out, lab: ((out - lab[0]) ** 2).sum() * lab[1])
+    loss = rp.forward_backward(
+        input_args=(x, per_sample), label=(y, w), loss_fn=lambda out, lab: ((out - lab[0]) ** 2).sum() * lab[1]
+    )
     ref = ((module(x, per_sample) - y) ** 2).sum() * w
     assert rel_err(loss, ref) < 1e-5
 
@@ -320,7 +339,9 @@ def test_a_layer_over_half_the_memory_limit_warns_and_runs(workers: str) -> None
     with pytest.warns(RuntimeWarning, match="raised"):
         plan = ModelExecutePlan.auto("fused", rp, model_memory_limit=limit)
     x = torch.randn(4, 8)
-    loss = rp.forward_backward(input_args=(x,), loss_fn=lambda o, _: o.sum(), run_config=RoundPipeRunConfig(execute_plan=plan))
+    loss = rp.forward_backward(
+        input_args=(x,), loss_fn=lambda o, _: o.sum(), run_config=RoundPipeRunConfig(execute_plan=plan)
+    )
     assert rel_err(loss, ref(x).sum()) < 1e-5
 
 
@@ -361,7 +382,10 @@ def test_wrapping_chains_module_lists_and_runs_small_modules_on_devices(workers:
     net.head[1].register_forward_hook(lambda *_: threads.append(threading.current_thread().name))
     block_bytes = (16 * 16 + 16) * 4
     wrapped = roundpipe.wrap_model_to_roundpipe(
-        net, lower_threshold=block_bytes, upper_threshold=block_bytes * 2, model_run_config=RoundPipeRunConfig(num_microbatch=3)
+        net,
+        lower_threshold=block_bytes,
+        upper_threshold=block_bytes * 2,
+        model_run_config=RoundPipeRunConfig(num_microbatch=3),
     )
     assert isinstance(wrapped, AutoRoundPipe)
     # ModuleList elements chained: all but the last hand their microbatches on unmerged.

@@ -101,7 +101,10 @@ def test_forward_backward_returns_outputs_and_input_grads(workers: str) -> None:
     pre_ref = copy.deepcopy(pre)
     x = torch.randn(7, 4, dtype=torch.float64)
     loss, out = rp.forward_backward(
-        input_args=(pre(x),), loss_fn=lambda o, _: o.pow(2).sum(), return_outputs=True, run_config=RoundPipeRunConfig(num_microbatch=3)
+        input_args=(pre(x),),
+        loss_fn=lambda o, _: o.pow(2).sum(),
+        return_outputs=True,
+        run_config=RoundPipeRunConfig(num_microbatch=3),
     )
     out_ref = reference_run(ref, pre_ref(x), 3)
     out_ref.pow(2).sum().backward()  # (a plain sum through BatchNorm has an identically zero input gradient)
@@ -263,7 +266,9 @@ def _grouped_plan_model(grain: str):
     model = make_model(torch.float64)
     ref = with_recorded_dropout(model, DropoutRecorder(model))
     plan = ModelExecutePlan([range(0, 3), range(3, 6), range(6, 8)], [range(0, 2), range(2, 5), range(5, 8)])
-    rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(execute_plan=plan, recompute_grain=grain, num_microbatch=3))
+    rp = RoundPipe(
+        model, model_run_config=RoundPipeRunConfig(execute_plan=plan, recompute_grain=grain, num_microbatch=3)
+    )
     return model, ref, rp
 
 
@@ -364,7 +369,9 @@ def test_recompute_reuses_saved_data(workers: str, grain: str) -> None:
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
 @pytest.mark.parametrize("grain", ["stage", "layer"])
 @pytest.mark.parametrize("budget_gib", ["0", str(1000 / 2**30), "1"])
-def test_stage_inputs_kept_on_the_device_change_nothing(workers: str, grain: str, budget_gib: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stage_inputs_kept_on_the_device_change_nothing(
+    workers: str, grain: str, budget_gib: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """RPP_DEVICE_SAVED_GB keeps backward-stage inputs on the device (one device only) up to a budget:
     results equal plain PyTorch whether all, some (1000 bytes: two 384-byte microbatch inputs per call)
     or none stay, over two calls (each call has the budget)."""
@@ -373,7 +380,9 @@ def test_stage_inputs_kept_on_the_device_change_nothing(workers: str, grain: str
     monkeypatch.setenv("RPP_DEVICE_SAVED_GB", budget_gib)
     kept = []
     real_keep = run_mod.Run.keep_on_device
-    monkeypatch.setattr(run_mod.Run, "keep_on_device", lambda self, leaves: (lambda r: (kept.append(r), r)[1])(real_keep(self, leaves)))
+    monkeypatch.setattr(
+        run_mod.Run, "keep_on_device", lambda self, leaves: (lambda r: (kept.append(r), r)[1])(real_keep(self, leaves))
+    )
     model, ref, rp = _grouped_plan_model(grain)
     for _ in range(2):
         _step_both(rp, ref)
@@ -402,7 +411,10 @@ def _train_both(rp: RoundPipe, ref: nn.Module, fused: bool, rows: int, num_micro
         else:
             loss = loss_fn(rp(x), y)
             loss.backward()
-        ref_loss = sum(loss_fn(ref(a), b) for a, b in zip(torch.tensor_split(x, num_microbatch), torch.tensor_split(y, num_microbatch)))
+        ref_loss = sum(
+            loss_fn(ref(a), b)
+            for a, b in zip(torch.tensor_split(x, num_microbatch), torch.tensor_split(y, num_microbatch))
+        )
         ref_loss.backward()
         assert rel_err(loss, ref_loss) < 1e-12
 
@@ -412,7 +424,9 @@ def _train_both(rp: RoundPipe, ref: nn.Module, fused: bool, rows: int, num_micro
 @pytest.mark.parametrize("grain", ["stage", "layer"])
 @pytest.mark.parametrize("split", ["1", "0"])
 @pytest.mark.parametrize("fused", [True, False])
-def test_split_fused_job_equals_pytorch(workers: str, num_microbatch: int, grain: str, split: str, fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_split_fused_job_equals_pytorch(
+    workers: str, num_microbatch: int, grain: str, split: str, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On several devices the last backward group (here two layers: the fused job of forward_backward,
     or the first backward job of forward + loss.backward()) runs in parts, one per device and microbatch
     share; the gradients the parts meet in equal plain PyTorch, accumulated over two calls."""
@@ -431,7 +445,10 @@ def test_split_fused_job_equals_pytorch(workers: str, num_microbatch: int, grain
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 5)).double()
     ref = copy.deepcopy(model)
     plan = ModelExecutePlan([range(0, 2), range(2, 3)], [range(0, 2), range(2, 3), range(3, 5)])
-    rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch, recompute_grain=grain, execute_plan=plan))
+    rp = RoundPipe(
+        model,
+        model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch, recompute_grain=grain, execute_plan=plan),
+    )
     _train_both(rp, ref, fused, rows=10, num_microbatch=num_microbatch)
     check_grads(model, ref, 1e-10)
     devices = int(workers.split(":")[1])
@@ -453,7 +470,9 @@ def test_peer_handoff_equals_pytorch(workers: str, grain: str, fused: bool, monk
     monkeypatch.setenv("RPP_PEER_HANDOFF", "1")
     copies = []
     real_copy = jobs.peer_copy
-    monkeypatch.setattr(jobs, "peer_copy", lambda src, dst, leaves: (copies.append((src.id, dst.id)), real_copy(src, dst, leaves))[1])
+    monkeypatch.setattr(
+        jobs, "peer_copy", lambda src, dst, leaves: (copies.append((src.id, dst.id)), real_copy(src, dst, leaves))[1]
+    )
     model, ref, rp = _grouped_plan_model(grain)
     _train_both(rp, ref, fused, rows=9, num_microbatch=3)
     check_grads(model, ref, 1e-10)

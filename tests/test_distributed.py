@@ -74,7 +74,14 @@ def train(tmp_path: Any, *args: str) -> Dict[str, Any]:
         ["--model", "lora", "--uneven"],
         ["--model", "lora", "--uneven", "--sync", "--bucket-mb", "25"],
     ],
-    ids=["sequential-async", "sequential-sync", "autoroundpipe-async", "lora-async", "lora-uneven-tokens-async", "lora-uneven-tokens-sync-one-bucket"],
+    ids=[
+        "sequential-async",
+        "sequential-sync",
+        "autoroundpipe-async",
+        "lora-async",
+        "lora-uneven-tokens-async",
+        "lora-uneven-tokens-sync-one-bucket",
+    ],
 )
 def test_two_ranks_equal_one_process_on_the_whole_batch(tmp_path: Any, args: List[str]) -> None:
     r = train(tmp_path, *args, "--reference")
@@ -103,7 +110,9 @@ def test_bf16_gradients_keep_replicas_identical(tmp_path: Any, reduce_dtype: str
 
     Asynchronous steps: bf16 on CPU is slow enough that the optimizer kernel regularly finishes after
     the next step() call (the race test_async_step_results_do_not_depend_on_optimizer_timing pins)."""
-    args = ["--model", "mlp", "--dtype", "bf16", "--reference"] + (["--reduce-dtype", reduce_dtype] if reduce_dtype else [])
+    args = ["--model", "mlp", "--dtype", "bf16", "--reference"] + (
+        ["--reduce-dtype", reduce_dtype] if reduce_dtype else []
+    )
     r = train(tmp_path, *args)  # the script itself fails if the ranks' parameters differ
     assert r["max_diff"] < 0.05 * r["local_only_diff"], r
 
@@ -152,7 +161,12 @@ def test_resume_with_two_ranks_repeats_the_uninterrupted_run(tmp_path: Any) -> N
         ["--model", "auto", "--optim", "adamw"],
         ["--model", "lora", "--optim", "rpadam", "--clip", "1.0"],
     ],
-    ids=["sequential-sgd-async", "sequential-adamw-clip-sync", "autoroundpipe-adamw-async", "lora-roundpipe-adam-clip-async"],
+    ids=[
+        "sequential-sgd-async",
+        "sequential-adamw-clip-sync",
+        "autoroundpipe-adamw-async",
+        "lora-roundpipe-adam-clip-async",
+    ],
 )
 def test_sharded_step_equals_one_process_and_keeps_each_state_once(tmp_path: Any, args: List[str]) -> None:
     """Each rank steps only its units, yet the replicas equal one process on the whole batch (the
@@ -174,7 +188,11 @@ def test_sharded_step_is_bit_identical_to_the_replicated_one(tmp_path: Any, npro
     runs = {}
     for shard in (False, True):
         out = os.path.join(str(tmp_path), f"r{int(shard)}.json")
-        res = torchrun(["--model", "mlp", "--optim", "adamw", "--clip", "0.5", "--out", out] + (["--shard"] if shard else []), tmp_path, nproc=nproc)
+        res = torchrun(
+            ["--model", "mlp", "--optim", "adamw", "--clip", "0.5", "--out", out] + (["--shard"] if shard else []),
+            tmp_path,
+            nproc=nproc,
+        )
         assert res.returncode == 0, res.stderr[-4000:]
         with open(out) as f:
             runs[shard] = json.load(f)
@@ -203,7 +221,9 @@ def test_sharded_step_with_a_dead_rank_fails_clearly(tmp_path: Any) -> None:
     t0 = time.time()
     res = torchrun(["--model", "mlp", "--shard", "--fail-at", "2", "--fail-how", "exit"], tmp_path, monitor_s=5)
     assert res.returncode != 0
-    assert "DataParallelError: rank 0/2:" in res.stderr and "Another rank probably died or stalled" in res.stderr, res.stderr[-3000:]
+    assert "DataParallelError: rank 0/2:" in res.stderr and "Another rank probably died or stalled" in res.stderr, (
+        res.stderr[-3000:]
+    )
     assert time.time() - t0 < 60
 
 
@@ -236,14 +256,18 @@ def test_a_dead_rank_makes_the_other_fail_clearly(tmp_path: Any) -> None:
     elapsed = time.time() - t0
     assert res.returncode != 0
     assert "rank 1: injected failure (exit) at step 2" in res.stderr
-    assert "DataParallelError: rank 0/2:" in res.stderr and "Another rank probably died or stalled" in res.stderr, res.stderr[-3000:]
+    assert "DataParallelError: rank 0/2:" in res.stderr and "Another rank probably died or stalled" in res.stderr, (
+        res.stderr[-3000:]
+    )
     assert elapsed < 60
 
 
 @pytest.mark.timeout(120)
 def test_a_stalled_rank_times_out_instead_of_hanging(tmp_path: Any) -> None:
     t0 = time.time()
-    res = torchrun(["--model", "mlp", "--fail-at", "2", "--fail-how", "hang"], tmp_path, env={"RPP_DIST_TIMEOUT_S": "3"})
+    res = torchrun(
+        ["--model", "mlp", "--fail-at", "2", "--fail-how", "hang"], tmp_path, env={"RPP_DIST_TIMEOUT_S": "3"}
+    )
     elapsed = time.time() - t0
     assert res.returncode != 0
     assert "DataParallelError: rank 0/2:" in res.stderr, res.stderr[-3000:]
@@ -270,7 +294,19 @@ def test_dp_bench_smoke_and_loss_curve(tmp_path: Any) -> None:
 
     def same_curve(run: str) -> None:
         cmp = subprocess.run(
-            [sys.executable, bench, "--compare", ref, run, "--loss-ref", ref, "--min-speedup", "0", "--loss-rtol", "1e-5"],
+            [
+                sys.executable,
+                bench,
+                "--compare",
+                ref,
+                run,
+                "--loss-ref",
+                ref,
+                "--min-speedup",
+                "0",
+                "--loss-rtol",
+                "1e-5",
+            ],
             capture_output=True,
             text=True,
             timeout=60,
@@ -283,7 +319,9 @@ def test_dp_bench_smoke_and_loss_curve(tmp_path: Any) -> None:
     assert r["world"] == 2 and r["collectives_per_step"] >= 2 and r["grad_bytes"] > 0
     # The host step shared by the two ranks (--shard-optimizer): the same loss curve.
     sharded = os.path.join(str(tmp_path), "sharded.json")
-    res = torchrun(common + ["--batch-per-rank", "2", "--shard-optimizer", "--out", sharded], tmp_path, script=bench, timeout=150)
+    res = torchrun(
+        common + ["--batch-per-rank", "2", "--shard-optimizer", "--out", sharded], tmp_path, script=bench, timeout=150
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "sharded step" in res.stdout
     same_curve(sharded)
@@ -301,7 +339,9 @@ def test_shards_are_contiguous_and_cover_the_batch(n: int, world: int) -> None:
     parts = [rdist.shard(t, r, world) for r in range(world)]
     assert torch.equal(torch.cat(parts), t)  # rank order concatenation gives the global batch back
     assert max(p.shape[0] for p in parts) - min(p.shape[0] for p in parts) <= 1
-    assert [list(rdist.shard(n, r, world)) for r in range(world)] == [list(range(n))[slice(*rdist.shard_bounds(n, r, world))] for r in range(world)]
+    assert [list(rdist.shard(n, r, world)) for r in range(world)] == [
+        list(range(n))[slice(*rdist.shard_bounds(n, r, world))] for r in range(world)
+    ]
 
 
 def test_shard_structures() -> None:
@@ -378,7 +418,10 @@ def test_the_package_exports_its_public_names() -> None:
     }
     assert all(hasattr(rdist, name) for name in rdist.__all__)
     # Errors print under the public name, wherever the class is defined.
-    assert f"{rdist.DataParallelError.__module__}.{rdist.DataParallelError.__qualname__}" == "roundpipe.distributed.DataParallelError"
+    assert (
+        f"{rdist.DataParallelError.__module__}.{rdist.DataParallelError.__qualname__}"
+        == "roundpipe.distributed.DataParallelError"
+    )
 
 
 def _mlp() -> RoundPipe:

@@ -53,7 +53,12 @@ EXACT_SCENARIOS = [
 
 
 def torchrun(
-    args: List[str], tmp_path: Any, nproc: int = 2, env: Optional[Dict[str, str]] = None, timeout: float = 150, monitor_s: Optional[float] = None
+    args: List[str],
+    tmp_path: Any,
+    nproc: int = 2,
+    env: Optional[Dict[str, str]] = None,
+    timeout: float = 150,
+    monitor_s: Optional[float] = None,
 ) -> subprocess.CompletedProcess:
     """``torchrun --standalone`` on the device-reduction script; one thread per rank."""
     return helpers.torchrun(SCRIPT, args, tmp_path, nproc, env, timeout, monitor_s, devices=None)
@@ -135,7 +140,9 @@ def test_a_rank_skipping_a_training_call_is_reported_on_every_rank(tmp_path: Any
     assert res.returncode != 0
     for rank in (0, 1):
         assert f"DataParallelError: rank {rank}/2: training call 1 of step" in res.stderr, res.stderr[-3000:]
-    assert "the ranks are at different training calls (rank 0: call 1 of step 3, rank 1: call 1 of step 4)" in res.stderr
+    assert (
+        "the ranks are at different training calls (rank 0: call 1 of step 3, rank 1: call 1 of step 4)" in res.stderr
+    )
     assert "Give every rank at least one row" in res.stderr
 
 
@@ -199,7 +206,17 @@ def test_plans_survive_the_encoding_of_the_agreement(run_type: str) -> None:
         ModelExecutePlan.layerwise(7, run_type),
         ModelExecutePlan([range(0, 3), range(3, 7)], [range(0, 2), range(2, 5), range(5, 7)]).for_run_type(run_type, 7),
     ):
-        header = [0, 0, 0, 7, 1, 0, 1, len(plan.fwd_plan), len(plan.bwd_plan)]  # step, call, model, layers, devices, position, type
+        header = [
+            0,
+            0,
+            0,
+            7,
+            1,
+            0,
+            1,
+            len(plan.fwd_plan),
+            len(plan.bwd_plan),
+        ]  # step, call, model, layers, devices, position, type
         row = device_order.encode_plan(header, plan, 9).tolist()
         assert device_order.decode_plan(row, 9) == plan
 
@@ -309,7 +326,9 @@ def test_a_share_without_rows_is_refused_on_every_rank_in_device_mode(monkeypatc
     """Every rank computes the same bounds, so every rank raises before any collective."""
     monkeypatch.setattr(sharding, "_device_reductions", {1: "m"})
     for rank in (0, 1):
-        with pytest.raises(rdist.DataParallelError, match=r"a batch of 1 rows for 2 ranks leaves rank\(s\) \[0\] without rows"):
+        with pytest.raises(
+            rdist.DataParallelError, match=r"a batch of 1 rows for 2 ranks leaves rank\(s\) \[0\] without rows"
+        ):
             rdist.shard((torch.zeros(1, 3), torch.zeros(1)), rank, 2)
     assert rdist.shard(torch.zeros(2, 3), 1, 2).shape == (1, 3)
     monkeypatch.setattr(sharding, "_device_reductions", {})

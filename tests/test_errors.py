@@ -31,33 +31,62 @@ def _run(fn: Callable[[], object]) -> Callable[[], object]:
 X = torch.randn(6, 4)
 CASES = [
     ("batch dims disagree", lambda: model()(X, torch.randn(5, 4)), ValueError, "disagree on the batch dimension"),
-    ("num_microbatch > batch", lambda: model()(X, roundpipe_run_config=RoundPipeRunConfig(num_microbatch=7)), ValueError, "larger than the batch size 6"),
+    (
+        "num_microbatch > batch",
+        lambda: model()(X, roundpipe_run_config=RoundPipeRunConfig(num_microbatch=7)),
+        ValueError,
+        "larger than the batch size 6",
+    ),
     ("num_microbatch zero", lambda: RoundPipeRunConfig(num_microbatch=0), ValueError, "num_microbatch=0"),
     ("recompute grain", lambda: RoundPipeRunConfig(recompute_grain="block"), ValueError, "'stage' or 'layer'"),
     ("merge_output type", lambda: RoundPipeRunConfig(merge_output="yes"), ValueError, "merge_output"),
     ("execute_plan type", lambda: RoundPipeRunConfig(execute_plan=[range(0, 3)]), ValueError, "ModelExecutePlan"),
     (
         "plan gap",
-        lambda: _no_grad(lambda: model()(X, roundpipe_run_config=RoundPipeRunConfig(execute_plan=ModelExecutePlan([range(0, 1), range(2, 3)], [])))),
+        lambda: _no_grad(
+            lambda: model()(
+                X,
+                roundpipe_run_config=RoundPipeRunConfig(execute_plan=ModelExecutePlan([range(0, 1), range(2, 3)], [])),
+            )
+        ),
         ValueError,
         "layer 1 not covered",
     ),
     (
         "plan overlap",
-        lambda: _no_grad(lambda: model()(X, roundpipe_run_config=RoundPipeRunConfig(execute_plan=ModelExecutePlan([range(0, 2), range(1, 3)], [])))),
+        lambda: _no_grad(
+            lambda: model()(
+                X,
+                roundpipe_run_config=RoundPipeRunConfig(execute_plan=ModelExecutePlan([range(0, 2), range(1, 3)], [])),
+            )
+        ),
         ValueError,
         "twice",
     ),
     (
         "plan out of range",
-        lambda: _no_grad(lambda: model()(X, roundpipe_run_config=RoundPipeRunConfig(execute_plan=ModelExecutePlan([range(0, 5)], [])))),
+        lambda: _no_grad(
+            lambda: model()(
+                X, roundpipe_run_config=RoundPipeRunConfig(execute_plan=ModelExecutePlan([range(0, 5)], []))
+            )
+        ),
         ValueError,
         "layers 3..4 out of range; the model has 3 layers",
     ),
     ("model not on host", lambda: RoundPipe(nn.Sequential(nn.Linear(2, 2)).to("meta")), ValueError, "model.cpu()"),
     ("empty sequential", lambda: RoundPipe(nn.Sequential()), ValueError, "at least one layer"),
-    ("pin mode", lambda: RoundPipe(nn.Sequential(nn.Linear(2, 2)), pin_model="always"), ValueError, "'alloc', 'register' or 'off'"),
-    ("loss not scalar", lambda: model().forward_backward(input_args=(X,), loss_fn=lambda o, _: o), RoundPipeWorkerError, "loss_fn must return a scalar"),
+    (
+        "pin mode",
+        lambda: RoundPipe(nn.Sequential(nn.Linear(2, 2)), pin_model="always"),
+        ValueError,
+        "'alloc', 'register' or 'off'",
+    ),
+    (
+        "loss not scalar",
+        lambda: model().forward_backward(input_args=(X,), loss_fn=lambda o, _: o),
+        RoundPipeWorkerError,
+        "loss_fn must return a scalar",
+    ),
     (
         "forward_backward under no_grad",
         lambda: _no_grad(lambda: model().forward_backward(input_args=(X,), loss_fn=lambda o, _: o.sum())),
@@ -72,7 +101,12 @@ CASES = [
     ),
     ("bad RPP_DEVICES", lambda: parse_devices("tpu:3"), ValueError, "cpu:N"),
     ("bad cpu worker count", lambda: parse_devices("cpu:x"), ValueError, "integer N"),
-    ("split_input result", lambda: model()(X, roundpipe_run_config=RoundPipeRunConfig(split_input=lambda a, k, n: [a])), ValueError, "split_input must return"),
+    (
+        "split_input result",
+        lambda: model()(X, roundpipe_run_config=RoundPipeRunConfig(split_input=lambda a, k, n: [a])),
+        ValueError,
+        "split_input must return",
+    ),
     (
         "saved tensor requires grad",
         lambda: RoundPipe(nn.Sequential(_SavesGradTensor()))(X.requires_grad_(False).clone().requires_grad_(True)),

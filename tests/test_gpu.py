@@ -72,7 +72,10 @@ def test_parameter_upload_overlaps_compute() -> None:
     assert len(prefetch) >= n_layers - 2
     upload_time = sum(e - s for s, e in prefetch)
     overlapped = _overlap(prefetch, kernels)
-    print(f"prefetch h2d {upload_time:.0f} us, overlapped with compute {overlapped:.0f} us ({overlapped / upload_time:.0%})")
+    print(
+        f"prefetch h2d {upload_time:.0f} us, overlapped with compute {overlapped:.0f} us "
+        f"({overlapped / upload_time:.0%})"
+    )
     # Each prefetch of group g+1 runs while group g computes: at least a quarter of every upload
     # (all but the last two) overlaps compute kernels.
     per_upload = sorted(_overlap([span], kernels) / (span[1] - span[0]) for span in prefetch)
@@ -98,7 +101,9 @@ def test_qwen3_0_6b_trains_on_gpu_and_matches_cpu() -> None:
     ids = torch.randint(0, hf.config.vocab_size, (2, 256), generator=torch.Generator().manual_seed(0))
     ref_loss = ref(input_ids=ids, labels=ids).loss
     ref_loss.backward()
-    model = roundpipe.wrap_model_to_roundpipe(hf, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    model = roundpipe.wrap_model_to_roundpipe(
+        hf, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2)
+    )
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < 1e-2
@@ -149,7 +154,14 @@ def test_out_of_memory_in_backward_is_reported_and_recoverable() -> None:
         rp(x).sum().backward()
     msg = str(info.value)
     print(msg.splitlines()[0])
-    for fragment in ("model 'oom-gpu'", "layer 1", "Stage layers", "GiB of device memory is free", "num_microbatch", "resolve-oom"):
+    for fragment in (
+        "model 'oom-gpu'",
+        "layer 1",
+        "Stage layers",
+        "GiB of device memory is free",
+        "num_microbatch",
+        "resolve-oom",
+    ):
         assert fragment in msg, (fragment, msg)
     _Oom.armed = False
     rp(x).sum().backward()
@@ -254,7 +266,12 @@ def test_host_buffer_rotation_and_one_gradient_buffer_on_gpu(devices: str, monke
         bufs = [ParamAttribute.get(p).host_buffers(p) for p in body.parameters()]
         assert all(b.is_pinned() for bb in bufs for b in bb)
         counts = {len(bb) for bb in bufs}
-        expected = {("1", "2", "1"): [{2}], ("1", "2", "0"): [{3}], ("0", "1", "0"): [{2}], ("0", "2", "0"): [{3}, {2, 3}]}[stage, buffers, into]
+        expected = {
+            ("1", "2", "1"): [{2}],
+            ("1", "2", "0"): [{3}],
+            ("0", "1", "0"): [{2}],
+            ("0", "2", "0"): [{3}, {2, 3}],
+        }[stage, buffers, into]
         assert counts in expected, (stage, buffers, into, counts)
         return [p.detach().clone() for p in model.optim_parameters()]
 
@@ -312,7 +329,9 @@ def test_stage_inputs_kept_on_the_gpu_equal_host_copies(monkeypatch: pytest.Monk
         torch.manual_seed(0)
         body = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(6)]).to(torch.bfloat16)
         plan = ModelExecutePlan.layerwise(6, "train")
-        model = RoundPipe(body, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
+        model = RoundPipe(
+            body, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan)
+        )
         opt = Adam(model.optim_parameters(), lr=1e-3)
         g = torch.Generator().manual_seed(1)
         torch.cuda.synchronize()
@@ -348,12 +367,18 @@ def test_auto_keeps_a_hf_models_stage_inputs_on_one_gpu(monkeypatch: pytest.Monk
     use_devices("cuda:0")
     answers: list = []
     real = run_mod.Run.keep_on_device
-    monkeypatch.setattr(run_mod.Run, "keep_on_device", lambda self, leaves: answers.append(real(self, leaves)) or answers[-1])
+    monkeypatch.setattr(
+        run_mod.Run, "keep_on_device", lambda self, leaves: answers.append(real(self, leaves)) or answers[-1]
+    )
 
     def run(setting: str) -> list:
         monkeypatch.setenv("RPP_DEVICE_SAVED_GB", setting)
         torch.manual_seed(0)
-        rp = roundpipe.wrap_model_to_roundpipe(tiny_model("qwen3").bfloat16(), optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+        rp = roundpipe.wrap_model_to_roundpipe(
+            tiny_model("qwen3").bfloat16(),
+            optim_dtype=torch.float32,
+            model_run_config=RoundPipeRunConfig(num_microbatch=2),
+        )
         opt = Adam(rp.optim_parameters(), lr=1e-3)
         batch = {k: v for k, v in make_batch(False, batch=4, seq=64).items() if v is not None}
         for _ in range(3):
@@ -482,7 +507,9 @@ def test_peer_handoff_on_two_gpus_matches_pytorch(fused: bool, monkeypatch: pyte
     monkeypatch.setenv("RPP_PEER_HANDOFF", "1")
     copies = []
     real_copy = jobs.peer_copy
-    monkeypatch.setattr(jobs, "peer_copy", lambda src, dst, leaves: (copies.append((src.id, dst.id)), real_copy(src, dst, leaves))[1])
+    monkeypatch.setattr(
+        jobs, "peer_copy", lambda src, dst, leaves: (copies.append((src.id, dst.id)), real_copy(src, dst, leaves))[1]
+    )
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(8)])
     ref = copy.deepcopy(model).cuda()
@@ -528,11 +555,20 @@ def _graph_run(graphs: str, devices: str, lengths: tuple) -> tuple:
     use_devices(devices)
     torch.manual_seed(0)
     config = Qwen3Config(
-        vocab_size=4096, hidden_size=1024, intermediate_size=3072, num_hidden_layers=4, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=64, use_cache=False, attn_implementation="sdpa",
+        vocab_size=4096,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=64,
+        use_cache=False,
+        attn_implementation="sdpa",
     )
     hf = Qwen3ForCausalLM(config).to(torch.bfloat16)
-    model = roundpipe.wrap_model_to_roundpipe(hf, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=4))
+    model = roundpipe.wrap_model_to_roundpipe(
+        hf, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=4)
+    )
     opt = torch.optim.SGD(model.optim_parameters(), lr=1e-2)
     losses = []
     for seq in lengths:

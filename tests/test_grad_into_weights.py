@@ -23,7 +23,9 @@ from roundpipe.plan import ModelExecutePlan
 
 def _model(tied: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12))
+    model = nn.Sequential(
+        nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12)
+    )
     if tied:
         model[4].weight = model[2].weight  # a shared parameter: layers 2 and 4 download shares of its gradient
     return model.to(torch.bfloat16)
@@ -81,9 +83,15 @@ def _train(
     # A fixed plan: the auto planner follows measured times, and on a loaded machine two runs could
     # choose different layer groups, which sum the same gradients in another order (6th digit).
     plan = ModelExecutePlan.layerwise(len(model), "train")
-    rp = RoundPipe(model, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=microbatches, recompute_grain=grain, execute_plan=plan))
+    rp = RoundPipe(
+        model,
+        optim_dtype=torch.float32,
+        model_run_config=RoundPipeRunConfig(num_microbatch=microbatches, recompute_grain=grain, execute_plan=plan),
+    )
     params = list(rp.optim_parameters())
-    opt: torch.optim.Optimizer = Adam(params, lr=1e-2) if optimizer == "roundpipe" else torch.optim.AdamW(params, lr=1e-2)
+    opt: torch.optim.Optimizer = (
+        Adam(params, lr=1e-2) if optimizer == "roundpipe" else torch.optim.AdamW(params, lr=1e-2)
+    )
 
     def step() -> None:
         time.sleep(step_s)  # the next call's downloads arrive while the step still runs
@@ -117,7 +125,10 @@ def _train(
     return losses, [p.detach().clone() for p in rp.optim_parameters()], counts
 
 
-def _same(a: Tuple[List[float], List[torch.Tensor], List[List[int]]], b: Tuple[List[float], List[torch.Tensor], List[List[int]]]) -> None:
+def _same(
+    a: Tuple[List[float], List[torch.Tensor], List[List[int]]],
+    b: Tuple[List[float], List[torch.Tensor], List[List[int]]],
+) -> None:
     assert a[0] == b[0]
     assert len(a[1]) == len(b[1]) and all(torch.equal(p, q) for p, q in zip(a[1], b[1]))
 
@@ -125,7 +136,9 @@ def _same(a: Tuple[List[float], List[torch.Tensor], List[List[int]]], b: Tuple[L
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2", "cpu:3"], indirect=True)
 @pytest.mark.parametrize("microbatches", [1, 3])
 @pytest.mark.parametrize("grain", ["stage", "layer"])
-def test_two_buffers_per_weight_and_the_same_training(workers: str, microbatches: int, grain: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_buffers_per_weight_and_the_same_training(
+    workers: str, microbatches: int, grain: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each weight has two host buffers at every step (nothing is staged ahead of the first step: it
     stages into the first gradient buffer, where the second call moves the weights) instead of three,
     and losses and optimizer copies equal the three-buffer rotation's."""
@@ -138,7 +151,9 @@ def test_two_buffers_per_weight_and_the_same_training(workers: str, microbatches
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:3"], indirect=True)
 @pytest.mark.parametrize("optimizer", ["roundpipe", "torch"])
-def test_forward_then_backward_and_copied_gradients(workers: str, optimizer: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_forward_then_backward_and_copied_gradients(
+    workers: str, optimizer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``loss.backward()`` on a forward's result moves weights as ``forward_backward`` does; an optimizer
     that gets fp32 gradient copies (torch's AdamW) stages into the downloaded buffer the same way."""
     moved = _train("1", monkeypatch, fused=False, optimizer=optimizer)
@@ -163,7 +178,9 @@ def test_a_second_call_before_step_reads_one_consistent_version(workers: str, mo
 
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:3"], indirect=True)
-def test_an_evaluation_between_call_and_step_sees_the_newest_weights(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_evaluation_between_call_and_step_sees_the_newest_weights(
+    workers: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A forward without gradients after a call that moved weights waits for the step in flight and reads
     its version on every layer (as after ``synchronize()`` with three buffers), silently; training then
     continues exactly as the rotation's."""
@@ -227,7 +244,9 @@ def test_planner_counts_one_buffer_besides_the_weights(workers: str, monkeypatch
 
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
-def test_a_shared_gradient_accumulated_over_two_calls_counts_each_call_once(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_shared_gradient_accumulated_over_two_calls_counts_each_call_once(
+    workers: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two training calls per step and a tied weight: the second call continues the shared parameter's
     running gradient in the buffer its upload was seeded from. Here the step in flight holds its own
     gradient buffer through the first call of the next cycle and releases it before the second (a
@@ -241,7 +260,9 @@ def test_a_shared_gradient_accumulated_over_two_calls_counts_each_call_once(work
     def run(gated: bool) -> Tuple[List[torch.Tensor], bool]:
         model = _model(tied=True)
         plan = ModelExecutePlan.layerwise(len(model), "train")  # fixed: both runs sum in the same order
-        rp = RoundPipe(model, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
+        rp = RoundPipe(
+            model, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan)
+        )
         opt = Adam(list(rp.optim_parameters()), lr=1e-2)
         gate = threading.Event()
         data = iter(_batches(4))

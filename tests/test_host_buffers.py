@@ -124,8 +124,18 @@ def test_synchronous_steps_keep_no_staging_buffer(workers: str) -> None:
 
 
 @pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
-@pytest.mark.parametrize("env", [("RPP_GRAD_INTO_MODEL", "1"), ("RPP_GRAD_INTO_MODEL", "0"), ("RPP_STAGE_PARAMS", "0"), ("RPP_STEP_MODE", "streamed")])
-def test_nothing_is_staged_ahead_of_the_first_step(workers: str, env: Tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "env",
+    [
+        ("RPP_GRAD_INTO_MODEL", "1"),
+        ("RPP_GRAD_INTO_MODEL", "0"),
+        ("RPP_STAGE_PARAMS", "0"),
+        ("RPP_STEP_MODE", "streamed"),
+    ],
+)
+def test_nothing_is_staged_ahead_of_the_first_step(
+    workers: str, env: Tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """No staging buffer is made during the first training call, whatever the step mode."""
     monkeypatch.setenv(*env)
     rp, opt = _setup()

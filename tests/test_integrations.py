@@ -44,7 +44,9 @@ def dataset(n: int, seed: int = 0) -> List[Dict[str, torch.Tensor]]:
 
 
 def wrapped(dtype: torch.dtype = torch.float32) -> Any:
-    return roundpipe.wrap_model_to_roundpipe(tiny_model("qwen3").to(dtype), model_run_config=RoundPipeRunConfig(num_microbatch=2), optim_dtype=torch.float32)
+    return roundpipe.wrap_model_to_roundpipe(
+        tiny_model("qwen3").to(dtype), model_run_config=RoundPipeRunConfig(num_microbatch=2), optim_dtype=torch.float32
+    )
 
 
 def training_args(out: str, steps: int, save_steps: Optional[int] = None, **kw: Any) -> Any:
@@ -70,7 +72,12 @@ def step_losses(trainer: Any) -> List[float]:
 
 
 def own_loop(
-    data: List[Dict[str, torch.Tensor]], steps: int, max_grad_norm: float, dtype: torch.dtype = torch.float32, fp16: bool = False, schedule: int = 0
+    data: List[Dict[str, torch.Tensor]],
+    steps: int,
+    max_grad_norm: float,
+    dtype: torch.dtype = torch.float32,
+    fp16: bool = False,
+    schedule: int = 0,
 ) -> List[float]:
     """The Trainer's run written by hand: accumulation normalised by the step's label count, the
     linear schedule (over ``schedule`` steps, default ``steps``), clipping of the masters' gradients,
@@ -87,7 +94,8 @@ def own_loop(
         for batch in batches:
             kwargs = {key: torch.stack([b[key] for b in batch]) for key in ("input_ids", "labels")}
             loss = model.forward_backward(
-                input_kwargs={**kwargs, "num_items_in_batch": n}, loss_fn=lambda out, _: scaler.scale(out.loss) if scaler else out.loss
+                input_kwargs={**kwargs, "num_items_in_batch": n},
+                loss_fn=lambda out, _: scaler.scale(out.loss) if scaler else out.loss,
             )
             total += (loss / scaler.get_scale() if scaler else loss).item()
         lr = LR * (schedule - k) / schedule  # the Trainer's default linear schedule, no warmup
@@ -112,7 +120,9 @@ def own_loop(
 def test_trainer_matches_the_hand_written_loop(workers: str, tmp_path: Any) -> None:
     steps = 20
     data = dataset(steps * BATCH * ACCUM)
-    trainer = RoundPipeTrainer(model=wrapped(), args=training_args(str(tmp_path), steps, max_grad_norm=1.0), train_dataset=data)
+    trainer = RoundPipeTrainer(
+        model=wrapped(), args=training_args(str(tmp_path), steps, max_grad_norm=1.0), train_dataset=data
+    )
     trainer.train()
     assert isinstance(trainer.optimizer.optimizer, RoundPipeOptimizer)  # accelerate's wrapper around ours
     assert isinstance(trainer.optimizer.optimizer.optimizer, roundpipe.optim.Adam)
@@ -138,10 +148,23 @@ def test_trainer_resumes_exactly_with_mixed_precision(workers: str, tmp_path: An
     full.train()
     ckpt = os.path.join(out, "checkpoint-5")
     files = set(os.listdir(ckpt))
-    assert {"model.safetensors", "roundpipe_optim_params.safetensors", "optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth"} <= files
+    assert {
+        "model.safetensors",
+        "roundpipe_optim_params.safetensors",
+        "optimizer.pt",
+        "scheduler.pt",
+        "scaler.pt",
+        "rng_state.pth",
+    } <= files
     # A checkpoint synchronises the model (the next step uses the newest weights); otherwise the run is
     # the hand-written one.
-    assert max(abs(a - b) / abs(b) for a, b in zip(step_losses(full)[:5], own_loop(data, 5, 1.0, torch.bfloat16, fp16=True, schedule=steps))) < 1e-6
+    assert (
+        max(
+            abs(a - b) / abs(b)
+            for a, b in zip(step_losses(full)[:5], own_loop(data, 5, 1.0, torch.bfloat16, fp16=True, schedule=steps))
+        )
+        < 1e-6
+    )
 
     resumed = trainer()
     resumed.train(resume_from_checkpoint=ckpt)
@@ -171,10 +194,16 @@ def test_model_wrapped_by_size_saves_its_original_names(workers: str, tmp_path: 
     params = list(hf.parameters())
     layer_bytes = sum(p.numel() * 4 for p in hf.model.layers[0].parameters())
     model = roundpipe.wrap_model_to_roundpipe(
-        hf, use_sequential_preset=False, lower_threshold=layer_bytes, upper_threshold=layer_bytes, model_run_config=RoundPipeRunConfig(num_microbatch=2)
+        hf,
+        use_sequential_preset=False,
+        lower_threshold=layer_bytes,
+        upper_threshold=layer_bytes,
+        model_run_config=RoundPipeRunConfig(num_microbatch=2),
     )
     assert any(".model." in n for n, _ in hf.named_parameters())
-    trainer = RoundPipeTrainer(model=model, args=training_args(str(tmp_path / "run"), 1), train_dataset=dataset(BATCH * ACCUM))
+    trainer = RoundPipeTrainer(
+        model=model, args=training_args(str(tmp_path / "run"), 1), train_dataset=dataset(BATCH * ACCUM)
+    )
     trainer.train()
     trainer.save_model(str(tmp_path / "final"))
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
@@ -193,7 +222,10 @@ def test_evaluate_and_predict_use_the_synchronized_model(workers: str, tmp_path:
     metrics = trainer.evaluate()
     hf = model.original_model
     with torch.no_grad():
-        want = [hf(**{k: torch.stack([b[k] for b in data[i : i + BATCH]]) for k in ("input_ids", "labels")}).loss for i in (0, BATCH)]
+        want = [
+            hf(**{k: torch.stack([b[k] for b in data[i : i + BATCH]]) for k in ("input_ids", "labels")}).loss
+            for i in (0, BATCH)
+        ]
     assert rel_err(torch.tensor(metrics["eval_loss"]), torch.stack(want).mean()) < 1e-5
     predictions = trainer.predict(data[:BATCH]).predictions
     assert predictions.shape == (BATCH, SEQ, VOCAB)
@@ -238,7 +270,10 @@ def test_sft_trainer_with_roundpipe(workers: str, tmp_path: Any) -> None:
 
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"t{i}": i for i in range(3, VOCAB)}}
     tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(tokenizer_models.WordLevel(vocab, unk_token="<unk>")), pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+        tokenizer_object=Tokenizer(tokenizer_models.WordLevel(vocab, unk_token="<unk>")),
+        pad_token="<pad>",
+        eos_token="<eos>",
+        unk_token="<unk>",
     )
     steps = 3
     data = dataset(steps * BATCH * ACCUM, seed=2)
@@ -257,10 +292,16 @@ def test_sft_trainer_with_roundpipe(workers: str, tmp_path: Any) -> None:
         bf16=True,
     )
     sft_args = trl.SFTConfig(output_dir=str(tmp_path / "sft"), eos_token=None, **common)
-    sft = with_roundpipe(trl.SFTTrainer)(model=wrapped(), args=sft_args, train_dataset=sft_data, processing_class=tokenizer)
+    sft = with_roundpipe(trl.SFTTrainer)(
+        model=wrapped(), args=sft_args, train_dataset=sft_data, processing_class=tokenizer
+    )
     sft.train()
     plain_data = [{"input_ids": d["input_ids"], "labels": d["input_ids"]} for d in data]
-    plain = RoundPipeTrainer(model=wrapped(), args=transformers.TrainingArguments(output_dir=str(tmp_path / "plain"), **common), train_dataset=plain_data)
+    plain = RoundPipeTrainer(
+        model=wrapped(),
+        args=transformers.TrainingArguments(output_dir=str(tmp_path / "plain"), **common),
+        train_dataset=plain_data,
+    )
     plain.train()
     assert max(abs(a - b) / abs(b) for a, b in zip(step_losses(sft), step_losses(plain))) < 1e-6
     assert len(step_losses(sft)) == steps
@@ -289,7 +330,12 @@ def test_trainer_on_gpus(workers: str, tmp_path: Any) -> None:
     full.train()
     assert full.args.device.type == "cuda"
     assert all(p.device.type == "cpu" for p in full.roundpipe.parameters())
-    assert all(t.device.type == "cpu" for st in full.optimizer.optimizer.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor))
+    assert all(
+        t.device.type == "cpu"
+        for st in full.optimizer.optimizer.optimizer.state.values()
+        for t in st.values()
+        if isinstance(t, torch.Tensor)
+    )
     got, want = step_losses(full)[:3], own_loop(data, 3, 1.0, torch.bfloat16, schedule=steps)
     assert max(abs(a - b) / abs(b) for a, b in zip(got, want)) < 1e-2
     resumed = trainer()

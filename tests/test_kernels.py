@@ -74,7 +74,9 @@ def _config(family: str) -> Any:
     return transformers.Qwen3Config(**common) if family == "qwen3" else transformers.LlamaConfig(**common)
 
 
-def _module(kind: str, dtype: torch.dtype) -> Tuple[nn.Module, Callable[[nn.Module, torch.Tensor], torch.Tensor], torch.Tensor]:
+def _module(
+    kind: str, dtype: torch.dtype
+) -> Tuple[nn.Module, Callable[[nn.Module, torch.Tensor], torch.Tensor], torch.Tensor]:
     """A Hugging Face module with non-trivial weights, how to call it, and its input."""
     family = "llama" if kind.startswith("llama") else "qwen3"
     config = _config(family)
@@ -119,7 +121,9 @@ def _check_against_hf(kind: str, dtype: torch.dtype) -> None:
     for name in ref:
         assert got[name].dtype == ref[name].dtype and got[name].shape == ref[name].shape, name
         if dtype in OP_TOL:
-            assert rel_err(got[name], ref[name]) < OP_TOL[dtype], f"{kind} {dtype} {name}: {rel_err(got[name], ref[name]):.2e}"
+            assert rel_err(got[name], ref[name]) < OP_TOL[dtype], (
+                f"{kind} {dtype} {name}: {rel_err(got[name], ref[name]):.2e}"
+            )
         else:  # bf16: within bf16 rounding
             torch.testing.assert_close(got[name], ref[name], rtol=1.6e-2, atol=1e-2 * ref[name].abs().max().item())
 
@@ -164,7 +168,12 @@ def test_compiled_path_and_bench_tiny_mode(compiled: None, capsys: pytest.Captur
     assert res["fused_vs_hf"] < 1e-2  # bf16 rounding (bitwise equal on the CPU: emulate_precision_casts)
     assert all(not op.failed for op in kernels.OPS)
     # both variants ran compiled: the ops per module, and the whole layer as one op
-    assert {op.fn.__name__ for op in kernels.OPS if op.compiled} == {"rms_norm_reference", "qk_norm_rope", "swiglu", "decoder_layer"}
+    assert {op.fn.__name__ for op in kernels.OPS if op.compiled} == {
+        "rms_norm_reference",
+        "qk_norm_rope",
+        "swiglu",
+        "decoder_layer",
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -172,13 +181,19 @@ def test_compiled_path_and_bench_tiny_mode(compiled: None, capsys: pytest.Captur
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _decoder_layer(family: str, dtype: torch.dtype, **config: Any) -> Tuple[nn.Module, Tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+def _decoder_layer(
+    family: str, dtype: torch.dtype, **config: Any
+) -> Tuple[nn.Module, Tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     """A Hugging Face decoder layer with non-trivial weights, its rotary tables and an input."""
     cfg = _config(family)
     for k, v in config.items():
         setattr(cfg, k, v)
     torch.manual_seed(0)
-    cls = (llama.LlamaDecoderLayer, llama.LlamaRotaryEmbedding) if family == "llama" else (qwen3.Qwen3DecoderLayer, qwen3.Qwen3RotaryEmbedding)
+    cls = (
+        (llama.LlamaDecoderLayer, llama.LlamaRotaryEmbedding)
+        if family == "llama"
+        else (qwen3.Qwen3DecoderLayer, qwen3.Qwen3RotaryEmbedding)
+    )
     layer = cls[0](cfg, layer_idx=0)
     with torch.no_grad():
         for p in layer.parameters():
@@ -237,7 +252,9 @@ FALLBACKS = ["mask", "env off", "hook", "backward hook", "lora", "dropout", "kwa
 
 
 @pytest.mark.parametrize("case", FALLBACKS)
-def test_whole_layer_falls_back_to_modules(eager: None, op_calls: Dict[str, int], case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_whole_layer_falls_back_to_modules(
+    eager: None, op_calls: Dict[str, int], case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Calls the one op would not compute as Hugging Face does run the fused modules instead: a mask,
     ``RPP_FUSED_LAYERS=0``, a forward or backward hook on a submodule (it still fires), PEFT adapters,
     attention dropout in training, extra keyword arguments, projection biases, another attention
@@ -300,7 +317,9 @@ def test_whole_layer_compiles_once_for_all_layers(compiled: None, monkeypatch: p
         layers.append((hf, fused))
     for hf, fused in layers:
         with torch.no_grad():
-            torch.testing.assert_close(fused(x, position_embeddings=pos), hf(x, position_embeddings=pos), rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(
+                fused(x, position_embeddings=pos), hf(x, position_embeddings=pos), rtol=1e-6, atol=1e-6
+            )
         got, ref = _layer_results(fused, x, position_embeddings=pos), _layer_results(hf, x, position_embeddings=pos)
         for name in ref:
             assert rel_err(got[name], ref[name]) < OP_TOL[torch.float32], name
@@ -331,7 +350,9 @@ def _cache_entries(op: kernels.FusedOp) -> int:
 
 @pytest.mark.parametrize("padding", [True, False], ids=["mask", "causal"])
 @pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
-def test_no_recompile_per_layer_upload_or_iteration(workers: str, compiled: None, padding: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_recompile_per_layer_upload_or_iteration(
+    workers: str, compiled: None, padding: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Through RoundPipe (new device copies of every layer at every upload), each op compiles once per
     grad mode (forward without grad, recompute with grad), whatever the number of layers and steps.
     Either way the sliding-window layer (its mask is not None) runs the ops per module and the
@@ -400,7 +421,9 @@ def test_compile_failure_falls_back_once(compiled: None, caplog: pytest.LogCaptu
 @pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
 @pytest.mark.parametrize("padding", [True, False], ids=["padding", "no padding"])
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_roundpipe_with_fused_kernels_matches_hf(workers: str, eager: None, family: str, padding: bool, op_calls: Dict[str, int]) -> None:
+def test_roundpipe_with_fused_kernels_matches_hf(
+    workers: str, eager: None, family: str, padding: bool, op_calls: Dict[str, int]
+) -> None:
     """Loss and gradients as Hugging Face's, forward and train_step, with the fused layers running as
     one op where a microbatch has no mask and per module where it has one."""
     model = tiny_model(family)
@@ -438,7 +461,9 @@ def test_roundpipe_with_fused_kernels_matches_hf(workers: str, eager: None, fami
 def test_lora_with_fused_kernels_matches_peft(workers: str, eager: None) -> None:
     """PEFT adapters inside fused attention and MLP modules train as in PEFT."""
     peft = pytest.importorskip("peft")
-    model = peft.get_peft_model(tiny_model("qwen3"), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "gate_proj"]))
+    model = peft.get_peft_model(
+        tiny_model("qwen3"), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "gate_proj"])
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:

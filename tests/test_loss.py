@@ -362,7 +362,9 @@ def test_no_host_sync(head_kind: str, grad: bool, monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["linear", "linear_no_grad", "linear_compiled", "module", "causal_lm", "causal_lm_counted"])
+@pytest.mark.parametrize(
+    "case", ["linear", "linear_no_grad", "linear_compiled", "module", "causal_lm", "causal_lm_counted"]
+)
 def test_no_host_sync_on_cuda(case: str) -> None:
     """On CUDA, forward + backward run under ``set_sync_debug_mode("error")``: any synchronising call
     (nonzero, item, blocking copies) raises. The values are checked against full logits afterwards."""
@@ -377,11 +379,15 @@ def test_no_host_sync_on_cuda(case: str) -> None:
 
     def run() -> torch.Tensor:
         if case.startswith("causal_lm"):  # the fused head job's entry point, with pre-shifted targets
-            loss, _ = causal_lm_loss(hidden.unsqueeze(0), head, shift_labels=target.unsqueeze(0), chunk_size=CHUNK, num_valid=counted)
+            loss, _ = causal_lm_loss(
+                hidden.unsqueeze(0), head, shift_labels=target.unsqueeze(0), chunk_size=CHUNK, num_valid=counted
+            )
         elif case == "module":
             loss = chunked_module_cross_entropy(hidden, nn.Sequential(head), target, chunk_size=CHUNK)
         else:
-            loss = linear_cross_entropy(hidden, head.weight, target, head.bias, chunk_size=CHUNK, compile=case == "linear_compiled")
+            loss = linear_cross_entropy(
+                hidden, head.weight, target, head.bias, chunk_size=CHUNK, compile=case == "linear_compiled"
+            )
         if loss.requires_grad:
             loss.backward()
         return loss

@@ -63,7 +63,9 @@ def tiny_config(family: str) -> Any:
     """A 3-layer config of ``family``; sliding windows (4) shorter than the test sequences (10)."""
     t = transformers
     if family == "qwen3":
-        return t.Qwen3Config(**COMMON, layer_types=MIXED_LAYERS, sliding_window=4, use_sliding_window=True, tie_word_embeddings=True)
+        return t.Qwen3Config(
+            **COMMON, layer_types=MIXED_LAYERS, sliding_window=4, use_sliding_window=True, tie_word_embeddings=True
+        )
     if family == "llama":
         return t.LlamaConfig(**COMMON)
     if family == "qwen2":
@@ -158,7 +160,11 @@ def _split(tree: Any, num: int) -> List[Any]:
     batch = next(t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() >= 1)
     parts: List[List[Any]] = [[] for _ in range(num)]
     for leaf in leaves:
-        pieces = torch.tensor_split(leaf, num) if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1 and leaf.shape[0] == batch else [leaf] * num
+        pieces = (
+            torch.tensor_split(leaf, num)
+            if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1 and leaf.shape[0] == batch
+            else [leaf] * num
+        )
         for p, x in zip(parts, pieces):
             p.append(x)
     return [tree_unflatten(p, spec) for p in parts]
@@ -200,7 +206,9 @@ def emulate_forward(layers: nn.Sequential, kwargs: Dict[str, Any], num_microbatc
     return _merge([_run_microbatch(layers, kw, log) for kw in _split(kwargs, num_microbatch)])
 
 
-def emulate_forward_backward(layers: nn.Sequential, kwargs: Dict[str, Any], loss_fn: Callable[[Any, Any], torch.Tensor], num_microbatch: int) -> torch.Tensor:
+def emulate_forward_backward(
+    layers: nn.Sequential, kwargs: Dict[str, Any], loss_fn: Callable[[Any, Any], torch.Tensor], num_microbatch: int
+) -> torch.Tensor:
     """``RoundPipe.forward_backward``: backward of the sum of per-microbatch losses."""
     total = torch.zeros(())
     for kw in _split(kwargs, num_microbatch):
@@ -245,7 +253,9 @@ def test_all_ones_attention_mask_equals_no_mask() -> None:
     preset = models.build_preset(model)
     ones = torch.ones_like(batch["input_ids"])
     assert "attention_mask" not in preset.forward_kwargs(input_ids=batch["input_ids"], attention_mask=ones)
-    assert "attention_mask" in preset.forward_kwargs(input_ids=batch["input_ids"], attention_mask=ones, position_ids=torch.arange(10).expand(6, -1))
+    assert "attention_mask" in preset.forward_kwargs(
+        input_ids=batch["input_ids"], attention_mask=ones, position_ids=torch.arange(10).expand(6, -1)
+    )
     assert "attention_mask" in preset.forward_kwargs(**make_batch(True))
     rp = models.wrap_model(model, model_run_config=RUN3)
     loss = rp.train_step(**dict(batch, attention_mask=ones))
@@ -260,7 +270,9 @@ def test_router_statistics_read_nothing_back() -> None:
 
     from roundpipe.models.preset import MoESpec, accumulate_router_stats
 
-    moe = MoESpec(router_class=nn.Linear, output_index=0, num_experts=8, top_k=2, aux_loss_coef=0.01, output_router_logits=True)
+    moe = MoESpec(
+        router_class=nn.Linear, output_index=0, num_experts=8, top_k=2, aux_loss_coef=0.01, output_router_logits=True
+    )
     logits = torch.randn(50, 8)
     zero = (torch.zeros(8), torch.zeros(8), torch.zeros(()))
     with SyncRecorder() as rec:
@@ -320,7 +332,9 @@ def test_logits_and_logits_to_keep(family: str) -> None:
         ref = model(**batch).logits
         got = preset.build_output(emulate_forward(preset.layers, preset.forward_kwargs(**batch), 3)).logits
         ref_last = model(**batch, logits_to_keep=2).logits
-        got_last = preset.build_output(emulate_forward(preset.layers, preset.forward_kwargs(**batch, logits_to_keep=2), 3)).logits
+        got_last = preset.build_output(
+            emulate_forward(preset.layers, preset.forward_kwargs(**batch, logits_to_keep=2), 3)
+        ).logits
     assert got.shape == ref.shape and rel_err(got, ref) < TOL
     assert got_last.shape == ref_last.shape == (6, 2, VOCAB) and rel_err(got_last, ref_last) < TOL
 
@@ -331,7 +345,9 @@ def test_inputs_embeds_and_position_ids() -> None:
     batch = make_batch(padding=False)
     embeds = model.model.embed_tokens(batch["input_ids"]).detach()
     position_ids = torch.arange(10).repeat(6, 1) + torch.arange(6).unsqueeze(1)
-    ref_loss, ref_grads = hf_reference(model, {"inputs_embeds": embeds, "labels": batch["labels"], "position_ids": position_ids})
+    ref_loss, ref_grads = hf_reference(
+        model, {"inputs_embeds": embeds, "labels": batch["labels"], "position_ids": position_ids}
+    )
     ref_grads.pop("model.embed_tokens.weight", None)
     preset = models.build_preset(model)
     kwargs = preset.forward_kwargs(inputs_embeds=embeds, position_ids=position_ids, labels=batch["labels"])
@@ -372,7 +388,12 @@ def _shrunk_config(model_type: str) -> Any:
     if getattr(config, "layer_types", None) is not None:
         config.layer_types = MIXED_LAYERS
     for k, v in list(vars(config).items()):  # make multipliers / scales matter
-        if isinstance(v, float) and v and "rope" not in k and any(w in k for w in ("multiplier", "scaling", "logit_scale", "softcap")):
+        if (
+            isinstance(v, float)
+            and v
+            and "rope" not in k
+            and any(w in k for w in ("multiplier", "scaling", "logit_scale", "softcap"))
+        ):
             setattr(config, k, v * 0.7)
     if hasattr(config, "output_router_logits"):
         config.output_router_logits, config.router_aux_loss_coef = True, 0.1
@@ -554,11 +575,15 @@ def test_unverified_table_entries_get_overrides_with_warning(caplog: pytest.LogC
 def test_incompatible_types_are_refused() -> None:
     model = tiny_model("llama")
     model.config.model_type = "diffllama"
-    with pytest.raises(NotImplementedError, match=r"LlamaForCausalLM: no RoundPipe sequential preset \(model_type='diffllama'\)"):
+    with pytest.raises(
+        NotImplementedError, match=r"LlamaForCausalLM: no RoundPipe sequential preset \(model_type='diffllama'\)"
+    ):
         models.build_preset(model)
 
 
-def test_registering_a_type_for_the_builtin_preset(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_registering_a_type_for_the_builtin_preset(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``SUPPORTED_MODELS[type] = SUPPORTED_MODELS["llama"]``: the standard preset, without the warning."""
     model = tiny_model("llama")
     model.config.model_type = "my_llama_fork"
@@ -650,7 +675,9 @@ def _my_model(kind: str) -> nn.Module:
 
 
 @pytest.mark.parametrize("kind", ["type", "class"])
-def test_third_party_spec_preset(kind: str, third_party: Callable[[str, str], Any], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_third_party_spec_preset(
+    kind: str, third_party: Callable[[str, str], Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A module exposing ``build_spec``, registered under the model type or the class name, builds the
     preset of ``build_preset`` / ``wrap_model`` / ``wrap_model_to_roundpipe``; its spec is used (a logit
     scale the Hugging Face model does not have, checked against its logits)."""
@@ -660,7 +687,9 @@ def test_third_party_spec_preset(kind: str, third_party: Callable[[str, str], An
     key = "MyForCausalLM" if kind == "class" else "my_type"
     module = third_party(SPEC_PRESET.format(model_class=type(model).__name__), key)
     if kind == "class":  # the table alone refuses the subclass
-        with pytest.raises(NotImplementedError, match="MyForCausalLM: the 'llama' preset supports LlamaForCausalLM only"):
+        with pytest.raises(
+            NotImplementedError, match="MyForCausalLM: the 'llama' preset supports LlamaForCausalLM only"
+        ):
             with monkeypatch.context() as m:
                 m.delitem(models.SUPPORTED_MODELS, key)
                 models.build_preset(model)
@@ -706,7 +735,9 @@ def test_wrap_model_to_roundpipe_uses_a_third_party_wrap_model(third_party: Call
     assert module.CALLS and module.CALLS[0][0] is rp
 
 
-def test_bad_registrations_name_the_entry(third_party: Callable[[str, str], Any], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_registrations_name_the_entry(
+    third_party: Callable[[str, str], Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = _my_model("type")
     monkeypatch.setitem(models.SUPPORTED_MODELS, "my_type", "no_such_preset_module")
     with pytest.raises(ImportError, match=r"SUPPORTED_MODELS\['my_type'\] = 'no_such_preset_module'"):
@@ -715,7 +746,9 @@ def test_bad_registrations_name_the_entry(third_party: Callable[[str, str], Any]
     with pytest.raises(TypeError, match="exposes neither build_spec"):
         models.wrap_model(model)
     third_party(SPEC_PRESET.format(model_class="OtherForCausalLM"), "my_type")
-    with pytest.raises(NotImplementedError, match="LlamaForCausalLM: the 'my_type' preset .* supports OtherForCausalLM only"):
+    with pytest.raises(
+        NotImplementedError, match="LlamaForCausalLM: the 'my_type' preset .* supports OtherForCausalLM only"
+    ):
         models.build_preset(model)
 
 
@@ -745,9 +778,15 @@ def test_forward_signatures_come_from_one_definition() -> None:
     preset = models.build_preset(tiny_model("llama"))
     batch = make_batch(padding=True)
     by_name = preset.forward_kwargs(**batch, logits_to_keep=2)
-    positional = preset.forward_kwargs(batch["input_ids"], batch["attention_mask"], None, None, batch["labels"], None, None, 2)
+    positional = preset.forward_kwargs(
+        batch["input_ids"], batch["attention_mask"], None, None, batch["labels"], None, None, 2
+    )
     assert by_name.keys() == positional.keys() == {"input_ids", "attention_mask", "labels", "options"}
-    assert by_name["options"] == positional["options"] == {"return_logits": False, "logits_to_keep": 2, "loss_chunk_size": None}
+    assert (
+        by_name["options"]
+        == positional["options"]
+        == {"return_logits": False, "logits_to_keep": 2, "loss_chunk_size": None}
+    )
     with pytest.raises(TypeError, match="labelz"):
         preset.forward_kwargs(input_ids=batch["input_ids"], labelz=batch["labels"])
     with pytest.raises(TypeError, match="options"):

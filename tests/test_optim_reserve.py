@@ -25,7 +25,9 @@ def _grads(step: int, params: List[torch.nn.Parameter], skip: int = -1) -> List[
     return [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
 
 
-def _run(opt: torch.optim.Optimizer, params: List[torch.nn.Parameter], steps: int, no_grad_until: Dict[int, int]) -> None:
+def _run(
+    opt: torch.optim.Optimizer, params: List[torch.nn.Parameter], steps: int, no_grad_until: Dict[int, int]
+) -> None:
     for s in range(steps):
         for i, (p, g) in enumerate(zip(params, _grads(s, params))):
             p.grad = None if s < no_grad_until.get(i, 0) else g.clone()
@@ -179,7 +181,11 @@ def test_resume_builds_nothing_and_a_roundpipe_training_call_starts_the_builder(
     assert reserve is not None and not reserve.started and len(reserve) == 0
 
     torch.manual_seed(0)
-    rp = RoundPipe(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    rp = RoundPipe(
+        nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)),
+        optim_dtype=torch.float32,
+        model_run_config=RoundPipeRunConfig(num_microbatch=2),
+    )
     opt = Adam(rp.optim_parameters(), lr=1e-3)
     assert opt._reserve is not None and not opt._reserve.started
     rp.forward_backward(input_args=(torch.randn(4, 4),), loss_fn=lambda out, _: out.pow(2).mean())

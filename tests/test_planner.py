@@ -58,7 +58,9 @@ def test_random_train_plans_meet_every_rule_and_are_optimal(seed):
     threshold = rng.choice([1.0, 1.1, 1.5, 3.0])
     limit = 2 * max(sizes) * rng.choice([1.0, 1.5, 3.0, 100.0])
 
-    fwd_plan, bwd_plan = plan_stages("train", fwd, bwd, sizes, min_stages=min_stages, upper_threshold=threshold, memory_limit_bytes=limit)
+    fwd_plan, bwd_plan = plan_stages(
+        "train", fwd, bwd, sizes, min_stages=min_stages, upper_threshold=threshold, memory_limit_bytes=limit
+    )
     validate_plan(fwd_plan, bwd_plan, n, "train")
     for plan, times in ((fwd_plan, fwd), (bwd_plan, bwd)):
         assert_covers(plan, 0, n)
@@ -73,7 +75,9 @@ def test_random_train_plans_meet_every_rule_and_are_optimal(seed):
 
 
 def test_uniform_layers_merge_up_to_the_threshold():
-    fwd_plan, _ = plan_stages("infer", [1.0] * 12, [], [1] * 12, min_stages=1, upper_threshold=3.0, memory_limit_bytes=1e9)
+    fwd_plan, _ = plan_stages(
+        "infer", [1.0] * 12, [], [1] * 12, min_stages=1, upper_threshold=3.0, memory_limit_bytes=1e9
+    )
     assert fwd_plan == [range(0, 3), range(3, 6), range(6, 9), range(9, 12)]
 
 
@@ -85,15 +89,21 @@ def test_a_slow_head_lets_the_body_form_bigger_groups():
 
 
 def test_min_stages_splits_evenly_and_is_capped_by_the_layer_count():
-    fwd_plan, _ = plan_stages("infer", [1.0] * 8, [], [1] * 8, min_stages=4, upper_threshold=100.0, memory_limit_bytes=1e9)
+    fwd_plan, _ = plan_stages(
+        "infer", [1.0] * 8, [], [1] * 8, min_stages=4, upper_threshold=100.0, memory_limit_bytes=1e9
+    )
     assert fwd_plan == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
-    fwd_plan, _ = plan_stages("infer", [1.0] * 3, [], [1] * 3, min_stages=8, upper_threshold=100.0, memory_limit_bytes=1e9)
+    fwd_plan, _ = plan_stages(
+        "infer", [1.0] * 3, [], [1] * 3, min_stages=8, upper_threshold=100.0, memory_limit_bytes=1e9
+    )
     assert fwd_plan == [range(0, 1), range(1, 2), range(2, 3)]
 
 
 def test_memory_limit_splits_groups():
     # Time alone would allow one group; with 10 / 2 = 5 bytes per group it takes 3: [3, 2] [2, 3] [1, 1].
-    fwd_plan, _ = plan_stages("infer", [1.0] * 6, [], [3, 2, 2, 3, 1, 1], min_stages=1, upper_threshold=100.0, memory_limit_bytes=10)
+    fwd_plan, _ = plan_stages(
+        "infer", [1.0] * 6, [], [3, 2, 2, 3, 1, 1], min_stages=1, upper_threshold=100.0, memory_limit_bytes=10
+    )
     assert fwd_plan == [range(0, 2), range(2, 4), range(4, 6)]
 
 
@@ -102,7 +112,9 @@ def test_a_layer_larger_than_half_the_limit_warns_and_raises_the_limit():
     with the limit raised to twice that layer (its stage holds it alone)."""
     sizes = [1 * GiB, 1 * GiB, 3 * GiB, 1 * GiB]
     with pytest.warns(RuntimeWarning) as record:
-        fwd_plan, bwd_plan = plan_stages("train", [1.0] * 4, [3.0] * 4, sizes, min_stages=1, upper_threshold=100.0, memory_limit_bytes=4 * GiB)
+        fwd_plan, bwd_plan = plan_stages(
+            "train", [1.0] * 4, [3.0] * 4, sizes, min_stages=1, upper_threshold=100.0, memory_limit_bytes=4 * GiB
+        )
     message = str(record[0].message)
     for expected in ("layer 2", "3.00 GiB", "2.00 GiB", "4.00 GiB", "6.00 GiB", "model_memory_limit", "split"):
         assert expected in message
@@ -114,7 +126,9 @@ def test_a_layer_larger_than_half_the_limit_warns_and_raises_the_limit():
 
 
 def test_infer_has_no_backward_plan():
-    fwd_plan, bwd_plan = plan_stages("infer", [1.0, 2.0, 3.0], [], [1, 1, 1], min_stages=2, upper_threshold=1.1, memory_limit_bytes=1e9)
+    fwd_plan, bwd_plan = plan_stages(
+        "infer", [1.0, 2.0, 3.0], [], [1, 1, 1], min_stages=2, upper_threshold=1.1, memory_limit_bytes=1e9
+    )
     assert bwd_plan == []
     assert_covers(fwd_plan, 0, 3)
 
@@ -123,7 +137,9 @@ def test_fused_forward_plan_stops_where_the_fused_group_starts():
     # Body layers: fwd 1, bwd 3. Head: fwd 4, bwd 12 (the fused group: forward + backward of the head).
     fwd = [1.0] * 10 + [4.0]
     bwd = [3.0] * 10 + [12.0]
-    fwd_plan, bwd_plan = plan_stages("fused", fwd, bwd, [1] * 11, min_stages=2, upper_threshold=1.1, memory_limit_bytes=1e9)
+    fwd_plan, bwd_plan = plan_stages(
+        "fused", fwd, bwd, [1] * 11, min_stages=2, upper_threshold=1.1, memory_limit_bytes=1e9
+    )
     validate_plan(fwd_plan, bwd_plan, 11, "fused")
     assert bwd_plan[-1] == range(10, 11)  # 3 + 12 > 1.1 x 12: the head is fused alone
     assert fwd_plan[-1].stop == bwd_plan[-1].start
@@ -143,7 +159,9 @@ def test_forward_groups_follow_the_median_backward_group_not_a_noisy_slowest_one
     # qwen3-1.7b's timings on 2 H200s, one backward layer timed at 18 ms among 10.5 ms ones.
     fwd = [1.2] + [3.2] * 28 + [54.0]
     bwd = [2.0] + [10.5] * 13 + [18.0] + [10.5] * 14 + [57.0]
-    fwd_plan, bwd_plan = plan_stages("fused", fwd, bwd, [1] * 30, min_stages=2, upper_threshold=1.1, memory_limit_bytes=1e9)
+    fwd_plan, bwd_plan = plan_stages(
+        "fused", fwd, bwd, [1] * 30, min_stages=2, upper_threshold=1.1, memory_limit_bytes=1e9
+    )
     validate_plan(fwd_plan, bwd_plan, 30, "fused")
     body = group_sums(bwd_plan[:-1], bwd)
     median = sorted(body)[len(body) // 2]
@@ -158,7 +176,9 @@ def test_backward_groups_follow_a_typical_layer_not_a_noisy_slowest_one():
     # and the slow one is a group of its own.
     fwd = [1.2] + [3.2] * 28 + [54.0]
     bwd = [2.0] + [9.5, 10.5] * 7 + [20.0] + [10.5, 9.5] * 6 + [10.5] + [57.0]
-    fwd_plan, bwd_plan = plan_stages("fused", fwd, bwd, [1] * 30, min_stages=2, upper_threshold=1.1, memory_limit_bytes=1e9)
+    fwd_plan, bwd_plan = plan_stages(
+        "fused", fwd, bwd, [1] * 30, min_stages=2, upper_threshold=1.1, memory_limit_bytes=1e9
+    )
     validate_plan(fwd_plan, bwd_plan, 30, "fused")
     assert all(sum(bwd[i] >= 9.5 for i in r) == 1 for r in bwd_plan), bwd_plan
     assert range(15, 16) in bwd_plan
@@ -167,20 +187,26 @@ def test_backward_groups_follow_a_typical_layer_not_a_noisy_slowest_one():
 def test_fused_group_obeys_the_backward_threshold():
     fwd = [1.0] * 6
     bwd = [3.0] * 6
-    fwd_plan, bwd_plan = plan_stages("fused", fwd, bwd, [1] * 6, min_stages=1, upper_threshold=2.0, memory_limit_bytes=1e9)
+    fwd_plan, bwd_plan = plan_stages(
+        "fused", fwd, bwd, [1] * 6, min_stages=1, upper_threshold=2.0, memory_limit_bytes=1e9
+    )
     assert bwd_plan == [range(0, 2), range(2, 4), range(4, 6)]
     # Forward groups as long as the median backward group (6): the four forward layers (1 each) are one.
     assert fwd_plan == [range(0, 4)]
 
 
 def test_fused_whole_model_in_one_group_leaves_no_forward_groups():
-    fwd_plan, bwd_plan = plan_stages("fused", [1.0] * 3, [3.0] * 3, [1] * 3, min_stages=1, upper_threshold=10.0, memory_limit_bytes=1e9)
+    fwd_plan, bwd_plan = plan_stages(
+        "fused", [1.0] * 3, [3.0] * 3, [1] * 3, min_stages=1, upper_threshold=10.0, memory_limit_bytes=1e9
+    )
     assert (fwd_plan, bwd_plan) == ([], [range(0, 3)])
     validate_plan(fwd_plan, bwd_plan, 3, "fused")
 
 
 def test_fused_forward_groups_leave_one_stage_for_the_fused_group():
-    fwd_plan, bwd_plan = plan_stages("fused", [1.0] * 8, [3.0] * 8, [1] * 8, min_stages=4, upper_threshold=100.0, memory_limit_bytes=1e9)
+    fwd_plan, bwd_plan = plan_stages(
+        "fused", [1.0] * 8, [3.0] * 8, [1] * 8, min_stages=4, upper_threshold=100.0, memory_limit_bytes=1e9
+    )
     assert len(bwd_plan) == 4
     assert len(fwd_plan) == 3  # plus the fused group: 4 forward stages
 
@@ -293,7 +319,9 @@ def test_every_plan_of_a_small_model_is_accepted_or_rejected_correctly():
 
 def test_zero_costs_are_split_evenly_by_layer_count():
     # Size-based estimates of parameter-free layers are all 0; min_stages still gets even groups.
-    fwd_plan, _ = plan_stages("infer", [0.0] * 6, [], [0] * 6, min_stages=3, upper_threshold=1.1, memory_limit_bytes=float("inf"))
+    fwd_plan, _ = plan_stages(
+        "infer", [0.0] * 6, [], [0] * 6, min_stages=3, upper_threshold=1.1, memory_limit_bytes=float("inf")
+    )
     assert fwd_plan == [range(0, 2), range(2, 4), range(4, 6)]
 
 
@@ -329,9 +357,13 @@ def test_simulation_of_two_devices_by_hand():
     # A: mb0 0-1, mb1 1-2. B: mb0 1-4, mb1 4-7.
     assert simulate_iteration("infer", [range(0, 1), range(1, 2)], [], [1.0, 3.0], [], 2, 2) == pytest.approx(7)
     # Then a job of cost 1 on A waits for B microbatch by microbatch: mb0 4-5, mb1 7-8.
-    assert simulate_iteration("infer", [range(0, 1), range(1, 2), range(2, 3)], [], [1.0, 3.0, 1.0], [], 2, 2) == pytest.approx(8)
+    assert simulate_iteration(
+        "infer", [range(0, 1), range(1, 2), range(2, 3)], [], [1.0, 3.0, 1.0], [], 2, 2
+    ) == pytest.approx(8)
     # Three devices: the third job runs on its own device as soon as its inputs are ready.
-    assert simulate_iteration("infer", [range(0, 1), range(1, 2), range(2, 3)], [], [1.0, 3.0, 1.0], [], 3, 2) == pytest.approx(8)
+    assert simulate_iteration(
+        "infer", [range(0, 1), range(1, 2), range(2, 3)], [], [1.0, 3.0, 1.0], [], 3, 2
+    ) == pytest.approx(8)
 
 
 def test_simulation_of_a_split_fused_job_by_hand():
@@ -370,9 +402,27 @@ def test_a_merged_stage_counts_its_weights_against_the_activation_budget():
     def costs(host_checkpoints: int) -> ActivationCosts:
         return ActivationCosts([G] * n, [2 * G] * n, [10 * G] * n, 6 * G, host_checkpoints * 10 * G)
 
-    fwd, bwd = plan_stages("train", times, times, sizes, min_stages=1, upper_threshold=1.1, memory_limit_bytes=100 * G, activations=costs(2))
+    fwd, bwd = plan_stages(
+        "train",
+        times,
+        times,
+        sizes,
+        min_stages=1,
+        upper_threshold=1.1,
+        memory_limit_bytes=100 * G,
+        activations=costs(2),
+    )
     assert [len(r) for r in bwd] == [2, 2, 2], bwd
     with pytest.raises(ActivationMemoryError) as err:
-        plan_stages("train", times, times, sizes, min_stages=1, upper_threshold=1.1, memory_limit_bytes=100 * G, activations=costs(1))
+        plan_stages(
+            "train",
+            times,
+            times,
+            sizes,
+            min_stages=1,
+            upper_threshold=1.1,
+            memory_limit_bytes=100 * G,
+            activations=costs(1),
+        )
     assert err.value.host_needed == 20 * G
     assert err.value.gpu_needed == 5 * G  # the two-layer stages: 3 GiB of activations + 2 GiB of weights

@@ -21,7 +21,11 @@ def torch_profiler_type(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def _train_once(plan: ModelExecutePlan) -> List[Tuple[str, int]]:
     torch.manual_seed(0)
-    model = RoundPipe(nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]), name="mlp", model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
+    model = RoundPipe(
+        nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]),
+        name="mlp",
+        model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan),
+    )
     config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], experimental_config=config) as prof:
         model.forward_backward(input_args=(torch.randn(4, 8),), loss_fn=lambda out, _: out.sum())

@@ -87,7 +87,9 @@ def test_watchdog_dumps_thread_stacks_when_stuck() -> None:
         print("finished", flush=True)
         """
     )
-    res = subprocess.run([sys.executable, "-c", code], env=_env(RPP_WATCHDOG_S="1"), capture_output=True, text=True, timeout=50)
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=_env(RPP_WATCHDOG_S="1"), capture_output=True, text=True, timeout=50
+    )
     assert res.returncode == 0, res.stderr
     assert "finished" in res.stdout
     assert "roundpipe watchdog: no progress" in res.stderr

@@ -49,7 +49,9 @@ def test_replan_pays_only_for_a_real_gain(workers: str, monkeypatch: pytest.Monk
 
     rp = _model()
     times = [1.0, 1.0, 1.0, 1.0]
-    monkeypatch.setattr(rp.model_timer, "get_estimate", lambda run_type: (None, list(times), [3.0 * t for t in times] + [3.0]))
+    monkeypatch.setattr(
+        rp.model_timer, "get_estimate", lambda run_type: (None, list(times), [3.0 * t for t in times] + [3.0])
+    )
     # Devices that compute at once, as GPUs do (CPU workers compute under one lock: below).
     monkeypatch.setattr(plan_choice, "host_costs", lambda model: HostCosts())
     old = _plan([range(0, 2), range(2, 3), range(3, 4)], [range(0, 2), range(2, 4), range(4, 5)])
@@ -59,7 +61,10 @@ def test_replan_pays_only_for_a_real_gain(workers: str, monkeypatch: pytest.Monk
         assert not rp._replan_pays(old, same_cost, "train", 2)  # one device: the sum of costs is equal
     # One group holding all backward layers serialises two devices; split, they overlap.
     lumped = _plan([range(0, 4)], [range(0, 4), range(4, 5)])
-    split = _plan([range(0, 1), range(1, 2), range(2, 3), range(3, 4)], [range(0, 1), range(1, 2), range(2, 3), range(3, 4), range(4, 5)])
+    split = _plan(
+        [range(0, 1), range(1, 2), range(2, 3), range(3, 4)],
+        [range(0, 1), range(1, 2), range(2, 3), range(3, 4), range(4, 5)],
+    )
     if workers == "cpu:2":
         assert rp._replan_pays(lumped, split, "train", 2)
         # CPU workers compute one at a time: splitting overlaps nothing, and each job costs the host.
@@ -94,7 +99,9 @@ def test_a_replan_of_equal_cost_keeps_the_plan_in_use(workers: str, monkeypatch:
 
 
 @pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
-def test_a_plan_that_no_longer_fits_is_replaced_even_without_gain(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_plan_that_no_longer_fits_is_replaced_even_without_gain(
+    workers: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Host memory shrinks once the optimizer state exists: the plan in use is kept only while it still
     fits the budgets; otherwise the re-plan's plan is taken whatever its simulated time."""
     from roundpipe import budget

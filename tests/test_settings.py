@@ -48,7 +48,9 @@ def test_no_module_reads_rpp_variables_from_the_environment() -> None:
         (settings.DIST_MAIN_TIMEOUT_S, "60", 60.0, "inf"),
     ],
 )
-def test_values_defaults_and_errors(monkeypatch: pytest.MonkeyPatch, setting: settings.Setting, good: str, value: object, bad: str) -> None:
+def test_values_defaults_and_errors(
+    monkeypatch: pytest.MonkeyPatch, setting: settings.Setting, good: str, value: object, bad: str
+) -> None:
     monkeypatch.delenv(setting.name, raising=False)
     assert setting.get() == setting.default and not setting.is_set()
     monkeypatch.setenv(setting.name, "  ")
@@ -98,7 +100,9 @@ def _alloc_env_after_import(env: dict, preamble: str = "") -> dict:
     import sys
 
     base = {k: v for k, v in os.environ.items() if k not in settings.ALLOC_CONF_VARS}
-    code = preamble + "import os, json, roundpipe; print(json.dumps({k: os.environ.get(k) for k in %r}))" % (settings.ALLOC_CONF_VARS,)
+    code = preamble + "import os, json, roundpipe; print(json.dumps({k: os.environ.get(k) for k in %r}))" % (
+        settings.ALLOC_CONF_VARS,
+    )
     out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -112,4 +116,6 @@ def test_import_chooses_expandable_segments_only_when_nobody_chose() -> None:
     assert _alloc_env_after_import({}, preamble="import torch; ") == chosen
     for name in settings.ALLOC_CONF_VARS:
         mine = _alloc_env_after_import({name: "expandable_segments:False"})
-        assert mine[name] == "expandable_segments:False" and all(mine[n] is None for n in settings.ALLOC_CONF_VARS if n != name), mine
+        assert mine[name] == "expandable_segments:False" and all(
+            mine[n] is None for n in settings.ALLOC_CONF_VARS if n != name
+        ), mine

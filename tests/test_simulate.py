@@ -58,12 +58,21 @@ def test_handoff_delays_a_microbatch_that_changes_device() -> None:
 def test_layer_cost_is_paid_once_per_job() -> None:
     """0.5 ms per layer per job: one job of 3 layers over 4 microbatches pays 1.5 ms once."""
     host = HostCosts(layer_ms=0.5)
-    assert simulate_iteration("infer", [range(0, 3)], [], [1.0, 1.0, 1.0], [], 1, 4, host=host) == pytest.approx(1.5 + 12.0)
+    assert simulate_iteration("infer", [range(0, 3)], [], [1.0, 1.0, 1.0], [], 1, 4, host=host) == pytest.approx(
+        1.5 + 12.0
+    )
 
 
 def test_jobs_and_dispatch_policy() -> None:
-    jobs = call_jobs("fused", [range(0, 2)], [range(0, 2), range(2, 3)], [1.0, 1.0, 0.0], [3.0, 3.0, 5.0], 4, fused_parts=2)
-    assert [(c, list(m), n) for c, m, n in jobs] == [(2.0, [0, 1, 2, 3], 2), (5.0, [0, 2], 1), (5.0, [1, 3], 1), (6.0, [0, 1, 2, 3], 2)]
+    jobs = call_jobs(
+        "fused", [range(0, 2)], [range(0, 2), range(2, 3)], [1.0, 1.0, 0.0], [3.0, 3.0, 5.0], 4, fused_parts=2
+    )
+    assert [(c, list(m), n) for c, m, n in jobs] == [
+        (2.0, [0, 1, 2, 3], 2),
+        (5.0, [0, 2], 1),
+        (5.0, [1, 3], 1),
+        (6.0, [0, 1, 2, 3], 2),
+    ]
     assert round_robin(5, 2) == [0, 1, 0, 1, 0]
     # Another policy: every job on device 0 equals one device.
     fwd = [range(0, 1), range(1, 2)]

@@ -170,7 +170,9 @@ def test_bf16_model_with_fp32_master_converges(workers: str) -> None:
     for _ in range(150):
         x = torch.randn(16, 6)
         y = x @ w_true
-        loss = rp.forward_backward(input_args=(x.bfloat16(),), label=y, loss_fn=lambda o, t: ((o.float() - t) ** 2).mean() / 3)
+        loss = rp.forward_backward(
+            input_args=(x.bfloat16(),), label=y, loss_fn=lambda o, t: ((o.float() - t) ** 2).mean() / 3
+        )
         rp.step(lambda: (opt.step(), opt.zero_grad()))
         losses.append(loss.item())
     rp.synchronize()
@@ -220,7 +222,9 @@ def test_tied_parameters_appear_once_and_sum_gradients(workers: str) -> None:
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
 @pytest.mark.parametrize("plan_kind", ["layerwise", "one-group", "three-way"])
 @pytest.mark.parametrize("fused", [False, True])
-def test_tied_gradient_shares_are_summed_on_the_device(workers: str, plan_kind: str, fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tied_gradient_shares_are_summed_on_the_device(
+    workers: str, plan_kind: str, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The shares of a tied parameter from layers above its owner are summed into the owner's share on
     the device before the owner's download (transfer.TiedGrads): on one device the sharers' shares are
     not even downloaded, on two they are and the owner's download adds them in. Either way the main
@@ -237,7 +241,11 @@ def test_tied_gradient_shares_are_summed_on_the_device(workers: str, plan_kind: 
     model = nn.Sequential(emb, nn.Tanh(), mid, nn.Tanh(), head)
     ref = copy.deepcopy(model)
     n = len(model)
-    plan = ModelExecutePlan.layerwise(n, "train") if plan_kind != "one-group" else ModelExecutePlan([range(0, n)], [range(0, n)])
+    plan = (
+        ModelExecutePlan.layerwise(n, "train")
+        if plan_kind != "one-group"
+        else ModelExecutePlan([range(0, n)], [range(0, n)])
+    )
     rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
     attr = ParamAttribute.get(emb.weight)
     left: List[int] = []  # shares the main thread found to fold, per call
@@ -292,7 +300,10 @@ def test_tied_share_kept_on_the_device_when_the_owner_has_no_gradient(workers: s
     head = nn.Linear(5, 5, bias=False)
     model = nn.Sequential(_DetachedUse(head.weight), nn.Tanh(), head)
     ref = copy.deepcopy(model)
-    rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=ModelExecutePlan.layerwise(3, "train")))
+    rp = RoundPipe(
+        model,
+        model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=ModelExecutePlan.layerwise(3, "train")),
+    )
     for _ in range(2):  # the second call accumulates onto the first
         x = torch.randn(4, 5, requires_grad=True)
         rp(x).pow(2).sum().backward()
@@ -580,7 +591,11 @@ def _bf16_async_training(step: bool = True) -> Tuple[RoundPipe, Callable[[torch.
     asynchronous step (``step=False``: the call alone; ``rp.opt`` steps)."""
     from roundpipe.optim import Adam
 
-    rp = RoundPipe(make_model().to(torch.bfloat16), optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    rp = RoundPipe(
+        make_model().to(torch.bfloat16),
+        optim_dtype=torch.float32,
+        model_run_config=RoundPipeRunConfig(num_microbatch=2),
+    )
     opt = Adam(rp.optim_parameters(), lr=1e-2)
     rp.__dict__["opt"] = opt
 
@@ -604,13 +619,17 @@ def _record_host_allocations(stage: str, monkeypatch: pytest.MonkeyPatch) -> lis
     allocations: list = []
     for mod in (transfer, optim_step, attribute):
         real = mod.pinned_empty
-        monkeypatch.setattr(mod, "pinned_empty", lambda *a, real=real, **k: (allocations.append(a[0]), real(*a, **k))[1])
+        monkeypatch.setattr(
+            mod, "pinned_empty", lambda *a, real=real, **k: (allocations.append(a[0]), real(*a, **k))[1]
+        )
     return allocations
 
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
 @pytest.mark.parametrize("stage", ["1", "0", "rotate"])
-def test_host_buffers_exist_before_the_second_iteration(workers: str, stage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_host_buffers_exist_before_the_second_iteration(
+    workers: str, stage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The buffers the first steps rotate through are allocated in the background from the first
     training call on: once that is done, no later iteration or step allocates a host buffer (the first
     iterations after warm-up run at the steady pace), and training is unchanged. ('rotate': staged
@@ -629,9 +648,13 @@ def test_host_buffers_exist_before_the_second_iteration(workers: str, stage: str
     assert allocations == []
 
 
-@pytest.mark.parametrize("workers,plan_kind", [("cpu:1", "layerwise"), ("cpu:2", "layerwise"), ("cpu:2", "one-group")], indirect=["workers"])
+@pytest.mark.parametrize(
+    "workers,plan_kind", [("cpu:1", "layerwise"), ("cpu:2", "layerwise"), ("cpu:2", "one-group")], indirect=["workers"]
+)
 @pytest.mark.parametrize("stage", ["1", "0", "rotate"])
-def test_a_tied_weights_buffers_come_from_the_background_builder(workers: str, plan_kind: str, stage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_tied_weights_buffers_come_from_the_background_builder(
+    workers: str, plan_kind: str, stage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A tied weight's gradient buffers are built in the background too: with the builder done before
     the first backward, neither the first call, nor the first step (which runs beside the next
     iteration: pinning there held the driver's lock for 0.3 s of it on a GPU), nor a later iteration
@@ -660,10 +683,20 @@ def test_a_tied_weights_buffers_come_from_the_background_builder(workers: str, p
 
         monkeypatch.setattr(host_buffers, "preallocate_host_buffers", prealloc)
         torch.manual_seed(0)
-        m = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3))
+        m = nn.Sequential(
+            nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3)
+        )
         m[4].weight = m[2].weight
-        plan = ModelExecutePlan.layerwise(7, "train") if plan_kind == "layerwise" else ModelExecutePlan([range(0, 7)], [range(0, 7)])
-        rp = RoundPipe(m.to(torch.bfloat16), optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
+        plan = (
+            ModelExecutePlan.layerwise(7, "train")
+            if plan_kind == "layerwise"
+            else ModelExecutePlan([range(0, 7)], [range(0, 7)])
+        )
+        rp = RoundPipe(
+            m.to(torch.bfloat16),
+            optim_dtype=torch.float32,
+            model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan),
+        )
         assert ParamAttribute.get(rp.model[2].weight).shared
         opt = Adam(rp.optim_parameters(), lr=1e-2)
         allocations.clear()
@@ -687,7 +720,9 @@ def test_a_tied_weights_buffers_come_from_the_background_builder(workers: str, p
 
 @pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
 @pytest.mark.parametrize("waiter", ["first step", "second call"])
-def test_the_first_step_waits_for_the_host_buffers_and_the_optimizer_state(workers: str, waiter: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_first_step_waits_for_the_host_buffers_and_the_optimizer_state(
+    workers: str, waiter: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Pinning holds the driver's lock, and a first step still building its state would hold up the
     next iteration: the first ``step`` (or, without one, the second training call) lets the background
     allocation and the state reserve finish, so no later iteration runs beside them; calls without

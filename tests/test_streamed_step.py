@@ -24,7 +24,15 @@ def _streamed() -> None:
 
 def make_model(dtype: torch.dtype = torch.float64) -> nn.Sequential:
     torch.manual_seed(0)
-    layers: List[nn.Module] = [nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3)]
+    layers: List[nn.Module] = [
+        nn.Linear(6, 12),
+        nn.Tanh(),
+        nn.Linear(12, 12),
+        nn.Tanh(),
+        nn.Linear(12, 12),
+        nn.Tanh(),
+        nn.Linear(12, 3),
+    ]
     return nn.Sequential(*layers).to(dtype)
 
 
@@ -60,9 +68,15 @@ def rp_adamw(params: List[nn.Parameter]) -> torch.optim.Optimizer:
 @pytest.mark.parametrize("num_microbatch", [1, 3])
 @pytest.mark.parametrize("grain", ["stage", "layer"])
 @pytest.mark.parametrize("which", ["roundpipe.optim.Adam", "torch.optim.AdamW"])
-def test_streamed_async_steps_equal_plain_pytorch_synchronous(workers: str, num_microbatch: int, grain: str, which: str) -> None:
+def test_streamed_async_steps_equal_plain_pytorch_synchronous(
+    workers: str, num_microbatch: int, grain: str, which: str
+) -> None:
     model = make_model()
-    rp = RoundPipe(model, optim_dtype=torch.float64, model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch, recompute_grain=grain))
+    rp = RoundPipe(
+        model,
+        optim_dtype=torch.float64,
+        model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch, recompute_grain=grain),
+    )
     opt = (rp_adamw if which.startswith("roundpipe") else adamw)(rp.optim_parameters())
     losses = []
     for x, y in batches(6):
@@ -84,7 +98,9 @@ def test_streamed_async_steps_equal_plain_pytorch_synchronous(workers: str, num_
 
 
 @pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
-def test_layers_are_published_in_forward_order_as_the_optimizer_steps_them(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_layers_are_published_in_forward_order_as_the_optimizer_steps_them(
+    workers: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     seen: List[Tuple[int, bool]] = []
     done = step_protocol.Publisher.done
 
@@ -105,7 +121,9 @@ def test_layers_are_published_in_forward_order_as_the_optimizer_steps_them(worke
 
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:3"], indirect=True)
-def test_bf16_model_keeps_two_host_copies_and_matches_synchronous_steps(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bf16_model_keeps_two_host_copies_and_matches_synchronous_steps(
+    workers: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The real case: bf16 weights, fp32 masters, the bf16 host gradient as the optimizer's .grad; the
     C++ kernel writes the converted weights in its step pass (bit for bit what copy_ gives)."""
     written: List[int] = []

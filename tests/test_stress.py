@@ -101,7 +101,9 @@ def test_bf16_buffers_rotate_under_stress(workers: str, monkeypatch: pytest.Monk
 @pytest.mark.parametrize("workers", ["cpu:2", "cpu:3"], indirect=True)
 @pytest.mark.parametrize("num_microbatch", [2, 5])
 @pytest.mark.parametrize("fused", [True, False])
-def test_split_fused_job_under_stress(workers: str, num_microbatch: int, fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_split_fused_job_under_stress(
+    workers: str, num_microbatch: int, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The parts of a split last backward group meet in any order and still sum to plain PyTorch's
     gradients."""
     import test_core

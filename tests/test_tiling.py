@@ -63,14 +63,18 @@ def _layer_config(family: str, layer_type: str = "full_attention") -> Any:
     return transformers.LlamaConfig(**common)
 
 
-def _make_layer(family: str, lora: bool = False, dropout: float = 0.0, layer_type: str = "full_attention") -> Tuple[nn.Module, nn.Module]:
+def _make_layer(
+    family: str, lora: bool = False, dropout: float = 0.0, layer_type: str = "full_attention"
+) -> Tuple[nn.Module, nn.Module]:
     """A one-layer fp64 model with non-trivial weights (LoRA adapters active when asked) and its layer."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(_layer_config(family, layer_type)).double()
     for p in model.model.layers[0].parameters():
         nn.init.normal_(p, 0.0, 0.2)
     if lora:
-        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=LORA_TARGETS))
+        model = peft.get_peft_model(
+            model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=LORA_TARGETS)
+        )
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "lora_B" in name:
@@ -168,7 +172,9 @@ LAYER_CASES = [
 
 @pytest.mark.parametrize("family,lora,padding,layer_type,fused", LAYER_CASES)
 @pytest.mark.parametrize("mode", ["grad", "recompute", "recompute-pre-tiled"])
-def test_tiled_layer_equals_untiled(family: str, lora: bool, padding: bool, layer_type: str, fused: bool, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tiled_layer_equals_untiled(
+    family: str, lora: bool, padding: bool, layer_type: str, fused: bool, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Output, input gradient and every trainable parameter's gradient of one layer, 13 positions in
     tiles of 4 (last tile 1). As a recompute the output is deferred (a placeholder without memory until
     materialize()), and the pre-attention part runs untiled below PRE_TILES_IN_RECOMPUTE tiles."""
@@ -293,7 +299,9 @@ def test_tiling_bounds_the_intermediate_tensors(lora: bool) -> None:
             with torch.no_grad():  # RoundPipe's forward pass
                 tiling.tiled_forward(layer, x, mask, pos, pe, rows=8) if tiled else layer(x, position_embeddings=pe)
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), RecomputeCtx(None):
-                out = tiling.tiled_forward(layer, x, mask, pos, pe, rows=8) if tiled else layer(x, position_embeddings=pe)
+                out = (
+                    tiling.tiled_forward(layer, x, mask, pos, pe, rows=8) if tiled else layer(x, position_embeddings=pe)
+                )
             out.backward(torch.ones_like(out))
         return rec.rows, saved
 
@@ -322,7 +330,9 @@ def test_dropout_masks_replay_in_backward() -> None:
     drawn: Dict[str, List[torch.Tensor]] = {n: [] for n in drops}
     for name, mod in drops.items():
 
-        def forward(t: torch.Tensor, inner: Callable[..., torch.Tensor] = mod.forward, name: str = name) -> torch.Tensor:
+        def forward(
+            t: torch.Tensor, inner: Callable[..., torch.Tensor] = mod.forward, name: str = name
+        ) -> torch.Tensor:
             out = inner(t)
             drawn[name].append(out != 0)
             return out
@@ -412,7 +422,9 @@ def _fp64_model(family: str, lora: bool) -> nn.Module:
     model = tiny_model(family).double()
     if not lora:
         return model
-    peft_model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS))
+    peft_model = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS)
+    )
     torch.manual_seed(7)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -421,7 +433,9 @@ def _fp64_model(family: str, lora: bool) -> nn.Module:
     return peft_model
 
 
-def _reference(model: nn.Module, batch: Dict[str, Optional[torch.Tensor]]) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+def _reference(
+    model: nn.Module, batch: Dict[str, Optional[torch.Tensor]]
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     with settings.overridden(seq_tile=0):
         out = model(**{k: v for k, v in batch.items() if v is not None})
     out.loss.backward()

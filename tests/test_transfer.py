@@ -37,7 +37,9 @@ class _Logged(torch.nn.Module):
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
 @pytest.mark.parametrize("grain", ["stage", "layer"])
-def test_compute_waits_for_each_layer_of_a_group_just_before_running_it(workers: str, grain: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compute_waits_for_each_layer_of_a_group_just_before_running_it(
+    workers: str, grain: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A job's compute stream waits for layer k's upload event right before layer k first runs (not for
     the whole group up front), once per job, in forward and in the recompute of backward."""
     from roundpipe import RoundPipe, RoundPipeRunConfig
@@ -48,8 +50,20 @@ def test_compute_waits_for_each_layer_of_a_group_just_before_running_it(workers:
     layer_of_event: dict = {}
     real_upload, real_wait = jobs_mod.upload_layers, jobs_mod.wait_layer
 
-    def upload(layers, layer_ids, attrs, device, with_grad, saved_buffers=None, ready=None, seed_grads=None, slots=None):  # type: ignore[no-untyped-def]
-        out = real_upload(layers, layer_ids, attrs, device, with_grad, saved_buffers=saved_buffers, ready=ready, seed_grads=seed_grads, slots=slots)
+    def upload(
+        layers, layer_ids, attrs, device, with_grad, saved_buffers=None, ready=None, seed_grads=None, slots=None
+    ):  # type: ignore[no-untyped-def]
+        out = real_upload(
+            layers,
+            layer_ids,
+            attrs,
+            device,
+            with_grad,
+            saved_buffers=saved_buffers,
+            ready=ready,
+            seed_grads=seed_grads,
+            slots=slots,
+        )
         if ready is not None:
             assert len(ready) == len(layer_ids)
             layer_of_event.update({id(ev): lid for ev, lid in zip(ready, layer_ids)})
@@ -68,7 +82,9 @@ def test_compute_waits_for_each_layer_of_a_group_just_before_running_it(workers:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[_Logged(i, log) for i in range(7)])
     plan = ModelExecutePlan([range(0, 3), range(3, 7)], [range(0, 3), range(3, 6), range(6, 7)])
-    rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan, recompute_grain=grain))
+    rp = RoundPipe(
+        model, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan, recompute_grain=grain)
+    )
     x, y = torch.randn(6, 4), torch.randn(6, 4)
     rp.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, t: ((o - t) ** 2).mean())
     rp.synchronize()
@@ -97,7 +113,9 @@ class _Detach(torch.nn.Module):
 
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
-def test_a_backward_stage_without_gradients_still_waits_for_its_uploads(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_backward_stage_without_gradients_still_waits_for_its_uploads(
+    workers: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """When no gradient reaches a backward stage (its output was detached) no microbatch computes
     there (each drops its saved stage input), but the stage still downloads the gradients it was
     seeded with: the compute stream (which the download stream follows) must have waited for every
@@ -113,7 +131,9 @@ def test_a_backward_stage_without_gradients_still_waits_for_its_uploads(workers:
     monkeypatch.setattr(jobs_mod, "wait_layer", spy)
     monkeypatch.setattr(compute_mod, "wait_layer", spy)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), _Detach(), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), _Detach(), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    )
     plan = ModelExecutePlan([range(0, 2), range(2, 4), range(4, 5)], [range(0, 2), range(2, 4), range(4, 5)])
     rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
     seed = torch.randn(4, 4)
@@ -155,7 +175,10 @@ def test_unchanged_side_inputs_are_downloaded_once(workers: str, monkeypatch: py
     monkeypatch.setattr(
         jobs_mod,
         "async_d2h",
-        lambda device, ev, ts: (downloaded.extend(t for t in ts if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[-1] == 64), real(device, ev, ts))[1],
+        lambda device, ev, ts: (
+            downloaded.extend(t for t in ts if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[-1] == 64),
+            real(device, ev, ts),
+        )[1],
     )
     torch.manual_seed(0)
     # float64: the microbatch split sums the gradients in another order than the reference's one batch,
@@ -163,9 +186,14 @@ def test_unchanged_side_inputs_are_downloaded_once(workers: str, monkeypatch: py
     layers = [_Start().double()] + [_PassThrough().double() for _ in range(6)]
     ref = torch.nn.Sequential(*layers)
     model = RoundPipe(
-        torch.nn.Sequential(*[l for l in layers]), model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=ModelExecutePlan.layerwise(7, "train"))
+        torch.nn.Sequential(*[l for l in layers]),
+        model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=ModelExecutePlan.layerwise(7, "train")),
     )
-    x, pos, y = (torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 64, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64))
+    x, pos, y = (
+        torch.randn(4, 4, dtype=torch.float64),
+        torch.randn(4, 64, dtype=torch.float64),
+        torch.randn(4, 4, dtype=torch.float64),
+    )
     loss = model.forward_backward(input_args=(x, pos), label=y, loss_fn=lambda o, t: ((o["x"] - t) ** 2).sum())
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -233,9 +261,14 @@ def test_parameter_gradients_go_on_their_own_stream_with_other_devices_shares_fe
     torch.manual_seed(0)
     emb, head = torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 8, bias=False)
     head.weight = emb.weight
-    model = torch.nn.Sequential(emb, *[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(3)], head)
+    model = torch.nn.Sequential(
+        emb, *[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(3)], head
+    )
     ref = copy.deepcopy(model).double()
-    rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=4, execute_plan=ModelExecutePlan.layerwise(5, "fused")))
+    rp = RoundPipe(
+        model,
+        model_run_config=RoundPipeRunConfig(num_microbatch=4, execute_plan=ModelExecutePlan.layerwise(5, "fused")),
+    )
     x = torch.randn(8, 8)
     loss = rp.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.pow(2).sum())
     ref_loss = ref(x.double()).pow(2).sum()

@@ -177,4 +177,3 @@ def test_label_check_names_the_position_and_allows_ignored_and_first_labels() ->
     with pytest.raises(ValueError, match=r"shift_labels\[0, 0\] = -5 is not"):
         check_label_range(torch.tensor([[-5, 1]]), vocab_size=10, shifted=True, name="shift_labels")
     check_label_range(torch.tensor([[-7, 1]]), vocab_size=10, ignore_index=-7, shifted=True)
-

@@ -70,7 +70,9 @@ def _files(root: str) -> List[str]:
     return sorted(out)
 
 
-def save_checkpoint(output_dir: str, step: int, write: Callable[[str], None], keep: int, meta: Optional[Dict[str, object]] = None) -> str:
+def save_checkpoint(
+    output_dir: str, step: int, write: Callable[[str], None], keep: int, meta: Optional[Dict[str, object]] = None
+) -> str:
     """Write a checkpoint atomically; returns its directory.
 
     Args:
@@ -163,7 +165,9 @@ def resolve_checkpoint(ref: str, output_dir: str, hint: str = RESUME_HINT) -> st
         ref = output_dir
     if os.path.isfile(os.path.join(ref, MANIFEST)) or _STEP_DIR.match(os.path.basename(os.path.normpath(ref))):
         if not os.path.isdir(ref):
-            raise ConfigError(f"checkpoint {ref!r} not found", "pass a checkpoint directory, a run's output_dir or 'latest'")
+            raise ConfigError(
+                f"checkpoint {ref!r} not found", "pass a checkpoint directory, a run's output_dir or 'latest'"
+            )
         return ref
     for root in (checkpoints_dir(ref), ref):
         pointer = os.path.join(root, LATEST)
@@ -202,13 +206,18 @@ def verify_checkpoint(path: str) -> Dict[str, object]:
             manifest = json.load(f)
         files = manifest["files"]
     except (json.JSONDecodeError, KeyError, TypeError):
-        raise ConfigError(f"checkpoint {path} has a damaged {MANIFEST}", "delete it and resume from an earlier checkpoint") from None
+        raise ConfigError(
+            f"checkpoint {path} has a damaged {MANIFEST}", "delete it and resume from an earlier checkpoint"
+        ) from None
     for rel, info in files.items():
         fpath = os.path.join(path, rel)
         if not os.path.isfile(fpath):
             raise ConfigError(f"checkpoint {path} is missing {rel}", "delete it and resume from an earlier checkpoint")
         if os.path.getsize(fpath) != info["bytes"] or sha256_file(fpath) != info["sha256"]:
-            raise ConfigError(f"checkpoint {path} is corrupt: {rel} does not match its sha256 in {MANIFEST}", "delete it and resume from an earlier checkpoint")
+            raise ConfigError(
+                f"checkpoint {path} is corrupt: {rel} does not match its sha256 in {MANIFEST}",
+                "delete it and resume from an earlier checkpoint",
+            )
     _verified[key] = manifest
     return manifest
 

@@ -65,33 +65,56 @@ class TrainConfig:
     """Everything a training run needs; the field comments double as ``--help``."""
 
     # model
-    model: str = _f("tiny", "local Hugging Face model directory, or a built-in architecture name (random init)", group="model")
+    model: str = _f(
+        "tiny", "local Hugging Face model directory, or a built-in architecture name (random init)", group="model"
+    )
     dtype: str = _f(
         "auto",
-        "float32, bfloat16 or float16: the weights the devices compute with; optimizer masters stay fp32 (auto: the model's own; float32 for 'tiny')",
+        "float32, bfloat16 or float16: the weights the devices compute with; optimizer masters stay fp32 "
+        "(auto: the model's own; float32 for 'tiny')",
         group="model",
     )
     # data
-    data: Optional[str] = _f(None, "training data: .txt, .jsonl or .parquet file (default: the built-in task)", group="data")
-    task: str = _f("reverse", "built-in synthetic task used when no data file is given (reverse, addition, addition-lsb, ...)", group="data")
-    text_field: str = _f("text", "jsonl/parquet field holding plain text (rows with prompt/response or messages are chat)", group="data")
-    seq_len: Optional[int] = _f(None, "tokens per sequence (default: the task's length; 512 for data files)", group="data")
+    data: Optional[str] = _f(
+        None, "training data: .txt, .jsonl or .parquet file (default: the built-in task)", group="data"
+    )
+    task: str = _f(
+        "reverse",
+        "built-in synthetic task used when no data file is given (reverse, addition, addition-lsb, ...)",
+        group="data",
+    )
+    text_field: str = _f(
+        "text", "jsonl/parquet field holding plain text (rows with prompt/response or messages are chat)", group="data"
+    )
+    seq_len: Optional[int] = _f(
+        None, "tokens per sequence (default: the task's length; 512 for data files)", group="data"
+    )
     pack: bool = _f(True, "pack examples into full seq_len rows (off: one example per row, padded)", group="data")
     eval_examples: int = _f(500, "held-out examples scored at the end (built-in task)", group="data")
     # LoRA
     lora_r: int = _f(0, "LoRA rank; 0 trains all weights (full fine-tune)", group="lora")
     lora_alpha: Optional[float] = _f(None, "LoRA alpha (default: 2 x lora_r)", group="lora")
     lora_dropout: float = _f(0.0, "LoRA dropout", group="lora")
-    lora_targets: List[str] = _f(["all-linear"], "module names LoRA adapts (e.g. q_proj v_proj), or all-linear", group="lora")
+    lora_targets: List[str] = _f(
+        ["all-linear"], "module names LoRA adapts (e.g. q_proj v_proj), or all-linear", group="lora"
+    )
     # optimization
-    batch_size: int = _f(8, "sequences per optimizer micro-step (split into microbatches across devices)", group="optim")
-    microbatches: Optional[int] = _f(None, "microbatches per micro-step, at most batch_size (default: devices + 1, capped at batch_size)", group="optim")
+    batch_size: int = _f(
+        8, "sequences per optimizer micro-step (split into microbatches across devices)", group="optim"
+    )
+    microbatches: Optional[int] = _f(
+        None,
+        "microbatches per micro-step, at most batch_size (default: devices + 1, capped at batch_size)",
+        group="optim",
+    )
     grad_accum: int = _f(1, "micro-steps accumulated per optimizer step", group="optim")
     steps: Optional[int] = _f(None, "optimizer steps (default: one epoch of the data file)", group="optim")
     epochs: Optional[float] = _f(None, "epochs over the data file (instead of steps)", group="optim")
     lr: float = _f(2e-5, "peak learning rate", group="optim")
     warmup_steps: Optional[int] = _f(
-        None, "linear warmup steps (default: 5% of the steps; capped below the run's steps, so the peak is reached)", group="optim"
+        None,
+        "linear warmup steps (default: 5% of the steps; capped below the run's steps, so the peak is reached)",
+        group="optim",
     )
     min_lr_ratio: float = _f(0.1, "cosine decay ends at lr x min_lr_ratio", group="optim")
     weight_decay: float = _f(0.0, "decoupled (AdamW) weight decay", group="optim")
@@ -100,49 +123,69 @@ class TrainConfig:
     seed: int = _f(0, "seed of the weights, data order and dropout", group="optim")
     optim_state: str = _f(
         "float32",
-        "Adam moments on the host: float32, bfloat16 or int8 (blockwise quantised); the compact ones save 4 or 6 bytes/param (docs/optimizer.md)",
+        "Adam moments on the host: float32, bfloat16 or int8 (blockwise quantised); the compact ones save 4 or "
+        "6 bytes/param (docs/optimizer.md)",
         group="optim",
     )
     master: str = _f(
         "float32",
-        "optimizer master weights: float32 copies, or bfloat16 (the bf16 weights themselves, no fp32 copy: 4 bytes/param less; needs --dtype bfloat16)",
+        "optimizer master weights: float32 copies, or bfloat16 (the bf16 weights themselves, no fp32 copy: 4 "
+        "bytes/param less; needs --dtype bfloat16)",
         group="optim",
     )
-    master_rounding: str = _f("stochastic", "how bfloat16 masters take an update: stochastic, kahan (+2 bytes/param) or nearest", group="optim")
-    async_step: bool = _f(True, "overlap the optimizer step with the next iteration (weights one step stale)", group="optim")
+    master_rounding: str = _f(
+        "stochastic",
+        "how bfloat16 masters take an update: stochastic, kahan (+2 bytes/param) or nearest",
+        group="optim",
+    )
+    async_step: bool = _f(
+        True, "overlap the optimizer step with the next iteration (weights one step stale)", group="optim"
+    )
     shard_optimizer: bool = _f(
         False,
-        "several ranks on one host (torchrun): share the host optimizer step among them (masters once per host, each layer's update on "
+        "several ranks on one host (torchrun): share the host optimizer step among them (masters once per "
+        "host, each layer's update on "
         "one rank; same results; docs/multi-node.md)",
         group="optim",
     )
     on_nonfinite: str = _f(
         "stop",
-        "a NaN/inf loss or gradient norm: stop (exit with an error; the step is not applied, checkpoints stay intact) or skip (drop that "
+        "a NaN/inf loss or gradient norm: stop (exit with an error; the step is not applied, checkpoints stay "
+        "intact) or skip (drop that "
         "step's gradients and go on)",
         group="optim",
     )
     plan: str = _f(
         "auto",
-        "pipeline stages: auto (RoundPipe's planner, from measured layer times and device memory), layerwise (one layer per stage: least "
+        "pipeline stages: auto (RoundPipe's planner, from measured layer times and device memory), layerwise "
+        "(one layer per stage: least "
         "device memory) or single (the whole model in one stage: fastest for small models)",
         group="run",
     )
     compile: Optional[bool] = _f(
         None,
-        "torch.compile the loss kernels (default: RPP_DISABLE_TORCH_COMPILE if set, else on for GPUs and off for CPU workers, where "
+        "torch.compile the loss kernels (default: RPP_DISABLE_TORCH_COMPILE if set, else on for GPUs and off "
+        "for CPU workers, where "
         "compiling takes longer than it saves)",
         group="run",
     )
     # devices
-    devices: Optional[str] = _f(None, "devices, as RPP_DEVICES: cuda, cuda:0,2 or cpu:N (default: RPP_DEVICES, else all GPUs, else cpu:1)", group="run")
+    devices: Optional[str] = _f(
+        None,
+        "devices, as RPP_DEVICES: cuda, cuda:0,2 or cpu:N (default: RPP_DEVICES, else all GPUs, else cpu:1)",
+        group="run",
+    )
     # output
     output_dir: str = _f("runs/roundpipe", "where metrics, plots and checkpoints go", group="run")
     log_every: int = _f(50, "print a log line every N steps", group="run")
     save_every: int = _f(0, "checkpoint every N steps (0: only at the end)", group="run")
     keep_checkpoints: int = _f(2, "how many most recent checkpoints to keep", group="run")
-    resume: Optional[str] = _f(None, "checkpoint to continue from: a path, or 'latest' (output_dir's newest)", group="run")
-    stop_at: Optional[int] = _f(None, "checkpoint and stop after this step (the schedule still runs to 'steps'; resume later)", group="run")
+    resume: Optional[str] = _f(
+        None, "checkpoint to continue from: a path, or 'latest' (output_dir's newest)", group="run"
+    )
+    stop_at: Optional[int] = _f(
+        None, "checkpoint and stop after this step (the schedule still runs to 'steps'; resume later)", group="run"
+    )
     progress: bool = _f(True, "tqdm progress bar (off when not a TTY or RPP_PROGRESS=0)", group="run")
     tensorboard: bool = _f(True, "also write TensorBoard logs when tensorboard is installed", group="run")
 
@@ -257,7 +300,9 @@ def load_yaml(path: str) -> Dict[str, Any]:
     except yaml.YAMLError as exc:
         line = getattr(getattr(exc, "problem_mark", None), "line", None)
         where = f" (line {line + 1})" if line is not None else ""
-        raise ConfigError(f"config file {path!r} is not valid YAML{where}", "fix the syntax; keys are 'name: value' lines") from None
+        raise ConfigError(
+            f"config file {path!r} is not valid YAML{where}", "fix the syntax; keys are 'name: value' lines"
+        ) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path!r} is not a mapping", "write one 'key: value' per line")
     out = {}
@@ -289,17 +334,23 @@ def build_parser() -> argparse.ArgumentParser:
         prog="roundpipe train",
         description=(
             "Train or fine-tune a causal LM with RoundPipe (layers streamed to a pool of GPUs or CPU workers). "
-            f"Without --data, the built-in task's profile changes some defaults ({', '.join(f'{k}={v}' for k, v in TASK_PROFILE.items())}); "
+            "Without --data, the built-in task's profile changes some defaults "
+            f"({', '.join(f'{k}={v}' for k, v in TASK_PROFILE.items())}); "
             "--print-config shows what a run will use."
         ),
         argument_default=argparse.SUPPRESS,
     )
     parser.add_argument("--config", metavar="FILE", help="YAML file with config keys (flags override it)")
-    parser.add_argument("--print-config", action="store_true", help="print the config a run would use (defaults resolved) as YAML and exit")
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the config a run would use (defaults resolved) as YAML and exit",
+    )
     parser.add_argument(
         "--overwrite",
         action="store_true",
-        help="start over in an output_dir that holds an earlier run, deleting that run's files first (without it such a directory is refused unless --resume)",
+        help="start over in an output_dir that holds an earlier run, deleting that run's files first (without it "
+        "such a directory is refused unless --resume)",
     )
     parser.add_argument("--version", action="version", version=f"roundpipe {version()}")
     groups = {
@@ -349,7 +400,13 @@ def _join_negative_values(argv: Sequence[str]) -> List[str]:
     for arg in argv:
         prev = out[-1] if out else ""
         name = prev[2:].replace("-", "_")
-        if prev.startswith("--") and "=" not in prev and name in FIELDS and _base_type(name) not in (bool, list) and _NEGATIVE_NUMBER.match(arg):
+        if (
+            prev.startswith("--")
+            and "=" not in prev
+            and name in FIELDS
+            and _base_type(name) not in (bool, list)
+            and _NEGATIVE_NUMBER.match(arg)
+        ):
             out[-1] = f"{prev}={arg}"
         else:
             out.append(arg)
@@ -379,7 +436,8 @@ def merge(file_keys: Dict[str, Any], flag_keys: Dict[str, Any]) -> TrainConfig:
     given = {**file_keys, **flag_keys}
     if given.get("data") is not None and "task" in given:
         raise ConfigError(
-            f"both data ({given['data']}) and task ({given['task']}) are set, and a data file replaces the built-in task",
+            f"both data ({given['data']}) and task ({given['task']}) are set, and a data file replaces the "
+            "built-in task",
             "drop --task to train on the data file, or drop --data to train on the task",
         )
     values: Dict[str, Any] = {}
@@ -421,7 +479,10 @@ def validate(cfg: TrainConfig) -> None:
         if getattr(cfg, name) not in choices:
             raise ConfigError(f"{name}={getattr(cfg, name)!r} is not a choice", f"use one of {', '.join(choices)}")
     if cfg.master == "bfloat16" and cfg.dtype not in ("bfloat16", "auto"):
-        raise ConfigError(f"master=bfloat16 steps the bf16 weights themselves, but dtype={cfg.dtype}", "add --dtype bfloat16 or use --master float32")
+        raise ConfigError(
+            f"master=bfloat16 steps the bf16 weights themselves, but dtype={cfg.dtype}",
+            "add --dtype bfloat16 or use --master float32",
+        )
     if cfg.plan not in PLANS:
         raise ConfigError(f"plan={cfg.plan!r} is not a plan", f"use one of {', '.join(PLANS)}")
     if cfg.dtype not in DTYPES:
@@ -435,17 +496,23 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.steps is not None and cfg.epochs is not None:
         raise ConfigError("both steps and epochs are set", "keep one of them")
     if cfg.stop_at is not None and cfg.steps is not None and cfg.stop_at > cfg.steps:
-        raise ConfigError(f"stop_at={cfg.stop_at} is after the last step ({cfg.steps})", f"set stop_at to at most {cfg.steps}")
+        raise ConfigError(
+            f"stop_at={cfg.stop_at} is after the last step ({cfg.steps})", f"set stop_at to at most {cfg.steps}"
+        )
     if cfg.data is None:
         if cfg.task not in TASKS:
             raise ConfigError(f"unknown task {cfg.task!r}", f"use one of {', '.join(TASKS)} or pass --data FILE")
         if cfg.epochs is not None:
-            raise ConfigError("epochs is set but the built-in task has no epochs (it is generated on the fly)", "use --steps")
+            raise ConfigError(
+                "epochs is set but the built-in task has no epochs (it is generated on the fly)", "use --steps"
+            )
     else:
         check_data_file(cfg.data)
     check_model(cfg.model)
     if cfg.lora_r == 0 and cfg.lora_alpha is not None:
-        raise ConfigError("lora_alpha is set but lora_r is 0 (full fine-tune)", "set --lora-r to enable LoRA, or drop lora_alpha")
+        raise ConfigError(
+            "lora_alpha is set but lora_r is 0 (full fine-tune)", "set --lora-r to enable LoRA, or drop lora_alpha"
+        )
 
 
 def check_data_file(path: str) -> None:

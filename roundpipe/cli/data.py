@@ -68,7 +68,9 @@ def read_rows(path: str) -> List[Tuple[str, Dict[str, Any]]]:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise ConfigError(f"{path}:{lineno} is not valid JSON ({exc.msg})", "write one JSON object per line") from None
+                    raise ConfigError(
+                        f"{path}:{lineno} is not valid JSON ({exc.msg})", "write one JSON object per line"
+                    ) from None
                 if not isinstance(row, dict):
                     raise ConfigError(f"{path}:{lineno} is not a JSON object", "write one JSON object per line")
                 rows.append((f"{path}:{lineno}", row))
@@ -81,7 +83,9 @@ def read_rows(path: str) -> List[Tuple[str, Dict[str, Any]]]:
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise ConfigError(f"reading {path} needs the 'datasets' package", "pip install datasets (or convert the file to .jsonl)") from None
+            raise ConfigError(
+                f"reading {path} needs the 'datasets' package", "pip install datasets (or convert the file to .jsonl)"
+            ) from None
         table = pq.read_table(path).to_pylist()
     return [(f"{path} row {i}", row) for i, row in enumerate(table, 1)]
 
@@ -157,7 +161,9 @@ def _string(row: Dict[str, Any], field: str, where: str) -> str:
     value = row[field]
     if not isinstance(value, str):
         kind = "null" if value is None else f"the {type(value).__name__} {value!r}"
-        raise ConfigError(f"{where}: field '{field}' is {kind}, not a string", f"write '{field}' as a JSON string, or drop the row")
+        raise ConfigError(
+            f"{where}: field '{field}' is {kind}, not a string", f"write '{field}' as a JSON string, or drop the row"
+        )
     return value
 
 
@@ -167,10 +173,13 @@ def row_examples(row: Dict[str, Any], tokenizer: Any, text_field: str, where: st
     if "messages" in row:
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError(
-                f"{where} has chat messages but the tokenizer has no chat template", "use a tokenizer with a chat_template, or prompt/response rows"
+                f"{where} has chat messages but the tokenizer has no chat template",
+                "use a tokenizer with a chat_template, or prompt/response rows",
             )
         messages = row["messages"]
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in messages
+        ):
             raise ConfigError(f"{where}: 'messages' is not a list of {{role, content}} objects", "fix the row")
         for i, m in enumerate(messages):
             _string(m, "role", f"{where} message {i + 1}")
@@ -215,7 +224,10 @@ def load_examples(path: str, tokenizer: Any, text_field: str = "text") -> List[E
         raise ConfigError(f"{path} has no rows", "add one JSON object per line (text, prompt/response or messages)")
     if dropped:
         unknown = sorted(r for r in roles if r not in KNOWN_ROLES)
-        why = f"{dropped} of {len(rows)} rows have chat messages without an 'assistant' turn (roles found: {', '.join(sorted(roles)) or 'none'})"
+        why = (
+            f"{dropped} of {len(rows)} rows have chat messages without an 'assistant' turn (roles found: "
+            f"{', '.join(sorted(roles)) or 'none'})"
+        )
         fix = (
             f"rename the roles {', '.join(repr(r) for r in unknown)} to user/assistant"
             if unknown
@@ -236,7 +248,10 @@ def pack_examples(examples: Iterable[Example], seq_len: int) -> Tuple[torch.Tens
         labels += y
     n = len(ids) // seq_len
     if n == 0:
-        raise ConfigError(f"the data has {len(ids)} tokens, fewer than one sequence of seq_len={seq_len}", f"lower --seq-len below {len(ids)} or add data")
+        raise ConfigError(
+            f"the data has {len(ids)} tokens, fewer than one sequence of seq_len={seq_len}",
+            f"lower --seq-len below {len(ids)} or add data",
+        )
     return torch.tensor(ids[: n * seq_len]).view(n, seq_len), torch.tensor(labels[: n * seq_len]).view(n, seq_len)
 
 
@@ -246,7 +261,9 @@ def pad_examples(examples: Sequence[Example], seq_len: int, pad_id: int) -> Tupl
         raise ConfigError("the data file has no examples", "add rows to it")
     truncated = sum(len(x) > seq_len for x, _ in examples)
     if truncated:
-        logger.warning("%d of %d examples are longer than seq_len=%d and were truncated", truncated, len(examples), seq_len)
+        logger.warning(
+            "%d of %d examples are longer than seq_len=%d and were truncated", truncated, len(examples), seq_len
+        )
     ids = torch.full((len(examples), seq_len), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), seq_len), IGNORE_INDEX, dtype=torch.long)
     for i, (x, y) in enumerate(examples):
@@ -263,9 +280,13 @@ class FileStream:
     ``(epoch, offset)``: a resumed run continues with exactly the batches the uninterrupted run draws.
     """
 
-    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor, batch_size: int, seed: int, description: str) -> None:
+    def __init__(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, batch_size: int, seed: int, description: str
+    ) -> None:
         if not (labels != IGNORE_INDEX).any():
-            raise ConfigError("no token of the data is trained on (every label is masked)", "check that rows have responses or text")
+            raise ConfigError(
+                "no token of the data is trained on (every label is masked)", "check that rows have responses or text"
+            )
         self.input_ids, self.labels = input_ids, labels
         self.batch_size = batch_size
         self.seed = seed
@@ -309,7 +330,9 @@ class FileStream:
         return self._description
 
 
-def file_stream(path: str, tokenizer: Any, seq_len: int, pack: bool, batch_size: int, seed: int, text_field: str = "text") -> FileStream:
+def file_stream(
+    path: str, tokenizer: Any, seq_len: int, pack: bool, batch_size: int, seed: int, text_field: str = "text"
+) -> FileStream:
     """Load, tokenize and pack (or pad) a data file into a :class:`FileStream`."""
     examples = load_examples(path, tokenizer, text_field)
     if pack:
@@ -325,4 +348,14 @@ def file_stream(path: str, tokenizer: Any, seq_len: int, pack: bool, batch_size:
     return FileStream(ids, labels, batch_size, seed, desc)
 
 
-__all__ = ["FileStream", "chat_segments", "file_stream", "load_examples", "pack_examples", "pad_examples", "read_rows", "read_text", "row_examples"]
+__all__ = [
+    "FileStream",
+    "chat_segments",
+    "file_stream",
+    "load_examples",
+    "pack_examples",
+    "pad_examples",
+    "read_rows",
+    "read_text",
+    "row_examples",
+]

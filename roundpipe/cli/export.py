@@ -26,8 +26,14 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 
 def parse_export_args(argv: List[str]) -> argparse.Namespace:
-    parser = _ArgumentParser(prog="roundpipe export", description="Write a roundpipe checkpoint as a Hugging Face model directory.")
-    parser.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory (…/checkpoints/step-N), or a run's output_dir for its latest")
+    parser = _ArgumentParser(
+        prog="roundpipe export", description="Write a roundpipe checkpoint as a Hugging Face model directory."
+    )
+    parser.add_argument(
+        "checkpoint",
+        metavar="CKPT",
+        help="checkpoint directory (…/checkpoints/step-N), or a run's output_dir for its latest",
+    )
     parser.add_argument("out", metavar="OUT", help="directory to write (must not exist, or be empty)")
     parser.add_argument(
         "--merge-lora",
@@ -53,7 +59,10 @@ def load_checkpoint_model(path: str) -> Any:
     weights = ckpt.load_tensors(os.path.join(path, "model.safetensors"))
     if source["weights"] == "trainable":  # LoRA on a local model: frozen weights from the model directory
         if not os.path.isdir(source["path"]):
-            raise ConfigError(f"the base model directory {source['path']} of this LoRA checkpoint is gone", "restore it there, then export again")
+            raise ConfigError(
+                f"the base model directory {source['path']} of this LoRA checkpoint is gone",
+                "restore it there, then export again",
+            )
         model = AutoModelForCausalLM.from_pretrained(source["path"], dtype=dtype, local_files_only=True)
     else:
         config = AutoConfig.from_pretrained(os.path.join(path, "hf"), local_files_only=True)
@@ -66,14 +75,17 @@ def load_checkpoint_model(path: str) -> Any:
         model = peft_model(model, LoraConfig.from_pretrained(os.path.join(path, "lora")))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if source["weights"] == "full":
-        tied = {n for n in missing if n.endswith("lm_head.weight") and getattr(model.config, "tie_word_embeddings", False)}
+        tied = {
+            n for n in missing if n.endswith("lm_head.weight") and getattr(model.config, "tie_word_embeddings", False)
+        }
         missing = [n for n in missing if n not in tied]
     else:
         trained = {n for n, p in model.named_parameters() if p.requires_grad}
         missing = [n for n in missing if n in trained]
     if missing or unexpected:
         raise ConfigError(
-            f"checkpoint {path} does not match its model ({len(missing)} missing, {len(unexpected)} unexpected weights, e.g. {(missing + unexpected)[0]})",
+            f"checkpoint {path} does not match its model ({len(missing)} missing, {len(unexpected)} unexpected "
+            f"weights, e.g. {(missing + unexpected)[0]})",
             "export with the roundpipe version that wrote it",
         )
     model.eval()
@@ -84,7 +96,10 @@ def check_export(checkpoint: str, out: str) -> str:
     """The verified checkpoint directory ``checkpoint`` names (a run's newest, or itself), once ``out``
     is known to be free: the user errors of ``export``, found before transformers loads."""
     path = ckpt.resolve_checkpoint(
-        checkpoint, checkpoint, "pass a run's output_dir (its newest checkpoint) or a checkpoint directory (…/checkpoints/step-N) to roundpipe export"
+        checkpoint,
+        checkpoint,
+        "pass a run's output_dir (its newest checkpoint) or a checkpoint directory (…/checkpoints/step-N) to "
+        "roundpipe export",
     )
     ckpt.verify_checkpoint(path)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
@@ -105,7 +120,9 @@ def export(checkpoint: str, out: str, merge_lora: bool = True, dtype: Optional[s
         with open(os.path.join(path, "source.json")) as f:
             if json.load(f)["kind"] != "local":
                 raise ConfigError(
-                    "an unmerged LoRA adapter needs a base model directory, but this run's base was a built-in architecture", "export with --merge-lora"
+                    "an unmerged LoRA adapter needs a base model directory, but this run's base was a built-in "
+                    "architecture",
+                    "export with --merge-lora",
                 )
     if dtype is not None:
         from roundpipe.cli.model_loading import TORCH_DTYPES

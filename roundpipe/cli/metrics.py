@@ -46,7 +46,10 @@ class MetricsWriter:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=resume_step + 1 if resume_step is not None else None)
+                self._tb = SummaryWriter(
+                    os.path.join(output_dir, "tensorboard"),
+                    purge_step=resume_step + 1 if resume_step is not None else None,
+                )
             except ImportError:
                 pass
 
@@ -112,7 +115,10 @@ def metrics_figure(rows: List[Dict[str, float]]) -> Any:
     ax_loss.plot(steps, loss, lw=0.8, alpha=0.4, color="tab:blue", label="loss")
     window = max(1, len(loss) // 50)
     if window > 1:
-        smooth = [sum(loss[max(0, i - window + 1) : i + 1]) / len(loss[max(0, i - window + 1) : i + 1]) for i in range(len(loss))]
+        smooth = [
+            sum(loss[max(0, i - window + 1) : i + 1]) / len(loss[max(0, i - window + 1) : i + 1])
+            for i in range(len(loss))
+        ]
         ax_loss.plot(steps, smooth, lw=1.5, color="tab:blue", label=f"loss (mean of {window})")
     ax_loss.set_ylabel("loss")
     ax_loss.set_yscale("log" if min(loss) > 0 and max(loss) / max(min(loss), 1e-12) > 20 else "linear")
@@ -166,7 +172,11 @@ def write_summary(output_dir: str, metrics: MetricsWriter, result: Dict[str, Any
     summary = {**result, "peak_gpu_memory_gib": gpu, "host_peak_rss_gib": host_peak_rss_gib()}
     with open(os.path.join(output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    files = [f"metrics {metrics.path}"] + ([f"plot {plot}"] if plot else []) + ([f"checkpoint {result['checkpoint']}"] if result["checkpoint"] else [])
+    files = (
+        [f"metrics {metrics.path}"]
+        + ([f"plot {plot}"] if plot else [])
+        + ([f"checkpoint {result['checkpoint']}"] if result["checkpoint"] else [])
+    )
     if metrics.tensorboard_dir:
         files.append(f"tensorboard {metrics.tensorboard_dir}")
     elapsed = result.get("elapsed_s", result["seconds"])
@@ -176,7 +186,8 @@ def write_summary(output_dir: str, metrics: MetricsWriter, result: Dict[str, Any
     return [
         f"done: step {result['step']}/{result['total_steps']} in {took}, "
         f"{format_rate(result['tokens_per_s'])} tokens/s, "
-        f"final loss {result['final_loss']:.4f}; peak GPU memory {'%.2f GiB' % gpu if gpu is not None else 'n/a (CPU workers)'}, "
+        f"final loss {result['final_loss']:.4f}; peak GPU memory "
+        f"{'%.2f GiB' % gpu if gpu is not None else 'n/a (CPU workers)'}, "
         f"host peak RSS {summary['host_peak_rss_gib']:.2f} GiB",
         "wrote " + ", ".join(files),
     ]

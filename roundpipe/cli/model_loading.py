@@ -27,7 +27,9 @@ def builtin_config(name: str) -> Any:
     """The ``Qwen3Config`` of built-in architecture ``name`` (byte-level vocabulary ids for EOS/pad)."""
     from transformers import Qwen3Config
 
-    return Qwen3Config(**BUILTIN_MODELS[name], use_cache=False, eos_token_id=EOS_ID, pad_token_id=EOS_ID + 1, bos_token_id=None)
+    return Qwen3Config(
+        **BUILTIN_MODELS[name], use_cache=False, eos_token_id=EOS_ID, pad_token_id=EOS_ID + 1, bos_token_id=None
+    )
 
 
 def model_source(cfg: TrainConfig) -> Dict[str, str]:
@@ -97,14 +99,23 @@ def build_model(source: Dict[str, str], model_config: Any, dtype: torch.dtype) -
         return AutoModelForCausalLM.from_pretrained(source["path"], dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ConfigError(
-            f"cannot load the model in {source['path']} ({str(exc).splitlines()[0]})", "pass a directory written by save_pretrained with its weights"
+            f"cannot load the model in {source['path']} ({str(exc).splitlines()[0]})",
+            "pass a directory written by save_pretrained with its weights",
         ) from None
 
 
 #: Vocabulary files of Hugging Face tokenizers (fast, SentencePiece, BPE, WordPiece, tiktoken): a model
 #: directory with none of them has no tokenizer. transformers would then build an empty one from the
 #: model type, and the data would fail later with a misleading error (no chat template, too few tokens).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "sentencepiece.bpe.model", "tiktoken.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tiktoken.model",
+)
 
 
 def load_tokenizer(source: Dict[str, str], cfg: TrainConfig) -> Any:
@@ -116,7 +127,9 @@ def load_tokenizer(source: Dict[str, str], cfg: TrainConfig) -> Any:
     path = source["path"]
     fix = "save the model's tokenizer there with tokenizer.save_pretrained(model_dir)"
     if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
-        raise ConfigError(f"the model directory {path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)})", fix)
+        raise ConfigError(
+            f"the model directory {path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)})", fix
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, TypeError) as exc:
@@ -149,7 +162,9 @@ def peft_model(model: nn.Module, lcfg: Any) -> nn.Module:
     from peft import get_peft_model
 
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message=r".*`is_gradient_checkpointing` is deprecated", category=FutureWarning
+        )
         return get_peft_model(model, lcfg)
 
 
@@ -158,7 +173,10 @@ def apply_lora(model: nn.Module, lcfg: Any) -> nn.Module:
     try:
         return peft_model(model, lcfg)
     except ValueError as exc:
-        raise ConfigError(f"LoRA: {str(exc).splitlines()[0]}", "set --lora-targets to module names of this model (e.g. q_proj v_proj) or all-linear") from None
+        raise ConfigError(
+            f"LoRA: {str(exc).splitlines()[0]}",
+            "set --lora-targets to module names of this model (e.g. q_proj v_proj) or all-linear",
+        ) from None
 
 
 __all__ = [

@@ -26,7 +26,11 @@ def make_optimizer(masters: List[torch.Tensor], cfg: TrainConfig) -> torch.optim
 
     decay = [p for p in masters if p.ndim >= 2]
     no_decay = [p for p in masters if p.ndim < 2]
-    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    groups = [
+        g
+        for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+        if g["params"]
+    ]
     return Adam(
         groups,
         lr=cfg.lr,
@@ -69,14 +73,22 @@ class HostOptimizer:
     """
 
     def __init__(
-        self, masters: List[torch.Tensor], clip_params: List[nn.Parameter], cfg: TrainConfig, total_steps: int, warmup_steps: int, float16: bool
+        self,
+        masters: List[torch.Tensor],
+        clip_params: List[nn.Parameter],
+        cfg: TrainConfig,
+        total_steps: int,
+        warmup_steps: int,
+        float16: bool,
     ) -> None:
         """``masters`` in the order the optimizer holds them (its state_dict depends on it);
         ``clip_params``: the same tensors in the order their norms are summed for clipping."""
         self.cfg = cfg
         self.clip_params = clip_params
         self.optimizer = make_optimizer(masters, cfg)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, WarmupCosine(warmup_steps, total_steps, cfg.min_lr_ratio))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, WarmupCosine(warmup_steps, total_steps, cfg.min_lr_ratio)
+        )
         self.warmup_steps, self.total_steps = warmup_steps, total_steps
         self.scaler: Any = None
         if float16:
@@ -125,7 +137,9 @@ class HostOptimizer:
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
 
-    def load_state_dicts(self, optimizer: Dict[str, Any], scheduler: Dict[str, Any], scaler: Optional[Dict[str, Any]]) -> None:
+    def load_state_dicts(
+        self, optimizer: Dict[str, Any], scheduler: Dict[str, Any], scaler: Optional[Dict[str, Any]]
+    ) -> None:
         """Restore the states :meth:`state_dicts` saved.
 
         The schedule is a function of the config and the step: this run's (steps, lr and warmup may
@@ -134,7 +148,9 @@ class HostOptimizer:
         self.optimizer.load_state_dict(optimizer)
         self.scheduler.load_state_dict(scheduler)
         groups = self.optimizer.param_groups
-        self.scheduler.lr_lambdas = [WarmupCosine(self.warmup_steps, self.total_steps, self.cfg.min_lr_ratio) for _ in groups]
+        self.scheduler.lr_lambdas = [
+            WarmupCosine(self.warmup_steps, self.total_steps, self.cfg.min_lr_ratio) for _ in groups
+        ]
         self.scheduler.base_lrs = [self.cfg.lr] * len(groups)
         for group in groups:
             group["initial_lr"] = self.cfg.lr

@@ -47,7 +47,9 @@ def launched_world_size() -> int:
     try:
         return int(raw) if raw else 1
     except ValueError:
-        raise ConfigError(f"WORLD_SIZE={raw!r} is not an integer", "launch with torchrun, or unset WORLD_SIZE") from None
+        raise ConfigError(
+            f"WORLD_SIZE={raw!r} is not an integer", "launch with torchrun, or unset WORLD_SIZE"
+        ) from None
 
 
 def rank_prefix() -> str:
@@ -248,4 +250,14 @@ def gather_to_main(obj: Any, what: str) -> Optional[List[Any]]:
     return out
 
 
-__all__ = ["PeerFailed", "everywhere", "gather_to_main", "launched_world_size", "on_main", "rank_prefix", "start", "stop", "sum_over_ranks"]
+__all__ = [
+    "PeerFailed",
+    "everywhere",
+    "gather_to_main",
+    "launched_world_size",
+    "on_main",
+    "rank_prefix",
+    "start",
+    "stop",
+    "sum_over_ranks",
+]

@@ -21,7 +21,13 @@ class PipelineModel:
         rp: The RoundPipe model (``optim_parameters``, ``step``, ``synchronize``).
     """
 
-    def __init__(self, hf_model: nn.Module, num_microbatch: Optional[int], plan: str = "auto", master_dtype: Optional[torch.dtype] = torch.float32) -> None:
+    def __init__(
+        self,
+        hf_model: nn.Module,
+        num_microbatch: Optional[int],
+        plan: str = "auto",
+        master_dtype: Optional[torch.dtype] = torch.float32,
+    ) -> None:
         """``master_dtype``: dtype of the optimizer's masters (None: the weights themselves, no copy)."""
         import roundpipe
         from roundpipe import ModelExecutePlan, RoundPipeRunConfig
@@ -46,7 +52,12 @@ class PipelineModel:
             self.rp.model_run_config.execute_plan = ModelExecutePlan.layerwise(n, "train")
 
     def forward_backward(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, weight: float, scale: Callable[[torch.Tensor], torch.Tensor], num_microbatch: Optional[int] = None
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        weight: float,
+        scale: Callable[[torch.Tensor], torch.Tensor],
+        num_microbatch: Optional[int] = None,
     ) -> torch.Tensor:
         """Accumulate the gradients of ``scale(weight x batch-mean token loss)``; returns that
         (scaled, weighted) loss. ``weight`` = this batch's share of the step's loss tokens.
@@ -65,7 +76,9 @@ class PipelineModel:
         else:
             base = preset.microbatch_loss_fn(kwargs)
             loss_fn = lambda out, label: scale(base(out, label) * weight)
-        return self.rp.forward_backward(input_kwargs=kwargs, loss_fn=loss_fn, run_config=RoundPipeRunConfig(num_microbatch=num_microbatch))
+        return self.rp.forward_backward(
+            input_kwargs=kwargs, loss_fn=loss_fn, run_config=RoundPipeRunConfig(num_microbatch=num_microbatch)
+        )
 
     def _infer_config(self, batch_size: int) -> Any:
         """Inference run config: no more microbatches than rows."""
@@ -77,7 +90,9 @@ class PipelineModel:
     @torch.no_grad()
     def last_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits of the last position, ``[B, V]``."""
-        return self.rp(input_ids=input_ids, logits_to_keep=1, roundpipe_run_config=self._infer_config(input_ids.shape[0])).logits[:, -1]
+        return self.rp(
+            input_ids=input_ids, logits_to_keep=1, roundpipe_run_config=self._infer_config(input_ids.shape[0])
+        ).logits[:, -1]
 
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,8 @@ def check_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
     if found and not resume and not overwrite:
         raise ConfigError(
             f"output_dir {output_dir} already holds a run ({', '.join(found)})",
-            "continue it with --resume, replace it with --overwrite (deletes those files first), or pick another --output-dir",
+            "continue it with --resume, replace it with --overwrite (deletes those files first), or pick "
+            "another --output-dir",
         )
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ConfigError(f"output_dir {output_dir} is a file", "pick a directory for --output-dir")

@@ -114,7 +114,13 @@ def _addition(digits: int, lsb_first: bool = False) -> Task:
     example = f"{x + y:0{digits + 1}d}"
     name = ("addition" if digits == 3 else f"addition{digits}") + ("-lsb" if lsb_first else "")
     order = ", sum written least significant digit first" if lsb_first else ""
-    return Task(name, f"{digits}-digit addition{order}: '{x}+{y}=' -> '{example[::-1] if lsb_first else example}'", 2 * digits + 2, digits + 1, sample)
+    return Task(
+        name,
+        f"{digits}-digit addition{order}: '{x}+{y}=' -> '{example[::-1] if lsb_first else example}'",
+        2 * digits + 2,
+        digits + 1,
+        sample,
+    )
 
 
 def _reverse(length: int) -> Task:
@@ -152,7 +158,8 @@ def _recall(seq_len: int) -> Task:
 
     return Task(
         "recall",
-        f"recall the key letter given at the start of a {seq_len}-token context: 'key=Q;<filler>?' -> 'Q' (--seq-len sets the context)",
+        f"recall the key letter given at the start of a {seq_len}-token context: 'key=Q;<filler>?' -> 'Q' "
+        "(--seq-len sets the context)",
         seq_len - KEY_LEN - 1,
         KEY_LEN,
         sample,
@@ -160,7 +167,18 @@ def _recall(seq_len: int) -> Task:
     )
 
 
-TASKS: Dict[str, Task] = {t.name: t for t in (_addition(3), _addition(3, True), _addition(2), _addition(4), _addition(4, True), _reverse(6), _recall(128))}
+TASKS: Dict[str, Task] = {
+    t.name: t
+    for t in (
+        _addition(3),
+        _addition(3, True),
+        _addition(2),
+        _addition(4),
+        _addition(4, True),
+        _reverse(6),
+        _recall(128),
+    )
+}
 
 
 def task_for(name: str, seq_len: Optional[int]) -> Task:
@@ -246,7 +264,10 @@ def held_out_examples(task: Task, n: int, seed: int = 1234) -> List[Tuple[str, s
 
 
 def exact_match(
-    predict_next: Callable[[torch.Tensor], torch.Tensor], task: Task, examples: List[Tuple[str, str]], batch_size: int = 256
+    predict_next: Callable[[torch.Tensor], torch.Tensor],
+    task: Task,
+    examples: List[Tuple[str, str]],
+    batch_size: int = 256,
 ) -> Tuple[float, List[Tuple[str, str, str]]]:
     """Greedy-decode each prompt's answer and compare it with the reference.
 

@@ -39,7 +39,13 @@ def rng_state() -> Dict[str, Any]:
     import numpy as np
 
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))  # torch.load(weights_only)-safe
+    numpy_state = (
+        kind,
+        torch.from_numpy(keys.astype(np.int64)),
+        int(pos),
+        int(has_gauss),
+        float(gauss),
+    )  # torch.load(weights_only)-safe
     state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_state}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -103,11 +109,15 @@ def write_payload(
     tokenizer.save_pretrained(hf_dir)
     if lora:
         model.hf_model.peft_config["default"].save_pretrained(os.path.join(d, "lora"))
-    ckpt.save_tensors(model.current_weights(kind == "trainable"), os.path.join(d, "model.safetensors"), {"format": "pt"})
+    ckpt.save_tensors(
+        model.current_weights(kind == "trainable"), os.path.join(d, "model.safetensors"), {"format": "pt"}
+    )
     ckpt.save_tensors(dict(model.trainable_named()), os.path.join(d, "optim", "device.safetensors"))
     ckpt.save_tensors(dict(model.master_named()), os.path.join(d, "optim", "master.safetensors"))
     states = optim.state_dicts()
-    ckpt.save_torch(optimizer_state if optimizer_state is not None else states["optimizer"], os.path.join(d, "optim", "state.pt"))
+    ckpt.save_torch(
+        optimizer_state if optimizer_state is not None else states["optimizer"], os.path.join(d, "optim", "state.pt")
+    )
     trainer = {
         "step": progress.step,
         "total_steps": progress.total_steps,
@@ -142,16 +152,31 @@ def resume_config(cfg: TrainConfig, given: Dict[str, Any], path: Optional[str] =
     changed = sorted(
         k
         for k, v in given.items()
-        if k not in ("resume", "stop_at", "output_dir", "progress", "log_every", "save_every", "keep_checkpoints", "devices", "tensorboard")
+        if k
+        not in (
+            "resume",
+            "stop_at",
+            "output_dir",
+            "progress",
+            "log_every",
+            "save_every",
+            "keep_checkpoints",
+            "devices",
+            "tensorboard",
+        )
         and then.get(k) != getattr(now, k)
     )
     if changed and rdist.is_main_process():
-        logger.warning("resuming with changed %s: the run will not repeat the uninterrupted one exactly", ", ".join(changed))
+        logger.warning(
+            "resuming with changed %s: the run will not repeat the uninterrupted one exactly", ", ".join(changed)
+        )
     merged = merge({}, {**saved, **{k: getattr(cfg, k) for k in given}, "resume": path})
     return merged
 
 
-def read_payload(path: str, model: PipelineModel, optim: HostOptimizer, stream: Any, rank: int, world_size: int, total_steps: int) -> Progress:
+def read_payload(
+    path: str, model: PipelineModel, optim: HostOptimizer, stream: Any, rank: int, world_size: int, total_steps: int
+) -> Progress:
     """Load checkpoint ``path`` (already verified) into the model, optimizer, data stream and RNGs;
     returns the counters to continue with. ``rank``/``world_size``: this process's place in a data
     parallel job (its own RNG state when the checkpoint has one per rank of the same layout)."""
@@ -174,15 +199,22 @@ def read_payload(path: str, model: PipelineModel, optim: HostOptimizer, stream: 
         for name, m in model.master_named():
             m.copy_(master_w[name])
     trainer: Any = ckpt.load_torch(os.path.join(path, "trainer.pt"))
-    optim.load_state_dicts(ckpt.load_torch(os.path.join(path, "optim", "state.pt")), trainer["scheduler"], trainer.get("scaler"))  # type: ignore[arg-type]
+    optim.load_state_dicts(
+        ckpt.load_torch(os.path.join(path, "optim", "state.pt")), trainer["scheduler"], trainer.get("scaler")
+    )  # type: ignore[arg-type]
     stream.load_state_dict(trainer["data"])  # the global data position: the same on every rank
     by_rank = trainer.get("rng_by_rank")
     same_layout = isinstance(by_rank, list) and len(by_rank) == world_size
     set_rng_state(by_rank[rank] if same_layout else trainer["rng"])
     step = int(trainer["step"])
     if step >= total_steps:
-        raise ConfigError(f"checkpoint {path} is at step {step}, the end of a {total_steps}-step run", "raise --steps to train further")
-    return Progress(step=step, total_steps=total_steps, tokens_seen=int(trainer["tokens_seen"]), elapsed=float(trainer["elapsed"]))
+        raise ConfigError(
+            f"checkpoint {path} is at step {step}, the end of a {total_steps}-step run",
+            "raise --steps to train further",
+        )
+    return Progress(
+        step=step, total_steps=total_steps, tokens_seen=int(trainer["tokens_seen"]), elapsed=float(trainer["elapsed"])
+    )
 
 
 __all__ = ["Progress", "read_payload", "resume_config", "rng_state", "set_rng_state", "weights_kind", "write_payload"]

@@ -62,7 +62,12 @@ def all_reduce_scalars(values: Sequence[float], op: Literal["sum", "mean", "max"
     if get_world_size() == 1:
         return vals
     t = torch.tensor(vals, dtype=torch.float64)
-    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+    dist.all_reduce(
+        t,
+        op={"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[
+            op
+        ],
+    )
     if op == "mean":
         t /= get_world_size()
     return t.tolist()

@@ -85,7 +85,17 @@ class PlanAgreement:
         """The plan of a training call of ``model`` (``index``: its position among the reduced models),
         the same on every rank (rank 0's); the dispatcher then starts where rank 0's does."""
         n_dev = device_mod.get_num_devices()
-        header = [self.steps, self.calls, index, model.num_layers, n_dev, dispatcher.position(), RUN_CODES[run_type], len(plan.fwd_plan), len(plan.bwd_plan)]
+        header = [
+            self.steps,
+            self.calls,
+            index,
+            model.num_layers,
+            n_dev,
+            dispatcher.position(),
+            RUN_CODES[run_type],
+            len(plan.fwd_plan),
+            len(plan.bwd_plan),
+        ]
         mine = encode_plan(header, plan, self.max_layers)
         rows_t = [torch.empty_like(mine) for _ in range(self.world_size)]
         run_collective(
@@ -121,13 +131,18 @@ class PlanAgreement:
         def per_rank(k: int) -> str:
             return ", ".join(f"rank {i}: {r[k]}" for i, r in enumerate(rows))
 
-        where = f"rank {self.global_rank}/{self.world_size}: training call {self.calls} of step {self.steps + 1} (model {model.name!r})"
+        where = (
+            f"rank {self.global_rank}/{self.world_size}: training call {self.calls} of step {self.steps + 1} "
+            f"(model {model.name!r})"
+        )
         if differ(0) or differ(1):
             at = ", ".join(f"rank {i}: call {r[1] + 1} of step {r[0] + 1}" for i, r in enumerate(rows))
             raise DataParallelError(
                 f"{where}: the ranks are at different training calls ({at}). With reduce_on='device' "
-                "every rank must run every forward/backward, since the gradients are reduced inside it: a rank may not skip "
-                "a call (e.g. for a share of the batch without rows or without trained tokens). Give every rank at least "
+                "every rank must run every forward/backward, since the gradients are reduced inside it: a rank "
+                "may not skip "
+                "a call (e.g. for a share of the batch without rows or without trained tokens). Give every "
+                "rank at least "
                 "one row (weight its loss 0 if it has nothing to train on), or use reduce_on='host'"
             )
         if differ(4):

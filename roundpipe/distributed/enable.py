@@ -50,7 +50,11 @@ def broadcast_tensors(tensors: List[torch.Tensor], group: Any, bucket_bytes: int
                 chunk.append(ts[i])
                 size += ts[i].numel() * ts[i].element_size()
                 i += 1
-            flat = torch.cat([t.detach().reshape(-1) for t in chunk]) if len(chunk) > 1 else chunk[0].detach().reshape(-1).clone()
+            flat = (
+                torch.cat([t.detach().reshape(-1) for t in chunk])
+                if len(chunk) > 1
+                else chunk[0].detach().reshape(-1).clone()
+            )
             dist.broadcast(flat, group=group, group_src=0)
             off = 0
             with torch.no_grad():
@@ -78,7 +82,9 @@ def choose_reduce_on(reduce_on: str, custom_group: bool) -> Tuple[Literal["host"
         if dist.is_nccl_available():
             return "device", "nccl"
         if reduce_on == "device":
-            raise RuntimeError("reduce_on='device' on GPUs needs NCCL, which this PyTorch build lacks; use reduce_on='host'")
+            raise RuntimeError(
+                "reduce_on='device' on GPUs needs NCCL, which this PyTorch build lacks; use reduce_on='host'"
+            )
         return "host", None
     if reduce_on == "auto":
         return "host", None
@@ -146,26 +152,39 @@ def enable_data_parallel(
         The :class:`DataParallel` reducer (``normalize_by``, ``stats``, ``reduce_on``, ``close``).
     """
     if not isinstance(model, RoundPipeBase):
-        raise TypeError(f"enable_data_parallel needs a RoundPipe model (RoundPipe, AutoRoundPipe, wrap_model_to_roundpipe), got {type(model).__name__}")
+        raise TypeError(
+            "enable_data_parallel needs a RoundPipe model (RoundPipe, AutoRoundPipe, "
+            f"wrap_model_to_roundpipe), got {type(model).__name__}"
+        )
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
-            "enable_data_parallel: torch.distributed is not initialized; launch with torchrun and call roundpipe.distributed.init_from_env() first"
+            "enable_data_parallel: torch.distributed is not initialized; launch with torchrun and call "
+            "roundpipe.distributed.init_from_env() first"
         )
     if backend not in ("gloo", "auto"):
         raise NotImplementedError(
-            f"backend={backend!r}: this is the backend of the host gradient group, which needs gloo; to reduce with NCCL on "
+            f"backend={backend!r}: this is the backend of the host gradient group, which needs gloo; to reduce "
+            "with NCCL on "
             "the GPUs before the download, pass reduce_on='device' (docs/multi-node.md)"
         )
     if bucket_mb <= 0 or max_in_flight < 1 or op not in ("mean", "sum"):
-        raise ValueError(f"bucket_mb={bucket_mb} (> 0), max_in_flight={max_in_flight} (>= 1), op={op!r} ('mean' or 'sum')")
+        raise ValueError(
+            f"bucket_mb={bucket_mb} (> 0), max_in_flight={max_in_flight} (>= 1), op={op!r} ('mean' or 'sum')"
+        )
     if isinstance(model.grad_sync, DataParallel):
         raise ValueError(f"model {model.name!r} is already data parallel")
     if model.grad_sync is not None:
         raise ValueError(f"model {model.name!r} already has a grad_sync ({model.grad_sync!r})")
     if shard_optimizer and process_group is not None:
-        raise ValueError("shard_optimizer=True shares the step among all ranks of each host (the default group); drop process_group or the sharding")
+        raise ValueError(
+            "shard_optimizer=True shares the step among all ranks of each host (the default group); drop "
+            "process_group or the sharding"
+        )
     if reduce_on == "device" and process_group is not None:
-        raise ValueError("reduce_on='device' reduces over all ranks (one group per local device); process_group works with reduce_on='host' only")
+        raise ValueError(
+            "reduce_on='device' reduces over all ranks (one group per local device); process_group works with "
+            "reduce_on='host' only"
+        )
     n_devices = device_mod.get_num_devices()  # creates the local devices (RPP_DEVICES) if needed
     mode, device_backend = choose_reduce_on(reduce_on, process_group is not None)
     if process_group is None:
@@ -179,7 +198,10 @@ def enable_data_parallel(
         # A group object exists only on its members; check it can reduce host tensors.
         pg_backend = str(dist.get_backend(process_group))
         if "gloo" not in pg_backend:
-            raise ValueError(f"process_group has backend {pg_backend!r}; host gradients need a gloo group (dist.new_group(backend='gloo'))")
+            raise ValueError(
+                f"process_group has backend {pg_backend!r}; host gradients need a gloo group "
+                "(dist.new_group(backend='gloo'))"
+            )
     # Nothing may be in flight on the optimizer thread while the main thread uses the group below.
     optim_thread.synchronize()
     ranks = dist.get_world_size(process_group)
@@ -189,25 +211,34 @@ def enable_data_parallel(
     if any(s[0] != gathered[0][0] for s in gathered):
         bad = [r for r, s in enumerate(gathered) if s[0] != gathered[0][0]]
         raise DataParallelError(
-            f"model {model.name!r}: the trainable parameters differ between ranks (group ranks {bad} differ from rank 0): "
+            f"model {model.name!r}: the trainable parameters differ between ranks (group ranks {bad} differ "
+            "from rank 0): "
             "every rank must build the same model, LoRA config and requires_grad settings"
         )
     if any(s[1:3] != gathered[0][1:3] for s in gathered):
         detail = ", ".join(f"rank {r}: {s[1]}" + (f" ({s[2]})" if s[2] else "") for r, s in enumerate(gathered))
-        raise DataParallelError(f"reduce_on={reduce_on!r} resolves differently on the ranks ({detail}); pass reduce_on='host' or 'device' explicitly")
+        raise DataParallelError(
+            f"reduce_on={reduce_on!r} resolves differently on the ranks ({detail}); pass reduce_on='host' or "
+            "'device' explicitly"
+        )
     if mode == "device" and any(s[3] != gathered[0][3] for s in gathered):
         detail = ", ".join(f"rank {r}: {s[3]}" for r, s in enumerate(gathered))
         raise DataParallelError(
-            f"reduce_on='device' needs the same number of local devices on every rank ({detail}): device k of each rank "
+            f"reduce_on='device' needs the same number of local devices on every rank ({detail}): device k of "
+            "each rank "
             "reduces with device k of the others. Set RPP_DEVICES alike, or use reduce_on='host'"
         )
     if broadcast_init != "none" and ranks > 1:
         broadcast_initial_state(model, setup_group, broadcast_init, int(bucket_mb * 2**20))
-    dp = DataParallel(model, process_group, bucket_mb=bucket_mb, op=op, reduce_dtype=reduce_dtype, max_in_flight=max_in_flight)
+    dp = DataParallel(
+        model, process_group, bucket_mb=bucket_mb, op=op, reduce_dtype=reduce_dtype, max_in_flight=max_in_flight
+    )
     dp.reduce_on = mode
     if mode == "device" and ranks > 1:
         assert device_backend is not None
-        dp.attach_device(setup_device_reduction(model, dp.options, dp.counter, process_group, dp.host.set_weight, device_backend))
+        dp.attach_device(
+            setup_device_reduction(model, dp.options, dp.counter, process_group, dp.host.set_weight, device_backend)
+        )
     if shard_optimizer:
         dp.step_sync = OptimizerShard(model, setup_group)
     model.grad_sync = dp
@@ -222,7 +253,13 @@ def enable_data_parallel(
             op,
         )
     else:
-        logger.info("data parallel: model %r over %d ranks, reduced on the host (gloo, buckets of %g MiB, %s)", model.name, ranks, bucket_mb, op)
+        logger.info(
+            "data parallel: model %r over %d ranks, reduced on the host (gloo, buckets of %g MiB, %s)",
+            model.name,
+            ranks,
+            bucket_mb,
+            op,
+        )
     return dp
 
 

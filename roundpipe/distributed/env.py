@@ -117,13 +117,21 @@ def _assign_local_devices(local_rank: int, local_world_size: int) -> None:
     count = torch.cuda.device_count()
     per = count // local_world_size
     if per == 0:
-        raise ValueError(f"{local_world_size} ranks on this host but only {count} GPU(s); use --nproc-per-node {count} or fewer, or set RPP_DEVICES per rank")
+        raise ValueError(
+            f"{local_world_size} ranks on this host but only {count} GPU(s); use --nproc-per-node {count} or "
+            "fewer, or set RPP_DEVICES per rank"
+        )
     ids = list(range(local_rank * per, (local_rank + 1) * per))
     torch.cuda.set_device(ids[0])  # NCCL in the default group (if asked for) binds to this GPU
     settings.configure(devices="cuda:" + ",".join(str(i) for i in ids))  # re-creates existing workers
 
 
-def init_from_env(backend: Optional[str] = None, timeout: Optional[float] = None, main_timeout: Optional[float] = None, assign_devices: bool = True) -> DistEnv:
+def init_from_env(
+    backend: Optional[str] = None,
+    timeout: Optional[float] = None,
+    main_timeout: Optional[float] = None,
+    assign_devices: bool = True,
+) -> DistEnv:
     """Initialize torch.distributed from torchrun's environment; a no-op outside torchrun.
 
     Args:
@@ -155,7 +163,9 @@ def init_from_env(backend: Optional[str] = None, timeout: Optional[float] = None
     secs = timeout if timeout is not None else timeout_s()
     main_secs = main_timeout if main_timeout is not None else main_timeout_s()
     if secs <= 0 or main_secs <= 0:
-        raise ValueError(f"timeout={secs}, main_timeout={main_secs}: must be positive (a dead rank must not hang the others)")
+        raise ValueError(
+            f"timeout={secs}, main_timeout={main_secs}: must be positive (a dead rank must not hang the others)"
+        )
     _timeouts_in_use.update(RPP_DIST_TIMEOUT_S=secs, RPP_DIST_MAIN_TIMEOUT_S=main_secs)
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=main_secs), init_method="env://")
     logger.info(

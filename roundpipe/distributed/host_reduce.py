@@ -118,7 +118,9 @@ class HostReduction:
     def reduce_unit(self, params: List[nn.Parameter]) -> None:
         """``GradSync.reduce_host``: called once for each unit of a step, on the optimizer thread."""
         if self._broken is not None:
-            raise DataParallelError(f"rank {self.global_rank}: data parallel stopped after an earlier failure: {self._broken}") from self._broken
+            raise DataParallelError(
+                f"rank {self.global_rank}: data parallel stopped after an earlier failure: {self._broken}"
+            ) from self._broken
         try:
             if self._cursor == 0:
                 self._begin_step()
@@ -146,7 +148,8 @@ class HostReduction:
         u = self._unit_index.get(tuple(id(p) for p in params))
         if u is None or u in self._seen or self._cursor >= len(self._units):
             raise DataParallelError(
-                f"rank {self.global_rank}: reduce_host called with an unexpected unit (call #{self._cursor} of the step); "
+                f"rank {self.global_rank}: reduce_host called with an unexpected unit (call #{self._cursor} of "
+                "the step); "
                 "was requires_grad changed during training without model.synchronize()?"
             )
         self._seen.add(u)
@@ -194,7 +197,9 @@ class HostReduction:
         self._planned = not reduced
         self.counter.count(comm_s=time.perf_counter() - t0)
 
-    def _exchange_metadata(self, entries: List[Tuple[int, nn.Parameter]], count: Optional[float]) -> Tuple[float, List[bool]]:
+    def _exchange_metadata(
+        self, entries: List[Tuple[int, nn.Parameter]], count: Optional[float]
+    ) -> Tuple[float, List[bool]]:
         """One float64 all-reduce: [normalize_by set?, count, has-grad flag per parameter]."""
         meta = torch.zeros(2 + len(entries), dtype=torch.float64)
         if count is not None:
@@ -205,12 +210,15 @@ class HostReduction:
         users = int(meta[0].item())
         if users not in (0, self.world_size):
             raise DataParallelError(
-                f"rank {self.global_rank}: normalize_by was called on {users} of {self.world_size} ranks for this step; call it on every rank or none"
+                f"rank {self.global_rank}: normalize_by was called on {users} of {self.world_size} ranks for "
+                "this step; call it on every rank or none"
             )
         if users:
             total = float(meta[1].item())
             if total <= 0:
-                raise DataParallelError(f"rank {self.global_rank}: normalize_by counts sum to {total} over all ranks; nothing to average")
+                raise DataParallelError(
+                    f"rank {self.global_rank}: normalize_by counts sum to {total} over all ranks; nothing to average"
+                )
             weight = count / total  # type: ignore[operator]
         else:
             weight = self.options.default_weight(self.world_size)
@@ -234,7 +242,16 @@ class HostReduction:
             if cur:
                 dtype = rd or cur[0][1].grad.dtype
                 us = [u for u, _ in cur]
-                buckets.append(_Bucket(len(buckets), (min(us), max(us)), [p for _, p in cur], dtype, sum(p.numel() for _, p in cur), packed=True))
+                buckets.append(
+                    _Bucket(
+                        len(buckets),
+                        (min(us), max(us)),
+                        [p for _, p in cur],
+                        dtype,
+                        sum(p.numel() for _, p in cur),
+                        packed=True,
+                    )
+                )
             cur, cur_bytes = [], 0
 
         for u, p in reduced:
@@ -262,11 +279,19 @@ class HostReduction:
         """Issue an async SUM all-reduce on the data-parallel group; errors name rank and layers."""
         self.counter.count(collectives=1)
         try:
-            return _Work(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True), self, what, units, t.numel() * t.element_size())
+            return _Work(
+                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True),
+                self,
+                what,
+                units,
+                t.numel() * t.element_size(),
+            )
         except Exception as exc:  # noqa: BLE001 - reported with its context
             raise self.error(what, units, t.numel() * t.element_size(), 0.0, exc) from exc
 
-    def error(self, what: str, units: Tuple[int, int], nbytes: int, waited: float, exc: BaseException) -> DataParallelError:
+    def error(
+        self, what: str, units: Tuple[int, int], nbytes: int, waited: float, exc: BaseException
+    ) -> DataParallelError:
         """The error of a failed collective of this reduction, naming rank, layers and size."""
         return collective_failure(
             f"rank {self.global_rank}/{dist.get_world_size()}",
@@ -279,7 +304,13 @@ class HostReduction:
         """Pack (or take in place) one bucket, weight this rank's share, and start its all-reduce."""
         if bucket.packed:
             pool = self._free.setdefault(bucket.dtype, [])
-            buf = pool.pop() if pool else torch.empty(max(self.options.bucket_bytes // bucket.dtype.itemsize, bucket.numel), dtype=bucket.dtype)
+            buf = (
+                pool.pop()
+                if pool
+                else torch.empty(
+                    max(self.options.bucket_bytes // bucket.dtype.itemsize, bucket.numel), dtype=bucket.dtype
+                )
+            )
             if buf.numel() < bucket.numel:  # only with reduce_dtype and a gradient above the bucket size
                 buf = torch.empty(bucket.numel, dtype=bucket.dtype)
             bucket.buffer = buf
@@ -293,7 +324,9 @@ class HostReduction:
             target = bucket.params[0].grad
         if self._weight != 1.0:
             target.mul_(self._weight)
-        bucket.work = self._collective(target, f"all_reduce of gradient bucket {bucket.index + 1}/{len(self._buckets)}", bucket.units)
+        bucket.work = self._collective(
+            target, f"all_reduce of gradient bucket {bucket.index + 1}/{len(self._buckets)}", bucket.units
+        )
         self._in_flight.append(bucket)
 
     def _finish_oldest(self) -> None:

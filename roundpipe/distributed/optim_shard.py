@@ -141,7 +141,9 @@ class OptimizerShard:
         # Who steps what, and where each master lies in the segment.
         sizes = [sum(m.numel() for m in ms if m is not None) for ms in units]
         owner_of_unit = assign_owners(sizes, self.local_size)
-        self.owner: Dict[int, int] = {id(m): owner_of_unit[u] for u, ms in enumerate(units) for m in ms if m is not None}
+        self.owner: Dict[int, int] = {
+            id(m): owner_of_unit[u] for u, ms in enumerate(units) for m in ms if m is not None
+        }
         self.unowned = {mid for mid, r in self.owner.items() if r != self.local_rank}
         offsets, total = [], 0
         for m in masters:
@@ -192,7 +194,8 @@ class OptimizerShard:
             segment = torch.from_file(paths[local[0]], shared=True, size=nbytes, dtype=torch.uint8)
         except Exception as exc:  # noqa: BLE001 - reported with what to change
             raise DataParallelError(
-                f"{self.where}: shard_optimizer could not map the host's shared optimizer memory ({paths[local[0]]}: {exc}); "
+                f"{self.where}: shard_optimizer could not map the host's shared optimizer memory "
+                f"({paths[local[0]]}: {exc}); "
                 "the ranks of one host must run as the same user with /proc mounted, or pass shard_optimizer=False"
             ) from exc
         dist.barrier(group=self.group)  # every local rank has mapped it: the creator's descriptor may go
@@ -205,8 +208,10 @@ class OptimizerShard:
         """Before ``step_fn``: no peer still reads the masters of the previous step."""
         if is_async and settings.streamed_steps():
             raise DataParallelError(
-                f"{self.where}: RPP_STEP_MODE=streamed publishes each layer from its own optimizer; with shard_optimizer=True "
-                "a rank steps only its units. Use the staged asynchronous step (unset RPP_STEP_MODE) or shard_optimizer=False"
+                f"{self.where}: RPP_STEP_MODE=streamed publishes each layer from its own optimizer; with "
+                "shard_optimizer=True "
+                "a rank steps only its units. Use the staged asynchronous step (unset RPP_STEP_MODE) or "
+                "shard_optimizer=False"
             )
         self._barrier("read")
         _active.shard = self
@@ -221,8 +226,10 @@ class OptimizerShard:
             for m, ptr, unowned in self._masters_ptrs:
                 if m.data_ptr() != ptr:
                     raise DataParallelError(
-                        f"{self.where}: an optimizer copy of model {self.model.name!r} no longer lies in the host's shared memory "
-                        "(its .data was replaced after enable_data_parallel(shard_optimizer=True)): write into it in place (copy_) instead"
+                        f"{self.where}: an optimizer copy of model {self.model.name!r} no longer lies in the "
+                        "host's shared memory "
+                        "(its .data was replaced after enable_data_parallel(shard_optimizer=True)): write into "
+                        "it in place (copy_) instead"
                     )
                 if unowned:
                     torch.autograd.graph.increment_version(m)
@@ -242,7 +249,9 @@ class OptimizerShard:
         self.hidden_steps += 1
 
     def _barrier(self, what: str) -> None:
-        run_collective(lambda: dist.barrier(group=self.group), self.where, f"the sharded optimizer step's barrier ({what})")
+        run_collective(
+            lambda: dist.barrier(group=self.group), self.where, f"the sharded optimizer step's barrier ({what})"
+        )
 
     def unshare(self) -> None:
         """Main thread, nothing in flight: give every master a private copy (the model trains alone again)."""

@@ -51,8 +51,10 @@ def _check_rows(n: int, world_size: Optional[int]) -> None:
         empty = [r for r in range(w) if shard_bounds(n, r, w)[0] == shard_bounds(n, r, w)[1]]
         raise DataParallelError(
             f"shard: a batch of {n} rows for {w} ranks leaves rank(s) {empty} without rows; with "
-            f"reduce_on='device' (model {names}) every rank must run every training call, so every rank needs at least one "
-            "row: use a global batch of at least one row per rank, or reduce_on='host' (then skip the call on an empty share)"
+            f"reduce_on='device' (model {names}) every rank must run every training call, so every rank needs "
+            "at least one "
+            "row: use a global batch of at least one row per rank, or reduce_on='host' (then skip the call on "
+            "an empty share)"
         )
 
 

@@ -86,7 +86,11 @@ def original_state_dict(rp: RoundPipeBase) -> Dict[str, torch.Tensor]:
     """State dict of :func:`original_model` with the names the model had before wrapping: the
     ``.model`` that each RoundPipe submodule inserts is taken out again."""
     target = original_model(rp)
-    prefixes = sorted((name + ".model." for name, m in target.named_modules() if isinstance(m, RoundPipeBase) and name), key=len, reverse=True)
+    prefixes = sorted(
+        (name + ".model." for name, m in target.named_modules() if isinstance(m, RoundPipeBase) and name),
+        key=len,
+        reverse=True,
+    )
     out: Dict[str, torch.Tensor] = {}
     for key, value in target.state_dict().items():
         for prefix in prefixes:
@@ -226,7 +230,8 @@ class RoundPipeTrainerMixin:
             self.label_names = find_labels(type(_base_model(original_model(self.roundpipe)))) or ["labels"]
         # Neither the model nor the batches (nor the optimizer state) are moved to a device.
         self.accelerator.device_placement = False  # type: ignore[attr-defined]
-        self.roundpipe_scaler: Optional[GradScaler] = GradScaler() if self.args.fp16 else None  # type: ignore[attr-defined]
+        fp16 = self.args.fp16  # type: ignore[attr-defined]
+        self.roundpipe_scaler: Optional[GradScaler] = GradScaler() if fp16 else None
         # accelerate's GradScaler would unscale and step on the main thread; RoundPipe's does it in the step.
         if getattr(self.accelerator, "scaler", None) is not None:  # type: ignore[attr-defined]
             self.accelerator.scaler = None  # type: ignore[attr-defined]
@@ -256,7 +261,8 @@ class RoundPipeTrainerMixin:
             params = inspect.signature(self.roundpipe.forward).parameters.values()
             if all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
                 names = list(inspect.signature(_base_model(original_model(self.roundpipe)).forward).parameters)
-                self._signature_columns = names + sorted(set(["label", "label_ids"] + list(self.label_names)))  # type: ignore[attr-defined]
+                label_names = list(self.label_names)  # type: ignore[attr-defined]
+                self._signature_columns = names + sorted(set(["label", "label_ids"] + label_names))
         super()._set_signature_columns_if_needed()  # type: ignore[misc]
 
     # ---- optimizer -----------------------------------------------------------------------------------
@@ -292,7 +298,13 @@ class RoundPipeTrainerMixin:
         groups = [g for g in groups if g["params"]]
         optim_name = str(getattr(args.optim, "value", args.optim))
         if _is_adamw(optim_name):
-            return Adam(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon, decoupled_weight_decay=True)
+            return Adam(
+                groups,
+                lr=args.learning_rate,
+                betas=(args.adam_beta1, args.adam_beta2),
+                eps=args.adam_epsilon,
+                decoupled_weight_decay=True,
+            )
         with OptimizerCtx():
             cls, kwargs = self.get_optimizer_cls_and_kwargs(args, rp)  # type: ignore[attr-defined]
             kwargs = {k: v for k, v in kwargs.items() if k not in ("params", "model", "optimizer_dict")}
@@ -323,11 +335,14 @@ class RoundPipeTrainerMixin:
         rp = self.roundpipe
         rp.train()
         inputs = self._prepare_inputs(inputs)  # type: ignore[attr-defined]
-        steps = getattr(self, "current_gradient_accumulation_steps", None) or self.args.gradient_accumulation_steps  # type: ignore[attr-defined]
+        steps = getattr(self, "current_gradient_accumulation_steps", None)
+        steps = steps or self.args.gradient_accumulation_steps  # type: ignore[attr-defined]
         accepts = getattr(self, "model_accepts_loss_kwargs", True)
         scaled_for_ga = getattr(self, "loss_is_scaled_for_ga", None)
         if scaled_for_ga is None:
-            scaled_for_ga = (accepts and num_items_in_batch is not None) or getattr(self, "compute_loss_func", None) is not None
+            scaled_for_ga = (accepts and num_items_in_batch is not None) or getattr(
+                self, "compute_loss_func", None
+            ) is not None
         factor = 1.0 if scaled_for_ga else 1.0 / steps
         scaler = self.roundpipe_scaler
 
@@ -342,7 +357,8 @@ class RoundPipeTrainerMixin:
                     kwargs["num_items_in_batch"] = num_items_in_batch
                 loss = rp.train_step(**kwargs, scale_loss=scale_loss)  # type: ignore[operator]
             else:
-                loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)  # type: ignore[attr-defined]
+                compute_loss = self.compute_loss  # type: ignore[attr-defined]
+                loss = compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
                 loss = scale_loss(loss)
                 loss.backward()
         loss = loss.detach()
@@ -357,15 +373,25 @@ class RoundPipeTrainerMixin:
             return accelerator.autocast()
         return contextlib.nullcontext()
 
-    def compute_loss(self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+    def compute_loss(
+        self, model: nn.Module, inputs: Dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
         """The base Trainer's loss from ``model(**inputs)`` (a subclass's own loss, e.g. TRL's fused
         LM head, would run the model outside the pipeline)."""
         from transformers import Trainer
 
         inputs = {k: v for k, v in inputs.items() if k != "fused_lm_head"}
-        return Trainer.compute_loss(self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)  # type: ignore[arg-type]
+        return Trainer.compute_loss(
+            self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )  # type: ignore[arg-type]
 
-    def prediction_step(self, model: nn.Module, inputs: Dict[str, Any], prediction_loss_only: bool, ignore_keys: Optional[List[str]] = None) -> Any:
+    def prediction_step(
+        self,
+        model: nn.Module,
+        inputs: Dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: Optional[List[str]] = None,
+    ) -> Any:
         """The base Trainer's prediction step; logits are asked for when predictions are wanted (the
         causal-LM preset computes only the loss when labels are given)."""
         from transformers import Trainer
@@ -374,7 +400,9 @@ class RoundPipeTrainerMixin:
 
         if not prediction_loss_only and isinstance(self.roundpipe, RoundPipeForCausalLM):
             inputs = dict(inputs, return_logits=True)
-        return Trainer.prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)  # type: ignore[arg-type]
+        return Trainer.prediction_step(  # type: ignore[arg-type]
+            self, model, inputs, prediction_loss_only, ignore_keys=ignore_keys
+        )
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Dict[str, float]:
         """Evaluate with the latest weights: pending steps are finished first."""
@@ -407,7 +435,8 @@ class RoundPipeTrainerMixin:
             import safetensors.torch
 
             safetensors.torch.save_file(
-                {k: v.contiguous() for k, v in (state_dict or original_state_dict(rp)).items()}, os.path.join(output_dir, "model.safetensors")
+                {k: v.contiguous() for k, v in (state_dict or original_state_dict(rp)).items()},
+                os.path.join(output_dir, "model.safetensors"),
             )
         masters = optim_params_to_save(rp)
         if masters:
@@ -477,7 +506,11 @@ def optim_params_to_save(rp: RoundPipeBase) -> Dict[str, torch.Tensor]:
 def with_roundpipe(trainer_cls: Type[Any]) -> Type[Any]:
     """``trainer_cls`` (``transformers.Trainer`` or a subclass such as TRL's ``SFTTrainer``) with
     :class:`RoundPipeTrainerMixin` mixed in: ``RoundPipeSFTTrainer = with_roundpipe(SFTTrainer)``."""
-    return type(f"RoundPipe{trainer_cls.__name__}", (RoundPipeTrainerMixin, trainer_cls), {"__doc__": RoundPipeTrainerMixin.__doc__})
+    return type(
+        f"RoundPipe{trainer_cls.__name__}",
+        (RoundPipeTrainerMixin, trainer_cls),
+        {"__doc__": RoundPipeTrainerMixin.__doc__},
+    )
 
 
 def _make_trainer() -> Type[Any]:
@@ -490,4 +523,11 @@ RoundPipeTrainer: Type[Any] = _make_trainer()
 """``transformers.Trainer`` for RoundPipe models (:class:`RoundPipeTrainerMixin` + ``Trainer``)."""
 
 
-__all__ = ["RoundPipeOptimizer", "RoundPipeTrainer", "RoundPipeTrainerMixin", "original_model", "original_state_dict", "with_roundpipe"]
+__all__ = [
+    "RoundPipeOptimizer",
+    "RoundPipeTrainer",
+    "RoundPipeTrainerMixin",
+    "original_model",
+    "original_state_dict",
+    "with_roundpipe",
+]

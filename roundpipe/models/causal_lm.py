@@ -20,10 +20,14 @@ from roundpipe.run_config import RoundPipeRunConfig
 
 _KW = inspect.Parameter.KEYWORD_ONLY
 # RoundPipe's per-call run configuration, after the causal-LM arguments.
-_RUN_CONFIG = inspect.Parameter("roundpipe_run_config", _KW, default=RoundPipeRunConfig(), annotation=RoundPipeRunConfig)
+_RUN_CONFIG = inspect.Parameter(
+    "roundpipe_run_config", _KW, default=RoundPipeRunConfig(), annotation=RoundPipeRunConfig
+)
 _RUN_CONFIG_TRAIN = inspect.Parameter("run_config", _KW, default=RoundPipeRunConfig(), annotation=RoundPipeRunConfig)
 # train_step's hook on each microbatch loss before backward (e.g. GradScaler.scale).
-_SCALE_LOSS = inspect.Parameter("scale_loss", _KW, default=None, annotation=Optional[Callable[[torch.Tensor], torch.Tensor]])
+_SCALE_LOSS = inspect.Parameter(
+    "scale_loss", _KW, default=None, annotation=Optional[Callable[[torch.Tensor], torch.Tensor]]
+)
 # Hugging Face arguments accepted and ignored when unset (use_cache=False, return_dict, ...).
 _HF_ONLY = inspect.Parameter("unused", inspect.Parameter.VAR_KEYWORD, annotation=Any)
 # Hugging Face flags that change nothing here when off (no cache, no attentions or hidden states kept);
@@ -58,7 +62,9 @@ def _bind_hf_call(_owner: Any, inputs: CausalLMInputs, unused: Dict[str, Any]) -
 def _default_loss(output: Any, _label: Any) -> torch.Tensor:
     """``forward_backward``'s default ``loss_fn``: the microbatch's Hugging Face loss."""
     if output.loss is None:
-        raise ValueError("forward_backward: no labels in input_kwargs, so the model computes no loss; pass labels there or a loss_fn")
+        raise ValueError(
+            "forward_backward: no labels in input_kwargs, so the model computes no loss; pass labels there or a loss_fn"
+        )
     return output.loss
 
 
@@ -126,7 +132,9 @@ class RoundPipeForCausalLM(RoundPipe):
         # per model, as ``layer_device_bytes`` counts gradients once (what trains is fixed by then).
         extra = self.__dict__.get("_module_extra")
         if extra is None:
-            extra = self.__dict__["_module_extra"] = {i: _module_extra_per_token(self.layers[i].layer, shape) for i in decoder}
+            extra = self.__dict__["_module_extra"] = {
+                i: _module_extra_per_token(self.layers[i].layer, shape) for i in decoder
+            }
         e = next((p.element_size() for p in self.preset.model.parameters() if p.is_floating_point()), 2)
 
         def profile(seq_len: int) -> budget.ActivationProfile:
@@ -191,7 +199,11 @@ class RoundPipeForCausalLM(RoundPipe):
         """
         if "options" in input_kwargs and not input_args:
             return super().forward_backward(
-                input_kwargs=input_kwargs, label=label, loss_fn=loss_fn or (lambda out, _: out), return_outputs=return_outputs, run_config=run_config
+                input_kwargs=input_kwargs,
+                label=label,
+                loss_fn=loss_fn or (lambda out, _: out),
+                return_outputs=return_outputs,
+                run_config=run_config,
             )
         if not isinstance(input_args, tuple):
             input_args = (input_args,)
@@ -203,7 +215,11 @@ class RoundPipeForCausalLM(RoundPipe):
             return user_fn(preset.build_output(outputs, divisor), label_m)
 
         result = super().forward_backward(
-            input_kwargs=preset.layer_kwargs(inputs), label=label, loss_fn=hf_loss_fn, return_outputs=return_outputs, run_config=run_config
+            input_kwargs=preset.layer_kwargs(inputs),
+            label=label,
+            loss_fn=hf_loss_fn,
+            return_outputs=return_outputs,
+            run_config=run_config,
         )
         if return_outputs:
             loss, merged = result
@@ -211,7 +227,12 @@ class RoundPipeForCausalLM(RoundPipe):
         return result
 
     @takes_inputs(_TRAIN_STEP_ARGS, extra=(_RUN_CONFIG_TRAIN, _SCALE_LOSS))
-    def train_step(self, inputs: CausalLMInputs, run_config: RoundPipeRunConfig, scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> torch.Tensor:
+    def train_step(
+        self,
+        inputs: CausalLMInputs,
+        run_config: RoundPipeRunConfig,
+        scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]],
+    ) -> torch.Tensor:
         """Forward + backward of the batch loss in one pipelined pass (``forward_backward``), without
         logits (the chunked loss of :mod:`roundpipe.models.loss`).
 
@@ -243,7 +264,13 @@ def _module_extra_per_token(layer: nn.Module, shape: estimate.ModelShape) -> flo
     gate / up another); an adapter of another dtype (PEFT upcasts adapters to fp32 by default) saves its
     own cast copy instead; each adapter's ``lora_A`` output; with trainable norm weights, each norm's
     normed output (kept for the weight's gradient)."""
-    shared = {"q_proj": "attention input", "k_proj": "attention input", "v_proj": "attention input", "gate_proj": "mlp input", "up_proj": "mlp input"}
+    shared = {
+        "q_proj": "attention input",
+        "k_proj": "attention input",
+        "v_proj": "attention input",
+        "gate_proj": "mlp input",
+        "up_proj": "mlp input",
+    }
     inputs: Dict[str, float] = {}  # input group -> bytes per token of the one saved copy
     extra = 0.0
     for name, module in layer.named_modules():
@@ -269,7 +296,10 @@ def _module_extra_per_token(layer: nn.Module, shape: estimate.ModelShape) -> flo
         elif isinstance(module, nn.Linear) and module.weight.requires_grad:
             inputs[group] = float(module.in_features * module.weight.element_size())
     attn = getattr(layer, "self_attn", None)
-    norms = [(getattr(layer, "input_layernorm", None), shape.hidden), (getattr(layer, "post_attention_layernorm", None), shape.hidden)]
+    norms = [
+        (getattr(layer, "input_layernorm", None), shape.hidden),
+        (getattr(layer, "post_attention_layernorm", None), shape.hidden),
+    ]
     norms += [(getattr(attn, "q_norm", None), shape.q_dim), (getattr(attn, "k_norm", None), shape.kv_dim)]
     for norm, width in norms:
         w = getattr(norm, "weight", None)

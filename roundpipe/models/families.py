@@ -217,7 +217,9 @@ FAMILIES: Tuple[ModelFamily, ...] = (
     ),
 )
 
-GENERIC = ModelFamily("unverified", (), doc="Any other *ForCausalLM with the standard layout: the standard forward, with a warning.")
+GENERIC = ModelFamily(
+    "unverified", (), doc="Any other *ForCausalLM with the standard layout: the standard forward, with a warning."
+)
 """What a model type in no record gets (when its class and layout fit)."""
 
 
@@ -227,7 +229,9 @@ def _index(families: Tuple[ModelFamily, ...]) -> Dict[str, ModelFamily]:
     for family in families:
         for model_type in family.model_types:
             if model_type in index:
-                raise ValueError(f"model type {model_type!r} is in families {index[model_type].name!r} and {family.name!r}")
+                raise ValueError(
+                    f"model type {model_type!r} is in families {index[model_type].name!r} and {family.name!r}"
+                )
             index[model_type] = family
     return index
 

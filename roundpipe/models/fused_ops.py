@@ -165,7 +165,9 @@ def decoder_layer(
 ) -> torch.Tensor:
     """The whole decoder layer with :func:`rms_norm_reference` (what gets compiled: one graph, one
     autograd node and one Python call per layer instead of about twenty)."""
-    return _decoder_layer_math(rms_norm_reference, x, cos, sin, weights, eps, head_dim, scaling, is_causal, kv_groups, gqa)
+    return _decoder_layer_math(
+        rms_norm_reference, x, cos, sin, weights, eps, head_dim, scaling, is_causal, kv_groups, gqa
+    )
 
 
 def _decoder_layer_eager(

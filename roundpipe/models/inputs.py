@@ -86,10 +86,15 @@ def parameters(names: Sequence[str] = ALL_ARGS) -> Tuple[inspect.Parameter, ...]
     if unknown:
         raise ValueError(f"not causal-LM arguments: {unknown}; known: {list(ALL_ARGS)}")
     hints = _hints()
-    return tuple(inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=FIELDS[n].default, annotation=hints[n]) for n in names)
+    return tuple(
+        inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=FIELDS[n].default, annotation=hints[n])
+        for n in names
+    )
 
 
-def takes_inputs(names: Sequence[str] = ALL_ARGS, extra: Sequence[inspect.Parameter] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def takes_inputs(
+    names: Sequence[str] = ALL_ARGS, extra: Sequence[inspect.Parameter] = ()
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: ``fn(self, inputs: CausalLMInputs, **extra)`` becomes ``method(self, <names>, <extra>)``.
 
     ``names`` are the causal-LM arguments the method takes, in its positional order (the others keep

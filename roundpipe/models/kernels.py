@@ -107,7 +107,14 @@ class _AttentionForward:
         if self._rpp_qk_norm:
             q_norm, k_norm = self.q_norm, self.k_norm
             query_states, key_states = QK_NORM_ROPE(
-                query_states, key_states, q_norm.weight, k_norm.weight, q_norm.variance_epsilon, k_norm.variance_epsilon, cos, sin
+                query_states,
+                key_states,
+                q_norm.weight,
+                k_norm.weight,
+                q_norm.variance_epsilon,
+                k_norm.variance_epsilon,
+                cos,
+                sin,
             )
         else:
             query_states, key_states = ROPE(query_states, key_states, cos, sin)
@@ -115,7 +122,9 @@ class _AttentionForward:
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
 
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._rpp_eager_attention)
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, self._rpp_eager_attention
+        )
         if self._rpp_sliding_window:
             kwargs["sliding_window"] = self.sliding_window
         attn_output, attn_weights = attention_interface(
@@ -164,7 +173,12 @@ def _has_hooks(modules: Tuple[nn.Module, ...]) -> bool:
     were called: the whole-layer op does not call them."""
     from torch.nn.modules import module as module_mod
 
-    if module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks or module_mod._global_backward_hooks or module_mod._global_backward_pre_hooks:
+    if (
+        module_mod._global_forward_hooks
+        or module_mod._global_forward_pre_hooks
+        or module_mod._global_backward_hooks
+        or module_mod._global_backward_pre_hooks
+    ):
         return True
     return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in modules)
 
@@ -188,7 +202,11 @@ class _DecoderLayerForward:
         norms = (self.input_layernorm, self.post_attention_layernorm)
         if not (is_fused(attn) and is_fused(mlp) and all(is_fused(n) for n in norms)):
             return None
-        if (attn.training and attn.attention_dropout > 0) or attn.config._attn_implementation != "sdpa" or not getattr(attn, "is_causal", True):
+        if (
+            (attn.training and attn.attention_dropout > 0)
+            or attn.config._attn_implementation != "sdpa"
+            or not getattr(attn, "is_causal", True)
+        ):
             return None
         linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         if any(type(m) is not nn.Linear or m.bias is not None for m in linears):
@@ -217,7 +235,13 @@ class _DecoderLayerForward:
         **kwargs: Any,
     ) -> torch.Tensor:
         weights = None
-        if attention_mask is None and past_key_values is None and position_embeddings is not None and not kwargs and whole_layer_enabled():
+        if (
+            attention_mask is None
+            and past_key_values is None
+            and position_embeddings is not None
+            and not kwargs
+            and whole_layer_enabled()
+        ):
             weights = self._whole_layer_weights()
         if weights is None:
             return super().forward(  # type: ignore[misc]
@@ -236,7 +260,16 @@ class _DecoderLayerForward:
         eps = (self.input_layernorm.variance_epsilon, self.post_attention_layernorm.variance_epsilon, *qk)
         groups = attn.num_key_value_groups
         return DECODER_LAYER(
-            hidden_states, cos, sin, weights, eps, attn.head_dim, attn.scaling, hidden_states.shape[1] > 1, groups, groups > 1 and _sdpa_uses_gqa(attn.head_dim)
+            hidden_states,
+            cos,
+            sin,
+            weights,
+            eps,
+            attn.head_dim,
+            attn.scaling,
+            hidden_states.shape[1] > 1,
+            groups,
+            groups > 1 and _sdpa_uses_gqa(attn.head_dim),
         )
 
 
@@ -286,7 +319,9 @@ def _fused_class(base: type) -> type:
         if cls is None:
             mixin, attrs = _registry()[base]
             name = f"RoundPipeFused{base.__name__}"
-            cls = type(name, (mixin, base), {"__module__": __name__, "__qualname__": name, "_rpp_base_class": base, **attrs})
+            cls = type(
+                name, (mixin, base), {"__module__": __name__, "__qualname__": name, "_rpp_base_class": base, **attrs}
+            )
             setattr(sys.modules[__name__], name, cls)
             _fused_classes[base] = cls
         return cls

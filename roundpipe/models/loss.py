@@ -58,7 +58,9 @@ def _transform_logits(z: torch.Tensor, logit_scale: float, softcap: Optional[flo
     return z
 
 
-def _mask_rows(h: torch.Tensor, target: torch.Tensor, ignore_index: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _mask_rows(
+    h: torch.Tensor, target: torch.Tensor, ignore_index: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One chunk's rows as ``(hidden, safe target, counted mask)``, without a host sync.
 
     Ignored rows get hidden state 0 and target 0 so the chunk math can run on every row: their hidden
@@ -214,7 +216,9 @@ def linear_cross_entropy(
         chunk_size = default_chunk_size(weight.shape[0])
     tensors = (hidden, weight) + ((bias,) if bias is not None else ())
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return LinearCrossEntropy.apply(hidden, weight, bias, target, chunk_size, ignore_index, logit_scale, softcap, compile)
+        return LinearCrossEntropy.apply(
+            hidden, weight, bias, target, chunk_size, ignore_index, logit_scale, softcap, compile
+        )
     chunk_fn = _maybe_compiled(_chunk_loss, compile)
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for h, t in zip(hidden.split(chunk_size), target.split(chunk_size)):

@@ -81,7 +81,9 @@ def hook_routers(layer: nn.Module, moe: MoESpec) -> int:
 RouterStats = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def accumulate_router_stats(stats: RouterStats, router_logits: torch.Tensor, attention_mask: Optional[torch.Tensor], moe: MoESpec) -> RouterStats:
+def accumulate_router_stats(
+    stats: RouterStats, router_logits: torch.Tensor, attention_mask: Optional[torch.Tensor], moe: MoESpec
+) -> RouterStats:
     """Add one MoE layer's routing to the running sums of transformers' ``load_balancing_loss_func``.
 
     Returns ``(tokens_per_expert_sum, router_prob_sum, total_rows)``; only ``router_prob_sum`` carries a
@@ -94,7 +96,9 @@ def accumulate_router_stats(stats: RouterStats, router_logits: torch.Tensor, att
         # Expert counts by scatter_add, not bincount: bincount sizes its output from the data, which on
         # a GPU makes the host wait; the counts are small integers, exact in float32 either way.
         ones = torch.ones(selected.numel(), dtype=torch.float32, device=weights.device)
-        tokens = tokens + torch.zeros(moe.num_experts, dtype=torch.float32, device=weights.device).scatter_add_(0, selected.reshape(-1), ones)
+        tokens = tokens + torch.zeros(moe.num_experts, dtype=torch.float32, device=weights.device).scatter_add_(
+            0, selected.reshape(-1), ones
+        )
         probs = probs + weights.float().sum(dim=0)
         rows = rows + weights.shape[0]
     else:

@@ -42,7 +42,15 @@ from roundpipe.models.loss import (
     count_loss_tokens,
     shift_causal_labels,
 )
-from roundpipe.models.moe import MoESpec, RouterStats, accumulate_router_stats, hook_routers, moe_spec, router_aux_loss, router_sink  # noqa: F401 - re-exported
+from roundpipe.models.moe import (
+    MoESpec,
+    RouterStats,  # noqa: F401 - re-exported
+    accumulate_router_stats,
+    hook_routers,
+    moe_spec,
+    router_aux_loss,
+    router_sink,
+)
 from roundpipe.transfer import HostScalar
 
 State = Dict[str, Any]
@@ -131,7 +139,8 @@ def default_spec(model: nn.Module, **overrides: Any) -> CausalLMSpec:
     model = unwrap_peft(model)
     if not has_standard_layout(model):
         raise NotImplementedError(
-            f"{type(model).__name__}: no RoundPipe preset; expected model.embed_tokens -> model.layers -> model.norm -> lm_head with model.rotary_emb"
+            f"{type(model).__name__}: no RoundPipe preset; expected model.embed_tokens -> model.layers -> "
+            "model.norm -> lm_head with model.rotary_emb"
         )
     rotary_params = inspect.signature(model.model.rotary_emb.forward).parameters
     if "layer_type" in rotary_params:
@@ -191,7 +200,9 @@ class CausalLMPrefix(nn.Module):
         self.config = config
         self.spec = spec
 
-    def _masks(self, embeds: torch.Tensor, attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor]):
+    def _masks(
+        self, embeds: torch.Tensor, attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor]
+    ):
         """The attention masks per layer type. ``position_ids`` only when the caller gave them: with
         them and no attention mask, transformers looks for packed sequences, which reads a device value
         on the host (``if (...).all()``) and stalls the device thread; default positions are never
@@ -207,7 +218,9 @@ class CausalLMPrefix(nn.Module):
         :meth:`CausalLMPreset.forward_kwargs` returns, split); ``options``: the other arguments."""
         unknown = set(batch) - set(BATCH_ARGS)
         if unknown:
-            raise TypeError(f"CausalLMPrefix.forward: unexpected arguments {sorted(unknown)}; takes {list(BATCH_ARGS)} and options")
+            raise TypeError(
+                f"CausalLMPrefix.forward: unexpected arguments {sorted(unknown)}; takes {list(BATCH_ARGS)} and options"
+            )
         inputs = CausalLMInputs(**batch)
         input_ids, attention_mask, position_ids = inputs.input_ids, inputs.attention_mask, inputs.position_ids
         inputs_embeds, labels, shift_labels = inputs.inputs_embeds, inputs.labels, inputs.shift_labels
@@ -272,7 +285,9 @@ class DecoderLayerStage(nn.Module):
             # ---- sequence tiling (roundpipe.models.tiling): above RPP_SEQ_TILE tokens ----
             hidden = tiling.materialize(state["hidden_states"])
             mask = state["masks"][self.attention_type]
-            out = tiling.maybe_tiled_forward(self.layer, hidden, mask, state["position_ids"], state["position_embeddings"])
+            out = tiling.maybe_tiled_forward(
+                self.layer, hidden, mask, state["position_ids"], state["position_embeddings"]
+            )
             # ---- end sequence tiling ----
             if out is None:
                 out = self.layer(
@@ -390,8 +405,15 @@ class CausalLMPreset:
         if on:
             swapped = [name for s in stages for name in kernels.fuse_layer(s.layer)]
             if swapped:
-                kinds = sorted({kernels.base_class(m).__name__ for s in stages for m in s.layer.modules() if kernels.is_fused(m)})
-                logger.info("%s: fused kernels on for %d modules (%s)", type(self.model).__name__, len(swapped), ", ".join(kinds))
+                kinds = sorted(
+                    {kernels.base_class(m).__name__ for s in stages for m in s.layer.modules() if kernels.is_fused(m)}
+                )
+                logger.info(
+                    "%s: fused kernels on for %d modules (%s)",
+                    type(self.model).__name__,
+                    len(swapped),
+                    ", ".join(kinds),
+                )
         else:
             for s in stages:
                 kernels.unfuse_layer(s.layer)
@@ -440,7 +462,9 @@ class CausalLMPreset:
         }
         if self.spec.moe is not None:
             output_router_logits = inputs.output_router_logits
-            options["output_router_logits"] = self.spec.moe.output_router_logits if output_router_logits is None else bool(output_router_logits)
+            options["output_router_logits"] = (
+                self.spec.moe.output_router_logits if output_router_logits is None else bool(output_router_logits)
+            )
         return dict(inputs.batch_kwargs(), options=options)
 
     def build_output(self, merged: Dict[str, torch.Tensor], num_items_in_batch: Optional[float] = None) -> Any:
@@ -460,7 +484,9 @@ class CausalLMPreset:
         aux = None
         if "router_rows" in merged:
             rows = merged["router_rows"].sum()
-            aux = router_aux_loss(merged["router_tokens"].sum(0), merged["router_probs"].sum(0), rows, self.spec.moe.num_experts)
+            aux = router_aux_loss(
+                merged["router_tokens"].sum(0), merged["router_probs"].sum(0), rows, self.spec.moe.num_experts
+            )
             if loss is not None:
                 loss = loss + self.spec.moe.aux_loss_coef * aux
         return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=logits)

@@ -47,7 +47,11 @@ def registered_module(model: nn.Module) -> Optional[Registered]:
     """The third-party module registered for ``model``: the ``SUPPORTED_MODELS`` entry under its class
     name, else under its model type, when it names another module than this package."""
     base = unwrap_peft(model)
-    keys: List[str] = [k for k in (type(base).__name__, getattr(getattr(base, "config", None), "model_type", None)) if isinstance(k, str)]
+    keys: List[str] = [
+        k
+        for k in (type(base).__name__, getattr(getattr(base, "config", None), "model_type", None))
+        if isinstance(k, str)
+    ]
     for key in keys:
         path = SUPPORTED_MODELS.get(key)
         if path is not None and path != BUILTIN:
@@ -84,7 +88,11 @@ def table_family(model: nn.Module) -> ModelFamily:
     family = families.family_of(model_type)
     registered = any(SUPPORTED_MODELS.get(k) == BUILTIN for k in (name, model_type) if k is not None)
     if family is None or family.incompatible or not (family.verified or registered):
-        if (family is not None and family.incompatible) or not has_standard_layout(base) or not name.endswith("ForCausalLM"):
+        if (
+            (family is not None and family.incompatible)
+            or not has_standard_layout(base)
+            or not name.endswith("ForCausalLM")
+        ):
             # One short line (the CLI prints it as is): the supported types are a dict away, not listed.
             raise NotImplementedError(
                 f"{name}: no RoundPipe sequential preset (model_type={model_type!r}); supported: the "

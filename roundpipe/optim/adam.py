@@ -69,7 +69,8 @@ def _adam_kernel(name: str = "adam") -> Optional[Callable[..., int]]:
         else:
             _compact_kernel_error = str(exc)
         logger.warning(
-            "roundpipe.optim.Adam: C++ kernel unavailable, using torch's fused CPU Adam instead (set %s=torch to silence this). Reason: %s",
+            "roundpipe.optim.Adam: C++ kernel unavailable, using torch's fused CPU Adam instead (set %s=torch "
+            "to silence this). Reason: %s",
             IMPL_ENV,
             exc,
         )
@@ -155,7 +156,10 @@ class Adam(Optimizer):
             raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
         if not 0.0 <= weight_decay:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if not ((isinstance(betas[0], float) and isinstance(betas[1], float)) or (isinstance(betas[0], Tensor) and isinstance(betas[1], Tensor))):
+        if not (
+            (isinstance(betas[0], float) and isinstance(betas[1], float))
+            or (isinstance(betas[0], Tensor) and isinstance(betas[1], Tensor))
+        ):
             raise ValueError("betas must be either both floats or both Tensors")
         for i, beta in enumerate(betas):
             if isinstance(beta, Tensor) and beta.numel() != 1:
@@ -274,7 +278,9 @@ class Adam(Optimizer):
         pids = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])} if compact_on else {}
         # Whole groups; in a streamed RoundPipe step, layer by layer in forward order (Publisher.plan).
         if pub is None:
-            plan: List[Tuple[Optional[int], List[Tuple[int, List[Tensor]]]]] = [(None, [(gi, g["params"]) for gi, g in enumerate(self.param_groups)])]
+            plan: List[Tuple[Optional[int], List[Tuple[int, List[Tensor]]]]] = [
+                (None, [(gi, g["params"]) for gi, g in enumerate(self.param_groups)])
+            ]
         else:
             plan = pub.plan(self.param_groups)
         for unit, parts in plan:
@@ -296,7 +302,9 @@ class Adam(Optimizer):
         self._drop_reserve()
         return loss
 
-    def _with_grads(self, group: Dict[str, Any], params: List[Tensor]) -> Iterator[Tuple[Tensor, Tensor, Dict[str, Any]]]:
+    def _with_grads(
+        self, group: Dict[str, Any], params: List[Tensor]
+    ) -> Iterator[Tuple[Tensor, Tensor, Dict[str, Any]]]:
         """``(param, grad, state)`` of each of ``params`` that has a gradient, its state created at its
         first step (taken from the reserve when one was built)."""
         for p in params:
@@ -314,7 +322,11 @@ class Adam(Optimizer):
             yield p, g, state
 
     def _fp32_params(
-        self, group: Dict[str, Any], params: List[Tensor], kernel: Optional[Callable[..., int]], outs: Optional[Dict[int, Tensor]] = None
+        self,
+        group: Dict[str, Any],
+        params: List[Tensor],
+        kernel: Optional[Callable[..., int]],
+        outs: Optional[Dict[int, Tensor]] = None,
     ) -> List[Tensor]:
         """Step ``params`` of ``group`` with the fp32 state: the C++ kernel where it applies, torch
         otherwise. ``outs``: ``id(param) -> bf16 tensor`` the kernel also writes the update to (a
@@ -337,7 +349,9 @@ class Adam(Optimizer):
             torch_step(group, *rest.lists())
         return batch.written if batch is not None else []
 
-    def _compact_params(self, group: Dict[str, Any], params: List[Tensor], kernel: Optional[Callable[..., int]], pids: Dict[int, int]) -> None:
+    def _compact_params(
+        self, group: Dict[str, Any], params: List[Tensor], kernel: Optional[Callable[..., int]], pids: Dict[int, int]
+    ) -> None:
         """Step ``params`` of ``group`` with the compact state: the C++ kernel where it applies, torch otherwise."""
         cfg = self.compact_config
         batch = compact.CompactKernelBatch(cfg) if kernel is not None else None

@@ -49,7 +49,12 @@ MASTERS = ("float32", "bfloat16")
 ROUNDINGS = ("stochastic", "kahan", "nearest")
 # Codes shared with csrc/compact_adam.cpp.
 _STATE_KIND = {"float32": 0, "bfloat16": 1, "int8": 2}
-_MASTER_KIND = {("float32", None): 0, ("bfloat16", "nearest"): 1, ("bfloat16", "stochastic"): 2, ("bfloat16", "kahan"): 3}
+_MASTER_KIND = {
+    ("float32", None): 0,
+    ("bfloat16", "nearest"): 1,
+    ("bfloat16", "stochastic"): 2,
+    ("bfloat16", "kahan"): 3,
+}
 
 
 @dataclass(frozen=True)
@@ -104,11 +109,14 @@ def check_param(cfg: CompactConfig, p: Tensor, group: Dict[str, Any]) -> None:
         hint = (
             "master='bfloat16' takes bfloat16 parameters (a bf16 model's optim_parameters() without optim_dtype)"
             if cfg.master == "bfloat16"
-            else "master='float32' with a compact state_dtype takes float32 parameters (optim_dtype=torch.float32), or use master='bfloat16' for bf16 ones"
+            else "master='float32' with a compact state_dtype takes float32 parameters (optim_dtype=torch.float32), "
+            "or use master='bfloat16' for bf16 ones"
         )
         raise ValueError(f"master={cfg.master!r}: parameter of dtype {p.dtype} not accepted; {hint}")
     if group.get("amsgrad"):
-        raise ValueError("amsgrad=True is not supported with a compact state (state_dtype/master): it accepts amsgrad=False only")
+        raise ValueError(
+            "amsgrad=True is not supported with a compact state (state_dtype/master): it accepts amsgrad=False only"
+        )
 
 
 def step_scalars(step: float, lr: float, beta1: float, beta2: float) -> Tuple[float, float]:
@@ -165,10 +173,14 @@ def _matches(cfg: CompactConfig, saved_cfg: Optional[Dict[str, Any]], state: Dic
         return False
     if cfg.state_dtype == "int8" and (saved_cfg is None or saved_cfg.get("block_size") != cfg.block_size):
         return False
-    return all(state[k].dtype == dtype and tuple(state[k].shape) == shape for k, (dtype, shape) in layout.items() if k in state)
+    return all(
+        state[k].dtype == dtype and tuple(state[k].shape) == shape for k, (dtype, shape) in layout.items() if k in state
+    )
 
 
-def convert_state(cfg: CompactConfig, p: Tensor, saved: Dict[str, Tensor], saved_cfg: Optional[Dict[str, Any]]) -> Dict[str, Tensor]:
+def convert_state(
+    cfg: CompactConfig, p: Tensor, saved: Dict[str, Tensor], saved_cfg: Optional[Dict[str, Any]]
+) -> Dict[str, Tensor]:
     """``saved`` (any format: torch/fp32 Adam, or another compact config) as ``p``'s state in ``cfg``.
 
     Same format: cloned bit for bit (exact resume). Otherwise the moments go through fp32 and are
@@ -226,7 +238,9 @@ def _f32(x: float) -> Tensor:
     return torch.tensor(x, dtype=torch.float32)
 
 
-def torch_step(cfg: CompactConfig, group: Dict[str, Any], items: List[Tuple[int, Tensor, Tensor, Dict[str, Tensor]]]) -> None:
+def torch_step(
+    cfg: CompactConfig, group: Dict[str, Any], items: List[Tuple[int, Tensor, Tensor, Dict[str, Tensor]]]
+) -> None:
     """One compact Adam step in torch for ``items`` = (parameter id, p, grad, state); mirrors the kernel.
 
     The moments are updated in fp32 (``m + (g - m) * (1 - beta1)``, ``v * beta2 + ((1 - beta2) * g) * g``),

@@ -59,7 +59,14 @@ class KernelBatch(TensorLists):
         """The parameter just added (``add`` returned True) also writes its updated values, rounded to
         bfloat16, into ``out`` (a contiguous host bf16 tensor of its size), if given and suitable."""
         p = self.params[-1]
-        ok = out is not None and p.dtype is _F32 and out.dtype is _BF16 and out.is_cpu and out.is_contiguous() and out.numel() == p.numel()
+        ok = (
+            out is not None
+            and p.dtype is _F32
+            and out.dtype is _BF16
+            and out.is_cpu
+            and out.is_contiguous()
+            and out.numel() == p.numel()
+        )
         self.outs.append(out.data_ptr() if ok else 0)  # type: ignore[union-attr]
         if ok:
             self.written.append(p)
@@ -125,7 +132,9 @@ class KernelBatch(TensorLists):
         )
         # Writes through raw pointers bypass autograd's version counters; bump them as in-place ops
         # would, so a graph that saved one of these tensors still fails loudly instead of going stale.
-        torch.autograd.graph.increment_version(self.params + self.exp_avgs + self.exp_avg_sqs + self.max_exp_avg_sqs + self.steps)
+        torch.autograd.graph.increment_version(
+            self.params + self.exp_avgs + self.exp_avg_sqs + self.max_exp_avg_sqs + self.steps
+        )
 
 
 def _is_dense(t: Tensor) -> bool:

@@ -175,7 +175,10 @@ class GradScaler:
         if not self.enabled:
             return outputs
         if optim_thread.on_thread():
-            raise RuntimeError("GradScaler.scale() runs on the main thread (or in a loss function on a device thread), not inside the optimizer step function.")
+            raise RuntimeError(
+                "GradScaler.scale() runs on the main thread (or in a loss function on a device thread), not "
+                "inside the optimizer step function."
+            )
         with self._lock:
             self._adopt_published_scale()
             scale = self.scale_scaler.scale
@@ -311,7 +314,11 @@ class GradScaler:
             else:
                 ms.scale.fill_(new_scale)
         else:
-            found_infs = [found_inf.to("cpu") for state in ms.per_optimizer_states.values() for found_inf in state["found_inf_per_device"].values()]
+            found_infs = [
+                found_inf.to("cpu")
+                for state in ms.per_optimizer_states.values()
+                for found_inf in state["found_inf_per_device"].values()
+            ]
             if len(found_infs) == 0:
                 raise AssertionError("No inf checks were recorded prior to update.")
             found_inf_combined = found_infs[0]
@@ -433,7 +440,9 @@ class GradScaler:
         if not self.enabled:
             return
         if len(state_dict) == 0:
-            raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler.")
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
+            )
         if optim_thread.on_thread():
             raise RuntimeError("GradScaler.load_state_dict() must be called on the main thread.")
         scale = float(state_dict["scale"])

@@ -92,7 +92,9 @@ class StateReserve:
         for todo, make in pending:
             if self._closed:
                 return
-            thread = threading.Thread(target=self._build, args=(todo, make), name=f"roundpipe-{self.name}-state", daemon=True)
+            thread = threading.Thread(
+                target=self._build, args=(todo, make), name=f"roundpipe-{self.name}-state", daemon=True
+            )
             self._threads.append(thread)
             thread.start()
 
@@ -112,7 +114,9 @@ class StateReserve:
                 state = make(p)
             except (RuntimeError, MemoryError) as exc:  # out of memory: the step allocates lazily and reports it
                 self.error = exc
-                logger.debug("roundpipe optimizer: state preallocation stopped (%s); the first step allocates the rest", exc)
+                logger.debug(
+                    "roundpipe optimizer: state preallocation stopped (%s); the first step allocates the rest", exc
+                )
                 return
             with self._lock:
                 if self._closed:

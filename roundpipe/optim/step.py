@@ -183,7 +183,9 @@ class Publisher:
 
     def __init__(self, units: Units) -> None:
         self.units = units
-        self.masters: List[List[torch.Tensor]] = [[pa.optim for pa in (ParamAttribute.get(p) for p in params) if pa.optim is not None] for _, params in units]
+        self.masters: List[List[torch.Tensor]] = [
+            [pa.optim for pa in (ParamAttribute.get(p) for p in params) if pa.optim is not None] for _, params in units
+        ]
         self.unit_of: Dict[int, int] = {id(m): k for k, ms in enumerate(self.masters) for m in ms}
         self.published = [False] * len(units)
 
@@ -196,7 +198,9 @@ class Publisher:
         finally:
             _active.publisher = None
 
-    def plan(self, param_groups: List[Dict[str, Any]]) -> List[Tuple[Optional[int], List[Tuple[int, List[torch.Tensor]]]]]:
+    def plan(
+        self, param_groups: List[Dict[str, Any]]
+    ) -> List[Tuple[Optional[int], List[Tuple[int, List[torch.Tensor]]]]]:
         """How an optimizer with ``param_groups`` steps: ``[(layer or None, [(group index, params)])]``:
         the layers whose optimizer parameters are all in these groups, in forward order (the optimizer
         calls :meth:`done` after each), then the rest of its parameters (a layer partly in another
@@ -224,8 +228,10 @@ class Publisher:
             k = self.unit_of.get(id(p))
             if k is not None and self.published[k]:
                 raise RuntimeError(
-                    f"RPP_STEP_MODE=streamed: layer {self.units[k][0].layer_id} was already handed to the next forward when its "
-                    "parameters were stepped again in the same step function (a second optimizer.step()); step each parameter "
+                    f"RPP_STEP_MODE=streamed: layer {self.units[k][0].layer_id} was already handed to the next "
+                    "forward when its "
+                    "parameters were stepped again in the same step function (a second optimizer.step()); step "
+                    "each parameter "
                     "once per model.step(), or use RPP_STEP_MODE=staged"
                 )
 
@@ -374,7 +380,12 @@ def stage_params(units: Units) -> None:
                     pinned = p.data.is_pinned()
                     if target is not None:
                         pa.give_spare(target)
-                    if freed is not None and freed.shape == p.shape and freed.dtype == p.dtype and (not pinned or freed.is_pinned()):
+                    if (
+                        freed is not None
+                        and freed.shape == p.shape
+                        and freed.dtype == p.dtype
+                        and (not pinned or freed.is_pinned())
+                    ):
                         target, freed = freed, None
                     else:
                         target = pa.take_spare(p.shape, p.dtype, pinned)

@@ -9,7 +9,8 @@ import torch
 
 WORDS = "what is the color of sky grass sun snow blue green yellow white it say hello hi please thanks".split()
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% if m['role'] == 'assistant' %}<eos> {% endif %}{% endfor %}"
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% if m['role'] == 'assistant' %}<eos> {% "
+    "endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|> {% endif %}"
 )
 
@@ -24,7 +25,13 @@ def word_tokenizer() -> Any:
     vocab = {w: i for i, w in enumerate(specials + WORDS)}
     tok = Tokenizer(tok_models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>", additional_special_tokens=specials[3:])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        eos_token="<eos>",
+        additional_special_tokens=specials[3:],
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -56,7 +63,15 @@ def make_local_model(path: str, tokenizer: Any, tie: bool = True) -> str:
 def chat_rows() -> List[Dict[str, Any]]:
     """Chat rows in the tokenizer's words: four one-turn facts and one two-turn conversation."""
     facts = [("sky", "blue"), ("grass", "green"), ("sun", "yellow"), ("snow", "white")]
-    rows = [{"messages": [{"role": "user", "content": f"what is the color of the {x}"}, {"role": "assistant", "content": f"it is {c}"}]} for x, c in facts]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"what is the color of the {x}"},
+                {"role": "assistant", "content": f"it is {c}"},
+            ]
+        }
+        for x, c in facts
+    ]
     rows.append(
         {
             "messages": [

@@ -11,11 +11,25 @@ from typing import Dict, List, Optional, Tuple
 from helpers import ROOT
 
 
-def roundpipe(args: List[str], cwd: str, timeout: float = 180, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+def roundpipe(
+    args: List[str], cwd: str, timeout: float = 180, env: Optional[Dict[str, str]] = None
+) -> subprocess.CompletedProcess:
     """``python -m roundpipe ARGS`` on one CPU worker, no progress bars, this checkout's roundpipe."""
-    full_env = dict(os.environ, RPP_DEVICES="cpu:1", RPP_PROGRESS="0", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    full_env = dict(
+        os.environ,
+        RPP_DEVICES="cpu:1",
+        RPP_PROGRESS="0",
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "roundpipe", *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "roundpipe", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:

@@ -24,13 +24,23 @@ def writer(payload: bytes):
 
 def test_save_resolve_verify_prune(tmp_path) -> None:
     out = str(tmp_path)
-    paths = [ckpt.save_checkpoint(out, step, writer(bytes([step]) * 100), keep=2, meta={"loss": 1.0 / step}) for step in (1, 2, 3)]
-    assert [os.path.basename(p) for p in ckpt.list_checkpoints(ckpt.checkpoints_dir(out))] == ["step-0000002", "step-0000003"]
+    paths = [
+        ckpt.save_checkpoint(out, step, writer(bytes([step]) * 100), keep=2, meta={"loss": 1.0 / step})
+        for step in (1, 2, 3)
+    ]
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(ckpt.checkpoints_dir(out))] == [
+        "step-0000002",
+        "step-0000003",
+    ]
     assert not os.path.exists(paths[0])
     assert ckpt.resolve_checkpoint("latest", out) == paths[2] == ckpt.resolve_checkpoint(out, "elsewhere")
     assert ckpt.resolve_checkpoint(paths[1], out) == paths[1]
     manifest = ckpt.verify_checkpoint(paths[2])
-    assert manifest["step"] == 3 and manifest["loss"] == 1 / 3 and set(manifest["files"]) == {"weights.bin", os.path.join("sub", "state.txt")}
+    assert (
+        manifest["step"] == 3
+        and manifest["loss"] == 1 / 3
+        and set(manifest["files"]) == {"weights.bin", os.path.join("sub", "state.txt")}
+    )
 
 
 def payload_of(path: str) -> bytes:
@@ -72,7 +82,10 @@ def test_resave_of_a_step_replaces_it(tmp_path) -> None:
     ckpt.save_checkpoint(out, 2, writer(b"old" * 10), keep=3)
     path = ckpt.save_checkpoint(out, 2, writer(b"new" * 10), keep=3)
     assert ckpt.resolve_checkpoint("latest", out) == path and payload_of(path) == b"new" * 10
-    assert [os.path.basename(p) for p in ckpt.list_checkpoints(ckpt.checkpoints_dir(out))] == ["step-0000001", "step-0000002"]
+    assert [os.path.basename(p) for p in ckpt.list_checkpoints(ckpt.checkpoints_dir(out))] == [
+        "step-0000001",
+        "step-0000002",
+    ]
     assert sorted(os.listdir(ckpt.checkpoints_dir(out))) == ["latest", "step-0000001", "step-0000002"]
 
 
@@ -110,7 +123,9 @@ def test_crash_during_resave_leaves_last_good_checkpoint_loadable(tmp_path, monk
     ckpt.save_checkpoint(out, 3, writer(b"3" * 10), keep=2)  # the run goes on; leftovers are cleaned
     assert [payload_of(p) for p in ckpt.list_checkpoints(ckpt.checkpoints_dir(out))] == [payload_of(latest), b"3" * 10]
     root = ckpt.checkpoints_dir(out)
-    assert set(os.listdir(root)) - {"latest"} == {os.path.basename(p) for p in ckpt.list_checkpoints(root)}  # no leftovers
+    assert set(os.listdir(root)) - {"latest"} == {
+        os.path.basename(p) for p in ckpt.list_checkpoints(root)
+    }  # no leftovers
 
 
 def test_corrupt_or_partial_checkpoint_is_reported(tmp_path) -> None:

@@ -92,7 +92,18 @@ def test_console_script_no_traceback(tmp_path) -> None:
     data = write(tmp_path / "d.txt", "some text " * 50)
     env = {**os.environ, "RPP_DEVICES": "cpu:1", "RPP_PROGRESS": "0"}
     proc = subprocess.run(
-        [sys.executable, "-m", "roundpipe", "train", "--data", data, "--seq-len", "4096", "--output-dir", str(tmp_path / "out")],
+        [
+            sys.executable,
+            "-m",
+            "roundpipe",
+            "train",
+            "--data",
+            data,
+            "--seq-len",
+            "4096",
+            "--output-dir",
+            str(tmp_path / "out"),
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -100,7 +111,10 @@ def test_console_script_no_traceback(tmp_path) -> None:
     )
     assert proc.returncode == 2, proc.stderr
     lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
-    assert lines == ["roundpipe: error: seq_len=4096 exceeds the model's limit (max_position_embeddings=1024) — lower --seq-len to at most 1024"], proc.stderr
+    assert lines == [
+        "roundpipe: error: seq_len=4096 exceeds the model's limit (max_position_embeddings=1024) — lower "
+        "--seq-len to at most 1024"
+    ], proc.stderr
 
 
 def test_print_config_shows_the_values_the_run_uses(tmp_path, capsys) -> None:
@@ -108,11 +122,37 @@ def test_print_config_shows_the_values_the_run_uses(tmp_path, capsys) -> None:
     run will use, not null."""
     assert main(["train", "--print-config"]) == 0
     shown = yaml.safe_load(capsys.readouterr().out)
-    assert (shown["seq_len"], shown["steps"], shown["microbatches"], shown["warmup_steps"]) == (14, 600, 1, 50)  # the task's profile
+    assert (shown["seq_len"], shown["steps"], shown["microbatches"], shown["warmup_steps"]) == (
+        14,
+        600,
+        1,
+        50,
+    )  # the task's profile
     text = write(tmp_path / "d.txt", "".join(chr(97 + i % 26) for i in range(3000)))  # 3001 tokens: 5 rows of 512
-    assert main(["train", "--print-config", "--data", text, "--batch-size", "2", "--devices", "cpu:2", "--warmup-steps", "7"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--print-config",
+                "--data",
+                text,
+                "--batch-size",
+                "2",
+                "--devices",
+                "cpu:2",
+                "--warmup-steps",
+                "7",
+            ]
+        )
+        == 0
+    )
     shown = yaml.safe_load(capsys.readouterr().out)
-    assert (shown["seq_len"], shown["steps"], shown["microbatches"], shown["warmup_steps"]) == (512, 3, 2, 2)  # warmup capped below steps
+    assert (shown["seq_len"], shown["steps"], shown["microbatches"], shown["warmup_steps"]) == (
+        512,
+        3,
+        2,
+        2,
+    )  # warmup capped below steps
     assert "task" not in shown  # a data file replaces it: the output works as a --config file again
     assert parse_train_args(["--config", write(tmp_path / "c.yaml", yaml.safe_dump(shown))]).cfg.steps == 3
 
@@ -135,11 +175,18 @@ def test_help_version_and_config_errors_answer_without_torch(tmp_path, args, cod
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "roundpipe", *args], capture_output=True, text=True, env=env, timeout=50, cwd=str(tmp_path)
+        [sys.executable, "-X", "importtime", "-m", "roundpipe", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=50,
+        cwd=str(tmp_path),
     )
     seconds = time.monotonic() - start
     assert proc.returncode == code, proc.stderr[-2000:]
     assert expect in proc.stdout + proc.stderr
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
-    assert "roundpipe.cli" in imported and not imported & {"torch", "transformers", "numpy"}, sorted(imported & {"torch", "transformers", "numpy"})
+    assert "roundpipe.cli" in imported and not imported & {"torch", "transformers", "numpy"}, sorted(
+        imported & {"torch", "transformers", "numpy"}
+    )
     assert seconds < 3.0, f"{args} took {seconds:.1f} s"

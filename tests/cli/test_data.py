@@ -9,7 +9,15 @@ import torch
 
 from roundpipe.cli.config import ConfigError
 from roundpipe.cli.data import FileStream, chat_segments, file_stream, load_examples, pack_examples, pad_examples
-from roundpipe.cli.tasks import IGNORE_INDEX, TASKS, TaskStream, byte_tokenizer, exact_match, held_out_examples, is_held_out
+from roundpipe.cli.tasks import (
+    IGNORE_INDEX,
+    TASKS,
+    TaskStream,
+    byte_tokenizer,
+    exact_match,
+    held_out_examples,
+    is_held_out,
+)
 
 
 def test_byte_tokenizer_round_trips_offline(tmp_path) -> None:
@@ -31,7 +39,9 @@ def test_task_examples(name: str) -> None:
     stream = TaskStream(task, batch_size=300, seed=0)
     ids, labels = stream.next_batch()
     assert ids.shape == labels.shape == (300, task.seq_len)
-    assert (labels[:, : task.prompt_len] == IGNORE_INDEX).all() and (labels[:, task.prompt_len :] == ids[:, task.prompt_len :]).all()
+    assert (labels[:, : task.prompt_len] == IGNORE_INDEX).all() and (
+        labels[:, task.prompt_len :] == ids[:, task.prompt_len :]
+    ).all()
     prompts = {bytes(row[: task.prompt_len]).decode() for row in ids.tolist()}
     assert not any(is_held_out(p) for p in prompts)  # training never sees a held-out problem
     held = held_out_examples(task, 50)
@@ -101,7 +111,12 @@ def test_chat_template_that_rewrites_history_gives_one_example_per_turn() -> Non
         "{% if m['role'] == 'assistant' and loop.last %}<think></think>{% endif %}{{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}assistant: <think></think>{% endif %}"
     )
-    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    msgs = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d"},
+    ]
     segments = chat_segments(tok, msgs)
     assert segments == [
         [("user: a\nassistant: <think></think>", False), ("b\n", True)],
@@ -135,7 +150,11 @@ def test_pack_and_pad() -> None:
     ids, labels = pack_examples(ex, 4)
     assert ids.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]] and labels.tolist() == [[-100, 2, 3, 4], [5, 6, -100, 8]]
     ids, labels = pad_examples(ex, 3, pad_id=0)
-    assert ids.tolist() == [[1, 2, 3], [4, 5, 0], [6, 7, 8]] and labels.tolist() == [[-100, 2, 3], [4, 5, -100], [6, -100, 8]]
+    assert ids.tolist() == [[1, 2, 3], [4, 5, 0], [6, 7, 8]] and labels.tolist() == [
+        [-100, 2, 3],
+        [4, 5, -100],
+        [6, -100, 8],
+    ]
     with pytest.raises(ConfigError, match="fewer than one sequence"):
         pack_examples(ex, 100)
 
@@ -185,7 +204,10 @@ def test_chat_rows_without_an_assistant_turn_are_dropped_with_a_warning(tmp_path
     with caplog.at_level("WARNING", logger="roundpipe"):
         examples = load_examples(str(path), byte_tokenizer())
     assert len(examples) == 1
-    assert "2 of 3 rows have chat messages without an 'assistant' turn (roles found: gpt, human, user); they were dropped" in caplog.text
+    assert (
+        "2 of 3 rows have chat messages without an 'assistant' turn (roles found: gpt, human, user); they were dropped"
+        in caplog.text
+    )
     assert "rename the roles 'gpt', 'human' to user/assistant" in caplog.text
 
 

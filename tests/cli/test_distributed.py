@@ -50,7 +50,9 @@ ARGS = [
 ]
 
 
-def torchrun(args: List[str], cwd: str, nproc: int = 2, script: Optional[List[str]] = None, monitor_s: Optional[float] = None) -> subprocess.CompletedProcess:
+def torchrun(
+    args: List[str], cwd: str, nproc: int = 2, script: Optional[List[str]] = None, monitor_s: Optional[float] = None
+) -> subprocess.CompletedProcess:
     """``torchrun --standalone`` of ``roundpipe train`` (or ``script``): one CPU worker, one thread per rank."""
     env = dict(
         os.environ,
@@ -115,7 +117,9 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
-def test_two_ranks_equal_one_process_on_the_global_batch(two_ranks: Dict[str, Any], tmp_path: Any, _restore_process_state: None) -> None:
+def test_two_ranks_equal_one_process_on_the_global_batch(
+    two_ranks: Dict[str, Any], tmp_path: Any, _restore_process_state: None
+) -> None:
     ref = str(tmp_path / "one")
     one_process(ARGS, ref)
     assert_close_rows(rows(two_ranks["out"]), rows(ref))
@@ -142,7 +146,9 @@ def test_resume_with_two_ranks_repeats_the_uninterrupted_run(two_ranks: Dict[str
     assert res.returncode == 0, res.stderr[-4000:]
     assert f"resuming at step 2 from {step2}" in res.stdout
     full = rows(two_ranks["out"])
-    assert [(r["step"], r["loss"], r["grad_norm"]) for r in rows(out)] == [(r["step"], r["loss"], r["grad_norm"]) for r in full[2:]]
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in rows(out)] == [
+        (r["step"], r["loss"], r["grad_norm"]) for r in full[2:]
+    ]
     got, want = masters(out, 4), masters(two_ranks["out"], 4)
     assert all(torch.equal(got[k], want[k]) for k in want)  # bit for bit
 
@@ -190,19 +196,40 @@ def test_only_rank_0_writes_and_logs(two_ranks: Dict[str, Any]) -> None:
     if os.path.isdir(os.path.join(out, "tensorboard")):
         assert len(os.listdir(os.path.join(out, "tensorboard"))) == 1  # one event file: one writer
     # One console: every step logged once, by rank 0; the other rank stays quiet below warnings.
-    assert [line.split(" |")[0] for line in two_ranks["stdout"].splitlines() if line.startswith("step ")] == [f"step {i}/4" for i in range(1, 5)]
+    assert [line.split(" |")[0] for line in two_ranks["stdout"].splitlines() if line.startswith("step ")] == [
+        f"step {i}/4" for i in range(1, 5)
+    ]
     assert two_ranks["stdout"].count("done: step 4/4") == 1
-    assert not [line for line in two_ranks["stderr"].splitlines() if "rank 1: INFO" in line and "distributed:" not in line]
+    assert not [
+        line for line in two_ranks["stderr"].splitlines() if "rank 1: INFO" in line and "distributed:" not in line
+    ]
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_without_rows_takes_part_and_a_failing_rank_stops_the_other(tmp_path: Any, _restore_process_state: None) -> None:
+def test_a_rank_without_rows_takes_part_and_a_failing_rank_stops_the_other(
+    tmp_path: Any, _restore_process_state: None
+) -> None:
     """Batch of 1 row: rank 0 has none. Rank 1 fails in step 3: rank 0 stops with one line naming it."""
-    args = ["--steps", "4", "--batch-size", "1", "--save-every", "1", "--keep-checkpoints", "4", "--eval-examples", "0", "--no-progress"]
+    args = [
+        "--steps",
+        "4",
+        "--batch-size",
+        "1",
+        "--save-every",
+        "1",
+        "--keep-checkpoints",
+        "4",
+        "--eval-examples",
+        "0",
+        "--no-progress",
+    ]
     out, ref = str(tmp_path / "dp"), str(tmp_path / "one")
     t0 = time.time()
     res = torchrun(
-        ["train", *args, "--output-dir", out], str(tmp_path), script=[os.path.join(ROOT, "tests", "dist_scripts", "cli_fail.py"), "1", "3"], monitor_s=2
+        ["train", *args, "--output-dir", out],
+        str(tmp_path),
+        script=[os.path.join(ROOT, "tests", "dist_scripts", "cli_fail.py"), "1", "3"],
+        monitor_s=2,
     )
     elapsed = time.time() - t0
     assert res.returncode != 0

@@ -35,7 +35,12 @@ def test_metrics_csv_drops_rows_after_the_resumed_step(tmp_path) -> None:
     w.close()
     rows = read_metrics(os.path.join(tmp_path, "metrics.csv"))
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7, 8]
-    assert rows[2]["loss"] == 1 / 3 and rows[6]["loss"] == 2.0 and rows[6]["grad_norm"] == 0.5 and "grad_norm" not in rows[0]
+    assert (
+        rows[2]["loss"] == 1 / 3
+        and rows[6]["loss"] == 2.0
+        and rows[6]["grad_norm"] == 0.5
+        and "grad_norm" not in rows[0]
+    )
     png = plot_metrics(os.path.join(tmp_path, "metrics.csv"), os.path.join(tmp_path, "loss.png"))
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -63,7 +68,12 @@ def test_ctrl_c_checkpoints_then_resume_finishes(tmp_path) -> None:
     # SIGINT at its default in the child, as a shell starts it (a test run started with `&` by a
     # non-interactive shell ignores SIGINT, and an ignored signal would be inherited).
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not os.path.isfile(os.path.join(out, "metrics.csv")):

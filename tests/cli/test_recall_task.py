@@ -31,7 +31,9 @@ def test_recall_examples_have_the_asked_length_and_the_key_only_at_the_start() -
 
 def test_fixed_length_task_with_another_seq_len_is_refused(tmp_path) -> None:
     one_line_error(
-        roundpipe(["train", "--task", "reverse", "--seq-len", "64", "--output-dir", str(tmp_path / "r")], str(tmp_path)),
+        roundpipe(
+            ["train", "--task", "reverse", "--seq-len", "64", "--output-dir", str(tmp_path / "r")], str(tmp_path)
+        ),
         "fixed 14-token examples",
         "--task recall",
     )
@@ -39,7 +41,21 @@ def test_fixed_length_task_with_another_seq_len_is_refused(tmp_path) -> None:
 
 def test_built_in_model_reaches_a_recall_context_beyond_its_default_positions(tmp_path) -> None:
     proc = roundpipe(
-        ["train", "--task", "recall", "--seq-len", "2048", "--steps", "1", "--batch-size", "2", "--eval-examples", "2", "--output-dir", str(tmp_path / "r")],
+        [
+            "train",
+            "--task",
+            "recall",
+            "--seq-len",
+            "2048",
+            "--steps",
+            "1",
+            "--batch-size",
+            "2",
+            "--eval-examples",
+            "2",
+            "--output-dir",
+            str(tmp_path / "r"),
+        ],
         str(tmp_path),
         timeout=300,
     )
@@ -53,7 +69,19 @@ def test_a_tiny_model_learns_recall_across_the_context(tmp_path) -> None:
     """400 steps on one CPU worker: the held-out exact match (new contexts; chance is 1 in 26) reaches
     80% (measured 90.6%): the model answers from the first tokens at the last ones."""
     proc = roundpipe(
-        ["train", "--task", "recall", "--seq-len", "64", "--steps", "400", "--batch-size", "32", "--output-dir", str(tmp_path / "r")],
+        [
+            "train",
+            "--task",
+            "recall",
+            "--seq-len",
+            "64",
+            "--steps",
+            "400",
+            "--batch-size",
+            "32",
+            "--output-dir",
+            str(tmp_path / "r"),
+        ],
         str(tmp_path),
         timeout=850,
     )

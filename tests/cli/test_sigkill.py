@@ -23,7 +23,20 @@ from roundpipe.cli.checkpoint import resolve_checkpoint
 
 from .runner import roundpipe
 
-ARGS = ["--steps", "6", "--save-every", "2", "--batch-size", "4", "--microbatches", "2", "--devices", "cpu:1", "--eval-examples", "4"]
+ARGS = [
+    "--steps",
+    "6",
+    "--save-every",
+    "2",
+    "--batch-size",
+    "4",
+    "--microbatches",
+    "2",
+    "--devices",
+    "cpu:1",
+    "--eval-examples",
+    "4",
+]
 
 KILLED_RUN = textwrap.dedent(
     """
@@ -53,8 +66,18 @@ def test_sigkill_during_checkpoint_write_keeps_previous_checkpoint(tmp_path) -> 
     before = (dict(settings._overrides), {k: v for k, v in os.environ.items() if k.startswith("RPP_")})
     killed, full = str(tmp_path / "killed"), str(tmp_path / "full")
     marker = str(tmp_path / "writing")
-    env = dict(os.environ, PYTHONUNBUFFERED="1", RPP_PROGRESS="0", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, marker, killed, *ARGS], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        RPP_PROGRESS="0",
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_RUN, marker, killed, *ARGS],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 180
     while not os.path.exists(marker):
         assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
@@ -73,4 +96,7 @@ def test_sigkill_during_checkpoint_write_keeps_previous_checkpoint(tmp_path) -> 
     b = load_file(os.path.join(resolve_checkpoint("latest", full), "model.safetensors"))
     assert resolve_checkpoint("latest", killed).endswith("step-0000006")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert (dict(settings._overrides), {k: v for k, v in os.environ.items() if k.startswith("RPP_")}) == before  # nothing leaks
+    assert (
+        dict(settings._overrides),
+        {k: v for k, v in os.environ.items() if k.startswith("RPP_")},
+    ) == before  # nothing leaks

@@ -137,11 +137,15 @@ def test_txt_packed_full_finetune_through_cli(tmp_path, capsys) -> None:
     assert summary["step"] == 25 and summary["tokens_per_s"] > 0 and summary["host_peak_rss_gib"] > 0
 
 
-@pytest.mark.parametrize("async_step, devices, data", [(True, "cpu:1", "task"), (False, "cpu:2", "task"), (True, "cpu:2", "txt")])
+@pytest.mark.parametrize(
+    "async_step, devices, data", [(True, "cpu:1", "task"), (False, "cpu:2", "task"), (True, "cpu:2", "txt")]
+)
 def test_resume_is_bitwise_exact(tmp_path, async_step: bool, devices: str, data: str) -> None:
     """Stop at step k, resume, reach step 2k: same losses, masters, optimizer state and weights as an
     uninterrupted run that never checkpointed at k."""
-    keys: Dict[str, Any] = dict(steps=12, async_step=async_step, devices=devices, batch_size=8, microbatches=2, grad_accum=2, warmup_steps=3)
+    keys: Dict[str, Any] = dict(
+        steps=12, async_step=async_step, devices=devices, batch_size=8, microbatches=2, grad_accum=2, warmup_steps=3
+    )
     if data == "txt":
         corpus = tmp_path / "c.txt"
         corpus.write_text("".join(chr(97 + (i * 7) % 26) for i in range(3000)))
@@ -177,7 +181,8 @@ def test_resume_from_corrupt_checkpoint_is_one_line(tmp_path, capsys) -> None:
     assert main(["train", "--resume", "--steps", "4", "--output-dir", out]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
-        f"roundpipe: error: checkpoint {path} is corrupt: optim/master.safetensors does not match its sha256 in manifest.json — delete it "
+        f"roundpipe: error: checkpoint {path} is corrupt: optim/master.safetensors does not match its sha256 "
+        "in manifest.json — delete it "
         "and resume from an earlier checkpoint"
     ]
 
@@ -195,7 +200,10 @@ def test_model_errors_are_one_line(tmp_path, capsys) -> None:
             "seq_len=256 exceeds the model's limit (max_position_embeddings=128) — lower --seq-len to at most 128",
         ),
         (["--model", model_dir, "--data", str(data), "--lora-r", "4", "--lora-targets", "qkv_fused"], "LoRA:"),
-        (["--data", str(data), "--seq-len", "1000"], "the data has 501 tokens, fewer than one sequence of seq_len=1000"),
+        (
+            ["--data", str(data), "--seq-len", "1000"],
+            "the data has 501 tokens, fewer than one sequence of seq_len=1000",
+        ),
         (["--devices", "tpu:3"], "--devices tpu:3 is not a device list ("),
         (["--devices", "tpu:3"], ") — use --devices cuda, cuda:0,1 or cpu:N"),
     ]
@@ -211,7 +219,9 @@ def checkpoint_tensors(output_dir: str, step: int, rel: str = "optim/master.safe
 
 def adam_steps(output_dir: str, step: int) -> List[float]:
     """The Adam step counts of a checkpoint's optimizer state."""
-    state = torch.load(os.path.join(output_dir, "checkpoints", f"step-{step:07d}", "optim", "state.pt"), weights_only=True)["state"]
+    state = torch.load(
+        os.path.join(output_dir, "checkpoints", f"step-{step:07d}", "optim", "state.pt"), weights_only=True
+    )["state"]
     return sorted({float(s["step"]) for s in state.values()})
 
 
@@ -245,13 +255,37 @@ def test_nonfinite_loss_stops_or_skips(tmp_path, capsys, monkeypatch) -> None:
         return original(self)
 
     monkeypatch.setattr(Recipe, "_train_step", poison_once)
-    assert main(["train", "--output-dir", str(tmp_path / "stop"), "--steps", "4", "--batch-size", "4", "--eval-examples", "4", "--no-async-step"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--output-dir",
+                str(tmp_path / "stop"),
+                "--steps",
+                "4",
+                "--batch-size",
+                "4",
+                "--eval-examples",
+                "4",
+                "--no-async-step",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the loss is nan at step 3" in err[0], err
     poisoned["done"] = False
     logs: List[str] = []
     res = run(
-        config(output_dir=str(tmp_path / "skip"), steps=4, batch_size=4, on_nonfinite="skip", async_step=False, save_every=1, keep_checkpoints=10),
+        config(
+            output_dir=str(tmp_path / "skip"),
+            steps=4,
+            batch_size=4,
+            on_nonfinite="skip",
+            async_step=False,
+            save_every=1,
+            keep_checkpoints=10,
+        ),
         out=logs.append,
     )
     assert res.step == 4 and "roundpipe: step 3: loss is nan; its gradients were dropped (on_nonfinite=skip)" in logs
@@ -278,10 +312,28 @@ def test_nonfinite_gradient_norm_stops_or_skips(tmp_path, capsys, monkeypatch) -
     one line (async steps: found two steps later, still naming it), or skips it and goes on."""
     poison_gradient(monkeypatch, 3)
     out = str(tmp_path / "stop")
-    assert main(["train", "--output-dir", out, "--steps", "8", "--batch-size", "4", "--eval-examples", "0", "--save-every", "2"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--output-dir",
+                out,
+                "--steps",
+                "8",
+                "--batch-size",
+                "4",
+                "--eval-examples",
+                "0",
+                "--save-every",
+                "2",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
-        "roundpipe: error: the gradient norm is nan at step 3 (the loss was finite) — lower --lr, check the data, or pass --on-nonfinite "
+        "roundpipe: error: the gradient norm is nan at step 3 (the loss was finite) — lower --lr, check the "
+        "data, or pass --on-nonfinite "
         "skip; the step was not applied and earlier checkpoints are intact"
     ]
     assert resolve_checkpoint("latest", out).endswith("step-0000002")  # step 4's checkpoint was not written
@@ -289,17 +341,38 @@ def test_nonfinite_gradient_norm_stops_or_skips(tmp_path, capsys, monkeypatch) -
     assert max(rows) <= 4 and all(float(r["loss"]) == float(r["loss"]) for r in rows.values())
     logs: List[str] = []
     skip = str(tmp_path / "skip")
-    res = run(config(output_dir=skip, steps=4, batch_size=4, on_nonfinite="skip", async_step=False, save_every=1, keep_checkpoints=10), out=logs.append)
-    assert res.step == 4 and "roundpipe: step 3: gradient norm is nan; its gradients were dropped (on_nonfinite=skip)" in logs
+    res = run(
+        config(
+            output_dir=skip,
+            steps=4,
+            batch_size=4,
+            on_nonfinite="skip",
+            async_step=False,
+            save_every=1,
+            keep_checkpoints=10,
+        ),
+        out=logs.append,
+    )
+    assert (
+        res.step == 4
+        and "roundpipe: step 3: gradient norm is nan; its gradients were dropped (on_nonfinite=skip)" in logs
+    )
     assert_step_skipped(skip, 3)
-    assert losses(skip)[3] != "nan" and {int(r["step"]): r["grad_norm"] for r in csv.DictReader(open(os.path.join(skip, "metrics.csv")))}[3] == "nan"
+    assert (
+        losses(skip)[3] != "nan"
+        and {int(r["step"]): r["grad_norm"] for r in csv.DictReader(open(os.path.join(skip, "metrics.csv")))}[3]
+        == "nan"
+    )
 
 
 def test_warmup_longer_than_the_run_is_capped(tmp_path) -> None:
     """warmup_steps >= steps would never reach the peak learning rate: it is capped, and the log says so."""
     logs: List[str] = []
     run(config(output_dir=str(tmp_path / "run"), steps=4, warmup_steps=10, batch_size=4, lr=1e-3), out=logs.append)
-    assert "note: warmup_steps=10 is not shorter than the run (4 steps): capped at 3, so the learning rate reaches its peak at the last step" in logs
+    assert (
+        "note: warmup_steps=10 is not shorter than the run (4 steps): capped at 3, so the learning rate "
+        "reaches its peak at the last step" in logs
+    )
     with open(os.path.join(tmp_path, "run", "metrics.csv"), newline="") as f:
         lrs = [float(r["lr"]) for r in csv.DictReader(f)]
     assert lrs == sorted(lrs) and lrs[-1] == 1e-3 and lrs[0] < 1e-3
@@ -316,7 +389,16 @@ def test_gradient_accumulation_weights_batches_by_token_count(tmp_path) -> None:
 
     tok = word_tokenizer()
     model_dir = make_local_model(str(tmp_path / "model"), tok)
-    answers = ["blue", "it is green", "hello", "it is white please thanks", "hi", "it is the color of the sky", "yellow", "snow is white"]
+    answers = [
+        "blue",
+        "it is green",
+        "hello",
+        "it is white please thanks",
+        "hi",
+        "it is the color of the sky",
+        "yellow",
+        "snow is white",
+    ]
     data = tmp_path / "qa.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": "what is the color", "response": a}) for a in answers) + "\n")
     lr, steps = 1e-3, 3
@@ -347,7 +429,11 @@ def test_gradient_accumulation_weights_batches_by_token_count(tmp_path) -> None:
         for ids, labels in batches:
             logits = ref(input_ids=ids).logits[:, :-1].float()
             target = labels[:, 1:]
-            sums.append(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"))
+            sums.append(
+                torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+                )
+            )
             counts.append(int((target != IGNORE_INDEX).sum()))
         loss = sum(sums) / sum(counts)
         want.append(loss.item())
@@ -368,7 +454,9 @@ def test_gradient_accumulation_weights_batches_by_token_count(tmp_path) -> None:
     # element of one matrix does); the update as a whole agrees to 1e-3.
     masters = load_tensors(os.path.join(result.checkpoint, "optim", "master.safetensors"))
     params = dict(ref.named_parameters())
-    init = dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True).named_parameters())
+    init = dict(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True).named_parameters()
+    )
     assert set(masters) == set(params)
     for name, m in masters.items():
         moved_rp, moved_ref = (m - init[name]).double(), (params[name] - init[name]).detach().double()
@@ -386,12 +474,18 @@ def test_float16_resume_restores_the_grad_scaler(tmp_path) -> None:
     second = run(args.cfg, args.given, out=lambda m: None)
     want = load_torch(os.path.join(full.checkpoint, "trainer.pt"))["scaler"]  # type: ignore[index]
     got = load_torch(os.path.join(second.checkpoint, "trainer.pt"))["scaler"]  # type: ignore[index]
-    assert got == want and want["_growth_tracker"] == 6 and want["scale"] == 2.0**16, (got, want)  # a fresh scaler would count 3
+    assert got == want and want["_growth_tracker"] == 6 and want["scale"] == 2.0**16, (
+        got,
+        want,
+    )  # a fresh scaler would count 3
     assert losses(str(tmp_path / "full")) == losses(str(tmp_path / "split"))
     for rel in ("optim/master.safetensors", "optim/device.safetensors"):
         x, y = load_tensors(os.path.join(full.checkpoint, rel)), load_tensors(os.path.join(second.checkpoint, rel))
         assert all(torch.equal(x[k], y[k]) for k in x), rel
-    assert next(iter(load_tensors(os.path.join(full.checkpoint, "optim/device.safetensors")).values())).dtype == torch.float16
+    assert (
+        next(iter(load_tensors(os.path.join(full.checkpoint, "optim/device.safetensors")).values())).dtype
+        == torch.float16
+    )
 
 
 def test_checkpoint_waits_for_a_slow_optimizer_step(tmp_path, monkeypatch) -> None:
@@ -418,9 +512,16 @@ def test_checkpoint_waits_for_a_slow_optimizer_step(tmp_path, monkeypatch) -> No
 def test_compact_optimizer_state_trains_and_resumes_exactly(tmp_path, state: str, master: str) -> None:
     """--optim-state / --master: the compact state trains the built-in task (the loss falls like fp32
     Adam's) and a stop + resume continues bit for bit (moments, masters and stochastic rounding)."""
-    keys: Dict[str, Any] = dict(dtype="bfloat16", steps=10, batch_size=8, microbatches=2, warmup_steps=2, optim_state=state, master=master)
+    keys: Dict[str, Any] = dict(
+        dtype="bfloat16", steps=10, batch_size=8, microbatches=2, warmup_steps=2, optim_state=state, master=master
+    )
     full = run(config(output_dir=str(tmp_path / "full"), **keys), out=lambda m: None)
-    run(config(output_dir=str(tmp_path / "ref"), dtype="bfloat16", steps=10, batch_size=8, microbatches=2, warmup_steps=2), out=lambda m: None)
+    run(
+        config(
+            output_dir=str(tmp_path / "ref"), dtype="bfloat16", steps=10, batch_size=8, microbatches=2, warmup_steps=2
+        ),
+        out=lambda m: None,
+    )
     first = run(config(output_dir=str(tmp_path / "split"), stop_at=5, **keys), out=lambda m: None)
     args = parse_train_args(["--resume", "--output-dir", str(tmp_path / "split")])
     second = run(args.cfg, args.given, out=lambda m: None)
@@ -433,7 +534,10 @@ def test_compact_optimizer_state_trains_and_resumes_exactly(tmp_path, state: str
     masters = load_tensors(os.path.join(full.checkpoint, "optim/master.safetensors"))
     assert all(m.dtype == (torch.bfloat16 if master == "bfloat16" else torch.float32) for m in masters.values())
     mine, fp32 = losses(str(tmp_path / "full")), losses(str(tmp_path / "ref"))
-    assert float(mine[10]) < float(mine[1]) and abs(float(mine[10]) - float(fp32[10])) / float(fp32[10]) < 0.05, (mine, fp32)
+    assert float(mine[10]) < float(mine[1]) and abs(float(mine[10]) - float(fp32[10])) / float(fp32[10]) < 0.05, (
+        mine,
+        fp32,
+    )
 
 
 def test_bfloat16_master_needs_bfloat16_weights(tmp_path) -> None:

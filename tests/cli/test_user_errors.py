@@ -42,19 +42,29 @@ def write(path: str, data: bytes) -> str:
 
 def non_utf8_txt(d: str) -> Tuple[List[str], List[str]]:
     path = write(os.path.join(d, "latin1.txt"), b"hello\nwor\xffld\n")
-    return ["--data", path, "--seq-len", "4"], [f"{path}:2 is not valid UTF-8 (byte 0xff at byte offset 9 of the file)", "save the file as UTF-8"]
+    return ["--data", path, "--seq-len", "4"], [
+        f"{path}:2 is not valid UTF-8 (byte 0xff at byte offset 9 of the file)",
+        "save the file as UTF-8",
+    ]
 
 
 def non_utf8_jsonl(d: str) -> Tuple[List[str], List[str]]:
     first = b'{"text": "fine"}\n'
     path = write(os.path.join(d, "latin1.jsonl"), first + b'{"text": "caf\xe9"}\n')
     offset = len(first) + len(b'{"text": "caf')
-    return ["--data", path, "--seq-len", "4"], [f"{path}:2 is not valid UTF-8 (byte 0xe9 at byte offset {offset} of the file)"]
+    return ["--data", path, "--seq-len", "4"], [
+        f"{path}:2 is not valid UTF-8 (byte 0xe9 at byte offset {offset} of the file)"
+    ]
 
 
 def non_string_fields(d: str) -> Tuple[List[str], List[str]]:
-    path = write(os.path.join(d, "numbers.jsonl"), b'{"prompt": "ok", "response": "yes"}\n\n{"prompt": 0, "response": null}\n')
-    return ["--data", path, "--seq-len", "4"], [f"{path}:3: field 'prompt' is the int 0, not a string", "write 'prompt' as a JSON string"]
+    path = write(
+        os.path.join(d, "numbers.jsonl"), b'{"prompt": "ok", "response": "yes"}\n\n{"prompt": 0, "response": null}\n'
+    )
+    return ["--data", path, "--seq-len", "4"], [
+        f"{path}:3: field 'prompt' is the int 0, not a string",
+        "write 'prompt' as a JSON string",
+    ]
 
 
 def null_response(d: str) -> Tuple[List[str], List[str]]:
@@ -66,7 +76,8 @@ def chat_without_assistant(d: str) -> Tuple[List[str], List[str]]:
     rows = [{"messages": [{"role": "human", "content": "hi"}, {"role": "gpt", "content": "hello"}]}] * 2
     path = write(os.path.join(d, "sharegpt.jsonl"), "\n".join(json.dumps(r) for r in rows).encode())
     return ["--data", path, "--seq-len", "4"], [
-        f"{path} holds no training examples: 2 of 2 rows have chat messages without an 'assistant' turn (roles found: gpt, human)",
+        f"{path} holds no training examples: 2 of 2 rows have chat messages without an 'assistant' turn (roles "
+        "found: gpt, human)",
         "rename the roles 'gpt', 'human' to user/assistant",
     ]
 
@@ -77,7 +88,11 @@ def model_without_tokenizer(d: str) -> Tuple[List[str], List[str]]:
         if "token" in name or name.endswith(".jinja"):
             os.remove(os.path.join(model, name))
     data = write(os.path.join(d, "chat.jsonl"), b'{"prompt": "hi", "response": "hello"}\n')
-    return ["--model", model, "--data", data], [f"the model directory {model} has no tokenizer files", "tokenizer.json", "tokenizer.save_pretrained"]
+    return ["--model", model, "--data", data], [
+        f"the model directory {model} has no tokenizer files",
+        "tokenizer.json",
+        "tokenizer.save_pretrained",
+    ]
 
 
 def negative_lr(d: str) -> Tuple[List[str], List[str]]:
@@ -92,7 +107,10 @@ def data_and_task(d: str) -> Tuple[List[str], List[str]]:
 def cuda_without_gpu(d: str) -> Tuple[List[str], List[str]]:
     if torch.cuda.is_available():
         pytest.skip("a GPU is there")
-    return ["--devices", "cuda"], ["--devices cuda asks for GPUs, but torch.cuda.is_available() is False", "--devices cpu:N"]
+    return ["--devices", "cuda"], [
+        "--devices cuda asks for GPUs, but torch.cuda.is_available() is False",
+        "--devices cpu:N",
+    ]
 
 
 CASES: Dict[str, Callable[[str], Tuple[List[str], List[str]]]] = {
@@ -139,7 +157,23 @@ def test_overwrite_starts_clean_and_export_gives_the_new_weights(earlier: Dict[s
     old_weights = load_tensors(os.path.join(resolve_checkpoint("latest", out), "model.safetensors"))
     with open(os.path.join(out, "notes.txt"), "w") as f:
         f.write("not the run's")
-    proc = roundpipe(["train", "--steps", "3", "--seed", "1", "--batch-size", "4", "--eval-examples", "0", "--output-dir", out, "--overwrite"], str(tmp_path))
+    proc = roundpipe(
+        [
+            "train",
+            "--steps",
+            "3",
+            "--seed",
+            "1",
+            "--batch-size",
+            "4",
+            "--eval-examples",
+            "0",
+            "--output-dir",
+            out,
+            "--overwrite",
+        ],
+        str(tmp_path),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--overwrite: deleted the earlier run's" in proc.stdout
     assert [int(r["step"]) for r in read_metrics(os.path.join(out, "metrics.csv"))] == [1, 2, 3]
@@ -166,7 +200,9 @@ def test_unwritable_output_dir_is_found_before_the_model_loads(tmp_path: Any) ->
     blocker = write(str(tmp_path / "a-file"), b"")
     targets = [os.path.join(blocker, "out")] + (["/sys/roundpipe-test-out"] if os.path.isdir("/sys/kernel") else [])
     for target in targets:
-        proc = roundpipe(["train", "--model", model, "--data", data, "--seq-len", "8", "--output-dir", target], str(tmp_path))
+        proc = roundpipe(
+            ["train", "--model", model, "--data", data, "--seq-len", "8", "--output-dir", target], str(tmp_path)
+        )
         one_line_error(proc, f"cannot write to output_dir {target}", "pick a writable --output-dir")
     assert sorted(os.listdir(tmp_path)) == ["a-file", "d.txt", "model"]
 
@@ -174,7 +210,15 @@ def test_unwritable_output_dir_is_found_before_the_model_loads(tmp_path: Any) ->
 @pytest.mark.timeout(60)
 def test_export_of_a_missing_run_names_export(tmp_path: Any) -> None:
     missing = str(tmp_path / "no-such-run")
-    line = one_line_error(roundpipe(["export", missing, str(tmp_path / "out")], str(tmp_path)), f"'{missing}' does not exist", "roundpipe export")
+    line = one_line_error(
+        roundpipe(["export", missing, str(tmp_path / "out")], str(tmp_path)),
+        f"'{missing}' does not exist",
+        "roundpipe export",
+    )
     assert "--resume" not in line
-    line = one_line_error(roundpipe(["export", str(tmp_path), str(tmp_path / "out")], str(tmp_path)), "no checkpoint found", "roundpipe export")
+    line = one_line_error(
+        roundpipe(["export", str(tmp_path), str(tmp_path / "out")], str(tmp_path)),
+        "no checkpoint found",
+        "roundpipe export",
+    )
     assert "--resume" not in line

@@ -115,25 +115,42 @@ class Trainer:
         self.dtype = torch.bfloat16 if args.cuda else torch.float32
         cfg = RoundPipeRunConfig(num_microbatch=2)
         if sc.model == "mlp":
-            self.model: Any = RoundPipe(base.build_mlp().to(self.dtype), optim_dtype=torch.float32, model_run_config=cfg, name="mlp")
+            self.model: Any = RoundPipe(
+                base.build_mlp().to(self.dtype), optim_dtype=torch.float32, model_run_config=cfg, name="mlp"
+            )
         elif sc.model == "same":
             torch.manual_seed(0)
-            self.model = RoundPipe(nn.Sequential(*[SameSize() for _ in range(6)]), optim_dtype=torch.float32, model_run_config=cfg, name="same")
+            self.model = RoundPipe(
+                nn.Sequential(*[SameSize() for _ in range(6)]),
+                optim_dtype=torch.float32,
+                model_run_config=cfg,
+                name="same",
+            )
         elif sc.model == "auto":
             self.model = AutoRoundPipe(base.HostScaled(self.dtype), name="auto", optim_dtype=torch.float32)
         elif sc.model == "qwen":
-            self.model = roundpipe.wrap_model_to_roundpipe(build_qwen(dtype=self.dtype), optim_dtype=torch.float32, model_run_config=cfg, name="qwen")
+            self.model = roundpipe.wrap_model_to_roundpipe(
+                build_qwen(dtype=self.dtype), optim_dtype=torch.float32, model_run_config=cfg, name="qwen"
+            )
         elif sc.model == "gpu":
             self.model = roundpipe.wrap_model_to_roundpipe(
-                build_qwen(hidden=256, layers=4, dtype=self.dtype), optim_dtype=torch.float32, model_run_config=cfg, name="gpu"
+                build_qwen(hidden=256, layers=4, dtype=self.dtype),
+                optim_dtype=torch.float32,
+                model_run_config=cfg,
+                name="gpu",
             )
         elif sc.model == "lora":
             self.model = roundpipe.wrap_model_to_roundpipe(
-                base.build_lora(adapter_seed).to(self.dtype), optim_dtype=torch.float32, model_run_config=cfg, name="lora"
+                base.build_lora(adapter_seed).to(self.dtype),
+                optim_dtype=torch.float32,
+                model_run_config=cfg,
+                name="lora",
             )
         else:
             raise SystemExit(f"unknown model {sc.model!r}")
-        self.dp = rdist.enable_data_parallel(self.model, bucket_mb=args.bucket_mb, reduce_on=reduce_on) if reduce_on else None
+        self.dp = (
+            rdist.enable_data_parallel(self.model, bucket_mb=args.bucket_mb, reduce_on=reduce_on) if reduce_on else None
+        )
         self.named = list(self.model.optim_named_parameters())
         self.opt = torch.optim.SGD([m for _, m in self.named], lr=args.lr, momentum=0.9, weight_decay=0.01)
         self.losses: List[float] = []
@@ -148,11 +165,20 @@ class Trainer:
         if sc.model in ("mlp", "same"):
             x, y = rows(base.mlp_batch(batch_index))
             n = x.shape[0]
-            die = self.args.fail == "dead" and batch_index == 2 * sc.accum and rdist.get_rank() == 1 and self.dp is not None
+            die = (
+                self.args.fail == "dead"
+                and batch_index == 2 * sc.accum
+                and rdist.get_rank() == 1
+                and self.dp is not None
+            )
 
             def loss_fn(out: torch.Tensor, lab: torch.Tensor) -> torch.Tensor:
                 if die:  # in the middle of the backward pass: rank 0's devices wait in their all-reduce
-                    print(f"rank 1: injected failure (dead) in the backward of step {batch_index // sc.accum}", file=sys.stderr, flush=True)
+                    print(
+                        f"rank 1: injected failure (dead) in the backward of step {batch_index // sc.accum}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     os._exit(17)
                 return ((out.float()[:, : base.OUT] - lab) ** 2).sum() / n
 
@@ -171,7 +197,9 @@ class Trainer:
             from roundpipe.models.loss import count_loss_tokens
 
             # Before the backward: the device reduction applies the weight on the device.
-            self.dp.normalize_by(sum(count_loss_tokens(rows(base.lora_batch(step * sc.accum + j, True))[1]) for j in range(sc.accum)))
+            self.dp.normalize_by(
+                sum(count_loss_tokens(rows(base.lora_batch(step * sc.accum + j, True))[1]) for j in range(sc.accum))
+            )
         loss = sum(self._call(step * sc.accum + j, rows) for j in range(sc.accum))
         self.losses.append(loss)
         self.model.step(self.step_fn, is_async=not sc.sync)
@@ -345,7 +373,9 @@ def main() -> int:
     ap.add_argument("--scenarios", default="mlp")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--lr", type=float, default=0.05)
-    ap.add_argument("--bucket-mb", type=float, default=0.001, help="tiny: several buckets per layer, packed and in place")
+    ap.add_argument(
+        "--bucket-mb", type=float, default=0.001, help="tiny: several buckets per layer, packed and in place"
+    )
     ap.add_argument("--fail", choices=["dead", "skip"], default=None)
     ap.add_argument("--cuda", action="store_true")
     ap.add_argument("--out", default=None)

@@ -73,7 +73,12 @@ class HostScaled(nn.Module):
 
     def __init__(self, dtype: torch.dtype) -> None:
         super().__init__()
-        self.body = RoundPipe(build_mlp().to(dtype), name="body", model_run_config=RoundPipeRunConfig(num_microbatch=2), optim_dtype=torch.float32)
+        self.body = RoundPipe(
+            build_mlp().to(dtype),
+            name="body",
+            model_run_config=RoundPipeRunConfig(num_microbatch=2),
+            optim_dtype=torch.float32,
+        )
         self.scale = nn.Parameter(torch.ones(OUT, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,7 +106,9 @@ def build_lora(adapter_seed: int) -> nn.Module:
     )
     base = transformers.AutoModelForCausalLM.from_config(config).float()
     torch.manual_seed(adapter_seed)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"]))
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+    )
     with torch.no_grad():  # PEFT starts B at zero: make every adapter gradient non-zero from step 1
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -136,14 +143,24 @@ class Trainer:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
         if args.model == "mlp":
             extra = args.mismatch and rdist.get_rank() == 1  # a rank that built another model
-            self.model: Any = RoundPipe(build_mlp(extra).to(dtype), optim_dtype=torch.float32, model_run_config=cfg, name="mlp")
+            self.model: Any = RoundPipe(
+                build_mlp(extra).to(dtype), optim_dtype=torch.float32, model_run_config=cfg, name="mlp"
+            )
         elif args.model == "auto":
             self.model = AutoRoundPipe(HostScaled(dtype), name="auto", optim_dtype=torch.float32)
         else:
-            self.model = roundpipe.wrap_model_to_roundpipe(build_lora(adapter_seed), optim_dtype=torch.float32, model_run_config=cfg, name="lora")
+            self.model = roundpipe.wrap_model_to_roundpipe(
+                build_lora(adapter_seed), optim_dtype=torch.float32, model_run_config=cfg, name="lora"
+            )
         reduce_dtype = {"": None, "fp32": torch.float32}[args.reduce_dtype]
         shard = args.shard and data_parallel
-        self.dp = rdist.enable_data_parallel(self.model, bucket_mb=args.bucket_mb, reduce_dtype=reduce_dtype, shard_optimizer=shard) if data_parallel else None
+        self.dp = (
+            rdist.enable_data_parallel(
+                self.model, bucket_mb=args.bucket_mb, reduce_dtype=reduce_dtype, shard_optimizer=shard
+            )
+            if data_parallel
+            else None
+        )
         self.named = [(n, m) for n, m in self.model.optim_named_parameters()]
         masters = [m for _, m in self.named]
         if args.optim == "sgd":
@@ -165,7 +182,9 @@ class Trainer:
         if self.args.model == "mlp":
             x, y = rows(mlp_batch(step))
             n = x.shape[0]
-            loss = self.model.forward_backward(input_args=(x.to(self.dtype),), label=y, loss_fn=lambda out, lab: ((out.float() - lab) ** 2).sum() / n)
+            loss = self.model.forward_backward(
+                input_args=(x.to(self.dtype),), label=y, loss_fn=lambda out, lab: ((out.float() - lab) ** 2).sum() / n
+            )
         elif self.args.model == "auto":  # plain forward + loss.backward() through an AutoRoundPipe
             x, y = rows(mlp_batch(step))
             loss = ((self.model(x.to(self.dtype)).float() - y) ** 2).sum() / x.shape[0]
@@ -233,13 +252,17 @@ def max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["mlp", "auto", "lora"], default="mlp")
-    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="model weights and gradients (masters are fp32)")
+    ap.add_argument(
+        "--dtype", choices=["fp32", "bf16"], default="fp32", help="model weights and gradients (masters are fp32)"
+    )
     ap.add_argument("--reduce-dtype", choices=["", "fp32"], default="")
     ap.add_argument("--mismatch", action="store_true", help="rank 1 builds a model with one more layer")
     ap.add_argument("--no-normalize", action="store_true", help="--uneven without normalize_by (must NOT match)")
     ap.add_argument("--shard", action="store_true", help="enable_data_parallel(shard_optimizer=True)")
     ap.add_argument("--optim", choices=["sgd", "adamw", "rpadam"], default="sgd", help="rpadam: roundpipe.optim.Adam")
-    ap.add_argument("--replace-master-at", type=int, default=None, help="give the first master new storage before this step")
+    ap.add_argument(
+        "--replace-master-at", type=int, default=None, help="give the first master new storage before this step"
+    )
     ap.add_argument("--clip", type=float, default=0.0, help="clip_grad_norm_ to this in step_fn")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--sync", action="store_true", help="is_async=False")
@@ -296,7 +319,11 @@ def main() -> int:
         # Each parameter's optimizer state on exactly one rank, the owned shares covering every parameter.
         n_state = sum(1 for m in trainer.opt.state.values() if m)
         result["state_entries"], result["owned"] = rdist.all_reduce_scalars([n_state, shard.owned_params])
-        result["owned_here"], result["total_params"], result["hidden_steps"] = shard.owned_params, shard.total_params, shard.hidden_steps
+        result["owned_here"], result["total_params"], result["hidden_steps"] = (
+            shard.owned_params,
+            shard.total_params,
+            shard.hidden_steps,
+        )
         result["masters"] = len([m for _, m in trainer.named])
     if args.reference and rank == 0:
         # One process, no data parallel, the whole global batch: the run DP must reproduce.
@@ -312,7 +339,9 @@ def main() -> int:
         result["local_only_diff"] = max_diff(local.masters(), ref_masters)
         if args.model in ("mlp", "auto"):
             prefix = "0" if args.model == "mlp" else "body.model.0"
-            result["c_moved"] = float((masters[f"{prefix}.c"] - build_mlp()[0].c.detach().to(masters[f"{prefix}.c"].dtype)).abs().max())
+            result["c_moved"] = float(
+                (masters[f"{prefix}.c"] - build_mlp()[0].c.detach().to(masters[f"{prefix}.c"].dtype)).abs().max()
+            )
     if rank == 0 and args.out:
         with open(args.out, "w") as f:
             json.dump(result, f)
