@@ -19,10 +19,18 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Generic, Iterator, List, Optional, Tuple, TypeVar
 
-T = TypeVar("T")
+from roundpipe.setting_parsers import (
+    boolean,
+    choice,
+    device_spec,
+    integer,
+    number,
+    parse_size_gib,
+    profiler_kind,
+    tristate,
+)
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
+T = TypeVar("T")
 
 _overrides: Dict[str, Any] = {}
 _lock = threading.Lock()
@@ -55,90 +63,13 @@ class Setting(Generic[T]):
         try:
             return self.parse(raw.strip())
         except ValueError as exc:
-            raise ValueError(f"{self.name}={raw!r}: expected {self.accepts}{'; ' + str(exc) if str(exc) else ''}") from None
+            raise ValueError(
+                f"{self.name}={raw!r}: expected {self.accepts}{'; ' + str(exc) if str(exc) else ''}"
+            ) from None
 
     def is_set(self) -> bool:
         """Whether the user chose a value (environment or ``configure``), as opposed to the default."""
         return self.name in _overrides or bool(os.environ.get(self.name, "").strip())
-
-
-def _bool(raw: str) -> bool:
-    word = raw.lower()
-    if word in _TRUE:
-        return True
-    if word in _FALSE:
-        return False
-    raise ValueError("")
-
-
-def _device_spec(raw: str) -> str:
-    """``cuda``, ``cuda:0,2`` or ``cpu:N`` (syntax only; the device layer checks what exists)."""
-    spec = raw.strip().lower()
-    kind, sep, rest = spec.partition(":")
-    if kind == "cpu" and (not sep or (rest.isdigit() and int(rest) >= 1)):
-        return spec
-    if kind == "cuda" and (not sep or (rest and all(x.strip().isdigit() for x in rest.split(",")))):
-        return spec
-    raise ValueError("")
-
-
-def _tristate(raw: str) -> str:
-    """``auto``, or a boolean word as ``"1"`` / ``"0"``."""
-    return "auto" if raw.lower() == "auto" else ("1" if _bool(raw) else "0")
-
-
-def _choice(*options: str) -> Callable[[str], str]:
-    def parse(raw: str) -> str:
-        word = raw.lower()
-        if word not in options:
-            raise ValueError("")
-        return word
-
-    return parse
-
-
-def _number(low: float, low_inclusive: bool = True) -> Callable[[str], float]:
-    def parse(raw: str) -> float:
-        value = float(raw)
-        if value != value or value == float("inf") or value < low or (value == low and not low_inclusive):
-            raise ValueError("")
-        return value
-
-    return parse
-
-
-def _int(low: int, high: Optional[int] = None) -> Callable[[str], int]:
-    def parse(raw: str) -> int:
-        value = int(raw)
-        if value < low or (high is not None and value > high):
-            raise ValueError("")
-        return value
-
-    return parse
-
-
-def _profiler(raw: str) -> Optional[str]:
-    word = raw.lower()
-    if word in ("0", "off", "none"):
-        return None
-    if word not in ("torch", "nvtx"):
-        raise ValueError("")
-    return word
-
-
-def parse_size_gib(raw: str) -> float:
-    """``24GiB``, ``24GB``, ``24G``, ``24576MiB`` or a plain number of GiB -> GiB."""
-    text = raw.strip().lower().replace(" ", "")
-    units = {"gib": 1.0, "gb": 1e9 / 2**30, "g": 1.0, "mib": 1 / 1024, "mb": 1e6 / 2**30, "m": 1 / 1024, "tib": 1024.0, "tb": 1e12 / 2**30}
-    for suffix in sorted(units, key=len, reverse=True):
-        if text.endswith(suffix):
-            value = float(text[: -len(suffix)]) * units[suffix]
-            break
-    else:
-        value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise ValueError("")
-    return value
 
 
 REGISTRY: Dict[str, Setting[Any]] = {}
@@ -151,7 +82,14 @@ def _register(setting: Setting[T]) -> Setting[T]:
 
 # ---- devices and runtime ----------------------------------------------------------------------------
 DEVICES: Setting[str] = _register(
-    Setting("RPP_DEVICES", _device_spec, "", "all GPUs, else `cpu:1`", "`cuda`, `cuda:0,2`, `cpu:N`", "The devices RoundPipe runs on: GPUs, or N CPU workers.")
+    Setting(
+        "RPP_DEVICES",
+        device_spec,
+        "",
+        "all GPUs, else `cpu:1`",
+        "`cuda`, `cuda:0,2`, `cpu:N`",
+        "The devices RoundPipe runs on: GPUs, or N CPU workers.",
+    )
 )
 GPU_MEMORY_GIB: Setting[Optional[float]] = _register(
     Setting(
@@ -176,7 +114,7 @@ HOST_MEMORY_GIB: Setting[Optional[float]] = _register(
 
 
 def _gib_or_auto(raw: str) -> Optional[float]:
-    return None if raw.lower() == "auto" else _number(0.0)(raw)
+    return None if raw.lower() == "auto" else number(0.0)(raw)
 
 
 DEVICE_SAVED_GB: Setting[Optional[float]] = _register(
@@ -193,7 +131,7 @@ DEVICE_SAVED_GB: Setting[Optional[float]] = _register(
 GRAD_BUFFERS: Setting[int] = _register(
     Setting(
         "RPP_GRAD_BUFFERS",
-        _int(1, 2),
+        integer(1, 2),
         2,
         "2",
         "`2` (double-buffered gradient downloads) or `1` (downloads wait for the step)",
@@ -202,25 +140,32 @@ GRAD_BUFFERS: Setting[int] = _register(
 )
 STAGE_PARAMS: Setting[bool] = _register(
     Setting(
-        "RPP_STAGE_PARAMS", _bool, True, "1", "`1` or `0`", "Asynchronous steps stage the updated parameters for the next step (off: copied when it starts)."
+        "RPP_STAGE_PARAMS",
+        boolean,
+        True,
+        "1",
+        "`1` or `0`",
+        "Asynchronous steps stage the updated parameters for the next step (off: copied when it starts).",
     )
 )
 GRAD_INTO_MODEL: Setting[bool] = _register(
     Setting(
         "RPP_GRAD_INTO_MODEL",
-        _bool,
+        boolean,
         True,
         "1",
         "`1` or `0`",
-        "Staged asynchronous steps with one training call per step: a layer's gradient download reuses its weight buffer "
-        "(the call has read it for the last time) and the weights move to the buffer the step stages into: two host copies "
+        "Staged asynchronous steps with one training call per step: a layer's gradient download reuses its "
+        "weight buffer "
+        "(the call has read it for the last time) and the weights move to the buffer the step stages into: two "
+        "host copies "
         "of each weight in the model dtype instead of three (off: three).",
     )
 )
 STEP_MODE: Setting[str] = _register(
     Setting(
         "RPP_STEP_MODE",
-        _choice("staged", "streamed"),
+        choice("staged", "streamed"),
         "staged",
         "staged",
         "`staged` or `streamed`",
@@ -232,7 +177,7 @@ STEP_MODE: Setting[str] = _register(
 SPLIT_FUSED: Setting[str] = _register(
     Setting(
         "RPP_SPLIT_FUSED",
-        _tristate,
+        tristate,
         "auto",
         "auto",
         "`auto`, `1` or `0`",
@@ -243,7 +188,7 @@ SPLIT_FUSED: Setting[str] = _register(
 PEER_HANDOFF: Setting[bool] = _register(
     Setting(
         "RPP_PEER_HANDOFF",
-        _bool,
+        boolean,
         False,
         "0",
         "`1` or `0`",
@@ -254,7 +199,7 @@ PEER_HANDOFF: Setting[bool] = _register(
 GRAD_STREAM: Setting[bool] = _register(
     Setting(
         "RPP_GRAD_STREAM",
-        _bool,
+        boolean,
         True,
         "1",
         "`1` or `0`",
@@ -265,7 +210,7 @@ GRAD_STREAM: Setting[bool] = _register(
 GRAPHS: Setting[str] = _register(
     Setting(
         "RPP_GRAPHS",
-        _tristate,
+        tristate,
         "auto",
         "auto",
         "`auto`, `1` or `0`",
@@ -274,12 +219,19 @@ GRAPHS: Setting[str] = _register(
     )
 )
 WATCHDOG_S: Setting[float] = _register(
-    Setting("RPP_WATCHDOG_S", _number(0.0), 0.0, "0 (off)", "seconds >= 0", "Print every RoundPipe thread's stack when waits make no progress for this long.")
+    Setting(
+        "RPP_WATCHDOG_S",
+        number(0.0),
+        0.0,
+        "0 (off)",
+        "seconds >= 0",
+        "Print every RoundPipe thread's stack when waits make no progress for this long.",
+    )
 )
 STRESS_DELAY_S: Setting[float] = _register(
     Setting(
         "RPP_STRESS_DELAY_S",
-        _number(0.0),
+        number(0.0),
         0.0,
         "0 (off)",
         "seconds >= 0",
@@ -287,19 +239,34 @@ STRESS_DELAY_S: Setting[float] = _register(
     )
 )
 PROFILER: Setting[Optional[str]] = _register(
-    Setting("RPP_PROFILER", _profiler, None, "off", "`torch`, `nvtx` or unset", "Mark each device job and blocking wait as a profiler range (read at import).")
+    Setting(
+        "RPP_PROFILER",
+        profiler_kind,
+        None,
+        "off",
+        "`torch`, `nvtx` or unset",
+        "Mark each device job and blocking wait as a profiler range (read at import).",
+    )
 )
 VERBOSE_TIMER: Setting[bool] = _register(
-    Setting("RPP_VERBOSE_TIMER", _bool, False, "0", "`1` or `0`", "Log the timer's per-layer estimates as they change (read at import).")
+    Setting(
+        "RPP_VERBOSE_TIMER",
+        boolean,
+        False,
+        "0",
+        "`1` or `0`",
+        "Log the timer's per-layer estimates as they change (read at import).",
+    )
 )
 
 # ---- optimizer ------------------------------------------------------------------------------------
 OPTIM_THREADS: Setting[Optional[int]] = _register(
     Setting(
         "RPP_OPTIM_THREADS",
-        _int(1),
+        integer(1),
         None,
-        "each GPU's share of torch's thread count less 4 (at least 8) when it is 8 or more, or this rank's share of the cores",
+        "each GPU's share of torch's thread count less 4 (at least 8) when it is 8 or more, or this rank's "
+        "share of the cores",
         "a positive integer",
         "Intra-op threads of the host optimizer thread.",
     )
@@ -307,7 +274,7 @@ OPTIM_THREADS: Setting[Optional[int]] = _register(
 ADAM_IMPL: Setting[str] = _register(
     Setting(
         "RPP_ADAM_IMPL",
-        _choice("auto", "cpp", "torch"),
+        choice("auto", "cpp", "torch"),
         "auto",
         "auto",
         "`auto`, `cpp` or `torch`",
@@ -315,19 +282,31 @@ ADAM_IMPL: Setting[str] = _register(
     )
 )
 CACHE_DIR: Setting[Optional[str]] = _register(
-    Setting("RPP_CACHE_DIR", str, None, "`$XDG_CACHE_HOME/roundpipe`", "a directory", "Where the C++ optimizer kernels are built and cached.")
+    Setting(
+        "RPP_CACHE_DIR",
+        str,
+        None,
+        "`$XDG_CACHE_HOME/roundpipe`",
+        "a directory",
+        "Where the C++ optimizer kernels are built and cached.",
+    )
 )
 
 # ---- models ---------------------------------------------------------------------------------------
 DISABLE_TORCH_COMPILE: Setting[bool] = _register(
     Setting(
-        "RPP_DISABLE_TORCH_COMPILE", _bool, False, "0", "`1` or `0`", "Run the fused kernels and the chunked loss eagerly instead of through torch.compile."
+        "RPP_DISABLE_TORCH_COMPILE",
+        boolean,
+        False,
+        "0",
+        "`1` or `0`",
+        "Run the fused kernels and the chunked loss eagerly instead of through torch.compile.",
     )
 )
 FUSED_KERNELS: Setting[str] = _register(
     Setting(
         "RPP_FUSED_KERNELS",
-        _tristate,
+        tristate,
         "auto",
         "auto",
         "`auto`, `1` or `0`",
@@ -335,12 +314,19 @@ FUSED_KERNELS: Setting[str] = _register(
     )
 )
 FUSED_LAYERS: Setting[bool] = _register(
-    Setting("RPP_FUSED_LAYERS", _bool, True, "1", "`1` or `0`", "Fused decoder layers run as one compiled op (0: the fused ops per module).")
+    Setting(
+        "RPP_FUSED_LAYERS",
+        boolean,
+        True,
+        "1",
+        "`1` or `0`",
+        "Fused decoder layers run as one compiled op (0: the fused ops per module).",
+    )
 )
 SEQ_TILE: Setting[int] = _register(
     Setting(
         "RPP_SEQ_TILE",
-        _int(0),
+        integer(0),
         16384,
         "16384",
         "tokens per tile, an integer >= 0 (`0`: off)",
@@ -350,12 +336,19 @@ SEQ_TILE: Setting[int] = _register(
 
 # ---- data parallel and CLI ------------------------------------------------------------------------
 DIST_BACKEND: Setting[str] = _register(
-    Setting("RPP_DIST_BACKEND", str, "gloo", "gloo", "a torch.distributed backend (`gloo`, `nccl`)", "Backend of the default process group under torchrun.")
+    Setting(
+        "RPP_DIST_BACKEND",
+        str,
+        "gloo",
+        "gloo",
+        "a torch.distributed backend (`gloo`, `nccl`)",
+        "Backend of the default process group under torchrun.",
+    )
 )
 DIST_TIMEOUT_S: Setting[float] = _register(
     Setting(
         "RPP_DIST_TIMEOUT_S",
-        _number(0.0, low_inclusive=False),
+        number(0.0, low_inclusive=False),
         60.0,
         "60",
         "seconds > 0",
@@ -365,7 +358,7 @@ DIST_TIMEOUT_S: Setting[float] = _register(
 DIST_MAIN_TIMEOUT_S: Setting[float] = _register(
     Setting(
         "RPP_DIST_MAIN_TIMEOUT_S",
-        _number(0.0, low_inclusive=False),
+        number(0.0, low_inclusive=False),
         1800.0,
         "1800",
         "seconds > 0",
@@ -373,7 +366,14 @@ DIST_MAIN_TIMEOUT_S: Setting[float] = _register(
     )
 )
 PROGRESS: Setting[bool] = _register(
-    Setting("RPP_PROGRESS", _bool, True, "1", "`1` or `0`", "Progress bars of `roundpipe train` (also off when stderr is not a terminal).")
+    Setting(
+        "RPP_PROGRESS",
+        boolean,
+        True,
+        "1",
+        "`1` or `0`",
+        "Progress bars of `roundpipe train` (also off when stderr is not a terminal).",
+    )
 )
 
 
@@ -392,7 +392,9 @@ def configure(devices: Optional[str] = None, compile: Optional[bool] = None, **v
     for key, value in values.items():
         setting = REGISTRY.get("RPP_" + key.upper())
         if setting is None:
-            raise TypeError(f"configure() got an unknown setting {key!r}; known: {sorted(n[4:].lower() for n in REGISTRY)}")
+            raise TypeError(
+                f"configure() got an unknown setting {key!r}; known: {sorted(n[4:].lower() for n in REGISTRY)}"
+            )
         chosen.append((setting, _checked(setting, value) if isinstance(value, str) else value))
     if devices is not None:
         chosen[0] = (DEVICES, _checked(DEVICES, str(devices)))
