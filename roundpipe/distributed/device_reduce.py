@@ -16,7 +16,6 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
@@ -35,6 +34,7 @@ from roundpipe.distributed.errors import (
     exception_summary,
     run_collective,
 )
+from roundpipe.distributed.layer_slot import LayerBucket, LayerSlot, layer_buckets
 from roundpipe.distributed.reduction import ReduceOptions, StatsCounter
 from roundpipe.distributed.sharding import (
     register_device_reduction,
@@ -48,64 +48,6 @@ from roundpipe.threads import report_failure, thread_exception_print_lock
 from roundpipe.transfer import host_grad
 
 NCCL_GRACE_S = 30.0  # NCCL groups time out this much later than RPP_DIST_TIMEOUT_S (see CollectiveMonitor)
-
-
-class LayerSlot:
-    """One layer's device reduction: the ``grad_sync`` layer reducer that ``transfer.download_layer``
-    calls, and the layer's presence counts between the download and the step.
-
-    Attributes:
-        index: Position of the layer among all reduced layers (the same on every rank).
-        flags_host: Host copy of the layer's last reduced presence counts (one per trainable parameter).
-        flags_params: The host parameters the counts refer to, in order.
-        flags_valid: Whether the counts belong to the current step (cleared when the step reads them).
-    """
-
-    def __init__(self, red: "DeviceReduction", index: int, model_name: str, layer_id: int) -> None:
-        self.red = red
-        self.index = index
-        self.model_name = model_name
-        self.layer_id = layer_id
-        self.flags_host: Optional[torch.Tensor] = None
-        self.flags_params: List[nn.Parameter] = []
-        self.flags_valid = False
-
-    def __call__(self, cpu_layer: nn.Module, gpu_layer: nn.Module, layer_id: int, device: Any) -> None:
-        """``grad_sync.LayerReducer``: reduce this layer (device thread, gradient stream current)."""
-        self.red.reduce_layer(self, cpu_layer, gpu_layer, layer_id, device)
-
-
-@dataclass
-class LayerBucket:
-    """One collective of a layer's reduction: packed (flat buffer, presence counts first in bucket 0)
-    or one large gradient reduced in place. Depends only on the layer's parameters: the same on all ranks."""
-
-    indices: List[int]
-    dtype: torch.dtype
-    numel: int
-    packed: bool
-    nflags: int = 0
-
-
-def layer_buckets(params: List[nn.Parameter], reduce_dtype: Optional[torch.dtype], bucket_bytes: int) -> List[LayerBucket]:
-    """Buckets of one layer with trainable parameters ``params``: bucket 0 packed, starting with the
-    presence counts; small gradients packed up to ``bucket_bytes``; a gradient of at least
-    ``bucket_bytes`` (reduced in its own dtype) alone, in place."""
-    first = LayerBucket([], reduce_dtype or params[0].dtype, 0, packed=True, nflags=len(params))
-    buckets = [first]
-    cur = first
-    for i, p in enumerate(params):
-        dtype = reduce_dtype or p.dtype
-        nbytes = p.numel() * dtype.itemsize
-        if nbytes >= bucket_bytes and dtype == p.dtype:
-            buckets.append(LayerBucket([i], dtype, p.numel(), packed=False))
-            continue
-        if cur.dtype != dtype or (cur.indices and (cur.numel + p.numel()) * dtype.itemsize > bucket_bytes):
-            cur = LayerBucket([], dtype, 0, packed=True)
-            buckets.append(cur)
-        cur.indices.append(i)
-        cur.numel += p.numel()
-    return buckets
 
 
 def _trainable_pairs(cpu_layer: nn.Module, gpu_layer: nn.Module) -> List[Tuple[nn.Parameter, nn.Parameter]]:
@@ -196,7 +138,9 @@ class CollectiveMonitor:
             waited = time.monotonic() - head[4]
             if waited > timeout_s():
                 self.fired = True
-                err = self.red.error(head[2], head[3], waited, TimeoutError("the collective is still running on the device"))
+                err = self.red.error(
+                    head[2], head[3], waited, TimeoutError("the collective is still running on the device")
+                )
                 with thread_exception_print_lock:
                     print(f"roundpipe: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
                 report_failure(err)
@@ -337,17 +281,26 @@ class DeviceReduction:
             raise DataParallelError(f"rank {self.global_rank}: normalize_by called twice before one model.step")
         mine = torch.tensor([count, 1.0 if self.reduced_this_step else 0.0], dtype=torch.float64)
         rows = [torch.empty_like(mine) for _ in range(self.world_size)]
-        run_collective(lambda: dist.all_gather(rows, mine, group=self.control), self.where, "normalize_by's all_gather of the counts")
+        run_collective(
+            lambda: dist.all_gather(rows, mine, group=self.control),
+            self.where,
+            "normalize_by's all_gather of the counts",
+        )
         counts = [float(r[0]) for r in rows]
         total = sum(counts)
         if total <= 0:
-            raise DataParallelError(f"rank {self.global_rank}: normalize_by counts sum to {total} over all ranks; nothing to average")
+            raise DataParallelError(
+                f"rank {self.global_rank}: normalize_by counts sum to {total} over all ranks; nothing to average"
+            )
         # Every rank sees every count, so every rank takes the same decision below.
         if any(float(r[1]) > 0 for r in rows) and any(c / total != self.weight for c in counts):
             raise DataParallelError(
-                f"rank {self.global_rank}/{self.world_size}: normalize_by came after this step's backward had already reduced the "
-                f"gradients on the devices (reduce_on='device') with the weight {self.weight:g} per rank, but the counts "
-                f"({', '.join(f'{c:g}' for c in counts)}) need count/{total:g} per rank. Call normalize_by before the step's "
+                f"rank {self.global_rank}/{self.world_size}: normalize_by came after this step's backward had "
+                "already reduced the "
+                f"gradients on the devices (reduce_on='device') with the weight {self.weight:g} per rank, but "
+                "the counts "
+                f"({', '.join(f'{c:g}' for c in counts)}) need count/{total:g} per rank. Call normalize_by "
+                "before the step's "
                 "first forward/backward (that order works with both reduce_on modes), or use reduce_on='host'"
             )
         self.weight = count / total
@@ -384,7 +337,9 @@ class DeviceReduction:
     # read by an upload on ``grad_stream`` (the seeds) are written again only by the gradient download
     # queued after it on the same stream. On CPU workers the same code runs with gloo; ``work.wait()``
     # blocks the device thread.
-    def reduce_layer(self, slot: LayerSlot, cpu_layer: nn.Module, gpu_layer: nn.Module, layer_id: int, device: Any) -> None:
+    def reduce_layer(
+        self, slot: LayerSlot, cpu_layer: nn.Module, gpu_layer: nn.Module, layer_id: int, device: Any
+    ) -> None:
         """All-reduce one layer's device gradients (SUM of weighted shares, plus rank 0's seed) in place,
         on the current (gradient) stream; see the class and the comment above for the reasoning."""
         pairs = _trainable_pairs(cpu_layer, gpu_layer)
@@ -393,7 +348,8 @@ class DeviceReduction:
         k = getattr(device, "id", 0)
         if k >= len(self.groups):
             raise DataParallelError(
-                f"rank {self.global_rank}: local device #{k} ({device}) has no data-parallel group: devices were re-created "
+                f"rank {self.global_rank}: local device #{k} ({device}) has no data-parallel group: devices "
+                "were re-created "
                 f"after enable_data_parallel ({len(self.groups)} then); call it again after changing RPP_DEVICES"
             )
         group = self.groups[k]
@@ -404,8 +360,15 @@ class DeviceReduction:
         weight = self.weight
         seeding = self.rank == 0
         host_params = [p for p, _ in pairs]
-        prev = slot.flags_host.tolist() if seeding and slot.flags_valid and slot.flags_params == host_params and slot.flags_host is not None else None
-        flags = [(1.0 if dp.grad is not None else 0.0) + (prev[i] if prev is not None else 0.0) for i, (_, dp) in enumerate(pairs)]
+        prev = (
+            slot.flags_host.tolist()
+            if seeding and slot.flags_valid and slot.flags_params == host_params and slot.flags_host is not None
+            else None
+        )
+        flags = [
+            (1.0 if dp.grad is not None else 0.0) + (prev[i] if prev is not None else 0.0)
+            for i, (_, dp) in enumerate(pairs)
+        ]
         for _, dp in pairs:
             if dp.grad is None:
                 dp.grad = torch.zeros_like(dp)  # a gradient elsewhere, none here: contribute zeros
@@ -449,7 +412,12 @@ class DeviceReduction:
             self.monitor.add(ready, done, what, nbytes)
 
     def _prepare(
-        self, b: LayerBucket, pairs: List[Tuple[nn.Parameter, nn.Parameter]], flags: List[float], seeds: List[Optional[torch.Tensor]], weight: float
+        self,
+        b: LayerBucket,
+        pairs: List[Tuple[nn.Parameter, nn.Parameter]],
+        flags: List[float],
+        seeds: List[Optional[torch.Tensor]],
+        weight: float,
     ) -> torch.Tensor:
         """This rank's input of one bucket: ``weight * gradient`` (+ rank 0's seed), counts first."""
         chunk = max(1, self.options.bucket_bytes // b.dtype.itemsize)
@@ -481,7 +449,9 @@ class DeviceReduction:
             off += n
         return flat
 
-    def _unpack(self, b: LayerBucket, target: torch.Tensor, pairs: List[Tuple[nn.Parameter, nn.Parameter]], slot: LayerSlot) -> None:
+    def _unpack(
+        self, b: LayerBucket, target: torch.Tensor, pairs: List[Tuple[nn.Parameter, nn.Parameter]], slot: LayerSlot
+    ) -> None:
         """Reduced values back into the device gradients (downloaded next); counts to the host."""
         if not b.packed:
             dp = pairs[b.indices[0]][1]
@@ -529,19 +499,29 @@ class DeviceReduction:
         try:
             dist.all_gather(rows, mine, group=self.host_group)
         except Exception as exc:  # noqa: BLE001 - reported with its context
-            raise self.error("the step's check of the device reduction order (all_gather)", 0, time.perf_counter() - t0, exc) from exc
+            raise self.error(
+                "the step's check of the device reduction order (all_gather)", 0, time.perf_counter() - t0, exc
+            ) from exc
         bad = [r for r, t in enumerate(rows) if int(t) != int(rows[0])]
         if bad:
             raise DataParallelError(
-                f"rank {self.global_rank}/{self.world_size}: the device gradient reductions of this step ran in a different order "
-                f"on ranks {bad} than on rank 0, so gradients of different layers may have been summed; the step is refused. "
-                "Every rank must run the same RoundPipe calls in the same order (no rank-local training calls between a "
+                f"rank {self.global_rank}/{self.world_size}: the device gradient reductions of this step ran "
+                "in a different order "
+                f"on ranks {bad} than on rank 0, so gradients of different layers may have been summed; the "
+                "step is refused. "
+                "Every rank must run the same RoundPipe calls in the same order (no rank-local training calls "
+                "between a "
                 "forward and its backward)"
             )
 
 
 def setup_device_reduction(
-    model: RoundPipeBase, options: ReduceOptions, counter: StatsCounter, host_group: Any, host_weight: Callable[[float], None], backend_name: str
+    model: RoundPipeBase,
+    options: ReduceOptions,
+    counter: StatsCounter,
+    host_group: Any,
+    host_weight: Callable[[float], None],
+    backend_name: str,
 ) -> DeviceReduction:
     """Create the control group and one group per local device (every rank, same order: ``new_group``
     is a collective of the default group), connect them, and return the reduction of ``model``'s
@@ -566,15 +546,25 @@ def setup_device_reduction(
             got = float(t.item())  # synchronises with the collective
         except Exception as exc:  # noqa: BLE001 - reported with its context
             raise DataParallelError(
-                f"rank {dist.get_rank()}/{world}: connecting the {backend_name} group of local device #{k} ({d.device}) failed: {exception_summary(exc)}"
+                f"rank {dist.get_rank()}/{world}: connecting the {backend_name} group of local device #{k} "
+                f"({d.device}) failed: {exception_summary(exc)}"
             ) from exc
         if got != world:
             raise DataParallelError(
-                f"rank {dist.get_rank()}/{world}: the {backend_name} group of local device #{k} ({d.device}) summed {got:g} instead of {world}"
+                f"rank {dist.get_rank()}/{world}: the {backend_name} group of local device #{k} ({d.device}) "
+                f"summed {got:g} instead of {world}"
             )
     models = roundpipes_of(model)
     return DeviceReduction(
-        options, counter, host_group, host_weight, groups, control, backend_name, len(devices), max((m.num_layers for m in models), default=1)
+        options,
+        counter,
+        host_group,
+        host_weight,
+        groups,
+        control,
+        backend_name,
+        len(devices),
+        max((m.num_layers for m in models), default=1),
     )
 
 
