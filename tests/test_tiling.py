@@ -401,6 +401,24 @@ def test_fallbacks() -> None:
         assert out is not None and rel_err(out, layer(x, position_embeddings=pe)) < TOL
 
 
+def test_which_layers_tile_is_the_family_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiling names no family: the records with ``tiles`` give the classes (Qwen3 and Llama), a table
+    without it tiles nothing, and ``tiles`` without the class names is refused."""
+    import dataclasses
+
+    from roundpipe.models import families, tile_choice
+
+    assert [f.name for f in families.FAMILIES if f.tiles] == ["qwen3", "llama"]
+    _, layer = _make_layer("llama")
+    assert tiling.tileable(layer)
+    untiled = tuple(dataclasses.replace(f, tiles=False) for f in families.FAMILIES)
+    monkeypatch.setattr(families, "FAMILIES", untiled)
+    monkeypatch.setattr(tile_choice, "_classes", None)  # the classes are read once, from the table
+    assert not tiling.tileable(layer)
+    with pytest.raises(ValueError, match="tiles=True needs fused_kernels"):
+        families.ModelFamily("nameless", ("nameless",), tiles=True)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Whole models through RoundPipe
 # ---------------------------------------------------------------------------------------------------------

@@ -2,9 +2,11 @@
 
 Everything that differs between families is a field of :class:`ModelFamily`: the model types it covers,
 the Hugging Face class it accepts, whether its loss and gradients were verified against transformers,
-spec fields computed from the config, MoE, mask quirks, and which Hugging Face classes get the fused
-kernels of :mod:`roundpipe.models.kernels`. ``roundpipe.models.SUPPORTED_MODELS``, the preset lookup and
-the fused-kernel registry are all derived from :data:`FAMILIES`; adding a family is adding one entry.
+spec fields computed from the config, MoE, mask quirks, which Hugging Face classes get the fused
+kernels of :mod:`roundpipe.models.kernels`, and whether its decoder layers run sequence-tiled
+(:mod:`roundpipe.models.tiling`). ``roundpipe.models.SUPPORTED_MODELS``, the preset lookup, the
+fused-kernel registry and the tileable classes are all derived from :data:`FAMILIES`; adding a family is
+adding one entry.
 
 This module is data only (no torch, no transformers): the kernel registry and the preset import it,
 never the reverse.
@@ -93,8 +95,16 @@ class ModelFamily:
     sequences); GPT-OSS does not."""
     fused_kernels: Optional[FusedKernelClasses] = None
     """The classes that get fused kernels; None: the family's modules run as Hugging Face wrote them."""
+    tiles: bool = False
+    """The decoder layer classes named in :attr:`fused_kernels` (layer, attention, MLP, RMSNorm) run
+    sequence-tiled above ``RPP_SEQ_TILE`` tokens: :mod:`roundpipe.models.tiling` reproduces them op for op.
+    Other families' layers always run untiled. Needs :attr:`fused_kernels` (the class names)."""
     doc: str = ""
     """What is particular about the family, in a sentence."""
+
+    def __post_init__(self) -> None:
+        if self.tiles and self.fused_kernels is None:
+            raise ValueError(f"family {self.name!r}: tiles=True needs fused_kernels (the classes that tile)")
 
 
 def _fused(family: str, prefix: str, **quirks: Any) -> FusedKernelClasses:
@@ -116,6 +126,7 @@ FAMILIES: Tuple[ModelFamily, ...] = (
         "Qwen3ForCausalLM",
         verified=True,
         fused_kernels=_fused("qwen3", "Qwen3", qk_norm=True, sliding_window=True),
+        tiles=True,
         doc="The standard layout; sliding-window layers follow config.layer_types.",
     ),
     ModelFamily(
@@ -124,6 +135,7 @@ FAMILIES: Tuple[ModelFamily, ...] = (
         "LlamaForCausalLM",
         verified=True,
         fused_kernels=_fused("llama", "Llama"),
+        tiles=True,
         doc="The standard layout, full attention in every layer.",
     ),
     ModelFamily(

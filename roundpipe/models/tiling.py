@@ -35,7 +35,8 @@ Dropout inside the tiled parts (PEFT ``lora_dropout`` in training) draws per til
 is recorded in forward and replayed by its backward recompute (the masks then differ from an untiled
 run's, but forward, recompute and backward agree). Layers the tiles cannot reproduce exactly fall back
 to the untiled forward: other families, hooks on the layer or its submodules (they would see tiles),
-projections that are not ``nn.Linear`` (or PEFT layers around one).
+projections that are not ``nn.Linear`` (or PEFT layers around one). Which layers those are, and the tile
+length, is :mod:`roundpipe.models.tile_choice` (the families whose record says ``tiles``).
 """
 
 from __future__ import annotations
@@ -48,11 +49,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from roundpipe import backend, settings
+from roundpipe import backend
 from roundpipe.context import doing_recompute
 from roundpipe.models import kernels
-
-Tiles = List[Tuple[int, int]]
+from roundpipe.models.tile_choice import Tiles, rows_per_tile, tile_bounds, tileable
 
 _FILL_ATTR = "_rpp_tiling_fill"
 
@@ -64,93 +64,12 @@ attention dominates, that recompute costs ~1%, and the activations it saves matt
 k columns per token (18 KB for Qwen3-8B in bf16 with fused kernels, ~55 KB with Hugging Face's eager
 norms)."""
 
-# ---------------------------------------------------------------------------------------------------------
-# Which layers tile
-# ---------------------------------------------------------------------------------------------------------
-
-_classes: Optional[Dict[str, Tuple[type, ...]]] = None
-
-
-def _supported() -> Dict[str, Tuple[type, ...]]:
-    """Hugging Face classes the tiled forward reproduces op for op, by role (exact classes: a subclass
-    or another family's look-alike may compute something else)."""
-    global _classes
-    if _classes is None:
-        from transformers.models.llama import modeling_llama as llama
-        from transformers.models.qwen3 import modeling_qwen3 as qwen3
-
-        _classes = {
-            "layer": (qwen3.Qwen3DecoderLayer, llama.LlamaDecoderLayer),
-            "attention": (qwen3.Qwen3Attention, llama.LlamaAttention),
-            "mlp": (qwen3.Qwen3MLP, llama.LlamaMLP),
-            "norm": (qwen3.Qwen3RMSNorm, llama.LlamaRMSNorm),
-        }
-    return _classes
-
-
-def _is(module: Any, role: str) -> bool:
-    return isinstance(module, nn.Module) and kernels.base_class(module) in _supported()[role]
-
-
-def _linear_like(module: Any) -> bool:
-    """``nn.Linear`` (quantized subclasses included) or a PEFT layer around one: position-wise."""
-    if isinstance(module, nn.Linear):
-        return True
-    get_base = getattr(module, "get_base_layer", None)
-    return callable(get_base) and isinstance(get_base(), nn.Linear)
-
-
-def _has_hooks(layer: nn.Module) -> bool:
-    """Whether a forward or backward hook (global, or on the layer or a submodule) would run: it would
-    see tiles instead of the full sequence, or not run at all."""
-    from torch.nn.modules import module as module_mod
-
-    if module_mod._global_forward_hooks or module_mod._global_forward_pre_hooks or module_mod._global_backward_hooks or module_mod._global_backward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in layer.modules())
-
-
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
 def _dropout_active(modules: Sequence[nn.Module]) -> bool:
     """Whether a dropout among ``modules`` draws random numbers (training mode, ``p > 0``)."""
     return any(isinstance(d, _DROPOUTS) and d.training and d.p > 0 for m in modules for d in m.modules())
-
-
-def tileable(layer: nn.Module) -> bool:
-    """Whether ``layer`` (a decoder layer, possibly fused or PEFT-adapted) can run tiled."""
-    if not _is(layer, "layer"):
-        return False
-    attn: Any = getattr(layer, "self_attn", None)
-    mlp: Any = getattr(layer, "mlp", None)
-    if not (_is(attn, "attention") and _is(mlp, "mlp")):
-        return False
-    if not (_is(getattr(layer, "input_layernorm", None), "norm") and _is(getattr(layer, "post_attention_layernorm", None), "norm")):
-        return False
-    if not all(_linear_like(getattr(attn, n, None)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
-        return False
-    if not all(_linear_like(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")):
-        return False
-    if hasattr(attn, "q_norm") != hasattr(attn, "k_norm"):
-        return False
-    if hasattr(attn, "q_norm") and not (_is(attn.q_norm, "norm") and _is(attn.k_norm, "norm")):
-        return False
-    return not _has_hooks(layer)
-
-
-def rows_per_tile(batch: int, seq: int, tile_tokens: Optional[int] = None) -> int:
-    """Sequence positions per tile for a ``[batch, seq]`` input (``tile_tokens`` counts the tokens of
-    all rows; default ``RPP_SEQ_TILE``); ``seq`` or more means the layer runs untiled."""
-    tile = settings.SEQ_TILE.get() if tile_tokens is None else tile_tokens
-    if tile <= 0 or batch * seq <= tile:
-        return seq
-    return max(1, tile // batch)
-
-
-def tile_bounds(seq: int, rows: int) -> Tiles:
-    """``[(start, stop), ...]`` covering ``range(seq)`` in tiles of ``rows`` (the last may be shorter)."""
-    return [(s, min(s + rows, seq)) for s in range(0, seq, rows)]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -183,7 +102,9 @@ def _pre_math(
     return q.transpose(1, 2), k.transpose(1, 2), v
 
 
-def _post_math(norm: Callable[..., torch.Tensor], x: torch.Tensor, a: torch.Tensor, weights: Tuple[torch.Tensor, ...], eps: float) -> torch.Tensor:
+def _post_math(
+    norm: Callable[..., torch.Tensor], x: torch.Tensor, a: torch.Tensor, weights: Tuple[torch.Tensor, ...], eps: float
+) -> torch.Tensor:
     """``y = x + o_proj(a); y + down(silu(gate(norm(y))) * up(norm(y)))``."""
     o_w, ln2_w, gate_w, up_w, down_w = weights
     y = x + F.linear(a, o_w)
@@ -192,7 +113,12 @@ def _post_math(norm: Callable[..., torch.Tensor], x: torch.Tensor, a: torch.Tens
 
 
 def pre_attention(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: Tuple[Any, ...], eps: Tuple[float, float, float], head_dim: int
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    weights: Tuple[Any, ...],
+    eps: Tuple[float, float, float],
+    head_dim: int,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_pre_math` with :func:`kernels.rms_norm_reference` (what gets compiled)."""
     return _pre_math(kernels.rms_norm_reference, x, cos, sin, weights, eps, head_dim)
@@ -261,15 +187,24 @@ class _LayerTiles:
                     qn.weight if qn is not None else None,
                     kn.weight if kn is not None else None,
                 ),
-                (ln1.variance_epsilon, qn.variance_epsilon if qn is not None else 0.0, kn.variance_epsilon if kn is not None else 0.0),
+                (
+                    ln1.variance_epsilon,
+                    qn.variance_epsilon if qn is not None else 0.0,
+                    kn.variance_epsilon if kn is not None else 0.0,
+                ),
             )
         self.post_op: Optional[Tuple[Any, ...]] = None
         if _plain((attn.o_proj, ln2, mlp, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
-            self.post_op = ((attn.o_proj.weight, ln2.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight), ln2.variance_epsilon)
+            self.post_op = (
+                (attn.o_proj.weight, ln2.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight),
+                ln2.variance_epsilon,
+            )
 
     # ---- per tile ----
 
-    def pre_tile(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def pre_tile(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Hugging Face's attention input for one tile: ``q``, ``k``, ``v`` as ``[batch, rows, heads,
         head_dim]`` views (the projection layout, which sdpa reads through a transpose)."""
         attn = self.attn
@@ -282,7 +217,9 @@ class _LayerTiles:
         if self.fused_rope:
             if self.qk_norm:
                 qn, kn = attn.q_norm, attn.k_norm
-                q, k = kernels.QK_NORM_ROPE(q, k, qn.weight, kn.weight, qn.variance_epsilon, kn.variance_epsilon, cos, sin)
+                q, k = kernels.QK_NORM_ROPE(
+                    q, k, qn.weight, kn.weight, qn.variance_epsilon, kn.variance_epsilon, cos, sin
+                )
             else:
                 q, k = kernels.ROPE(q, k, cos, sin)
         else:
@@ -321,7 +258,9 @@ class _LayerTiles:
         q, k, v = full
         return q, k, v
 
-    def post_forward(self, x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, rng: Optional[List[torch.Tensor]]) -> torch.Tensor:
+    def post_forward(
+        self, x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, rng: Optional[List[torch.Tensor]]
+    ) -> torch.Tensor:
         """The layer output, written into ``out`` tile by tile."""
         for s, e in self.tiles:
             if rng is not None:
@@ -329,7 +268,14 @@ class _LayerTiles:
             self.post_tile(x[:, s:e], a[:, s:e], out=out[:, s:e])
         return out
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor]) -> torch.Tensor:
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        position_ids: Optional[torch.Tensor],
+    ) -> torch.Tensor:
         """The layer's attention function (``config._attn_implementation``) over the full length, called
         as the Hugging Face attention module calls it; returns ``[batch, seq, heads * head_dim]``."""
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -362,7 +308,11 @@ AutocastState = Tuple[bool, torch.dtype, bool]
 
 def _autocast_state(device: torch.device) -> AutocastState:
     """The autocast settings a forward ran under, for its recompute (as ``torch.utils.checkpoint``)."""
-    return torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type), torch.is_autocast_cache_enabled()
+    return (
+        torch.is_autocast_enabled(device.type),
+        torch.get_autocast_dtype(device.type),
+        torch.is_autocast_cache_enabled(),
+    )
 
 
 def _autocast(device: torch.device, state: AutocastState) -> Any:
@@ -374,7 +324,9 @@ def _autocast(device: torch.device, state: AutocastState) -> Any:
 
 
 @contextlib.contextmanager
-def _replay(device: torch.device, autocast: AutocastState, rng: Optional[List[torch.Tensor]]) -> Iterator[Callable[[int], None]]:
+def _replay(
+    device: torch.device, autocast: AutocastState, rng: Optional[List[torch.Tensor]]
+) -> Iterator[Callable[[int], None]]:
     """Recompute context of a tiled backward: grad on, the forward's autocast, and ``replay(k)`` setting
     tile k's RNG state (the caller's RNG state is given back afterwards)."""
     own = backend.get_rng_state(device) if rng else None
@@ -386,7 +338,9 @@ def _replay(device: torch.device, autocast: AutocastState, rng: Optional[List[to
             backend.set_rng_state(device, own)
 
 
-def _tile_grads(outputs: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]], inputs: Sequence[torch.Tensor]) -> Sequence[Optional[torch.Tensor]]:
+def _tile_grads(
+    outputs: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]], inputs: Sequence[torch.Tensor]
+) -> Sequence[Optional[torch.Tensor]]:
     """Gradients of ``inputs`` for one tile (outputs without a gradient skipped)."""
     pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
     if not pairs or not inputs:
@@ -416,7 +370,9 @@ class _PreAttention(torch.autograd.Function):
     """``x -> (q, k, v)`` tile by tile; saves ``x`` only and recomputes each tile in backward."""
 
     @staticmethod
-    def forward(ctx: Any, lt: _LayerTiles, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *params: torch.Tensor):  # type: ignore[override]
+    def forward(
+        ctx: Any, lt: _LayerTiles, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *params: torch.Tensor
+    ):  # type: ignore[override]
         ctx.lt, ctx.cos, ctx.sin = lt, cos, sin
         ctx.autocast = _autocast_state(x.device)
         ctx.rng = [] if lt.pre_dropout else None
@@ -425,7 +381,9 @@ class _PreAttention(torch.autograd.Function):
         return lt.pre_forward(x, cos, sin, ctx.rng)
 
     @staticmethod
-    def backward(ctx: Any, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], dv: Optional[torch.Tensor]):  # type: ignore[override]
+    def backward(  # type: ignore[override]
+        ctx: Any, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], dv: Optional[torch.Tensor]
+    ):
         lt: _LayerTiles = ctx.lt
         x, *params = ctx.saved_tensors
         need_x = ctx.needs_input_grad[1]
@@ -453,7 +411,9 @@ class _PostAttention(torch.autograd.Function):
     :func:`materialize`)."""
 
     @staticmethod
-    def forward(ctx: Any, lt: _LayerTiles, defer: bool, x: torch.Tensor, a: torch.Tensor, *params: torch.Tensor):  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, lt: _LayerTiles, defer: bool, x: torch.Tensor, a: torch.Tensor, *params: torch.Tensor
+    ):
         ctx.lt = lt
         ctx.autocast = _autocast_state(x.device)
         ctx.rng = [] if lt.post_dropout else None
@@ -477,7 +437,9 @@ class _PostAttention(torch.autograd.Function):
                 at = a[:, s:e].detach().requires_grad_(need_a)
                 replay(k)
                 out = lt.post_tile(xt, at)
-                got = list(_tile_grads([out], [dout[:, s:e]], ([xt] if need_x else []) + ([at] if need_a else []) + wanted))
+                got = list(
+                    _tile_grads([out], [dout[:, s:e]], ([xt] if need_x else []) + ([at] if need_a else []) + wanted)
+                )
                 del out
                 if need_x:
                     _write(dx, s, e, got.pop(0))
