@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -36,11 +36,9 @@ from roundpipe import device as device_mod
 from roundpipe import settings
 from roundpipe.attribute import ParamAttribute
 from roundpipe.memory import pinned_empty
+from roundpipe.model_protocol import WrappedModel
 from roundpipe.optim import reserve as state_reserve
 from roundpipe.optim import step as optim_step
-
-if TYPE_CHECKING:
-    from roundpipe.roundpipe import RoundPipe, RoundPipeBase
 
 
 def preallocate_host_buffers(params: Sequence[nn.Parameter], name: str) -> threading.Thread:
@@ -177,12 +175,12 @@ class StepCycle:
         self.moved = False
 
 
-def step_cycle(model: "RoundPipeBase") -> StepCycle:
+def step_cycle(model: WrappedModel) -> StepCycle:
     """``model``'s step cycle (made at its first use)."""
     return model.__dict__.setdefault("step_cycle", StepCycle(model.name))
 
 
-def begin_call(model: "RoundPipe", train: bool) -> bool:
+def begin_call(model: WrappedModel, train: bool) -> bool:
     """Start a call of ``model``: a training call starts building the host buffers and optimizer state
     of the first steps (the first call) or waits for them (the next call, when no ``step`` did); then
     whether the call's gradient downloads may take the weights' buffers, after settling weights that

@@ -7,17 +7,30 @@ algorithms that choose one (``auto``) and check one (``check_valid``).
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Callable, List, Optional, Union
+from typing import Callable, List, Optional, Protocol, Union
 
 from roundpipe import device
 from roundpipe.partial_grads import split_enabled, split_parts
 from roundpipe.planner import ActivationCosts, RunType, plan_stages, validate_plan
 from roundpipe.simulate import HostCosts, simulate_iteration
+from roundpipe.timer import ModelTimer
 
-if TYPE_CHECKING:
-    from roundpipe.roundpipe import RoundPipe
+__all__ = ["ModelExecutePlan", "PlannedModel", "RunType"]
 
-__all__ = ["ModelExecutePlan", "RunType"]
+
+class PlannedModel(Protocol):
+    """What :meth:`ModelExecutePlan.auto` reads of a model (a ``RoundPipe`` satisfies it): its layers'
+    sizes, measured times and device bytes. A protocol so that this module need not import the wrapper
+    that imports it (``roundpipe.model_protocol.PipelinedModel`` extends it)."""
+
+    layer_size: List[float]
+    """Each layer's parameters and buffers, in GB."""
+    model_timer: ModelTimer
+    """The layers' measured forward and backward times (``roundpipe.timer``)."""
+
+    def layer_device_bytes(self, run_type: RunType) -> List[float]:
+        """Bytes each layer occupies on a device while it runs."""
+        ...
 
 
 class ModelExecutePlan:
@@ -85,7 +98,7 @@ class ModelExecutePlan:
         cls,
         run_type: RunType,
         /,
-        *models: "RoundPipe",
+        *models: PlannedModel,
         min_stages: Optional[int] = None,
         upper_threshold: float = 1.1,
         model_memory_limit: Optional[float] = None,
@@ -114,7 +127,7 @@ class ModelExecutePlan:
     def auto_many(
         cls,
         run_type: RunType,
-        *models: "RoundPipe",
+        *models: PlannedModel,
         min_stages: Optional[int] = None,
         upper_threshold: float = 1.1,
         model_memory_limit: Optional[float] = None,

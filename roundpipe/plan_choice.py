@@ -9,22 +9,20 @@ cost per job) says it is ``RoundPipe.REPLAN_GAIN`` faster and the old one still 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from roundpipe import backend, budget, threads
 from roundpipe import device as device_mod
 from roundpipe.batch import Batch
+from roundpipe.model_protocol import PipelinedModel
 from roundpipe.partial_grads import split_enabled, split_parts
 from roundpipe.plan import ModelExecutePlan, RunType
 from roundpipe.run import call_profile
 from roundpipe.run_config import ResolvedRunConfig
 from roundpipe.simulate import HostCosts, simulate_iteration
 
-if TYPE_CHECKING:
-    from roundpipe.roundpipe import RoundPipe
 
-
-def host_costs(model: "RoundPipe") -> HostCosts:
+def host_costs(model: PipelinedModel) -> HostCosts:
     """The host's measured cost per job and microbatch, and whether compute is serial: CPU workers
     compute under one lock (unless the stress mode lets them run at once)."""
     serial = all(d.device.type == "cpu" for d in device_mod.get_devices()) and threads.stress_limit() == 0
@@ -32,7 +30,7 @@ def host_costs(model: "RoundPipe") -> HostCosts:
 
 
 def local_plan(
-    model: "RoundPipe", cfg: ResolvedRunConfig, run_type: RunType, batch: Optional[Batch] = None
+    model: PipelinedModel, cfg: ResolvedRunConfig, run_type: RunType, batch: Optional[Batch] = None
 ) -> ModelExecutePlan:
     """This process's plan for a call (see the module docstring)."""
     if cfg.execute_plan is not None:
@@ -77,7 +75,7 @@ def local_plan(
 
 
 def replan_pays(
-    model: "RoundPipe", old: ModelExecutePlan, new: ModelExecutePlan, run_type: RunType, num_microbatch: int
+    model: PipelinedModel, old: ModelExecutePlan, new: ModelExecutePlan, run_type: RunType, num_microbatch: int
 ) -> bool:
     """Whether ``new`` simulates at least ``REPLAN_GAIN`` faster than ``old`` under the current timings
     and host costs."""

@@ -19,6 +19,7 @@ from roundpipe import budget, settings, threads
 from roundpipe import device as device_mod
 from roundpipe.batch import Batch
 from roundpipe.grad_sync import LayerReducer
+from roundpipe.model_protocol import PipelinedModel
 from roundpipe.partial_grads import PartialGrads, split_enabled, split_parts
 from roundpipe.plan import ModelExecutePlan, RunType
 from roundpipe.tied_grads import TiedGrads
@@ -27,7 +28,6 @@ from roundpipe.transfer import async_d2h, async_h2d, device_saved_limit, tensor_
 
 if TYPE_CHECKING:
     from roundpipe.device import DeviceManager
-    from roundpipe.roundpipe import RoundPipe
 
 Leaves = List[Any]
 _NO_AUTOCAST = contextlib.nullcontext()
@@ -38,7 +38,7 @@ def differentiable(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
 
 
-def call_profile(model: "RoundPipe", batch: Batch, recompute_grain: str) -> Optional["budget.ActivationProfile"]:
+def call_profile(model: PipelinedModel, batch: Batch, recompute_grain: str) -> Optional["budget.ActivationProfile"]:
     """``model.activation_profile`` of one call's batch, computed once per call and grain: the plan
     (``RoundPipe._local_plan``) and the run's device room (``Run._device_saved_budget``) both need it."""
     if recompute_grain not in batch.profiles:
@@ -100,7 +100,7 @@ class Run:
 
     def __init__(
         self,
-        model: "RoundPipe",
+        model: PipelinedModel,
         run_config: Any,
         batch: Batch,
         run_type: RunType,

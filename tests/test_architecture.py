@@ -1,5 +1,7 @@
 """The package's shape, checked from the source so it stays that way: no import cycle between roundpipe's
-modules, no module importing a private name of another, no file over the size limit."""
+modules (annotation-only imports under ``if TYPE_CHECKING:`` counted too, as ``shared/tools/import_cycles.py
+--strict`` counts them), no module importing a private name of another, no file over the size limit, no line
+over the width limit; the model protocol the lower modules use declares only what a RoundPipe has."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "roundpipe"
 MAX_LINES = 600
+MAX_COLUMNS = 120
 
 
 def module_name(path: Path) -> str:
@@ -43,16 +46,17 @@ def _type_checking_block(node: ast.AST) -> bool:
     )
 
 
-def imports_of(name: str) -> List[Tuple[str, List[str]]]:
+def imports_of(name: str, annotations: bool = False) -> List[Tuple[str, List[str]]]:
     """(imported roundpipe module, names imported from it) for every run-time import in ``name``,
-    function-level imports included (they are real dependencies, only deferred)."""
+    function-level imports included (they are real dependencies, only deferred); with ``annotations``,
+    the annotation-only imports under ``if TYPE_CHECKING:`` too."""
     path = MODULES[name]
     tree = ast.parse(path.read_text(), str(path))
     is_package = path.name == "__init__.py"
     out: List[Tuple[str, List[str]]] = []
 
     def visit(node: ast.AST) -> None:
-        if _type_checking_block(node):
+        if _type_checking_block(node) and not annotations:
             return
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -75,13 +79,14 @@ def imports_of(name: str) -> List[Tuple[str, List[str]]]:
     return out
 
 
-def graph() -> Dict[str, Set[str]]:
-    """Module -> the roundpipe modules it imports. Importing ``a.b`` runs ``a/__init__`` too, but that
-    is the package's own business: an edge goes to the module named, not to its parents."""
+def graph(annotations: bool = False) -> Dict[str, Set[str]]:
+    """Module -> the roundpipe modules it imports (with ``annotations``, annotation-only imports
+    included). Importing ``a.b`` runs ``a/__init__`` too, but that is the package's own business: an edge
+    goes to the module named, not to its parents."""
     edges: Dict[str, Set[str]] = {}
     for name in MODULES:
         deps = set()
-        for target, _ in imports_of(name):
+        for target, _ in imports_of(name, annotations):
             while target not in MODULES and "." in target:
                 target = target.rsplit(".", 1)[0]
             if target != name and target in MODULES:
@@ -129,6 +134,13 @@ def test_no_import_cycle() -> None:
     assert not cycle, "import cycle: " + " -> ".join(cycle)
 
 
+def test_no_import_cycle_through_annotations() -> None:
+    """Annotation-only imports close no loop either: a lower module names what it needs of a model
+    through a protocol (``roundpipe.model_protocol``), not the wrapper above it."""
+    cycle = find_cycle(graph(annotations=True))
+    assert not cycle, "import cycle (annotation-only imports counted): " + " -> ".join(cycle)
+
+
 def test_no_module_imports_a_private_name_of_another() -> None:
     offenders = []
     for name in MODULES:
@@ -147,6 +159,34 @@ def test_files_stay_under_the_size_limit(name: str) -> None:
     assert lines <= MAX_LINES, (
         f"{MODULES[name].relative_to(ROOT)} has {lines} lines (limit {MAX_LINES}); split it along its joints"
     )
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_lines_stay_under_the_width_limit(name: str) -> None:
+    wide = [i for i, line in enumerate(MODULES[name].read_text().splitlines(), 1) if len(line) > MAX_COLUMNS]
+    assert not wide, f"{MODULES[name].relative_to(ROOT)}: lines {wide} are over {MAX_COLUMNS} columns"
+
+
+def test_a_roundpipe_has_what_the_model_protocol_declares() -> None:
+    """``PipelinedModel`` (and the protocols it extends) declare only members a RoundPipe has, so the
+    modules typed against it ask nothing the wrapper lacks."""
+    import typing
+
+    from torch import nn
+
+    from roundpipe import RoundPipe
+    from roundpipe.model_protocol import PipelinedModel
+
+    model = RoundPipe(nn.Sequential(nn.Linear(2, 2)), name="protocol")
+    declared: Set[str] = set()
+    for proto in PipelinedModel.__mro__:
+        if proto.__module__.startswith("roundpipe."):  # the protocols themselves, not typing's bases
+            declared |= set(vars(proto).get("__annotations__", {}))
+            declared |= {n for n, v in vars(proto).items() if callable(v) and not n.startswith("__")}
+    assert {"name", "layers", "layer_size", "model_timer", "optim_units", "_replan_pays"} <= declared
+    missing = sorted(n for n in declared if not hasattr(model, n))
+    assert not missing, f"declared by the model protocol but not on a RoundPipe: {missing}"
+    assert typing.get_type_hints(PipelinedModel)  # the annotations resolve (no name imported for types only)
 
 
 def test_the_device_layer_knows_nothing_of_runs() -> None:

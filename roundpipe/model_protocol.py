@@ -1,0 +1,76 @@
+"""What the modules below ``roundpipe.roundpipe`` use of a RoundPipe model, as typing protocols.
+
+A call's state (``run``), its jobs (``jobs``, ``compute``, ``pipeline``), the plan choice
+(``plan_choice``) and the host buffers (``host_buffers``) all read the model that owns them. Typing
+that model as ``roundpipe.roundpipe.RoundPipe`` pointed those modules back up at the wrapper that
+imports them, a loop of imports (even when annotation-only). They name these protocols instead, which
+``RoundPipe`` satisfies structurally (it does not inherit them); ``tests/test_architecture.py`` checks
+that every member declared here exists on a RoundPipe. What the planner alone reads of a model
+(``ModelExecutePlan.auto``) is ``roundpipe.plan.PlannedModel``, which this protocol extends.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, List, Optional, Protocol, Tuple
+
+from torch import nn
+
+from roundpipe.attribute import LayerAttribute
+from roundpipe.batch import Batch
+from roundpipe.budget import ActivationProfile
+from roundpipe.grad_sync import GradSync
+from roundpipe.partial_grads import PartialGradStore
+from roundpipe.plan import ModelExecutePlan, PlannedModel, RunType
+
+
+class WrappedModel(Protocol):
+    """What every RoundPipe wrapper (``RoundPipe``, ``AutoRoundPipe``) offers the host buffers and
+    the optimizer step: a name, and the optimizer units of its trainable parameters."""
+
+    name: str
+    """Human-readable identifier shown in errors and traces."""
+
+    def optim_units(self) -> List[Tuple[LayerAttribute, List[nn.Parameter]]]:
+        """(layer events, trainable parameters) per layer, each parameter once."""
+        ...
+
+
+class PipelinedModel(WrappedModel, PlannedModel, Protocol):
+    """A RoundPipe: one list of layers run as jobs, with its per-layer events, timer, gradient
+    synchronisation and plan cache settings."""
+
+    layers: List[nn.Module]
+    """The layers (on the host)."""
+    num_layers: int
+    """``len(layers)``."""
+    layer_attrs: List[LayerAttribute]
+    """Per-layer events between the device threads and the optimizer thread (``roundpipe.attribute``)."""
+    grad_sync: Optional[GradSync]
+    """Gradient synchronisation across processes, or None (``roundpipe.grad_sync``)."""
+    partial_grad_store: PartialGradStore
+    """Host buffers of the fused group's gradient parts on other devices (``roundpipe.partial_grads``)."""
+    REPLAN_EVERY: ClassVar[int]
+    """Timer updates between two re-plans of the automatic plan (``roundpipe.plan_choice``)."""
+    REPLAN_GAIN: ClassVar[float]
+    """How much faster a re-plan must simulate to replace the plan in use."""
+
+    def activation_profile(self, batch: Batch, recompute_grain: str) -> Optional[ActivationProfile]:
+        """What a training call over ``batch`` keeps per layer, or None when the model cannot tell."""
+        ...
+
+    def reset_events(self) -> None:
+        """Mark nothing pending on any layer (after a failed run)."""
+        ...
+
+    def reduce_shared_grads(self) -> None:
+        """Fold the per-layer gradient shares of tied parameters into ``param.grad``."""
+        ...
+
+    def _replan_pays(
+        self, old: ModelExecutePlan, new: ModelExecutePlan, run_type: RunType, num_microbatch: int
+    ) -> bool:
+        """Whether ``new`` simulates enough faster than ``old`` to replace it (``plan_choice``)."""
+        ...
+
+
+__all__ = ["PipelinedModel", "WrappedModel"]
