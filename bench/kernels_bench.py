@@ -23,11 +23,15 @@ from typing import Callable, Dict, List, Tuple
 import torch
 from torch import nn
 
-from roundpipe import settings
+from roundpipe import flavors, settings
 
 SHAPES = {
-    # hidden, intermediate, heads, kv heads, head_dim
-    "qwen3-1.7b": (2048, 6144, 16, 8, 128),
+    # hidden, intermediate, heads, kv heads, head_dim: Qwen3 flavors (roundpipe.flavors), and a tiny layer
+    **{
+        name: (f.hidden, f.intermediate, f.heads, f.kv_heads, f.head_dim)
+        for name, f in flavors.QWEN3.items()
+        if name in ("qwen3-1.7b",)
+    },
     "tiny": (64, 128, 4, 2, 16),
 }
 

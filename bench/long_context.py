@@ -36,6 +36,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_bench import WORKLOADS  # noqa: E402
 
+from roundpipe import flavors  # noqa: E402
+
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -62,13 +64,13 @@ def build_model(name: str, device: str = "cpu") -> torch.nn.Module:
 
     hidden, inter, layers, heads, kv, tied = WORKLOADS[name]
     config = Qwen3Config(
-        vocab_size=512 if name == "tiny" else 151936,
+        vocab_size=512 if name == "tiny" else flavors.QWEN3_VOCAB,
         hidden_size=hidden,
         intermediate_size=inter,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv,
-        head_dim=128 if name != "tiny" else 16,
+        head_dim=flavors.QWEN3_HEAD_DIM if name != "tiny" else 16,
         tie_word_embeddings=tied,
         max_position_embeddings=1 << 21,
         use_cache=False,
@@ -219,8 +221,8 @@ def estimate_for(args: argparse.Namespace, seq: int) -> Optional[tuple]:
         layers=layers,
         heads=heads,
         kv_heads=kv,
-        head_dim=128 if args.workload != "tiny" else 16,
-        vocab=512 if args.workload == "tiny" else 151936,
+        head_dim=flavors.QWEN3_HEAD_DIM if args.workload != "tiny" else 16,
+        vocab=512 if args.workload == "tiny" else flavors.QWEN3_VOCAB,
         tied=tied,
     )
     # The GPU the runtime plans to (RPP_GPU_MEMORY's cap included): on one GPU the stage inputs its room holds stay

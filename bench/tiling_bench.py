@@ -21,15 +21,18 @@ from typing import Any, Dict, List, Tuple
 import torch
 from torch import nn
 
-from roundpipe import settings
+from roundpipe import flavors, settings
 from roundpipe.context import RecomputeCtx
 from roundpipe.models import kernels
 from roundpipe.models.preset import DecoderLayerStage
 
 SHAPES = {
-    # hidden, intermediate, heads, kv heads, head_dim
-    "qwen3-8b": (4096, 12288, 32, 8, 128),
-    "qwen3-1.7b": (2048, 6144, 16, 8, 128),
+    # hidden, intermediate, heads, kv heads, head_dim: Qwen3 flavors (roundpipe.flavors), and a tiny layer
+    **{
+        name: (f.hidden, f.intermediate, f.heads, f.kv_heads, f.head_dim)
+        for name, f in flavors.QWEN3.items()
+        if name in ("qwen3-8b", "qwen3-1.7b")
+    },
     "tiny": (64, 192, 4, 2, 16),
 }
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -27,17 +27,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import psutil
 import torch
 
-from roundpipe import settings
+from roundpipe import flavors, settings
 
 WORKLOADS = {
-    # name: hidden, intermediate, layers, heads, kv heads, tied
+    # name: hidden, intermediate, layers, heads, kv heads, tied; the Qwen3 sizes from the package's one
+    # table (roundpipe.flavors), and "tiny" for CPU smoke runs (head_dim 16, vocab 512)
     "tiny": (64, 128, 2, 4, 2, True),
-    "qwen3-0.6b": (1024, 3072, 28, 16, 8, True),
-    "qwen3-1.7b": (2048, 6144, 28, 16, 8, True),
-    "qwen3-4b": (2560, 9728, 36, 32, 8, True),
-    "qwen3-8b": (4096, 12288, 36, 32, 8, False),
-    "qwen3-14b": (5120, 17408, 40, 40, 8, False),
-    "qwen3-32b": (5120, 25600, 64, 64, 8, False),
+    **{name: (f.hidden, f.intermediate, f.layers, f.heads, f.kv_heads, f.tied) for name, f in flavors.QWEN3.items()},
 }
 
 
@@ -47,13 +43,13 @@ def build_model(name: str, device: str = "cpu", vocab: Optional[int] = None) -> 
 
     hidden, inter, layers, heads, kv, tied = WORKLOADS[name]
     config = Qwen3Config(
-        vocab_size=vocab or (512 if name == "tiny" else 151936),
+        vocab_size=vocab or (512 if name == "tiny" else flavors.QWEN3_VOCAB),
         hidden_size=hidden,
         intermediate_size=inter,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv,
-        head_dim=128 if name != "tiny" else 16,
+        head_dim=flavors.QWEN3_HEAD_DIM if name != "tiny" else 16,
         tie_word_embeddings=tied,
         max_position_embeddings=40960,
         use_cache=False,

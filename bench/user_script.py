@@ -19,6 +19,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_bench import WORKLOADS  # noqa: E402  (the workload shapes, nothing else)
 
+from roundpipe import flavors  # noqa: E402
+
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -34,13 +36,13 @@ def main() -> int:
 
     hidden, inter, layers, heads, kv, tied = WORKLOADS[args.workload]
     config = Qwen3Config(
-        vocab_size=512 if args.workload == "tiny" else 151936,
+        vocab_size=512 if args.workload == "tiny" else flavors.QWEN3_VOCAB,
         hidden_size=hidden,
         intermediate_size=inter,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv,
-        head_dim=16 if args.workload == "tiny" else 128,
+        head_dim=16 if args.workload == "tiny" else flavors.QWEN3_HEAD_DIM,
         tie_word_embeddings=tied,
         use_cache=False,
         attn_implementation="sdpa",

@@ -31,6 +31,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from roundpipe import flavors
+
 GiB = float(1 << 30)
 
 # What shapes do not tell, fitted to measured peaks (see the module docstring).
@@ -68,25 +70,18 @@ class ModelShape:
     tied: bool = False
     """Whether the output head shares the embedding's weights (``tie_word_embeddings``)."""
 
-    BUILTIN = {
-        # name: hidden, intermediate, layers, heads, kv heads, tied (head_dim 128, vocab 151936)
-        "qwen3-0.6b": (1024, 3072, 28, 16, 8, True),
-        "qwen3-1.7b": (2048, 6144, 28, 16, 8, True),
-        "qwen3-4b": (2560, 9728, 36, 32, 8, True),
-        "qwen3-8b": (4096, 12288, 36, 32, 8, False),
-        "qwen3-14b": (5120, 17408, 40, 40, 8, False),
-        "qwen3-32b": (5120, 25600, 64, 64, 8, False),
-    }
+    BUILTIN = flavors.QWEN3
+    """The shapes known by name: the Qwen3 flavors (``roundpipe.flavors``)."""
 
     @classmethod
     def builtin(cls, name: str) -> "ModelShape":
-        """One of the Qwen3 shapes of ``bench/WORKLOADS.md`` (and qwen3-32b)."""
+        """One of the Qwen3 flavors (``roundpipe.flavors``: the sizes of ``bench/WORKLOADS.md`` and qwen3-32b)."""
         if name not in cls.BUILTIN:
             raise ValueError(
                 f"unknown model shape {name!r}; built in: {sorted(cls.BUILTIN)} (or give a model directory)"
             )
-        hidden, inter, layers, heads, kv, tied = cls.BUILTIN[name]
-        return cls(hidden, inter, layers, heads, kv, 128, 151936, tied)
+        f = cls.BUILTIN[name]
+        return cls(f.hidden, f.intermediate, f.layers, f.heads, f.kv_heads, f.head_dim, f.vocab, f.tied)
 
     @classmethod
     def from_config(cls, config: Any) -> "ModelShape":

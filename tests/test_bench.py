@@ -144,3 +144,32 @@ def test_gpu_gaps_backward_kernels_from_autograd_thread_get_the_running_job() ->
     d0, d1 = _split_gaps(events + [_x("user_annotation", -4, 150, tid=1, name="iteration")], window="iteration")
     assert (d0.head_us, d0.tail_us, d1.head_us, d1.tail_us) == (14, 21, 134, 11)
     assert "idle before the first kernel 0.0 ms (7.0%), after the last 0.0 ms (10.5%)" in d0.describe(200)
+
+
+def test_one_flavor_table_feeds_the_cli_the_estimate_and_the_benches() -> None:
+    """The Qwen3 sizes are written once (``roundpipe.flavors``): ``roundpipe train``'s built-in names
+    (the WORKLOADS.md sizes), the estimate's shapes and the benchmarks' workloads are read from it."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import train_bench
+    finally:
+        sys.path.pop(0)
+    from roundpipe import estimate, flavors
+    from roundpipe.cli.model_names import BUILTIN_MODELS
+
+    assert list(flavors.QWEN3) == ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"]
+    assert flavors.QWEN3["qwen3-1.7b"] == flavors.Flavor(2048, 6144, 28, 16, 8, tied=True)  # WORKLOADS.md
+    for name, f in flavors.QWEN3.items():
+        assert train_bench.WORKLOADS[name] == (f.hidden, f.intermediate, f.layers, f.heads, f.kv_heads, f.tied)
+        shape = estimate.ModelShape.builtin(name)
+        assert (shape.hidden, shape.layers, shape.head_dim, shape.vocab) == (f.hidden, f.layers, 128, 151936)
+        if f.workload:
+            config = BUILTIN_MODELS[name]
+            assert (config["hidden_size"], config["num_key_value_heads"], config["tie_word_embeddings"]) == (
+                f.hidden,
+                f.kv_heads,
+                f.tied,
+            )
+        else:
+            assert name not in BUILTIN_MODELS  # qwen3-32b: the estimate and the benches only
+    assert set(BUILTIN_MODELS) == {"tiny"} | {n for n, f in flavors.QWEN3.items() if f.workload}

@@ -8,26 +8,30 @@ from __future__ import annotations
 import difflib
 from typing import Any, Dict, Iterable
 
+from roundpipe import flavors
 from roundpipe.cli.tasks import BYTE_VOCAB_SIZE
 
-_QWEN3_COMMON = dict(
-    head_dim=128, rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960, vocab_size=151936
-)
 
-
-def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, tied: bool) -> Dict[str, Any]:
+def _qwen3(flavor: flavors.Flavor) -> Dict[str, Any]:
+    """The ``Qwen3Config`` fields of a built-in flavor: its sizes (``roundpipe.flavors``) and the rotary
+    base, norm epsilon and position limit of the released Qwen3 models."""
     return dict(
-        _QWEN3_COMMON,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=8,
-        tie_word_embeddings=tied,
+        head_dim=flavor.head_dim,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=40960,
+        vocab_size=flavor.vocab,
+        hidden_size=flavor.hidden,
+        intermediate_size=flavor.intermediate,
+        num_hidden_layers=flavor.layers,
+        num_attention_heads=flavor.heads,
+        num_key_value_heads=flavor.kv_heads,
+        tie_word_embeddings=flavor.tied,
     )
 
 
-#: Built-in Qwen3 architectures (random init): the WORKLOADS.md sizes plus ``tiny`` for the default task.
+#: Built-in Qwen3 architectures (random init): the WORKLOADS.md sizes (``roundpipe.flavors``) plus ``tiny``
+#: for the default task.
 BUILTIN_MODELS: Dict[str, Dict[str, Any]] = {
     "tiny": dict(
         hidden_size=192,
@@ -41,11 +45,7 @@ BUILTIN_MODELS: Dict[str, Dict[str, Any]] = {
         rope_theta=10_000.0,
         tie_word_embeddings=True,
     ),
-    "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, True),
-    "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, True),
-    "qwen3-4b": _qwen3(2560, 9728, 36, 32, True),
-    "qwen3-8b": _qwen3(4096, 12288, 36, 32, False),
-    "qwen3-14b": _qwen3(5120, 17408, 40, 40, False),
+    **{name: _qwen3(flavor) for name, flavor in flavors.QWEN3.items() if flavor.workload},
 }
 
 

@@ -1,0 +1,59 @@
+"""The Qwen3 sizes RoundPipe knows by name, one table: ``roundpipe train --model qwen3-1.7b`` (random
+init), ``roundpipe plan`` and the memory estimate (``roundpipe.estimate.ModelShape.builtin``), and the
+benchmarks (``bench/train_bench.py``'s ``WORKLOADS``) all read :data:`QWEN3`.
+
+The sizes are those of ``shared/bench/WORKLOADS.md`` (vocab 151936, head_dim 128), plus qwen3-32b, which
+the estimate and the benchmarks know but ``roundpipe train`` does not build by name. A flavor is the
+shape only: what else a config sets (rotary base, norm epsilon, position limit) stays with the one
+building it, as before.
+
+Data only, no torch: the CLI checks a model name before torch loads, which is why this table is not in
+``roundpipe/models/`` (importing that package loads torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict
+
+QWEN3_VOCAB = 151936
+"""Vocabulary size of every Qwen3 flavor."""
+QWEN3_HEAD_DIM = 128
+"""Width of one attention head of every Qwen3 flavor."""
+
+
+@dataclass(frozen=True)
+class Flavor:
+    """One size of the Qwen3 architecture (the ``Qwen3Config`` fields that differ between sizes)."""
+
+    hidden: int
+    """``hidden_size``."""
+    intermediate: int
+    """``intermediate_size`` (the MLP's width)."""
+    layers: int
+    """``num_hidden_layers``."""
+    heads: int
+    """``num_attention_heads``."""
+    kv_heads: int
+    """``num_key_value_heads``."""
+    tied: bool
+    """``tie_word_embeddings``: the output head shares the embedding's weights."""
+    workload: bool = True
+    """A workload of ``shared/bench/WORKLOADS.md``: ``roundpipe train`` builds exactly these by name."""
+    head_dim: int = QWEN3_HEAD_DIM
+    """``head_dim``."""
+    vocab: int = QWEN3_VOCAB
+    """``vocab_size``."""
+
+
+QWEN3: Dict[str, Flavor] = {
+    "qwen3-0.6b": Flavor(1024, 3072, 28, 16, 8, tied=True),
+    "qwen3-1.7b": Flavor(2048, 6144, 28, 16, 8, tied=True),
+    "qwen3-4b": Flavor(2560, 9728, 36, 32, 8, tied=True),
+    "qwen3-8b": Flavor(4096, 12288, 36, 32, 8, tied=False),
+    "qwen3-14b": Flavor(5120, 17408, 40, 40, 8, tied=False),
+    "qwen3-32b": Flavor(5120, 25600, 64, 64, 8, tied=False, workload=False),
+}
+"""Flavor name -> its sizes, smallest first."""
+
+__all__ = ["QWEN3", "QWEN3_HEAD_DIM", "QWEN3_VOCAB", "Flavor"]
