@@ -50,9 +50,9 @@ def test_compute_waits_for_each_layer_of_a_group_just_before_running_it(
     layer_of_event: dict = {}
     real_upload, real_wait = jobs_mod.upload_layers, jobs_mod.wait_layer
 
-    def upload(
+    def upload(  # type: ignore[no-untyped-def]
         layers, layer_ids, attrs, device, with_grad, saved_buffers=None, ready=None, seed_grads=None, slots=None
-    ):  # type: ignore[no-untyped-def]
+    ):
         out = real_upload(
             layers,
             layer_ids,

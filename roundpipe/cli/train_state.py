@@ -199,9 +199,9 @@ def read_payload(
         for name, m in model.master_named():
             m.copy_(master_w[name])
     trainer: Any = ckpt.load_torch(os.path.join(path, "trainer.pt"))
-    optim.load_state_dicts(
+    optim.load_state_dicts(  # type: ignore[arg-type]
         ckpt.load_torch(os.path.join(path, "optim", "state.pt")), trainer["scheduler"], trainer.get("scaler")
-    )  # type: ignore[arg-type]
+    )
     stream.load_state_dict(trainer["data"])  # the global data position: the same on every rank
     by_rank = trainer.get("rng_by_rank")
     same_layout = isinstance(by_rank, list) and len(by_rank) == world_size

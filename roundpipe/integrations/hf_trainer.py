@@ -381,9 +381,9 @@ class RoundPipeTrainerMixin:
         from transformers import Trainer
 
         inputs = {k: v for k, v in inputs.items() if k != "fused_lm_head"}
-        return Trainer.compute_loss(
+        return Trainer.compute_loss(  # type: ignore[arg-type]
             self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-        )  # type: ignore[arg-type]
+        )
 
     def prediction_step(
         self,

@@ -370,9 +370,9 @@ class _PreAttention(torch.autograd.Function):
     """``x -> (q, k, v)`` tile by tile; saves ``x`` only and recomputes each tile in backward."""
 
     @staticmethod
-    def forward(
+    def forward(  # type: ignore[override]
         ctx: Any, lt: _LayerTiles, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *params: torch.Tensor
-    ):  # type: ignore[override]
+    ):
         ctx.lt, ctx.cos, ctx.sin = lt, cos, sin
         ctx.autocast = _autocast_state(x.device)
         ctx.rng = [] if lt.pre_dropout else None
