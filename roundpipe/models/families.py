@@ -103,6 +103,7 @@ class ModelFamily:
     """What is particular about the family, in a sentence."""
 
     def __post_init__(self) -> None:
+        """A record that tiles names its classes (``fused_kernels``): refused otherwise."""
         if self.tiles and self.fused_kernels is None:
             raise ValueError(f"family {self.name!r}: tiles=True needs fused_kernels (the classes that tile)")
 
