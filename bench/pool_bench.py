@@ -166,6 +166,9 @@ def run_config(
 
     def step() -> None:
         model.train_step(input_ids=ids, labels=ids)
+        if args.no_step:  # diagnostic: the pipeline alone, gradients dropped
+            model.zero_grad(set_to_none=True)
+            return
         model.step(lambda: (opt.step(), opt.zero_grad()))
 
     for _ in range(args.warmup):
@@ -230,6 +233,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument(
         "--gil-sampler", action="store_true", help="py-spy --gil on this process during the timed iterations"
     )
+    p.add_argument("--no-step", action="store_true", help="diagnostic: skip the optimizer (the pipeline alone)")
     p.add_argument("--json", default="", help="append each row as a JSON line to this file")
     p.add_argument(
         "--switch-interval",

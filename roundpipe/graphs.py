@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Hashable, List, Optional, OrderedDict, Sequence, Set, Tuple
 
@@ -73,7 +74,47 @@ def enabled(device: torch.device, pool_size: int) -> bool:
         return False
     if mode == "1":
         return True
-    return backend.is_cuda(device) and pool_size > 1
+    return backend.is_cuda(device) and pool_size > 1 and allocator_allows(pool_size)
+
+
+EXPANDABLE_MAX_DEVICES = 2
+"""The largest pool measured to capture graphs with the allocator's expandable segments on. On 4 H200s
+(2026-11-28, qwen3-1.7b 16 x 4096) every graphed run with them failed on a device thread ("CUDA driver
+error: operation not permitted", or an out-of-memory error with 139 GiB free), while 2 GPUs graphed
+with them, and 4 GPUs ran eagerly with them and graphed without them (docs/benchmarks.md)."""
+
+_allocator_checked = False
+
+
+def allocator_allows(pool_size: int) -> bool:
+    """Whether ``auto`` may graph a pool of ``pool_size`` GPUs under the allocator's settings. Above
+    :data:`EXPANDABLE_MAX_DEVICES` with expandable segments: when ``import roundpipe`` chose them, they
+    are turned off for the segments created from now on (graphs, which keep their memory in private
+    pools, gain more on such pools than expandable segments: 62,119 against 45,298 tokens/s eagerly
+    with them, 4 H200s); when the user chose them, jobs stay eager, with one log line."""
+    global _allocator_checked
+    if pool_size <= EXPANDABLE_MAX_DEVICES or not settings.expandable_segments_requested():
+        return True
+    if settings.EXPANDABLE_BY_ROUNDPIPE is not None:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        os.environ[settings.EXPANDABLE_BY_ROUNDPIPE] = "expandable_segments:False"
+        settings.EXPANDABLE_BY_ROUNDPIPE = None
+        logger.info(
+            "roundpipe: graphed jobs on %d GPUs: the allocator's expandable segments (set by import roundpipe) "
+            "are off from now on; they failed graph captures on pools of more than %d GPUs",
+            pool_size,
+            EXPANDABLE_MAX_DEVICES,
+        )
+        return True
+    if not _allocator_checked:
+        _allocator_checked = True
+        logger.warning(
+            "roundpipe: jobs on %d GPUs stay eager: PYTORCH_ALLOC_CONF asks for expandable segments, with which "
+            "graph captures failed on pools of more than %d GPUs; unset it (or set RPP_GRAPHS=1 to try)",
+            pool_size,
+            EXPANDABLE_MAX_DEVICES,
+        )
+    return False
 
 
 def layer_signature(layer: nn.Module) -> Optional[Tuple[Any, ...]]:

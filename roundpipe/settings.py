@@ -525,6 +525,9 @@ def markdown_table() -> str:
 
 # ---- the CUDA allocator ---------------------------------------------------------------------------------
 ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+EXPANDABLE_BY_ROUNDPIPE: Optional[str] = None
+"""The variable ``import roundpipe`` set to ``expandable_segments:True`` (None: it set none), so that the
+graphs can withdraw that choice (``graphs.allocator_allows``) without overriding a user's."""
 
 
 def prefer_expandable_segments() -> Optional[str]:
@@ -543,8 +546,16 @@ def prefer_expandable_segments() -> Optional[str]:
         if cuda is None or cuda.is_initialized():
             return None
     name = ALLOC_CONF_VARS[0] if _torch_at_least(2, 9) else ALLOC_CONF_VARS[1]  # renamed in torch 2.9
+    global EXPANDABLE_BY_ROUNDPIPE
     os.environ[name] = "expandable_segments:True"
+    EXPANDABLE_BY_ROUNDPIPE = name
     return name
+
+
+def expandable_segments_requested() -> bool:
+    """Whether the allocator's variables (ours or the user's) ask for expandable segments."""
+    conf = ",".join(os.environ.get(name, "") for name in ALLOC_CONF_VARS)
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
 
 
 def _torch_at_least(major: int, minor: int) -> bool:

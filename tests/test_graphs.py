@@ -10,6 +10,7 @@ whole data flow is checked against plain PyTorch here (float64, tight tolerances
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any, Dict, Iterator, List
 
 import pytest
@@ -287,3 +288,28 @@ def test_a_group_that_branches_on_the_data_is_refused_and_right(workers: str) ->
             if q.grad is not None:
                 assert rel_err(p.grad, q.grad) < TOL, (step, name)
     assert _counts()["refused"] > 0
+
+
+def test_auto_graphs_withdraw_roundpipes_expandable_segments_above_two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Graph captures failed with expandable segments on 4 GPUs: ``auto`` turns off the segments that
+    ``import roundpipe`` chose (and graphs), keeps a user's choice (and stays eager), and leaves pools of
+    up to two GPUs alone."""
+    from roundpipe import graphs, settings
+
+    calls: list = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", lambda conf: calls.append(conf))
+    for name in settings.ALLOC_CONF_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setattr(settings, "EXPANDABLE_BY_ROUNDPIPE", None)
+    monkeypatch.setattr(graphs, "_allocator_checked", False)
+    assert graphs.allocator_allows(2) and not calls
+    assert not graphs.allocator_allows(4) and not calls  # the user's choice: eager, segments kept
+    assert graphs.allocator_allows(4) is False
+
+    monkeypatch.setattr(settings, "EXPANDABLE_BY_ROUNDPIPE", "PYTORCH_ALLOC_CONF")
+    assert graphs.allocator_allows(4)
+    assert calls == ["expandable_segments:False"]
+    assert os.environ["PYTORCH_ALLOC_CONF"] == "expandable_segments:False"
+    assert settings.EXPANDABLE_BY_ROUNDPIPE is None
+    assert graphs.allocator_allows(4) and len(calls) == 1  # once
