@@ -153,8 +153,9 @@ def graph_signatures(
     """The slot signatures of a job that may be graphed, or None for an eager job: a device with graphs
     on (``graphs.enabled``), layers that fit slots (no buffers, no parameter tied to another layer)
     and, for a backward job, the 'stage' grain and layers whose forward was seen drawing no random
-    numbers and saving nothing for recompute."""
-    if not graphs.enabled(device.device, device_mod.get_num_devices()):
+    numbers and saving nothing for recompute. Sequence tiles run eagerly (each tile's attention reads a
+    longer prefix)."""
+    if run.sequence is not None or not graphs.enabled(device.device, device_mod.get_num_devices()):
         return None
     if backward and run.cfg.recompute_grain != "stage":
         return None

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 import torch
 from torch.utils import _pytree as pytree
 
-from roundpipe import backend
+from roundpipe import backend, sequence
 from roundpipe.compute import (
     GroupBackward,
     GroupForward,
@@ -248,6 +248,7 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
     ready: List[Any] = []
     gpu_layers = _upload_group(device, run, layers, with_grad=False, for_recompute=False, ready=ready, slots=slots)
     compute = GroupForward(run, device, layers, gpu_layers, ready, graphed=slots is not None, parity=parity)
+    tiles = run.sequence.job_store(device, backward=False) if run.sequence is not None else None
     peer_handoff = run.peer_handoff
     saves_output = (
         run.enable_grad
@@ -273,7 +274,7 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
             torch.no_grad(),
             run.autocast_ctx(device),
         ):
-            with clock:
+            with clock, sequence.tile(tiles, m):
                 out_leaves, out_spec, saved = compute(ctx, m, dev_leaves, spec)
             # Backward stages starting inside the group: their inputs stay on the device or go to the host.
             for i, leaves, sp in saved:
@@ -309,6 +310,8 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
         device.mem_manager.free((dev_leaves, out_leaves, saved), device.compute_stream, device.downstream)
         del dev_leaves, out_leaves, saved
         tracker.forward_notify(layer_group_id, m)
+    if tiles is not None:
+        tiles.finish(keep=run.enable_grad)
     for i, layer in zip(layers, gpu_layers):
         download_layer(model.layers[i], layer, i, model.layer_attrs[i], device, with_buffer=True, with_grad=False)
     release_layers(gpu_layers, device, slots)
@@ -338,7 +341,12 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int, part: i
         GroupBackward(run, device, layers, gpu_layers, ready, slots, parity) if cfg.recompute_grain == "stage" else None
     )
     first = True  # the first microbatch that computes waits for each layer; later ones find them there
-    for m in range(part, batch.num_microbatch, run.fused_parts if split else 1):
+    order = range(part, batch.num_microbatch, run.fused_parts if split else 1)
+    tiles = None
+    if run.sequence is not None:
+        # The tiles of one sequence, last first: tile t's key and value gradients come from tiles t..T-1.
+        order, tiles = range(batch.num_microbatch - 1, -1, -1), run.sequence.job_store(device, backward=True)
+    for m in order:
         tracker.backward_wait_for(layer_group_id, m)
         ctx = run.contexts[m]
         if all(g is None for g in ctx.grad_states) and ctx.grad_handoff is None:
@@ -355,6 +363,7 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int, part: i
             backend.compute_guard(device.device),
             run.autocast_ctx(device),
             clock,
+            sequence.tile(tiles, m),
         ):
             if by_stage is not None:
                 in_grads = by_stage(ctx, m, dev_in, spec, dev_grads, recompute, flags)
@@ -375,6 +384,8 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int, part: i
             wait_layer(device, ready, k)
     if by_stage is not None:
         by_stage.finish()
+    if tiles is not None:
+        tiles.finish(keep=False)
     _hand_grads_back(device, run, layers, gpu_layers, part, with_buffer=False, split=split)
     release_layers(gpu_layers, device, slots)
     device.job_done()

@@ -22,6 +22,7 @@ from roundpipe.grad_sync import LayerReducer
 from roundpipe.model_protocol import PipelinedModel
 from roundpipe.partial_grads import PartialGrads, split_enabled, split_parts
 from roundpipe.plan import ModelExecutePlan, RunType
+from roundpipe.sequence import SequenceRun
 from roundpipe.tied_grads import TiedGrads
 from roundpipe.tracker import ModelTracker
 from roundpipe.transfer import async_d2h, async_h2d, device_saved_limit, tensor_bytes
@@ -95,6 +96,25 @@ class MicrobatchState:
         return pytree.tree_unflatten(dev, spec)
 
 
+def _sequence_run(run_config: Any, batch: Batch, run_type: RunType) -> Optional[SequenceRun]:
+    """The call's sequence state when ``sequence_tiles`` cut its batch along the sequence: the tiles'
+    lengths are the microbatches' dim 1."""
+    if (getattr(run_config, "sequence_tiles", None) or 1) <= 1:
+        return None
+    if run_type == "fused":
+        raise ValueError(
+            "sequence_tiles: forward_backward runs each tile's backward right after its forward, before the later "
+            "tiles that attend to it; use RoundPipeForCausalLM.train_step (or forward, then loss.backward())"
+        )
+    lengths = []
+    for leaves in batch.flatten_states:
+        dims = [t.shape[1] for t in leaves if isinstance(t, torch.Tensor) and t.dim() >= 2]
+        if not dims:
+            raise ValueError("sequence_tiles: a tile has no [batch, seq] tensor")
+        lengths.append(int(dims[0]))
+    return SequenceRun.from_lengths(lengths)
+
+
 class Run:
     """State of one RoundPipe call, shared by the main thread and the jobs it dispatches."""
 
@@ -134,7 +154,10 @@ class Run:
         # own device; their gradients meet in part 0's download (``partial_grads``).
         self.fused_parts = 1
         self.partial_grads: Optional[PartialGrads] = None
-        if run_type in ("fused", "train") and plan.bwd_plan:
+        # One sequence cut into tiles (``roundpipe.sequence``): its jobs keep keys and values across tiles,
+        # so each group runs whole on one device, and no fused job (its backward would precede later tiles).
+        self.sequence = _sequence_run(run_config, batch, run_type)
+        if run_type in ("fused", "train") and plan.bwd_plan and self.sequence is None:
             fused = plan.bwd_plan[-1]
             has_buffers = any(True for i in fused for _ in model.layers[i].buffers())
             self.fused_parts = split_parts(
@@ -216,6 +239,7 @@ class Run:
 
     def release(self) -> None:
         """Drop what backward needed (saved inputs, gradients, recompute data) once it has run."""
+        self.sequence = None
         self.contexts = []
         self.input_leaves = []
         self.saved_buffers = {}

@@ -33,6 +33,10 @@ class RoundPipeRunConfig:
             a host merge), a callable ``([out_m]) -> out``, or a spec tree choosing per output leaf
             (``TensorChunkSpec``, ``_Replicate``, a ``_CustomReducer``, True / False, a callable).
         execute_plan: A ``scheduler.ModelExecutePlan``. Default: automatic.
+        sequence_tiles: Cut the batch along the sequence into this many tiles, which flow through the
+            pool as the call's microbatches in causal order, so that one long sequence uses every device
+            (``roundpipe.sequence``). For causal LMs (``RoundPipeForCausalLM``'s ``train_step`` and
+            ``forward`` without logits); replaces ``num_microbatch``. Default: 1 (off).
     """
 
     requires_grad: Optional[bool] = None
@@ -44,6 +48,7 @@ class RoundPipeRunConfig:
     split_label: Any = None
     merge_output: Any = None
     execute_plan: Any = None
+    sequence_tiles: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.recompute_grain is not None and self.recompute_grain not in _RECOMPUTE_GRAINS:
@@ -52,6 +57,10 @@ class RoundPipeRunConfig:
             isinstance(self.num_microbatch, bool) or not isinstance(self.num_microbatch, int) or self.num_microbatch < 1
         ):
             raise ValueError(f"num_microbatch={self.num_microbatch!r}: expected a positive integer")
+        if self.sequence_tiles is not None and (
+            isinstance(self.sequence_tiles, bool) or not isinstance(self.sequence_tiles, int) or self.sequence_tiles < 1
+        ):
+            raise ValueError(f"sequence_tiles={self.sequence_tiles!r}: expected a positive integer")
         if self.output_device is not None:
             self.output_device = torch.device(self.output_device)
         from roundpipe.batch import check_spec_tree

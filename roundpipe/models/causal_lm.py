@@ -11,7 +11,7 @@ from torch import nn
 
 from roundpipe import budget, estimate, settings
 from roundpipe.batch import Batch
-from roundpipe.models import kernels, tiling
+from roundpipe.models import kernels, sequence_inputs, tiling
 from roundpipe.models.inputs import CausalLMInputs, takes_inputs
 from roundpipe.models.kernels import FusedKernels
 from roundpipe.models.preset import CausalLMPreset
@@ -170,6 +170,11 @@ class RoundPipeForCausalLM(RoundPipe):
         """
         _bind_hf_call(None, **unused)  # the checks of the Hugging Face-only arguments
         kwargs = self._preset.layer_kwargs(inputs)
+        tiles = sequence_inputs.tiles_of(roundpipe_run_config, self.model_run_config)
+        if tiles > 1:  # one sequence over the pool (roundpipe.sequence)
+            kwargs, roundpipe_run_config = sequence_inputs.tile_call(
+                kwargs, roundpipe_run_config, tiles, self._preset.model.config
+            )
         merged = super().forward(roundpipe_run_config=roundpipe_run_config, **kwargs)
         return self._preset.build_output(merged, inputs.loss_divisor())
 
@@ -249,6 +254,17 @@ class RoundPipeForCausalLM(RoundPipe):
         if inputs.labels is None and inputs.shift_labels is None:
             raise ValueError("train_step needs labels (or shift_labels)")
         kwargs = self._preset.layer_kwargs(dataclasses.replace(inputs, return_logits=False, logits_to_keep=0))
+        tiles = sequence_inputs.tiles_of(run_config, self.model_run_config)
+        if tiles > 1:
+            # Tiles of one sequence: every tile's forward before any backward (roundpipe.sequence), so the
+            # forward, then the backward of the whole loss.
+            kwargs, cfg = sequence_inputs.tile_call(kwargs, run_config, tiles, self._preset.model.config)
+            merged = RoundPipe.forward(self, roundpipe_run_config=cfg, **kwargs)
+            loss = self._preset.build_output(merged, inputs.loss_divisor()).loss
+            if scale_loss is not None:
+                loss = scale_loss(loss)
+            loss.backward()
+            return loss.detach()
         base = self._preset.microbatch_loss_fn(kwargs, inputs.loss_divisor())
         loss_fn = base if scale_loss is None else (lambda outputs, label: scale_loss(base(outputs, label)))
         return self.forward_backward(input_kwargs=kwargs, loss_fn=loss_fn, run_config=run_config)

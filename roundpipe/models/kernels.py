@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from roundpipe import settings
+from roundpipe import sequence, settings
 from roundpipe.models import families
 from roundpipe.models.fused_ops import (
     DECODER_LAYER,
@@ -122,6 +122,12 @@ class _AttentionForward:
         if past_key_values is not None:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
 
+        dropout = 0.0 if not self.training else self.attention_dropout
+        if sequence.active() is not None:  # a tile of a longer sequence (roundpipe.sequence)
+            if getattr(self, "sliding_window", None):
+                raise ValueError("sequence tiles: sliding-window attention layers are not supported")
+            attn_output = sequence.attend(self.layer_idx, query_states, key_states, value_states, self.scaling, dropout)
+            return self.o_proj(attn_output.reshape(*input_shape, -1).contiguous()), None
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, self._rpp_eager_attention
         )
@@ -241,6 +247,7 @@ class _DecoderLayerForward:
             and position_embeddings is not None
             and not kwargs
             and whole_layer_enabled()
+            and sequence.active() is None  # a tile's attention reads the earlier tiles' (roundpipe.sequence)
         ):
             weights = self._whole_layer_weights()
         if weights is None:

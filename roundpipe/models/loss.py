@@ -49,6 +49,12 @@ def default_chunk_size(vocab_size: int) -> int:
     return max(256, min(8192, 1 << int(math.log2(2**30 / (4 * max(vocab_size, 1))))))
 
 
+def loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the loss math: fp32 for low-precision models (as Hugging Face's loss), the model's own
+    above (float64 models keep float64: their tests compare to 1e-10)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _transform_logits(z: torch.Tensor, logit_scale: float, softcap: Optional[float]) -> torch.Tensor:
     """Apply the model's logit scaling and final soft-capping (Gemma 2) to fp32 logits."""
     if logit_scale != 1.0:
@@ -81,8 +87,8 @@ def _chunk_loss(
     logit_scale: float,
     softcap: Optional[float],
 ) -> torch.Tensor:
-    """Sum of the cross-entropy of the ``valid`` rows of one chunk; fp32 math like HF's ``ForCausalLMLoss``."""
-    z = _transform_logits(F.linear(h, weight, bias).float(), logit_scale, softcap)
+    """Sum of the cross-entropy of the ``valid`` rows of one chunk; fp32 math (at least), as HF's loss."""
+    z = _transform_logits(F.linear(h, weight, bias).to(loss_dtype(h.dtype)), logit_scale, softcap)
     lse = torch.logsumexp(z, dim=-1)
     return torch.where(valid, lse - z.gather(1, target.unsqueeze(1)).squeeze(1), 0.0).sum()
 
@@ -100,7 +106,7 @@ def _chunk_loss_and_dlogits(
 
     The rows that are not ``valid`` contribute 0 to the loss and get all-zero dlogits.
     """
-    z = _transform_logits(F.linear(h, weight, bias).float(), logit_scale, softcap)
+    z = _transform_logits(F.linear(h, weight, bias).to(loss_dtype(h.dtype)), logit_scale, softcap)
     lse = torch.logsumexp(z, dim=-1, keepdim=True)
     loss = torch.where(valid, lse.squeeze(1) - z.gather(1, target.unsqueeze(1)).squeeze(1), 0.0).sum()
     d = torch.exp(z - lse)
@@ -156,7 +162,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         chunk_fn = _maybe_compiled(_chunk_loss_and_dlogits, compile)
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        loss = torch.zeros((), dtype=loss_dtype(hidden.dtype), device=hidden.device)
         # Every row of grad_h is written by its chunk (ignored rows get 0 @ weight = 0), so no zero fill.
         grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
         grad_w = torch.zeros_like(weight) if need_w else None
@@ -220,7 +226,7 @@ def linear_cross_entropy(
             hidden, weight, bias, target, chunk_size, ignore_index, logit_scale, softcap, compile
         )
     chunk_fn = _maybe_compiled(_chunk_loss, compile)
-    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    loss = torch.zeros((), dtype=loss_dtype(hidden.dtype), device=hidden.device)
     for h, t in zip(hidden.split(chunk_size), target.split(chunk_size)):
         h, t, valid = _mask_rows(h, t, ignore_index)
         loss += chunk_fn(h, weight, bias, t, valid, logit_scale, softcap)
@@ -241,7 +247,7 @@ def _module_chunk_loss(
     (alive anyway) for backward, not a masked copy per chunk.
     """
     h, t, valid = _mask_rows(h, target, ignore_index)
-    z = _transform_logits(head(h).float(), logit_scale, softcap)
+    z = _transform_logits(head(h).to(loss_dtype(h.dtype)), logit_scale, softcap)
     return torch.where(valid, F.cross_entropy(z, t, reduction="none"), 0.0).sum()
 
 
@@ -261,7 +267,7 @@ def chunked_module_cross_entropy(
     recomputed one chunk at a time in backward. Like :func:`linear_cross_entropy`, chunks are fixed row
     ranges with the ignored tokens masked out, so there is no host synchronisation.
     """
-    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    loss = torch.zeros((), dtype=loss_dtype(hidden.dtype), device=hidden.device)
     # split (views) rather than slicing: its backward concatenates the chunks' gradients once instead
     # of every chunk producing a hidden-sized gradient to accumulate.
     for h, t in zip(hidden.split(chunk_size), target.split(chunk_size)):

@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from roundpipe import sequence
 from roundpipe.context import doing_recompute, get_recompute_data, save_for_recompute
 from roundpipe.models import kernels, tiling
 from roundpipe.models.inputs import BATCH_ARGS, CausalLMInputs, takes_inputs
@@ -237,7 +238,10 @@ class CausalLMPrefix(nn.Module):
         if saved is not None:
             masks, position_embeddings = saved
         else:
-            masks = self._masks(inputs_embeds, attention_mask, given_positions)
+            if sequence.active() is not None:  # a tile: causal over the sequence so far (roundpipe.sequence)
+                masks = dict.fromkeys(self.spec.layer_types)
+            else:
+                masks = self._masks(inputs_embeds, attention_mask, given_positions)
             position_embeddings = tuple(self.rotary_emb(inputs_embeds, position_ids))
             save_for_recompute(masks, position_embeddings)
         options = dict(options or {})

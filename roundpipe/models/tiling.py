@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from roundpipe import backend
+from roundpipe import backend, sequence
 from roundpipe.context import doing_recompute
 from roundpipe.models import kernels
 from roundpipe.models.tile_choice import Tiles, rows_per_tile, tile_bounds, tileable
@@ -281,6 +281,13 @@ class _LayerTiles:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         attn = self.attn
+        dropout = 0.0 if not attn.training else attn.attention_dropout
+        if sequence.active() is not None:  # a tile of a longer sequence (roundpipe.sequence)
+            if getattr(attn, "sliding_window", None):
+                raise ValueError("sequence tiles: sliding-window attention layers are not supported")
+            qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            out = sequence.attend(attn.layer_idx, qh, kh, vh, attn.scaling, dropout)
+            return out.reshape(q.shape[0], q.shape[1], -1).contiguous()
         eager = sys.modules[kernels.base_class(attn).__module__].eager_attention_forward
         fn = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager)
         kwargs: Dict[str, Any] = {"position_ids": position_ids, "use_cache": False}
@@ -292,7 +299,7 @@ class _LayerTiles:
             k.transpose(1, 2),
             v.transpose(1, 2),
             mask,
-            dropout=0.0 if not attn.training else attn.attention_dropout,
+            dropout=dropout,
             scaling=attn.scaling,
             **kwargs,
         )

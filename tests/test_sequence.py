@@ -1,0 +1,204 @@
+"""One sequence cut into tiles over the pool (``RoundPipeRunConfig(sequence_tiles=T)``, roundpipe.sequence):
+loss and every gradient equal the unsplit sequence's, in float64 on 1-3 CPU workers, at several tile
+counts (even and uneven), both recompute grains, LoRA, stages of one and several layers, layers tiled
+inside (``RPP_SEQ_TILE``) or not; and the refusals.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Tuple
+
+os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
+
+import pytest
+import torch
+from helpers import rel_err
+from torch import nn
+
+from roundpipe import device as device_mod
+from roundpipe import models, sequence, settings
+from roundpipe.plan import ModelExecutePlan
+from roundpipe.run_config import RoundPipeRunConfig
+
+torch.set_num_threads(1)
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+from test_models import COMMON, grads  # noqa: E402
+
+TOL = 1e-10
+HF_TOL = 1e-6  # fp64 against Hugging Face itself: its RMSNorms round through fp32 (as in test_tiling)
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _model(family: str, lora: bool) -> nn.Module:
+    torch.manual_seed(0)
+    if family == "qwen3":
+        config = transformers.Qwen3Config(**COMMON, tie_word_embeddings=True, attn_implementation="sdpa")
+    else:
+        config = transformers.LlamaConfig(**COMMON, attn_implementation="sdpa")
+    model = transformers.AutoModelForCausalLM.from_config(config).double()
+    if not lora:
+        return model
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS))
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    return model
+
+
+def _batch(rows: int = 2, seq: int = 22) -> Dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, COMMON["vocab_size"], (rows, seq), generator=g)
+    labels = ids.clone()
+    labels[0, 5] = -100
+    labels[-1, 11] = -100  # an ignored target at a tile boundary of 2 tiles
+    return {"input_ids": ids, "labels": labels}
+
+
+def _reference(model: nn.Module, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    with settings.overridden(seq_tile=0):
+        out = model(**batch)
+    out.loss.backward()
+    return out.loss.detach(), grads(model)
+
+
+def _assert_close(got: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor], tol: float) -> None:
+    assert got.keys() == ref.keys()
+    errs = {n: rel_err(got[n], ref[n]) for n in ref}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] < tol, f"{worst}: rel err {errs[worst]:.2e}"
+
+
+# Layers: 0 prefix, 1-3 decoder layers, 4 head; one layer per stage, or stages of two and three layers.
+PLANS = {
+    "auto": None,
+    "staged": ModelExecutePlan([range(0, 2), range(2, 5)], [range(0, 2), range(2, 5)]),
+}
+
+
+@pytest.mark.parametrize("workers", ["cpu:1", "cpu:2", "cpu:3"], indirect=True)
+@pytest.mark.parametrize(
+    "family,lora,tiles,grain,plan,seq_tile",
+    [
+        ("qwen3", False, 2, "stage", "auto", 0),
+        ("qwen3", True, 3, "layer", "staged", 0),
+        ("llama", False, 4, "layer", "auto", 4),
+        ("llama", True, 5, "stage", "staged", 3),
+    ],
+)
+def test_tiles_equal_the_unsplit_sequence(
+    workers: str, family: str, lora: bool, tiles: int, grain: str, plan: str, seq_tile: int
+) -> None:
+    """fp64: ``train_step`` and ``forward`` + ``loss.backward()`` over ``tiles`` tiles (22 tokens: 11 + 11,
+    8 + 7 + 7, 6 + 6 + 5 + 5, 5 + 5 + 4 + 4 + 4) give the loss and gradients of the same model run on the
+    unsplit sequence to 1e-10, and Hugging Face's to its fp32 norms' rounding."""
+    model = _model(family, lora)
+    batch = _batch()
+    hf_loss, hf_grads = _reference(model, batch)
+    settings.configure(seq_tile=seq_tile)
+    whole = RoundPipeRunConfig(num_microbatch=1, recompute_grain=grain, execute_plan=PLANS[plan])
+    ref_loss = models.wrap_model(model, model_run_config=whole).train_step(**batch)
+    ref_grads = grads(model)
+    assert rel_err(ref_loss, hf_loss) < HF_TOL
+    _assert_close(ref_grads, hf_grads, HF_TOL)
+    cfg = RoundPipeRunConfig(sequence_tiles=tiles, recompute_grain=grain, execute_plan=PLANS[plan])
+    rp = models.wrap_model(model, model_run_config=cfg)
+    loss = rp.train_step(**batch)
+    assert rel_err(loss, ref_loss) < TOL
+    _assert_close(grads(model), ref_grads, TOL)
+    out = rp(**batch)
+    out.loss.backward()
+    assert rel_err(out.loss.detach(), ref_loss) < TOL
+    _assert_close(grads(model), ref_grads, TOL)
+    with torch.no_grad():  # an evaluation: forward jobs only
+        assert rel_err(rp(**batch).loss, ref_loss) < TOL
+
+
+@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
+def test_tiles_accumulate_and_train_like_the_unsplit_model(workers: str) -> None:
+    """Three synchronous Adam steps on the tiled call move the weights as on the unsplit sequence."""
+    ref_model, model = _model("qwen3", False), _model("qwen3", False)
+    batch = _batch()
+    runs = []
+    for m, cfg in ((ref_model, RoundPipeRunConfig(num_microbatch=1)), (model, RoundPipeRunConfig(sequence_tiles=3))):
+        rp = models.wrap_model(m, model_run_config=cfg)
+        opt = torch.optim.Adam(rp.optim_parameters(), lr=1e-2)
+        runs.append((rp, opt))
+    for _ in range(3):
+        for rp, opt in runs:
+            rp.train_step(**batch)
+            rp.step(lambda opt=opt: (opt.step(), opt.zero_grad()), is_async=False)
+    for rp, _ in runs:
+        rp.synchronize()
+    for (name, p), q in zip(ref_model.named_parameters(), model.parameters()):
+        assert rel_err(q, p) < 1e-9, name
+
+
+@pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
+def test_attend_matches_full_causal_attention_with_gqa(workers: str) -> None:
+    """The tile attention (prefix + own keys, bottom-right causal, key heads repeated) equals the rows of
+    full causal attention, forward and gradients, through the key/value accumulators."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 12, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 12, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 12, 8, dtype=torch.float64, requires_grad=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True
+    ).transpose(1, 2)
+    w = torch.randn_like(ref)
+    (ref * w).sum().backward()
+    ref_grads = [t.grad.clone() for t in (q, k, v)]
+
+    dev = device_mod.get_devices()[0]
+    seq = sequence.SequenceRun.from_lengths([5, 4, 3])
+    fwd = seq.job_store(dev, backward=False)
+    outs = []
+    with torch.no_grad():
+        for m in range(3):
+            s, e = seq.starts[m], seq.starts[m + 1]
+            with sequence.tile(fwd, m):
+                outs.append(sequence.attend(0, q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], None, 0.0))
+    assert rel_err(torch.cat(outs, 1), ref) < TOL
+    fwd.finish(keep=True)
+    bwd = seq.job_store(dev, backward=True)
+    got = [torch.zeros_like(t) for t in (q, k, v)]
+    for m in (2, 1, 0):
+        s, e = seq.starts[m], seq.starts[m + 1]
+        parts = [t.detach()[:, :, s:e].clone().requires_grad_() for t in (q, k, v)]
+        with sequence.tile(bwd, m):
+            out = sequence.attend(0, *parts, None, 0.0)
+        (out * w[:, s:e]).sum().backward()
+        for g, p in zip(got, parts):
+            g[:, :, s:e] = p.grad
+    for g, r in zip(got, ref_grads):
+        assert rel_err(g, r) < TOL
+
+
+@pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
+def test_tiles_refuse_what_they_cannot_compute(workers: str) -> None:
+    model = _model("llama", False)
+    rp = models.wrap_model(model, model_run_config=RoundPipeRunConfig(sequence_tiles=2))
+    batch = _batch()
+    with pytest.raises(ValueError, match="padding"):
+        mask = torch.ones_like(batch["input_ids"])
+        mask[0, 0] = 0
+        rp.train_step(**batch, attention_mask=mask)
+    with pytest.raises(ValueError, match="more than the sequence"):
+        rp.train_step(input_ids=batch["input_ids"][:, :1], labels=batch["labels"][:, :1])
+    with pytest.raises(ValueError, match="forward_backward"):
+        rp.forward_backward(input_kwargs=dict(batch))
+    with pytest.raises(ValueError, match="sequence_tiles"):
+        RoundPipeRunConfig(sequence_tiles=0)
+    eager = transformers.AutoModelForCausalLM.from_config(
+        transformers.LlamaConfig(**COMMON, attn_implementation="eager")
+    ).double()
+    rp2 = models.wrap_model(eager, model_run_config=RoundPipeRunConfig(sequence_tiles=2))
+    with pytest.raises(ValueError, match="sdpa"):
+        rp2.train_step(**batch)
+    assert sequence.active() is None
+
+
