@@ -158,6 +158,11 @@ def run_config(
     n = roundpipe.get_num_devices()
     n_mb = args.microbatches or 2 * n
     model.model_run_config = RoundPipeRunConfig(num_microbatch=n_mb)
+    if args.sequence_tiles:  # one sequence over the pool: tiles on several devices, the whole one on one
+        n_mb = args.sequence_tiles if n > 1 else 1
+        model.model_run_config = RoundPipeRunConfig(
+            sequence_tiles=args.sequence_tiles if n > 1 else None, num_microbatch=1 if n == 1 else None
+        )
     # A fresh start for every row, as a new process would have: no plan, and no timings (the previous
     # row's, or this row's first calls on devices that compile their kernels, would steer the plan).
     model.__dict__["_plans"].clear()
@@ -233,6 +238,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument(
         "--gil-sampler", action="store_true", help="py-spy --gil on this process during the timed iterations"
     )
+    p.add_argument("--lora", type=int, default=0, help="LoRA rank on all decoder projections (0: full fine-tune)")
+    p.add_argument(
+        "--sequence-tiles",
+        type=int,
+        default=0,
+        help="one sequence over the pool: this many tiles on several devices (the whole sequence on one)",
+    )
     p.add_argument("--no-step", action="store_true", help="diagnostic: skip the optimizer (the pipeline alone)")
     p.add_argument("--json", default="", help="append each row as a JSON line to this file")
     p.add_argument(
@@ -253,6 +265,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error(f"--devices {args.devices}: this machine has {torch.cuda.device_count()} GPUs")
     hf = build_model(args.workload, "cpu")
     n_params = sum(q.numel() for q in hf.parameters())
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        hf = get_peft_model(hf, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules=targets))
     model = roundpipe.wrap_model_to_roundpipe(hf, optim_dtype=torch.float32)
     opt = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-5, decoupled_weight_decay=True)
     ids = torch.randint(0, hf.config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))

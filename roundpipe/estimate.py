@@ -321,6 +321,7 @@ def estimate(
     pinned: bool = True,
     devices: int = 1,
     gpu_bytes: Optional[float] = None,
+    sequence_tiles: int = 1,
 ) -> Estimate:
     """The peak GPU and host memory of one training step (see the module docstring).
 
@@ -349,9 +350,15 @@ def estimate(
         gpu_bytes: Memory of the GPU. With one GPU, the backward stages' inputs the room
             (:func:`device_saved_room`) holds are counted there ("saved inputs") instead of on the host,
             as the runtime keeps them; None (or several GPUs): all on the host.
+        sequence_tiles: Tiles of the sequence that flow as the microbatches (``roundpipe.sequence``;
+            replaces ``microbatches``): a job holds one tile's activations and its layers' keys and values
+            over the whole sequence (with float32 gradient accumulators in backward); the host keeps
+            every attention layer's keys and values between forward and backward.
     """
-    if seq_len < 1 or batch_size < 1 or microbatches < 1 or layers_per_stage < 1 or devices < 1:
-        raise ValueError("seq_len, batch_size, microbatches, layers_per_stage and devices must be positive")
+    if seq_len < 1 or batch_size < 1 or microbatches < 1 or layers_per_stage < 1 or devices < 1 or sequence_tiles < 1:
+        raise ValueError(
+            "seq_len, batch_size, microbatches, layers_per_stage, devices and sequence_tiles must be positive"
+        )
     if recompute_grain not in ("stage", "layer"):
         raise ValueError(f"recompute_grain={recompute_grain!r}: expected 'stage' or 'layer'")
     if tile is None or grad_buffers is None:
@@ -362,8 +369,12 @@ def estimate(
         if grad_buffers is None:
             grad_buffers = settings.host_buffers_besides_weights()
     b = dtype_bytes
-    rows = math.ceil(batch_size / microbatches)
-    t = rows * seq_len  # tokens of one microbatch: what one job holds at once
+    tiled_sequence = sequence_tiles > 1
+    if tiled_sequence:  # every row in each tile; the tiles are the microbatches
+        microbatches, rows, mb_len = sequence_tiles, batch_size, math.ceil(seq_len / sequence_tiles)
+    else:
+        rows, mb_len = math.ceil(batch_size / microbatches), seq_len
+    t = rows * mb_len  # tokens of one microbatch: what one job holds at once
     total_tokens = batch_size * seq_len
     h = shape.hidden
     tiled = bool(tile) and t > tile
@@ -384,10 +395,21 @@ def estimate(
     side = t * side_bytes_per_token(shape, b)
     others = (g - 1) * (kept if recompute_grain == "stage" else t * h * b)
     stage = peak + others + io + side + overlap
+
+    def sequence_kv(layers: int) -> float:
+        """Tiles of one sequence: a job's keys and values of its ``layers`` over the whole sequence, their
+        float32 gradient accumulators (backward), and one tile's attention inputs ([prefix, tile] keys
+        and values and their gradients, repeated to the query heads)."""
+        if not tiled_sequence:
+            return 0.0
+        whole = batch_size * seq_len
+        return layers * whole * shape.kv_dim * 2 * (b + 4) + whole * 2 * (2 * shape.q_dim + shape.kv_dim) * b
+
+    stage += sequence_kv(g)
     head_w = shape.vocab * h * b * (1 if shape.tied or lora_rank else 2) + (shape.vocab * h * b if not lora_rank else 0)
     # The fused last stage: the head (final norm, chunked loss) with, at long context, the last decoder
     # layer (the head is fast there, so the planner's time cap groups them): that layer's kept bytes.
-    head = head_activation_bytes(shape, t, b) + kept + io + side + overlap
+    head = head_activation_bytes(shape, t, b) + kept + io + side + overlap + sequence_kv(1)
     head_w += layer_w
     if stage + weights >= head + head_w:
         gpu = {"weights": float(weights), "activations": float(stage), "runtime": float(GPU_OVERHEAD_BYTES)}
@@ -400,14 +422,14 @@ def estimate(
     boundaries = max(1, math.ceil(shape.layers / g))  # backward stages whose input waits on the host
     # One host tensor per stage and microbatch, from torch's pinned caching allocator, which rounds each
     # block up to a power of two (GPU runs; see roundpipe.backend.empty_host_cache).
-    raw_input = rows * seq_len * checkpoint_bytes_per_token(shape, b)
+    raw_input = rows * mb_len * checkpoint_bytes_per_token(shape, b)
     per_microbatch = _pinned_block(raw_input) if pinned else raw_input
     # On one GPU the inputs the room holds stay there, whole (exact size, no pinned rounding).
     room = device_saved_room(gpu_bytes, sum(gpu.values())) if devices == 1 and gpu_bytes is not None else 0.0
     on_gpu = min(boundaries * microbatches, int(room // raw_input)) if raw_input > 0 else 0
     gpu["saved inputs"] = float(on_gpu * raw_input)
     checkpoints = (boundaries * microbatches - on_gpu) * per_microbatch + total_tokens * side_bytes_per_token(shape, b)
-    parts = max(1, min(devices, microbatches))
+    parts = 1 if tiled_sequence else max(1, min(devices, microbatches))
     fused_trainable = shape.lora_params(lora_rank) if lora_rank else shape.layer_params() + shape.vocab * h
     host = {
         "weights": float(n * b),
@@ -417,6 +439,9 @@ def estimate(
         "checkpoints": float(checkpoints),
         "runtime": float(HOST_OVERHEAD_BYTES),
     }
+    if tiled_sequence:  # each attention layer's keys and values: two host tensors, pinned blocks
+        per_tensor = batch_size * seq_len * shape.kv_dim * b
+        host["keys/values"] = float(2 * shape.layers * (_pinned_block(per_tensor) if pinned else per_tensor))
     per_token_gpu = gpu["activations"] / t
     per_token_host = checkpoints / total_tokens
     return Estimate(

@@ -125,3 +125,29 @@ def test_a_stage_of_two_layers_fits_when_twice_its_weights_and_activations_do(mo
     # beyond kept 50, its weights beyond the budget's two largest layers 2 x 200).
     room = budget.device_saved_room(_profile(850 * MiB), SIZES, PLAN)
     assert room == pytest.approx(0.75 * (USABLE - 600 * MiB - (1650 + 50 + 400) * MiB), rel=1e-9)
+
+
+def test_sequence_tiles_terms_by_hand() -> None:
+    """``sequence_tiles``: a job holds one tile's activations plus its layers' keys and values over the
+    whole sequence (float32 gradient accumulators beside them) and one tile's prefix attention inputs;
+    the host keeps every layer's keys and values, and the stage inputs of all tiles (as many bytes as
+    the unsplit sequence's)."""
+    from roundpipe import estimate as est
+
+    shape = est.ModelShape.builtin("qwen3-8b")
+    seq, tiles, g, b = 8192, 4, 2, 2
+    kw = dict(tile=0, layers_per_stage=g, pinned=False, grad_buffers=1)
+    tiled = est.estimate(shape, seq, sequence_tiles=tiles, **kw)
+    one_tile = est.estimate(shape, seq // tiles, **kw)
+    whole = est.estimate(shape, seq, **kw)
+    assert tiled.microbatches == tiles
+    assert tiled.host_parts["keys/values"] == 2 * shape.layers * seq * shape.kv_dim * b
+    assert tiled.host_parts["checkpoints"] == whole.host_parts["checkpoints"]
+    # The larger of a stage of g layers and the head's job (the head and one layer) decides the peak.
+    prefix = seq * 2 * (2 * shape.q_dim + shape.kv_dim) * b
+    per_layer = seq * shape.kv_dim * 2 * (b + 4)
+    layers = g if tiled.gpu_parts["weights"] == 2 * g * shape.layer_params() * b + g * shape.layer_params() * b else 1
+    assert tiled.gpu_parts["weights"] == one_tile.gpu_parts["weights"]  # the same job decides both
+    assert tiled.gpu_parts["activations"] - one_tile.gpu_parts["activations"] == layers * per_layer + prefix
+    with pytest.raises(ValueError, match="sequence_tiles"):
+        est.estimate(shape, seq, sequence_tiles=0)

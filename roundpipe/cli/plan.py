@@ -67,6 +67,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory", type=_size, default=None, help="memory per GPU (default: this machine's or 80GiB)")
     p.add_argument("--host-memory", type=_size, default=None, help="host memory (default: this machine's)")
     p.add_argument("--gpus", type=int, default=1, help="GPUs the process trains on (default 1)")
+    p.add_argument(
+        "--sequence-tiles",
+        type=int,
+        default=1,
+        help="tiles of each sequence that flow over the GPUs as microbatches (RoundPipeRunConfig(sequence_tiles=))",
+    )
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     return p
 
@@ -138,7 +144,7 @@ def machine_memory() -> Tuple[Optional[float], float]:
 
 def check(args: argparse.Namespace, limit: Optional[int]) -> None:
     """What ``roundpipe train`` refuses, refused here with the same words."""
-    for name in ("seq_len", "batch_size", "microbatches", "gpus"):
+    for name in ("seq_len", "batch_size", "microbatches", "gpus", "sequence_tiles"):
         flag = "--" + name.replace("_", "-")
         if getattr(args, name) < 1:
             raise ConfigError(f"{flag}={getattr(args, name)} must be positive", f"set {flag} to 1 or more")
@@ -152,6 +158,11 @@ def check(args: argparse.Namespace, limit: Optional[int]) -> None:
     for name, choices in (("optim_state", OPTIM_STATES), ("master", MASTERS), ("master_rounding", MASTER_ROUNDINGS)):
         if getattr(args, name) not in choices:
             raise ConfigError(f"{name}={getattr(args, name)!r} is not a choice", f"use one of {', '.join(choices)}")
+    if args.sequence_tiles > args.seq_len:
+        raise ConfigError(
+            f"--sequence-tiles={args.sequence_tiles} is more than the sequence's {args.seq_len} tokens",
+            "lower --sequence-tiles",
+        )
     if limit is not None and args.seq_len > limit:
         what = f"seq_len={args.seq_len} exceeds the model's limit (max_position_embeddings={limit})"
         raise ConfigError(what, f"lower --seq-len to at most {limit}")
@@ -179,6 +190,7 @@ def _plan(args: argparse.Namespace) -> int:
         lora_rank=args.lora_r,
         microbatches=args.microbatches,
         devices=args.gpus,
+        sequence_tiles=args.sequence_tiles,
         optimizer_bytes_per_param=estimate.optimizer_state_bytes(args.optim_state, args.master, args.master_rounding),
     )
     # As the planner does: one decoder layer per backward stage, or the fewest that let the stages'
