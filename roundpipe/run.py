@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tupl
 import torch
 from torch.utils import _pytree as pytree
 
-from roundpipe import budget, settings, threads
+from roundpipe import budget, cpu_streams, settings, threads
 from roundpipe import device as device_mod
 from roundpipe.batch import Batch
 from roundpipe.grad_sync import LayerReducer
@@ -109,6 +109,7 @@ class Run:
         return_outputs: bool = False,
     ) -> None:
         threads.refresh_stress()  # RPP_STRESS_DELAY_S, read once per call (the waits use it)
+        cpu_streams.refresh()  # RPP_CHECK_STREAMS (on in the stress mode): CPU streams check their order
         self.model = model
         self.cfg = run_config
         # Settings the device threads consult per job, read once per call.

@@ -238,6 +238,17 @@ STRESS_DELAY_S: Setting[float] = _register(
         "Test mode: CPU workers compute concurrently and every RoundPipe wait first sleeps up to this long.",
     )
 )
+CHECK_STREAMS: Setting[str] = _register(
+    Setting(
+        "RPP_CHECK_STREAMS",
+        tristate,
+        "auto",
+        "auto",
+        "`auto`, `1` or `0`",
+        "Test mode: CPU workers' streams record what each op reads and writes and raise when an op is not ordered "
+        "after another stream's access to the same data (auto: in the stress mode).",
+    )
+)
 PROFILER: Setting[Optional[str]] = _register(
     Setting(
         "RPP_PROFILER",
