@@ -142,7 +142,12 @@ class Run:
                 device_mod.get_num_devices(), batch.num_microbatch, has_buffers, split_enabled()
             )
             if self.fused_parts > 1:
-                self.partial_grads = PartialGrads(self.fused_parts, fused, model.partial_grad_store)
+                self.partial_grads = PartialGrads(
+                    self.fused_parts,
+                    fused,
+                    model.partial_grad_store,
+                    lambda i: f"model {model.name!r}: {self.layer_name(i)}",
+                )
         # Which device runs each job ('f', g) / ('b', b) / ('fb', part), fixed at dispatch (roundpipe.dispatch).
         self.job_device: Dict[Tuple[str, int], "DeviceManager"] = {}
         # Activations handed to the next job without a host copy: (its device, leaves there, events its

@@ -225,7 +225,8 @@ WATCHDOG_S: Setting[float] = _register(
         0.0,
         "0 (off)",
         "seconds >= 0",
-        "Print every RoundPipe thread's stack when waits make no progress for this long.",
+        "Print every RoundPipe thread's stack when waits make no progress for this long; a fused part's gradient "
+        "hand-over that long overdue fails the run.",
     )
 )
 STRESS_DELAY_S: Setting[float] = _register(

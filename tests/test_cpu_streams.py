@@ -1,4 +1,5 @@
-"""CPU workers' streams checked for order (``roundpipe.cpu_streams``).
+"""CPU workers' streams checked for order (``roundpipe.cpu_streams``), and the hand-over of a split fused
+job's gradients that never comes (``threads.wait_or_stall``).
 
 On CPU workers stream work runs at once, so a dropped ``wait_event`` never gives a wrong result; with
 ``RPP_CHECK_STREAMS`` (on in the stress mode) the streams record what each op reads and writes and raise
@@ -10,14 +11,16 @@ unmutated passes with the checks on.
 from __future__ import annotations
 
 import sys
+import time
 from typing import Callable, Iterator, List
 
 import pytest
 import torch
 from torch import nn
 
-from roundpipe import RoundPipe, RoundPipeRunConfig, backend, cpu_streams, settings
+from roundpipe import RoundPipe, RoundPipeRunConfig, backend, cpu_streams, settings, threads
 from roundpipe.cpu_streams import CpuEvent, CpuStream, StreamOrderError
+from roundpipe.partial_grads import PartialGrads
 from roundpipe.plan import ModelExecutePlan
 from roundpipe.threads import RoundPipeWorkerError
 
@@ -206,3 +209,44 @@ def test_dropped_transfer_wait_fails(
     assert dropped
     msg = str(info.value)
     assert reader in msg and writer_event in msg and "never waited" in msg, msg
+
+
+# ---- a fused part that never hands its gradients over ----------------------------------------------
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
+@pytest.mark.parametrize("how", ["hangs", "skips"])
+def test_part_that_never_hands_over_fails_within_the_watchdog(
+    workers: str, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Part 1 of the split fused job never publishes its gradients (stuck in a wait, or returning
+    without): part 0 fails within ``RPP_WATCHDOG_S`` naming the part and the layer, and every thread
+    goes idle (the stuck part aborts with the run)."""
+    never = threads.AnnotatedEvent("test.never")
+    real_publish = PartialGrads.publish
+
+    def publish(self: PartialGrads, part: int, *args: object) -> None:
+        if part == 1:
+            if how == "hangs":
+                never.wait()  # aborts (RoundPipeAborted) once the run has failed
+            return
+        real_publish(self, part, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PartialGrads, "publish", publish)
+    threads._ensure_watchdog()  # decided before the override: no stack-dumping thread for later tests
+    limit = 0.4
+    with settings.overridden(split_fused="1", watchdog_s=limit):
+        rp = _split_model()
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="fused part 1 never handed over its gradients") as info:
+            _train(rp, calls=1)
+        elapsed = time.monotonic() - start
+    msg = str(info.value)
+    assert "layer 3 (Tanh)" in msg and "RPP_WATCHDOG_S" in msg and "cpu-worker0" in msg, msg
+    assert isinstance(info.value.original, threads.RoundPipeStalled)  # type: ignore[attr-defined]
+    assert elapsed < limit + 3.0, elapsed
+    deadline = time.monotonic() + 5
+    while any(t.is_alive() and t.is_active for t in threads.roundpipe_threads) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not [t.name for t in threads.roundpipe_threads if t.is_alive() and t.is_active]
