@@ -2,7 +2,8 @@
 
 The runtime talks to devices only through this module (streams, events, RNG, memory queries), so the
 scheduler, threads, recompute, optimizer thread and autograd integration run unchanged on CPU workers:
-there a "stream" runs work synchronously in the calling thread and events are complete once recorded.
+there a "stream" runs work synchronously in the calling thread and events are complete once recorded
+(``roundpipe.cpu_streams``, which can also check the order between streams: ``RPP_CHECK_STREAMS``).
 
 ``RPP_DEVICES`` picks the devices: ``cpu:N`` gives N CPU workers, ``cuda`` all GPUs, ``cuda:0,2`` some.
 Default: all GPUs where CUDA is available, else ``cpu:1``.
@@ -18,44 +19,8 @@ from typing import Any, ContextManager, List, Optional, Union
 
 import torch
 
-
-class CpuStream:
-    """Stand-in for a CUDA stream on a CPU worker: work issued "on" it has finished when the call returns."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def wait_stream(self, stream: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def record_event(self, event: Optional["CpuEvent"] = None) -> "CpuEvent":
-        return event if event is not None else CpuEvent()
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-class CpuEvent:
-    """Stand-in for a CUDA event on a CPU worker: always complete."""
-
-    def record(self, stream: Any = None) -> None:
-        pass
-
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
+from roundpipe import cpu_streams
+from roundpipe.cpu_streams import CpuEvent, CpuStream
 
 Stream = Union[torch.cuda.Stream, CpuStream]
 Event = Union[torch.cuda.Event, CpuEvent]
@@ -105,10 +70,12 @@ def is_cuda(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def new_stream(device: torch.device, priority: int = 0) -> Stream:
+def new_stream(device: torch.device, priority: int = 0, name: str = "") -> Stream:
+    """A stream on ``device``; ``name`` (e.g. ``cpu-worker0.upstream``) names a CPU worker's stream in
+    the order checks' errors."""
     if is_cuda(device):
         return torch.cuda.Stream(device=device, priority=priority)
-    return CpuStream(device)
+    return CpuStream(device, name)
 
 
 def new_event(device: torch.device) -> Event:
@@ -120,7 +87,7 @@ def new_event(device: torch.device) -> Event:
 def record_event(stream: Stream) -> Event:
     """Record a new event on ``stream`` and return it."""
     if isinstance(stream, CpuStream):
-        return CpuEvent()
+        return stream.record_event()
     ev = torch.cuda.Event()
     ev.record(stream)
     return ev
@@ -130,9 +97,10 @@ _NULL = contextlib.nullcontext()  # reusable: nullcontext keeps no state between
 
 
 def use_stream(stream: Stream) -> ContextManager[Any]:
-    """Make ``stream`` current for the kernels issued in this block (no-op on CPU workers)."""
+    """Make ``stream`` current for the kernels issued in this block (on CPU workers a no-op, or, while
+    ``cpu_streams`` checks the order, the block whose ops it records on ``stream``)."""
     if isinstance(stream, CpuStream):
-        return _NULL
+        return cpu_streams.use(stream) or _NULL
     return torch.cuda.stream(stream)
 
 

@@ -109,12 +109,16 @@ class DeviceManager:
         self.name = f"{device.type}:{device.index}" if backend.is_cuda(device) else f"cpu-worker{id}"
         # Lower number = higher priority on CUDA: activation uploads are on the critical path and must
         # not queue behind a parameter prefetch.
-        self.param_upstream = backend.new_stream(device, priority=0)
-        self.upstream = backend.new_stream(device, priority=-1)
-        self.compute_stream = backend.new_stream(device, priority=0)
-        self.downstream = backend.new_stream(device, priority=-1)
+        self.param_upstream = backend.new_stream(device, priority=0, name=f"{self.name}.param_upstream")
+        self.upstream = backend.new_stream(device, priority=-1, name=f"{self.name}.upstream")
+        self.compute_stream = backend.new_stream(device, priority=0, name=f"{self.name}.compute_stream")
+        self.downstream = backend.new_stream(device, priority=-1, name=f"{self.name}.downstream")
         # RPP_GRAD_STREAM=0 (for comparison): gradients share the activations' download stream.
-        self.grad_stream = backend.new_stream(device, priority=0) if settings.GRAD_STREAM.get() else self.downstream
+        self.grad_stream = (
+            backend.new_stream(device, priority=0, name=f"{self.name}.grad_stream")
+            if settings.GRAD_STREAM.get()
+            else self.downstream
+        )
         self.mem_manager = InterStreamMemManager()
         self.recent_jobs: Deque[Event] = collections.deque()
         self.is_idle = AnnotatedSemaphore(1, name=f"{self.name}.is_idle")
@@ -287,11 +291,21 @@ def wait_all_idle() -> None:
         d.wait_idle()
 
 
-def gc_collect() -> None:
-    """Release tensors held for other streams on all devices (synchronises the GPUs first)."""
+def synchronize_devices() -> None:
+    """Block until every device has run all the work queued on its streams (CPU workers: mark it done
+    for the streams' order checks, ``roundpipe.cpu_streams``)."""
     for d in device_list:
         if backend.is_cuda(d.device):
             torch.cuda.synchronize(d.device)
+        else:
+            for s in (d.param_upstream, d.upstream, d.compute_stream, d.downstream, d.grad_stream):
+                s.synchronize()
+
+
+def gc_collect() -> None:
+    """Release tensors held for other streams on all devices (synchronises the GPUs first)."""
+    synchronize_devices()
+    for d in device_list:
         d.mem_manager.free_all()
         d.recent_jobs.clear()
         d.graphs.clear()  # their pool's memory goes back with the next empty_cache

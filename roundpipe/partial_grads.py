@@ -15,8 +15,9 @@ Life cycle, per call and layer of the fused group:
    download's event and then sets the layer's ``ready`` flag (host side: the download is issued).
 2. The primary part, at its own download of the layer (on its gradient stream), waits for each
    secondary's flag (host side, a short wait: a part issues its download as soon as it has queued its
-   microbatches), makes its gradient stream wait for that part's event (device side, across devices)
-   and uploads the host copy (``fetch``), all before that stream waits for its own compute, so the
+   microbatches; with ``RPP_WATCHDOG_S`` it fails, naming the part and layer, when the run stalls that
+   long: ``threads.wait_or_stall``), makes its gradient stream wait for that part's event (device side,
+   across devices) and uploads the host copy (``fetch``), all before that stream waits for its own compute, so the
    upload overlaps the compute; after the compute it adds the copies into its own gradients
    (``add``) and downloads the sum.
 3. The host buffers are written again only by the next call's secondary download, after this call's
@@ -29,7 +30,7 @@ model across calls (``store``); the fused group is one decoder layer and the hea
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 from torch import nn
@@ -62,9 +63,10 @@ def _grad_pairs(cpu_layer: nn.Module, gpu_layer: nn.Module) -> List[Tuple[torch.
 class PartialGrads:
     """One call's gradient parts of the fused group (module docstring). ``parts`` counts the primary."""
 
-    def __init__(self, parts: int, layers: range, store: PartialGradStore) -> None:
+    def __init__(self, parts: int, layers: range, store: PartialGradStore, name: Callable[[int], str] = str) -> None:
         self.parts = parts
         self.store = store
+        self.name = name  # layer id -> how errors name the layer (the model's name and the layer's)
         self.ready = {
             (j, i): AnnotatedEvent(f"fused_part{j}.layer{i}.grads_issued") for j in range(1, parts) for i in layers
         }
@@ -106,7 +108,12 @@ class PartialGrads:
         pairs = _grad_pairs(cpu_layer, gpu_layer)
         out: List[Tuple[torch.Tensor, torch.Tensor]] = []
         for part in range(1, self.parts):
-            self.ready[(part, layer_id)].wait()
+            # A part that never hands over would hang this device thread: with RPP_WATCHDOG_S the wait
+            # fails once the whole run has stalled that long (a failed part aborts it at once anyway).
+            threads.wait_or_stall(
+                self.ready[(part, layer_id)],
+                lambda part=part: f"{self.name(layer_id)}: fused part {part} never handed over its gradients to part 0",
+            )
             bufs, event = self.published.pop((part, layer_id))
             if not bufs:
                 continue

@@ -39,6 +39,12 @@ def guarded(run: Run, what: str, fn: Callable[[], Any]) -> Any:
             # Workers abort their waits within a poll interval; wait for them without aborting.
             _wait_plain(d)
         run.model.reset_events()
+        try:
+            # The failed call's downloads may still be landing in host buffers (gradients, layer buffers)
+            # that the next call uploads and the user may read: no later event orders them.
+            device_mod.synchronize_devices()
+        except Exception:  # noqa: BLE001 - a broken device context: the original error is the one to raise
+            pass
         if isinstance(exc, torch.OutOfMemoryError) or isinstance(current_failure(), torch.OutOfMemoryError):
             # Give the failed run's memory back so the next call (e.g. with more microbatches) fits.
             run.release()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tupl
 import torch
 from torch.utils import _pytree as pytree
 
-from roundpipe import budget, settings, threads
+from roundpipe import budget, cpu_streams, settings, threads
 from roundpipe import device as device_mod
 from roundpipe.batch import Batch
 from roundpipe.grad_sync import LayerReducer
@@ -129,6 +129,7 @@ class Run:
         return_outputs: bool = False,
     ) -> None:
         threads.refresh_stress()  # RPP_STRESS_DELAY_S, read once per call (the waits use it)
+        cpu_streams.refresh()  # RPP_CHECK_STREAMS (on in the stress mode): CPU streams check their order
         self.model = model
         self.cfg = run_config
         # Settings the device threads consult per job, read once per call.
@@ -164,7 +165,12 @@ class Run:
                 device_mod.get_num_devices(), batch.num_microbatch, has_buffers, split_enabled()
             )
             if self.fused_parts > 1:
-                self.partial_grads = PartialGrads(self.fused_parts, fused, model.partial_grad_store)
+                self.partial_grads = PartialGrads(
+                    self.fused_parts,
+                    fused,
+                    model.partial_grad_store,
+                    lambda i: f"model {model.name!r}: {self.layer_name(i)}",
+                )
         # Which device runs each job ('f', g) / ('b', b) / ('fb', part), fixed at dispatch (roundpipe.dispatch).
         self.job_device: Dict[Tuple[str, int], "DeviceManager"] = {}
         # Activations handed to the next job without a host copy: (its device, leaves there, events its

@@ -225,7 +225,8 @@ WATCHDOG_S: Setting[float] = _register(
         0.0,
         "0 (off)",
         "seconds >= 0",
-        "Print every RoundPipe thread's stack when waits make no progress for this long.",
+        "Print every RoundPipe thread's stack when waits make no progress for this long; a fused part's gradient "
+        "hand-over that long overdue fails the run.",
     )
 )
 STRESS_DELAY_S: Setting[float] = _register(
@@ -236,6 +237,17 @@ STRESS_DELAY_S: Setting[float] = _register(
         "0 (off)",
         "seconds >= 0",
         "Test mode: CPU workers compute concurrently and every RoundPipe wait first sleeps up to this long.",
+    )
+)
+CHECK_STREAMS: Setting[str] = _register(
+    Setting(
+        "RPP_CHECK_STREAMS",
+        tristate,
+        "auto",
+        "auto",
+        "`auto`, `1` or `0`",
+        "Test mode: CPU workers' streams record what each op reads and writes and raise when an op is not ordered "
+        "after another stream's access to the same data (auto: in the stress mode).",
     )
 )
 PROFILER: Setting[Optional[str]] = _register(

@@ -75,13 +75,15 @@ def clear_failure() -> Optional[BaseException]:
 
 
 _last_progress = time.monotonic()
+_progress = 0  # how many times a run moved forward (``wait_or_stall`` restarts its clock at each)
 _main_waits = 0
 
 
 def note_progress() -> None:
     """Record that a run moved forward (a microbatch, job or optimizer kernel finished)."""
-    global _last_progress
+    global _last_progress, _progress
     _last_progress = time.monotonic()
+    _progress += 1
 
 
 def _check_abort() -> None:
@@ -121,11 +123,14 @@ def _ensure_watchdog() -> None:
 
 
 def _watch(limit: float) -> None:
-    """Dump every RoundPipe thread's stack when waits make no progress for ``limit`` seconds."""
+    """Dump every RoundPipe thread's stack when waits make no progress for ``limit`` seconds (again
+    every ``limit`` seconds while they still make none)."""
+    quiet_until = 0.0
     while True:
         time.sleep(min(1.0, limit / 4))
-        stalled = time.monotonic() - _last_progress
-        if _main_waits > 0 and stalled > limit:
+        now = time.monotonic()
+        stalled = now - _last_progress
+        if _main_waits > 0 and stalled > limit and now >= quiet_until:
             with thread_exception_print_lock:
                 print(
                     f"roundpipe watchdog: no progress for {stalled:.0f} s (RPP_WATCHDOG_S={limit:g}); thread stacks:",
@@ -134,7 +139,7 @@ def _watch(limit: float) -> None:
                 print("--- main thread ---", file=sys.stderr)
                 print_trimmed_traceback(sys._current_frames().get(threading.main_thread().ident))
             dump_all_active_threads()
-            note_progress()
+            quiet_until = now + limit  # not ``note_progress``: a stalled wait (``wait_or_stall``) must still fail
 
 
 def _poll(attempt: Callable[[float], bool], timeout: Optional[float]) -> bool:
@@ -203,6 +208,33 @@ class AnnotatedEvent(threading.Event):
             return True
         with annotate(f"wait {self.name}"):  # a blocking wait shows on profiler timelines (RPP_PROFILER)
             return _poll(super().wait, timeout)
+
+
+class RoundPipeStalled(RuntimeError):
+    """A wait saw no RoundPipe thread make progress for ``RPP_WATCHDOG_S`` seconds (``wait_or_stall``)."""
+
+
+def wait_or_stall(event: AnnotatedEvent, what: Callable[[], str]) -> None:
+    """``event.wait()`` for a peer thread's hand-over; with ``RPP_WATCHDOG_S`` > 0, raise
+    ``RoundPipeStalled`` (``what()`` says what never came) once no RoundPipe thread has made progress
+    (``note_progress``: a microbatch or optimizer kernel done) for that long, so a peer that will never
+    set the event fails the run instead of hanging it. The clock restarts at every progress: a run
+    that is slow but moving is not cut short. Without a watchdog it waits as ``event.wait()``."""
+    from roundpipe import settings
+
+    limit = settings.WATCHDOG_S.get()
+    if limit <= 0:
+        event.wait()
+        return
+    seen, deadline = _progress, time.monotonic() + limit
+    while not event.wait(min(limit, 0.25)):
+        now = time.monotonic()
+        if _progress != seen:
+            seen, deadline = _progress, now + limit
+        elif now >= deadline:
+            raise RoundPipeStalled(
+                f"{what()}: no RoundPipe thread made progress for {limit:g} s (RPP_WATCHDOG_S) while waiting for it"
+            )
 
 
 class AnnotatedSemaphore(threading.Semaphore):

@@ -240,9 +240,10 @@ def test_parameter_gradients_go_on_their_own_stream_with_other_devices_shares_fe
     class _Recorder(backend_mod.CpuStream):
         def wait_stream(self, stream: object) -> None:
             log.append(("wait", threading.current_thread().name))
+            super().wait_stream(stream)  # still ordered (the stream order checks, RPP_CHECK_STREAMS)
 
     for d in devices:
-        d.grad_stream = _Recorder(d.device)
+        d.grad_stream = _Recorder(d.device, f"{d.name}.grad_stream")
     real_upload, real_set = transfer_mod.to_device, transfer_mod.set_host_grad
 
     def upload(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
