@@ -9,12 +9,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from roundpipe import budget, host_buffers, plan_choice, settings
+from roundpipe import budget, plan_choice, settings, step_cycle
 from roundpipe.attribute import LayerAttribute, ParamAttribute
 from roundpipe.batch import Batch
 from roundpipe.context import doing_optimizer
 from roundpipe.grad_sync import GradSync
-from roundpipe.host_buffers import StepCycle
+from roundpipe.host_buffers import ParamBuffers, fold_shared_grads
 from roundpipe.memory import PinMode, pin_module
 from roundpipe.optim import step as optim_step
 from roundpipe.optim import thread as optim_thread
@@ -23,9 +23,9 @@ from roundpipe.pipeline import RoundPipeBatchedBackward, dispatch_forward, dispa
 from roundpipe.plan import ModelExecutePlan, RunType
 from roundpipe.run import Run
 from roundpipe.run_config import ResolvedRunConfig, RoundPipeRunConfig, check_wrapper_arguments
+from roundpipe.step_cycle import StepCycle
 from roundpipe.threads import AnnotatedEvent, raise_if_failed
 from roundpipe.timer import ModelTimer
-from roundpipe.transfer import fold_shared_grads
 from roundpipe.utils import get_call_location, get_model_active_size, get_model_compute_size, get_model_size
 
 _OWN_ATTRS = ("model", "original_model", "_rpp_initialized", "grad_sync")
@@ -183,7 +183,7 @@ class RoundPipeBase(nn.Module):
                 and torch.finfo(dtype).bits > torch.finfo(p.dtype).bits
             )
             if dtype == p.dtype or wider:  # the weights round-trip exactly: they are its version
-                attr.mark_current(p)
+                ParamBuffers.of(p).mark_current(p)
         return attr.optim
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:  # type: ignore[override]
@@ -241,11 +241,11 @@ class RoundPipeBase(nn.Module):
         optim_step.launch(self.optim_units(), step_fn, is_async, args, kwargs, self.optim_updated, sync)
 
     def _cycles(self) -> List[StepCycle]:
-        """The step cycles (``host_buffers.StepCycle``) of the RoundPipes whose calls this model's step ends."""
-        return [host_buffers.step_cycle(self)]
+        """The step cycles (``step_cycle.StepCycle``) of the RoundPipes whose calls this model's step ends."""
+        return [step_cycle.step_cycle(self)]
 
     def _finish_host_buffers(self) -> None:
-        """Wait, once, for the host buffers and optimizer state built ahead (``roundpipe.host_buffers``)."""
+        """Wait, once, for the host buffers and optimizer state built ahead (``roundpipe.step_cycle``)."""
         prep = self.__dict__.get("host_buffers")
         if prep is not None:
             prep.finish()
@@ -319,7 +319,7 @@ class RoundPipeBase(nn.Module):
 
     def reduce_shared_grads(self) -> None:
         """Fold the per-layer gradient shares of shared (tied) parameters into ``param.grad``
-        (``transfer.fold_shared_grads``)."""
+        (``host_buffers.fold_shared_grads``)."""
         fold_shared_grads(self._shared_params)
 
     @property
@@ -466,7 +466,7 @@ class RoundPipe(RoundPipeBase):
         self._check_optimizer_idle()
         batch = Batch(args, kwargs, cfg)
         train = cfg.requires_grad and self._needs_graph(batch)
-        into_weights = host_buffers.begin_call(self, train)
+        into_weights = step_cycle.begin_call(self, train)
         run_type: RunType = "train" if train else "infer"
         run = Run(self, cfg, batch, run_type, self.resolve_plan(cfg, run_type, batch))
         run.grad_into_weights = into_weights
@@ -509,7 +509,7 @@ class RoundPipe(RoundPipeBase):
             input_args = (input_args,)
         cfg = ResolvedRunConfig(run_config, self.model_run_config)
         self._check_optimizer_idle()
-        into_weights = host_buffers.begin_call(self, True)
+        into_weights = step_cycle.begin_call(self, True)
         batch = Batch(input_args, dict(input_kwargs), cfg, label)
         run = Run(self, cfg, batch, "fused", self.resolve_plan(cfg, "fused", batch), loss_fn, return_outputs)
         run.grad_into_weights = into_weights

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from roundpipe.attribute import LayerAttribute, ParamAttribute
+from roundpipe.host_buffers import ParamBuffers
 from roundpipe.transfer import to_device
 
 
@@ -76,12 +77,12 @@ class TiedGrads:
                         continue
                     sharer = self.layer_attrs[lid]
                     sharer.grad_download_started.wait()  # its download is issued (an earlier job)
-                    host = attr.grad_cpu.get(lid)
+                    # Summed here: the share leaves the host gradient, so the fold does not add it again.
+                    host = ParamBuffers.of(p).take_share(lid)
                     if host is None:
                         continue
                     stream.wait_event(sharer.grad_downloaded)  # ... and lands before we read it
                     shares.append(to_device(host, device.device))
-                    attr.grad_cpu[lid] = None  # summed here: reduce_shared_grads must not add it again
                 self.fetched[id(p)] = shares
 
     def merge(

@@ -5,9 +5,9 @@ synchronisation: activation uploads on ``upstream``, parameter uploads on ``para
 activation (and input-gradient) downloads on ``downstream``, a layer's parameter gradients and buffers
 on ``grad_stream`` (``download_layer``). Callers make the compute stream wait for the upload stream before use,
 and hand device tensors to the device's ``InterStreamMemManager`` so they outlive their last use.
-Host waits: with ``RPP_GRAD_BUFFERS=1 RPP_STAGE_PARAMS=0`` (opt-in) a gradient download waits on its
-device thread for the optimizer to release the host buffer (``_grad_buffer``); ``HostScalar.item()`` waits for an event
-recorded stages earlier (in practice long complete).
+Host waits: ``HostScalar.item()`` waits for an event recorded stages earlier (in practice long complete).
+Which host buffer a gradient download writes (and whether it must wait for the optimizer to release one)
+is ``roundpipe.host_buffers``' decision.
 
 On CPU workers uploads copy too (so layers that modify inputs or parameters in place never touch the
 host copies saved for recompute or written by the optimizer thread) and downloads detach.
@@ -30,7 +30,7 @@ from torch import nn
 from roundpipe import backend, settings
 from roundpipe.attribute import LayerAttribute, ParamAttribute
 from roundpipe.backend import Event
-from roundpipe.memory import pinned_empty
+from roundpipe.host_buffers import ParamBuffers
 
 chunked_upload = True
 CHUNK_UPLOAD_SIZE = 64 * 1024**2
@@ -252,31 +252,6 @@ def _device_copy(mod: nn.Module, tensors: Dict[int, torch.Tensor], memo: Dict[in
     return new
 
 
-def host_grad(p: torch.Tensor, layer_id: int) -> Optional[torch.Tensor]:
-    """The host gradient slot of ``p`` for ``layer_id`` (see ``ParamAttribute``)."""
-    attr = ParamAttribute.get(p)
-    if not attr.shared:
-        return p.grad
-    g = attr.grad_cpu.get(layer_id)
-    if (
-        g is None
-        and layer_id == min(attr.layer_ids)
-        and p.grad is not None
-        and any(p.grad is b for b in attr.grad_buffer.get(layer_id, []))
-    ):
-        # reduce_shared_grads summed the shares into this layer's buffer: it carries the running sum.
-        return p.grad
-    return g
-
-
-def set_host_grad(p: torch.Tensor, layer_id: int, g: Optional[torch.Tensor]) -> None:
-    attr = ParamAttribute.get(p)
-    if attr.shared:
-        attr.grad_cpu[layer_id] = g
-    else:
-        p.grad = g
-
-
 def upload_layers(
     layers: Sequence[nn.Module],
     layer_ids: Sequence[int],
@@ -327,7 +302,7 @@ def upload_layers(
                     if p is None or id(p) in tensors:
                         continue
                     train = with_grad and p.requires_grad
-                    g = host_grad(p, lid) if train and seed else None
+                    g = ParamBuffers.of(p).seed(p, lid) if train and seed else None
                     if slot is None:
                         dp = nn.Parameter(_upload_param(p, device.device), requires_grad=train)
                         if g is not None:
@@ -392,14 +367,14 @@ def download_layer(
 
     Buffers are written into the host buffers in place (``buffer_downloaded`` marks completion; the
     next upload of the layer waits for it). Gradients go to the host gradient slots, reusing the
-    parameter's pinned buffer; ``grad_downloaded`` is recorded and ``grad_download_started`` set.
+    buffer ``roundpipe.host_buffers`` gives; ``grad_downloaded`` is recorded and ``grad_download_started`` set.
 
     ``tied`` (the call's ``TiedGrads``) sums the gradient shares of tied parameters into the owner
     layer's share before its download (``job_layers``: the layers of this job). ``reducer``
     (``roundpipe.grad_sync``) reduces the layer's device gradients across processes before the download.
     ``parts`` (``partial_grads.PartialGrads``, the fused job split over devices) first adds the other
     parts' gradients of the layer into this device's. ``into_weights``: gradients may take the weights'
-    host buffers (``_grad_buffer``).
+    host buffers (``host_buffers.ParamBuffers.download_target``).
 
     Stream order (``grad_stream``): the uploads of other devices' shares (fused parts, tied sharers)
     wait only for those devices' download events, so they are queued before the wait for this job's
@@ -434,88 +409,31 @@ def download_layer(
                     if p is None or dp is None or id(p) in done:
                         continue
                     attr = ParamAttribute.get(p)
+                    bufs = ParamBuffers.of(p)
                     grad = dp.grad
                     if tied is not None and attr.shared and reducer is None and job_layers is not None:
                         grad = tied.merge(p, attr, layer_id, grad, hold)
                         if grad is not None and tied.keep(p, attr, layer_id, grad, job_layers):
                             done.add(id(p))
-                            set_host_grad(p, layer_id, None)
+                            bufs.download_issued(p, layer_id, None)
                             continue
                     if grad is None:
                         continue
                     done.add(id(p))
-                    buf = _grad_buffer(p, attr, layer_id, grad, into_weights)
+                    # A host buffer no other thread reads or writes now (the backward fence waited for
+                    # grad_copied); host_buffers decides which, and whether it waits for the optimizer.
+                    buf = bufs.download_target(p, layer_id, grad, into_weights)
                     if grad.device.type == "cpu":
                         buf.copy_(grad)
                     elif _sliced(buf, grad):  # the activation downloads of ``downstream`` can go between slices
                         _copy_in_chunks(buf, grad, CHUNK_UPLOAD_SIZE)
                     else:
                         buf.copy_(grad, non_blocking=True)
-                    set_host_grad(p, layer_id, buf)
+                    bufs.download_issued(p, layer_id, buf)
             layer_attr.grad_downloaded = backend.record_event(stream)
             if hold:
                 device.mem_manager.free_after([layer_attr.grad_downloaded], hold)
             layer_attr.grad_download_started.set()
-
-
-def _grad_buffer(
-    p: torch.Tensor, attr: ParamAttribute, layer_id: int, dev_grad: torch.Tensor, into_weights: bool = False
-) -> torch.Tensor:
-    """A pinned host buffer to download ``dev_grad`` into: one the optimizer is not reading.
-
-    A gradient still accumulating on the host (``p.grad``, added into ``dev_grad`` by the upload) is
-    overwritten in place. Otherwise an unshared parameter takes a spare buffer; its host buffers rotate
-    through the roles (three copies, not four: model, staged, and two gradient buffers):
-
-        download target (p.grad) -> the optimizer's .grad (held) -> the step stages into it (staged)
-        -> the next step publishes it (model) -> that publish releases the old model buffer once no
-        upload reads it (spare) -> the next iteration's downloads take it.
-
-    Safe to take a spare here without waiting: the backward fence waited for ``grad_copied``, set by
-    the step after publishing: this iteration's spare (the old model buffer) exists, unread. With
-    staging off (``RPP_STAGE_PARAMS=0``) the spare is the gradient buffer the previous step released;
-    while that step still holds it, ``RPP_GRAD_BUFFERS=1`` makes this device thread wait until the
-    optimizer kernels queued so far have run (their ``zero_grad`` releases it).
-    No deadlock: those kernels wait only for downloads of earlier iterations (the next step is queued
-    after every job of this call, ``run.guarded``). Shared parameters: ``ParamAttribute.shared_grad_buffer``.
-
-    ``into_weights`` (``host_buffers.StepCycle``) skips the spare, two copies: the download takes the
-    weights' buffer, the weights move to the buffer the step in flight stages into
-    (``ParamAttribute.move_weights``). No wait needed: this job's upload was the call's last of the
-    layer (one backward job per layer and call; a split job's other parts uploaded before the gradients
-    this waits for), compute waited for it and this stream waits for compute; the step chose the
-    staging buffer before ``grad_copied`` (the backward fence waited for it). A tied weight moves at its
-    owner's download, the last job of the call to use it (its sharers' shares were computed before).
-    """
-    pinned = backend.pin_enabled()  # asynchronous downloads need pinned memory
-    if attr.shared:
-        seed = host_grad(p, layer_id)
-        moved = (
-            attr.move_weights(p, dev_grad.dtype, pinned)
-            if into_weights and layer_id == min(attr.layer_ids) and seed is None
-            else None
-        )
-        return attr.shared_grad_buffer(layer_id, dev_grad, seed, moved)
-    g = p.grad
-    if g is not None and g.device.type == "cpu" and g.shape == dev_grad.shape and g.dtype == dev_grad.dtype:
-        return g
-    moved = attr.move_weights(p, dev_grad.dtype, pinned) if into_weights and g is None else None
-    if moved is not None:
-        return moved
-    buf = attr.take_spare(dev_grad.shape, dev_grad.dtype, pinned)
-    if (
-        buf is None
-        and attr.held is not None
-        and settings.grad_buffers_limit() == 1
-        and not settings.stage_params_enabled()
-    ):
-        from roundpipe.optim import thread as optim_thread
-
-        optim_thread.synchronize()
-        buf = attr.take_spare(dev_grad.shape, dev_grad.dtype, pinned)
-    if buf is None:
-        buf = pinned_empty(dev_grad.shape, dev_grad.dtype)  # exact size: it lives as long as the model
-    return buf
 
 
 def release_layers(gpu_layers: Sequence[nn.Module], device: Any, slots: Optional[Sequence[Any]] = None) -> None:
@@ -537,36 +455,3 @@ def release_layers(gpu_layers: Sequence[nn.Module], device: Any, slots: Optional
                 held.append(p.grad)
         held.extend(layer.buffers())
     device.mem_manager.free(held, device.compute_stream, device.grad_stream)
-
-
-def fold_shared_grads(shared: Sequence[nn.Parameter]) -> None:
-    """Add the per-layer gradient shares of shared (tied) parameters into ``param.grad``.
-
-    The shares of layers above the owner (the parameter's lowest layer) were already added into the
-    owner's share on its device (``tied_grads.TiedGrads``), so there is usually one share left and
-    nothing to add; with owner and sharer in one stage, or with data parallel reducing on the
-    device, the shares are added here.
-
-    No copy where possible: ``param.grad`` becomes the share buffer of the parameter's first layer
-    (whose optimizer unit and ``grad_copied`` event guard the parameter, see ``optim_units``), and
-    the other shares are added into it in place. ``host_grad`` then seeds that layer's next
-    upload from ``param.grad``, so gradients accumulate across calls as in PyTorch. (A fresh clone
-    here cost ~45 ms of page faults per iteration on a 151k x 2048 tied embedding, on the critical
-    path between iterations.)
-    """
-    for p in shared:
-        attr = ParamAttribute.get(p)
-        owner = min(attr.layer_ids)
-        shares = [(lid, g) for lid, g in sorted(attr.grad_cpu.items()) if g is not None]
-        if not shares:
-            continue
-        if p.grad is None:
-            lid, g = shares.pop(0)
-            # Only the owner's buffer may be aliased: another layer's buffer is overwritten by its
-            # next download, which does not wait for this parameter's optimizer copy.
-            p.grad = g if lid == owner else g.clone()
-        for _, g in shares:
-            if g is not p.grad:
-                p.grad.add_(g)
-        for lid in attr.grad_cpu:
-            attr.grad_cpu[lid] = None

@@ -236,7 +236,7 @@ def test_host_buffer_rotation_and_one_gradient_buffer_on_gpu(devices: str, monke
     gradient buffer. The parameters of all variants must be equal bit for bit."""
     import time
 
-    from roundpipe.attribute import ParamAttribute
+    from roundpipe.host_buffers import ParamBuffers
     from roundpipe.optim import Adam
 
     if devices.count(",") + 1 > torch.cuda.device_count():
@@ -263,7 +263,7 @@ def test_host_buffer_rotation_and_one_gradient_buffer_on_gpu(devices: str, monke
             model.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.float().pow(2).mean())
             model.step(step, is_async=True)
         model.synchronize()
-        bufs = [ParamAttribute.get(p).host_buffers(p) for p in body.parameters()]
+        bufs = [ParamBuffers.of(p).host_buffers(p) for p in body.parameters()]
         assert all(b.is_pinned() for bb in bufs for b in bb)
         counts = {len(bb) for bb in bufs}
         expected = {
@@ -402,7 +402,7 @@ def test_streamed_async_steps_equal_synchronous_steps_on_the_gpu(devices: str, m
     host optimizer steps them give bit-identical weights to synchronous steps (the device streams
     wait for each layer's conversion; none reads a half-written weight), with two host buffers per
     parameter."""
-    from roundpipe.attribute import ParamAttribute
+    from roundpipe.host_buffers import ParamBuffers
     from roundpipe.optim import Adam
 
     if devices.count(",") + 1 > torch.cuda.device_count():
@@ -421,7 +421,7 @@ def test_streamed_async_steps_equal_synchronous_steps_on_the_gpu(devices: str, m
             model.forward_backward(input_args=(x,), loss_fn=lambda out, _: out.float().pow(2).mean())
             model.step(lambda: (opt.step(), opt.zero_grad()), is_async=is_async)
         model.synchronize()
-        buffers = max(len(ParamAttribute.get(p).host_buffers(p)) for p in body.parameters())
+        buffers = max(len(ParamBuffers.of(p).host_buffers(p)) for p in body.parameters())
         return [p.detach().clone() for p in model.optim_parameters()], buffers
 
     streamed, buffers = run("streamed", True)

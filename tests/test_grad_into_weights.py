@@ -1,4 +1,4 @@
-"""Gradient downloads into the weights' host buffers (``RPP_GRAD_INTO_MODEL``, ``host_buffers.StepCycle``):
+"""Gradient downloads into the weights' host buffers (``RPP_GRAD_INTO_MODEL``, ``step_cycle.StepCycle``):
 with one training call per staged asynchronous step a weight keeps two host copies in the model dtype
 instead of three, and every run trains exactly what the three-buffer rotation trains (bit for bit),
 including when the number of calls per step changes, an evaluation reads the weights mid-cycle, or the
@@ -17,6 +17,7 @@ from torch import nn
 
 from roundpipe import RoundPipe, RoundPipeRunConfig
 from roundpipe.attribute import ParamAttribute
+from roundpipe.host_buffers import ParamBuffers
 from roundpipe.optim import Adam
 from roundpipe.plan import ModelExecutePlan
 
@@ -44,7 +45,7 @@ def _buffers(model: nn.Module, shared: bool = False) -> List[int]:
     """Host buffers in the model dtype of each unshared (``shared``: shared) trainable parameter
     (weights, gradient, staging, spares; not an optimizer's own fp32 gradient copy)."""
     ps = [p for p in model.parameters() if p.requires_grad and ParamAttribute.get(p).shared == shared]
-    return [sum(b.dtype == p.dtype for b in ParamAttribute.get(p).host_buffers(p)) for p in ps]
+    return [sum(b.dtype == p.dtype for b in ParamBuffers.of(p).host_buffers(p)) for p in ps]
 
 
 Schedule = Callable[[int], Tuple[int, bool]]  # iteration -> (training calls before its step, evaluate mid-cycle)
@@ -71,13 +72,13 @@ def _train(
     n_iter: int = 6,
 ) -> Tuple[List[float], List[torch.Tensor], List[List[int]]]:
     """Losses, optimizer copies and host buffer counts (after each step) of an asynchronous run. The
-    background builder of the first buffers (``host_buffers``, tested on its own in test_step.py) is
+    background builder of the first buffers (``step_cycle``, tested on its own in test_step.py) is
     done before the first backward here: racing it, a download that comes first makes its own buffer
     and the builder a spare that the step trims, which the counts would see on a loaded machine."""
-    from roundpipe import host_buffers
+    from roundpipe import step_cycle
 
-    build = host_buffers.preallocate_host_buffers
-    monkeypatch.setattr(host_buffers, "preallocate_host_buffers", lambda params, name: _joined(build(params, name)))
+    build = step_cycle.preallocate_host_buffers
+    monkeypatch.setattr(step_cycle, "preallocate_host_buffers", lambda params, name: _joined(build(params, name)))
     monkeypatch.setenv("RPP_GRAD_INTO_MODEL", into)
     model = _model(tied)
     # A fixed plan: the auto planner follows measured times, and on a loaded machine two runs could

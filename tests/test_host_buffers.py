@@ -1,4 +1,4 @@
-"""The first asynchronous step converts nothing (``roundpipe.host_buffers``): an optimizer copy starts as
+"""The first asynchronous step converts nothing (``roundpipe.step_cycle``): an optimizer copy starts as
 the weights' version, so the first publish leaves the weights in place; nothing that changes the weights
 or the optimizer copies before that step is lost, and nothing is staged ahead."""
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from roundpipe import RoundPipe, RoundPipeRunConfig
-from roundpipe.attribute import ParamAttribute
+from roundpipe.host_buffers import ParamBuffers
 from roundpipe.optim import Adam
 
 
@@ -63,12 +63,12 @@ def test_first_async_step_leaves_the_weights_in_place(workers: str, into: str, m
     for p in _trained(list(rp.model.parameters())):
         assert p.data.data_ptr() == before[id(p)][0]
         assert torch.equal(p.detach(), before[id(p)][1])  # not converted from the edited copies
-        assert ParamAttribute.get(p).staged_valid  # the step staged its own update for the next one
+        assert ParamBuffers.of(p).staged_valid  # the step staged its own update for the next one
     rp.forward_backward(input_args=(x2,), label=y2, loss_fn=_loss)
     rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
     rp.synchronize()
     for p in _trained(list(rp.model.parameters())):
-        assert torch.equal(p.detach(), ParamAttribute.get(p).optim.detach().to(p.dtype))
+        assert torch.equal(p.detach(), ParamBuffers.of(p).optim.detach().to(p.dtype))
 
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
@@ -87,7 +87,7 @@ def test_weights_or_copies_written_before_the_first_step_are_published(workers: 
         else:
             for q in rp.optim_parameters():
                 q.fill_(0.25)
-    expected = {id(p): ParamAttribute.get(p).optim.detach().to(p.dtype) for p in _trained(list(rp.model.parameters()))}
+    expected = {id(p): ParamBuffers.of(p).optim.detach().to(p.dtype) for p in _trained(list(rp.model.parameters()))}
     rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
     rp.wait_optimizer()
     for p in _trained(list(rp.model.parameters())):
@@ -117,7 +117,7 @@ def test_synchronous_steps_keep_no_staging_buffer(workers: str) -> None:
         rp.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
         rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
         for p in _trained(list(rp.model.parameters())):
-            attr = ParamAttribute.get(p)
+            attr = ParamBuffers.of(p)
             assert attr.staged is None
             assert torch.equal(p.detach(), attr.optim.detach().to(p.dtype))
             assert len(attr.host_buffers(p)) <= 2, len(attr.host_buffers(p))
@@ -142,6 +142,6 @@ def test_nothing_is_staged_ahead_of_the_first_step(
     (x, y), _ = _batches(2)
     rp.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
     rp._finish_host_buffers()
-    assert all(ParamAttribute.get(p).staged is None for p in _trained(list(rp.model.parameters())))
+    assert all(ParamBuffers.of(p).staged is None for p in _trained(list(rp.model.parameters())))
     rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
     rp.synchronize()

@@ -14,7 +14,7 @@ replicas agree with or without a gradient reduction.
   (the weights a call moved into the step's buffers are settled first) and a synchronous step among
   asynchronous ones, through the real data-parallel step; and on every rank each master's version
   counter moves at each step, also where the other rank wrote it (the step protocol compares version
-  counters to tell whether the weights are current, ``ParamAttribute.weights_current``).
+  counters to tell whether the weights are current, ``ParamBuffers.weights_current``).
 """
 
 from __future__ import annotations
@@ -70,5 +70,5 @@ def test_sharded_step_with_resyncs_equals_the_replicated_step(tmp_path: Any) -> 
     _assert_same_runs(sharded, replicated)
     assert len(sharded["ranks"][0]["evals"]) == 3 and len(sharded["ranks"][0]["losses"]) == 16
     # On every rank each master's version counter moved at each of the 11 steps, as if this rank had
-    # written it, also where the other rank stepped it (``ParamAttribute.weights_current`` reads them).
+    # written it, also where the other rank stepped it (``ParamBuffers.weights_current`` reads them).
     assert all(r["version_moves"] >= 11 for r in sharded["ranks"]), sharded["ranks"]

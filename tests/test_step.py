@@ -99,9 +99,9 @@ def _mixed_schedule_losses(model: nn.Module) -> List[float]:
     rp.synchronize()
     # The host buffers of a parameter rotate without piling up across the schedule: the model
     # buffer, the staging buffer and one spare (the last model buffer, or the copied gradient).
-    from roundpipe.attribute import ParamAttribute
+    from roundpipe.host_buffers import ParamBuffers
 
-    assert all(len(ParamAttribute.get(p).host_buffers(p)) <= 3 for p in model.parameters())
+    assert all(len(ParamBuffers.of(p).host_buffers(p)) <= 3 for p in model.parameters())
     return losses + [p.detach().double().sum().item() for p in model.parameters()]
 
 
@@ -230,7 +230,7 @@ def test_tied_gradient_shares_are_summed_on_the_device(
     not even downloaded, on two they are and the owner's download adds them in. Either way the main
     thread finds one share left to fold; where owner and sharer run in one job it still adds them.
     Gradients equal plain PyTorch, across calls (accumulation) and steps."""
-    from roundpipe.attribute import ParamAttribute
+    from roundpipe.host_buffers import ParamBuffers
     from roundpipe.plan import ModelExecutePlan
 
     torch.manual_seed(5)
@@ -247,12 +247,12 @@ def test_tied_gradient_shares_are_summed_on_the_device(
         else ModelExecutePlan([range(0, n)], [range(0, n)])
     )
     rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
-    attr = ParamAttribute.get(emb.weight)
+    bufs = ParamBuffers.of(emb.weight)
     left: List[int] = []  # shares the main thread found to fold, per call
     real_reduce = RoundPipe.reduce_shared_grads
 
     def reduce(self: RoundPipe) -> None:
-        left.append(sum(g is not None for g in attr.grad_cpu.values()))
+        left.append(sum(g is not None for g in bufs.shares.values()))
         real_reduce(self)
 
     monkeypatch.setattr(RoundPipe, "reduce_shared_grads", reduce)
@@ -267,8 +267,8 @@ def test_tied_gradient_shares_are_summed_on_the_device(
             ((rp(x) - y) ** 2).sum().backward()
         ((ref(x) - y) ** 2).sum().backward()
         assert rel_err(emb.weight.grad, ref[0].weight.grad) < 1e-6, k
-        assert left[-1] == (len(attr.layer_ids) if plan_kind == "one-group" else 1), left
-        sharer_buffers = [lid for lid, bufs in attr.grad_buffer.items() if bufs and lid != 0]
+        assert left[-1] == (len(bufs.attr.layer_ids) if plan_kind == "one-group" else 1), left
+        sharer_buffers = [lid for lid, lst in bufs.share_buffers.items() if lst and lid != 0]
         if one_device and plan_kind != "one-group":
             assert sharer_buffers == [], sharer_buffers  # kept on the device, never downloaded
         if k % 2 == 1:  # two calls accumulate, then a synchronous step
@@ -312,13 +312,14 @@ def test_tied_share_kept_on_the_device_when_the_owner_has_no_gradient(workers: s
 
 
 def test_spare_buffers_serve_pinned_requests_only_with_pinned_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ParamAttribute spares: a pageable spare (pin_model='off' model buffer) serves staging of a
+    """ParamBuffers spares: a pageable spare (pin_model='off' model buffer) serves staging of a
     pageable parameter but is dropped, not returned, when a pinned download buffer is asked for."""
     from roundpipe import backend
     from roundpipe.attribute import ParamAttribute
+    from roundpipe.host_buffers import ParamBuffers
 
     monkeypatch.setattr(backend, "pin_enabled", lambda: True)
-    attr = ParamAttribute()
+    attr = ParamBuffers(ParamAttribute())
     pageable = torch.empty(3, 4)
     attr.give_spare(pageable)
     assert attr.take_spare(torch.Size([4, 3]), torch.float32, pinned=False) is None  # other shape
@@ -413,7 +414,7 @@ def test_host_buffers_rotate_and_one_gradient_buffer_waits(workers: str, monkeyp
     Every variant trains exactly the same parameters."""
     import time
 
-    from roundpipe.attribute import ParamAttribute
+    from roundpipe.host_buffers import ParamBuffers
     from roundpipe.optim import Adam
 
     def run(stage: str, buffers: str, zero_grad: bool = True, into: str = "0") -> tuple:
@@ -434,9 +435,9 @@ def test_host_buffers_rotate_and_one_gradient_buffer_waits(workers: str, monkeyp
         for x, y in batches(6):
             rp.forward_backward(input_args=(x.bfloat16(),), label=y, loss_fn=lambda o, t: ((o.float() - t) ** 2).mean())
             rp.step(step, is_async=True)
-            most = max([most] + [len(ParamAttribute.get(p).host_buffers(p)) for p in model.parameters()])
+            most = max([most] + [len(ParamBuffers.of(p).host_buffers(p)) for p in model.parameters()])
         rp.synchronize()
-        counts = {len(ParamAttribute.get(p).host_buffers(p)) for p in model.parameters()}
+        counts = {len(ParamBuffers.of(p).host_buffers(p)) for p in model.parameters()}
         return [p.detach().clone() for p in rp.optim_parameters()], max(most, *counts), counts
 
     rotated, most, counts = run("1", "2")
@@ -468,7 +469,7 @@ def test_bf16_gradients_are_handed_to_roundpipe_adam_without_a_copy(workers: str
     """bf16 model, fp32 masters: roundpipe.optim.Adam reads the bf16 host gradient buffers as its .grad
     (no fp32 gradient copy); the run equals the copying path (torch.optim.Adam gets fp32 gradients) and
     each layer keeps at most two gradient buffers, alternating while the asynchronous step reads one."""
-    from roundpipe.attribute import ParamAttribute
+    from roundpipe.host_buffers import ParamBuffers
     from roundpipe.optim import Adam
 
     def run(opt_cls: type, accumulate: bool) -> List[torch.Tensor]:
@@ -493,7 +494,7 @@ def test_bf16_gradients_are_handed_to_roundpipe_adam_without_a_copy(workers: str
         assert seen == ({torch.bfloat16} if opt_cls is Adam and not accumulate else {torch.float32}), seen
         if opt_cls is Adam:
             for p in model.parameters():
-                attr = ParamAttribute.get(p)
+                attr = ParamBuffers.of(p)
                 assert attr.optim_grad_buffer is None or accumulate  # handed over, never copied to fp32
                 assert len(attr.host_buffers(p)) <= (4 if accumulate else 3), len(attr.host_buffers(p))
         return [p.detach().clone() for p in rp.optim_parameters()]
@@ -611,13 +612,12 @@ def _record_host_allocations(stage: str, monkeypatch: pytest.MonkeyPatch) -> lis
     """Set the buffer mode (``stage``: "1" staged steps, two buffers; "0" no staging; "rotate": staged
     with three buffers, ``RPP_GRAD_INTO_MODEL=0``) and record the shape of every host buffer the
     runtime's download and step paths allocate from now on."""
-    from roundpipe import attribute, transfer
-    from roundpipe.optim import step as optim_step
+    from roundpipe import host_buffers
 
     monkeypatch.setenv("RPP_STAGE_PARAMS", "0" if stage == "0" else "1")
     monkeypatch.setenv("RPP_GRAD_INTO_MODEL", "0" if stage == "rotate" else "1")
     allocations: list = []
-    for mod in (transfer, optim_step, attribute):
+    for mod in (host_buffers,):
         real = mod.pinned_empty
         monkeypatch.setattr(
             mod, "pinned_empty", lambda *a, real=real, **k: (allocations.append(a[0]), real(*a, **k))[1]
@@ -665,13 +665,14 @@ def test_a_tied_weights_buffers_come_from_the_background_builder(
     the first only, so that case on one device is not run here)."""
     import threading
 
-    from roundpipe import host_buffers
+    from roundpipe import step_cycle
     from roundpipe.attribute import ParamAttribute
+    from roundpipe.host_buffers import ParamBuffers
     from roundpipe.optim import Adam
     from roundpipe.plan import ModelExecutePlan
 
     allocations = _record_host_allocations(stage, monkeypatch)
-    build = host_buffers.preallocate_host_buffers
+    build = step_cycle.preallocate_host_buffers
 
     def run(builder: bool) -> Tuple[List[torch.Tensor], int]:
         def prealloc(params: list, name: str) -> threading.Thread:
@@ -681,7 +682,7 @@ def test_a_tied_weights_buffers_come_from_the_background_builder(
             t.join()  # done before the first backward
             return t
 
-        monkeypatch.setattr(host_buffers, "preallocate_host_buffers", prealloc)
+        monkeypatch.setattr(step_cycle, "preallocate_host_buffers", prealloc)
         torch.manual_seed(0)
         m = nn.Sequential(
             nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3)
@@ -705,7 +706,7 @@ def test_a_tied_weights_buffers_come_from_the_background_builder(
             rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
         rp.synchronize()
         w = rp.model[2].weight
-        copies = len(ParamAttribute.get(w).host_buffers(w))
+        copies = len(ParamBuffers.of(w).host_buffers(w))
         return [o.detach().clone() for o in rp.optim_parameters()], copies
 
     without, _ = run(builder=False)
@@ -729,11 +730,11 @@ def test_the_first_step_waits_for_the_host_buffers_and_the_optimizer_state(
     gradients do not wait."""
     import threading
 
-    from roundpipe import host_buffers
+    from roundpipe import step_cycle
     from roundpipe.optim import reserve
 
     release = threading.Event()
-    real = host_buffers.preallocate_host_buffers
+    real = step_cycle.preallocate_host_buffers
     waited: list = []
     real_wait = reserve.wait_for
     monkeypatch.setattr(reserve, "wait_for", lambda params: (waited.append(len(list(params))), real_wait(params))[1])
@@ -747,7 +748,7 @@ def test_the_first_step_waits_for_the_host_buffers_and_the_optimizer_state(
         t.start()
         return t
 
-    monkeypatch.setattr(host_buffers, "preallocate_host_buffers", slow)
+    monkeypatch.setattr(step_cycle, "preallocate_host_buffers", slow)
     rp, train = _bf16_async_training(step=False)
     opt = rp.__dict__["opt"]
     data = batches(2)

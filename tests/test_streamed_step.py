@@ -13,7 +13,7 @@ from torch import nn
 
 import roundpipe
 from roundpipe import RoundPipe, RoundPipeRunConfig, settings
-from roundpipe.attribute import ParamAttribute
+from roundpipe.host_buffers import ParamBuffers
 from roundpipe.optim import step as step_protocol
 
 
@@ -153,7 +153,7 @@ def test_bf16_model_keeps_two_host_copies_and_matches_synchronous_steps(
     assert streamed == sync
     assert all(torch.equal(a, b) for a, b in zip(w_streamed, w_sync))
     for p in model.parameters():
-        pa = ParamAttribute.get(p)
+        pa = ParamBuffers.of(p)
         assert pa.staged is None
         assert len(pa.host_buffers(p)) <= 2, len(pa.host_buffers(p))
     from roundpipe.optim.adam import _adam_kernel

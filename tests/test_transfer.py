@@ -228,6 +228,7 @@ def test_parameter_gradients_go_on_their_own_stream_with_other_devices_shares_fe
     from roundpipe import partial_grads as partial_mod
     from roundpipe import tied_grads as tied_mod
     from roundpipe import transfer as transfer_mod
+    from roundpipe.host_buffers import ParamBuffers
     from roundpipe.plan import ModelExecutePlan
 
     settings.configure(grad_stream=separate, split_fused="1")  # the fused job's parts, as on GPUs
@@ -244,21 +245,21 @@ def test_parameter_gradients_go_on_their_own_stream_with_other_devices_shares_fe
 
     for d in devices:
         d.grad_stream = _Recorder(d.device, f"{d.name}.grad_stream")
-    real_upload, real_set = transfer_mod.to_device, transfer_mod.set_host_grad
+    real_upload, real_issued = transfer_mod.to_device, ParamBuffers.download_issued
 
     def upload(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
         if t.shape == (8, 8) and not isinstance(t, torch.nn.Parameter):  # gradient shares (not weights)
             log.append(("upload", threading.current_thread().name))
         return real_upload(t, dev)
 
-    def downloaded(p: torch.Tensor, layer_id: int, g: object) -> None:
+    def downloaded(self: ParamBuffers, p: torch.Tensor, layer_id: int, g: object) -> None:
         log.append(("download", threading.current_thread().name))
-        real_set(p, layer_id, g)
+        real_issued(self, p, layer_id, g)
 
     monkeypatch.setattr(transfer_mod, "to_device", upload)
     monkeypatch.setattr(partial_mod, "to_device", upload)
     monkeypatch.setattr(tied_mod, "to_device", upload)  # the tied weights' shares (TiedGrads.fetch)
-    monkeypatch.setattr(transfer_mod, "set_host_grad", downloaded)
+    monkeypatch.setattr(ParamBuffers, "download_issued", downloaded)
     torch.manual_seed(0)
     emb, head = torch.nn.Linear(8, 8, bias=False), torch.nn.Linear(8, 8, bias=False)
     head.weight = emb.weight

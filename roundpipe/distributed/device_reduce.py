@@ -41,11 +41,11 @@ from roundpipe.distributed.sharding import (
     unregister_device_reduction,
 )
 from roundpipe.grad_sync import GradSync
+from roundpipe.host_buffers import host_grad
 from roundpipe.optim import thread as optim_thread
 from roundpipe.plan import ModelExecutePlan
 from roundpipe.roundpipe import RoundPipe, RoundPipeBase
 from roundpipe.threads import report_failure, thread_exception_print_lock
-from roundpipe.transfer import host_grad
 
 NCCL_GRACE_S = 30.0  # NCCL groups time out this much later than RPP_DIST_TIMEOUT_S (see CollectiveMonitor)
 

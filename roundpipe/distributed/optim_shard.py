@@ -25,7 +25,7 @@ same sequence on every rank (the optimizer thread runs the steps in order):
              -> every rank stages / copies all units from the masters
 
 A master written by another process does not bump this process's version counter, which the step
-protocol uses to tell whether the weights are current (``ParamAttribute.weights_current``): after the
+protocol uses to tell whether the weights are current (``ParamBuffers.weights_current``): after the
 "written" barrier the peers' masters are bumped by hand.
 
 Checkpoints: the masters are complete on every rank; the moments of a unit only on its owner.

@@ -6,7 +6,7 @@ One step, on the optimizer thread (``roundpipe.optim.thread``):
 
 1. (asynchronous steps) publish the parameters the previous step staged into the model, layer by layer
    in forward order, setting ``param_copied`` so the next forward's uploads of that layer may start
-   (weights already current, ``ParamAttribute.in_place``, are left where they are);
+   (weights already current, ``host_buffers.ParamBuffers.in_place``, are left where they are);
 2. per unit, last layer first: wait for the unit's gradient download (``grad_downloaded``), let the
    model's ``grad_sync`` reduce it across processes, hand it to the optimizer parameter's ``.grad``
    (the buffer itself, or a copy), choose the gradient buffer as the staging buffer (asynchronous),
@@ -26,6 +26,10 @@ parameter has two host copies in the model dtype (weights, gradient) instead of 
 backward's gradient downloads wait until the step has released its gradient buffers (``zero_grad``),
 as with ``RPP_GRAD_BUFFERS=1``.
 
+Which host buffer holds what at each of these points (the roles of a parameter's buffers and their
+transitions) is ``roundpipe.host_buffers``' business: this module runs the protocol's order and events
+and asks it for each change of role.
+
 The main thread clears ``param_copied`` / ``grad_copied`` of every unit before it queues the step
 (``launch``) and the step sets each exactly once, so each event has one owner per phase: cleared by the
 main thread at launch, set by the optimizer thread when it is done with the layer.
@@ -41,10 +45,10 @@ import torch
 from torch import nn
 
 from roundpipe import settings
-from roundpipe.attribute import LayerAttribute, ParamAttribute, same_storage
+from roundpipe.attribute import LayerAttribute, ParamAttribute
 from roundpipe.context import OptimizerCtx
 from roundpipe.grad_sync import GradSync, StepSync
-from roundpipe.memory import pinned_empty
+from roundpipe.host_buffers import ParamBuffers
 from roundpipe.optim import thread as optim_thread
 from roundpipe.threads import AnnotatedEvent
 
@@ -127,7 +131,7 @@ def _step_kernel(
                 if reduce_host is not None:
                     reduce_host(params)
                 for p in params:
-                    copy_grad_to_optim(p, stage_into_grad)
+                    copy_grad_to_optim(p, stage_into_grad)  # the buffer's role changes: host_buffers
                 # After the staging buffers are chosen: the next call's downloads may move weights there.
                 attr.grad_copied.set()
             publisher = Publisher(units) if streamed else None
@@ -243,9 +247,10 @@ class Publisher:
         wait_uploads(attr)
         out: Dict[int, torch.Tensor] = {}
         for p in params:
-            pa = ParamAttribute.get(p)
-            if pa.optim is not None and pa.staged is None:
-                out[id(pa.optim)] = p.data
+            bufs = ParamBuffers.of(p)
+            weights = bufs.direct_output(p)
+            if weights is not None and bufs.optim is not None:
+                out[id(bufs.optim)] = weights
         return out
 
     def done(self, k: int, written: Sequence[torch.Tensor] = ()) -> None:
@@ -279,7 +284,7 @@ def sync_params(units: Units, keep: bool = False) -> None:
 def settle_params(units: Units) -> None:
     """Make every model parameter the optimizer's current version and keep it there through the next
     publish, after a call moved weights into the step's staging buffers and another call of the same
-    cycle is about to read them (``roundpipe.host_buffers.StepCycle``): without this, the weights a
+    cycle is about to read them (``roundpipe.step_cycle.StepCycle``): without this, the weights a
     download moved would be one version ahead of those it did not reach. Main thread; runs on the
     optimizer thread after the steps queued so far."""
     sync_params(units, keep=True)
@@ -289,9 +294,9 @@ def _settle(units: Units) -> None:
     copy_params_to_model(units, use_staged=True)
     for _, params in units:
         for p in params:
-            pa = ParamAttribute.get(p)
-            if pa.optim is not None:
-                pa.mark_current(p)  # the weights are current where they are: the next publish leaves them
+            bufs = ParamBuffers.of(p)
+            if bufs.optim is not None:
+                bufs.mark_current(p)  # the weights are current where they are: the next publish leaves them
 
 
 def wait_uploads(attr: LayerAttribute) -> None:
@@ -304,175 +309,50 @@ def wait_uploads(attr: LayerAttribute) -> None:
 def copy_params_to_model(units: Units, use_staged: bool = False, written: AbstractSet[int] = frozenset()) -> None:
     """Make the model parameters the optimizer's current version, layer by layer (``param_copied``).
 
-    With ``use_staged`` (the start of an asynchronous step) a parameter whose weights are that version
-    already (``ParamAttribute.in_place``: moved by a download into the buffer the previous step staged
-    into, or the optimizer copy was made from them and nothing was copied since) is left,
-    and one whose staging buffer holds it (``stage_params``) swaps buffers with it: the
+    With ``use_staged`` (the start of an asynchronous step) weights that are that version already are
+    left, and a staged version is swapped in (``host_buffers.ParamBuffers.publish``): the
     dtype-converting copy already ran while the devices were busy, and the next forward, which waits
-    for ``param_copied`` layer by layer, does not wait for it. The others (staging off, a failed
-    step) are copied, which makes any staged version obsolete. ``written``: ids of optimizer
+    for ``param_copied`` layer by layer, does not wait for it. ``written``: ids of optimizer
     parameters whose values the optimizer has already written into the model (a streamed step's
     fused conversion, after :func:`wait_uploads`): not copied again.
     """
     for attr, params in units:
         # An upload in flight still reads the model parameters: wait until it has finished. After
-        # that nothing reads the old buffer, so it may become the next staging buffer.
+        # that nothing reads the old buffer, so the publish may make it a spare.
         wait_uploads(attr)
         with torch.no_grad():
             for p in params:
-                pa = ParamAttribute.get(p)
-                if pa.optim is None:
-                    continue
-                if pa.in_place:
-                    # The weights may be the optimizer's version already (``ParamAttribute.in_place``):
-                    # a publish leaves them then, a copy after a synchronous step does not.
-                    if not (use_staged and pa.weights_current(p)) and id(pa.optim) not in written:
-                        p.data.copy_(pa.optim.data)
-                    if use_staged and settings.grad_into_model_enabled():
-                        pa.trim_spare(keep=0)  # downloads take the weights' buffer: no spare needed
-                elif use_staged and pa.staged_valid and pa.staged is not None:
-                    # The old model buffer goes to the spares: the wait above ensures no upload
-                    # reads it any more (the next gradient download takes it, see
-                    # transfer._grad_buffer).
-                    old, p.data, pa.staged = p.data, pa.staged, None
-                    pa.give_spare(old)
-                elif id(pa.optim) not in written:
-                    p.data.copy_(pa.optim.data)
-                # Not "in place" after a copy outside a publish either: code that restores a checkpoint
-                # copies the optimizer copies in, then the weights of the running (one step older) version.
-                pa.in_place = pa.staged_valid = False
+                bufs = ParamBuffers.of(p)
+                bufs.publish(p, use_staged, bufs.optim is not None and id(bufs.optim) in written)
         attr.param_copied.set()
 
 
 def stage_params(units: Units) -> None:
     """End of an asynchronous step: write the updated optimizer parameters into each parameter's
-    staging buffer (model dtype, pinned like the parameter), published by the next step.
-
-    The staging buffer is the gradient buffer this step has read (chosen when it took the gradients,
-    ``copy_grad_to_optim``), else a spare: the buffers rotate (``transfer._grad_buffer``), so staging
-    costs no extra host copy. The running call's uploads read the weights, not this buffer, so no event
-    is needed; a download of the running call may meanwhile have moved the weights into it
-    (``ParamAttribute.move_weights``), which nothing reads before the next publish, so this writes the
-    weights themselves then. ``RPP_STAGE_PARAMS=0`` turns staging off (the next step copies the
-    parameters when it starts).
+    staging buffer (model dtype, pinned like the parameter), published by the next step
+    (``host_buffers.ParamBuffers.stage``: the buffers rotate, so staging costs no extra host copy).
+    ``RPP_STAGE_PARAMS=0`` turns staging off (the next step copies the parameters when it starts).
+    No event: the running call's uploads read the weights, not the staging buffers.
     """
     stage = settings.stage_params_enabled()
     with torch.no_grad():
         for _, params in units:
             for p in params:
-                pa = ParamAttribute.get(p)
-                target = pa.staging_target(p)
-                if target is not None and same_storage(pa.held, target):
-                    _keep_grad_apart(pa, target)
-                freed = pa.release_held()
-                if same_storage(freed, target):
-                    freed = None
-                if not stage or pa.optim is None:
-                    if not pa.in_place:
-                        if pa.staged is not None:
-                            pa.give_spare(pa.staged)
-                        pa.staged = None  # staging turned off during a run: drop the buffer
-                    if freed is not None:
-                        pa.give_spare(freed)
-                    continue
-                if target is None or target.shape != p.shape or target.dtype != p.dtype:
-                    # Uploads read the staged buffer once published: pinned if the parameter is.
-                    pinned = p.data.is_pinned()
-                    if target is not None:
-                        pa.give_spare(target)
-                    if (
-                        freed is not None
-                        and freed.shape == p.shape
-                        and freed.dtype == p.dtype
-                        and (not pinned or freed.is_pinned())
-                    ):
-                        target, freed = freed, None
-                    else:
-                        target = pa.take_spare(p.shape, p.dtype, pinned)
-                        if target is None:
-                            target = pinned_empty(p.shape, p.dtype, pin=pinned)
-                    pa.staged = target
-                if freed is not None:
-                    pa.give_spare(freed)
-                pa.trim_spare()
-                target.copy_(pa.optim.data)
-                pa.mark_staged(p, target)
-
-
-def _keep_grad_apart(pa: ParamAttribute, buf: torch.Tensor) -> None:
-    """The optimizer still holds the staging buffer ``buf`` as its ``.grad`` (it kept its gradient across
-    the step: no ``zero_grad``): move that gradient into a tensor of its own, in the optimizer
-    parameter's dtype, so the buffer can take the new weights."""
-    optim = pa.optim
-    g = optim.grad if optim is not None else None
-    if optim is not None and g is not None and same_storage(g, buf):
-        optim.grad = g.to(optim.dtype, copy=True)
+                ParamBuffers.of(p).stage(p, stage)
 
 
 def release_grad_buffers(units: Units) -> None:
-    """After a synchronous (or streamed) step: gradient buffers the optimizer let go of become spares,
-    and so does a staging buffer, whose version the step has just made obsolete (one an earlier
-    asynchronous step left): such steps keep no staging copy."""
+    """After a synchronous (or streamed) step: the gradient buffers the optimizer let go of, and any
+    staging buffer (obsolete now), become spares (``host_buffers.ParamBuffers.release_after_step``)."""
     for _, params in units:
         for p in params:
-            pa = ParamAttribute.get(p)
-            pa.release_held(to_spare=True)
-            if pa.staged is not None:
-                pa.give_spare(pa.staged)
-                pa.staged, pa.staged_valid = None, False
-            pa.trim_spare()
+            ParamBuffers.of(p).release_after_step()
 
 
 def copy_grad_to_optim(p: nn.Parameter, stage_into_grad: bool = False) -> None:
-    """Add the model gradient into the optimizer copy's gradient and clear the model gradient (the
-    next backward starts from zero; the optimizer's .grad accumulates until ``zero_grad``).
-
-    When the gradient has the optimizer copy's dtype, or the optimizer reads bfloat16 gradients of fp32
-    parameters (``roundpipe.optim.Adam``, see ``reads_low_precision_grad``), the host gradient buffer
-    itself becomes the optimizer's ``.grad``: no copy is made or kept (with fp32 masters 4 bytes per
-    parameter and 6 bytes of memory traffic; with bf16 masters, the compact state, 2 and 4).
-    The optimizer then reads that buffer until its ``zero_grad``; the next gradient download takes
-    a spare buffer meanwhile, and the released one becomes the staging buffer (the rotation in
-    ``transfer._grad_buffer``). A gradient copied instead gives its buffer back at once.
-
-    ``stage_into_grad`` (a staged asynchronous step): the gradient's buffer becomes the parameter's
-    staging buffer now (``stage_params`` writes it after the step), so that the next call's gradient
-    download may move the weights there (``ParamAttribute.move_weights``) before the step is done.
-    """
-    attr = ParamAttribute.get(p)
-    optim, g = attr.optim, p.grad
-    if optim is None or g is None:
-        return
-    with torch.no_grad():
-        widened = g.dtype is torch.bfloat16 and optim.dtype is torch.float32 and reads_low_precision_grad(optim)
-        if optim.grad is None and (widened or (g.dtype == optim.dtype and g.shape == optim.shape)):
-            if widened:
-                optim.grad_dtype = None  # let .grad be bfloat16 on this fp32 parameter
-            optim.grad = g
-            attr.held = g  # released after the step (stage_params, release_grad_buffers)
-            if attr.shared:
-                attr.forget_grad_buffer(g)  # a tied weight's buffer rotates from here like any other
-            if stage_into_grad:
-                attr.choose_staging(p, g)
-            g = None
-        elif optim.grad is None:
-            buf = attr.optim_grad_buffer
-            if buf is None or buf.shape != optim.shape or buf.dtype != optim.dtype:
-                buf = attr.optim_grad_buffer = torch.empty_like(optim)
-            buf.copy_(g)
-            optim.grad = buf
-        else:
-            if optim.grad.dtype != optim.dtype:
-                # A handed-over gradient not yet cleared by zero_grad: accumulate in a copy of the
-                # optimizer's dtype, which also gives the buffer back to the downloads.
-                optim.grad = optim.grad.to(optim.dtype)
-                attr.release_held(to_spare=True)
-            optim.grad.add_(g.to(optim.dtype))
-    # Copied: the download buffer takes its next role (staging, else spare) before ``p.grad`` lets go
-    # of it, as a handed-over one does above, so that it always has one: the main thread may count the
-    # host buffers (``ParamAttribute.host_buffers``, which reads ``p.grad`` before those roles) while
-    # this step runs, and saw one buffer too few in between. No download takes the spare before
-    # ``grad_copied``.
-    if g is not None and not attr.shared and not (stage_into_grad and attr.choose_staging(p, g)):
-        attr.give_spare(g)
-    p.grad = None
+    """Hand the model gradient to the optimizer copy (``host_buffers.ParamBuffers.hand_over``: the buffer
+    itself where the optimizer reads its dtype, see ``reads_low_precision_grad``, else a copy) and clear
+    it; ``stage_into_grad`` (a staged asynchronous step): the buffer is the next staging buffer."""
+    optim = ParamAttribute.get(p).optim
+    low_precision_ok = optim is not None and reads_low_precision_grad(optim)
+    ParamBuffers.of(p).hand_over(p, stage_into_grad, low_precision_ok)
