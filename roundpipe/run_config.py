@@ -33,6 +33,9 @@ class RoundPipeRunConfig:
             a host merge), a callable ``([out_m]) -> out``, or a spec tree choosing per output leaf
             (``TensorChunkSpec``, ``_Replicate``, a ``_CustomReducer``, True / False, a callable).
         execute_plan: A ``scheduler.ModelExecutePlan``. Default: automatic.
+        stage_inputs: How backward-stage inputs are kept from the forward to the backward: 'bf16' (as the
+            layers produce them) or 'fp8' (a float32 scale per 128 values; the backward recomputes from the
+            rounded values: ``roundpipe.stage_codec``). Default: ``RPP_STAGE_INPUTS`` (else 'bf16').
     """
 
     requires_grad: Optional[bool] = None
@@ -44,6 +47,7 @@ class RoundPipeRunConfig:
     split_label: Any = None
     merge_output: Any = None
     execute_plan: Any = None
+    stage_inputs: Optional[Literal["bf16", "fp8"]] = None
 
     def __post_init__(self) -> None:
         if self.recompute_grain is not None and self.recompute_grain not in _RECOMPUTE_GRAINS:
@@ -52,6 +56,10 @@ class RoundPipeRunConfig:
             isinstance(self.num_microbatch, bool) or not isinstance(self.num_microbatch, int) or self.num_microbatch < 1
         ):
             raise ValueError(f"num_microbatch={self.num_microbatch!r}: expected a positive integer")
+        if self.stage_inputs is not None:
+            from roundpipe.stage_codec import check_mode
+
+            check_mode(self.stage_inputs)
         if self.output_device is not None:
             self.output_device = torch.device(self.output_device)
         from roundpipe.batch import check_spec_tree
@@ -103,6 +111,7 @@ class ResolvedRunConfig:
         self.num_microbatch_chosen: bool = self.num_microbatch is not None
         self.num_microbatch: int = self.num_microbatch or settings.default_num_microbatch(get_num_devices())
         self.merge_output: Any = True if self.merge_output is None else self.merge_output
+        self.stage_inputs: Literal["bf16", "fp8"] = self.stage_inputs or settings.STAGE_INPUTS.get()  # type: ignore
         self.split_input: Optional[Callable[..., Any]]
         self.split_label: Optional[Callable[..., Any]]
 
