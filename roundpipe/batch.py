@@ -226,6 +226,7 @@ class Batch:
         label_list: Labels per microbatch (``forward_backward``).
         loss_list: Losses per microbatch (``forward_backward``).
         profiles: The model's activation profile of this call per recompute grain (``run.call_profile``).
+        stage_inputs: How the call keeps its backward-stage inputs ('bf16' or 'fp8', ``roundpipe.stage_codec``).
     """
 
     def __init__(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], run_config: Any, label: Any = None) -> None:
@@ -255,6 +256,7 @@ class Batch:
                     self._check_batch_dims(data, bs)
             parts = _split_tree(data, n, split, "split_input", bs)
         self.num_microbatch: int = n
+        self.stage_inputs: str = getattr(run_config, "stage_inputs", None) or "bf16"
         self.flatten_states: List[List[Any]] = []
         self.flatten_specs: List[pytree.TreeSpec] = []
         self.forward_events: List[List[Event]] = []

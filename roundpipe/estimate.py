@@ -7,8 +7,9 @@ The model of memory follows what the runtime keeps (see docs/resolve-oom.md):
   (fp32 master and Adam m, v: 12 bytes) and the host gradient buffers the asynchronous step rotates
   through (one more model-dtype buffer besides the weights by default); and the activation checkpoints:
   the input of every backward stage is kept from the forward to the backward, ``tokens x hidden``
-  values plus the rotary tables handed along with them; on one GPU in the GPU memory the step leaves
-  free as far as it goes (``RPP_DEVICE_SAVED_GB``, given ``gpu_bytes``), the rest on the host.
+  values (in the model dtype, or fp8 with ``RPP_STAGE_INPUTS=fp8``) plus the rotary tables handed along
+  with them; on one GPU in the GPU memory the step leaves free as far as it goes (``RPP_DEVICE_SAVED_GB``,
+  given ``gpu_bytes``), the rest on the host.
 * GPU, the largest of: a backward stage (its layers' weights and the next stage's prefetched ones,
   gradients of the trainable ones, the tensors the recompute keeps for backward: with sequence tiling a
   decoder layer keeps its input, q, k, v and the attention output at full length, the rest one tile at
@@ -145,6 +146,7 @@ class Estimate:
     host_parts: Dict[str, float] = field(default_factory=dict)
     gpu_bytes_per_token: float = 0.0
     host_bytes_per_token: float = 0.0
+    stage_inputs: str = "bf16"
 
     @property
     def peak_gpu_bytes(self) -> float:
@@ -164,7 +166,8 @@ class Estimate:
         return "\n".join(
             [
                 f"{mode}, {self.batch_size} x {self.seq_len:,} tokens, {self.microbatches} microbatch(es), "
-                f"{self.layers_per_stage} decoder layer(s) per backward stage",
+                f"{self.layers_per_stage} decoder layer(s) per backward stage"
+                + (", stage inputs in fp8" if self.stage_inputs == "fp8" else ""),
                 f"peak GPU  {self.peak_gpu_bytes / GiB:6.1f} GiB  ({parts(self.gpu_parts)}); "
                 f"{self.gpu_bytes_per_token / 1024:.1f} KiB per token",
                 f"peak host {self.peak_host_bytes / GiB:6.1f} GiB  ({parts(self.host_parts)}); "
@@ -243,11 +246,33 @@ def lora_bytes_per_token(shape: ModelShape, rank: int, e: int = 2, adapter_bytes
     return float(inputs + 7 * rank * adapter_bytes)
 
 
-def checkpoint_bytes_per_token(shape: ModelShape, e: int = 2) -> float:
+#: ``stage_codec.BLOCK``, values per float32 scale of the compact stage inputs (copied so that the estimate
+#: imports no torch; a test keeps the two equal).
+STAGE_CODEC_BLOCK = 128
+
+
+def checkpoint_bytes_per_token(shape: ModelShape, e: int = 2, stage_inputs: str = "bf16") -> float:
     """Host bytes per token of a decoder layer's input kept from the forward to the backward: the hidden
     states (the rotary tables, position ids and labels handed along with them keep one host copy per
-    call, see ``roundpipe.jobs``)."""
-    return float(shape.hidden * e)
+    call, see ``roundpipe.jobs``); with ``stage_inputs='fp8'`` (``roundpipe.stage_codec``) one byte per
+    value and a float32 scale per ``STAGE_CODEC_BLOCK`` values."""
+    return float(sum(checkpoint_parts(shape, 1, e, stage_inputs)))
+
+
+def checkpoint_parts(shape: ModelShape, tokens: int, e: int = 2, stage_inputs: str = "bf16") -> List[float]:
+    """Bytes of the host tensors one stage input of ``tokens`` tokens is kept in: the hidden states, or
+    (``fp8``) their fp8 payload and their scales."""
+    if stage_inputs == "fp8":
+        return [float(tokens * shape.hidden), float(tokens * 4 * math.ceil(shape.hidden / STAGE_CODEC_BLOCK))]
+    if stage_inputs != "bf16":
+        raise ValueError(f"stage_inputs={stage_inputs!r}: expected 'bf16' or 'fp8'")
+    return [float(tokens * shape.hidden * e)]
+
+
+def pinned_checkpoint_bytes(shape: ModelShape, tokens: int, e: int = 2, stage_inputs: str = "bf16") -> float:
+    """Host bytes one stage input of ``tokens`` tokens takes from torch's pinned caching allocator, which
+    rounds each of its tensors up to a power of two (see :func:`checkpoint_parts`)."""
+    return sum(_pinned_block(b) for b in checkpoint_parts(shape, tokens, e, stage_inputs))
 
 
 def side_bytes_per_token(shape: ModelShape, e: int = 2) -> float:
@@ -322,6 +347,7 @@ def estimate(
     devices: int = 1,
     gpu_bytes: Optional[float] = None,
     sequence_tiles: int = 1,
+    stage_inputs: Optional[str] = None,
 ) -> Estimate:
     """The peak GPU and host memory of one training step (see the module docstring).
 
@@ -354,6 +380,8 @@ def estimate(
             replaces ``microbatches``): a job holds one tile's activations and its layers' keys and values
             over the whole sequence (with float32 gradient accumulators in backward); the host keeps
             every attention layer's keys and values between forward and backward.
+        stage_inputs: How the host keeps them: 'bf16' (``dtype_bytes`` per value) or 'fp8' (1 byte and a
+            float32 scale per 128 values); those on the GPU stay exact. None: ``RPP_STAGE_INPUTS``.
     """
     if seq_len < 1 or batch_size < 1 or microbatches < 1 or layers_per_stage < 1 or devices < 1 or sequence_tiles < 1:
         raise ValueError(
@@ -361,13 +389,15 @@ def estimate(
         )
     if recompute_grain not in ("stage", "layer"):
         raise ValueError(f"recompute_grain={recompute_grain!r}: expected 'stage' or 'layer'")
-    if tile is None or grad_buffers is None:
+    if tile is None or grad_buffers is None or stage_inputs is None:
         from roundpipe import settings
 
         if tile is None:
             tile = settings.SEQ_TILE.get()
         if grad_buffers is None:
             grad_buffers = settings.host_buffers_besides_weights()
+        if stage_inputs is None:
+            stage_inputs = settings.STAGE_INPUTS.get()
     b = dtype_bytes
     tiled_sequence = sequence_tiles > 1
     if tiled_sequence:  # every row in each tile; the tiles are the microbatches
@@ -423,7 +453,8 @@ def estimate(
     # One host tensor per stage and microbatch, from torch's pinned caching allocator, which rounds each
     # block up to a power of two (GPU runs; see roundpipe.backend.empty_host_cache).
     raw_input = rows * mb_len * checkpoint_bytes_per_token(shape, b)
-    per_microbatch = _pinned_block(raw_input) if pinned else raw_input
+    host_input = rows * mb_len * checkpoint_bytes_per_token(shape, b, stage_inputs)
+    per_microbatch = pinned_checkpoint_bytes(shape, rows * mb_len, b, stage_inputs) if pinned else host_input
     # On one GPU the inputs the room holds stay there, whole (exact size, no pinned rounding).
     room = device_saved_room(gpu_bytes, sum(gpu.values())) if devices == 1 and gpu_bytes is not None else 0.0
     on_gpu = min(boundaries * microbatches, int(room // raw_input)) if raw_input > 0 else 0
@@ -445,7 +476,16 @@ def estimate(
     per_token_gpu = gpu["activations"] / t
     per_token_host = checkpoints / total_tokens
     return Estimate(
-        seq_len, batch_size, microbatches, lora_rank, layers_per_stage, gpu, host, per_token_gpu, per_token_host
+        seq_len,
+        batch_size,
+        microbatches,
+        lora_rank,
+        layers_per_stage,
+        gpu,
+        host,
+        per_token_gpu,
+        per_token_host,
+        stage_inputs,
     )
 
 

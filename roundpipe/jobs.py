@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 import torch
 from torch.utils import _pytree as pytree
 
-from roundpipe import backend, sequence
+from roundpipe import backend, sequence, stage_codec
 from roundpipe.compute import (
     GroupBackward,
     GroupForward,
@@ -113,6 +113,30 @@ def _download_reusing(
     fresh = async_d2h(device, events, [t if r is None else None for t, r in zip(leaves, reused)])
     events.extend(input_events)
     return [r if r is not None else f for r, f in zip(reused, fresh)]
+
+
+def _save_compact(
+    device: "DeviceManager",
+    run: Run,
+    m: int,
+    leaves: Leaves,
+    spec: Any,
+    inputs: Tuple[Leaves, Leaves, List[Any]],
+) -> Tuple[Leaves, Any, List[Any]]:
+    """A forward job's output ``leaves`` kept for the backward in the compact format (``stage_codec``): its
+    hidden states encoded and downloaded; the other leaves reuse the host copies of the job's ``inputs``
+    (device leaves, host leaves, their events) or of the output's exact download (``batch.flatten_states``,
+    made when another device needs it); where there is none, the next job gets these (and reuses them)."""
+    batch = run.batch
+    dev_in, host_in, in_events = inputs
+    fwd_host, fwd_events = batch.flatten_states[m], batch.forward_events[m]
+    packed = stage_codec.compact(device, run.cfg.stage_inputs, leaves, spec, dev_in)
+    events: List[Any] = []
+    kept = _download_reusing(device, events, packed, dev_in + leaves, host_in + fwd_host, in_events + fwd_events)
+    if any(f is None and isinstance(k, torch.Tensor) for f, k in zip(fwd_host, kept)):
+        batch.flatten_states[m] = stage_codec.host_copies(fwd_host, kept)
+        batch.forward_events[m] = fwd_events + events
+    return kept, spec, events
 
 
 def _next_forward_device(run: Run, group: int, m: int) -> Optional["DeviceManager"]:
@@ -266,7 +290,7 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
         if run.enable_grad and tracker.backward_need_input(layers.start):
             if layers.start in run.kept_inputs[m]:
                 ctx.device_inputs[layers.start] = (dev_leaves, spec)  # the previous job kept no host copy
-            else:
+            elif layers.start not in ctx.flatten_inputs:  # the previous job kept a compact one (stage_codec)
                 ctx.flatten_inputs[layers.start] = (host_leaves, spec, events)
         with (
             backend.use_stream(device.compute_stream),
@@ -282,8 +306,9 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
                     ctx.device_inputs[i] = (leaves, sp)
                 else:
                     evs: List[Any] = []
+                    packed = stage_codec.compact(device, run.cfg.stage_inputs, leaves, sp, dev_leaves)
                     ctx.flatten_inputs[i] = (
-                        _download_reusing(device, evs, leaves, dev_leaves, host_leaves, events),
+                        _download_reusing(device, evs, packed, dev_leaves, host_leaves, events),
                         sp,
                         evs,
                     )
@@ -299,13 +324,17 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
             # The next job runs here and keeps this output, its stage input, on the device.
             run.kept_inputs[m].add(layers.stop)
             saved_for_backward = False
-        if (consumer is not device and not peer) or saved_for_backward:
+        compact = saved_for_backward and run.cfg.stage_inputs != "bf16"  # the backward's copy is its own
+        if (consumer is not device and not peer) or (saved_for_backward and not compact):
             out_events: List[Any] = []
             batch.flatten_states[m] = _download_reusing(device, out_events, out_leaves, dev_leaves, host_leaves, events)
             batch.forward_events[m] = out_events
         else:
             batch.flatten_states[m] = [None if isinstance(t, torch.Tensor) else t for t in out_leaves]
             batch.forward_events[m] = []
+        if compact:
+            inputs = (dev_leaves, host_leaves, events)
+            ctx.flatten_inputs[layers.stop] = _save_compact(device, run, m, out_leaves, out_spec, inputs)
         batch.flatten_specs[m] = out_spec
         device.mem_manager.free((dev_leaves, out_leaves, saved), device.compute_stream, device.downstream)
         del dev_leaves, out_leaves, saved

@@ -37,6 +37,9 @@ class RoundPipeRunConfig:
             pool as the call's microbatches in causal order, so that one long sequence uses every device
             (``roundpipe.sequence``). For causal LMs (``RoundPipeForCausalLM``'s ``train_step`` and
             ``forward`` without logits); replaces ``num_microbatch``. Default: 1 (off).
+        stage_inputs: How backward-stage inputs are kept from the forward to the backward: 'bf16' (as the
+            layers produce them) or 'fp8' (a float32 scale per 128 values; the backward recomputes from the
+            rounded values: ``roundpipe.stage_codec``). Default: ``RPP_STAGE_INPUTS`` (else 'bf16').
     """
 
     requires_grad: Optional[bool] = None
@@ -49,6 +52,7 @@ class RoundPipeRunConfig:
     merge_output: Any = None
     execute_plan: Any = None
     sequence_tiles: Optional[int] = None
+    stage_inputs: Optional[Literal["bf16", "fp8"]] = None
 
     def __post_init__(self) -> None:
         if self.recompute_grain is not None and self.recompute_grain not in _RECOMPUTE_GRAINS:
@@ -61,6 +65,10 @@ class RoundPipeRunConfig:
             isinstance(self.sequence_tiles, bool) or not isinstance(self.sequence_tiles, int) or self.sequence_tiles < 1
         ):
             raise ValueError(f"sequence_tiles={self.sequence_tiles!r}: expected a positive integer")
+        if self.stage_inputs is not None:
+            from roundpipe.stage_codec import check_mode
+
+            check_mode(self.stage_inputs)
         if self.output_device is not None:
             self.output_device = torch.device(self.output_device)
         from roundpipe.batch import check_spec_tree
@@ -112,6 +120,7 @@ class ResolvedRunConfig:
         self.num_microbatch_chosen: bool = self.num_microbatch is not None
         self.num_microbatch: int = self.num_microbatch or settings.default_num_microbatch(get_num_devices())
         self.merge_output: Any = True if self.merge_output is None else self.merge_output
+        self.stage_inputs: Literal["bf16", "fp8"] = self.stage_inputs or settings.STAGE_INPUTS.get()  # type: ignore
         self.split_input: Optional[Callable[..., Any]]
         self.split_label: Optional[Callable[..., Any]]
 

@@ -128,6 +128,17 @@ DEVICE_SAVED_GB: Setting[Optional[float]] = _register(
         "device memory its plan leaves free, in forward_backward calls of models that report their activations).",
     )
 )
+STAGE_INPUTS: Setting[str] = _register(
+    Setting(
+        "RPP_STAGE_INPUTS",
+        choice("bf16", "fp8"),
+        "bf16",
+        "bf16",
+        "`bf16` (as the layers produce them) or `fp8`",
+        "Backward-stage inputs kept on the host from the forward to the backward: as computed, or fp8 with a "
+        "float32 scale per 128 values (about half the host memory; backward recomputes from the rounded values).",
+    )
+)
 GRAD_BUFFERS: Setting[int] = _register(
     Setting(
         "RPP_GRAD_BUFFERS",
@@ -501,7 +512,7 @@ def grad_buffers_limit() -> int:
 def check_runtime() -> None:
     """Parse the settings a RoundPipe's host buffers and steps read later on worker threads, so that a bad
     value fails when the model is built, naming its variable."""
-    for s in (GRAD_BUFFERS, DEVICE_SAVED_GB, STAGE_PARAMS, STEP_MODE, GRAD_INTO_MODEL):
+    for s in (GRAD_BUFFERS, DEVICE_SAVED_GB, STAGE_PARAMS, STEP_MODE, GRAD_INTO_MODEL, STAGE_INPUTS):
         s.get()
 
 

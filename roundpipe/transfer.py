@@ -31,6 +31,8 @@ from roundpipe import backend, settings
 from roundpipe.attribute import LayerAttribute, ParamAttribute
 from roundpipe.backend import Event
 from roundpipe.host_buffers import ParamBuffers
+from roundpipe.memory import pinned_empty
+from roundpipe.stage_codec import Packed, decode
 
 chunked_upload = True
 CHUNK_UPLOAD_SIZE = 64 * 1024**2
@@ -149,7 +151,8 @@ def _upload_into(dst: torch.Tensor, src: torch.Tensor) -> None:
 def async_h2d(
     device: Any, host_ready_event: Iterable[Event], host_tensors: Iterable[Any], keep_requires_grad: bool = False
 ) -> List[Any]:
-    """Upload tensors (non-tensors pass through) on the activation upload stream.
+    """Upload tensors (non-tensors pass through) on the activation upload stream; a compact stage input
+    (``stage_codec.Packed``) is decoded there, after its upload.
 
     The upload stream first waits for ``host_ready_event`` (e.g. the download that produced the host
     tensors on another device). Returns device tensors; the caller makes compute wait on ``upstream``.
@@ -165,6 +168,8 @@ def async_h2d(
                 if keep_requires_grad and t.requires_grad:
                     d.requires_grad_(True)
                 out.append(d)
+            elif isinstance(t, Packed):  # a compact stage input (roundpipe.stage_codec): decoded on this stream
+                out.append(decode(t.map(lambda x: to_device(x, device.device))))
             else:
                 out.append(t)
     return out
@@ -182,10 +187,11 @@ def _copy_after_compute(
     stream = device.downstream
     stream.wait_stream(device.compute_stream)
     with torch.no_grad(), backend.use_stream(stream):
-        out = [copy(t) if isinstance(t, torch.Tensor) else t for t in tensors]
+        out = [copy(t) if isinstance(t, torch.Tensor) else t.map(copy) if isinstance(t, Packed) else t for t in tensors]
     done = backend.record_event(stream)
+    sources = [u for t in tensors for u in (t.tensors() if isinstance(t, Packed) else [t])]
     device.mem_manager.free_after(
-        [done], [t for t in tensors if isinstance(t, torch.Tensor) and t.device.type != "cpu"]
+        [done], [t for t in sources if isinstance(t, torch.Tensor) and t.device.type != "cpu"]
     )
     return out, done
 
@@ -201,7 +207,8 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 def async_d2h(
     device: Any, transfer_finish_event: List[Event], device_tensors: Iterable[Any], keep_requires_grad: bool = False
 ) -> List[Any]:
-    """Download tensors to (pinned) host memory on ``downstream`` after the compute queued so far.
+    """Download tensors to (pinned) host memory on ``downstream`` after the compute queued so far (a compact
+    stage input, ``stage_codec.Packed``, as its payload and scales).
 
     Appends the event marking completion to ``transfer_finish_event``. Non-tensors pass through.
     """

@@ -82,12 +82,34 @@ def test_host_checkpoints_round_the_stage_count_up() -> None:
     assert _estimate(pinned=False).host_parts["checkpoints"] == 3 * 2 * 12_800 + 200 * 80
 
 
+def test_fp8_stage_inputs_on_the_host() -> None:
+    """``stage_inputs='fp8'``: per stage input and microbatch an fp8 payload of 100 x 64 = 6,400 bytes
+    (pinned: 8,192) and one float32 scale per token (64 values, one block of 128): 400 bytes (pinned:
+    512); the side tensors as before. Nothing else changes."""
+    e, exact = _estimate(stage_inputs="fp8"), _estimate(stage_inputs="bf16")
+    assert e.host_parts["checkpoints"] == 3 * 2 * (8_192 + 512) + 200 * 80 == 68_224
+    assert _estimate(stage_inputs="fp8", pinned=False).host_parts["checkpoints"] == 3 * 2 * (6_400 + 400) + 16_000
+    assert {k: v for k, v in e.host_parts.items() if k != "checkpoints"} == {
+        k: v for k, v in exact.host_parts.items() if k != "checkpoints"
+    }
+    assert e.gpu_parts == exact.gpu_parts
+    # qwen3-8b at 524,288 tokens, one layer per stage: 36 inputs of 4,096 + 32 x 4 bytes per token instead
+    # of 8,192 (the payload is a power of two, the scales 64 MiB each).
+    q8 = estimate.ModelShape.builtin("qwen3-8b")
+    big = {m: estimate.estimate(q8, 524_288, lora_rank=16, stage_inputs=m, tile=16384) for m in ("bf16", "fp8")}
+    side = 524_288 * estimate.side_bytes_per_token(q8)
+    assert big["bf16"].host_parts["checkpoints"] - side == 36 * 524_288 * 8_192  # 144 GiB
+    assert big["fp8"].host_parts["checkpoints"] - side == 36 * 524_288 * (4_096 + 128)  # 74.25 GiB
+
+
 def test_one_gpu_keeps_all_three_stage_inputs_when_they_fit(monkeypatch: pytest.MonkeyPatch) -> None:
     """With a 4 GiB GPU the room (75% of what the step leaves) holds all 3 x 2 stage inputs, unrounded."""
     monkeypatch.setenv("RPP_DEVICE_SAVED_GB", "auto")
     e = _estimate(gpu_bytes=4 * GiB)
     assert e.gpu_parts["saved inputs"] == 3 * 2 * 12_800
     assert e.host_parts["checkpoints"] == 200 * 80
+    # Inputs kept on the GPU stay exact with fp8 stage inputs too (the runtime compacts host copies only).
+    assert _estimate(gpu_bytes=4 * GiB, stage_inputs="fp8").gpu_parts == e.gpu_parts
 
 
 # ---- the planner's GPU budget ------------------------------------------------------------------------

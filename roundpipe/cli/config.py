@@ -32,6 +32,7 @@ PLANS = ("auto", "layerwise", "single")
 OPTIM_STATES = ("float32", "bfloat16", "int8")
 MASTERS = ("float32", "bfloat16")
 MASTER_ROUNDINGS = ("stochastic", "kahan", "nearest")
+STAGE_INPUTS = ("bf16", "fp8")  # roundpipe.stage_codec.MODES (this module imports no torch)
 
 
 def normalize_dtype(value: str) -> str:
@@ -160,6 +161,13 @@ class TrainConfig:
         "pipeline stages: auto (RoundPipe's planner, from measured layer times and device memory), layerwise "
         "(one layer per stage: least "
         "device memory) or single (the whole model in one stage: fastest for small models)",
+        group="run",
+    )
+    stage_inputs: Optional[str] = _f(
+        None,
+        "backward-stage inputs kept on the host: bf16 (as computed) or fp8 (about half the host memory at long "
+        "context; backward recomputes from the rounded values; docs/long-context.md; default: RPP_STAGE_INPUTS, "
+        "else bf16)",
         group="run",
     )
     compile: Optional[bool] = _f(
@@ -475,8 +483,9 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"betas={cfg.betas} is not two numbers in [0, 1)", "use e.g. --betas 0.9 0.999")
     if cfg.on_nonfinite not in ("stop", "skip"):
         raise ConfigError(f"on_nonfinite={cfg.on_nonfinite!r} is not a choice", "use stop or skip")
-    for name, choices in (("optim_state", OPTIM_STATES), ("master", MASTERS), ("master_rounding", MASTER_ROUNDINGS)):
-        if getattr(cfg, name) not in choices:
+    choice_keys = (("optim_state", OPTIM_STATES), ("master", MASTERS), ("master_rounding", MASTER_ROUNDINGS))
+    for name, choices in (*choice_keys, ("stage_inputs", STAGE_INPUTS)):
+        if getattr(cfg, name) not in choices and (name, getattr(cfg, name)) != ("stage_inputs", None):
             raise ConfigError(f"{name}={getattr(cfg, name)!r} is not a choice", f"use one of {', '.join(choices)}")
     if cfg.master == "bfloat16" and cfg.dtype not in ("bfloat16", "auto"):
         raise ConfigError(

@@ -27,8 +27,11 @@ class PipelineModel:
         num_microbatch: Optional[int],
         plan: str = "auto",
         master_dtype: Optional[torch.dtype] = torch.float32,
+        stage_inputs: Optional[str] = None,
     ) -> None:
-        """``master_dtype``: dtype of the optimizer's masters (None: the weights themselves, no copy)."""
+        """``master_dtype``: dtype of the optimizer's masters (None: the weights themselves, no copy);
+        ``stage_inputs``: how backward-stage inputs are kept (``RoundPipeRunConfig.stage_inputs``; None: the
+        setting)."""
         import roundpipe
         from roundpipe import ModelExecutePlan, RoundPipeRunConfig
 
@@ -39,7 +42,7 @@ class PipelineModel:
                 use_sequential_preset=True,
                 optim_dtype=master_dtype,
                 name="train",
-                model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch),
+                model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch, stage_inputs=stage_inputs),
             )
         except NotImplementedError as exc:
             why = str(exc).splitlines()[0].split("; supported:")[0]  # the class and its model type: one short line

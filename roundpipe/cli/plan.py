@@ -22,7 +22,7 @@ import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 from roundpipe import estimate
-from roundpipe.cli.config import MASTER_ROUNDINGS, MASTERS, OPTIM_STATES, ConfigError, normalize_dtype
+from roundpipe.cli.config import MASTER_ROUNDINGS, MASTERS, OPTIM_STATES, STAGE_INPUTS, ConfigError, normalize_dtype
 
 GiB = float(1 << 30)
 
@@ -64,6 +64,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--optim-state", type=normalize_dtype, default="float32", help=f"Adam moments: {states} (as train)")
     p.add_argument("--master", type=normalize_dtype, default="float32", help=f"master weights: {masters} (as train)")
     p.add_argument("--master-rounding", default="stochastic", help=f"bfloat16 masters: {roundings} (as train)")
+    p.add_argument(
+        "--stage-inputs",
+        choices=STAGE_INPUTS,
+        default=None,
+        help="backward-stage inputs on the host (as train; default: RPP_STAGE_INPUTS, else bf16)",
+    )
     p.add_argument("--gpu-memory", type=_size, default=None, help="memory per GPU (default: this machine's or 80GiB)")
     p.add_argument("--host-memory", type=_size, default=None, help="host memory (default: this machine's)")
     p.add_argument("--gpus", type=int, default=1, help="GPUs the process trains on (default 1)")
@@ -192,6 +198,7 @@ def _plan(args: argparse.Namespace) -> int:
         devices=args.gpus,
         sequence_tiles=args.sequence_tiles,
         optimizer_bytes_per_param=estimate.optimizer_state_bytes(args.optim_state, args.master, args.master_rounding),
+        stage_inputs=args.stage_inputs,
     )
     # As the planner does: one decoder layer per backward stage, or the fewest that let the stages'
     # input checkpoints fit the host (fewer checkpoints, more activations per stage on the GPU).

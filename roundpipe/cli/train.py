@@ -192,7 +192,11 @@ class Recipe(TrainLoop):
                 "add --dtype bfloat16",
             )
         self.model = PipelineModel(
-            hf_model, self.microbatches, cfg.plan, master_dtype=None if cfg.master == "bfloat16" else torch.float32
+            hf_model,
+            self.microbatches,
+            cfg.plan,
+            master_dtype=None if cfg.master == "bfloat16" else torch.float32,
+            stage_inputs=cfg.stage_inputs,
         )
         if not self.model.trainable_named():
             raise ConfigError("the model has no trainable parameters", "check --lora-targets")

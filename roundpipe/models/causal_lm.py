@@ -136,6 +136,7 @@ class RoundPipeForCausalLM(RoundPipe):
                 i: _module_extra_per_token(self.layers[i].layer, shape) for i in decoder
             }
         e = next((p.element_size() for p in self.preset.model.parameters() if p.is_floating_point()), 2)
+        mode = getattr(batch, "stage_inputs", "bf16")  # the call's RoundPipeRunConfig.stage_inputs
 
         def profile(seq_len: int) -> budget.ActivationProfile:
             t = rows * seq_len
@@ -147,9 +148,9 @@ class RoundPipeForCausalLM(RoundPipe):
                 tiled = tileable[i] and tile > 0 and t > tile
                 k, p = estimate.decoder_layer_bytes(shape, t, tile, tiled, e, whole[i], extra[i])
                 kept[i], peak[i] = k, p + io + side
-                # The host copy of a stage input: one tensor per microbatch from torch's pinned caching
-                # allocator, which rounds each block up to a power of two.
-                checkpoint[i] = float(len(sizes) * (1 << max(0, rows * seq_len * shape.hidden * e - 1).bit_length()))
+                # The host copy of a stage input per microbatch (bf16, or fp8 payload and scales) from torch's
+                # pinned caching allocator, which rounds each block up to a power of two.
+                checkpoint[i] = len(sizes) * estimate.pinned_checkpoint_bytes(shape, rows * seq_len, e, mode)
             head = self.num_layers - 1
             peak[head] = estimate.head_activation_bytes(shape, t, e) + io + side
             checkpoint[head] = checkpoint[decoder[-1]] if decoder else 0.0

@@ -54,6 +54,7 @@ def test_print_config_shows_merged_yaml(tmp_path, capsys) -> None:
         (["--frobnicate"], None, "unrecognized arguments: --frobnicate"),
         (["--task", "sudoku"], None, "unknown task 'sudoku'"),
         (["--steps", "10", "--stop-at", "20"], None, "stop_at=20 is after the last step"),
+        (["--stage-inputs", "fp16"], None, "stage_inputs='fp16' is not a choice"),
     ],
 )
 def test_user_errors_are_one_line_with_a_fix(tmp_path, capsys, args, yaml_text, expect) -> None:

@@ -95,6 +95,21 @@ def test_compact_optimizer_state_as_train_takes_it(capsys) -> None:
     assert estimate.optimizer_state_bytes("int8", "bfloat16") == 4.0 + 1 / 32
 
 
+def test_fp8_stage_inputs_as_train_takes_them(capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--stage-inputs fp8`` counts the host checkpoints at 1 byte and a float32 scale per 128 values (all
+    36 on the host here: none kept on the GPU); a value train refuses is refused here too."""
+    monkeypatch.setenv("RPP_DEVICE_SAVED_GB", "0")
+
+    def checkpoints(*flags: str) -> float:
+        plan.main(["--model", "qwen3-8b", "--seq-len", "262144", "--lora-r", "16", *BUDGET, "--json", *flags])
+        return json.loads(capsys.readouterr().out)["host_parts"]["checkpoints"]
+
+    side = 262144 * estimate.side_bytes_per_token(estimate.ModelShape.builtin("qwen3-8b"))
+    assert checkpoints("--stage-inputs", "bf16") - side == 36 * 262144 * 8192
+    assert checkpoints("--stage-inputs", "fp8") - side == 36 * 262144 * (4096 + 128)
+    one_line(capsys, ["--model", "qwen3-8b", "--seq-len", "64", "--stage-inputs", "int8"], "invalid choice: 'int8'")
+
+
 def test_one_host_figure_and_the_same_exit_status_in_text_and_json(capsys) -> None:
     """A host size that is not a whole number of GiB reads the same on every line; a step that does not
     fit exits 1 in text and in JSON, one that fits 0 in both."""

@@ -1,0 +1,269 @@
+"""Compact stage inputs (``RPP_STAGE_INPUTS=fp8``, ``roundpipe.stage_codec``) against exact ones (bf16: the
+run dtype): the same training with the backward stages' inputs kept exact, then in fp8, compared.
+
+Modes (each prints one JSON line):
+
+* loss (default): ``--steps`` optimizer steps from the same weights on the same data, once per format;
+  the final losses (last step, and the mean of the last 10 steps: single steps are noisy), the mean
+  over all steps, and their ratios. ``--workload task`` (default) is ``roundpipe train``'s built-in task
+  (the tiny Qwen3 learning to reverse strings), run as ``python -m roundpipe train`` with ``--plan
+  layerwise`` (the task's default plan, ``single``, runs the whole model in one stage: no stage input
+  would be kept) and the task's sequence length unless ``--seq`` is given; with a control run: exact
+  stage inputs, seed 1 (near the end the task's loss is ~0.01, where any perturbation moves it by tens
+  of percent). Another workload (``bench/train_bench.py``'s shapes: tiny, qwen3-0.6b, ..., qwen3-8b)
+  trains on one fixed batch of random tokens (it learns to repeat it).
+* ``--grad-cosine``: one training step of a workload's model (random weights, random tokens,
+  ``--seq`` tokens, LoRA with ``--lora R``) with exact, then fp8 stage inputs: the cosine similarity of
+  the two steps' parameter gradients (all trainable parameters flattened; and the worst tensor's). With
+  ``--plan layerwise`` (default) every decoder layer's input is kept, and compacted.
+
+Stage inputs kept in the GPU's free room stay exact, so the script sets ``RPP_DEVICE_SAVED_GB=0``: every
+stage input goes through the host, where the compact format applies. ``"compacted"`` counts the tensors
+encoded in the fp8 run (0 would mean the comparison compared nothing).
+
+    python bench/stage_inputs_bench.py                                    # loss, built-in task, 200 steps
+    python bench/stage_inputs_bench.py --grad-cosine --workload tiny --seq 1024
+    python bench/stage_inputs_bench.py --grad-cosine --workload qwen3-8b --lora 16 --seq 32768   # on a GPU
+    python bench/stage_inputs_bench.py --block-errors                     # error of each block size
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(ROOT, "bench"), ROOT]  # this checkout's roundpipe and train_bench
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def task_losses(mode: str, args: argparse.Namespace, out_dir: str, seed: int = 0) -> List[float]:
+    """Per-step losses of ``roundpipe train`` on the built-in task with ``--stage-inputs mode``."""
+    cmd = [sys.executable, "-m", "roundpipe", "train", "--steps", str(args.steps), "--plan", "layerwise"]
+    cmd += ["--seed", str(seed)]
+    cmd += ["--stage-inputs", mode, "--output-dir", out_dir, "--overwrite", "--eval-examples", "0"]
+    cmd += ["--log-every", str(max(1, args.steps // 4)), "--no-tensorboard", "--no-progress"]
+    if args.seq:
+        cmd += ["--seq-len", str(args.seq)]
+    env = dict(os.environ, RPP_DEVICE_SAVED_GB="0", RPP_PROGRESS="0")
+    subprocess.run(cmd, check=True, cwd=ROOT, env=env, stdout=sys.stderr)
+    with open(os.path.join(out_dir, "metrics.csv")) as f:
+        return [float(row["loss"]) for row in csv.DictReader(f)]
+
+
+def build(args: argparse.Namespace) -> Tuple[torch.nn.Module, Any]:
+    """The workload's Hugging Face model (random weights; LoRA adapters with ``--lora``) wrapped in a
+    RoundPipe that keeps every stage input on the host."""
+    from train_bench import build_model
+
+    import roundpipe
+
+    hf = build_model(args.workload, "cuda" if torch.cuda.is_available() else "cpu")
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(1)
+        hf = get_peft_model(hf, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules=LORA_TARGETS))
+        for name, p in hf.named_parameters():  # lora_B starts at 0: give it values, so that every adapter learns
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02)
+    model = roundpipe.wrap_model_to_roundpipe(hf, model_run_config=roundpipe.RoundPipeRunConfig(num_microbatch=1))
+    if args.plan == "layerwise":  # every decoder layer's input kept (and compacted): the most rounding
+        model.model_run_config.execute_plan = roundpipe.ModelExecutePlan.layerwise(model.num_layers, "fused")
+    return hf, model
+
+
+def tokens(vocab: int, seq: int, device: str = "cpu") -> torch.Tensor:
+    return torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(0)).to(device)
+
+
+class Counter:
+    """Counts ``stage_codec.encode`` calls (the stage inputs the fp8 run compacted)."""
+
+    def __init__(self) -> None:
+        from roundpipe import stage_codec
+
+        self.n, self.codec, self.encode = 0, stage_codec, stage_codec.encode
+
+        def counted(*a: Any, **k: Any) -> Any:
+            self.n += 1
+            return self.encode(*a, **k)
+
+        stage_codec.encode = counted  # type: ignore[assignment]
+
+
+PAIRS = (("bf16", "fp8"), ("bf16", "bf16"), ("fp8", "fp8"))
+
+
+def _cosine(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double(), y.double()
+    return float((x * y).sum() / (x.norm() * y.norm()))
+
+
+def grad_cosine(args: argparse.Namespace) -> Dict[str, Any]:
+    """One step's gradients with exact and fp8 stage inputs (see the module docstring)."""
+    import roundpipe
+
+    hf, model = build(args)
+    ids = tokens(hf.config.vocab_size, args.seq)
+    trained = [(n, p) for n, p in hf.named_parameters() if p.requires_grad]
+    grads: Dict[str, List[torch.Tensor]] = {}
+    counter = Counter()
+    t0 = time.perf_counter()
+    for mode in ("bf16", "fp8"):
+        for _, p in trained:
+            p.grad = None
+        loss = model.train_step(input_ids=ids, labels=ids, run_config=roundpipe.RoundPipeRunConfig(stage_inputs=mode))
+        model.synchronize()
+        grads[mode] = [p.grad.detach().float().flatten().clone() for _, p in trained]
+        print(f"{mode}: loss {float(loss):.6f}", file=sys.stderr)
+    # Sums in float64, tensor by tensor: a float32 cosine over hundreds of millions of values is off by far
+    # more than the 1e-3 looked for (it gave 1.09 on qwen3-0.6b).
+    dot, aa, bb = (sum(float((x.double() * y.double()).sum()) for x, y in zip(grads[p], grads[q])) for p, q in PAIRS)
+    per = [(_cosine(x, y), n) for (n, _), x, y in zip(trained, grads["bf16"], grads["fp8"]) if x.norm() > 0]
+    worst = min(per)
+    return {
+        "mode": "grad-cosine",
+        "workload": args.workload,
+        "seq": args.seq,
+        "lora": args.lora,
+        "plan": args.plan,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "dtype": str(next(hf.parameters()).dtype),
+        "grad_cosine": dot / (aa * bb) ** 0.5,
+        "grad_rel_err": max(0.0, aa + bb - 2 * dot) ** 0.5 / aa**0.5,
+        "worst_tensor_cosine": worst[0],
+        "worst_tensor": worst[1],
+        "tensors": len(per),
+        "compacted": counter.n,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+def workload_losses(mode: str, args: argparse.Namespace) -> List[float]:
+    """Per-step losses of ``--steps`` Adam steps on one fixed random batch (the model memorises it)."""
+    import roundpipe
+
+    hf, model = build(args)
+    ids = tokens(hf.config.vocab_size, args.seq)
+    opt = roundpipe.optim.Adam(model.optim_parameters(), lr=args.lr)
+    cfg = roundpipe.RoundPipeRunConfig(stage_inputs=mode)
+    out = []
+    for _ in range(args.steps):
+        out.append(float(model.train_step(input_ids=ids, labels=ids, run_config=cfg)))
+        model.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+    model.synchronize()
+    return out
+
+
+def losses(args: argparse.Namespace) -> Dict[str, Any]:
+    """Final losses of the same training with exact and fp8 stage inputs."""
+    t0 = time.perf_counter()
+    runs: Dict[str, List[float]] = {}
+    counter = Counter() if args.workload != "task" else None
+    for mode in ("bf16", "fp8") + (("control",) if args.workload == "task" and args.control else ()):
+        if args.workload == "task":
+            with tempfile.TemporaryDirectory() as d:
+                runs[mode] = task_losses("bf16" if mode == "control" else mode, args, d, seed=int(mode == "control"))
+        else:
+            runs[mode] = workload_losses(mode, args)
+    last = {m: sum(v[-10:]) / len(v[-10:]) for m, v in runs.items()}
+    mean = {m: sum(v) / len(v) for m, v in runs.items()}
+    control = {}
+    if "control" in runs:  # the spread of another seed, exact stage inputs: what a 'ratio' is measured against
+        control = {"control_loss": runs["control"][-1], "control_ratio": runs["control"][-1] / runs["bf16"][-1]}
+        control["control_last10_ratio"] = last["control"] / last["bf16"]
+        control["control_mean_ratio"] = mean["control"] / mean["bf16"]
+    return {
+        "mode": "loss",
+        "workload": args.workload,
+        "seq": args.seq or "task default",
+        "lora": args.lora,
+        "steps": args.steps,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "loss_bf16": runs["bf16"][-1],
+        "loss_fp8": runs["fp8"][-1],
+        "ratio": runs["fp8"][-1] / runs["bf16"][-1],
+        "last10_bf16": last["bf16"],
+        "last10_fp8": last["fp8"],
+        "last10_ratio": last["fp8"] / last["bf16"],
+        "mean_ratio": mean["fp8"] / mean["bf16"],
+        "first_step_equal": runs["fp8"][0] == runs["bf16"][0],
+        **control,
+        "compacted": counter.n if counter is not None else "see the runs' logs",
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+def block_errors(args: argparse.Namespace) -> Dict[str, Any]:
+    """Relative RMS error of the fp8 round trip per block size, on hidden-state-like values: 4096 x 4096
+    Gaussian rows, and the same with three outlier channels (the "massive activations" of LLM hidden
+    states reach 1e3-1e4x the median); the error is measured on the ordinary channels, the ones an
+    outlier's scale coarsens (a block whose largest value is 2**15 times another's holds that one as an
+    fp8 subnormal)."""
+    from roundpipe import stage_codec
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 4096, generator=g)
+    out: Dict[str, Any] = {"mode": "block-errors"}
+    outlier_channels = torch.tensor([7, 1500, 3001])
+    for name, factor in (("gaussian", 1.0), *((f"outliers_{f:.0e}x", f) for f in (1e3, 1e4, 3e4, 1e5))):
+        y = x.clone()
+        y[:, outlier_channels] *= factor
+        keep = torch.ones(y.shape[1], dtype=torch.bool)
+        keep[outlier_channels] = False
+        row: Dict[str, float] = {}
+        for block in (32, 64, 128, 256, 512, 4096):
+            err = stage_codec.roundtrip(y.to(torch.bfloat16), block).float() - y.to(torch.bfloat16).float()
+            ref = y.to(torch.bfloat16).float()
+            row[str(block)] = round((err[:, keep].norm() / ref[:, keep].norm()).item(), 5)
+        out[name] = row
+    out["bytes_per_value"] = {str(b): stage_codec.bytes_per_value(b) for b in (32, 64, 128, 256, 512, 4096)}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default="task", help="task (the built-in task; loss mode), or a bench workload")
+    p.add_argument("--seq", type=int, default=0, help="tokens per sequence (task: its own length; else 1024)")
+    p.add_argument("--lora", type=int, default=0, help="LoRA rank on all decoder projections (0: full fine-tune)")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps of the loss mode")
+    p.add_argument("--lr", type=float, default=1e-4, help="learning rate of a workload's loss mode")
+    p.add_argument("--grad-cosine", action="store_true", help="one step's gradient cosine, exact vs fp8")
+    p.add_argument(
+        "--plan",
+        choices=("layerwise", "auto"),
+        default="layerwise",
+        help="a workload's plan (default: one layer "
+        "per stage, every decoder layer's input compacted; auto: the planner's)",
+    )
+    p.add_argument(
+        "--no-control", dest="control", action="store_false", help="task: skip the control run (exact, seed 1)"
+    )
+    p.add_argument("--block-errors", action="store_true", help="round-trip error per block size")
+    args = p.parse_args()
+    os.environ["RPP_DEVICE_SAVED_GB"] = "0"  # every stage input through the host (see the module docstring)
+    if args.block_errors:
+        print(json.dumps(block_errors(args)))
+        return
+    if args.workload != "task" and not args.seq:
+        args.seq = 1024
+    if args.grad_cosine:
+        if args.workload == "task":
+            p.error("--grad-cosine takes a workload's model: --workload tiny, qwen3-0.6b, ..., qwen3-8b")
+        print(json.dumps(grad_cosine(args)))
+        return
+    print(json.dumps(losses(args)))
+
+
+if __name__ == "__main__":
+    main()
