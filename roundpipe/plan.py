@@ -12,6 +12,7 @@ from typing import Callable, List, Optional, Protocol, Union
 from roundpipe import device
 from roundpipe.partial_grads import split_enabled, split_parts
 from roundpipe.planner import ActivationCosts, RunType, plan_stages, validate_plan
+from roundpipe.dispatch import dispatcher
 from roundpipe.simulate import HostCosts, simulate_iteration
 from roundpipe.timer import ModelTimer
 
@@ -224,7 +225,9 @@ def choose_by_host_cost(
     parts = split_parts(devices, num_microbatch, False, split_enabled())
 
     def cost(p: ModelExecutePlan) -> float:
-        return simulate_iteration(run_type, p.fwd_plan, p.bwd_plan, fwd_t, bwd_t, devices, num_microbatch, parts, host)
+        return simulate_iteration(
+            run_type, p.fwd_plan, p.bwd_plan, fwd_t, bwd_t, devices, num_microbatch, parts, host, dispatcher.devices_for
+        )
 
     best, best_cost = plan, cost(plan)
     for scale in HOST_COST_CAPS:

@@ -19,6 +19,7 @@ from roundpipe.partial_grads import split_enabled, split_parts
 from roundpipe.plan import ModelExecutePlan, RunType
 from roundpipe.run import call_profile
 from roundpipe.run_config import ResolvedRunConfig
+from roundpipe.dispatch import dispatcher
 from roundpipe.simulate import HostCosts, simulate_iteration
 
 
@@ -93,6 +94,8 @@ def replan_pays(
     host = host_costs(model)
 
     def cost(p: ModelExecutePlan) -> float:
-        return simulate_iteration(run_type, p.fwd_plan, p.bwd_plan, fwd_t, bwd_t, devices, num_microbatch, parts, host)
+        return simulate_iteration(
+            run_type, p.fwd_plan, p.bwd_plan, fwd_t, bwd_t, devices, num_microbatch, parts, host, dispatcher.devices_for
+        )
 
     return cost(new) < (1.0 - model.REPLAN_GAIN) * cost(old)

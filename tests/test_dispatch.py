@@ -49,3 +49,39 @@ def test_the_simulator_asks_the_same_policy() -> None:
     by_policy = simulate_iteration("infer", fwd, [], times, [], 2, 4, assign=lambda n, d: policy.devices_for(n, d, 0))
     assert by_policy == pytest.approx(simulate_iteration("infer", fwd, [], times, [], 2, 4))
     assert round_robin(5, 2) == policy.devices_for(5, 2, 0)
+
+
+def test_the_planner_simulates_with_the_runtimes_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan choice (``ModelExecutePlan.auto``'s host-cost choice and ``plan_choice.replan_pays``)
+    simulates calls with the dispatcher the runtime assigns jobs with, not a model of round robin."""
+    from roundpipe import plan_choice
+    from roundpipe.plan import ModelExecutePlan
+
+    asked: list = []
+    real = dispatch.dispatcher.devices_for
+
+    def recording(n: int, d: int, position: int = 0) -> list:
+        asked.append((n, d))
+        return real(n, d, position)
+
+    monkeypatch.setattr(dispatch.dispatcher, "devices_for", recording)
+
+    class Timer:
+        @staticmethod
+        def get_estimate(run_type: str) -> tuple:
+            return "time", [1.0] * 4, [2.0] * 4
+
+        @staticmethod
+        def host_costs(serial: bool) -> object:
+            from roundpipe.simulate import HostCosts
+
+            return HostCosts(serial_compute=serial)
+
+    class Model:
+        model_timer = Timer()
+        REPLAN_GAIN = 0.02
+
+    old = ModelExecutePlan([range(0, 4)], [range(0, 4)])
+    new = ModelExecutePlan([range(0, 2), range(2, 4)], [range(0, 2), range(2, 4)])
+    plan_choice.replan_pays(Model(), old, new, "train", 4)
+    assert asked, "replan_pays did not simulate with the dispatch policy"
