@@ -80,15 +80,18 @@ PLANS = {
 }
 
 
-@pytest.mark.parametrize("workers", ["cpu:1", "cpu:2", "cpu:3"], indirect=True)
 @pytest.mark.parametrize(
-    "family,lora,tiles,grain,plan,seq_tile",
+    "workers,family,lora,tiles,grain,plan,seq_tile",
     [
-        ("qwen3", False, 2, "stage", "auto", 0),
-        ("qwen3", True, 3, "layer", "staged", 0),
-        ("llama", False, 4, "layer", "auto", 4),
-        ("llama", True, 5, "stage", "staged", 3),
+        ("cpu:1", "qwen3", False, 2, "stage", "auto", 0),
+        ("cpu:2", "qwen3", False, 2, "stage", "auto", 0),
+        ("cpu:3", "qwen3", True, 3, "layer", "staged", 0),
+        ("cpu:2", "qwen3", True, 3, "layer", "staged", 0),
+        ("cpu:3", "llama", False, 4, "layer", "auto", 4),
+        ("cpu:1", "llama", True, 5, "stage", "staged", 3),
+        ("cpu:2", "llama", True, 5, "stage", "staged", 3),
     ],
+    indirect=["workers"],
 )
 def test_tiles_equal_the_unsplit_sequence(
     workers: str, family: str, lora: bool, tiles: int, grain: str, plan: str, seq_tile: int
