@@ -227,6 +227,7 @@ class Batch:
         loss_list: Losses per microbatch (``forward_backward``).
         profiles: The model's activation profile of this call per recompute grain (``run.call_profile``).
         stage_inputs: How the call keeps its backward-stage inputs ('bf16' or 'fp8', ``roundpipe.stage_codec``).
+        sequence_tiles: How many tiles of one sequence the microbatches are (1: independent microbatches).
     """
 
     def __init__(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], run_config: Any, label: Any = None) -> None:
@@ -257,6 +258,8 @@ class Batch:
             parts = _split_tree(data, n, split, "split_input", bs)
         self.num_microbatch: int = n
         self.stage_inputs: str = getattr(run_config, "stage_inputs", None) or "bf16"
+        # Tiles of one sequence (``roundpipe.sequence``): the microbatches are its tiles, in order.
+        self.sequence_tiles: int = getattr(run_config, "sequence_tiles", None) or 1
         self.flatten_states: List[List[Any]] = []
         self.flatten_specs: List[pytree.TreeSpec] = []
         self.forward_events: List[List[Event]] = []

@@ -205,3 +205,37 @@ def test_tiles_refuse_what_they_cannot_compute(workers: str) -> None:
     assert sequence.active() is None
 
 
+
+
+@pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
+def test_the_planner_counts_a_jobs_keys_and_values(workers: str) -> None:
+    """The activation profile the planner budgets with: a tile's decoder layer keeps what the same-sized
+    microbatch keeps plus its keys and values over the whole sequence with float32 accumulators, and
+    peaks higher by the [prefix, tile] attention inputs too (hand-computed)."""
+    from roundpipe.batch import Batch
+    from roundpipe.models.sequence_inputs import split_along_sequence
+    from roundpipe.run_config import ResolvedRunConfig
+
+    model = _model("llama", False)
+    rp = models.wrap_model(model)
+    seq, tiles = 24, 3
+    ids = torch.randint(1, 64, (1, seq))
+    pos = torch.arange(seq)[None]
+    kwargs = {"input_ids": ids, "position_ids": pos, "options": {}}
+    tiled_cfg = ResolvedRunConfig(
+        RoundPipeRunConfig(sequence_tiles=tiles, num_microbatch=tiles, split_input=split_along_sequence),
+        RoundPipeRunConfig(),
+    )
+    plain_cfg = ResolvedRunConfig(RoundPipeRunConfig(num_microbatch=1), RoundPipeRunConfig())
+    small = {"input_ids": ids[:, : seq // tiles], "position_ids": pos[:, : seq // tiles], "options": {}}
+    tiled = rp.activation_profile(Batch((), kwargs, tiled_cfg), "stage")
+    plain = rp.activation_profile(Batch((), small, plain_cfg), "stage")
+    config = model.config
+    kv_dim = config.num_key_value_heads * config.head_dim
+    q_dim = config.num_attention_heads * config.head_dim
+    e = 8  # float64
+    kv = seq * kv_dim * 2 * (e + 4)
+    prefix = seq * 2 * (2 * q_dim + kv_dim) * e
+    for i in range(1, 1 + config.num_hidden_layers):
+        assert tiled.kept[i] == plain.kept[i] + kv
+        assert tiled.peak[i] == plain.peak[i] + kv + prefix

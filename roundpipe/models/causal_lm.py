@@ -144,10 +144,18 @@ class RoundPipeForCausalLM(RoundPipe):
             kept, peak, checkpoint = [0.0] * self.num_layers, [0.0] * self.num_layers, [0.0] * self.num_layers
             side = t * estimate.side_bytes_per_token(shape, e)
             io = (2 + estimate.OVERLAP_TENSORS) * t * shape.hidden * e
+            # Tiles of one sequence: each layer's keys and values over the whole sequence stay on the job's
+            # device (with float32 gradient accumulators in backward), and a tile's attention reads
+            # [prefix, tile] keys and values repeated to the query heads (``roundpipe.sequence``).
+            kv = prefix = 0.0
+            if batch.sequence_tiles > 1:
+                whole_tokens = rows * seq_len * len(sizes)
+                kv = whole_tokens * shape.kv_dim * 2 * (e + 4)
+                prefix = whole_tokens * 2 * (2 * shape.q_dim + shape.kv_dim) * e
             for i in decoder:
                 tiled = tileable[i] and tile > 0 and t > tile
                 k, p = estimate.decoder_layer_bytes(shape, t, tile, tiled, e, whole[i], extra[i])
-                kept[i], peak[i] = k, p + io + side
+                kept[i], peak[i] = k + kv, p + kv + prefix + io + side
                 # The host copy of a stage input per microbatch (bf16, or fp8 payload and scales) from torch's
                 # pinned caching allocator, which rounds each block up to a power of two.
                 checkpoint[i] = len(sizes) * estimate.pinned_checkpoint_bytes(shape, rows * seq_len, e, mode)
