@@ -191,5 +191,11 @@ def test_a_roundpipe_has_what_the_model_protocol_declares() -> None:
 
 def test_the_device_layer_knows_nothing_of_runs() -> None:
     """Dispatch goes run -> device, never back: the worker runs callables."""
-    deps = graph()["roundpipe.device"]
-    assert not deps & {"roundpipe.run", "roundpipe.jobs", "roundpipe.pipeline", "roundpipe.roundpipe", "roundpipe.plan"}
+    deps = graph()["roundpipe.devices.device"]
+    assert not deps & {
+        "roundpipe.runtime.run",
+        "roundpipe.runtime.jobs",
+        "roundpipe.runtime.pipeline",
+        "roundpipe.roundpipe",
+        "roundpipe.planning.plan",
+    }

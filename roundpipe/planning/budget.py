@@ -1,0 +1,148 @@
+"""Memory budgets of a training call: what its activations may use on the devices and on the host, and
+the refusal a call gets before its first job when no plan fits.
+
+A model that knows what its layers' activations cost (``RoundPipe.activation_profile``: the Hugging
+Face presets compute it from the config) is planned under both budgets (``planner.ActivationCosts``):
+the GPU budget is the smallest device capacity (``RPP_GPU_MEMORY`` caps it) less the weights of two
+stages and a margin; the host budget is ``RPP_HOST_MEMORY`` less what the process holds, or the
+available memory less a margin. A plain ``RoundPipe`` reports nothing and is planned by its weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence
+
+from roundpipe.devices import backend, device
+from roundpipe.planning.planner import ActivationCosts, ActivationMemoryError, fits_budgets
+
+GiB = float(1 << 30)
+
+# Kept free on each device for what the activation model does not count (allocator fragmentation,
+# cuBLAS / attention workspaces) and on the host for page cache and the rest of the system.
+GPU_MARGIN_FRACTION = 0.08
+GPU_MARGIN_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """Per-layer activation bytes of one call (see ``planner.ActivationCosts`` for each field), and how
+    they scale: ``tokens`` of the call; ``for_tokens(n)`` gives the profile of the same call at ``n``
+    tokens (used to find the longest sequence that fits)."""
+
+    kept: List[float]
+    peak: List[float]
+    checkpoint: List[float]
+    tokens: int
+    seq_len: int
+    for_tokens: Callable[[int], "ActivationProfile"]
+
+
+def gpu_budget(layer_bytes: List[float]) -> float:
+    """Device bytes a stage's activations may use: the smallest device capacity less a margin and the
+    weights of two stages of the largest layer (the running and the prefetched one)."""
+    capacity = float(device.get_min_capacity())
+    return max(0.0, capacity * (1 - GPU_MARGIN_FRACTION) - GPU_MARGIN_BYTES - 2 * max(layer_bytes, default=0.0))
+
+
+#: Share of the device memory a single-device plan leaves free that backward-stage inputs take by
+#: default (``RPP_DEVICE_SAVED_GB=auto``); the rest absorbs what the activation model does not count.
+DEVICE_SAVED_SHARE = 0.75
+
+
+def device_saved_room(
+    profile: Optional[ActivationProfile], layer_bytes: List[float], bwd_plan: Sequence[range]
+) -> float:
+    """Device bytes a one-device call may keep its backward-stage inputs in instead of host copies: a
+    share of the GPU budget less the plan's largest backward stage (the inputs kept are freed stage by
+    stage in backward, so that stage still fits beside the ones not yet consumed). 0 for a model that
+    reports no activations (nothing to size the room by)."""
+    if profile is None or not bwd_plan:
+        return 0.0
+    a = costs(profile, gpu_budget(layer_bytes), 0.0)
+    worst = max(a.stage_bytes(r.start, r.stop, layer_bytes) for r in bwd_plan)
+    return max(0.0, DEVICE_SAVED_SHARE * (a.gpu_limit - worst))
+
+
+def host_budget() -> float:
+    """Host bytes the call's activation checkpoints may use (``backend.host_budget_bytes``)."""
+    return float(backend.host_budget_bytes())
+
+
+def costs(profile: ActivationProfile, gpu_limit: float, host_limit: float) -> ActivationCosts:
+    return ActivationCosts(profile.kept, profile.peak, profile.checkpoint, gpu_limit, host_limit)
+
+
+def refusal(
+    model_name: str,
+    profile: ActivationProfile,
+    error: ActivationMemoryError,
+    gpu_limit: float,
+    host_limit: float,
+    fits: Callable[[ActivationProfile], bool],
+) -> MemoryError:
+    """The error a call that cannot fit gets before its first job: what it needs, what is available, the
+    longest sequence of the same shape that fits (by bisection over ``profile.for_tokens``) and what
+    to change."""
+    lo, hi = 0, profile.seq_len
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(profile.for_tokens(mid)):
+            lo = mid
+        else:
+            hi = mid
+    longest = (lo // 1024) * 1024 if lo >= 2048 else lo
+    need = []
+    if error.gpu_needed:
+        need.append(
+            f"{error.gpu_needed / GiB:.1f} GiB per device for a backward stage's activations "
+            f"({gpu_limit / GiB:.1f} GiB available)"
+        )
+    if error.host_needed:
+        need.append(
+            f"{error.host_needed / GiB:.1f} GiB of host memory for activation checkpoints "
+            f"({host_limit / GiB:.1f} GiB available)"
+        )
+    what = "; ".join(need) if need else str(error)
+    return MemoryError(
+        f"model {model_name!r}: a step of {profile.tokens:,} tokens ({profile.seq_len:,} per sequence) does not fit: "
+        f"it needs {what}. The longest sequence of this batch shape that fits: {longest:,} tokens. "
+        "Fixes: a shorter --seq-len / sequence, fewer rows per microbatch (more microbatches), LoRA instead of "
+        "a full fine-tune, RPP_HOST_MEMORY / RPP_GPU_MEMORY if the limits are wrong; `roundpipe plan` "
+        "estimates a run before it starts (docs/resolve-oom.md)."
+    )
+
+
+def still_fits(
+    profile: Optional[ActivationProfile], layer_bytes: List[float], bwd_plan: Sequence[range], fused: bool
+) -> bool:
+    """Whether a backward plan made earlier still fits the budgets as they are now (host memory shrinks
+    as the optimizer state and pinned blocks appear); a plan by weights alone (no profile) always does."""
+    if profile is None:
+        return True
+    return fits_budgets(bwd_plan, costs(profile, gpu_budget(layer_bytes), host_budget()), fused, layer_bytes)
+
+
+def plan_or_refuse(
+    model_name: str,
+    profile: Optional[ActivationProfile],
+    layer_bytes: List[float],
+    plan: Callable[[Optional[ActivationCosts]], object],
+) -> object:
+    """``plan(costs)`` under the budgets when the model has an activation profile, else ``plan(None)``;
+    a plan that cannot fit becomes the refusal (``refusal``)."""
+    if profile is None:
+        return plan(None)
+    gpu_limit, host_limit = gpu_budget(layer_bytes), host_budget()
+    try:
+        return plan(costs(profile, gpu_limit, host_limit))
+    except ActivationMemoryError as exc:
+
+        def fits(p: ActivationProfile) -> bool:
+            try:
+                plan(costs(p, gpu_limit, host_limit))
+                return True
+            except ActivationMemoryError:
+                return False
+
+        raise refusal(model_name, profile, exc, gpu_limit, host_limit, fits) from exc

@@ -1,0 +1,99 @@
+"""Which plan a RoundPipe call runs: the user's, or the automatic one, re-planned as timings arrive.
+
+The automatic plan comes from size estimates at first, is planned again once real timings exist and
+then every ``RoundPipe.REPLAN_EVERY`` timer updates (plans do not churn every iteration), one per size
+of the call's activations (tokens rounded up to a power of two) when the model reports them. A new plan
+replaces the one in use only when the model of a call (``roundpipe.planning.simulate``, with the host's measured
+cost per job) says it is ``RoundPipe.REPLAN_GAIN`` faster and the old one still fits the budgets.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from roundpipe.devices import backend, threads
+from roundpipe.devices import device as device_mod
+from roundpipe.model_protocol import PipelinedModel
+from roundpipe.planning import budget
+from roundpipe.planning.plan import ModelExecutePlan, RunType
+from roundpipe.planning.simulate import HostCosts, simulate_iteration
+from roundpipe.run_config import ResolvedRunConfig
+from roundpipe.runtime.batch import Batch
+from roundpipe.runtime.partial_grads import split_enabled, split_parts
+from roundpipe.runtime.run import call_profile
+
+
+def host_costs(model: PipelinedModel) -> HostCosts:
+    """The host's measured cost per job and microbatch, and whether compute is serial: CPU workers
+    compute under one lock (unless the stress mode lets them run at once)."""
+    serial = all(d.device.type == "cpu" for d in device_mod.get_devices()) and threads.stress_limit() == 0
+    if not serial:
+        # On GPUs the model with host costs is not validated (0.48 s predicted against 0.90 s measured on
+        # 4 H200s), and the first GPU runs of the runtime that let it choose plans were slower (4 GPUs,
+        # qwen3-1.7b 16 x 4096: 62,119 tokens/s against 80,128 for the runtime before it, across calls;
+        # the cause is not isolated, docs/benchmarks.md): GPU plans are chosen as before it.
+        return HostCosts(serial_compute=False)
+    return model.model_timer.host_costs(serial)
+
+
+def local_plan(
+    model: PipelinedModel, cfg: ResolvedRunConfig, run_type: RunType, batch: Optional[Batch] = None
+) -> ModelExecutePlan:
+    """This process's plan for a call (see the module docstring)."""
+    if cfg.execute_plan is not None:
+        plan = cfg.execute_plan.for_run_type(run_type, model.num_layers)
+        plan.check_valid(model.num_layers, run_type)
+        return plan
+    profile = call_profile(model, batch, cfg.recompute_grain) if batch is not None and run_type != "infer" else None
+    key = (run_type, 1 << max(0, profile.tokens - 1).bit_length()) if profile is not None else (run_type, 0)
+    if profile is not None and model.__dict__.get("_last_activation_key", key) != key:
+        # Another length than the last call: the pinned blocks cached for its checkpoints would stay
+        # next to this call's (the host caching allocator reuses blocks of one size only).
+        backend.empty_host_cache()
+    if profile is not None:
+        model.__dict__["_last_activation_key"] = key
+    version = model.model_timer.version if model.model_timer.has_measurements(run_type) else -1
+    plans = model.__dict__["_plans"]
+    cached = plans.get(key)
+    if cached is None or (cached[1] != version and (cached[1] < 0 or version - cached[1] >= model.REPLAN_EVERY)):
+        layer_bytes = model.layer_device_bytes(run_type)
+        host = host_costs(model)
+
+        def auto(costs: Optional[budget.ActivationCosts]) -> ModelExecutePlan:
+            plan = ModelExecutePlan.auto(
+                run_type, model, activations=costs, num_microbatch=cfg.num_microbatch, host=host
+            )
+            assert isinstance(plan, ModelExecutePlan)  # one model: one plan
+            return plan
+
+        plan = budget.plan_or_refuse(model.name, profile, layer_bytes, auto)
+        assert isinstance(plan, ModelExecutePlan)
+        plan.check_valid(model.num_layers, run_type)
+        # The plan in use stays unless the new one pays, and only while it still fits the budgets.
+        if (
+            cached is not None
+            and version >= 0
+            and not model._replan_pays(cached[0], plan, run_type, cfg.num_microbatch)
+            and budget.still_fits(profile, layer_bytes, cached[0].bwd_plan, run_type == "fused")
+        ):
+            plan = cached[0]
+        plans[key] = (plan, version)
+    return plans[key][0]
+
+
+def replan_pays(
+    model: PipelinedModel, old: ModelExecutePlan, new: ModelExecutePlan, run_type: RunType, num_microbatch: int
+) -> bool:
+    """Whether ``new`` simulates at least ``REPLAN_GAIN`` faster than ``old`` under the current timings
+    and host costs."""
+    if old.fwd_plan == new.fwd_plan and old.bwd_plan == new.bwd_plan:
+        return True
+    _, fwd_t, bwd_t = model.model_timer.get_estimate(run_type)
+    devices = device_mod.get_num_devices()
+    parts = split_parts(devices, num_microbatch, False, split_enabled())
+    host = host_costs(model)
+
+    def cost(p: ModelExecutePlan) -> float:
+        return simulate_iteration(run_type, p.fwd_plan, p.bwd_plan, fwd_t, bwd_t, devices, num_microbatch, parts, host)
+
+    return cost(new) < (1.0 - model.REPLAN_GAIN) * cost(old)

@@ -1,0 +1,158 @@
+"""Gradients of the fused group computed in parts on several devices, summed before the download.
+
+On several devices the fused forward-backward job (the last layers and the loss head) is split by
+microbatch (``jobs.run_forward_backward``): part j runs microbatches j, j + K, ... on its own device,
+so no device carries the whole head while the others wait for its output (with one job, the head of
+every microbatch ran on one device: about a fifth of a qwen3-1.7b iteration, which capped two GPUs at
+about 1.6x one). Each part accumulates its layers' parameter gradients on its device; the sum goes to
+the host once, through the primary part (part 0), which owns the layers' gradient events
+(``attribute.LayerAttribute``) exactly as an unsplit job does.
+
+Life cycle, per call and layer of the fused group:
+
+1. A secondary part, after its last microbatch, downloads its device gradients into host buffers of
+   its own (``publish``), queued on its gradient stream after its compute stream; it records the
+   download's event and then sets the layer's ``ready`` flag (host side: the download is issued).
+2. The primary part, at its own download of the layer (on its gradient stream), waits for each
+   secondary's flag (host side, a short wait: a part issues its download as soon as it has queued its
+   microbatches; with ``RPP_WATCHDOG_S`` it fails, naming the part and layer, when the run stalls that
+   long: ``threads.wait_or_stall``), makes its gradient stream wait for that part's event (device side,
+   across devices) and uploads the host copy (``fetch``), all before that stream waits for its own compute, so the
+   upload overlaps the compute; after the compute it adds the copies into its own gradients
+   (``add``) and downloads the sum.
+3. The host buffers are written again only by the next call's secondary download, after this call's
+   ``finish_backward`` has waited for every gradient download, the primary's (which follows its
+   upload of these buffers on the same stream) included.
+
+Host memory: one buffer per trainable parameter of the fused group and secondary part, kept by the
+model across calls (``store``); the fused group is one decoder layer and the head.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+from torch import nn
+
+from roundpipe import settings
+from roundpipe.devices import backend, threads
+from roundpipe.devices import device as device_mod
+from roundpipe.devices.memory import pinned_empty
+from roundpipe.devices.threads import AnnotatedEvent
+from roundpipe.runtime.transfer import to_device
+
+# Host buffers kept across calls: (id of the host parameter, layer, part) -> pinned buffer (a tied
+# parameter has a device copy, and a gradient share, per layer).
+PartialGradStore = Dict[Tuple[int, int, int], torch.Tensor]
+
+
+def _grad_pairs(cpu_layer: nn.Module, gpu_layer: nn.Module) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """(host parameter, device parameter) of a layer, each parameter once, in module order."""
+    out: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    seen = set()
+    for host_mod, dev_mod in zip(cpu_layer.modules(), gpu_layer.modules()):
+        for name, p in host_mod._parameters.items():
+            dp = dev_mod._parameters.get(name)
+            if p is None or dp is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            out.append((p, dp))
+    return out
+
+
+class PartialGrads:
+    """One call's gradient parts of the fused group (module docstring). ``parts`` counts the primary."""
+
+    def __init__(self, parts: int, layers: range, store: PartialGradStore, name: Callable[[int], str] = str) -> None:
+        self.parts = parts
+        self.store = store
+        self.name = name  # layer id -> how errors name the layer (the model's name and the layer's)
+        self.ready = {
+            (j, i): AnnotatedEvent(f"fused_part{j}.layer{i}.grads_issued") for j in range(1, parts) for i in layers
+        }
+        # (part, layer) -> (id of host parameter -> host buffer, the download's device event)
+        self.published: Dict[Tuple[int, int], Tuple[Dict[int, torch.Tensor], Any]] = {}
+
+    def _buffer(self, p: torch.Tensor, layer_id: int, part: int, grad: torch.Tensor) -> torch.Tensor:
+        key = (id(p), layer_id, part)
+        buf = self.store.get(key)
+        if buf is None or buf.shape != grad.shape or buf.dtype != grad.dtype:
+            buf = pinned_empty(grad.shape, grad.dtype)
+            self.store[key] = buf
+        return buf
+
+    def publish(self, part: int, layer_id: int, cpu_layer: nn.Module, gpu_layer: nn.Module, device: Any) -> None:
+        """Secondary part ``part``: download this layer's device gradients into the part's host
+        buffers (gradient stream, after the compute that produced them) and tell the primary."""
+        stream = device.grad_stream
+        stream.wait_stream(device.compute_stream)
+        bufs: Dict[int, torch.Tensor] = {}
+        with torch.no_grad(), backend.use_stream(stream):
+            for p, dp in _grad_pairs(cpu_layer, gpu_layer):
+                if dp.grad is None:
+                    continue
+                buf = self._buffer(p, layer_id, part, dp.grad)
+                buf.copy_(dp.grad, non_blocking=dp.grad.device.type != "cpu")
+                bufs[id(p)] = buf
+            event = backend.record_event(stream)
+        self.published[(part, layer_id)] = (bufs, event)
+        self.ready[(part, layer_id)].set()
+
+    def fetch(
+        self, layer_id: int, cpu_layer: nn.Module, gpu_layer: nn.Module, device: Any
+    ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """Primary part, on its gradient stream (current) before it waits for its own compute: upload every
+        secondary part's gradients of this layer. Returns (device parameter, uploaded share) pairs for
+        ``add``."""
+        stream = device.grad_stream
+        pairs = _grad_pairs(cpu_layer, gpu_layer)
+        out: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        for part in range(1, self.parts):
+            # A part that never hands over would hang this device thread: with RPP_WATCHDOG_S the wait
+            # fails once the whole run has stalled that long (a failed part aborts it at once anyway).
+            threads.wait_or_stall(
+                self.ready[(part, layer_id)],
+                lambda part=part: f"{self.name(layer_id)}: fused part {part} never handed over its gradients to part 0",
+            )
+            bufs, event = self.published.pop((part, layer_id))
+            if not bufs:
+                continue
+            stream.wait_event(event)  # the part's download (another device's stream) has landed
+            for p, dp in pairs:
+                buf = bufs.get(id(p))
+                if buf is not None:
+                    out.append((dp, to_device(buf, device.device)))
+        return out
+
+    @staticmethod
+    def add(shares: List[Tuple[torch.Tensor, torch.Tensor]], hold: List[torch.Tensor]) -> None:
+        """Add the fetched shares (``fetch``) into the device gradients, on the current stream (the
+        gradient stream, past the compute that wrote them). The shares go to ``hold``: the caller keeps
+        them until the download has completed."""
+        for dp, share in shares:
+            hold.append(share)
+            dp.grad = share if dp.grad is None else dp.grad.add_(share)
+
+
+def split_enabled() -> bool:
+    """Whether the fused job may be split over the devices (``RPP_SPLIT_FUSED``). ``auto``: where the
+    devices compute at once (GPUs; CPU workers in the stress mode). CPU workers otherwise compute one
+    at a time, and a split only adds each part's uploads and hand-overs (bench/job_cost.py: 4 workers
+    167 us per job split, 79 us whole)."""
+    mode = settings.SPLIT_FUSED.get()
+    if mode != "auto":
+        return mode == "1"
+    return any(backend.is_cuda(d.device) for d in device_mod.get_devices()) or threads.stress_limit() > 0
+
+
+def split_parts(num_devices: int, num_microbatch: int, has_buffers: bool, enabled: bool) -> int:
+    """How many parts the fused job runs in: one per device (at most one per microbatch) when enabled
+    and there are several devices; one when the fused group has buffers (a forward may update them,
+    e.g. running statistics, and only one device's update could be kept)."""
+    if not enabled or has_buffers or num_devices <= 1:
+        return 1
+    return max(1, min(num_devices, num_microbatch))
+
+
+__all__ = ["PartialGradStore", "PartialGrads", "split_parts"]

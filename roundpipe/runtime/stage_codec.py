@@ -1,0 +1,216 @@
+"""Compact stage inputs: the backward stages' inputs kept from the forward to the backward in fp8 with one
+float32 scale per block (``RPP_STAGE_INPUTS=fp8`` or ``RoundPipeRunConfig(stage_inputs="fp8")``).
+
+Why: a training call keeps every backward stage's input (``tokens x hidden`` values per stage) until the
+backward recomputes the stage from it; at 512K tokens qwen3-8b's take ~150 GiB in bf16. In fp8 they
+take 1 byte per value plus a float32 scale per ``BLOCK`` values (1.03 bytes with blocks of 128).
+
+What is approximated: the forward runs on exact values; only the copy kept for the backward is rounded.
+The backward recomputes each stage from the decoded input, so its activations and gradients are those
+of a slightly perturbed input (relative error at most 2**-4 per value, 2.7% RMS). Deterministic:
+the same input gives the same bytes and decoded values (every step but fp8's round-to-nearest is exact).
+
+Format (:class:`Packed`): the tensor viewed as ``rows x last`` (``last`` its last dimension, the hidden
+size of a hidden state), split along ``last`` into blocks of ``BLOCK`` values (the last block of a row
+may be shorter); per block a power-of-two scale ``s = 2**ceil(log2(amax / 448))`` (448: the largest
+float8_e4m3fn) and the payload ``round_to_fp8(x / s)``. A power of two makes ``x / s`` exact, so the
+payload is fp8's own rounding of ``x`` and decoding ``payload * s`` is exact in any wider dtype; the
+error bound is then fp8's: ``|x - decoded| <= max(2**-4 |x|, 2**-10 s)`` (half an ulp of a normal,
+resp. subnormal, fp8 value). A block holding a non-finite value decodes as NaN.
+
+Which leaves (:func:`hidden_leaves`): floating tensors of two or more dimensions that the job did not
+receive unchanged (those pass through and keep their one host copy per call: rotary tables, position
+ids, labels; ``jobs._download_reusing``); where a leaf sits in a dict (the Hugging Face presets' state),
+only the one under ``hidden_states``. The model's own input (the first stage's), what the fused job hands
+to the loss and stage inputs kept on the device (``RPP_DEVICE_SAVED_GB``: they cost no host memory) stay
+exact.
+
+Where: :func:`compact` encodes on the device's compute stream, after the compute that made the values and
+before their download (``transfer.async_d2h`` downloads a :class:`Packed` on the download stream);
+``transfer.async_h2d`` uploads one on the upload stream and :func:`decode` runs there, so the compute
+stream gets the decoded tensor like any uploaded one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, List, Set
+
+import torch
+from torch.utils import _pytree as pytree
+
+#: The accepted ``stage_inputs`` values: as today (the dtype the layers produce, bf16 in a bf16 run), or fp8.
+MODES = ("bf16", "fp8")
+#: Values per float32 scale, along the last dimension (see docs/long-context.md, "Compact stage inputs").
+BLOCK = 128
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+#: Rows encoded or decoded at once hold at most this many values: bounds the float32 transients on the
+#: device (a 512K-token hidden state is 2G values; one whole-tensor fp32 copy would be 8 GiB).
+CHUNK_VALUES = 1 << 24
+_HIDDEN_KEY = "hidden_states"
+
+
+def check_mode(value: Any, name: str = "stage_inputs") -> str:
+    """``value`` if it is one of :data:`MODES`, else a ValueError naming ``name`` and the choices."""
+    if value not in MODES:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(repr(m) for m in MODES)}")
+    return str(value)
+
+
+def bytes_per_value(block: int = BLOCK) -> float:
+    """Bytes one value takes in the compact format: the fp8 payload and its share of a float32 scale."""
+    return 1.0 + 4.0 / block
+
+
+@dataclass
+class Packed:
+    """One tensor in the compact format (see the module docstring); on the device or on the host."""
+
+    payload: torch.Tensor
+    """float8_e4m3fn, ``rows x last``."""
+    scales: torch.Tensor
+    """float32, ``rows x ceil(last / block)``: a power of two per block."""
+    dtype: torch.dtype
+    """The original dtype, restored by :func:`decode`."""
+    shape: torch.Size
+    """The original shape."""
+    block: int = BLOCK
+
+    def tensors(self) -> List[torch.Tensor]:
+        return [self.payload, self.scales]
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Packed":
+        """The same tensor with ``fn`` applied to its payload and scales (a copy to another device)."""
+        return Packed(fn(self.payload), fn(self.scales), self.dtype, self.shape, self.block)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def _rows(shape: torch.Size) -> int:
+    last = shape[-1] if len(shape) else 1
+    return math.prod(shape) // last if last else 0
+
+
+def _pow2_scales(amax: torch.Tensor) -> torch.Tensor:
+    """``2**ceil(log2(amax / 448))`` per block, float32, at least 2**-126 (all-zero blocks); NaN for a
+    block with a non-finite value (it decodes as NaN). Built from the exponent bits: exact everywhere."""
+    v = (amax.float() / FP8_MAX).clamp_min(2.0**-126)
+    mantissa, exponent = torch.frexp(v)
+    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)  # an exact power of two is its own scale
+    scales = ((exponent.clamp(-126, 127) + 127).to(torch.int32) << 23).view(torch.float32)
+    return torch.where(torch.isfinite(amax), scales, torch.full_like(scales, float("nan")))
+
+
+def _blocked(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``rows x last`` as ``rows x blocks x block``, the last block zero-padded."""
+    pad = -x.shape[-1] % block
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.reshape(x.shape[0], -1, block)
+
+
+@torch.no_grad()
+def encode(t: torch.Tensor, block: int = BLOCK) -> Packed:
+    """``t`` (floating) in the compact format, on ``t``'s device and current stream."""
+    if not t.is_floating_point():
+        raise TypeError(f"stage_codec.encode takes a floating tensor, not {t.dtype}")
+    last = t.shape[-1] if t.dim() else 1
+    rows = _rows(t.shape)
+    x = t.detach().reshape(rows, last)
+    nb = -(-last // block)
+    payload = torch.empty((rows, last), dtype=FP8, device=t.device)
+    scales = torch.empty((rows, nb), dtype=torch.float32, device=t.device)
+    step = max(1, CHUNK_VALUES // max(1, last))
+    for r in range(0, rows, step):
+        xb = _blocked(x[r : r + step], block)
+        s = _pow2_scales(xb.abs().amax(dim=-1))
+        scales[r : r + step] = s
+        q = (xb.float() * s.reciprocal().unsqueeze(-1)).to(FP8)
+        payload[r : r + step] = q.reshape(q.shape[0], -1)[:, :last]
+    return Packed(payload, scales, t.dtype, t.shape, block)
+
+
+@torch.no_grad()
+def decode(p: Packed) -> torch.Tensor:
+    """The tensor ``p`` holds, in its original dtype and shape, on ``p``'s device and current stream."""
+    rows, last = p.payload.shape
+    out = torch.empty((rows, last), dtype=p.dtype, device=p.payload.device)
+    step = max(1, CHUNK_VALUES // max(1, last))
+    for r in range(0, rows, step):
+        q = _blocked(p.payload[r : r + step].float(), p.block)
+        x = (q * p.scales[r : r + step].unsqueeze(-1)).reshape(q.shape[0], -1)[:, :last]
+        out[r : r + step] = x.to(p.dtype)
+    return out.reshape(p.shape)
+
+
+def roundtrip(t: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """``decode(encode(t))``: the values a backward recomputes from (tests and hand-made references)."""
+    return decode(encode(t, block))
+
+
+def _paths(spec: pytree.TreeSpec, n: int) -> List[Any]:
+    """The key path of each of the ``n`` leaves of ``spec``."""
+    tree = pytree.tree_unflatten(list(range(n)), spec)
+    out: List[Any] = [()] * n
+    for path, k in pytree.tree_flatten_with_path(tree)[0]:
+        out[k] = path
+    return out
+
+
+def hidden_leaves(leaves: List[Any], spec: pytree.TreeSpec, passthrough: Iterable[Any] = ()) -> List[bool]:
+    """Which of a stage input's ``leaves`` (flattened with ``spec``) the compact format takes: floating
+    tensors of two or more dimensions that are not among ``passthrough`` (the job's inputs, by identity)
+    and, inside a dict, sit under the key ``hidden_states``."""
+    seen: Set[int] = {id(t) for t in passthrough if isinstance(t, torch.Tensor)}
+    want = [
+        isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != FP8 and t.dim() >= 2 and id(t) not in seen
+        for t in leaves
+    ]
+    if not any(want):
+        return want
+    for k, path in enumerate(_paths(spec, len(leaves))):
+        keys = [e.key for e in path if isinstance(e, pytree.MappingKey)]
+        if want[k] and keys and _HIDDEN_KEY not in keys:
+            want[k] = False
+    return want
+
+
+def compact(device: Any, mode: str, leaves: List[Any], spec: pytree.TreeSpec, passthrough: Iterable[Any]) -> List[Any]:
+    """A stage input's ``leaves`` as they are kept for the backward: with ``mode`` 'fp8' its hidden
+    leaves (:func:`hidden_leaves`) become :class:`Packed`, encoded on ``device``'s compute stream; the
+    rest, and everything with 'bf16', unchanged."""
+    if mode == "bf16":
+        return leaves
+    from roundpipe.devices import backend
+
+    want = hidden_leaves(leaves, spec, passthrough)
+    if not any(want):
+        return leaves
+    with backend.use_stream(device.compute_stream):
+        return [encode(t) if w else t for t, w in zip(leaves, want)]
+
+
+def host_copies(forward: List[Any], kept: List[Any]) -> List[Any]:
+    """The host leaves a forward job hands to the next one (``batch.flatten_states``) when only the compact
+    stage input was downloaded: its other leaves' host copies (position ids, rotary tables), so that the
+    next jobs reuse them instead of downloading their own; a leaf ``forward`` has keeps it."""
+    return [k if f is None and not isinstance(k, Packed) else f for f, k in zip(forward, kept)]
+
+
+__all__ = [
+    "BLOCK",
+    "MODES",
+    "Packed",
+    "bytes_per_value",
+    "check_mode",
+    "compact",
+    "decode",
+    "encode",
+    "hidden_leaves",
+    "host_copies",
+    "roundtrip",
+]

@@ -1,0 +1,198 @@
+"""A training cycle (the calls between two steps) seen from the main thread: host buffers and optimizer
+state built before the first step, in the background, and which calls' gradient downloads may take the
+weights' host buffers. The buffers themselves, their roles and every change of role belong to
+``roundpipe.runtime.host_buffers``; this module only decides, at a call's start, what that module is asked.
+
+A model's first iterations would otherwise allocate on their critical path: the pinned spares that
+the first gradient downloads take (the rotation of ``roundpipe.runtime.host_buffers``), and
+the optimizer's zero moments (``roundpipe.optim.reserve``). :class:`HostBufferPrep` starts both at the
+model's first training call, while the devices run the first iteration, and its ``finish`` (the first
+``step``, else the next training call) waits for them once: pinning holds the CUDA driver's lock, so a
+thread still pinning would stall the device threads' copies and launches at random points of the next
+iterations, and a first step still building its state would hold up the iteration after it.
+
+The first step has nothing to convert either: an optimizer copy starts as the weights' version
+(``RoundPipe._optim_param``), so its publish leaves the weights in place. It used to convert every
+optimizer copy into the weights while the next forward waited for them layer by layer: qwen3-1.7b on one
+H100, the first timed iteration after one warm-up took 1.19-1.41x the steady one, 0.97x when timing
+began after that step had ended (a buffer staged ahead in the background, tried before, was a third
+buffer and did not help).
+
+:class:`StepCycle` decides which calls' gradient downloads may take the weights' host buffers.
+
+Life cycle: one per model, owned by the main thread (``start`` and ``finish`` run there); the builder
+thread only adds spares (``host_buffers.ParamBuffers.give_spare``, under that module's lock).
+Whatever changes the optimizer copies goes through ``sync_optim_param`` or ``load_optim_params``, which
+copy them into the weights (``ParamBuffers.publish``: no longer "in place" then).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from roundpipe import settings
+from roundpipe.devices import device as device_mod
+from roundpipe.devices.memory import pinned_empty
+from roundpipe.model_protocol import WrappedModel
+from roundpipe.optim import reserve as state_reserve
+from roundpipe.optim import step as optim_step
+from roundpipe.runtime.attribute import ParamAttribute
+from roundpipe.runtime.host_buffers import ParamBuffers
+
+
+def preallocate_host_buffers(params: Sequence[nn.Parameter], name: str) -> threading.Thread:
+    """Allocate, in a background thread, per trainable parameter the spares that the first gradient downloads take (the
+    first call's, and the second call's with ``RPP_GRAD_INTO_MODEL=0``), pinned and faulted in. A shared (tied)
+    parameter's owner layer rotates its buffers like any parameter; on several devices each other layer sharing it
+    downloads its own share (``host_buffers``): one spare more per such layer. (A tied embedding's buffers are a
+    model's largest: pinning one in the first step held the driver's lock for 0.3 s of the next iteration on
+    qwen3-1.7b.) A buffer the download needs before the thread reaches its parameter is allocated there as before
+    (an extra spare is trimmed after the step; with downloads into the weights none is made for a parameter whose
+    download came first); a failure to pin is left to that path, which reports it with advice. Not foreseen: a
+    sharer in its owner's stage on one device, and data parallel reducing on the devices (both download every
+    share): those buffers come in the first call."""
+    into_weights = settings.grad_into_model_enabled()
+    staged = settings.stage_params_enabled()
+    want = 1 if into_weights else (2 if staged else settings.grad_buffers_limit() - 1)
+    one_device = device_mod.get_num_devices() == 1  # a tied weight's shares are summed on the device then
+
+    def run() -> None:
+        for p in params:
+            attr, bufs = ParamAttribute.get(p), ParamBuffers.of(p)
+            if not p.requires_grad or (into_weights and p.grad is not None and not attr.shared):
+                continue  # (a download that came first took a buffer of its own: one more would be surplus)
+            sharers = 0 if one_device or not attr.shared else len(attr.layer_ids) - 1
+            for _ in range(bufs.spares_to_build(p, want, sharers)):
+                try:
+                    buf = pinned_empty(p.shape, p.dtype)
+                except RuntimeError:
+                    return
+                if not buf.is_pinned():
+                    buf.zero_()  # fault the pages in now (pinning does that for pinned ones)
+                bufs.give_spare(buf)
+
+    thread = threading.Thread(target=run, name=f"roundpipe-host-buffers-{name}", daemon=True)
+    thread.start()
+    return thread
+
+
+class HostBufferPrep:
+    """One model's background preparation (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.thread: Optional[threading.Thread] = None  # the builder, until ``finish`` joined it
+        self._optim_params: List[nn.Parameter] = []
+
+    def start(self, params: Sequence[nn.Parameter], name: str) -> None:
+        """Start building for ``params`` (the model's parameters whose optimizer copies exist), once."""
+        if self.started:
+            return
+        self._optim_params = [o for o in (ParamAttribute.get(p).optim for p in params) if o is not None]
+        # The optimizers' zero state (roundpipe.optim.Adam registers a reserve on its parameters).
+        state_reserve.start_for(self._optim_params)
+        if params:
+            self.started = True
+            self.thread = preallocate_host_buffers(params, name)
+
+    def finish(self) -> None:
+        """Wait for the builder and the optimizers' state reserves (once; later calls return at once)."""
+        thread, self.thread = self.thread, None
+        if thread is None:
+            return
+        thread.join()
+        state_reserve.wait_for(self._optim_params)
+
+
+class StepCycle:
+    """Which training calls may download gradients into the weight buffers (``RPP_GRAD_INTO_MODEL``).
+
+    Staged asynchronous steps keep a weight's host versions in rotating buffers: the weights the running
+    call reads, the gradient the step reads (into which it then stages the next version), and the
+    download target of the running call's gradient. That third buffer is not needed when the running
+    call is the last reader of the weights before the next step publishes: its backward job has uploaded
+    a layer for the last time when it downloads the layer's gradient, so the download takes the weights'
+    buffer and the weights move to the buffer the step stages into (``host_buffers.ParamBuffers.move_weights``).
+    Nothing reads them there before the next step's publish, which the optimizer thread runs after the staging
+    step, so a weight has two host copies in the model dtype instead of three, with the same staleness.
+
+    Whether a call is the last one before ``step`` is known only afterwards, so this predicts it from
+    the previous cycle: a call may move weights if the previous step followed exactly one training call
+    and this is the first call since. A call that finds weights moved earlier in its cycle (a second
+    training call before ``step``: gradient accumulation after single-call steps; or an evaluation
+    forward) reads the newer version: ``begin_call`` then asks the model to wait for the step and publish
+    every layer first (``resync``), and warns once for a training call. The next cycle learns the new
+    count. Life cycle: one per RoundPipe, used only by the main thread.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.calls = 0  # training calls since the last step
+        self.last_calls: Optional[int] = None  # training calls before the last step (None: no step yet)
+        self.async_staged = False  # whether the last step was a staged asynchronous one
+        self.moved = False  # whether a call of this cycle may have moved weights
+        self.warned = False
+
+    def begin_call(self, train: bool) -> Tuple[bool, bool]:
+        """At the start of a call: ``(may this call download into the weights, must the model resync
+        first)``."""
+        resync = self.moved
+        self.moved = False
+        if resync and train and not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"model {self.name!r}: a second training call before step() after steps of one call each; it trains "
+                "on the weights of the step in flight (one step newer than the call before it), since the call "
+                "before moved the weights into the step's buffers (RPP_GRAD_INTO_MODEL). Keep the number of "
+                "calls per step fixed (the next steps adapt to it), or set RPP_GRAD_INTO_MODEL=0.",
+                stacklevel=4,  # the user's call (StepCycle.begin_call <- begin_call <- RoundPipe.forward*)
+            )
+        into = (
+            train
+            and self.async_staged
+            and self.last_calls == 1
+            and self.calls == 0
+            and settings.grad_into_model_enabled()
+        )
+        if train:
+            self.calls += 1
+        self.moved = into
+        return into, resync
+
+    def on_step(self, is_async: bool) -> None:
+        """At ``step``: the cycle ends (its count is the next prediction)."""
+        self.last_calls, self.calls, self.moved = self.calls, 0, False
+        self.async_staged = is_async and settings.stage_params_enabled()
+
+    def on_sync(self) -> None:
+        """The model's weights were made current (``sync_optim_param``): nothing to resync."""
+        self.moved = False
+
+
+def step_cycle(model: WrappedModel) -> StepCycle:
+    """``model``'s step cycle (made at its first use)."""
+    return model.__dict__.setdefault("step_cycle", StepCycle(model.name))
+
+
+def begin_call(model: WrappedModel, train: bool) -> bool:
+    """Start a call of ``model``: a training call starts building the host buffers and optimizer state
+    of the first steps (the first call) or waits for them (the next call, when no ``step`` did); then
+    whether the call's gradient downloads may take the weights' buffers, after settling weights that
+    an earlier call of the cycle moved (``StepCycle``)."""
+    if torch.is_grad_enabled():
+        prep = model.__dict__.setdefault("host_buffers", HostBufferPrep())
+        if prep.started:
+            prep.finish()
+        else:
+            prep.start(
+                [p for _, ps in model.optim_units() for p in ps if ParamAttribute.get(p).optim is not None], model.name
+            )
+    into_weights, resync = step_cycle(model).begin_call(train)
+    if resync:
+        optim_step.settle_params(model.optim_units())
+    return into_weights
