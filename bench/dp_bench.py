@@ -273,7 +273,7 @@ def run_one(
     opt = roundpipe.optim.Adam(model.optim_parameters(), lr=args.lr, decoupled_weight_decay=True)
     grad_bytes = sum(p.numel() * p.element_size() for p in hf.parameters() if p.requires_grad)
     if dp is not None and dp.device is not None:  # the device group of local device 0 (NCCL on GPUs)
-        net = measure_network(dp.device.groups[0], args.bucket_mb, roundpipe.device.device_list[0].device)
+        net = measure_network(dp.device.groups[0], args.bucket_mb, roundpipe.devices.device.device_list[0].device)
     else:
         net = measure_network(dp.group, args.bucket_mb) if dp is not None else (float("nan"), float("nan"))
 

@@ -1,13 +1,13 @@
 """Idle time of each GPU in a profiled iteration, split into gaps between layer groups and gaps inside one.
 
 RoundPipe marks each job (one layer group over all microbatches) on its device thread with a profiler range when
-``RPP_PROFILER=torch`` (``roundpipe.device``). In a chrome trace of a ``torch.profiler`` run that records CPU and CUDA
-activity on all threads, each kernel carries the correlation id of the runtime call that launched it, and that call lies
-on the launching thread's timeline, inside the job's range. Kernels that autograd's worker thread launches during a
-job's backward are given the job that runs on the GPU's device thread at that moment. So every kernel can be given its
-job, and every idle gap on a GPU (no kernel running; copies are not compute) falls either between two jobs or inside
-one. The planner's acceptance (issue 5) is about the first kind: time a GPU waits because one group ended and the next
-was not ready.
+``RPP_PROFILER=torch`` (``roundpipe.devices.device``). In a chrome trace of a ``torch.profiler`` run that records CPU
+and CUDA activity on all threads, each kernel carries the correlation id of the runtime call that launched it, and that
+call lies on the launching thread's timeline, inside the job's range. Kernels that autograd's worker thread launches
+during a job's backward are given the job that runs on the GPU's device thread at that moment. So every kernel can be
+given its job, and every idle gap on a GPU (no kernel running; copies are not compute) falls either between two jobs or
+inside one. The planner's acceptance (issue 5) is about the first kind: time a GPU waits because one group ended and the
+next was not ready.
 
     from gpu_gaps import split_gaps
     for d in split_gaps(json.load(open("trace.json"))["traceEvents"]):

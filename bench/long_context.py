@@ -6,7 +6,7 @@ Batch 1, random token ids, labels = inputs (WORKLOADS.md's random Qwen3 shapes).
 length first (compilation, pinned buffers), then one step per length in ascending order until a step
 fails (out of GPU or host memory) or the time budget would be exceeded. Per length: s/step, tokens/s,
 TFLOP/s with attention counted, peak GPU (max_memory_allocated), peak host RSS (sampled during the
-step), and the estimate of ``roundpipe.estimate`` beside the measured peaks.
+step), and the estimate of ``roundpipe.planning.estimate`` beside the measured peaks.
 
 FLOPs per step: 6 x trainable-or-frozen params x tokens for a full fine-tune (forward, backward of
 activations and of weights), 4 x params x tokens with LoRA (no weight gradients of the frozen
@@ -211,7 +211,7 @@ def roundpipe_results(args: argparse.Namespace, lengths: List[int]) -> List[Resu
 def estimate_for(args: argparse.Namespace, seq: int) -> Optional[tuple]:
     """The memory estimate (peak GPU GiB, peak host GiB) for this run, if the estimate module exists."""
     try:
-        from roundpipe import estimate
+        from roundpipe.planning import estimate
     except ImportError:
         return None
     hidden, inter, layers, heads, kv, tied = WORKLOADS[args.workload]
@@ -229,7 +229,7 @@ def estimate_for(args: argparse.Namespace, seq: int) -> Optional[tuple]:
     # there.
     gpu_bytes = None
     if torch.cuda.is_available():
-        from roundpipe import device as device_mod
+        from roundpipe.devices import device as device_mod
 
         gpu_bytes = float(device_mod.get_min_capacity())
     e = estimate.estimate(shape, seq_len=seq, batch_size=1, lora_rank=args.lora, gpu_bytes=gpu_bytes)

@@ -1,6 +1,6 @@
 """Host-device copy speed of torch's pinned allocation vs RoundPipe's exact-size pinned buffers.
 
-torch's caching host allocator rounds each pinned block up to a power of two; ``roundpipe.memory.pinned_empty``
+torch's caching host allocator rounds each pinned block up to a power of two; ``roundpipe.devices.memory.pinned_empty``
 maps exactly the size and registers it with CUDA. This checks that the second copies as fast as the
 first (both directions, several sizes), and prints the host bytes each one takes.
 
@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from roundpipe import memory
+from roundpipe.devices import memory
 
 
 def gbps(copy: Callable[[], None], nbytes: int, reps: int) -> float:

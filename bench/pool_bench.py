@@ -152,7 +152,7 @@ def run_config(
 ) -> Dict[str, Any]:
     import roundpipe
     from roundpipe import RoundPipeRunConfig
-    from roundpipe.timer import ModelTimer
+    from roundpipe.planning.timer import ModelTimer
 
     roundpipe.configure(devices=devices, graphs=graphs, peer_handoff=peer)
     n = roundpipe.get_num_devices()
@@ -209,7 +209,7 @@ def run_config(
     }
     if sampler is not None:
         row["gil_held_share"] = sampler.shares(wall)
-    devs = roundpipe.device.get_devices()
+    devs = roundpipe.devices.device.get_devices()
     row["graph_captures"] = sum(d.graphs.captures for d in devs)
     row["graph_replays"] = sum(d.graphs.replays for d in devs)
     row["graph_refused"] = sum(len(d.graphs.refused) for d in devs)

@@ -1,4 +1,4 @@
-"""Compact stage inputs (``RPP_STAGE_INPUTS=fp8``, ``roundpipe.stage_codec``) against exact ones (bf16: the
+"""Compact stage inputs (``RPP_STAGE_INPUTS=fp8``, ``roundpipe.runtime.stage_codec``) against exact ones (bf16: the
 run dtype): the same training with the backward stages' inputs kept exact, then in fp8, compared.
 
 Modes (each prints one JSON line):
@@ -90,7 +90,7 @@ class Counter:
     """Counts ``stage_codec.encode`` calls (the stage inputs the fp8 run compacted)."""
 
     def __init__(self) -> None:
-        from roundpipe import stage_codec
+        from roundpipe.runtime import stage_codec
 
         self.n, self.codec, self.encode = 0, stage_codec, stage_codec.encode
 
@@ -210,7 +210,7 @@ def block_errors(args: argparse.Namespace) -> Dict[str, Any]:
     states reach 1e3-1e4x the median); the error is measured on the ordinary channels, the ones an
     outlier's scale coarsens (a block whose largest value is 2**15 times another's holds that one as an
     fp8 subnormal)."""
-    from roundpipe import stage_codec
+    from roundpipe.runtime import stage_codec
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4096, 4096, generator=g)

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from roundpipe import flavors, settings
-from roundpipe.context import RecomputeCtx
 from roundpipe.models import kernels
 from roundpipe.models.preset import DecoderLayerStage
+from roundpipe.runtime.context import RecomputeCtx
 
 SHAPES = {
     # hidden, intermediate, heads, kv heads, head_dim: Qwen3 flavors (roundpipe.flavors), and a tiny layer

@@ -191,7 +191,7 @@ def busy_fraction(step: Callable[[], None], trace: str = "", gpu_only: bool = Fa
     GPU's idle time between layer groups, inside them, and before / after its kernels (``gpu_gaps``).
     ``gpu_only``: record device activity alone, so the host threads run at their own pace in the trace
     (kernels and copies per stream; no CPU ranges)."""
-    from roundpipe import profile
+    from roundpipe.devices import profile
 
     # With RPP_PROFILER=torch RoundPipe marks each job (layer group) on its device thread; recording CPU
     # activity on all threads then lets gpu_gaps give every kernel its group (costs some host time).
@@ -273,13 +273,13 @@ def busy_fraction(step: Callable[[], None], trace: str = "", gpu_only: bool = Fa
 
 class WaitLog:
     """Diagnostic (``--wait-log``): the RoundPipe threads' blocking waits on named events and semaphores
-    (``roundpipe.threads``) of at least ``min_ms``, per iteration: which thread waited for what, when
+    (``roundpipe.devices.threads``) of at least ``min_ms``, per iteration: which thread waited for what, when
     (from the iteration's start) and how long."""
 
     def __init__(self, min_ms: float = 5.0) -> None:
         import threading
 
-        from roundpipe import threads
+        from roundpipe.devices import threads
 
         self.min_s = min_ms / 1e3
         self.lock = threading.Lock()
@@ -501,11 +501,11 @@ def simulated_ms(model: Any, plan: Any, n_mb: int) -> str:
     """The planner's model of one iteration (compute only, from the timer's per-layer estimates) on this
     many devices and on one: what the round-robin pipeline would take if transfers were free."""
     import roundpipe
-    from roundpipe.planner import simulate_iteration
+    from roundpipe.planning.planner import simulate_iteration
 
     _, fwd_t, bwd_t = model.model_timer.get_estimate("fused")
     devices = roundpipe.get_num_devices()
-    from roundpipe.partial_grads import split_enabled, split_parts
+    from roundpipe.runtime.partial_grads import split_enabled, split_parts
 
     parts = split_parts(devices, n_mb, False, split_enabled())
     sim = simulate_iteration("fused", plan.fwd_plan, plan.bwd_plan, fwd_t, bwd_t, devices, n_mb, parts)
@@ -523,7 +523,7 @@ def simulated_ms(model: Any, plan: Any, n_mb: int) -> str:
 def fixed_plan(name: str, num_layers: int) -> Any:
     """A fixed plan for side-by-side runs: 'layerwise' (one layer per group), or 'fwdK': forward groups of K
     layers, backward one layer per group (how much the hand-overs between forward groups cost on 2 GPUs)."""
-    from roundpipe.plan import ModelExecutePlan
+    from roundpipe.planning.plan import ModelExecutePlan
 
     if name == "layerwise":
         return ModelExecutePlan.layerwise(num_layers, "train")

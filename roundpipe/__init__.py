@@ -36,14 +36,14 @@ __all__ = [
 _LAZY = {
     "AutoRoundPipe": "roundpipe.roundpipe",
     "GradScaler": "roundpipe.optim.grad_scaler",
-    "ModelExecutePlan": "roundpipe.plan",
-    "OptimizerCtx": "roundpipe.context",
+    "ModelExecutePlan": "roundpipe.planning.plan",
+    "OptimizerCtx": "roundpipe.runtime.context",
     "RoundPipe": "roundpipe.roundpipe",
     "RoundPipeRunConfig": "roundpipe.run_config",
-    "doing_recompute": "roundpipe.context",
-    "get_num_devices": "roundpipe.device",
-    "get_recompute_data": "roundpipe.context",
-    "save_for_recompute": "roundpipe.context",
+    "doing_recompute": "roundpipe.runtime.context",
+    "get_num_devices": "roundpipe.devices.device",
+    "get_recompute_data": "roundpipe.runtime.context",
+    "save_for_recompute": "roundpipe.runtime.context",
     "wrap_model_to_roundpipe": "roundpipe.wrapper",
 }
 

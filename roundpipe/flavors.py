@@ -1,5 +1,5 @@
 """The Qwen3 sizes RoundPipe knows by name, one table: ``roundpipe train --model qwen3-1.7b`` (random
-init), ``roundpipe plan`` and the memory estimate (``roundpipe.estimate.ModelShape.builtin``), and the
+init), ``roundpipe plan`` and the memory estimate (``roundpipe.planning.estimate.ModelShape.builtin``), and the
 benchmarks (``bench/train_bench.py``'s ``WORKLOADS``) all read :data:`QWEN3`.
 
 The sizes are those of ``shared/bench/WORKLOADS.md`` (vocab 151936, head_dim 128), plus qwen3-32b, which

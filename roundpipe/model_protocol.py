@@ -6,7 +6,7 @@ that model as ``roundpipe.roundpipe.RoundPipe`` pointed those modules back up at
 imports them, a loop of imports (even when annotation-only). They name these protocols instead, which
 ``RoundPipe`` satisfies structurally (it does not inherit them); ``tests/test_architecture.py`` checks
 that every member declared here exists on a RoundPipe. What the planner alone reads of a model
-(``ModelExecutePlan.auto``) is ``roundpipe.plan.PlannedModel``, which this protocol extends.
+(``ModelExecutePlan.auto``) is ``roundpipe.planning.plan.PlannedModel``, which this protocol extends.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from typing import ClassVar, List, Optional, Protocol, Tuple
 
 from torch import nn
 
-from roundpipe.attribute import LayerAttribute
-from roundpipe.batch import Batch
-from roundpipe.budget import ActivationProfile
-from roundpipe.grad_sync import GradSync
-from roundpipe.partial_grads import PartialGradStore
-from roundpipe.plan import ModelExecutePlan, PlannedModel, RunType
+from roundpipe.planning.budget import ActivationProfile
+from roundpipe.planning.plan import ModelExecutePlan, PlannedModel, RunType
+from roundpipe.runtime.attribute import LayerAttribute
+from roundpipe.runtime.batch import Batch
+from roundpipe.runtime.grad_sync import GradSync
+from roundpipe.runtime.partial_grads import PartialGradStore
 
 
 class WrappedModel(Protocol):
@@ -44,13 +44,13 @@ class PipelinedModel(WrappedModel, PlannedModel, Protocol):
     num_layers: int
     """``len(layers)``."""
     layer_attrs: List[LayerAttribute]
-    """Per-layer events between the device threads and the optimizer thread (``roundpipe.attribute``)."""
+    """Per-layer events between the device threads and the optimizer thread (``roundpipe.runtime.attribute``)."""
     grad_sync: Optional[GradSync]
-    """Gradient synchronisation across processes, or None (``roundpipe.grad_sync``)."""
+    """Gradient synchronisation across processes, or None (``roundpipe.runtime.grad_sync``)."""
     partial_grad_store: PartialGradStore
-    """Host buffers of the fused group's gradient parts on other devices (``roundpipe.partial_grads``)."""
+    """Host buffers of the fused group's gradient parts on other devices (``roundpipe.runtime.partial_grads``)."""
     REPLAN_EVERY: ClassVar[int]
-    """Timer updates between two re-plans of the automatic plan (``roundpipe.plan_choice``)."""
+    """Timer updates between two re-plans of the automatic plan (``roundpipe.planning.plan_choice``)."""
     REPLAN_GAIN: ClassVar[float]
     """How much faster a re-plan must simulate to replace the plan in use."""
 

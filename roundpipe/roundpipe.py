@@ -9,23 +9,23 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from roundpipe import budget, plan_choice, settings, step_cycle
-from roundpipe.attribute import LayerAttribute, ParamAttribute
-from roundpipe.batch import Batch
-from roundpipe.context import doing_optimizer
-from roundpipe.grad_sync import GradSync
-from roundpipe.host_buffers import ParamBuffers, fold_shared_grads
-from roundpipe.memory import PinMode, pin_module
+from roundpipe import settings
+from roundpipe.devices.memory import PinMode, pin_module
+from roundpipe.devices.threads import AnnotatedEvent, raise_if_failed
 from roundpipe.optim import step as optim_step
 from roundpipe.optim import thread as optim_thread
-from roundpipe.partial_grads import PartialGradStore
-from roundpipe.pipeline import RoundPipeBatchedBackward, dispatch_forward, dispatch_fused, finish_backward, guarded
-from roundpipe.plan import ModelExecutePlan, RunType
-from roundpipe.run import Run
+from roundpipe.planning import budget, plan_choice
+from roundpipe.planning.plan import ModelExecutePlan, RunType
+from roundpipe.planning.timer import ModelTimer
 from roundpipe.run_config import ResolvedRunConfig, RoundPipeRunConfig, check_wrapper_arguments
-from roundpipe.step_cycle import StepCycle
-from roundpipe.threads import AnnotatedEvent, raise_if_failed
-from roundpipe.timer import ModelTimer
+from roundpipe.runtime import pipeline, step_cycle
+from roundpipe.runtime.attribute import LayerAttribute, ParamAttribute
+from roundpipe.runtime.batch import Batch
+from roundpipe.runtime.context import doing_optimizer
+from roundpipe.runtime.grad_sync import GradSync
+from roundpipe.runtime.host_buffers import ParamBuffers, fold_shared_grads
+from roundpipe.runtime.partial_grads import PartialGradStore
+from roundpipe.runtime.run import Run
 from roundpipe.utils import get_call_location, get_model_active_size, get_model_compute_size, get_model_size
 
 _OWN_ATTRS = ("model", "original_model", "_rpp_initialized", "grad_sync")
@@ -53,7 +53,7 @@ class RoundPipeBase(nn.Module):
         self.optim_dtype = optim_dtype
         self.layer_attrs: List[LayerAttribute] = []
         self.optim_updated = AnnotatedEvent(f"{self.name}.optim_updated", set=True)
-        # Gradient synchronisation across processes (data parallel), or None: see roundpipe.grad_sync.
+        # Gradient synchronisation across processes (data parallel), or None: see roundpipe.runtime.grad_sync.
         self.grad_sync: Optional[GradSync] = None
 
     # ---- attribute shimming ------------------------------------------------------------------------
@@ -240,12 +240,12 @@ class RoundPipeBase(nn.Module):
             sync.on_step_launch()
         optim_step.launch(self.optim_units(), step_fn, is_async, args, kwargs, self.optim_updated, sync)
 
-    def _cycles(self) -> List[StepCycle]:
+    def _cycles(self) -> List[step_cycle.StepCycle]:
         """The step cycles (``step_cycle.StepCycle``) of the RoundPipes whose calls this model's step ends."""
         return [step_cycle.step_cycle(self)]
 
     def _finish_host_buffers(self) -> None:
-        """Wait, once, for the host buffers and optimizer state built ahead (``roundpipe.step_cycle``)."""
+        """Wait, once, for the host buffers and optimizer state built ahead (``roundpipe.runtime.step_cycle``)."""
         prep = self.__dict__.get("host_buffers")
         if prep is not None:
             prep.finish()
@@ -418,7 +418,7 @@ class RoundPipe(RoundPipeBase):
         self, cfg: ResolvedRunConfig, run_type: RunType, batch: Optional[Batch] = None
     ) -> ModelExecutePlan:
         """The plan for this call: the user's (validated) or the model's default for ``run_type`` (for a
-        training call over ``batch``, within the activation budgets: ``roundpipe.budget``), or the one
+        training call over ``batch``, within the activation budgets: ``roundpipe.planning.budget``), or the one
         the model's ``grad_sync`` agrees on across processes (data parallel reducing on the devices:
         every rank must run the same jobs)."""
         plan = self._local_plan(cfg, run_type, batch)
@@ -441,7 +441,7 @@ class RoundPipe(RoundPipeBase):
         return plan_choice.replan_pays(self, old, new, run_type, num_microbatch)
 
     def activation_profile(self, batch: Batch, recompute_grain: str) -> Optional["budget.ActivationProfile"]:
-        """What a training call over ``batch`` keeps per layer (``roundpipe.budget``), or None when the
+        """What a training call over ``batch`` keeps per layer (``roundpipe.planning.budget``), or None when the
         model cannot tell: a plain RoundPipe is planned by its weights alone. Presets override it."""
         return None
 
@@ -472,7 +472,7 @@ class RoundPipe(RoundPipeBase):
         run.grad_into_weights = into_weights
         if not train:
             with torch.no_grad():
-                guarded(run, f"model {self.name!r} forward", lambda: dispatch_forward(run))
+                pipeline.guarded(run, f"model {self.name!r} forward", lambda: pipeline.dispatch_forward(run))
             run.timer.finish()
             return batch.dump(cfg)
         inputs = [
@@ -482,7 +482,7 @@ class RoundPipe(RoundPipeBase):
             if want
         ]
         tag = torch.empty(0, requires_grad=True)
-        outs = iter(RoundPipeBatchedBackward.apply(run, tag, *inputs))
+        outs = iter(pipeline.RoundPipeBatchedBackward.apply(run, tag, *inputs))
         for m, leaves in enumerate(batch.flatten_states):
             batch.flatten_states[m] = [next(outs) if isinstance(t, torch.Tensor) else t for t in leaves]
         return batch.dump(cfg)
@@ -513,8 +513,8 @@ class RoundPipe(RoundPipeBase):
         batch = Batch(input_args, dict(input_kwargs), cfg, label)
         run = Run(self, cfg, batch, "fused", self.resolve_plan(cfg, "fused", batch), loss_fn, return_outputs)
         run.grad_into_weights = into_weights
-        guarded(run, f"model {self.name!r} forward_backward", lambda: dispatch_fused(run))
-        finish_backward(run)
+        pipeline.guarded(run, f"model {self.name!r} forward_backward", lambda: pipeline.dispatch_fused(run))
+        pipeline.finish_backward(run)
         for evs in batch.forward_events:
             for e in evs:
                 e.synchronize()
@@ -588,7 +588,7 @@ class AutoRoundPipe(RoundPipeBase):
         for sub in self._submodels():
             sub._finish_host_buffers()
 
-    def _cycles(self) -> List[StepCycle]:
+    def _cycles(self) -> List[step_cycle.StepCycle]:
         return [c for sub in self._submodels() for c in sub._cycles()]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

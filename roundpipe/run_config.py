@@ -35,11 +35,11 @@ class RoundPipeRunConfig:
         execute_plan: A ``scheduler.ModelExecutePlan``. Default: automatic.
         sequence_tiles: Cut the batch along the sequence into this many tiles, which flow through the
             pool as the call's microbatches in causal order, so that one long sequence uses every device
-            (``roundpipe.sequence``). For causal LMs (``RoundPipeForCausalLM``'s ``train_step`` and
+            (``roundpipe.runtime.sequence``). For causal LMs (``RoundPipeForCausalLM``'s ``train_step`` and
             ``forward`` without logits); replaces ``num_microbatch``. Default: 1 (off).
         stage_inputs: How backward-stage inputs are kept from the forward to the backward: 'bf16' (as the
             layers produce them) or 'fp8' (a float32 scale per 128 values; the backward recomputes from the
-            rounded values: ``roundpipe.stage_codec``). Default: ``RPP_STAGE_INPUTS`` (else 'bf16').
+            rounded values: ``roundpipe.runtime.stage_codec``). Default: ``RPP_STAGE_INPUTS`` (else 'bf16').
     """
 
     requires_grad: Optional[bool] = None
@@ -66,17 +66,17 @@ class RoundPipeRunConfig:
         ):
             raise ValueError(f"sequence_tiles={self.sequence_tiles!r}: expected a positive integer")
         if self.stage_inputs is not None:
-            from roundpipe.stage_codec import check_mode
+            from roundpipe.runtime.stage_codec import check_mode
 
             check_mode(self.stage_inputs)
         if self.output_device is not None:
             self.output_device = torch.device(self.output_device)
-        from roundpipe.batch import check_spec_tree
+        from roundpipe.runtime.batch import check_spec_tree
 
         for name in ("split_input", "split_label", "merge_output"):
             check_spec_tree(getattr(self, name), name)
         if self.execute_plan is not None:
-            from roundpipe.plan import ModelExecutePlan
+            from roundpipe.planning.plan import ModelExecutePlan
 
             if not isinstance(self.execute_plan, ModelExecutePlan):
                 raise ValueError("execute_plan: expected a roundpipe.ModelExecutePlan")
@@ -104,7 +104,7 @@ class ResolvedRunConfig:
 
     def __init__(self, function_run_config: RoundPipeRunConfig, model_run_config: RoundPipeRunConfig) -> None:
         from roundpipe import settings
-        from roundpipe.device import get_num_devices
+        from roundpipe.devices.device import get_num_devices
 
         for f in fields(RoundPipeRunConfig):
             val = getattr(function_run_config, f.name)
@@ -116,7 +116,7 @@ class ResolvedRunConfig:
         self.preserve_rng_state: bool = True if self.preserve_rng_state is None else bool(self.preserve_rng_state)
         self.recompute_grain: Literal["stage", "layer"] = self.recompute_grain or "stage"
         # Whether a count was chosen (per call or per model): the default (devices + 1) is fitted to a
-        # smaller batch instead, where a chosen one is an error (roundpipe.batch).
+        # smaller batch instead, where a chosen one is an error (roundpipe.runtime.batch).
         self.num_microbatch_chosen: bool = self.num_microbatch is not None
         self.num_microbatch: int = self.num_microbatch or settings.default_num_microbatch(get_num_devices())
         self.merge_output: Any = True if self.merge_output is None else self.merge_output

@@ -502,7 +502,7 @@ def grad_buffers_limit() -> int:
     streamed steps imply 1).
 
     Matters only without staging (with staging the gradient download takes the model buffer the step's
-    publish released, see ``roundpipe.host_buffers``). 2: the next backward downloads into a second
+    publish released, see ``roundpipe.runtime.host_buffers``). 2: the next backward downloads into a second
     buffer while the optimizer still reads the first as its ``.grad``. 1: it waits for the optimizer
     instead, so the parameter has two host copies in all (model and gradient), at the price of that wait.
     """
@@ -518,7 +518,7 @@ def check_runtime() -> None:
 
 def grad_into_model_enabled() -> bool:
     """Whether gradient downloads may reuse the weight buffers (``RPP_GRAD_INTO_MODEL``, staged steps only;
-    see ``roundpipe.step_cycle.StepCycle``)."""
+    see ``roundpipe.runtime.step_cycle.StepCycle``)."""
     return GRAD_INTO_MODEL.get() and stage_params_enabled()
 
 

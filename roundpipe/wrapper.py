@@ -322,7 +322,7 @@ def wrap_model_to_roundpipe(
         else:
             return wrap(model_run_config=model_run_config, name=name, **roundpipe_kwargs)
     if upper_threshold is None:
-        from roundpipe.device import get_num_devices
+        from roundpipe.devices.device import get_num_devices
 
         upper_threshold = get_model_size(model) // (get_num_devices() + 1)
     wrapped = wrap_model_recursive(

@@ -7,7 +7,8 @@ from typing import Iterator
 import pytest
 import torch
 
-from roundpipe import device, settings, threads
+from roundpipe import settings
+from roundpipe.devices import device, threads
 
 CUDA = torch.cuda.is_available()
 # CPU workers always; the CUDA variant of the same tests runs where a GPU exists.

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from roundpipe.context import doing_recompute
+from roundpipe.runtime.context import doing_recompute
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

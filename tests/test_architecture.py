@@ -1,7 +1,8 @@
 """The package's shape, checked from the source so it stays that way: no import cycle between roundpipe's
 modules (annotation-only imports under ``if TYPE_CHECKING:`` counted too, as ``shared/tools/import_cycles.py
 --strict`` counts them), no module importing a private name of another, no file over the size limit, no line
-over the width limit; the model protocol the lower modules use declares only what a RoundPipe has."""
+over the width limit; the model protocol the lower modules use declares only what a RoundPipe has; the
+layer folders (``devices``, ``planning``, ``runtime``) import only what their rules allow."""
 
 from __future__ import annotations
 
@@ -191,5 +192,109 @@ def test_a_roundpipe_has_what_the_model_protocol_declares() -> None:
 
 def test_the_device_layer_knows_nothing_of_runs() -> None:
     """Dispatch goes run -> device, never back: the worker runs callables."""
-    deps = graph()["roundpipe.device"]
-    assert not deps & {"roundpipe.run", "roundpipe.jobs", "roundpipe.pipeline", "roundpipe.roundpipe", "roundpipe.plan"}
+    deps = graph()["roundpipe.devices.device"]
+    assert not deps & {
+        "roundpipe.runtime.run",
+        "roundpipe.runtime.jobs",
+        "roundpipe.runtime.pipeline",
+        "roundpipe.roundpipe",
+        "roundpipe.planning.plan",
+    }
+
+
+# The three layer folders (issue 40 item 2). Rules stated as they hold; the known exceptions are listed
+# by name, so a new crossing fails here and a removed one is a line to delete.
+LAYERS = ("roundpipe.devices", "roundpipe.planning", "roundpipe.runtime")
+UPPER = ("roundpipe.optim", "roundpipe.models", "roundpipe.cli", "roundpipe.distributed", "roundpipe.integrations")
+TOP = ("roundpipe.roundpipe", "roundpipe.wrapper", "roundpipe.run_config")
+
+
+def _under(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def _layer_modules(layer: str) -> List[str]:
+    return sorted(n for n in MODULES if _under(n, layer) and n != layer)
+
+
+def _crossings(layer: str) -> Set[Tuple[str, str]]:
+    """(module of ``layer``, module outside it) for each import, annotation-only imports included."""
+    edges = graph(annotations=True)
+    return {(src, dst) for src in _layer_modules(layer) for dst in edges[src] if not _under(dst, layer)}
+
+
+def test_the_layer_folders_exist_and_their_inits_import_nothing() -> None:
+    """Each folder is a package whose ``__init__`` only says what the layer is: importing one of its
+    modules pays for nothing else, and the folder can close no cycle."""
+    for layer in LAYERS:
+        init = MODULES[layer]
+        tree = ast.parse(init.read_text())
+        assert ast.get_docstring(tree), f"{init.relative_to(ROOT)} says what the layer is"
+        assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))], init
+        assert _layer_modules(layer), f"{layer} holds modules"
+
+
+def test_the_device_layer_imports_only_settings_and_utils_from_outside() -> None:
+    """``roundpipe.devices`` runs callables: nothing of plans, runs, optimizers, models, the CLI or the
+    wrapper; from the rest of the package only ``roundpipe.settings`` and ``roundpipe.utils``."""
+    outside = {dst for _, dst in _crossings("roundpipe.devices")}
+    assert outside <= {"roundpipe.settings", "roundpipe.utils"}, sorted(_crossings("roundpipe.devices"))
+    forbidden = ("roundpipe.planning", "roundpipe.runtime") + UPPER + TOP
+    assert not [d for d in outside if any(_under(d, f) for f in forbidden)]
+
+
+def test_the_planning_layer_imports_no_optimizer_model_cli_or_wrapper() -> None:
+    """Planning decides; it imports nothing of the optimizer, the presets, the CLI, data parallel or the
+    wrapper. Known exception, both ways between planning and runtime (no module cycle, a test above checks):
+    ``plan`` asks ``runtime.partial_grads`` how a layer's gradient splits, and ``plan_choice`` (the plan of
+    one call) reads the call's batch and run. The other planning modules import nothing of the runtime."""
+    crossings = _crossings("roundpipe.planning")
+    forbidden = UPPER + TOP[:2]
+    assert not [c for c in crossings if any(_under(c[1], f) for f in forbidden)], sorted(crossings)
+    into_runtime = {c for c in crossings if _under(c[1], "roundpipe.runtime")}
+    assert into_runtime <= {
+        ("roundpipe.planning.plan", "roundpipe.runtime.partial_grads"),
+        ("roundpipe.planning.plan_choice", "roundpipe.runtime.batch"),
+        ("roundpipe.planning.plan_choice", "roundpipe.runtime.partial_grads"),
+        ("roundpipe.planning.plan_choice", "roundpipe.runtime.run"),
+    }, sorted(into_runtime)
+
+
+def test_the_runtime_layer_reaches_the_optimizer_only_where_listed() -> None:
+    """The runtime imports nothing of the presets, the CLI, data parallel, the integrations or the wrapper
+    above it. Of ``roundpipe.optim`` it may use the package's face; the known exceptions, where the runtime
+    and the optimizer thread share a protocol, name the optimizer internals they use: the host buffers
+    hand gradients to the optimizer thread (``optim.thread``), and the step cycle drives the step
+    (``optim.step``) and the host room reserved for optimizer state (``optim.reserve``)."""
+    crossings = _crossings("roundpipe.runtime")
+    forbidden = UPPER[1:] + TOP[:2]
+    assert not [c for c in crossings if any(_under(c[1], f) for f in forbidden)], sorted(crossings)
+    optim_internals = {c for c in crossings if _under(c[1], "roundpipe.optim") and c[1] != "roundpipe.optim"}
+    assert optim_internals <= {
+        ("roundpipe.runtime.host_buffers", "roundpipe.optim.thread"),
+        ("roundpipe.runtime.step_cycle", "roundpipe.optim.reserve"),
+        ("roundpipe.runtime.step_cycle", "roundpipe.optim.step"),
+    }, sorted(optim_internals)
+
+
+def test_the_folder_rules_see_crossings() -> None:
+    """The rules above read real imports: the runtime does import the device layer."""
+    assert ("roundpipe.runtime.compute", "roundpipe.devices.device") in _crossings("roundpipe.runtime")
+
+
+KEPT_FOLDER = {"roundpipe.device": "devices", "roundpipe.batch": "runtime"}
+KEPT_FOLDER.update({k: "planning" for k in ("roundpipe.plan", "roundpipe.timer", "roundpipe.estimate")})
+KEPT_PATHS = tuple(KEPT_FOLDER)
+
+
+def test_kept_import_paths_are_the_moved_modules_and_nothing_imports_them() -> None:
+    """The documented paths of moved modules are for users: each is the moved module itself (one set of
+    globals, one place to monkeypatch), and the package imports the real path."""
+    import importlib
+
+    for kept in KEPT_PATHS:
+        real = kept.replace("roundpipe.", "roundpipe." + KEPT_FOLDER[kept] + ".", 1)
+        assert importlib.import_module(kept) is importlib.import_module(real), kept
+    edges = graph(annotations=True)
+    users = sorted((src, dst) for src, deps in edges.items() for dst in deps & set(KEPT_PATHS) if src not in KEPT_PATHS)
+    assert not users, f"import the moved modules by their folder path: {users}"

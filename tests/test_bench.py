@@ -154,8 +154,9 @@ def test_one_flavor_table_feeds_the_cli_the_estimate_and_the_benches() -> None:
         import train_bench
     finally:
         sys.path.pop(0)
-    from roundpipe import estimate, flavors
+    from roundpipe import flavors
     from roundpipe.cli.model_names import BUILTIN_MODELS
+    from roundpipe.planning import estimate
 
     assert list(flavors.QWEN3) == ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"]
     assert flavors.QWEN3["qwen3-1.7b"] == flavors.Flavor(2048, 6144, 28, 16, 8, tied=True)  # WORKLOADS.md

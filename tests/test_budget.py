@@ -12,8 +12,8 @@ import torch
 os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
 import roundpipe  # noqa: E402
-from roundpipe import budget, estimate  # noqa: E402
-from roundpipe.plan import ModelExecutePlan  # noqa: E402
+from roundpipe.planning import budget, estimate
+from roundpipe.planning.plan import ModelExecutePlan  # noqa: E402
 from roundpipe.run_config import RoundPipeRunConfig  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
@@ -28,8 +28,8 @@ def _wrapped(model: torch.nn.Module) -> Any:
 
 
 def _profile(rp: Any, batch: Dict[str, torch.Tensor]) -> budget.ActivationProfile:
-    from roundpipe.batch import Batch
     from roundpipe.run_config import ResolvedRunConfig
+    from roundpipe.runtime.batch import Batch
 
     cfg = ResolvedRunConfig(RoundPipeRunConfig(), rp.model_run_config)
     profile = rp.activation_profile(Batch((), {k: v for k, v in batch.items() if v is not None}, cfg), "stage")
@@ -69,7 +69,7 @@ def test_a_call_that_cannot_fit_is_refused_before_its_first_job(workers: str, mo
     monkeypatch.setattr(budget, "gpu_budget", lambda layer_bytes: 1.05 * decoder_peak)  # one decoder layer per stage
     monkeypatch.setattr(budget, "host_budget", lambda: 0.5 * max(profile.checkpoint))  # room for none
     launched: List[Any] = []
-    from roundpipe import pipeline
+    from roundpipe.runtime import pipeline
 
     real = pipeline._launch
     monkeypatch.setattr(pipeline, "_launch", lambda run, jobs: (launched.append(jobs), real(run, jobs))[1])
@@ -90,8 +90,8 @@ def test_a_call_that_cannot_fit_is_refused_before_its_first_job(workers: str, mo
 def test_estimate_counts_the_checkpoints_the_runtime_keeps(monkeypatch: pytest.MonkeyPatch) -> None:
     """The host part of the estimate against the bytes of every backward-stage input the runtime saved
     (one CPU worker, one decoder layer per stage, no pinned rounding on CPU workers)."""
-    from roundpipe import jobs as jobs_mod
     from roundpipe import settings
+    from roundpipe.runtime import jobs as jobs_mod
 
     settings.configure(devices="cpu:1")
     monkeypatch.setenv("RPP_DEVICE_SAVED_GB", "0")  # every stage input to the host (auto keeps them on one device)
@@ -117,7 +117,7 @@ def test_estimate_counts_the_checkpoints_the_runtime_keeps(monkeypatch: pytest.M
                     if isinstance(t, torch.Tensor):
                         saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
 
-    from roundpipe import pipeline
+    from roundpipe.runtime import pipeline
 
     monkeypatch.setattr(pipeline, "run_forward", spy)
     rp.train_step(**{k: v for k, v in batch.items() if v is not None})
@@ -150,7 +150,7 @@ def test_decoder_layer_estimate_matches_the_saved_tensors_of_a_tiled_layer() -> 
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    from roundpipe.context import RecomputeCtx
+    from roundpipe.runtime.context import RecomputeCtx
 
     # As the runtime runs it before the backward: a recompute (the layer's last in its stage).
     with (
@@ -374,7 +374,7 @@ def test_estimate_host_buffers_follow_the_step_mode() -> None:
 
 def _kept_counts(monkeypatch: pytest.MonkeyPatch) -> List[bool]:
     """Record every ``Run.keep_on_device`` answer (a backward-stage input kept on the device or not)."""
-    from roundpipe import run as run_mod
+    from roundpipe.runtime import run as run_mod
 
     answers: List[bool] = []
     real = run_mod.Run.keep_on_device
@@ -448,7 +448,7 @@ def test_device_saved_room_is_the_budget_less_the_largest_stage(monkeypatch: pyt
 
 def test_the_estimates_room_for_stage_inputs_is_the_runtimes(monkeypatch: pytest.MonkeyPatch) -> None:
     """``estimate`` copies three constants of ``budget`` (it imports no torch): they must stay equal."""
-    from roundpipe import budget
+    from roundpipe.planning import budget
 
     assert (estimate.GPU_MARGIN_FRACTION, estimate.GPU_MARGIN_BYTES, estimate.DEVICE_SAVED_SHARE) == (
         budget.GPU_MARGIN_FRACTION,

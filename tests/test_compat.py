@@ -23,7 +23,7 @@ from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomRedu
 
 import roundpipe
 from roundpipe import AutoRoundPipe, ModelExecutePlan, RoundPipe, RoundPipeRunConfig
-from roundpipe.batch import avg_reducer
+from roundpipe.runtime.batch import avg_reducer
 
 torch.set_num_threads(1)
 transformers = pytest.importorskip("transformers")

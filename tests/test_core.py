@@ -12,9 +12,9 @@ from helpers import DropoutRecorder, rel_err, with_recorded_dropout
 from torch import nn
 
 from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
-from roundpipe.batch import RoundPipePackedData
+from roundpipe.devices.threads import RoundPipeWorkerError
 from roundpipe.run_config import ResolvedRunConfig
-from roundpipe.threads import RoundPipeWorkerError
+from roundpipe.runtime.batch import RoundPipePackedData
 
 
 def make_model(dtype: torch.dtype, dropout: float = 0.3) -> nn.Sequential:
@@ -375,7 +375,7 @@ def test_stage_inputs_kept_on_the_device_change_nothing(
     """RPP_DEVICE_SAVED_GB keeps backward-stage inputs on the device (one device only) up to a budget:
     results equal plain PyTorch whether all, some (1000 bytes: two 384-byte microbatch inputs per call)
     or none stay, over two calls (each call has the budget)."""
-    from roundpipe import run as run_mod
+    from roundpipe.runtime import run as run_mod
 
     monkeypatch.setenv("RPP_DEVICE_SAVED_GB", budget_gib)
     kept = []
@@ -430,7 +430,7 @@ def test_split_fused_job_equals_pytorch(
     """On several devices the last backward group (here two layers: the fused job of forward_backward,
     or the first backward job of forward + loss.backward()) runs in parts, one per device and microbatch
     share; the gradients the parts meet in equal plain PyTorch, accumulated over two calls."""
-    from roundpipe.partial_grads import PartialGrads
+    from roundpipe.runtime.partial_grads import PartialGrads
 
     monkeypatch.setenv("RPP_SPLIT_FUSED", split)
     published = set()
@@ -465,7 +465,7 @@ def test_peer_handoff_equals_pytorch(workers: str, grain: str, fused: bool, monk
     stage's input). Results equal plain
     PyTorch over two calls, through forward_backward and forward + loss.backward(); with several devices
     the copies happened."""
-    from roundpipe import jobs
+    from roundpipe.runtime import jobs
 
     monkeypatch.setenv("RPP_PEER_HANDOFF", "1")
     copies = []
@@ -485,7 +485,7 @@ def test_split_auto_splits_only_where_devices_compute_at_once(workers: str) -> N
     """``RPP_SPLIT_FUSED=auto`` (the default): CPU workers compute one at a time, so the fused job stays
     whole; in the stress mode they compute at once, as GPUs do, and it is split; 1 and 0 force."""
     from roundpipe import settings
-    from roundpipe.partial_grads import split_enabled
+    from roundpipe.runtime.partial_grads import split_enabled
 
     assert not split_enabled()
     with settings.overridden(stress_delay_s=0.001):
@@ -497,7 +497,7 @@ def test_split_auto_splits_only_where_devices_compute_at_once(workers: str) -> N
 
 
 def test_split_parts_rule() -> None:
-    from roundpipe.partial_grads import split_parts
+    from roundpipe.runtime.partial_grads import split_parts
 
     assert split_parts(1, 4, False, True) == 1
     assert split_parts(2, 4, False, True) == 2

@@ -1,4 +1,4 @@
-"""CPU workers' streams checked for order (``roundpipe.cpu_streams``), and the hand-over of a split fused
+"""CPU workers' streams checked for order (``roundpipe.devices.cpu_streams``), and the hand-over of a split fused
 job's gradients that never comes (``threads.wait_or_stall``).
 
 On CPU workers stream work runs at once, so a dropped ``wait_event`` never gives a wrong result; with
@@ -18,11 +18,12 @@ import pytest
 import torch
 from torch import nn
 
-from roundpipe import RoundPipe, RoundPipeRunConfig, backend, cpu_streams, settings, threads
-from roundpipe.cpu_streams import CpuEvent, CpuStream, StreamOrderError
-from roundpipe.partial_grads import PartialGrads
-from roundpipe.plan import ModelExecutePlan
-from roundpipe.threads import RoundPipeWorkerError
+from roundpipe import RoundPipe, RoundPipeRunConfig, settings
+from roundpipe.devices import backend, cpu_streams, threads
+from roundpipe.devices.cpu_streams import CpuEvent, CpuStream, StreamOrderError
+from roundpipe.devices.threads import RoundPipeWorkerError
+from roundpipe.planning.plan import ModelExecutePlan
+from roundpipe.runtime.partial_grads import PartialGrads
 
 STRESS_S = 0.001
 
@@ -158,7 +159,7 @@ def test_split_part_uploaded_before_its_download_landed_fails(
 ) -> None:
     """Mutant (a): the primary part of a split fused job uploads a part's host buffers without waiting
     for that part's download event (``PartialGrads.fetch``)."""
-    dropped = _drop_waits(monkeypatch, "roundpipe.partial_grads", "fetch")
+    dropped = _drop_waits(monkeypatch, "roundpipe.runtime.partial_grads", "fetch")
     with settings.overridden(split_fused="1"):
         rp = _split_model()
         with pytest.raises(RoundPipeWorkerError) as info:
@@ -173,7 +174,7 @@ def test_split_part_uploaded_before_its_download_landed_fails(
 @pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
 def test_split_part_mutant_passes_unchecked(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Why the checks exist: without them the same mutant trains on CPU workers without a sign."""
-    dropped = _drop_waits(monkeypatch, "roundpipe.partial_grads", "fetch")
+    dropped = _drop_waits(monkeypatch, "roundpipe.runtime.partial_grads", "fetch")
     with settings.overridden(split_fused="1", stress_delay_s=STRESS_S, check_streams="0"):
         _train(_split_model())
     assert dropped
@@ -201,9 +202,9 @@ def test_dropped_transfer_wait_fails(
     reader: str,
     writer_event: str,
 ) -> None:
-    """Each ``wait_event`` of ``roundpipe.transfer`` dropped in turn: the run fails naming the stream
+    """Each ``wait_event`` of ``roundpipe.runtime.transfer`` dropped in turn: the run fails naming the stream
     that read too early and the event it should have waited for."""
-    dropped = _drop_waits(monkeypatch, "roundpipe.transfer", function)
+    dropped = _drop_waits(monkeypatch, "roundpipe.runtime.transfer", function)
     with pytest.raises(RoundPipeWorkerError, match="StreamOrderError") as info:
         run()
     assert dropped

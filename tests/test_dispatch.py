@@ -1,14 +1,15 @@
-"""The dispatch policy's contract (``roundpipe.dispatch``): data parallel relies on it, the planner's
+"""The dispatch policy's contract (``roundpipe.devices.dispatch``): data parallel relies on it, the planner's
 model of a call asks it."""
 
 from __future__ import annotations
 
 import pytest
 
-from roundpipe import device as device_mod
-from roundpipe import dispatch, settings
-from roundpipe.dispatch import DispatchPolicy, RoundRobin
-from roundpipe.simulate import round_robin, simulate_iteration
+from roundpipe import settings
+from roundpipe.devices import device as device_mod
+from roundpipe.devices import dispatch
+from roundpipe.devices.dispatch import DispatchPolicy, RoundRobin
+from roundpipe.planning.simulate import round_robin, simulate_iteration
 
 
 def test_round_robin_is_the_policy() -> None:

@@ -30,7 +30,7 @@ from torch import nn
 
 from roundpipe import RoundPipe, RoundPipeRunConfig
 from roundpipe import distributed as rdist
-from roundpipe.grad_sync import GradSync
+from roundpipe.runtime.grad_sync import GradSync
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "dist_scripts", "dp_train.py")
@@ -512,7 +512,7 @@ def _slow_kernel_run(slow: bool) -> torch.Tensor:
     opt = torch.optim.SGD(list(model.optim_parameters()), lr=0.05)
     calls = [0]
 
-    class SlowSync:  # a data-parallel all-reduce waiting for a slow peer (roundpipe.grad_sync.GradSync)
+    class SlowSync:  # a data-parallel all-reduce waiting for a slow peer (roundpipe.runtime.grad_sync.GradSync)
         step_sync = None
 
         def on_step_launch(self) -> None:

@@ -35,7 +35,7 @@ from torch import nn
 from roundpipe import RoundPipe, RoundPipeRunConfig
 from roundpipe import distributed as rdist
 from roundpipe.distributed import device_order, device_reduce, enable, sharding
-from roundpipe.plan import ModelExecutePlan
+from roundpipe.planning.plan import ModelExecutePlan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "dist_scripts", "dp_device.py")
@@ -293,7 +293,7 @@ def test_device_mode_setup_errors(workers: str, one_rank_group: None) -> None:
 
 def test_a_stalled_nccl_collective_is_named_by_the_monitor(monkeypatch: pytest.MonkeyPatch) -> None:
     """The monitor (CUDA only) with stand-in events: ready but never done for longer than the timeout."""
-    from roundpipe import threads
+    from roundpipe.devices import threads
 
     class Ev:
         def __init__(self, done: bool) -> None:

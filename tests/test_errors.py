@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig, save_for_recompute
-from roundpipe.backend import parse_devices
-from roundpipe.threads import RoundPipeWorkerError
+from roundpipe.devices.backend import parse_devices
+from roundpipe.devices.threads import RoundPipeWorkerError
 
 
 def model() -> RoundPipe:

@@ -1,5 +1,5 @@
-"""Each term of the memory estimate (``roundpipe.estimate``) and of the planner's GPU budget
-(``roundpipe.budget.gpu_budget``), pinned against numbers worked out by hand for stages of several
+"""Each term of the memory estimate (``roundpipe.planning.estimate``) and of the planner's GPU budget
+(``roundpipe.planning.budget.gpu_budget``), pinned against numbers worked out by hand for stages of several
 layers: with one layer per stage, a stage's weights, its "others" and ceil(layers / stage) cannot be
 told apart from their one-layer forms.
 
@@ -15,7 +15,8 @@ from typing import List
 
 import pytest
 
-from roundpipe import budget, device, estimate
+from roundpipe.devices import device
+from roundpipe.planning import budget, estimate
 
 MiB = float(1 << 20)
 GiB = float(1 << 30)
@@ -154,7 +155,7 @@ def test_sequence_tiles_terms_by_hand() -> None:
     whole sequence (float32 gradient accumulators beside them) and one tile's prefix attention inputs;
     the host keeps every layer's keys and values, and the stage inputs of all tiles (as many bytes as
     the unsplit sequence's)."""
-    from roundpipe import estimate as est
+    from roundpipe.planning import estimate as est
 
     shape = est.ModelShape.builtin("qwen3-8b")
     seq, tiles, g, b = 8192, 4, 2, 2

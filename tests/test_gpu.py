@@ -7,7 +7,8 @@ import torch
 from conftest import use_devices
 from torch import nn
 
-from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig, transfer
+from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
+from roundpipe.runtime import transfer
 
 pytestmark = pytest.mark.gpu
 
@@ -236,8 +237,8 @@ def test_host_buffer_rotation_and_one_gradient_buffer_on_gpu(devices: str, monke
     gradient buffer. The parameters of all variants must be equal bit for bit."""
     import time
 
-    from roundpipe.host_buffers import ParamBuffers
     from roundpipe.optim import Adam
+    from roundpipe.runtime.host_buffers import ParamBuffers
 
     if devices.count(",") + 1 > torch.cuda.device_count():
         pytest.skip("needs 2 GPUs")
@@ -282,11 +283,11 @@ def test_host_buffer_rotation_and_one_gradient_buffer_on_gpu(devices: str, monke
 
 
 def test_exact_size_pinned_buffers_copy_asynchronously_and_unpin_when_freed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """roundpipe.memory.pinned_empty: registered with CUDA (pinned, exact size), round trips through
+    """roundpipe.devices.memory.pinned_empty: registered with CUDA (pinned, exact size), round trips through
     the GPU with non-blocking copies, and is unregistered once its last view is gone."""
     import gc
 
-    from roundpipe import memory
+    from roundpipe.devices import memory
 
     unpinned = []
     real_unregister = memory._cuda_unregister
@@ -361,8 +362,8 @@ def test_auto_keeps_a_hf_models_stage_inputs_on_one_gpu(monkeypatch: pytest.Monk
     from test_models import make_batch, tiny_model
 
     import roundpipe
-    from roundpipe import run as run_mod
     from roundpipe.optim import Adam
+    from roundpipe.runtime import run as run_mod
 
     use_devices("cuda:0")
     answers: list = []
@@ -402,8 +403,8 @@ def test_streamed_async_steps_equal_synchronous_steps_on_the_gpu(devices: str, m
     host optimizer steps them give bit-identical weights to synchronous steps (the device streams
     wait for each layer's conversion; none reads a half-written weight), with two host buffers per
     parameter."""
-    from roundpipe.host_buffers import ParamBuffers
     from roundpipe.optim import Adam
+    from roundpipe.runtime.host_buffers import ParamBuffers
 
     if devices.count(",") + 1 > torch.cuda.device_count():
         pytest.skip("needs 2 GPUs")
@@ -434,7 +435,7 @@ def test_streamed_async_steps_equal_synchronous_steps_on_the_gpu(devices: str, m
 def test_host_scalar_is_read_later_without_a_sync_when_created() -> None:
     """transfer.HostScalar: creating it queues a copy and an event (no synchronising call, checked by
     sync_debug_mode); item() returns the value once the event has passed."""
-    from roundpipe.transfer import HostScalar
+    from roundpipe.runtime.transfer import HostScalar
 
     x = torch.randn(4096, 4096, device="cuda")
     torch.cuda.synchronize()
@@ -499,7 +500,7 @@ def test_peer_handoff_on_two_gpus_matches_pytorch(fused: bool, monkeypatch: pyte
     boundary between forward jobs on different GPUs used a peer copy."""
     import copy
 
-    from roundpipe import jobs
+    from roundpipe.runtime import jobs
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
@@ -548,8 +549,8 @@ def _graph_run(graphs: str, devices: str, lengths: tuple) -> tuple:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     import roundpipe
-    from roundpipe import device as device_mod
     from roundpipe import settings
+    from roundpipe.devices import device as device_mod
 
     settings.configure(graphs=graphs)
     use_devices(devices)
@@ -607,7 +608,7 @@ def test_graphed_layers_match_eager_and_recapture_a_new_length(devices: str) -> 
 
 @pytest.mark.parametrize("devices", ["cuda:0", "cuda:0,1"])
 def test_sequence_tiles_match_the_unsplit_sequence_in_bf16(devices: str) -> None:
-    """One 4,096-token sequence in 4 tiles over the pool (``sequence_tiles``, roundpipe.sequence) against
+    """One 4,096-token sequence in 4 tiles over the pool (``sequence_tiles``, roundpipe.runtime.sequence) against
     the same model on the unsplit sequence, bf16 with the compiled fused kernels: loss within bf16
     rounding and every gradient's cosine >= 0.999."""
     if devices == "cuda:0,1" and torch.cuda.device_count() < 2:

@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from roundpipe import RoundPipe, RoundPipeRunConfig
-from roundpipe.attribute import ParamAttribute
-from roundpipe.host_buffers import ParamBuffers
 from roundpipe.optim import Adam
-from roundpipe.plan import ModelExecutePlan
+from roundpipe.planning.plan import ModelExecutePlan
+from roundpipe.runtime.attribute import ParamAttribute
+from roundpipe.runtime.host_buffers import ParamBuffers
 
 
 def _model(tied: bool = False) -> nn.Module:
@@ -75,7 +75,7 @@ def _train(
     background builder of the first buffers (``step_cycle``, tested on its own in test_step.py) is
     done before the first backward here: racing it, a download that comes first makes its own buffer
     and the builder a spare that the step trims, which the counts would see on a loaded machine."""
-    from roundpipe import step_cycle
+    from roundpipe.runtime import step_cycle
 
     build = step_cycle.preallocate_host_buffers
     monkeypatch.setattr(step_cycle, "preallocate_host_buffers", lambda params, name: _joined(build(params, name)))

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from roundpipe import threads
+from roundpipe.devices import threads
 from roundpipe.optim import Adam
 from roundpipe.optim import thread as optim_thread
 from roundpipe.optim.grad_scaler import GradScaler

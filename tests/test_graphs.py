@@ -1,4 +1,4 @@
-"""Graphed jobs (``roundpipe.graphs``): weights in fixed device slots, each microbatch one replay.
+"""Graphed jobs (``roundpipe.devices.graphs``): weights in fixed device slots, each microbatch one replay.
 
 On CPU workers ``RPP_GRAPHS=1`` selects the stand-in, which "captures" by recording the job's function
 and "replays" by running it again on the static inputs and copying its results into the static
@@ -19,8 +19,8 @@ from helpers import rel_err
 from torch import nn
 
 from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig, settings
-from roundpipe import device as device_mod
-from roundpipe.context import save_for_recompute
+from roundpipe.devices import device as device_mod
+from roundpipe.runtime.context import save_for_recompute
 
 TOL = 1e-10
 
@@ -168,7 +168,7 @@ def test_dropout_group_recompute_matches_forward(workers: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8)).double()
     masks: List[torch.Tensor] = []
-    from roundpipe.context import doing_recompute
+    from roundpipe.runtime.context import doing_recompute
 
     model[1].register_forward_hook(
         lambda m, i, o: masks.append((o != 0).detach().clone()) if not doing_recompute() else None
@@ -294,7 +294,8 @@ def test_auto_graphs_withdraw_roundpipes_expandable_segments_above_two_gpus(monk
     """Graph captures failed with expandable segments on 4 GPUs: ``auto`` turns off the segments that
     ``import roundpipe`` chose (and graphs), keeps a user's choice (and stays eager), and leaves pools of
     up to two GPUs alone."""
-    from roundpipe import graphs, settings
+    from roundpipe import settings
+    from roundpipe.devices import graphs
 
     calls: list = []
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", lambda conf: calls.append(conf))

@@ -1,4 +1,4 @@
-"""State-machine test of the host buffers' roles (``roundpipe.host_buffers``).
+"""State-machine test of the host buffers' roles (``roundpipe.runtime.host_buffers``).
 
 Random (seeded) orders of training calls (gradient downloads, through ``forward_backward`` or
 ``forward`` + ``backward``), optimizer steps (asynchronous, synchronous, or keeping the optimizer's
@@ -30,9 +30,10 @@ import torch
 from helpers import rel_err
 from torch import nn
 
-from roundpipe import RoundPipe, RoundPipeRunConfig, host_buffers, settings
-from roundpipe.host_buffers import ParamBuffers, RoleError
-from roundpipe.plan import ModelExecutePlan
+from roundpipe import RoundPipe, RoundPipeRunConfig, settings
+from roundpipe.planning.plan import ModelExecutePlan
+from roundpipe.runtime import host_buffers
+from roundpipe.runtime.host_buffers import ParamBuffers, RoleError
 
 STRESS_S = 0.002
 MODES = {  # buffer mode -> environment
@@ -230,7 +231,7 @@ def test_copied_gradients_keep_the_roles(workers: str, mode: str, monkeypatch: p
 def test_the_role_checks_catch_two_owners() -> None:
     """The checks themselves: a buffer both spare and the weights, or a download into the optimizer's
     gradient, is reported."""
-    from roundpipe.attribute import ParamAttribute
+    from roundpipe.runtime.attribute import ParamAttribute
 
     p = nn.Parameter(torch.zeros(3, 3, dtype=torch.float64))
     attr = ParamAttribute.set(p, 0)
@@ -263,7 +264,7 @@ def test_the_state_machine_runs_every_transition(monkeypatch: pytest.MonkeyPatch
             return _real(*a, **k)
 
         monkeypatch.setattr(ParamBuffers, name, staticmethod(spy) if name == "_wait_for_release" else spy)
-    from roundpipe import device
+    from roundpipe.devices import device
 
     for spec, mode in (("cpu:1", "moved"), ("cpu:2", "unstaged"), ("cpu:2", "moved")):
         settings.configure(devices=spec)

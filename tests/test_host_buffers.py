@@ -1,4 +1,4 @@
-"""The first asynchronous step converts nothing (``roundpipe.step_cycle``): an optimizer copy starts as
+"""The first asynchronous step converts nothing (``roundpipe.runtime.step_cycle``): an optimizer copy starts as
 the weights' version, so the first publish leaves the weights in place; nothing that changes the weights
 or the optimizer copies before that step is lost, and nothing is staged ahead."""
 
@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from roundpipe import RoundPipe, RoundPipeRunConfig
-from roundpipe.host_buffers import ParamBuffers
 from roundpipe.optim import Adam
+from roundpipe.runtime.host_buffers import ParamBuffers
 
 
 def _model() -> nn.Sequential:

@@ -1,4 +1,4 @@
-"""Exact-size pinned host buffers (roundpipe.memory.mapped_empty / pinned_empty): shape, dtype, and the
+"""Exact-size pinned host buffers (roundpipe.devices.memory.mapped_empty / pinned_empty): shape, dtype, and the
 register/unregister life cycle, checked with recording stand-ins for cudaHostRegister/Unregister."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from roundpipe import memory
+from roundpipe.devices import memory
 
 
 class _Recorder:

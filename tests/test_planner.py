@@ -1,4 +1,4 @@
-"""Tests for roundpipe.planner: automatic stage planning and plan validation."""
+"""Tests for roundpipe.planning.planner: automatic stage planning and plan validation."""
 
 import itertools
 import math
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from roundpipe.planner import plan_stages, validate_plan
+from roundpipe.planning.planner import plan_stages, validate_plan
 
 GiB = 1 << 30
 
@@ -341,7 +341,7 @@ def test_embedding_tables_count_little_in_the_first_time_estimates() -> None:
 # ---------------------------------------------------------------------------------------------------------
 # Several devices: the simulated round-robin pipeline and the refinement against it
 
-from roundpipe.planner import simulate_iteration  # noqa: E402
+from roundpipe.planning.planner import simulate_iteration  # noqa: E402
 
 
 def test_simulation_of_one_device_is_the_sum_of_all_costs():
@@ -392,7 +392,7 @@ def test_a_merged_stage_counts_its_weights_against_the_activation_budget():
     peak each, 6 GiB for a stage's activations: three layers would need 4 GiB of activations and 4 GiB
     of weights beyond the budget's reserve (too much), two need 3 + 2. Room for one checkpoint: no plan
     fits, and the call is refused instead of planned into an out-of-memory."""
-    from roundpipe.planner import ActivationCosts, ActivationMemoryError
+    from roundpipe.planning.planner import ActivationCosts, ActivationMemoryError
 
     G = float(1 << 30)
     n = 6

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig, profile, settings
+from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig, settings
+from roundpipe.devices import profile
 
 
 @pytest.fixture

@@ -136,7 +136,7 @@ def test_a_device_holds_one_queued_job_while_one_runs() -> None:
 
     from conftest import use_devices
 
-    from roundpipe import device as device_mod
+    from roundpipe.devices import device as device_mod
 
     use_devices("cpu:1")
     dev = device_mod.get_devices()[0]

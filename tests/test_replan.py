@@ -44,8 +44,8 @@ def _proposing(monkeypatch: pytest.MonkeyPatch) -> Tuple[List[ModelExecutePlan],
 def test_replan_pays_only_for_a_real_gain(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Same layers in other groups at equal cost: no gain, the old plan stays. A plan that halves the
     simulated time on two devices (or removes a slow group's wait) pays."""
-    from roundpipe import plan_choice
-    from roundpipe.simulate import HostCosts
+    from roundpipe.planning import plan_choice
+    from roundpipe.planning.simulate import HostCosts
 
     rp = _model()
     times = [1.0, 1.0, 1.0, 1.0]
@@ -104,7 +104,7 @@ def test_a_plan_that_no_longer_fits_is_replaced_even_without_gain(
 ) -> None:
     """Host memory shrinks once the optimizer state exists: the plan in use is kept only while it still
     fits the budgets; otherwise the re-plan's plan is taken whatever its simulated time."""
-    from roundpipe import budget
+    from roundpipe.planning import budget
 
     rp = _model()
     proposals, calls = _proposing(monkeypatch)
@@ -120,7 +120,7 @@ def test_a_plan_that_no_longer_fits_is_replaced_even_without_gain(
 def test_still_fits_checks_the_budgets_of_now(monkeypatch: pytest.MonkeyPatch) -> None:
     """A plan's backward stages against the GPU budget and its checkpoints against the host budget as
     they are at the call; a model planned by its weights alone always fits."""
-    from roundpipe import budget
+    from roundpipe.planning import budget
 
     G = float(1 << 30)
     profile = budget.ActivationProfile([G] * 4, [2 * G] * 4, [G] * 4, 1024, 1024, lambda n: profile)

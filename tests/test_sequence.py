@@ -1,4 +1,4 @@
-"""One sequence cut into tiles over the pool (``RoundPipeRunConfig(sequence_tiles=T)``, roundpipe.sequence):
+"""One sequence cut into tiles over the pool (``RoundPipeRunConfig(sequence_tiles=T)``, roundpipe.runtime.sequence):
 loss and every gradient equal the unsplit sequence's, in float64 on 1-3 CPU workers, at several tile
 counts (even and uneven), both recompute grains, LoRA, stages of one and several layers, layers tiled
 inside (``RPP_SEQ_TILE``) or not; and the refusals.
@@ -16,10 +16,11 @@ import torch
 from helpers import rel_err
 from torch import nn
 
-from roundpipe import device as device_mod
-from roundpipe import models, sequence, settings
-from roundpipe.plan import ModelExecutePlan
+from roundpipe import models, settings
+from roundpipe.devices import device as device_mod
+from roundpipe.planning.plan import ModelExecutePlan
 from roundpipe.run_config import RoundPipeRunConfig
+from roundpipe.runtime import sequence
 
 torch.set_num_threads(1)
 

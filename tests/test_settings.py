@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 import roundpipe
-from roundpipe import device, settings
+from roundpipe import settings
+from roundpipe.devices import device
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,13 +1,13 @@
-"""The model of a call with the host's costs (``roundpipe.simulate``), the timer's fit of those costs,
+"""The model of a call with the host's costs (``roundpipe.planning.simulate``), the timer's fit of those costs,
 and the planner's choice of longer groups where a job's host cost dominates."""
 
 from __future__ import annotations
 
 import pytest
 
-from roundpipe.plan import ModelExecutePlan, choose_by_host_cost
-from roundpipe.simulate import HostCosts, call_jobs, round_robin, simulate_iteration
-from roundpipe.timer import ModelTimer
+from roundpipe.planning.plan import ModelExecutePlan, choose_by_host_cost
+from roundpipe.planning.simulate import HostCosts, call_jobs, round_robin, simulate_iteration
+from roundpipe.planning.timer import ModelTimer
 
 ONE = [range(0, 1)]
 

@@ -1,4 +1,4 @@
-"""Compact stage inputs (``roundpipe.stage_codec``, ``RPP_STAGE_INPUTS=fp8``): the format's error bound per
+"""Compact stage inputs (``roundpipe.runtime.stage_codec``, ``RPP_STAGE_INPUTS=fp8``): the format's error bound per
 block, which leaves it takes, a training step against a hand-made reference that applies the same round
 trip to the stage inputs (exactly equal) and against exact stage inputs (close), the planner's and the
 estimate's smaller checkpoints, and the setting's errors."""
@@ -17,8 +17,10 @@ from torch.utils import _pytree as pytree
 os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
 import roundpipe  # noqa: E402
-from roundpipe import RoundPipe, RoundPipeRunConfig, estimate, settings, stage_codec  # noqa: E402
-from roundpipe.plan import ModelExecutePlan  # noqa: E402
+from roundpipe import RoundPipe, RoundPipeRunConfig, settings
+from roundpipe.planning import estimate
+from roundpipe.planning.plan import ModelExecutePlan  # noqa: E402
+from roundpipe.runtime import stage_codec
 
 FP8 = torch.float8_e4m3fn
 

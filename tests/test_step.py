@@ -12,7 +12,7 @@ from helpers import rel_err
 from torch import nn
 
 from roundpipe import AutoRoundPipe, RoundPipe, RoundPipeRunConfig
-from roundpipe.context import OptimizerCtx
+from roundpipe.runtime.context import OptimizerCtx
 
 
 def make_model() -> nn.Sequential:
@@ -99,7 +99,7 @@ def _mixed_schedule_losses(model: nn.Module) -> List[float]:
     rp.synchronize()
     # The host buffers of a parameter rotate without piling up across the schedule: the model
     # buffer, the staging buffer and one spare (the last model buffer, or the copied gradient).
-    from roundpipe.host_buffers import ParamBuffers
+    from roundpipe.runtime.host_buffers import ParamBuffers
 
     assert all(len(ParamBuffers.of(p).host_buffers(p)) <= 3 for p in model.parameters())
     return losses + [p.detach().double().sum().item() for p in model.parameters()]
@@ -230,8 +230,8 @@ def test_tied_gradient_shares_are_summed_on_the_device(
     not even downloaded, on two they are and the owner's download adds them in. Either way the main
     thread finds one share left to fold; where owner and sharer run in one job it still adds them.
     Gradients equal plain PyTorch, across calls (accumulation) and steps."""
-    from roundpipe.host_buffers import ParamBuffers
-    from roundpipe.plan import ModelExecutePlan
+    from roundpipe.planning.plan import ModelExecutePlan
+    from roundpipe.runtime.host_buffers import ParamBuffers
 
     torch.manual_seed(5)
     emb, mid, head = (nn.Linear(5, 5, bias=False) for _ in range(3))
@@ -294,7 +294,7 @@ class _DetachedUse(nn.Module):
 def test_tied_share_kept_on_the_device_when_the_owner_has_no_gradient(workers: str) -> None:
     """The owner layer of a tied weight computes no gradient for it: the share kept on the device by
     the layer above becomes the whole gradient at the owner's download."""
-    from roundpipe.plan import ModelExecutePlan
+    from roundpipe.planning.plan import ModelExecutePlan
 
     torch.manual_seed(6)
     head = nn.Linear(5, 5, bias=False)
@@ -314,9 +314,9 @@ def test_tied_share_kept_on_the_device_when_the_owner_has_no_gradient(workers: s
 def test_spare_buffers_serve_pinned_requests_only_with_pinned_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """ParamBuffers spares: a pageable spare (pin_model='off' model buffer) serves staging of a
     pageable parameter but is dropped, not returned, when a pinned download buffer is asked for."""
-    from roundpipe import backend
-    from roundpipe.attribute import ParamAttribute
-    from roundpipe.host_buffers import ParamBuffers
+    from roundpipe.devices import backend
+    from roundpipe.runtime.attribute import ParamAttribute
+    from roundpipe.runtime.host_buffers import ParamBuffers
 
     monkeypatch.setattr(backend, "pin_enabled", lambda: True)
     attr = ParamBuffers(ParamAttribute())
@@ -414,8 +414,8 @@ def test_host_buffers_rotate_and_one_gradient_buffer_waits(workers: str, monkeyp
     Every variant trains exactly the same parameters."""
     import time
 
-    from roundpipe.host_buffers import ParamBuffers
     from roundpipe.optim import Adam
+    from roundpipe.runtime.host_buffers import ParamBuffers
 
     def run(stage: str, buffers: str, zero_grad: bool = True, into: str = "0") -> tuple:
         monkeypatch.setenv("RPP_STAGE_PARAMS", stage)
@@ -469,8 +469,8 @@ def test_bf16_gradients_are_handed_to_roundpipe_adam_without_a_copy(workers: str
     """bf16 model, fp32 masters: roundpipe.optim.Adam reads the bf16 host gradient buffers as its .grad
     (no fp32 gradient copy); the run equals the copying path (torch.optim.Adam gets fp32 gradients) and
     each layer keeps at most two gradient buffers, alternating while the asynchronous step reads one."""
-    from roundpipe.host_buffers import ParamBuffers
     from roundpipe.optim import Adam
+    from roundpipe.runtime.host_buffers import ParamBuffers
 
     def run(opt_cls: type, accumulate: bool) -> List[torch.Tensor]:
         model = make_model().to(torch.bfloat16)
@@ -553,7 +553,7 @@ def test_one_process_leaves_cores_to_its_issuing_threads(monkeypatch: pytest.Mon
     assert chosen == [12, 3, 8]
     monkeypatch.undo()
 
-    from roundpipe import backend
+    from roundpipe.devices import backend
 
     monkeypatch.setattr(backend, "parse_devices", lambda spec: [torch.device("cpu")] * 3)
     assert optim_thread.issuing_devices() == 1  # CPU workers issue no GPU work
@@ -612,7 +612,7 @@ def _record_host_allocations(stage: str, monkeypatch: pytest.MonkeyPatch) -> lis
     """Set the buffer mode (``stage``: "1" staged steps, two buffers; "0" no staging; "rotate": staged
     with three buffers, ``RPP_GRAD_INTO_MODEL=0``) and record the shape of every host buffer the
     runtime's download and step paths allocate from now on."""
-    from roundpipe import host_buffers
+    from roundpipe.runtime import host_buffers
 
     monkeypatch.setenv("RPP_STAGE_PARAMS", "0" if stage == "0" else "1")
     monkeypatch.setenv("RPP_GRAD_INTO_MODEL", "0" if stage == "rotate" else "1")
@@ -665,11 +665,11 @@ def test_a_tied_weights_buffers_come_from_the_background_builder(
     the first only, so that case on one device is not run here)."""
     import threading
 
-    from roundpipe import step_cycle
-    from roundpipe.attribute import ParamAttribute
-    from roundpipe.host_buffers import ParamBuffers
     from roundpipe.optim import Adam
-    from roundpipe.plan import ModelExecutePlan
+    from roundpipe.planning.plan import ModelExecutePlan
+    from roundpipe.runtime import step_cycle
+    from roundpipe.runtime.attribute import ParamAttribute
+    from roundpipe.runtime.host_buffers import ParamBuffers
 
     allocations = _record_host_allocations(stage, monkeypatch)
     build = step_cycle.preallocate_host_buffers
@@ -730,8 +730,8 @@ def test_the_first_step_waits_for_the_host_buffers_and_the_optimizer_state(
     gradients do not wait."""
     import threading
 
-    from roundpipe import step_cycle
     from roundpipe.optim import reserve
+    from roundpipe.runtime import step_cycle
 
     release = threading.Event()
     real = step_cycle.preallocate_host_buffers

@@ -13,8 +13,8 @@ from torch import nn
 
 import roundpipe
 from roundpipe import RoundPipe, RoundPipeRunConfig, settings
-from roundpipe.host_buffers import ParamBuffers
 from roundpipe.optim import step as step_protocol
+from roundpipe.runtime.host_buffers import ParamBuffers
 
 
 @pytest.fixture(autouse=True)

@@ -33,8 +33,8 @@ def test_stress_mode_lets_cpu_workers_compute_at_once() -> None:
     """The switch itself: no compute lock, and waits are delayed."""
     import time
 
-    from roundpipe import backend
-    from roundpipe.threads import AnnotatedEvent
+    from roundpipe.devices import backend
+    from roundpipe.devices.threads import AnnotatedEvent
 
     assert backend.compute_guard(torch.device("cpu")) is not backend.cpu_compute_lock
     ev = AnnotatedEvent("t", set=True)

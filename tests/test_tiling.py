@@ -26,11 +26,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from roundpipe import models, settings
-from roundpipe.context import RecomputeCtx
 from roundpipe.models import fused_ops, kernels, tiling
 from roundpipe.models.preset import _call_mask_function
-from roundpipe.plan import ModelExecutePlan
+from roundpipe.planning.plan import ModelExecutePlan
 from roundpipe.run_config import RoundPipeRunConfig
+from roundpipe.runtime.context import RecomputeCtx
 
 torch.set_num_threads(1)
 

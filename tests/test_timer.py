@@ -1,4 +1,4 @@
-"""Tests for roundpipe.timer: size-based start, warm-up drop, bias-corrected moving average, threads."""
+"""Tests for roundpipe.planning.timer: size-based start, warm-up drop, bias-corrected moving average, threads."""
 
 import gc
 import os
@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-import roundpipe.timer as timer_mod
-from roundpipe.timer import IterTimer, LayerTimingContext, ModelTimer, WallClockEvent
+import roundpipe.planning.timer as timer_mod
+from roundpipe.planning.timer import IterTimer, LayerTimingContext, ModelTimer, WallClockEvent
 
 CPU = object()  # what the integrator passes as the "stream" of a CPU worker
 
@@ -280,7 +280,7 @@ def test_verbose_prints_updates(clock, monkeypatch, capsys):
 
 
 def test_verbose_comes_from_the_environment():
-    code = "from roundpipe.timer import ModelTimer; print(ModelTimer.VERBOSE)"
+    code = "from roundpipe.planning.timer import ModelTimer; print(ModelTimer.VERBOSE)"
     env = dict(os.environ, RPP_VERBOSE_TIMER="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"

@@ -11,7 +11,7 @@ import torch
 def test_sliced_copy_equals_a_whole_copy(dtype: torch.dtype, numel: int, chunk_bytes: int) -> None:
     """Parameter uploads above CHUNK_UPLOAD_SIZE are copied in slices (transfer.chunked_upload): every
     element lands once, whatever the remainder, for any element size."""
-    from roundpipe.transfer import _copy_in_chunks
+    from roundpipe.runtime.transfer import _copy_in_chunks
 
     src = torch.randn(numel, dtype=torch.float32).to(dtype).reshape(-1, 1) if numel else torch.empty(0, 1, dtype=dtype)
     dst = torch.full_like(src, 7)
@@ -43,8 +43,8 @@ def test_compute_waits_for_each_layer_of_a_group_just_before_running_it(
     """A job's compute stream waits for layer k's upload event right before layer k first runs (not for
     the whole group up front), once per job, in forward and in the recompute of backward."""
     from roundpipe import RoundPipe, RoundPipeRunConfig
-    from roundpipe import jobs as jobs_mod
-    from roundpipe.plan import ModelExecutePlan
+    from roundpipe.planning.plan import ModelExecutePlan
+    from roundpipe.runtime import jobs as jobs_mod
 
     log: list = []
     layer_of_event: dict = {}
@@ -74,7 +74,7 @@ def test_compute_waits_for_each_layer_of_a_group_just_before_running_it(
         log.append(("wait", layer_of_event[id(ready[k])], threading.current_thread().name))
         real_wait(device, ready, k)
 
-    from roundpipe import compute as compute_mod
+    from roundpipe.runtime import compute as compute_mod
 
     monkeypatch.setattr(jobs_mod, "upload_layers", upload)
     monkeypatch.setattr(jobs_mod, "wait_layer", wait)
@@ -121,9 +121,9 @@ def test_a_backward_stage_without_gradients_still_waits_for_its_uploads(
     seeded with: the compute stream (which the download stream follows) must have waited for every
     layer's upload first. On two workers the gradients go through the host, so the stage skips."""
     from roundpipe import RoundPipe, RoundPipeRunConfig
-    from roundpipe import compute as compute_mod
-    from roundpipe import jobs as jobs_mod
-    from roundpipe.plan import ModelExecutePlan
+    from roundpipe.planning.plan import ModelExecutePlan
+    from roundpipe.runtime import compute as compute_mod
+    from roundpipe.runtime import jobs as jobs_mod
 
     waited: list = []
     real_wait = jobs_mod.wait_layer
@@ -167,8 +167,8 @@ def test_unchanged_side_inputs_are_downloaded_once(workers: str, monkeypatch: py
     its first host copy at every later stage boundary: one download per call, not one per backward
     stage; gradients are those of plain PyTorch."""
     from roundpipe import RoundPipe, RoundPipeRunConfig
-    from roundpipe import jobs as jobs_mod
-    from roundpipe.plan import ModelExecutePlan
+    from roundpipe.planning.plan import ModelExecutePlan
+    from roundpipe.runtime import jobs as jobs_mod
 
     downloaded: list = []
     real = jobs_mod.async_d2h
@@ -223,13 +223,13 @@ def test_parameter_gradients_go_on_their_own_stream_with_other_devices_shares_fe
     import threading
 
     from roundpipe import RoundPipe, RoundPipeRunConfig, settings
-    from roundpipe import backend as backend_mod
-    from roundpipe import device as device_mod
-    from roundpipe import partial_grads as partial_mod
-    from roundpipe import tied_grads as tied_mod
-    from roundpipe import transfer as transfer_mod
-    from roundpipe.host_buffers import ParamBuffers
-    from roundpipe.plan import ModelExecutePlan
+    from roundpipe.devices import backend as backend_mod
+    from roundpipe.devices import device as device_mod
+    from roundpipe.planning.plan import ModelExecutePlan
+    from roundpipe.runtime import partial_grads as partial_mod
+    from roundpipe.runtime import tied_grads as tied_mod
+    from roundpipe.runtime import transfer as transfer_mod
+    from roundpipe.runtime.host_buffers import ParamBuffers
 
     settings.configure(grad_stream=separate, split_fused="1")  # the fused job's parts, as on GPUs
     device_mod.reset_devices()

@@ -32,7 +32,7 @@ PLANS = ("auto", "layerwise", "single")
 OPTIM_STATES = ("float32", "bfloat16", "int8")
 MASTERS = ("float32", "bfloat16")
 MASTER_ROUNDINGS = ("stochastic", "kahan", "nearest")
-STAGE_INPUTS = ("bf16", "fp8")  # roundpipe.stage_codec.MODES (this module imports no torch)
+STAGE_INPUTS = ("bf16", "fp8")  # roundpipe.runtime.stage_codec.MODES (this module imports no torch)
 
 
 def normalize_dtype(value: str) -> str:

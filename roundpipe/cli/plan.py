@@ -6,7 +6,7 @@
 
 Prints peak GPU memory (per GPU) and peak host memory of one step, the bytes each token costs, and
 the longest context that fits this machine (or the ``--gpu-memory`` / ``--host-memory`` given). The
-same numbers are ``roundpipe.estimate.estimate(...)`` and ``roundpipe.estimate.longest_context(...)``
+same numbers are ``roundpipe.planning.estimate.estimate(...)`` and ``roundpipe.planning.estimate.longest_context(...)``
 in Python. Exit status 0 when the step fits, 1 when it does not (text and ``--json`` alike), 2 with one
 line for bad input. A run ``roundpipe train`` refuses is refused here too: a sequence beyond a model
 directory's ``max_position_embeddings``, more microbatches than sequences. Nothing heavy is imported but
@@ -21,8 +21,8 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
-from roundpipe import estimate
 from roundpipe.cli.config import MASTER_ROUNDINGS, MASTERS, OPTIM_STATES, STAGE_INPUTS, ConfigError, normalize_dtype
+from roundpipe.planning import estimate
 
 GiB = float(1 << 30)
 

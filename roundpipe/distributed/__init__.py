@@ -15,10 +15,10 @@ weights, so the replicas stay identical without ever exchanging weights.
 
 Two places to reduce (``enable_data_parallel(reduce_on=...)``):
 
-* ``"host"``: :class:`DataParallel` is the model's ``grad_sync`` (``roundpipe.grad_sync``; see ``roundpipe.optim.step``)
-  and all-reduces the host gradients with gloo on the optimizer thread, after they have landed on the
-  host and before they are copied into the optimizer's master copies. It works on any accelerator,
-  CPU workers included, adds no device traffic, and the asynchronous step hides it behind the next
+* ``"host"``: :class:`DataParallel` is the model's ``grad_sync`` (``roundpipe.runtime.grad_sync``;
+  see ``roundpipe.optim.step``) and all-reduces the host gradients with gloo on the optimizer thread, after
+  they have landed on the host and before they are copied into the optimizer's master copies. It works on any
+  accelerator, CPU workers included, adds no device traffic, and the asynchronous step hides it behind the next
   forward. It runs on a *dedicated* gloo group that only the optimizer thread uses: collectives on one
   group must be issued in the same order on every rank, and the main thread (logging, barriers,
   checkpoints) could otherwise interleave its collectives differently on different ranks.
@@ -55,7 +55,7 @@ which only re-exports the public names):
 * ``device_reduce``: the reduction on the devices, its streams and its collective monitor;
 * ``device_order``: why the ranks' device collectives come in the same order (the plan agreement);
 * ``optim_shard``: the host optimizer step shared by the ranks of a host (``shard_optimizer=True``);
-* ``data_parallel``: :class:`DataParallel`, the model's ``grad_sync`` (``roundpipe.grad_sync.GradSync``);
+* ``data_parallel``: :class:`DataParallel`, the model's ``grad_sync`` (``roundpipe.runtime.grad_sync.GradSync``);
 * ``enable``: :func:`enable_data_parallel`.
 
 Attributes:

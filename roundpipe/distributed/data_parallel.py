@@ -1,6 +1,6 @@
 """The ``grad_sync`` of a data-parallel RoundPipe model: :class:`DataParallel`, the facade over the
 host reduction (``host_reduce``) and, with ``reduce_on="device"``, the device reduction
-(``device_reduce``). It implements :class:`roundpipe.grad_sync.GradSync`, the only interface the core
+(``device_reduce``). It implements :class:`roundpipe.runtime.grad_sync.GradSync`, the only interface the core
 calls, and adds the user's calls (``normalize_by``, ``stats``, ``close``)."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from roundpipe.distributed.reduction import (
     ReduceOptions,
     StatsCounter,
 )
-from roundpipe.grad_sync import LayerReducer
 from roundpipe.optim import thread as optim_thread
-from roundpipe.plan import ModelExecutePlan, RunType
+from roundpipe.planning.plan import ModelExecutePlan, RunType
 from roundpipe.roundpipe import RoundPipeBase
+from roundpipe.runtime.grad_sync import LayerReducer
 
 
 class DataParallel:
@@ -79,7 +79,7 @@ class DataParallel:
         self.rank, self.world_size, self.global_rank = self.host.rank, self.host.world_size, self.host.global_rank
         # Where the layers' gradients are reduced; the device part is attached by enable_data_parallel.
         self.reduce_on: Literal["host", "device"] = "host"
-        # The sharded host optimizer step (roundpipe.grad_sync.StepSync), attached by enable_data_parallel.
+        # The sharded host optimizer step (roundpipe.runtime.grad_sync.StepSync), attached by enable_data_parallel.
         self.step_sync: Optional[OptimizerShard] = None
 
     @property
@@ -147,7 +147,7 @@ class DataParallel:
         if self.model.grad_sync is self:
             self.model.grad_sync = None
 
-    # ---- roundpipe.grad_sync.GradSync ----------------------------------------------------------------
+    # ---- roundpipe.runtime.grad_sync.GradSync ----------------------------------------------------------------
     def on_step_launch(self) -> None:
         """Main-thread hook of ``model.step`` (``RoundPipeBase.step``): the step boundary. The device
         reduction starts a new step here (default weight again, ``normalize_by`` allowed again)."""

@@ -4,7 +4,7 @@ same ones in the same order, and the agreement before each training call that ma
 Collectives on one group must be issued in the same order on every rank. There is one group per local
 device index k (device k of every rank), used only by device k's controller thread, which reduces each
 layer at the end of its job (``DeviceReduction.reduce_layer``): the sequence is the device's job order.
-Jobs go to the devices round robin in dispatch order (``roundpipe.dispatch``), fixed before launch, so
+Jobs go to the devices round robin in dispatch order (``roundpipe.devices.dispatch``), fixed before launch, so
 device k runs the same jobs on every rank when every rank (1) runs the same training calls in the same
 order, (2) with the same plan and (3) from the same round-robin position, and (4) has the same number
 of devices. Before every training call, the ranks all-gather their step and call index, model, device
@@ -25,10 +25,10 @@ from typing import Any, List
 import torch
 import torch.distributed as dist
 
-from roundpipe import device as device_mod
-from roundpipe.dispatch import dispatcher
+from roundpipe.devices import device as device_mod
+from roundpipe.devices.dispatch import dispatcher
 from roundpipe.distributed.errors import DataParallelError, run_collective
-from roundpipe.plan import ModelExecutePlan
+from roundpipe.planning.plan import ModelExecutePlan
 
 logger = logging.getLogger("roundpipe")
 

@@ -3,7 +3,7 @@ device at the end of its backward job, before the gradient download (NCCL on GPU
 
 ``enable_data_parallel(model, reduce_on="device")`` calls :func:`setup_device_reduction`, which creates
 the groups (one per local device index, joining device k of every rank) and a :class:`DeviceReduction`;
-that gives every layer a reducer through the model's ``grad_sync`` (``roundpipe.grad_sync``), which
+that gives every layer a reducer through the model's ``grad_sync`` (``roundpipe.runtime.grad_sync``), which
 ``transfer.download_layer`` calls at the end of each backward job. The comment above
 :meth:`DeviceReduction.reduce_layer` explains the streams; ``roundpipe.distributed.device_order``, why
 every rank issues the same collectives in the same order.
@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from roundpipe import backend
-from roundpipe import device as device_mod
-from roundpipe.attribute import LayerAttribute
+from roundpipe.devices import backend
+from roundpipe.devices import device as device_mod
+from roundpipe.devices.threads import report_failure, thread_exception_print_lock
 from roundpipe.distributed.device_order import RUN_CODES, PlanAgreement
 from roundpipe.distributed.env import timeout_s
 from roundpipe.distributed.errors import (
@@ -40,12 +40,12 @@ from roundpipe.distributed.sharding import (
     register_device_reduction,
     unregister_device_reduction,
 )
-from roundpipe.grad_sync import GradSync
-from roundpipe.host_buffers import host_grad
 from roundpipe.optim import thread as optim_thread
-from roundpipe.plan import ModelExecutePlan
+from roundpipe.planning.plan import ModelExecutePlan
 from roundpipe.roundpipe import RoundPipe, RoundPipeBase
-from roundpipe.threads import report_failure, thread_exception_print_lock
+from roundpipe.runtime.attribute import LayerAttribute
+from roundpipe.runtime.grad_sync import GradSync
+from roundpipe.runtime.host_buffers import host_grad
 
 NCCL_GRACE_S = 30.0  # NCCL groups time out this much later than RPP_DIST_TIMEOUT_S (see CollectiveMonitor)
 

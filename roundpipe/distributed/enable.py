@@ -12,8 +12,7 @@ from typing import Any, Dict, List, Literal, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from roundpipe import device as device_mod
-from roundpipe.attribute import ParamAttribute
+from roundpipe.devices import device as device_mod
 from roundpipe.distributed.data_parallel import DataParallel
 from roundpipe.distributed.device_reduce import setup_device_reduction
 from roundpipe.distributed.env import timeout_s
@@ -22,6 +21,7 @@ from roundpipe.distributed.optim_shard import OptimizerShard
 from roundpipe.distributed.reduction import ReduceOn
 from roundpipe.optim import thread as optim_thread
 from roundpipe.roundpipe import RoundPipeBase
+from roundpipe.runtime.attribute import ParamAttribute
 
 logger = logging.getLogger("roundpipe")
 

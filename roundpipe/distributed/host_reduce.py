@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from roundpipe.attribute import LayerAttribute
 from roundpipe.distributed.errors import DataParallelError, collective_failure
 from roundpipe.distributed.reduction import ReduceOptions, StatsCounter
 from roundpipe.roundpipe import RoundPipeBase
+from roundpipe.runtime.attribute import LayerAttribute
 
 if TYPE_CHECKING:
     from roundpipe.distributed.device_reduce import DeviceReduction

@@ -48,12 +48,12 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from roundpipe import settings
-from roundpipe.attribute import ParamAttribute
 from roundpipe.distributed.env import timeout_s
 from roundpipe.distributed.errors import DataParallelError, run_collective
 from roundpipe.optim import reserve
 from roundpipe.optim import thread as optim_thread
 from roundpipe.roundpipe import RoundPipeBase
+from roundpipe.runtime.attribute import ParamAttribute
 
 logger = logging.getLogger("roundpipe")
 
@@ -106,7 +106,7 @@ def _install_hook() -> None:
 
 class OptimizerShard:
     """This rank's share of the host optimizer step (module docstring); the ``step_sync`` of a
-    :class:`~roundpipe.distributed.data_parallel.DataParallel` (``roundpipe.grad_sync.StepSync``).
+    :class:`~roundpipe.distributed.data_parallel.DataParallel` (``roundpipe.runtime.grad_sync.StepSync``).
 
     Attributes:
         local_rank: This rank's index among the ranks of its host (0..local_size-1).
@@ -203,7 +203,7 @@ class OptimizerShard:
             os.close(fd)
         return segment
 
-    # ---- roundpipe.grad_sync.StepSync (optimizer thread) --------------------------------------------
+    # ---- roundpipe.runtime.grad_sync.StepSync (optimizer thread) --------------------------------------------
     def before_step_fn(self, units: Units, is_async: bool) -> None:
         """Before ``step_fn``: no peer still reads the masters of the previous step."""
         if is_async and settings.streamed_steps():

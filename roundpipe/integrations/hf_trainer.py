@@ -285,8 +285,8 @@ class RoundPipeTrainerMixin:
         return self.optimizer
 
     def _create_host_optimizer(self, rp: RoundPipeBase) -> torch.optim.Optimizer:
-        from roundpipe.context import OptimizerCtx
         from roundpipe.optim import Adam
+        from roundpipe.runtime.context import OptimizerCtx
 
         args = self.args  # type: ignore[attr-defined]
         decay = set(self.get_decay_parameter_names(rp.model))  # type: ignore[attr-defined]

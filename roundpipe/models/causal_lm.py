@@ -9,14 +9,15 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from roundpipe import budget, estimate, settings
-from roundpipe.batch import Batch
+from roundpipe import settings
 from roundpipe.models import kernels, sequence_inputs, tiling
 from roundpipe.models.inputs import CausalLMInputs, takes_inputs
 from roundpipe.models.kernels import FusedKernels
 from roundpipe.models.preset import CausalLMPreset
+from roundpipe.planning import budget, estimate
 from roundpipe.roundpipe import RoundPipe
 from roundpipe.run_config import RoundPipeRunConfig
+from roundpipe.runtime.batch import Batch
 
 _KW = inspect.Parameter.KEYWORD_ONLY
 # RoundPipe's per-call run configuration, after the causal-LM arguments.
@@ -107,8 +108,8 @@ class RoundPipeForCausalLM(RoundPipe):
         return self._preset
 
     def activation_profile(self, batch: Batch, recompute_grain: str) -> Optional[budget.ActivationProfile]:
-        """What a training call over ``batch`` keeps per layer (``roundpipe.budget``), from the model's
-        dimensions (``roundpipe.estimate``): the prefix and the head keep little, each decoder layer
+        """What a training call over ``batch`` keeps per layer (``roundpipe.planning.budget``), from the model's
+        dimensions (``roundpipe.planning.estimate``): the prefix and the head keep little, each decoder layer
         what its (tiled) recompute and backward hold; the host keeps every backward stage's input.
         None when the batch has no ``[rows, seq]`` token input to size it by."""
         sizes = []
@@ -146,7 +147,7 @@ class RoundPipeForCausalLM(RoundPipe):
             io = (2 + estimate.OVERLAP_TENSORS) * t * shape.hidden * e
             # Tiles of one sequence: each layer's keys and values over the whole sequence stay on the job's
             # device (with float32 gradient accumulators in backward), and a tile's attention reads
-            # [prefix, tile] keys and values repeated to the query heads (``roundpipe.sequence``).
+            # [prefix, tile] keys and values repeated to the query heads (``roundpipe.runtime.sequence``).
             kv = prefix = 0.0
             if batch.sequence_tiles > 1:
                 whole_tokens = rows * seq_len * len(sizes)
@@ -180,7 +181,7 @@ class RoundPipeForCausalLM(RoundPipe):
         _bind_hf_call(None, **unused)  # the checks of the Hugging Face-only arguments
         kwargs = self._preset.layer_kwargs(inputs)
         tiles = sequence_inputs.tiles_of(roundpipe_run_config, self.model_run_config)
-        if tiles > 1:  # one sequence over the pool (roundpipe.sequence)
+        if tiles > 1:  # one sequence over the pool (roundpipe.runtime.sequence)
             kwargs, roundpipe_run_config = sequence_inputs.tile_call(
                 kwargs, roundpipe_run_config, tiles, self._preset.model.config
             )
@@ -265,7 +266,7 @@ class RoundPipeForCausalLM(RoundPipe):
         kwargs = self._preset.layer_kwargs(dataclasses.replace(inputs, return_logits=False, logits_to_keep=0))
         tiles = sequence_inputs.tiles_of(run_config, self.model_run_config)
         if tiles > 1:
-            # Tiles of one sequence: every tile's forward before any backward (roundpipe.sequence), so the
+            # Tiles of one sequence: every tile's forward before any backward (roundpipe.runtime.sequence), so the
             # forward, then the backward of the whole loss.
             kwargs, cfg = sequence_inputs.tile_call(kwargs, run_config, tiles, self._preset.model.config)
             merged = RoundPipe.forward(self, roundpipe_run_config=cfg, **kwargs)

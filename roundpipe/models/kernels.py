@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from roundpipe import sequence, settings
+from roundpipe import settings
 from roundpipe.models import families
 from roundpipe.models.fused_ops import (
     DECODER_LAYER,
@@ -44,6 +44,7 @@ from roundpipe.models.fused_ops import (
     rope,
     swiglu,
 )
+from roundpipe.runtime import sequence
 
 logger = logging.getLogger("roundpipe")
 
@@ -123,7 +124,7 @@ class _AttentionForward:
             key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
 
         dropout = 0.0 if not self.training else self.attention_dropout
-        if sequence.active() is not None:  # a tile of a longer sequence (roundpipe.sequence)
+        if sequence.active() is not None:  # a tile of a longer sequence (roundpipe.runtime.sequence)
             if getattr(self, "sliding_window", None):
                 raise ValueError("sequence tiles: sliding-window attention layers are not supported")
             attn_output = sequence.attend(self.layer_idx, query_states, key_states, value_states, self.scaling, dropout)
@@ -247,7 +248,7 @@ class _DecoderLayerForward:
             and position_embeddings is not None
             and not kwargs
             and whole_layer_enabled()
-            and sequence.active() is None  # a tile's attention reads the earlier tiles' (roundpipe.sequence)
+            and sequence.active() is None  # a tile's attention reads the earlier tiles' (roundpipe.runtime.sequence)
         ):
             weights = self._whole_layer_weights()
         if weights is None:
@@ -346,7 +347,7 @@ def is_fused(module: nn.Module) -> bool:
 def runs_whole_layer(layer: nn.Module) -> bool:
     """Whether ``layer`` runs as the whole-layer op in RoundPipe's training calls (fused, the setting on,
     plain projections, sdpa, no hooks): the activation estimate of such a layer differs from one run
-    module by module (``roundpipe.estimate.decoder_layer_bytes``)."""
+    module by module (``roundpipe.planning.estimate.decoder_layer_bytes``)."""
     weights = getattr(layer, "_whole_layer_weights", None)
     return is_fused(layer) and whole_layer_enabled() and callable(weights) and weights() is not None
 
@@ -413,7 +414,7 @@ def has_triton() -> bool:
 def auto_enabled() -> bool:
     """``"auto"``: on when every RoundPipe device is a GPU and torch.compile can build Triton kernels
     (CPU workers: off, compiling costs more than it saves there)."""
-    from roundpipe import backend
+    from roundpipe.devices import backend
 
     if not compile_enabled():
         return False

@@ -32,8 +32,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from roundpipe import sequence
-from roundpipe.context import doing_recompute, get_recompute_data, save_for_recompute
 from roundpipe.models import kernels, tiling
 from roundpipe.models.inputs import BATCH_ARGS, CausalLMInputs, takes_inputs
 from roundpipe.models.loss import (
@@ -52,7 +50,9 @@ from roundpipe.models.moe import (
     router_aux_loss,
     router_sink,
 )
-from roundpipe.transfer import HostScalar
+from roundpipe.runtime import sequence
+from roundpipe.runtime.context import doing_recompute, get_recompute_data, save_for_recompute
+from roundpipe.runtime.transfer import HostScalar
 
 State = Dict[str, Any]
 
@@ -238,7 +238,7 @@ class CausalLMPrefix(nn.Module):
         if saved is not None:
             masks, position_embeddings = saved
         else:
-            if sequence.active() is not None:  # a tile: causal over the sequence so far (roundpipe.sequence)
+            if sequence.active() is not None:  # a tile: causal over the sequence so far (roundpipe.runtime.sequence)
                 masks = dict.fromkeys(self.spec.layer_types)
             else:
                 masks = self._masks(inputs_embeds, attention_mask, given_positions)

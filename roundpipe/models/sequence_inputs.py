@@ -1,5 +1,5 @@
 """A causal LM call cut along the sequence into tiles (``RoundPipeRunConfig(sequence_tiles=T)``): the inputs
-each tile needs to compute exactly its part of the unsplit call (``roundpipe.sequence`` runs them).
+each tile needs to compute exactly its part of the unsplit call (``roundpipe.runtime.sequence`` runs them).
 
 * Targets are shifted over the whole sequence first (``shift_labels``): a tile's last token predicts
   the next tile's first, which shifting inside each tile would lose.
@@ -14,9 +14,9 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from roundpipe import sequence
 from roundpipe.models.loss import shift_causal_labels
 from roundpipe.run_config import RoundPipeRunConfig
+from roundpipe.runtime import sequence
 
 
 def tiles_of(run_config: RoundPipeRunConfig, model_run_config: RoundPipeRunConfig) -> int:

@@ -49,10 +49,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from roundpipe import backend, sequence
-from roundpipe.context import doing_recompute
+from roundpipe.devices import backend
 from roundpipe.models import kernels
 from roundpipe.models.tile_choice import Tiles, rows_per_tile, tile_bounds, tileable
+from roundpipe.runtime import sequence
+from roundpipe.runtime.context import doing_recompute
 
 _FILL_ATTR = "_rpp_tiling_fill"
 
@@ -282,7 +283,7 @@ class _LayerTiles:
 
         attn = self.attn
         dropout = 0.0 if not attn.training else attn.attention_dropout
-        if sequence.active() is not None:  # a tile of a longer sequence (roundpipe.sequence)
+        if sequence.active() is not None:  # a tile of a longer sequence (roundpipe.runtime.sequence)
             if getattr(attn, "sliding_window", None):
                 raise ValueError("sequence tiles: sliding-window attention layers are not supported")
             qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)

@@ -41,8 +41,8 @@ from typing import Any, Dict, Final, Iterable, List, Optional, Union
 import torch
 from torch import Tensor
 
+from roundpipe.devices.threads import AnnotatedEvent
 from roundpipe.optim import thread as optim_thread
-from roundpipe.threads import AnnotatedEvent
 
 __all__ = ["GradScaler"]
 

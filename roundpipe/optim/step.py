@@ -27,7 +27,7 @@ backward's gradient downloads wait until the step has released its gradient buff
 as with ``RPP_GRAD_BUFFERS=1``.
 
 Which host buffer holds what at each of these points (the roles of a parameter's buffers and their
-transitions) is ``roundpipe.host_buffers``' business: this module runs the protocol's order and events
+transitions) is ``roundpipe.runtime.host_buffers``' business: this module runs the protocol's order and events
 and asks it for each change of role.
 
 The main thread clears ``param_copied`` / ``grad_copied`` of every unit before it queues the step
@@ -45,12 +45,12 @@ import torch
 from torch import nn
 
 from roundpipe import settings
-from roundpipe.attribute import LayerAttribute, ParamAttribute
-from roundpipe.context import OptimizerCtx
-from roundpipe.grad_sync import GradSync, StepSync
-from roundpipe.host_buffers import ParamBuffers
+from roundpipe.devices.threads import AnnotatedEvent
 from roundpipe.optim import thread as optim_thread
-from roundpipe.threads import AnnotatedEvent
+from roundpipe.runtime.attribute import LayerAttribute, ParamAttribute
+from roundpipe.runtime.context import OptimizerCtx
+from roundpipe.runtime.grad_sync import GradSync, StepSync
+from roundpipe.runtime.host_buffers import ParamBuffers
 
 Units = List[Tuple[LayerAttribute, List[nn.Parameter]]]
 
@@ -85,7 +85,7 @@ def launch(
     """Queue one step on the optimizer thread (main thread; see the module docstring).
 
     ``done`` (the model's ``optim_updated``) is cleared now and set when the step ends, failed or not.
-    The model's ``grad_sync`` (``roundpipe.grad_sync``): its ``reduce_host`` is called per unit on the
+    The model's ``grad_sync`` (``roundpipe.runtime.grad_sync``): its ``reduce_host`` is called per unit on the
     optimizer thread, its ``step_sync`` (if any) around ``step_fn``.
     Without ``is_async`` this returns when the step has finished.
     """
@@ -284,7 +284,7 @@ def sync_params(units: Units, keep: bool = False) -> None:
 def settle_params(units: Units) -> None:
     """Make every model parameter the optimizer's current version and keep it there through the next
     publish, after a call moved weights into the step's staging buffers and another call of the same
-    cycle is about to read them (``roundpipe.step_cycle.StepCycle``): without this, the weights a
+    cycle is about to read them (``roundpipe.runtime.step_cycle.StepCycle``): without this, the weights a
     download moved would be one version ahead of those it did not reach. Main thread; runs on the
     optimizer thread after the steps queued so far."""
     sync_params(units, keep=True)

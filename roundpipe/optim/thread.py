@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from roundpipe import settings
-from roundpipe.threads import OptimizerStepError, RoundPipeThread, note_progress, report_failure
+from roundpipe.devices.threads import OptimizerStepError, RoundPipeThread, note_progress, report_failure
 
 KernelQueueType = "queue.Queue[Tuple[Callable, Tuple, Dict[str, Any]]]"
 
@@ -75,7 +75,7 @@ MIN_SHARED_THREADS = 8
 
 def issuing_devices() -> int:
     """How many GPUs this process issues work to (``RPP_DEVICES``; CPU workers count as one)."""
-    from roundpipe import backend
+    from roundpipe.devices import backend
 
     try:
         devices = backend.parse_devices(settings.DEVICES.get())
@@ -186,7 +186,7 @@ def on_thread() -> bool:
 
 def synchronize() -> None:
     """Block until every queued optimizer kernel has run, then raise the first failure, if any."""
-    from roundpipe.threads import POLL_S, current_failure
+    from roundpipe.devices.threads import POLL_S, current_failure
 
     if on_thread() or _thread is None:
         return
@@ -197,7 +197,7 @@ def synchronize() -> None:
     while not done.wait(POLL_S):
         if current_failure() is not None or not _thread.is_alive():
             break
-    from roundpipe.threads import raise_if_failed
+    from roundpipe.devices.threads import raise_if_failed
 
     raise_if_failed("optimizer step")
 

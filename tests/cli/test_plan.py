@@ -12,8 +12,8 @@ from typing import Any, Dict, List
 
 import pytest
 
-from roundpipe import estimate
 from roundpipe.cli import plan
+from roundpipe.planning import estimate
 
 from .runner import roundpipe
 

@@ -54,9 +54,9 @@ from torch import nn  # noqa: E402
 
 import roundpipe  # noqa: E402
 from roundpipe import AutoRoundPipe, RoundPipe, RoundPipeRunConfig  # noqa: E402
-from roundpipe import device as device_mod
 from roundpipe import distributed as rdist  # noqa: E402
-from roundpipe.plan import ModelExecutePlan  # noqa: E402
+from roundpipe.devices import device as device_mod
+from roundpipe.planning.plan import ModelExecutePlan  # noqa: E402
 
 
 def build_qwen(hidden: int = 32, layers: int = 2, dtype: torch.dtype = torch.float32) -> nn.Module:

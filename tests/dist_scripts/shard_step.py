@@ -46,7 +46,7 @@ WIDTH, ROWS = 12, 8
 
 
 class ShardOnly:
-    """A ``grad_sync`` (``roundpipe.grad_sync.GradSync``) that reduces nothing and carries the sharded
+    """A ``grad_sync`` (``roundpipe.runtime.grad_sync.GradSync``) that reduces nothing and carries the sharded
     step: every rank computes the same gradients itself."""
 
     def __init__(self, step_sync: Optional[OptimizerShard]) -> None:

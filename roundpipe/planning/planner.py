@@ -2,7 +2,7 @@
 
 This module is the pure algorithm behind ``ModelExecutePlan.auto`` and ``ModelExecutePlan.check_valid``:
 it sees per-layer times and sizes as plain numbers and knows nothing of devices. What a plan costs
-under the dispatch policy over several devices, the host's costs included, is ``roundpipe.simulate``
+under the dispatch policy over several devices, the host's costs included, is ``roundpipe.planning.simulate``
 (``simulate_iteration`` is re-exported here).
 
 A stage is a contiguous ``range`` of layers that is uploaded to a device, run, and dropped. Two things
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 # re-exported (the planner's model of a call)
-from roundpipe.simulate import HostCosts, RunType, simulate_iteration  # noqa: F401
+from roundpipe.planning.simulate import HostCosts, RunType, simulate_iteration  # noqa: F401
 
 GiB = float(1 << 30)
 

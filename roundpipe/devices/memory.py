@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Literal, Optional, Sequence
 import torch
 from torch import nn
 
-from roundpipe import backend
+from roundpipe.devices import backend
 
 PinMode = Literal["alloc", "register", "off"]
 

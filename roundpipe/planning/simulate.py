@@ -45,7 +45,7 @@ class HostCosts:
 
 
 def round_robin(n_jobs: int, num_devices: int) -> List[int]:
-    """Round robin from position 0 (``roundpipe.dispatch.RoundRobin``): job k on device k mod N."""
+    """Round robin from position 0 (``roundpipe.devices.dispatch.RoundRobin``): job k on device k mod N."""
     return [k % num_devices for k in range(n_jobs)]
 
 

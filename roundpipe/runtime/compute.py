@@ -1,9 +1,9 @@
 """What one job computes for one microbatch: the forward of its layer group, or the recompute and
 backward of it, on device tensors that are already in place.
 
-``roundpipe.jobs`` moves data around these (uploads, hand-overs, downloads, the tracker); this module
+``roundpipe.runtime.jobs`` moves data around these (uploads, hand-overs, downloads, the tracker); this module
 only computes, eagerly or, for a group whose weights sit in graph slots, through the device's CUDA
-graphs (``roundpipe.graphs``). Both paths run the same function, so a graph replays exactly what the
+graphs (``roundpipe.devices.graphs``). Both paths run the same function, so a graph replays exactly what the
 eager warm-up computed:
 
 * ``GroupForward``: the group's layers without an autograd graph; returns the output leaves and the
@@ -26,15 +26,15 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.utils import _pytree as pytree
 
-from roundpipe import backend, graphs
-from roundpipe import device as device_mod
-from roundpipe.attribute import ParamAttribute
-from roundpipe.context import ForwardCtx, RecomputeCtx
-from roundpipe.run import Leaves, MicrobatchState, Run, differentiable
-from roundpipe.transfer import HostScalar, wait_layer
+from roundpipe.devices import backend, graphs
+from roundpipe.devices import device as device_mod
+from roundpipe.runtime.attribute import ParamAttribute
+from roundpipe.runtime.context import ForwardCtx, RecomputeCtx
+from roundpipe.runtime.run import Leaves, MicrobatchState, Run, differentiable
+from roundpipe.runtime.transfer import HostScalar, wait_layer
 
 if TYPE_CHECKING:
-    from roundpipe.device import DeviceManager
+    from roundpipe.devices.device import DeviceManager
 
 graphs.register_opaque(HostScalar)  # the head's token count rides through the decoder layers unread
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
-from roundpipe import backend, device
-from roundpipe.planner import ActivationCosts, ActivationMemoryError, fits_budgets
+from roundpipe.devices import backend, device
+from roundpipe.planning.planner import ActivationCosts, ActivationMemoryError, fits_budgets
 
 GiB = float(1 << 30)
 

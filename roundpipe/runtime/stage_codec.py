@@ -185,7 +185,7 @@ def compact(device: Any, mode: str, leaves: List[Any], spec: pytree.TreeSpec, pa
     rest, and everything with 'bf16', unchanged."""
     if mode == "bf16":
         return leaves
-    from roundpipe import backend
+    from roundpipe.devices import backend
 
     want = hidden_leaves(leaves, spec, passthrough)
     if not any(want):

@@ -3,7 +3,7 @@
 The runtime talks to devices only through this module (streams, events, RNG, memory queries), so the
 scheduler, threads, recompute, optimizer thread and autograd integration run unchanged on CPU workers:
 there a "stream" runs work synchronously in the calling thread and events are complete once recorded
-(``roundpipe.cpu_streams``, which can also check the order between streams: ``RPP_CHECK_STREAMS``).
+(``roundpipe.devices.cpu_streams``, which can also check the order between streams: ``RPP_CHECK_STREAMS``).
 
 ``RPP_DEVICES`` picks the devices: ``cpu:N`` gives N CPU workers, ``cuda`` all GPUs, ``cuda:0,2`` some.
 Default: all GPUs where CUDA is available, else ``cpu:1``.
@@ -19,8 +19,8 @@ from typing import Any, ContextManager, List, Optional, Union
 
 import torch
 
-from roundpipe import cpu_streams
-from roundpipe.cpu_streams import CpuEvent, CpuStream
+from roundpipe.devices import cpu_streams
+from roundpipe.devices.cpu_streams import CpuEvent, CpuStream
 
 Stream = Union[torch.cuda.Stream, CpuStream]
 Event = Union[torch.cuda.Event, CpuEvent]
@@ -124,7 +124,7 @@ def compute_guard(device: torch.device) -> ContextManager[Any]:
     isolated: run models without dropout in that mode)."""
     if is_cuda(device):
         return _NULL
-    from roundpipe import threads
+    from roundpipe.devices import threads
 
     if threads.stress_limit() > 0:
         return _NULL

@@ -2,7 +2,7 @@
 
 ``RPP_PROFILER=nvtx`` emits NVTX ranges, ``RPP_PROFILER=torch`` ``record_function`` ranges; unset (or
 0 / off), the annotations cost nothing; any other value is an error. RoundPipe marks each device job
-(``roundpipe.device``) and each blocking wait (``roundpipe.threads``).
+(``roundpipe.devices.device``) and each blocking wait (``roundpipe.devices.threads``).
 
 Attributes:
     PROFILER_TYPE: The profiler selected from the environment, or None.

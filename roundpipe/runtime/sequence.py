@@ -45,10 +45,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from roundpipe.transfer import async_d2h, to_device
+from roundpipe.runtime.transfer import async_d2h, to_device
 
 if TYPE_CHECKING:
-    from roundpipe.device import DeviceManager
+    from roundpipe.devices.device import DeviceManager
 
 HostKV = Tuple[torch.Tensor, torch.Tensor, List[Any]]
 

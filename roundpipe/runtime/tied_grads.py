@@ -9,9 +9,9 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from roundpipe.attribute import LayerAttribute, ParamAttribute
-from roundpipe.host_buffers import ParamBuffers
-from roundpipe.transfer import to_device
+from roundpipe.runtime.attribute import LayerAttribute, ParamAttribute
+from roundpipe.runtime.host_buffers import ParamBuffers
+from roundpipe.runtime.transfer import to_device
 
 
 class TiedGrads:

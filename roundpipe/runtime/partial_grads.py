@@ -35,11 +35,12 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 from torch import nn
 
-from roundpipe import backend, settings, threads
-from roundpipe import device as device_mod
-from roundpipe.memory import pinned_empty
-from roundpipe.threads import AnnotatedEvent
-from roundpipe.transfer import to_device
+from roundpipe import settings
+from roundpipe.devices import backend, threads
+from roundpipe.devices import device as device_mod
+from roundpipe.devices.memory import pinned_empty
+from roundpipe.devices.threads import AnnotatedEvent
+from roundpipe.runtime.transfer import to_device
 
 # Host buffers kept across calls: (id of the host parameter, layer, part) -> pinned buffer (a tied
 # parameter has a device copy, and a gradient share, per layer).

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import List
 
-from roundpipe.plan import ModelExecutePlan
-from roundpipe.threads import AnnotatedEvent, note_progress
+from roundpipe.devices.threads import AnnotatedEvent, note_progress
+from roundpipe.planning.plan import ModelExecutePlan
 
 
 class ModelTracker:

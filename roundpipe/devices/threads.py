@@ -22,7 +22,7 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
-from roundpipe.profile import annotate
+from roundpipe.devices.profile import annotate
 
 POLL_S = 0.05
 

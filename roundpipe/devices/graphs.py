@@ -45,8 +45,9 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, OrderedDict, S
 import torch
 from torch import nn
 
-from roundpipe import backend, settings
-from roundpipe.backend import Event
+from roundpipe import settings
+from roundpipe.devices import backend
+from roundpipe.devices.backend import Event
 
 logger = logging.getLogger("roundpipe")
 

@@ -4,7 +4,7 @@ The core asks a ``DispatchPolicy``; ``RoundRobin`` implements it: the k-th job d
 process (counting across calls and models) runs on device ``k mod N``. A call assigns all its jobs
 before launching any, so each job knows where its consumer runs (an activation or a gradient bound for
 the same device stays there instead of going through the host). The planner's model of a call
-(``roundpipe.simulate``) asks the same policy, through ``devices_for``.
+(``roundpipe.planning.simulate``) asks the same policy, through ``devices_for``.
 
 Determinism contract (data parallel relies on it; ``tests/test_dispatch.py`` pins it): the assignment
 depends only on the position (:meth:`DispatchPolicy.position`) and the number of jobs asked for, never
@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, List, Protocol, runtime_checkable
 
-from roundpipe import device as device_mod
+from roundpipe.devices import device as device_mod
 
 if TYPE_CHECKING:
-    from roundpipe.device import DeviceManager
+    from roundpipe.devices.device import DeviceManager
 
 
 @runtime_checkable

@@ -3,7 +3,7 @@
 The automatic plan comes from size estimates at first, is planned again once real timings exist and
 then every ``RoundPipe.REPLAN_EVERY`` timer updates (plans do not churn every iteration), one per size
 of the call's activations (tokens rounded up to a power of two) when the model reports them. A new plan
-replaces the one in use only when the model of a call (``roundpipe.simulate``, with the host's measured
+replaces the one in use only when the model of a call (``roundpipe.planning.simulate``, with the host's measured
 cost per job) says it is ``RoundPipe.REPLAN_GAIN`` faster and the old one still fits the budgets.
 """
 
@@ -11,16 +11,17 @@ from __future__ import annotations
 
 from typing import Optional
 
-from roundpipe import backend, budget, threads
-from roundpipe import device as device_mod
-from roundpipe.batch import Batch
+from roundpipe.devices import backend, threads
+from roundpipe.devices import device as device_mod
+from roundpipe.devices.dispatch import dispatcher
 from roundpipe.model_protocol import PipelinedModel
-from roundpipe.partial_grads import split_enabled, split_parts
-from roundpipe.plan import ModelExecutePlan, RunType
-from roundpipe.run import call_profile
+from roundpipe.planning import budget
+from roundpipe.planning.plan import ModelExecutePlan, RunType
+from roundpipe.planning.simulate import HostCosts, simulate_iteration
 from roundpipe.run_config import ResolvedRunConfig
-from roundpipe.dispatch import dispatcher
-from roundpipe.simulate import HostCosts, simulate_iteration
+from roundpipe.runtime.batch import Batch
+from roundpipe.runtime.partial_grads import split_enabled, split_parts
+from roundpipe.runtime.run import call_profile
 
 
 def host_costs(model: PipelinedModel) -> HostCosts:

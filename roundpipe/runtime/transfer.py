@@ -7,7 +7,7 @@ on ``grad_stream`` (``download_layer``). Callers make the compute stream wait fo
 and hand device tensors to the device's ``InterStreamMemManager`` so they outlive their last use.
 Host waits: ``HostScalar.item()`` waits for an event recorded stages earlier (in practice long complete).
 Which host buffer a gradient download writes (and whether it must wait for the optimizer to release one)
-is ``roundpipe.host_buffers``' decision.
+is ``roundpipe.runtime.host_buffers``' decision.
 
 On CPU workers uploads copy too (so layers that modify inputs or parameters in place never touch the
 host copies saved for recompute or written by the optimizer thread) and downloads detach.
@@ -27,12 +27,13 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from roundpipe import backend, settings
-from roundpipe.attribute import LayerAttribute, ParamAttribute
-from roundpipe.backend import Event
-from roundpipe.host_buffers import ParamBuffers
-from roundpipe.memory import pinned_empty
-from roundpipe.stage_codec import Packed, decode
+from roundpipe import settings
+from roundpipe.devices import backend
+from roundpipe.devices.backend import Event
+from roundpipe.devices.memory import pinned_empty
+from roundpipe.runtime.attribute import LayerAttribute, ParamAttribute
+from roundpipe.runtime.host_buffers import ParamBuffers
+from roundpipe.runtime.stage_codec import Packed, decode
 
 chunked_upload = True
 CHUNK_UPLOAD_SIZE = 64 * 1024**2
@@ -168,7 +169,7 @@ def async_h2d(
                 if keep_requires_grad and t.requires_grad:
                     d.requires_grad_(True)
                 out.append(d)
-            elif isinstance(t, Packed):  # a compact stage input (roundpipe.stage_codec): decoded on this stream
+            elif isinstance(t, Packed):  # a compact stage input (roundpipe.runtime.stage_codec): decoded on this stream
                 out.append(decode(t.map(lambda x: to_device(x, device.device))))
             else:
                 out.append(t)
@@ -285,7 +286,7 @@ def upload_layers(
 
     ``seed_grads[k]`` False: layer k's trainable parameters start without a gradient (data parallel
     reducing on the device adds the accumulated host gradient inside the reduction, after weighting
-    this rank's share; see ``roundpipe.grad_sync``). Default: all seeded.
+    this rank's share; see ``roundpipe.runtime.grad_sync``). Default: all seeded.
 
     ``slots`` (``graphs.LayerSlot`` per layer, a graphed job): the weights go into the slots' fixed storage instead of
     new tensors, and the slot's gradient buffer of a trainable one is seeded from the host gradient (and is its
@@ -374,11 +375,11 @@ def download_layer(
 
     Buffers are written into the host buffers in place (``buffer_downloaded`` marks completion; the
     next upload of the layer waits for it). Gradients go to the host gradient slots, reusing the
-    buffer ``roundpipe.host_buffers`` gives; ``grad_downloaded`` is recorded and ``grad_download_started`` set.
+    buffer ``roundpipe.runtime.host_buffers`` gives; ``grad_downloaded`` is recorded and ``grad_download_started`` set.
 
     ``tied`` (the call's ``TiedGrads``) sums the gradient shares of tied parameters into the owner
     layer's share before its download (``job_layers``: the layers of this job). ``reducer``
-    (``roundpipe.grad_sync``) reduces the layer's device gradients across processes before the download.
+    (``roundpipe.runtime.grad_sync``) reduces the layer's device gradients across processes before the download.
     ``parts`` (``partial_grads.PartialGrads``, the fused job split over devices) first adds the other
     parts' gradients of the layer into this device's. ``into_weights``: gradients may take the weights'
     host buffers (``host_buffers.ParamBuffers.download_target``).

@@ -1,6 +1,6 @@
 """The state of one RoundPipe call (a forward, a backward or a fused forward-backward over all
-microbatches), shared by the main thread that dispatches its jobs (``roundpipe.pipeline``) and the
-device threads that run them (``roundpipe.jobs``).
+microbatches), shared by the main thread that dispatches its jobs (``roundpipe.runtime.pipeline``) and the
+device threads that run them (``roundpipe.runtime.jobs``).
 
 ``Run`` holds what the whole call needs (plan, batch, tracker, which device runs which job, handoffs
 of activations and gradients that stay on a device); ``MicrobatchState`` what one microbatch carries
@@ -15,20 +15,22 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tupl
 import torch
 from torch.utils import _pytree as pytree
 
-from roundpipe import budget, cpu_streams, settings, threads
-from roundpipe import device as device_mod
-from roundpipe.batch import Batch
-from roundpipe.grad_sync import LayerReducer
+from roundpipe import settings
+from roundpipe.devices import cpu_streams, threads
+from roundpipe.devices import device as device_mod
 from roundpipe.model_protocol import PipelinedModel
-from roundpipe.partial_grads import PartialGrads, split_enabled, split_parts
-from roundpipe.plan import ModelExecutePlan, RunType
-from roundpipe.sequence import SequenceRun
-from roundpipe.tied_grads import TiedGrads
-from roundpipe.tracker import ModelTracker
-from roundpipe.transfer import async_d2h, async_h2d, device_saved_limit, tensor_bytes
+from roundpipe.planning import budget
+from roundpipe.planning.plan import ModelExecutePlan, RunType
+from roundpipe.runtime.batch import Batch
+from roundpipe.runtime.grad_sync import LayerReducer
+from roundpipe.runtime.partial_grads import PartialGrads, split_enabled, split_parts
+from roundpipe.runtime.sequence import SequenceRun
+from roundpipe.runtime.tied_grads import TiedGrads
+from roundpipe.runtime.tracker import ModelTracker
+from roundpipe.runtime.transfer import async_d2h, async_h2d, device_saved_limit, tensor_bytes
 
 if TYPE_CHECKING:
-    from roundpipe.device import DeviceManager
+    from roundpipe.devices.device import DeviceManager
 
 Leaves = List[Any]
 _NO_AUTOCAST = contextlib.nullcontext()
@@ -155,7 +157,7 @@ class Run:
         # own device; their gradients meet in part 0's download (``partial_grads``).
         self.fused_parts = 1
         self.partial_grads: Optional[PartialGrads] = None
-        # One sequence cut into tiles (``roundpipe.sequence``): its jobs keep keys and values across tiles,
+        # One sequence cut into tiles (``roundpipe.runtime.sequence``): its jobs keep keys and values across tiles,
         # so each group runs whole on one device, and no fused job (its backward would precede later tiles).
         self.sequence = _sequence_run(run_config, batch, run_type)
         if run_type in ("fused", "train") and plan.bwd_plan and self.sequence is None:
@@ -171,7 +173,7 @@ class Run:
                     model.partial_grad_store,
                     lambda i: f"model {model.name!r}: {self.layer_name(i)}",
                 )
-        # Which device runs each job ('f', g) / ('b', b) / ('fb', part), fixed at dispatch (roundpipe.dispatch).
+        # Which device runs each job ('f', g) / ('b', b) / ('fb', part), fixed at dispatch (roundpipe.devices.dispatch).
         self.job_device: Dict[Tuple[str, int], "DeviceManager"] = {}
         # Activations handed to the next job without a host copy: (its device, leaves there, events its
         # upload stream waits on: none when the job ran on the same device, the copy's with a peer copy).
@@ -190,7 +192,7 @@ class Run:
         # next job to keep as its saved stage input (no host copy was made).
         self.kept_inputs: List[Set[int]] = [set() for _ in range(batch.num_microbatch)]
         # Whether this call's gradient downloads may take the weights' host buffers (set by the model at
-        # the call's start, ``roundpipe.step_cycle.StepCycle``; read by the device threads).
+        # the call's start, ``roundpipe.runtime.step_cycle.StepCycle``; read by the device threads).
         self.grad_into_weights = False
         # Autocast is thread-local: carry the caller's settings into the device threads.
         self.autocast: List[Tuple[str, torch.dtype]] = [

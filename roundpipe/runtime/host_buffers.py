@@ -60,9 +60,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from roundpipe import backend, settings
-from roundpipe.attribute import ParamAttribute
-from roundpipe.memory import pinned_empty
+from roundpipe import settings
+from roundpipe.devices import backend
+from roundpipe.devices.memory import pinned_empty
+from roundpipe.runtime.attribute import ParamAttribute
 
 # Guards ``spare``, ``held``, ``staged`` and the weights' move: device threads take download buffers while
 # the optimizer thread gives buffers back and chooses staging buffers.

@@ -11,7 +11,7 @@ compression). The core calls, and nothing else:
   they are copied into the optimizer's parameters. It may change ``p.grad`` in place.
 * ``agree_plan(model, run_type, plan)``: main thread, before each call of a RoundPipe model: the plan
   to run instead of the local one (ranks reducing on the devices must run the same jobs), and it may
-  move the dispatcher (``roundpipe.dispatch.dispatcher.seek``) so every rank starts at the same device.
+  move the dispatcher (``roundpipe.devices.dispatch.dispatcher.seek``) so every rank starts at the same device.
 * ``layer_reducer(model, layer_id)``: main thread, once per call: a callable that reduces the layer's
   gradients on the device at the end of its backward job, or None (the host reduces them). The device
   thread calls it as ``reduce(host_layer, device_layer, layer_id, device)`` on the gradient stream,
@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Protocol, runti
 
 from torch import nn
 
-from roundpipe.plan import ModelExecutePlan, RunType
+from roundpipe.planning.plan import ModelExecutePlan, RunType
 
 if TYPE_CHECKING:
-    from roundpipe.device import DeviceManager
+    from roundpipe.devices.device import DeviceManager
 
 LayerReducer = Callable[[nn.Module, nn.Module, int, "DeviceManager"], None]
 

@@ -1,7 +1,7 @@
 """The main thread's side of a RoundPipe call: hand the call's jobs to devices, wait for them, and the
 autograd node that connects the pipelined backward to PyTorch's graph.
 
-A call assigns all its jobs (``roundpipe.dispatch``) before it launches any, fences each job's layers
+A call assigns all its jobs (``roundpipe.devices.dispatch``) before it launches any, fences each job's layers
 against the optimizer thread (the ``attribute`` event protocol), then waits on the tracker for the
 last microbatch. ``guarded`` turns any failure, here or on a device thread, into one exception.
 """
@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from roundpipe import device as device_mod
-from roundpipe import profile
-from roundpipe.dispatch import dispatcher
-from roundpipe.jobs import run_backward, run_forward, run_forward_backward
-from roundpipe.run import Run, differentiable
-from roundpipe.threads import RoundPipeAborted, current_failure, raise_if_failed, report_failure
+from roundpipe.devices import device as device_mod
+from roundpipe.devices import profile
+from roundpipe.devices.dispatch import dispatcher
+from roundpipe.devices.threads import RoundPipeAborted, current_failure, raise_if_failed, report_failure
+from roundpipe.runtime.jobs import run_backward, run_forward, run_forward_backward
+from roundpipe.runtime.run import Run, differentiable
 
 if TYPE_CHECKING:
-    from roundpipe.device import DeviceManager
+    from roundpipe.devices.device import DeviceManager
 
 
 def guarded(run: Run, what: str, fn: Callable[[], Any]) -> Any:
@@ -61,7 +61,7 @@ def _wait_plain(d: "DeviceManager") -> None:
 
 
 def _assign(run: Run, jobs: Sequence[Tuple[str, int]]) -> List[Tuple[str, int, "DeviceManager"]]:
-    """Give each job its device (``roundpipe.dispatch``), fixed before any launch so that every job
+    """Give each job its device (``roundpipe.devices.dispatch``), fixed before any launch so that every job
     knows where its consumer runs."""
     devices = dispatcher.assign(len(jobs))
     for (kind, gid), dev in zip(jobs, devices):

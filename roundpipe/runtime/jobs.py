@@ -5,8 +5,8 @@ upload the group's parameters (parameter stream), then per microbatch wait for t
 result (``ModelTracker``), upload the activation (activation stream), compute, download the result
 (download stream). Training forwards run without an autograd graph and keep only each backward stage's
 input on the host; backward jobs recompute the stage from it and back-propagate. What a microbatch
-computes, eagerly or as one replay of a CUDA graph, is ``roundpipe.compute``; this module moves the
-data around it. The main thread hands jobs to devices in ``roundpipe.pipeline``.
+computes, eagerly or as one replay of a CUDA graph, is ``roundpipe.runtime.compute``; this module moves the
+data around it. The main thread hands jobs to devices in ``roundpipe.runtime.pipeline``.
 
 A graphed job uploads its layers into the device's slots (``graphs.LayerSlot``): its parameter stream
 first waits for the slots' ``release`` event of the job that used them two jobs before (recorded on
@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 import torch
 from torch.utils import _pytree as pytree
 
-from roundpipe import backend, sequence, stage_codec
-from roundpipe.compute import (
+from roundpipe.devices import backend
+from roundpipe.runtime import sequence, stage_codec
+from roundpipe.runtime.compute import (
     GroupBackward,
     GroupForward,
     backward_by_layer,
@@ -32,8 +33,8 @@ from roundpipe.compute import (
     input_grads,
     wrap,
 )
-from roundpipe.run import Leaves, MicrobatchState, Run
-from roundpipe.transfer import (
+from roundpipe.runtime.run import Leaves, MicrobatchState, Run
+from roundpipe.runtime.transfer import (
     async_d2h,
     async_h2d,
     download_layer,
@@ -45,8 +46,8 @@ from roundpipe.transfer import (
 )
 
 if TYPE_CHECKING:
-    from roundpipe.device import DeviceManager
-    from roundpipe.graphs import LayerSlot
+    from roundpipe.devices.device import DeviceManager
+    from roundpipe.devices.graphs import LayerSlot
 
 
 class HostClock:

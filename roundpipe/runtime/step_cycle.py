@@ -1,10 +1,10 @@
 """A training cycle (the calls between two steps) seen from the main thread: host buffers and optimizer
 state built before the first step, in the background, and which calls' gradient downloads may take the
 weights' host buffers. The buffers themselves, their roles and every change of role belong to
-``roundpipe.host_buffers``; this module only decides, at a call's start, what that module is asked.
+``roundpipe.runtime.host_buffers``; this module only decides, at a call's start, what that module is asked.
 
 A model's first iterations would otherwise allocate on their critical path: the pinned spares that
-the first gradient downloads take (the rotation of ``roundpipe.host_buffers``), and
+the first gradient downloads take (the rotation of ``roundpipe.runtime.host_buffers``), and
 the optimizer's zero moments (``roundpipe.optim.reserve``). :class:`HostBufferPrep` starts both at the
 model's first training call, while the devices run the first iteration, and its ``finish`` (the first
 ``step``, else the next training call) waits for them once: pinning holds the CUDA driver's lock, so a
@@ -35,14 +35,14 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from roundpipe import device as device_mod
 from roundpipe import settings
-from roundpipe.attribute import ParamAttribute
-from roundpipe.host_buffers import ParamBuffers
-from roundpipe.memory import pinned_empty
+from roundpipe.devices import device as device_mod
+from roundpipe.devices.memory import pinned_empty
 from roundpipe.model_protocol import WrappedModel
 from roundpipe.optim import reserve as state_reserve
 from roundpipe.optim import step as optim_step
+from roundpipe.runtime.attribute import ParamAttribute
+from roundpipe.runtime.host_buffers import ParamBuffers
 
 
 def preallocate_host_buffers(params: Sequence[nn.Parameter], name: str) -> threading.Thread:

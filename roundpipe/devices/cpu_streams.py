@@ -191,7 +191,7 @@ def refresh() -> bool:
 def _site() -> str:
     """``module.function`` of the innermost caller outside this module and ``backend`` (cheap: no source)."""
     f: Any = sys._getframe(2)
-    while f is not None and f.f_globals.get("__name__") in (__name__, "roundpipe.backend"):
+    while f is not None and f.f_globals.get("__name__") in (__name__, "roundpipe.devices.backend"):
         f = f.f_back
     return "?" if f is None else f"{f.f_globals.get('__name__', '?')}.{f.f_code.co_name}"
 
