@@ -55,8 +55,8 @@ def test_the_simulator_asks_the_same_policy() -> None:
 def test_the_planner_simulates_with_the_runtimes_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     """The plan choice (``ModelExecutePlan.auto``'s host-cost choice and ``plan_choice.replan_pays``)
     simulates calls with the dispatcher the runtime assigns jobs with, not a model of round robin."""
-    from roundpipe import plan_choice
-    from roundpipe.plan import ModelExecutePlan
+    from roundpipe.planning import plan_choice
+    from roundpipe.planning.plan import ModelExecutePlan
 
     asked: list = []
     real = dispatch.dispatcher.devices_for
@@ -74,7 +74,7 @@ def test_the_planner_simulates_with_the_runtimes_policy(monkeypatch: pytest.Monk
 
         @staticmethod
         def host_costs(serial: bool) -> object:
-            from roundpipe.simulate import HostCosts
+            from roundpipe.planning.simulate import HostCosts
 
             return HostCosts(serial_compute=serial)
 
