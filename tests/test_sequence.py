@@ -7,7 +7,7 @@ inside (``RPP_SEQ_TILE``) or not; and the refusals.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Tuple
+from typing import Dict, Tuple
 
 os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
@@ -204,8 +204,6 @@ def test_tiles_refuse_what_they_cannot_compute(workers: str) -> None:
     with pytest.raises(ValueError, match="sdpa"):
         rp2.train_step(**batch)
     assert sequence.active() is None
-
-
 
 
 @pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)

@@ -30,7 +30,6 @@ from torch import nn
 from roundpipe import settings
 from roundpipe.devices import backend
 from roundpipe.devices.backend import Event
-from roundpipe.devices.memory import pinned_empty
 from roundpipe.runtime.attribute import LayerAttribute, ParamAttribute
 from roundpipe.runtime.host_buffers import ParamBuffers
 from roundpipe.runtime.stage_codec import Packed, decode
