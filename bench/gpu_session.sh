@@ -161,5 +161,14 @@ case "${1:-}" in
     timeout -s ABRT 200 python3 bench/train_bench.py --workload qwen3-1.7b --warmup 1 --iters 2 --skip-baseline 2>&1 | tail -1 | tee -a "$out/liger4b.log"
     timeout -s ABRT 300 python3 bench/train_bench.py --workload qwen3-4b --warmup 1 --iters 4 --baselines liger 2>&1 | quiet | tee -a "$out/liger4b.log" | grep -E "^\\||per-iteration|host RSS|Error"
     timeout -s ABRT 100 python3 bench/train_bench.py --workload qwen3-4b --warmup 1 --iters 3 --skip-baseline --profile-timed 3 2>&1 | tee -a "$out/liger4b.log" | grep -E "timed iteration|GPU 0|Error" ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b" >&2; exit 2 ;;
+  user)  # issues 36/37/40 (nvidia-h100-x1, carry [".whl", ".old"]), twenty-first session: the bench beside the
+    # GPU-resident Liger baseline in one process, the tree before the restructuring (.old = 42ce6e4), and a
+    # user's plain script (bench/user_script.py), qwen3-1.7b then qwen3-4b, 8 x 4096; logs in $out/user.log
+    nvidia-smi -L
+    for w in qwen3-1.7b qwen3-4b; do
+      timeout -s ABRT 200 python3 bench/train_bench.py --workload $w --warmup 3 --iters 4 --baselines liger 2>&1 | quiet | tee -a "$out/user.log" | grep -E "^\\||per-iteration|Error"
+      timeout -s ABRT 100 python3 bench/user_script.py --workload $w --batch 8 2>&1 | tee -a "$out/user.log" | grep -E "user script|Error"
+      (cd .old && PYTHONPATH=$PWD:/tmp/site timeout -s ABRT 100 python3 bench/train_bench.py --workload $w --skip-baseline --warmup 3 --iters 4 2>&1 | quiet | tee -a "$out/user.log" | grep -E "^\\| roundpipe|Error")
+    done ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user" >&2; exit 2 ;;
 esac

@@ -1,5 +1,6 @@
 """A user's own training script, as short as one writes it: build the model on the GPU, move it to the
-host, wrap it, train with roundpipe.optim.Adam's defaults. Its tokens/s is compared with
+host, wrap it with fp32 optimizer copies (``optim_dtype=torch.float32``, as the user guide writes it),
+train with roundpipe.optim.Adam's defaults. Its tokens/s is compared with
 bench/train_bench.py (the same workload) and the GPU-resident Liger baseline (docs/benchmarks.md);
 the issue's target is the bench's speed.
 
@@ -28,6 +29,12 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--steps", type=int, default=6, help="timed steps after 3 warm-up steps")
+    p.add_argument(
+        "--bf16-masters",
+        dest="fp32_masters",
+        action="store_false",
+        help="leave optim_dtype out: Adam steps the bf16 weights themselves (the wrapper's default)",
+    )
     args = p.parse_args()
 
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -49,7 +56,7 @@ def main() -> int:
     )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = Qwen3ForCausalLM(config).to(device, torch.bfloat16 if device == "cuda" else torch.float32).to("cpu")
-    model = roundpipe.wrap_model_to_roundpipe(model)
+    model = roundpipe.wrap_model_to_roundpipe(model, optim_dtype=torch.float32 if args.fp32_masters else None)
     opt = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-5)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq))
 

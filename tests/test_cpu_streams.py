@@ -139,6 +139,31 @@ def test_checks_off_record_nothing() -> None:
         assert cpu_streams.ops_checked() == before and a.pos == 0
 
 
+class _TorchLikeStream:
+    """What torch.cuda.Stream.wait_event does with an event it does not own: ``event.wait(self)``."""
+
+    def __init__(self) -> None:
+        self.waited: List[object] = []
+
+    def wait_event(self, event: object) -> None:
+        self.waited.append(event)
+        event.wait(self)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("check", ["0", "1"])
+def test_a_cuda_stream_waits_on_a_cpu_event_without_looping(check: str) -> None:
+    # A host buffer's "downloaded" event starts as a CpuEvent (complete) and is waited for by the GPU's
+    # upload stream before the first download: torch calls event.wait(stream), which must not call back.
+    with settings.overridden(check_streams=check):
+        cpu_streams.refresh()
+        stream = _TorchLikeStream()
+        event = CpuEvent()
+        event.record(CpuStream(torch.device("cpu"), "A"))
+        stream.wait_event(event)
+        assert stream.waited == [event]
+    cpu_streams.refresh()
+
+
 # ---- the runtime, unmutated and with one wait dropped ----------------------------------------------
 
 

@@ -146,7 +146,10 @@ class CpuEvent:
                 stream.events.append((_recorded, stream.pos, site, self.snap))
 
     def wait(self, stream: Any = None) -> None:
-        if stream is not None:
+        # Only a CPU stream has anything to merge. A CUDA stream handed a CpuEvent (a host buffer's
+        # "downloaded" event before its first download: complete by definition) has nothing to wait for;
+        # delegating to it would loop, since torch's Stream.wait_event calls event.wait(stream).
+        if isinstance(stream, CpuStream):
             stream.wait_event(self)
 
     def synchronize(self) -> None:
