@@ -139,6 +139,17 @@ STAGE_INPUTS: Setting[str] = _register(
         "float32 scale per 128 values (about half the host memory; backward recomputes from the rounded values).",
     )
 )
+TILE_ATTENTION: Setting[str] = _register(
+    Setting(
+        "RPP_TILE_ATTENTION",
+        choice("auto", "split", "bias"),
+        "auto",
+        "auto",
+        "`auto`, `split` or `bias`",
+        "How a sequence tile (`sequence_tiles`) attends to the tiles before it: two flash-attention blocks merged by "
+        "their log-sum-exp, or one call with a bottom-right causal mask; `auto`: split on CPU workers, bias on GPUs",
+    )
+)
 GRAD_BUFFERS: Setting[int] = _register(
     Setting(
         "RPP_GRAD_BUFFERS",
@@ -512,7 +523,7 @@ def grad_buffers_limit() -> int:
 def check_runtime() -> None:
     """Parse the settings a RoundPipe's host buffers and steps read later on worker threads, so that a bad
     value fails when the model is built, naming its variable."""
-    for s in (GRAD_BUFFERS, DEVICE_SAVED_GB, STAGE_PARAMS, STEP_MODE, GRAD_INTO_MODEL, STAGE_INPUTS):
+    for s in (GRAD_BUFFERS, DEVICE_SAVED_GB, STAGE_PARAMS, STEP_MODE, GRAD_INTO_MODEL, STAGE_INPUTS, TILE_ATTENTION):
         s.get()
 
 
@@ -533,17 +544,14 @@ def host_buffers_besides_weights() -> int:
 
 
 def default_num_microbatch(num_devices: int) -> int:
-    """Microbatches per call when the run configuration names none: one more than the devices, so a
-    device that finishes a group finds the next microbatch ready while the others still run."""
+    """Microbatches when the run configuration names none: one per device, and one ready for the first free."""
     return num_devices + 1
 
 
 def markdown_table() -> str:
     """The settings as the markdown table of the user guide."""
-    rows = ["| variable | accepts | default | what it does |", "|---|---|---|---|"]
-    for s in REGISTRY.values():
-        rows.append(f"| `{s.name}` | {s.accepts} | {s.default_text} | {s.doc} |")
-    return "\n".join(rows)
+    rows = [f"| `{s.name}` | {s.accepts} | {s.default_text} | {s.doc} |" for s in REGISTRY.values()]
+    return "\n".join(["| variable | accepts | default | what it does |", "|---|---|---|---|", *rows])
 
 
 # ---- the CUDA allocator ---------------------------------------------------------------------------------

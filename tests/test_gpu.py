@@ -644,3 +644,15 @@ def test_sequence_tiles_match_the_unsplit_sequence_in_bf16(devices: str) -> None
     worst = min(torch.nn.functional.cosine_similarity(g0[n].flatten(), g1[n].flatten(), dim=0).item() for n in g0)
     print(f"loss {loss0:.5f} unsplit, {loss1:.5f} in 4 tiles; worst gradient cosine {worst:.5f}")
     assert worst >= 0.999
+
+
+def test_a_model_built_on_the_gpu_gives_its_cached_blocks_back_when_wrapped() -> None:
+    """``.cuda().cpu()`` leaves the model's old blocks in torch's cache, reserved for the default stream
+    that RoundPipe never allocates from; wrapping returns them (``memory.pin_module``)."""
+    use_devices("cuda:0")
+    model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)]).cuda().cpu()
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    before = torch.cuda.memory_reserved(0)
+    assert before - torch.cuda.memory_allocated(0) >= nbytes
+    RoundPipe(model)
+    assert torch.cuda.memory_reserved(0) <= before - nbytes

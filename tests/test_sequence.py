@@ -7,7 +7,7 @@ inside (``RPP_SEQ_TILE``) or not; and the refusals.
 from __future__ import annotations
 
 import os
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
@@ -82,24 +82,26 @@ PLANS = {
 
 
 @pytest.mark.parametrize(
-    "workers,family,lora,tiles,grain,plan,seq_tile",
+    "workers,family,lora,tiles,grain,plan,seq_tile,attention",
     [
-        ("cpu:1", "qwen3", False, 2, "stage", "auto", 0),
-        ("cpu:2", "qwen3", False, 2, "stage", "auto", 0),
-        ("cpu:3", "qwen3", True, 3, "layer", "staged", 0),
-        ("cpu:2", "qwen3", True, 3, "layer", "staged", 0),
-        ("cpu:3", "llama", False, 4, "layer", "auto", 4),
-        ("cpu:1", "llama", True, 5, "stage", "staged", 3),
-        ("cpu:2", "llama", True, 5, "stage", "staged", 3),
+        ("cpu:1", "qwen3", False, 2, "stage", "auto", 0, "auto"),
+        ("cpu:2", "qwen3", False, 2, "stage", "auto", 0, "bias"),
+        ("cpu:3", "qwen3", True, 3, "layer", "staged", 0, "auto"),
+        ("cpu:2", "qwen3", True, 3, "layer", "staged", 0, "auto"),
+        ("cpu:3", "llama", False, 4, "layer", "auto", 4, "bias"),
+        ("cpu:1", "llama", True, 5, "stage", "staged", 3, "auto"),
+        ("cpu:2", "llama", True, 5, "stage", "staged", 3, "split"),
     ],
     indirect=["workers"],
 )
 def test_tiles_equal_the_unsplit_sequence(
-    workers: str, family: str, lora: bool, tiles: int, grain: str, plan: str, seq_tile: int
+    workers: str, family: str, lora: bool, tiles: int, grain: str, plan: str, seq_tile: int, attention: str
 ) -> None:
     """fp64: ``train_step`` and ``forward`` + ``loss.backward()`` over ``tiles`` tiles (22 tokens: 11 + 11,
     8 + 7 + 7, 6 + 6 + 5 + 5, 5 + 5 + 4 + 4 + 4) give the loss and gradients of the same model run on the
-    unsplit sequence to 1e-10, and Hugging Face's to its fp32 norms' rounding."""
+    unsplit sequence to 1e-10, and Hugging Face's to its fp32 norms' rounding; with either tile attention
+    (``RPP_TILE_ATTENTION``: split blocks, the default on CPU workers, or one masked call)."""
+    settings.configure(tile_attention=attention)
     model = _model(family, lora)
     batch = _batch()
     hf_loss, hf_grads = _reference(model, batch)
@@ -142,16 +144,19 @@ def test_tiles_accumulate_and_train_like_the_unsplit_model(workers: str) -> None
         assert rel_err(q, p) < 1e-9, name
 
 
+@pytest.mark.parametrize("attention,scale", [("split", None), ("split", 0.3), ("bias", None), ("bias", 0.3)])
 @pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
-def test_attend_matches_full_causal_attention_with_gqa(workers: str) -> None:
+def test_attend_matches_full_causal_attention_with_gqa(workers: str, attention: str, scale: Optional[float]) -> None:
     """The tile attention (prefix + own keys, bottom-right causal, key heads repeated) equals the rows of
-    full causal attention, forward and gradients, through the key/value accumulators."""
+    full causal attention, forward and gradients, through the key/value accumulators: as two flash
+    blocks merged by their log-sum-exp (``tile_attention``) and as one masked call."""
+    settings.configure(tile_attention=attention)
     torch.manual_seed(0)
     q = torch.randn(2, 4, 12, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, 2, 12, 8, dtype=torch.float64, requires_grad=True)
     v = torch.randn(2, 2, 12, 8, dtype=torch.float64, requires_grad=True)
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True, scale=scale
     ).transpose(1, 2)
     w = torch.randn_like(ref)
     (ref * w).sum().backward()
@@ -165,7 +170,7 @@ def test_attend_matches_full_causal_attention_with_gqa(workers: str) -> None:
         for m in range(3):
             s, e = seq.starts[m], seq.starts[m + 1]
             with sequence.tile(fwd, m):
-                outs.append(sequence.attend(0, q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], None, 0.0))
+                outs.append(sequence.attend(0, q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], scale, 0.0))
     assert rel_err(torch.cat(outs, 1), ref) < TOL
     fwd.finish(keep=True)
     bwd = seq.job_store(dev, backward=True)
@@ -174,7 +179,7 @@ def test_attend_matches_full_causal_attention_with_gqa(workers: str) -> None:
         s, e = seq.starts[m], seq.starts[m + 1]
         parts = [t.detach()[:, :, s:e].clone().requires_grad_() for t in (q, k, v)]
         with sequence.tile(bwd, m):
-            out = sequence.attend(0, *parts, None, 0.0)
+            out = sequence.attend(0, *parts, scale, 0.0)
         (out * w[:, s:e]).sum().backward()
         for g, p in zip(got, parts):
             g[:, :, s:e] = p.grad

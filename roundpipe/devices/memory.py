@@ -139,9 +139,13 @@ def pin_module_register(mod: nn.Module) -> None:
 
 
 def pin_module(mod: nn.Module, mode: PinMode) -> None:
-    """Pin ``mod``'s host memory per ``mode`` (a no-op without CUDA)."""
+    """Pin ``mod``'s host memory per ``mode`` (a no-op without CUDA). A model built on a GPU and moved
+    to the host leaves its old blocks in torch's cache, reserved for the default stream that RoundPipe's
+    streams never allocate from, yet counted as room by ``backend.capacity_bytes``; they go back here."""
     if mode not in ("alloc", "register", "off"):
         raise ValueError(f"pin_model={mode!r}: expected 'alloc', 'register' or 'off'")
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()  # frees only blocks no stream uses; once per wrap, not on a hot path
     if mode == "off" or not backend.pin_enabled():
         return
     if mode == "alloc":

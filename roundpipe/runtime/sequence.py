@@ -45,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from roundpipe import settings
+from roundpipe.runtime import tile_attention
 from roundpipe.runtime.transfer import async_d2h, to_device
 
 if TYPE_CHECKING:
@@ -179,27 +181,42 @@ def tile(store: Optional[TileKV], m: int) -> Iterator[None]:
         _local.tile = previous
 
 
+class _TileGrads:
+    """Tile ``[start, start + length)``'s key/value gradient routing (``tile_attention.KVGrads``): the
+    prefix's into the job's accumulators, and the accumulated gradient of its own (left there by tiles
+    t+1.. of this job, which ran before it) into what flows back to its projections."""
+
+    def __init__(self, kv: _LayerKV, start: int, length: int) -> None:
+        self.kv, self.start, self.length = kv, start, length
+
+    def add_prefix(self, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        acc_k, acc_v = self.kv.accumulators()
+        acc_k[:, :, : self.start] += dk
+        acc_v[:, :, : self.start] += dv
+
+    def own(self, dk: torch.Tensor, dv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        acc_k, acc_v = self.kv.accumulators()
+        s, n = self.start, self.length
+        return (dk + acc_k[:, :, s : s + n]).to(dk.dtype), (dv + acc_v[:, :, s : s + n]).to(dv.dtype)
+
+
 class _PrefixKV(torch.autograd.Function):
-    """``[prefix, tile]`` keys and values for the tile's attention, where the prefix (the earlier tiles')
-    is a constant of this graph: backward adds the prefix's gradient into the job's accumulators and
-    the tile's accumulated gradient (from later tiles) into the tile's own."""
+    """``[prefix, tile]`` keys and values for one masked attention call (``RPP_TILE_ATTENTION=bias``),
+    where the prefix (the earlier tiles') is a constant of this graph: its gradient and the tile's go
+    through ``_TileGrads``."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, k: torch.Tensor, v: torch.Tensor, kv: _LayerKV, start: int
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        ctx.kv, ctx.start = kv, start
+        ctx.grads = _TileGrads(kv, start, k.shape[2])
         return torch.cat([kv.k[:, :, :start], k], dim=2), torch.cat([kv.v[:, :, :start], v], dim=2)
 
     @staticmethod
     def backward(ctx: Any, dk_all: torch.Tensor, dv_all: torch.Tensor) -> Tuple[Any, ...]:  # type: ignore[override]
-        kv, s = ctx.kv, ctx.start
-        acc_k, acc_v = kv.accumulators()
-        n = dk_all.shape[2] - s
-        acc_k[:, :, :s] += dk_all[:, :, :s]
-        acc_v[:, :, :s] += dv_all[:, :, :s]
-        dk = (dk_all[:, :, s:] + acc_k[:, :, s : s + n]).to(dk_all.dtype)
-        dv = (dv_all[:, :, s:] + acc_v[:, :, s : s + n]).to(dv_all.dtype)
+        s = ctx.grads.start
+        ctx.grads.add_prefix(dk_all[:, :, :s], dv_all[:, :, :s])
+        dk, dv = ctx.grads.own(dk_all[:, :, s:], dv_all[:, :, s:])
         return dk, dv, None, None
 
 
@@ -222,8 +239,17 @@ def attend(
     if not t.store.backward:
         kv.k[:, :, s : s + n] = k
         kv.v[:, :, s : s + n] = v
+    grad = t.store.backward and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if split_attention(q):
+        prefix_k, prefix_v = kv.k[:, :, :s], kv.v[:, :, :s]
+        if grad:
+            out = tile_attention.TileAttention.apply(q, k, v, prefix_k, prefix_v, scaling, _TileGrads(kv, s, n))
+        else:
+            out = tile_attention.forward_blocks(q, k, v, prefix_k, prefix_v, scaling)[0]
+        return out.transpose(1, 2)
+    if not t.store.backward:
         keys, values = kv.k[:, :, : s + n], kv.v[:, :, : s + n]
-    elif torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+    elif grad:
         keys, values = _PrefixKV.apply(k, v, kv, s)
     else:
         keys, values = torch.cat([kv.k[:, :, :s], k], dim=2), torch.cat([kv.v[:, :, :s], v], dim=2)
@@ -233,6 +259,16 @@ def attend(
     mask = causal_lower_right(n, s + n) if s > 0 else None
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None, scale=scaling)
     return out.transpose(1, 2)
+
+
+def split_attention(q: torch.Tensor) -> bool:
+    """Whether a tile attends as two flash blocks (``tile_attention``) rather than one masked call:
+    ``RPP_TILE_ATTENTION`` ``split`` or ``bias``; ``auto`` splits on CPU workers (the masked call
+    materialises its mask there) and, until measured on GPUs, keeps the masked call on CUDA."""
+    mode = settings.TILE_ATTENTION.get()
+    if mode == "auto":
+        return q.device.type == "cpu"
+    return mode == "split"
 
 
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:

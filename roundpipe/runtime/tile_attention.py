@@ -1,0 +1,139 @@
+"""A sequence tile's causal attention over ``[prefix, tile]`` as two flash-attention blocks.
+
+Tile t of a sequence (``roundpipe.runtime.sequence``) attends to every key of the earlier tiles and
+causally to its own. One ``scaled_dot_product_attention`` call with a bottom-right causal mask does
+that (``RPP_TILE_ATTENTION=bias``), but how fast depends on which kernel torch picks for the mask; on
+CPU workers it materialises a ``tile x (prefix + tile)`` mask. Here (``split``) the two parts are
+separate kernels with no mask at all:
+
+* the prefix block, every query against every earlier key (not causal);
+* the diagonal block, the tile against itself (causal, square: the usual upper-left mask).
+
+Each returns its output and the log-sum-exp of its rows; the outputs merge with weights
+``exp(lse_block - lse)``, where ``lse = logaddexp(lse_prefix, lse_diagonal)``. The backward calls each
+block's flash backward with the *merged* output and log-sum-exp: the block's softmax probabilities are
+then those of the whole row, and ``rowsum(dout * out)`` is the whole row's, so the block gradients are
+exact (the identity ring attention uses). Flash attention on CUDA (``aten._scaled_dot_product_flash_
+attention``), its CPU kernel on CPU workers (float64 included, which the tests use).
+
+Grouped-query attention: key and value heads are repeated to the query heads for the kernels (the prefix
+again in the backward rather than kept: a backward job recomputes a whole layer group before it runs
+backward, so every layer's repeated prefix would be alive at once); their gradients sum over the group.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol, Tuple
+
+import torch
+from torch import Tensor
+
+Extra = Tuple[Any, ...]  # what a CUDA flash block's backward needs besides out and lse
+
+
+def _repeat(t: Tensor, groups: int) -> Tensor:
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _fold(t: Tensor, groups: int) -> Tensor:
+    """The gradient of ``_repeat``: the query heads of a group summed onto their key/value head."""
+    if groups == 1:
+        return t
+    b, h, n, d = t.shape
+    return t.view(b, h // groups, groups, n, d).sum(2)
+
+
+def _block(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: Optional[float]) -> Tuple[Tensor, Tensor, Extra]:
+    """One flash-attention block: output ``[b, h, n, d]``, the rows' log-sum-exp, and the CUDA extras."""
+    if q.device.type == "cuda":
+        out, lse, cq, ck, mq, mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale
+        )
+        return out, lse, (cq, ck, mq, mk, seed, offset)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse, ()
+
+
+def _block_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: Optional[float],
+    extra: Extra,
+) -> Tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    if q.device.type == "cuda":
+        cq, ck, mq, mk, seed, offset = extra
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, cq, ck, mq, mk, 0.0, causal, seed, offset, scale=scale
+        )
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale
+    )
+
+
+def _merge(q: Tensor, parts: Tuple[Tuple[Tensor, Tensor], ...]) -> Tuple[Tensor, Tensor]:
+    """Blocks' (out, lse) merged into the rows' output (q's dtype) and log-sum-exp (the kernels')."""
+    if len(parts) == 1:
+        return parts[0]
+    (out_p, lse_p), (out_d, lse_d) = parts
+    lse = torch.logaddexp(lse_p, lse_d)
+    n = q.shape[2]  # a kernel may pad the log-sum-exp's rows; the weights take the real ones
+    w_p = torch.exp(lse_p - lse)[..., :n, None]
+    w_d = torch.exp(lse_d - lse)[..., :n, None]
+    out = out_p.to(w_p.dtype) * w_p + out_d.to(w_d.dtype) * w_d
+    return out.to(q.dtype), lse
+
+
+def forward_blocks(
+    q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor, prefix_v: Tensor, scale: Optional[float]
+) -> Tuple[Tensor, Tensor, Extra, Extra]:
+    """The tile's attention output ``[b, heads, tile, head_dim]``, its rows' log-sum-exp, and each block's
+    extras (prefix first; empty without a prefix). ``k``/``v``: the tile's own; ``prefix_*``: earlier tiles'."""
+    groups = q.shape[1] // k.shape[1]
+    out_d, lse_d, extra_d = _block(q, _repeat(k, groups), _repeat(v, groups), True, scale)
+    if prefix_k.shape[2] == 0:
+        return out_d, lse_d, (), extra_d
+    out_p, lse_p, extra_p = _block(q, _repeat(prefix_k, groups), _repeat(prefix_v, groups), False, scale)
+    out, lse = _merge(q, ((out_p, lse_p), (out_d, lse_d)))
+    return out, lse, extra_p, extra_d
+
+
+class KVGrads(Protocol):
+    """Where a tile's key and value gradients go besides its own projections (``sequence._LayerKV``)."""
+
+    def add_prefix(self, dk: Tensor, dv: Tensor) -> None:
+        """Add the gradient w.r.t. the earlier tiles' keys and values (read when their backward runs)."""
+
+    def own(self, dk: Tensor, dv: Tensor) -> Tuple[Tensor, Tensor]:
+        """The tile's own key and value gradients with what later tiles added for them."""
+
+
+class TileAttention(torch.autograd.Function):
+    """``forward_blocks`` with autograd: gradients for the queries and the tile's own keys and values;
+    the prefix is a constant here (earlier tiles' keys and values), its gradient goes to ``grads``."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, prefix_k: Tensor, prefix_v: Tensor, scale: Optional[float],
+        grads: KVGrads,
+    ) -> Tensor:  # fmt: skip
+        out, lse, extra_p, extra_d = forward_blocks(q, k, v, prefix_k, prefix_v, scale)
+        ctx.save_for_backward(q, k, v, prefix_k, prefix_v, out, lse)
+        ctx.scale, ctx.extra, ctx.grads = scale, (extra_p, extra_d), grads
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> Tuple[Any, ...]:  # type: ignore[override]
+        q, k, v, prefix_k, prefix_v, out, lse = ctx.saved_tensors
+        extra_p, extra_d = ctx.extra
+        groups = q.shape[1] // k.shape[1]
+        dout = dout.contiguous()
+        dq, dk, dv = _block_backward(
+            dout, q, _repeat(k, groups), _repeat(v, groups), out, lse, True, ctx.scale, extra_d
+        )
+        if prefix_k.shape[2] > 0:
+            dq_p, dk_p, dv_p = _block_backward(
+                dout, q, _repeat(prefix_k, groups), _repeat(prefix_v, groups), out, lse, False, ctx.scale, extra_p
+            )
+            wide = torch.promote_types(dq.dtype, torch.float32)  # two blocks' sums, added in float32 at least
+            dq = (dq.to(wide) + dq_p.to(wide)).to(dq.dtype)
+            ctx.grads.add_prefix(_fold(dk_p, groups), _fold(dv_p, groups))
+        dk, dv = ctx.grads.own(_fold(dk, groups), _fold(dv, groups))
+        return dq, dk, dv, None, None, None, None
