@@ -170,5 +170,18 @@ case "${1:-}" in
       timeout -s ABRT 100 python3 bench/user_script.py --workload $w --batch 8 2>&1 | tee -a "$out/user.log" | grep -E "user script|Error"
       (cd .old && PYTHONPATH=$PWD:/tmp/site timeout -s ABRT 100 python3 bench/train_bench.py --workload $w --skip-baseline --warmup 3 --iters 4 2>&1 | quiet | tee -a "$out/user.log" | grep -E "^\\| roundpipe|Error")
     done ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user" >&2; exit 2 ;;
+  seqtiles)  # issue 38 (nvidia-h100-x2 / h200-x2), for the twenty-second session: the GPU tests of the tiles (both
+    # tile attentions), what fails with roundpipe's expandable segments on 2 GPUs ("operation not permitted" on
+    # cuda:1 in the twenty-first session: the C++ stack names the call), then qwen3-8b LoRA in 8 tiles on 2 GPUs
+    # against the unsplit sequence on 1, both tile attentions, 2 timed iterations (the first long iteration pins
+    # the keys' and values' host blocks); logs in $out/seqtiles.log
+    export PYTHONFAULTHANDLER=1
+    timeout 200 python3 -m pytest -m gpu tests/test_gpu.py -k "sequence or cached" -q -p no:cacheprovider 2>&1 | tee -a "$out/seqtiles.log" | tail -3
+    TORCH_SHOW_CPP_STACKTRACES=1 timeout -s ABRT 120 python3 bench/pool_bench.py --workload qwen3-1.7b --batch 1 --seq 16384 --devices 2 --graphs 0 --sequence-tiles 4 --warmup 1 --iters 1 2>&1 | tee -a "$out/seqtiles.log" | grep -E "tokens/s|Error|error" | head -5
+    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False
+    for a in "${SEQ:-65536} 2,1 bias" "${SEQ:-65536} 2 split"; do
+      set -- $a
+      RPP_TILE_ATTENTION=$3 timeout -s ABRT 280 python3 bench/pool_bench.py --workload qwen3-8b --lora 16 --batch 1 --seq $1 --devices $2 --graphs 0 --sequence-tiles 8 --warmup 1 --warmup-seq 8192 --iters 2 --busy --json "$out/seqtiles.json" 2>&1 | tee -a "$out/seqtiles.log" | grep -E "tokens/s|plan|Error"
+    done ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles" >&2; exit 2 ;;
 esac

@@ -606,18 +606,22 @@ def test_graphed_layers_match_eager_and_recapture_a_new_length(devices: str) -> 
     assert worst < 1e-2
 
 
+@pytest.mark.parametrize("attention", ["bias", "split"])
 @pytest.mark.parametrize("devices", ["cuda:0", "cuda:0,1"])
-def test_sequence_tiles_match_the_unsplit_sequence_in_bf16(devices: str) -> None:
+def test_sequence_tiles_match_the_unsplit_sequence_in_bf16(devices: str, attention: str) -> None:
     """One 4,096-token sequence in 4 tiles over the pool (``sequence_tiles``, roundpipe.runtime.sequence) against
     the same model on the unsplit sequence, bf16 with the compiled fused kernels: loss within bf16
-    rounding and every gradient's cosine >= 0.999."""
+    rounding and every gradient's cosine >= 0.999; the tiles attend through one masked call or as two
+    flash blocks (``RPP_TILE_ATTENTION``, roundpipe.runtime.tile_attention)."""
     if devices == "cuda:0,1" and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     import roundpipe
+    from roundpipe import settings
 
     use_devices(devices)
+    settings.configure(tile_attention=attention)
     torch.manual_seed(0)
     config = Qwen3Config(
         vocab_size=4096,
