@@ -145,3 +145,35 @@ def test_nothing_is_staged_ahead_of_the_first_step(
     assert all(ParamBuffers.of(p).staged is None for p in _trained(list(rp.model.parameters())))
     rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
     rp.synchronize()
+
+
+@pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
+@pytest.mark.parametrize("into", ["1", "0"])
+def test_synchronize_swaps_the_staged_version_in_and_a_restore_wins_over_it(
+    workers: str, into: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After an asynchronous step staged its update, ``synchronize()`` makes the weights that version
+    without converting the copies again (where a staging buffer holds it, that buffer becomes the
+    weights); copies restored later (``load_optim_params``, which bumps their version) are what reach
+    the weights then, not the stale staged version."""
+    monkeypatch.setenv("RPP_GRAD_INTO_MODEL", into)
+    rp, opt = _setup()
+    for x, y in _batches(2):
+        rp.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
+        rp.step(lambda: (opt.step(), opt.zero_grad()))
+    rp.wait_optimizer()
+    staged = {id(p): ParamBuffers.of(p).staged for p in _trained(list(rp.model.parameters()))}
+    rp.synchronize()
+    masters = dict(rp.optim_named_parameters())
+    for name, p in rp.model.named_parameters():
+        torch.testing.assert_close(p.detach(), masters[name].detach().to(p.dtype), rtol=0, atol=0)
+        if staged[id(p)] is not None:
+            assert p.data.data_ptr() == staged[id(p)].data_ptr(), name
+    saved = {n: q.detach().clone() for n, q in masters.items()}
+    x, y = _batches(3)[2]
+    rp.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
+    rp.step(lambda: (opt.step(), opt.zero_grad()))
+    rp.wait_optimizer()  # a staged version of the step after `saved` exists now
+    rp.load_optim_params(saved)
+    for name, p in rp.model.named_parameters():
+        torch.testing.assert_close(p.detach(), saved[name].to(p.dtype), rtol=0, atol=0)

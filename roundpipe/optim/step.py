@@ -267,10 +267,10 @@ class Publisher:
 
 
 def sync_params(units: Units, keep: bool = False) -> None:
-    """Copy the optimizer parameters into the model parameters now (main or optimizer thread); with
-    ``keep``, swap in staged versions where current and keep the result through the next publish
-    (``settle_params``)."""
-    run = _settle if keep else copy_params_to_model
+    """Make the model parameters the optimizer's current version now (main or optimizer thread): a
+    staged version that is current is swapped in (the asynchronous step already converted it), else a
+    copy; with ``keep``, the result is kept through the next publish (``settle_params``)."""
+    run = _settle if keep else _publish_now
     if optim_thread.on_thread():
         run(units)
         return
@@ -288,6 +288,10 @@ def settle_params(units: Units) -> None:
     download moved would be one version ahead of those it did not reach. Main thread; runs on the
     optimizer thread after the steps queued so far."""
     sync_params(units, keep=True)
+
+
+def _publish_now(units: Units) -> None:
+    copy_params_to_model(units, use_staged=True)
 
 
 def _settle(units: Units) -> None:

@@ -99,6 +99,8 @@ class ParamBuffers:
         held: HELD: the buffer handed to the optimizer as its ``.grad``, until its ``zero_grad``.
         staged: STAGED: the optimizer's next version in the model dtype (asynchronous steps).
         staged_valid: Whether ``staged`` (with ``in_place``: the weights) holds the optimizer's version.
+        staged_of: The optimizer copy's version counter when ``staged`` was written from it: a publish
+            swaps ``staged`` in only while the copy is unchanged (a checkpoint restore writes it).
         in_place: The weights hold (``staged_valid``) or will hold the optimizer's current version, so the
             next publish leaves them: a download moved them into STAGED, or ``mark_current`` ran.
         marked: (weights, optimizer copy) version counters at ``mark_current``; None after a move.
@@ -115,6 +117,7 @@ class ParamBuffers:
         self.held: Optional[torch.Tensor] = None
         self.staged: Optional[torch.Tensor] = None
         self.staged_valid = False
+        self.staged_of: Optional[int] = None
         self.in_place = False
         self.marked: Optional[Tuple[int, int]] = None
         self.optim_grad_buffer: Optional[torch.Tensor] = None
@@ -324,7 +327,10 @@ class ParamBuffers:
         marked current and neither tensor written since: writes through ``param.data`` are not seen)."""
         if not self.staged_valid:
             return False
-        return self.marked is None or self.marked == (p._version, self.optim._version if self.optim is not None else 0)
+        optim_version = self.optim._version if self.optim is not None else 0
+        if self.marked is None:  # staged there: current while the optimizer copy is unchanged since
+            return self.staged_of is None or self.staged_of == optim_version
+        return self.marked == (p._version, optim_version)
 
     # ---- GRAD -> HELD, STAGED, WEIGHTS: optimizer thread -----------------------------------------------------
     def hand_over(self, p: nn.Parameter, stage_into_grad: bool, low_precision_ok: bool) -> None:
@@ -449,6 +455,7 @@ class ParamBuffers:
         if _checks:
             self._check_stage(p, target)
         target.copy_(optim.data)
+        self.staged_of = optim._version
         with _LOCK:  # valid wherever it is now: STAGED, or the weights after a download moved them there
             if same_storage(self.staged, target) or (self.in_place and same_storage(p.data, target)):
                 self.staged_valid = True
@@ -476,7 +483,7 @@ class ParamBuffers:
                 p.data.copy_(optim.data)
             if use_staged and settings.grad_into_model_enabled():
                 self.trim_spare(keep=0)  # downloads take the weights' buffer: no spare needed
-        elif use_staged and self.staged_valid and self.staged is not None:
+        elif use_staged and self.staged_valid and self.staged is not None and self.staged_of == optim._version:
             old, p.data, self.staged = p.data, self.staged, None
             self.give_spare(old)
         elif not written:
