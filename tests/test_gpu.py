@@ -543,30 +543,35 @@ def test_fused_decoder_layers_on_gpu_match_hf_at_two_lengths() -> None:
     assert kernels.DECODER_LAYER.compiled and not any(op.failed for op in kernels.OPS)
 
 
+def _small_qwen3(hidden: int, heads: int) -> nn.Module:
+    """A 4-layer bf16 Qwen3 (vocab 4,096, head_dim 64, sdpa, key heads half the query heads), seeded."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=4096,
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=4,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
+        head_dim=64,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    return Qwen3ForCausalLM(config).to(torch.bfloat16)
+
+
 def _graph_run(graphs: str, devices: str, lengths: tuple) -> tuple:
     """A 4-layer Qwen3 (bf16, preset with fused kernels) trained a few synchronous steps per sequence
     length with ``RPP_GRAPHS=graphs``: (losses, parameters after training, graph counts)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     import roundpipe
     from roundpipe import settings
     from roundpipe.devices import device as device_mod
 
     settings.configure(graphs=graphs)
     use_devices(devices)
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=4096,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=4,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=64,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-    hf = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    hf = _small_qwen3(1024, 16)
     model = roundpipe.wrap_model_to_roundpipe(
         hf, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=4)
     )
@@ -615,26 +620,12 @@ def test_sequence_tiles_match_the_unsplit_sequence_in_bf16(devices: str, attenti
     flash blocks (``RPP_TILE_ATTENTION``, roundpipe.runtime.tile_attention)."""
     if devices == "cuda:0,1" and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     import roundpipe
     from roundpipe import settings
 
     use_devices(devices)
     settings.configure(tile_attention=attention)
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=4096,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-    hf = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    hf = _small_qwen3(512, 8)
     ids = torch.randint(0, 4096, (1, 4096), generator=torch.Generator().manual_seed(1))
     results = []
     for cfg in (RoundPipeRunConfig(num_microbatch=1), RoundPipeRunConfig(sequence_tiles=4)):

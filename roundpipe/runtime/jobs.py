@@ -15,8 +15,9 @@ the gradient stream after that job's compute and gradient downloads, ``transfer.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -75,6 +76,14 @@ class HostClock:
     def note(self, run: Run, microbatches: int, layers: int) -> None:
         host = time.thread_time() - self.start - (self.device.spin_s - self.spin0) - self.compute_s
         run.model.model_timer.note_job(1e3 * max(0.0, host), microbatches, layers)
+
+
+@contextlib.contextmanager
+def _on_compute(device: "DeviceManager", run: Run) -> Iterator[None]:
+    """Where every job computes a microbatch: the device's compute stream (current for this thread), the
+    CPU workers' compute guard, and the run's autocast."""
+    with backend.use_stream(device.compute_stream), backend.compute_guard(device.device), run.autocast_ctx(device):
+        yield
 
 
 def _take_activation(device: "DeviceManager", run: Run, m: int) -> Leaves:
@@ -293,12 +302,7 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
                 ctx.device_inputs[layers.start] = (dev_leaves, spec)  # the previous job kept no host copy
             elif layers.start not in ctx.flatten_inputs:  # the previous job kept a compact one (stage_codec)
                 ctx.flatten_inputs[layers.start] = (host_leaves, spec, events)
-        with (
-            backend.use_stream(device.compute_stream),
-            backend.compute_guard(device.device),
-            torch.no_grad(),
-            run.autocast_ctx(device),
-        ):
+        with _on_compute(device, run), torch.no_grad():
             with clock, sequence.tile(tiles, m):
                 out_leaves, out_spec, saved = compute(ctx, m, dev_leaves, spec)
             # Backward stages starting inside the group: their inputs stay on the device or go to the host.
@@ -388,13 +392,7 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int, part: i
         recompute = {i: ctx.fetch_recompute_data(i, device) for i in layers}
         device.compute_stream.wait_stream(device.upstream)
         flags = ctx.input_requires_grad if layers.start == 0 else None
-        with (
-            backend.use_stream(device.compute_stream),
-            backend.compute_guard(device.device),
-            run.autocast_ctx(device),
-            clock,
-            sequence.tile(tiles, m),
-        ):
+        with _on_compute(device, run), clock, sequence.tile(tiles, m):
             if by_stage is not None:
                 in_grads = by_stage(ctx, m, dev_in, spec, dev_grads, recompute, flags)
             else:
@@ -473,13 +471,7 @@ def run_forward_backward(device: "DeviceManager", run: Run, part: int = 0) -> No
         dev_label = pytree.tree_unflatten(async_h2d(device, [], label_leaves), label_spec)
         device.compute_stream.wait_stream(device.upstream)
         flags = ctx.input_requires_grad if layers.start == 0 else None
-        with (
-            backend.use_stream(device.compute_stream),
-            backend.compute_guard(device.device),
-            run.autocast_ctx(device),
-            torch.enable_grad(),
-            clock,
-        ):
+        with _on_compute(device, run), torch.enable_grad(), clock:
             leaves = grad_leaves(dev_in, flags)
             x = pytree.tree_unflatten(leaves, spec)
             for i, layer in zip(layers, gpu_layers):
