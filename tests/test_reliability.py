@@ -167,3 +167,24 @@ def test_a_device_holds_one_queued_job_while_one_runs() -> None:
     release[2].set()
     dev.wait_idle()
     assert dev.drained.is_set()
+
+
+@pytest.mark.timeout(120)
+def test_an_uncaught_error_right_after_wrapping_exits_with_the_error_not_an_abort() -> None:
+    """The host buffers and the Adam state are built by background threads after wrapping; an error that
+    ends the script while they build used to abort the process at exit ("terminate called without an
+    active exception", exit code 134) instead of Python's traceback and exit code 1."""
+    code = _script(
+        """
+        import roundpipe
+        rp = RoundPipe(nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)]).to(torch.bfloat16),
+                       optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=1))
+        opt = roundpipe.optim.Adam(rp.optim_parameters(), lr=1e-5)
+        rp.forward_backward(input_args=(torch.randn(4, 2048).bfloat16(),), loss_fn=lambda o: o.sum())
+        """
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=_env(RPP_DEVICES="cpu:1"), capture_output=True, text=True, timeout=110
+    )
+    assert res.returncode == 1, (res.returncode, res.stderr[-2000:])
+    assert "TypeError" in res.stderr and "terminate called" not in res.stderr, res.stderr[-2000:]

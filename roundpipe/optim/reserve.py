@@ -18,8 +18,10 @@ then allocate lazily, as in torch), so no memory stays reserved for parameters t
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
+import time
 import weakref
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -88,6 +90,7 @@ class StateReserve:
 
     def start(self) -> None:
         """Start building what :meth:`add` recorded, in one background thread per ``add`` (main thread)."""
+        _live.add(self)
         pending, self._pending = self._pending, []
         for todo, make in pending:
             if self._closed:
@@ -122,6 +125,14 @@ class StateReserve:
                 if self._closed:
                     return
                 self._ready[id(p)] = (p, key, state)
+
+    def stop_at_exit(self, deadline: float) -> None:
+        """Interpreter exit: build no more and join the builders (each stops after its current state), until
+        ``deadline`` (``time.monotonic``). A daemon thread still inside a torch op when the interpreter
+        finalises aborts the process ("terminate called without an active exception")."""
+        self._closed = True
+        for thread in list(self._threads):
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def wait(self) -> None:
         """Block until every builder has finished."""
@@ -181,3 +192,14 @@ def wait_for(params: Iterable[Tensor]) -> None:
     then finds every state built instead of waiting for the rest during the next iteration."""
     for reserve in _reserves_of(params):
         reserve.wait()
+
+
+_live: "weakref.WeakSet[StateReserve]" = weakref.WeakSet()  # reserves whose builders were started
+
+
+@atexit.register
+def _stop_builders() -> None:
+    # atexit runs after threading joined the non-daemon threads and before daemon threads are frozen.
+    deadline = time.monotonic() + 30.0
+    for reserve in list(_live):
+        reserve.stop_at_exit(deadline)

@@ -28,8 +28,11 @@ copy them into the weights (``ParamBuffers.publish``: no longer "in place" then)
 
 from __future__ import annotations
 
+import atexit
 import threading
+import time
 import warnings
+import weakref
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -63,6 +66,8 @@ def preallocate_host_buffers(params: Sequence[nn.Parameter], name: str) -> threa
 
     def run() -> None:
         for p in params:
+            if _exiting.is_set():
+                return
             attr, bufs = ParamAttribute.get(p), ParamBuffers.of(p)
             if not p.requires_grad or (into_weights and p.grad is not None and not attr.shared):
                 continue  # (a download that came first took a buffer of its own: one more would be surplus)
@@ -78,7 +83,22 @@ def preallocate_host_buffers(params: Sequence[nn.Parameter], name: str) -> threa
 
     thread = threading.Thread(target=run, name=f"roundpipe-host-buffers-{name}", daemon=True)
     thread.start()
+    _builders.add(thread)
     return thread
+
+
+_builders: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()  # host-buffer builders started
+_exiting = threading.Event()  # set at interpreter exit: builders stop after their current buffer
+
+
+@atexit.register
+def _stop_builders() -> None:
+    # A daemon builder still inside a torch op when the interpreter finalises aborts the process
+    # ("terminate called without an active exception"); atexit runs before daemon threads are frozen.
+    _exiting.set()
+    deadline = time.monotonic() + 30.0
+    for thread in list(_builders):
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 class HostBufferPrep:
