@@ -651,3 +651,15 @@ def test_a_model_built_on_the_gpu_gives_its_cached_blocks_back_when_wrapped() ->
     assert before - torch.cuda.memory_allocated(0) >= nbytes
     RoundPipe(model)
     assert torch.cuda.memory_reserved(0) <= before - nbytes
+
+
+def test_split_tile_attention_names_the_setting_for_float32_on_the_gpu() -> None:
+    """Flash attention on GPUs takes half precision: ``RPP_TILE_ATTENTION=split`` with a float32 model
+    fails with the setting to change, before any kernel runs."""
+    from roundpipe import settings
+    from roundpipe.runtime import sequence
+
+    settings.configure(tile_attention="split")
+    with pytest.raises(ValueError, match="RPP_TILE_ATTENTION=split"):
+        sequence.split_attention(torch.zeros(1, 2, 4, 8, device="cuda"))
+    assert sequence.split_attention(torch.zeros(1, 2, 4, 8, device="cuda", dtype=torch.bfloat16))

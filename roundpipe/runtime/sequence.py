@@ -268,6 +268,11 @@ def split_attention(q: torch.Tensor) -> bool:
     mode = settings.TILE_ATTENTION.get()
     if mode == "auto":
         return q.device.type == "cpu"
+    if mode == "split" and q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"RPP_TILE_ATTENTION=split: flash attention on GPUs takes float16 or bfloat16, not {q.dtype}; "
+            "set RPP_TILE_ATTENTION=bias (or auto) for this model"
+        )
     return mode == "split"
 
 
