@@ -295,7 +295,7 @@ def _publish_now(units: Units) -> None:
 
 
 def _settle(units: Units) -> None:
-    copy_params_to_model(units, use_staged=True)
+    _publish_now(units)
     for _, params in units:
         for p in params:
             bufs = ParamBuffers.of(p)

@@ -327,10 +327,13 @@ class ParamBuffers:
         marked current and neither tensor written since: writes through ``param.data`` are not seen)."""
         if not self.staged_valid:
             return False
-        optim_version = self.optim._version if self.optim is not None else 0
         if self.marked is None:  # staged there: current while the optimizer copy is unchanged since
-            return self.staged_of is None or self.staged_of == optim_version
-        return self.marked == (p._version, optim_version)
+            return self._staged_current()
+        return self.marked == (p._version, self.optim._version if self.optim is not None else 0)
+
+    def _staged_current(self) -> bool:
+        """Whether the optimizer copy is still the version ``stage`` wrote from (a restore bumps it)."""
+        return self.staged_of is None or self.optim is None or self.staged_of == self.optim._version
 
     # ---- GRAD -> HELD, STAGED, WEIGHTS: optimizer thread -----------------------------------------------------
     def hand_over(self, p: nn.Parameter, stage_into_grad: bool, low_precision_ok: bool) -> None:
@@ -483,7 +486,7 @@ class ParamBuffers:
                 p.data.copy_(optim.data)
             if use_staged and settings.grad_into_model_enabled():
                 self.trim_spare(keep=0)  # downloads take the weights' buffer: no spare needed
-        elif use_staged and self.staged_valid and self.staged is not None and self.staged_of == optim._version:
+        elif use_staged and self.staged_valid and self.staged is not None and self._staged_current():
             old, p.data, self.staged = p.data, self.staged, None
             self.give_spare(old)
         elif not written:

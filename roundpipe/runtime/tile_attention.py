@@ -68,11 +68,8 @@ def _block_backward(
     )
 
 
-def _merge(q: Tensor, parts: Tuple[Tuple[Tensor, Tensor], ...]) -> Tuple[Tensor, Tensor]:
-    """Blocks' (out, lse) merged into the rows' output (q's dtype) and log-sum-exp (the kernels')."""
-    if len(parts) == 1:
-        return parts[0]
-    (out_p, lse_p), (out_d, lse_d) = parts
+def _merge(q: Tensor, out_p: Tensor, lse_p: Tensor, out_d: Tensor, lse_d: Tensor) -> Tuple[Tensor, Tensor]:
+    """The prefix and diagonal blocks merged into the rows' output (q's dtype) and log-sum-exp."""
     lse = torch.logaddexp(lse_p, lse_d)
     n = q.shape[2]  # a kernel may pad the log-sum-exp's rows; the weights take the real ones
     w_p = torch.exp(lse_p - lse)[..., :n, None]
@@ -91,7 +88,7 @@ def forward_blocks(
     if prefix_k.shape[2] == 0:
         return out_d, lse_d, (), extra_d
     out_p, lse_p, extra_p = _block(q, _repeat(prefix_k, groups), _repeat(prefix_v, groups), False, scale)
-    out, lse = _merge(q, ((out_p, lse_p), (out_d, lse_d)))
+    out, lse = _merge(q, out_p, lse_p, out_d, lse_d)
     return out, lse, extra_p, extra_d
 
 
