@@ -183,5 +183,15 @@ case "${1:-}" in
       set -- $a
       RPP_TILE_ATTENTION=$3 timeout -s ABRT 280 python3 bench/pool_bench.py --workload qwen3-8b --lora 16 --batch 1 --seq $1 --devices $2 --graphs 0 --sequence-tiles 8 --warmup 1 --warmup-seq 8192 --iters 2 --busy --json "$out/seqtiles.json" 2>&1 | tee -a "$out/seqtiles.log" | grep -E "tokens/s|plan|Error"
     done ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles" >&2; exit 2 ;;
+  gcfreeze)  # issues 36/37 (nvidia-h100-x1 or nvidia-h200), for the twenty-third session: the GPU tests with
+    # RPP_GC_FREEZE=1 (one graph-capture test failed with it in the twenty-second session: the whole output this
+    # time), then the bench and the user script with and without it; logs in $out/gcfreeze.log
+    RPP_GC_FREEZE=1 timeout 200 python3 -m pytest -m gpu tests/test_gpu.py -k "graphed or qwen3_0_6b" -q -p no:cacheprovider 2>&1 | tee -a "$out/gcfreeze.log" | grep -E "Error|assert|passed|failed" | head -20
+    for w in qwen3-1.7b qwen3-4b; do
+      for f in 0 1; do
+        RPP_GC_FREEZE=$f timeout -s ABRT 100 python3 bench/train_bench.py --workload $w --skip-baseline --warmup 3 --iters 6 2>&1 | quiet | tee -a "$out/gcfreeze.log" | grep -E "^\\| roundpipe|per-iteration|garbage|Error" | sed "s/^/freeze=$f /"
+        RPP_GC_FREEZE=$f timeout -s ABRT 150 python3 bench/user_script.py --workload $w --batch 8 2>&1 | grep -E "user script|Error" | sed "s/^/freeze=$f /"
+      done
+    done ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze" >&2; exit 2 ;;
 esac

@@ -9,7 +9,8 @@ model.step(lambda: (optimizer.step(), optimizer.zero_grad()))
 import importlib
 from typing import Any
 
-from roundpipe.settings import configure, prefer_expandable_segments
+from roundpipe.devices.allocator import prefer_expandable_segments
+from roundpipe.settings import configure
 
 prefer_expandable_segments()  # before CUDA starts, unless the user chose the allocator's settings
 

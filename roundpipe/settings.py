@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Generic, Iterator, List, Optional, Tuple, TypeVar
@@ -270,6 +269,17 @@ CHECK_STREAMS: Setting[str] = _register(
         "`auto`, `1` or `0`",
         "Test mode: CPU workers' streams record what each op reads and writes and raise when an op is not ordered "
         "after another stream's access to the same data (auto: in the stress mode).",
+    )
+)
+GC_FREEZE: Setting[bool] = _register(
+    Setting(
+        "RPP_GC_FREEZE",
+        boolean,
+        False,
+        "0",
+        "`1` or `0`",
+        "At a model's first step, collect garbage once and move every object alive then out of Python's full "
+        "collections (`gc.freeze`), which stall every thread for 0.5-0.8 s at random iterations (qwen3-4b, H200).",
     )
 )
 PROFILER: Setting[Optional[str]] = _register(
@@ -552,48 +562,3 @@ def markdown_table() -> str:
     """The settings as the markdown table of the user guide."""
     rows = [f"| `{s.name}` | {s.accepts} | {s.default_text} | {s.doc} |" for s in REGISTRY.values()]
     return "\n".join(["| variable | accepts | default | what it does |", "|---|---|---|---|", *rows])
-
-
-# ---- the CUDA allocator ---------------------------------------------------------------------------------
-ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
-EXPANDABLE_BY_ROUNDPIPE: Optional[str] = None
-"""The variable ``import roundpipe`` set to ``expandable_segments:True`` (None: it set none), so that the
-graphs can withdraw that choice (``graphs.allocator_allows``) without overriding a user's."""
-
-
-def prefer_expandable_segments() -> Optional[str]:
-    """Give torch's CUDA caching allocator expandable segments, when nobody chose its settings and CUDA
-    has not started (the allocator reads them once, when CUDA starts); returns the variable set, or None.
-
-    Fixed-size segments leave gaps that a long sequence's stage cannot use: qwen3-8b LoRA at 131,072
-    tokens under a 24 GiB cap failed in a backward stage with 3.8 GiB free, and ran with expandable
-    segments. A user's own ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` (even
-    ``expandable_segments:False``) is left as it is. Called by ``import roundpipe``."""
-    if any(os.environ.get(name, "").strip() for name in ALLOC_CONF_VARS):
-        return None
-    torch_mod = sys.modules.get("torch")
-    if torch_mod is not None:
-        cuda = getattr(torch_mod, "cuda", None)
-        if cuda is None or cuda.is_initialized():
-            return None
-    name = ALLOC_CONF_VARS[0] if _torch_at_least(2, 9) else ALLOC_CONF_VARS[1]  # renamed in torch 2.9
-    global EXPANDABLE_BY_ROUNDPIPE
-    os.environ[name] = "expandable_segments:True"
-    EXPANDABLE_BY_ROUNDPIPE = name
-    return name
-
-
-def expandable_segments_requested() -> bool:
-    """Whether the allocator's variables (ours or the user's) ask for expandable segments."""
-    conf = ",".join(os.environ.get(name, "") for name in ALLOC_CONF_VARS)
-    return "expandable_segments:true" in conf.replace(" ", "").lower()
-
-
-def _torch_at_least(major: int, minor: int) -> bool:
-    try:
-        from importlib.metadata import version
-
-        parts = version("torch").split("+")[0].split(".")
-        return (int(parts[0]), int(parts[1])) >= (major, minor)
-    except (ValueError, IndexError, ImportError, Exception):  # noqa: BLE001 - no torch metadata: the old name
-        return False

@@ -19,6 +19,7 @@ from helpers import rel_err
 from torch import nn
 
 from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig, settings
+from roundpipe.devices import allocator
 from roundpipe.devices import device as device_mod
 from roundpipe.runtime.context import save_for_recompute
 
@@ -294,23 +295,22 @@ def test_auto_graphs_withdraw_roundpipes_expandable_segments_above_two_gpus(monk
     """Graph captures failed with expandable segments on 4 GPUs: ``auto`` turns off the segments that
     ``import roundpipe`` chose (and graphs), keeps a user's choice (and stays eager), and leaves pools of
     up to two GPUs alone."""
-    from roundpipe import settings
     from roundpipe.devices import graphs
 
     calls: list = []
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", lambda conf: calls.append(conf))
-    for name in settings.ALLOC_CONF_VARS:
+    for name in allocator.ALLOC_CONF_VARS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
-    monkeypatch.setattr(settings, "EXPANDABLE_BY_ROUNDPIPE", None)
+    monkeypatch.setattr(allocator, "EXPANDABLE_BY_ROUNDPIPE", None)
     monkeypatch.setattr(graphs, "_allocator_checked", False)
     assert graphs.allocator_allows(2) and not calls
     assert not graphs.allocator_allows(4) and not calls  # the user's choice: eager, segments kept
     assert graphs.allocator_allows(4) is False
 
-    monkeypatch.setattr(settings, "EXPANDABLE_BY_ROUNDPIPE", "PYTORCH_ALLOC_CONF")
+    monkeypatch.setattr(allocator, "EXPANDABLE_BY_ROUNDPIPE", "PYTORCH_ALLOC_CONF")
     assert graphs.allocator_allows(4)
     assert calls == ["expandable_segments:False"]
     assert os.environ["PYTORCH_ALLOC_CONF"] == "expandable_segments:False"
-    assert settings.EXPANDABLE_BY_ROUNDPIPE is None
+    assert allocator.EXPANDABLE_BY_ROUNDPIPE is None
     assert graphs.allocator_allows(4) and len(calls) == 1  # once

@@ -10,7 +10,7 @@ import pytest
 
 import roundpipe
 from roundpipe import settings
-from roundpipe.devices import device
+from roundpipe.devices import allocator, device
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,9 +100,9 @@ def _alloc_env_after_import(env: dict, preamble: str = "") -> dict:
     import subprocess
     import sys
 
-    base = {k: v for k, v in os.environ.items() if k not in settings.ALLOC_CONF_VARS}
+    base = {k: v for k, v in os.environ.items() if k not in allocator.ALLOC_CONF_VARS}
     code = preamble + "import os, json, roundpipe; print(json.dumps({k: os.environ.get(k) for k in %r}))" % (
-        settings.ALLOC_CONF_VARS,
+        allocator.ALLOC_CONF_VARS,
     )
     out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -115,8 +115,8 @@ def test_import_chooses_expandable_segments_only_when_nobody_chose() -> None:
     chosen = _alloc_env_after_import({})
     assert "expandable_segments:True" in [v for v in chosen.values() if v], chosen
     assert _alloc_env_after_import({}, preamble="import torch; ") == chosen
-    for name in settings.ALLOC_CONF_VARS:
+    for name in allocator.ALLOC_CONF_VARS:
         mine = _alloc_env_after_import({name: "expandable_segments:False"})
         assert mine[name] == "expandable_segments:False" and all(
-            mine[n] is None for n in settings.ALLOC_CONF_VARS if n != name
+            mine[n] is None for n in allocator.ALLOC_CONF_VARS if n != name
         ), mine

@@ -19,7 +19,7 @@ from typing import Any, ContextManager, List, Optional, Union
 
 import torch
 
-from roundpipe.devices import cpu_streams
+from roundpipe.devices import allocator, cpu_streams
 from roundpipe.devices.cpu_streams import CpuEvent, CpuStream
 
 Stream = Union[torch.cuda.Stream, CpuStream]
@@ -153,11 +153,10 @@ def apply_memory_cap(device: torch.device) -> None:
             "or unset it"
         )
     torch.cuda.set_per_process_memory_fraction(cap / total, device)
-    conf = ",".join(os.environ.get(name, "") for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"))
-    if "expandable_segments:true" not in conf.replace(" ", "").lower():
+    if not allocator.expandable_segments_requested():
         # Measured on an H100 capped at 24 GiB (qwen3-8b LoRA, 131,072 tokens): fixed-size segments
         # left the allocator unable to serve a backward stage that fits with expandable ones.
-        # ``import roundpipe`` sets them when it can (``settings.prefer_expandable_segments``); here
+        # ``import roundpipe`` sets them when it can (``allocator.prefer_expandable_segments``); here
         # the user chose otherwise, or CUDA had started first.
         logging.getLogger("roundpipe").warning(
             "RPP_GPU_MEMORY caps %s at %.1f GiB: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before "

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from roundpipe import settings
-from roundpipe.devices import backend
+from roundpipe.devices import allocator, backend
 from roundpipe.devices.backend import Event
 
 logger = logging.getLogger("roundpipe")
@@ -94,12 +94,12 @@ def allocator_allows(pool_size: int) -> bool:
     pools, gain more on such pools than expandable segments: 62,119 against 45,298 tokens/s eagerly
     with them, 4 H200s); when the user chose them, jobs stay eager, with one log line."""
     global _allocator_checked
-    if pool_size <= EXPANDABLE_MAX_DEVICES or not settings.expandable_segments_requested():
+    if pool_size <= EXPANDABLE_MAX_DEVICES or not allocator.expandable_segments_requested():
         return True
-    if settings.EXPANDABLE_BY_ROUNDPIPE is not None:
+    if allocator.EXPANDABLE_BY_ROUNDPIPE is not None:
         torch.cuda.memory._set_allocator_settings("expandable_segments:False")
-        os.environ[settings.EXPANDABLE_BY_ROUNDPIPE] = "expandable_segments:False"
-        settings.EXPANDABLE_BY_ROUNDPIPE = None
+        os.environ[allocator.EXPANDABLE_BY_ROUNDPIPE] = "expandable_segments:False"
+        allocator.EXPANDABLE_BY_ROUNDPIPE = None
         logger.info(
             "roundpipe: graphed jobs on %d GPUs: the allocator's expandable segments (set by import roundpipe) "
             "are off from now on; they failed graph captures on pools of more than %d GPUs",
