@@ -71,6 +71,31 @@ def test_many_buffers_come_and_go_without_leaking_registrations() -> None:
     assert not rec.live and len(rec.calls) == 400
 
 
+def test_a_buffer_released_during_a_graph_capture_is_unpinned_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cudaHostUnregister during a CUDA graph capture would invalidate the capture (and the range would
+    be unmapped still registered): a buffer whose last view dies then waits for ``release_deferred``,
+    which does nothing while the thread still captures; the next buffer made drains it too."""
+    rec = _Recorder()
+    capturing = [True]
+    monkeypatch.setattr(memory, "_capturing", lambda: capturing[0])
+    t = memory.mapped_empty((64, 64), torch.float32, rec.register, rec.unregister)
+    ptr = t.data_ptr()
+    del t
+    gc.collect()
+    assert ptr in rec.live, "unregistered during the capture"
+    memory.release_deferred()
+    assert ptr in rec.live, "released while the thread still captures"
+    capturing[0] = False
+    memory.release_deferred()
+    assert not rec.live and rec.calls[-1] == ("unreg", ptr, 0)
+    capturing[0] = True
+    u = memory.mapped_empty((8,), torch.float32, rec.register, rec.unregister)
+    del u
+    capturing[0] = False
+    v = memory.mapped_empty((8,), torch.float32, rec.register, rec.unregister)  # drains the one before
+    assert list(rec.live) == [v.data_ptr()]
+
+
 def test_pinned_empty_without_cuda_is_plain_host_memory() -> None:
     t = memory.pinned_empty((4, 4), torch.float32, pin=False)
     assert t.device.type == "cpu" and not t.is_pinned() and t.shape == (4, 4)

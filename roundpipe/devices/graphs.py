@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from roundpipe import settings
-from roundpipe.devices import allocator, backend
+from roundpipe.devices import allocator, backend, memory
 from roundpipe.devices.backend import Event
 
 logger = logging.getLogger("roundpipe")
@@ -332,6 +332,8 @@ class GraphCache:
             # On the compute stream, which this thread alone issues to. thread_local: the other device
             # threads (and the optimizer thread) may allocate or query events meanwhile; only this
             # thread's unsafe calls would break the capture (they raise, and the key runs eagerly).
+            # A pinned buffer whose last view dies in this thread meanwhile is unpinned after the capture
+            # (``memory.release_deferred``: cudaHostUnregister would invalidate it).
             graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
                 out_leaves, spec = fn(leaves_in)
@@ -340,8 +342,12 @@ class GraphCache:
                     graph.capture_end()
                 except Exception:  # noqa: BLE001 - the capture was invalidated; the stream is free again
                     pass
+                memory.release_deferred()
                 raise
-            graph.capture_end()
+            try:
+                graph.capture_end()
+            finally:
+                memory.release_deferred()
         else:
             graph = None
             out_leaves, spec = fn(leaves_in)

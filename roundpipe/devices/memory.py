@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import weakref
-from typing import Callable, Iterator, Literal, Optional, Sequence
+from typing import Callable, Iterator, List, Literal, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -45,11 +46,46 @@ def _cuda_unregister(ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
+def _capturing() -> bool:
+    """Whether this thread is capturing a CUDA graph on its current stream (never without CUDA started)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+# Mappings whose last view died while their thread captured a CUDA graph: cudaHostUnregister is not
+# allowed during a capture (it would invalidate it, and the range would be unmapped still registered),
+# so they wait here until ``release_deferred``. Appended by whichever thread drops the last view;
+# drained by the capturing thread after its capture (``graphs``) and by the next ``mapped_empty``.
+_deferred: List[Tuple[int, mmap.mmap, Unregistrar]] = []
+_deferred_lock = threading.Lock()
+
+
+def release_deferred() -> None:
+    """Unpin and unmap the mappings released during a capture, unless this thread captures still."""
+    if not _deferred or _capturing():
+        return
+    with _deferred_lock:
+        pending = _deferred[:]
+        del _deferred[:]
+    for ptr, mapping, unregister in pending:
+        _unpin_and_unmap(ptr, mapping, unregister)
+
+
 def _release_mapping(ptr: int, mapping: mmap.mmap, unregister: Unregistrar, owner_pid: int) -> None:
     """Last view of a ``mapped_empty`` tensor died: unpin, then unmap (in that order, so the address
-    range is never reused while still registered). A forked child (a DataLoader worker) inherits the
-    mapping but not the registration, so it only unmaps."""
-    if os.getpid() == owner_pid:
+    range is never reused while still registered); during a graph capture both wait for the capture's
+    end (``release_deferred``). A forked child (a DataLoader worker) inherits the mapping but not the
+    registration, so it only unmaps."""
+    if os.getpid() != owner_pid:
+        _unpin_and_unmap(ptr, mapping, None)
+    elif _capturing():
+        with _deferred_lock:
+            _deferred.append((ptr, mapping, unregister))
+    else:
+        _unpin_and_unmap(ptr, mapping, unregister)
+
+
+def _unpin_and_unmap(ptr: int, mapping: mmap.mmap, unregister: Optional[Unregistrar]) -> None:
+    if unregister is not None:
         unregister(ptr)
     try:
         mapping.close()
@@ -68,6 +104,7 @@ def mapped_empty(
     mapping outlives every view, and the finalizer runs ``unregister`` before it unmaps. Transparent huge
     pages are requested before the pages are touched (fewer pages to pin and to translate for DMA).
     """
+    release_deferred()
     size = torch.Size(shape).numel() * dtype.itemsize
     nbytes = max(size, 1)
     try:
