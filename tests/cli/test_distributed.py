@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, launch_ranks
 
 from roundpipe.cli import main
 from roundpipe.cli.checkpoint import load_tensors, load_torch, verify_checkpoint
@@ -53,7 +53,10 @@ ARGS = [
 def torchrun(
     args: List[str], cwd: str, nproc: int = 2, script: Optional[List[str]] = None, monitor_s: Optional[float] = None
 ) -> subprocess.CompletedProcess:
-    """``torchrun --standalone`` of ``roundpipe train`` (or ``script``): one CPU worker, one thread per rank."""
+    """``roundpipe train`` (or ``script``) on ``nproc`` ranks: one CPU worker, one thread per rank. The ranks
+    start with torchrun's environment directly (``helpers.launch_ranks``); ``torchrun --standalone``
+    itself with ``monitor_s`` (its monitor stops the other ranks of a failing one) and in
+    tests/cli/test_dp_resume_rng.py."""
     env = dict(
         os.environ,
         RPP_DEVICES="cpu:1",
@@ -64,6 +67,9 @@ def torchrun(
         RPP_DIST_MAIN_TIMEOUT_S="30",
         PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )
+    argv = script if script is not None else ["-m", "roundpipe", "train"]
+    if monitor_s is None:
+        return launch_ranks(argv + args, nproc, env, cwd, timeout=120)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     if monitor_s is not None:
         cmd += ["--monitor-interval", str(monitor_s)]
