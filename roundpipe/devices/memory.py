@@ -47,8 +47,12 @@ def _cuda_unregister(ptr: int) -> None:
 
 
 def _capturing() -> bool:
-    """Whether this thread is capturing a CUDA graph on its current stream (never without CUDA started)."""
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+    """Whether this thread is capturing a CUDA graph on its current stream (never without CUDA started;
+    False when CUDA cannot answer, as at interpreter exit: the release then goes ahead as before)."""
+    try:
+        return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+    except RuntimeError:
+        return False
 
 
 # Mappings whose last view died while their thread captured a CUDA graph: cudaHostUnregister is not
