@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import copy
 import os
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -110,10 +113,6 @@ def launch_ranks(
     one has failed (then the others are stopped, as torchrun stops them). The result holds rank 0's output
     first, and the first failing rank's exit status (0 when all succeed). Ranks still running at
     ``timeout`` are killed and ``subprocess.TimeoutExpired`` raised, as ``subprocess.run`` does."""
-    import socket
-    import tempfile
-    import time
-
     with socket.socket() as sock:  # a free port for the rendezvous (rank 0's TCP store binds it)
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -152,7 +151,7 @@ def launch_ranks(
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-    codes = [p.returncode for p in procs]
+    codes = [p.returncode for p in procs]  # a rank stopped above: negative
     texts = []
     for out, err in files:
         out.seek(0)
@@ -160,7 +159,7 @@ def launch_ranks(
         texts.append((out.read(), err.read()))
         out.close()
         err.close()
-    status = next((c for c in codes if c > 0), next((c for c in codes if c != 0), 0))  # a stopped rank: < 0
+    status = next((c for c in codes if c > 0), next((c for c in codes if c != 0), 0))
     return subprocess.CompletedProcess(
         [sys.executable, *argv], status, "".join(t[0] for t in texts), "".join(t[1] for t in texts)
     )

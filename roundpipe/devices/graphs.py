@@ -336,15 +336,14 @@ class GraphCache:
             # (``memory.release_deferred``: cudaHostUnregister would invalidate it).
             graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
-                out_leaves, spec = fn(leaves_in)
-            except BaseException:
                 try:
-                    graph.capture_end()
-                except Exception:  # noqa: BLE001 - the capture was invalidated; the stream is free again
-                    pass
-                memory.release_deferred()
-                raise
-            try:
+                    out_leaves, spec = fn(leaves_in)
+                except BaseException:
+                    try:
+                        graph.capture_end()
+                    except Exception:  # noqa: BLE001 - the capture was invalidated; the stream is free again
+                        pass
+                    raise
                 graph.capture_end()
             finally:
                 memory.release_deferred()

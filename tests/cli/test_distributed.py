@@ -71,9 +71,7 @@ def torchrun(
     if monitor_s is None:
         return launch_ranks(argv + args, nproc, env, cwd, timeout=120)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    if monitor_s is not None:
-        cmd += ["--monitor-interval", str(monitor_s)]
-    cmd += script if script is not None else ["-m", "roundpipe", "train"]
+    cmd += ["--monitor-interval", str(monitor_s), *argv]
     return subprocess.run(cmd + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
