@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  export PATH=/tmp/site/bin:$PATH  # py-spy, when carried
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 out=${OUT:-.}
@@ -193,5 +194,39 @@ case "${1:-}" in
         RPP_GC_FREEZE=$f timeout -s ABRT 150 python3 bench/user_script.py --workload $w --batch 8 2>&1 | grep -E "user script|Error" | sed "s/^/freeze=$f /"
       done
     done ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze" >&2; exit 2 ;;
+  x4a)  # issues 36/39/40 (nvidia-h200-x4), twenty-third session, call 1: the topology, every GPU test (the
+    # multi-GPU ones included), then qwen3-1.7b 16 x 4096 on 1, 2 and 4 GPUs of one process (graphs on), each
+    # GPU's busy share; logs in $out/x4a.log, rows in $out/rows.jsonl
+    nvidia-smi topo -m | tee -a "$out/x4a.log"; nproc; free -g | head -2
+    timeout 240 python3 -m pytest -m gpu tests -q -p no:cacheprovider 2>&1 | tee -a "$out/x4a.log" | grep -E "Error|assert|passed|failed" | head -20
+    timeout -s ABRT 330 python3 bench/pool_bench.py --workload qwen3-1.7b --batch 16 --devices 1,2,4 --graphs 1 --busy --json "$out/rows.jsonl" 2>&1 | quiet | tee -a "$out/x4a.log" | grep -v "^ *$" | tail -20 ;;
+  x4b)  # issues 36/37/39 (nvidia-h200-x4), twenty-third session, call 2: the Trainer GPU test that failed on 4 GPUs
+    # (whole output), then where 4 GPUs lose time on qwen3-1.7b 16 x 4096: the threads' waits and a GPU-only trace
+    # of one iteration, the pipeline without the optimizer, more optimizer threads, 16 microbatches
+    timeout 90 python3 -m pytest -m gpu tests/test_integrations.py -q -p no:cacheprovider -x 2>&1 | tee "$out/trainer.log" | tail -40
+    b="python3 bench/train_bench.py --workload qwen3-1.7b --batch 16 --skip-baseline --warmup 3 --iters 3"
+    timeout -s ABRT 190 $b --wait-log --profile --trace "$out/trace4.json.gz" --trace-gpu-only 2>&1 | quiet | tee "$out/wait.log" | grep -E "^\\| roundpipe|per-iteration|simulated|waits|wait |GPU|Error" | head -60
+    timeout -s ABRT 100 $b --no-step 2>&1 | quiet | tee "$out/nostep.log" | grep -E "^\\| roundpipe|per-iteration|Error"
+    RPP_OPTIM_THREADS=48 timeout -s ABRT 100 $b 2>&1 | quiet | tee "$out/threads48.log" | grep -E "^\\| roundpipe|per-iteration|Error"
+    timeout -s ABRT 100 $b --microbatches 16 2>&1 | quiet | tee "$out/mb16.log" | grep -E "^\\| roundpipe|per-iteration|simulated|Error" ;;
+  x4c)  # issues 36/37/39 (nvidia-h200-x4, carry [".whl"]: py-spy), twenty-third session, call 3: the Trainer GPU
+    # test's losses, the allocator race fixed; qwen3-1.7b 16 x 4096 on 4 GPUs: the interpreter lock's holders
+    # (py-spy --gil), the pipeline without the optimizer, peer hand-overs, 16 microbatches
+    timeout 60 python3 -m pytest -m gpu tests/test_integrations.py -q -p no:cacheprovider -x 2>&1 | tee "$out/trainer.log" | grep -E "^E |passed|failed" | head -8
+    timeout -s ABRT 110 python3 bench/pool_bench.py --workload qwen3-1.7b --batch 16 --devices 4 --graphs 1 --busy --gil-sampler --json "$out/rows.jsonl" 2>&1 | quiet | tee "$out/gil.log" | grep -v "^ *$" | tail -8
+    b="python3 bench/train_bench.py --workload qwen3-1.7b --batch 16 --skip-baseline --warmup 3 --iters 3"
+    timeout -s ABRT 90 $b --no-step 2>&1 | quiet | tee "$out/nostep.log" | grep -E "^\\| roundpipe|per-iteration|Error"
+    RPP_PEER_HANDOFF=1 timeout -s ABRT 90 $b 2>&1 | quiet | tee "$out/peer.log" | grep -E "^\\| roundpipe|per-iteration|Error"
+    timeout -s ABRT 90 $b --microbatches 16 2>&1 | quiet | tee "$out/mb16.log" | grep -E "^\\| roundpipe|per-iteration|simulated|Error" ;;
+  x4d)  # issues 36/39 (nvidia-h200-x4), twenty-third session, call 4: is a 4-GPU run repeatable (the Trainer test's
+    # losses differed between runs), then qwen3-1.7b 16 x 4096 in one process per pool: 4 GPUs with peer hand-overs
+    # (RPP_PEER_HANDOFF=auto's new default there) and without, 1 GPU, 2 GPUs; logs in $out
+    timeout 50 python3 bench/repeat_losses.py 2>&1 | tee "$out/repeat.log" | grep -E "device|Error"
+    CUDA_VISIBLE_DEVICES=0 timeout 40 python3 bench/repeat_losses.py 2>&1 | tee -a "$out/repeat.log" | grep -E "device|Error"
+    b="python3 bench/train_bench.py --workload qwen3-1.7b --batch 16 --skip-baseline --warmup 3 --iters 3"
+    for v in "0,1,2,3 auto" "0,1,2,3 0" "0 auto" "0,1 auto"; do
+      set -- $v
+      CUDA_VISIBLE_DEVICES=$1 RPP_PEER_HANDOFF=$2 timeout -s ABRT 90 $b 2>&1 | quiet | tee "$out/b$1-$2.log" | grep -E "^\\| roundpipe|per-iteration|Error" | sed "s/^/gpus=$1 peer=$2 /"
+    done ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d" >&2; exit 2 ;;
 esac

@@ -206,15 +206,16 @@ SPLIT_FUSED: Setting[str] = _register(
         "(auto: where the devices compute at once: GPUs, or CPU workers in the stress mode).",
     )
 )
-PEER_HANDOFF: Setting[bool] = _register(
+PEER_HANDOFF: Setting[str] = _register(
     Setting(
         "RPP_PEER_HANDOFF",
-        boolean,
-        False,
-        "0",
-        "`1` or `0`",
+        tristate,
+        "auto",
+        "auto",
+        "`auto`, `1` or `0`",
         "On several GPUs, a forward job's output and a backward job's input gradients go straight to the GPU of the "
-        "next job (a peer copy) instead of through pinned host memory (experimental; docs/execute-plans.md).",
+        "next job (a peer copy) instead of through pinned host memory (auto: on a pool of more than two GPUs that "
+        "can all reach each other, except in calls of one long sequence; docs/execute-plans.md).",
     )
 )
 GRAD_STREAM: Setting[bool] = _register(

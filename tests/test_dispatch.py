@@ -4,6 +4,7 @@ model of a call asks it."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from roundpipe import settings
 from roundpipe.devices import device as device_mod
@@ -86,3 +87,38 @@ def test_the_planner_simulates_with_the_runtimes_policy(monkeypatch: pytest.Monk
     new = ModelExecutePlan([range(0, 2), range(2, 4)], [range(0, 2), range(2, 4)])
     plan_choice.replan_pays(Model(), old, new, "train", 4)
     assert asked, "replan_pays did not simulate with the dispatch policy"
+
+
+def test_peer_handoff_auto_needs_three_gpus_that_reach_each_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``RPP_PEER_HANDOFF=auto``: peer hand-overs on a pool of three or more GPUs with peer access between every
+    pair; never on CPU workers or two GPUs; ``1`` / ``0`` decide outright; the answer is kept per pool."""
+    import types
+
+    from roundpipe import settings
+    from roundpipe.devices import device as device_mod
+
+    def pool(devices: list, reachable: bool = True) -> None:
+        managers = [types.SimpleNamespace(device=d) for d in devices]
+        monkeypatch.setattr(device_mod, "get_devices", lambda: managers)
+        monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: reachable)
+        monkeypatch.setattr(device_mod, "_peer_handoff", None)
+
+    monkeypatch.delenv("RPP_PEER_HANDOFF", raising=False)
+    gpus = [torch.device("cuda", i) for i in range(4)]
+    pool(gpus)
+    assert device_mod.peer_handoff_enabled()
+    pool(gpus[:2])
+    assert not device_mod.peer_handoff_enabled()
+    pool(gpus, reachable=False)
+    assert not device_mod.peer_handoff_enabled()
+    pool([torch.device("cpu")] * 4)
+    assert not device_mod.peer_handoff_enabled()
+    monkeypatch.setenv("RPP_PEER_HANDOFF", "1")
+    assert device_mod.peer_handoff_enabled()
+    monkeypatch.setenv("RPP_PEER_HANDOFF", "0")
+    pool(gpus)
+    assert not device_mod.peer_handoff_enabled()
+    monkeypatch.setenv("RPP_PEER_HANDOFF", "sometimes")
+    with pytest.raises(ValueError, match="RPP_PEER_HANDOFF"):
+        device_mod.peer_handoff_enabled()
+    assert settings.PEER_HANDOFF.default == "auto"

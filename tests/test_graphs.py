@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 from typing import Any, Dict, Iterator, List
 
 import pytest
@@ -298,7 +299,7 @@ def test_auto_graphs_withdraw_roundpipes_expandable_segments_above_two_gpus(monk
     from roundpipe.devices import graphs
 
     calls: list = []
-    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", lambda conf: calls.append(conf))
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", lambda conf: calls.append(conf))
     for name in allocator.ALLOC_CONF_VARS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
@@ -314,3 +315,45 @@ def test_auto_graphs_withdraw_roundpipes_expandable_segments_above_two_gpus(monk
     assert os.environ["PYTORCH_ALLOC_CONF"] == "expandable_segments:False"
     assert allocator.EXPANDABLE_BY_ROUNDPIPE is None
     assert graphs.allocator_allows(4) and len(calls) == 1  # once
+
+
+def test_expandable_segments_are_withdrawn_once_when_every_device_thread_asks_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The device threads of a new 4-GPU pool ask at their first job, all at once: exactly one withdraws
+    roundpipe's expandable segments, and none fails (two at once once wrote ``os.environ[None]``)."""
+    import threading
+
+    from roundpipe.devices import graphs
+
+    calls: list = []
+    barrier = threading.Barrier(8)
+
+    def slow_setter(conf: str) -> None:  # widen the window between the check and the withdrawal
+        calls.append(conf)
+        time.sleep(0.05)
+
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", slow_setter)
+    for name in allocator.ALLOC_CONF_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setattr(allocator, "EXPANDABLE_BY_ROUNDPIPE", "PYTORCH_ALLOC_CONF")
+    results: list = []
+    errors: list = []
+
+    def ask() -> None:
+        barrier.wait()
+        try:
+            results.append(graphs.allocator_allows(4))
+        except Exception as exc:  # noqa: BLE001 - collected and asserted on below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert not errors and results == [True] * 8
+    assert calls == ["expandable_segments:False"]
+    assert os.environ["PYTORCH_ALLOC_CONF"] == "expandable_segments:False"
+    assert allocator.EXPANDABLE_BY_ROUNDPIPE is None

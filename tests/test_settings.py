@@ -120,3 +120,33 @@ def test_import_chooses_expandable_segments_only_when_nobody_chose() -> None:
         assert mine[name] == "expandable_segments:False" and all(
             mine[n] is None for n in allocator.ALLOC_CONF_VARS if n != name
         ), mine
+
+
+def test_import_leaves_expandable_segments_to_pools_of_two_gpus_or_fewer() -> None:
+    """Graph captures failed with expandable segments on 4 GPUs, also when they were withdrawn at the first job:
+    ``import roundpipe`` does not choose them for a pool of more than two GPUs whose jobs may be graphed."""
+    assert not any(_alloc_env_after_import({"RPP_DEVICES": "cuda:0,1,2"}).values())
+    assert "expandable_segments:True" in _alloc_env_after_import({"RPP_DEVICES": "cuda:0,1"}).values()
+    eager = _alloc_env_after_import({"RPP_DEVICES": "cuda:0,1,2,3", "RPP_GRAPHS": "0"})
+    assert "expandable_segments:True" in eager.values()
+
+
+def test_pool_size_before_cuda_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``RPP_DEVICES`` names the pool; without it NVML counts the visible GPUs; unknown when NVML fails."""
+    import torch
+
+    monkeypatch.setenv("RPP_DEVICES", "cuda:1,3")
+    assert allocator.pool_gpus_from_environment() == 2
+    monkeypatch.setenv("RPP_DEVICES", "cpu:4")
+    assert allocator.pool_gpus_from_environment() == 0
+    monkeypatch.setenv("RPP_DEVICES", "cuda")
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 4)
+    assert allocator.pool_gpus_from_environment() == 4
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: -1)
+    assert allocator.pool_gpus_from_environment() is None
+
+    def broken() -> int:
+        raise OSError("libnvidia-ml.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", broken)
+    assert allocator.pool_gpus_from_environment() is None

@@ -1,20 +1,57 @@
 """The CUDA caching allocator's settings, which torch reads once, when CUDA starts: the variable
 ``import roundpipe`` sets (expandable segments, unless the user chose the allocator's settings) and whether
-expandable segments are asked for. Only the environment is read here, so ``import roundpipe`` can call
-:func:`prefer_expandable_segments` before anything starts CUDA; ``graphs.allocator_allows`` may withdraw
-roundpipe's own choice later (:data:`EXPANDABLE_BY_ROUNDPIPE`).
+expandable segments are asked for. Only the environment, roundpipe's settings and NVML's GPU count are read
+here, so ``import roundpipe`` can call :func:`prefer_expandable_segments` before anything starts CUDA;
+``graphs.allocator_allows`` may withdraw roundpipe's own choice later (:data:`EXPANDABLE_BY_ROUNDPIPE`).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import Optional
+import threading
+from typing import Literal, Optional
 
 ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 EXPANDABLE_BY_ROUNDPIPE: Optional[str] = None
 """The variable ``import roundpipe`` set to ``expandable_segments:True`` (None: it set none), so that the
-graphs can withdraw that choice (``graphs.allocator_allows``) without overriding a user's."""
+graphs can withdraw that choice (``withdraw_own_expandable_segments``) without overriding a user's."""
+
+_withdraw_lock = threading.Lock()
+"""Serialises :func:`withdraw_own_expandable_segments`: every device thread asks at its first job, at once."""
+
+
+EXPANDABLE_MAX_DEVICES = 2
+"""The largest pool measured to capture graphs with the allocator's expandable segments on. On 4 H200s
+(2026-11-28, qwen3-1.7b 16 x 4096) graphed runs with them failed on a device thread ("CUDA driver error:
+operation not permitted", or an out-of-memory error with 139 GiB free), also when they were turned off at the
+first job (segments made before stay expandable); 2 GPUs graphed with them (docs/benchmarks.md)."""
+
+
+def pool_gpus_from_environment() -> Optional[int]:
+    """How many GPUs the pool will use, as far as the environment tells before CUDA starts: the ids in
+    ``RPP_DEVICES`` (``cuda:0,1``), else the visible GPUs as NVML counts them (it does not start CUDA;
+    ``CUDA_VISIBLE_DEVICES`` applies); None when unknown. ``roundpipe.configure(devices=...)`` later may
+    choose another pool: ``withdraw_own_expandable_segments`` covers that case."""
+    from roundpipe import settings
+
+    try:
+        spec = settings.DEVICES.get()
+    except ValueError:  # a bad RPP_DEVICES is reported where the pool is created
+        return None
+    kind, _, rest = spec.strip().lower().partition(":")
+    if kind == "cpu":
+        return 0
+    if kind == "cuda" and rest:
+        return len([x for x in rest.split(",") if x.strip()])
+    import torch  # importing torch does not start CUDA
+
+    count = getattr(torch.cuda, "_device_count_nvml", None)
+    try:
+        n = int(count()) if count is not None else -1
+    except Exception:  # noqa: BLE001 - NVML missing or failing: unknown, as on CPU-only hosts
+        n = -1
+    return n if n >= 0 else None
 
 
 def prefer_expandable_segments() -> Optional[str]:
@@ -24,8 +61,19 @@ def prefer_expandable_segments() -> Optional[str]:
     Fixed-size segments leave gaps that a long sequence's stage cannot use: qwen3-8b LoRA at 131,072
     tokens under a 24 GiB cap failed in a backward stage with 3.8 GiB free, and ran with expandable
     segments. A user's own ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` (even
-    ``expandable_segments:False``) is left as it is. Called by ``import roundpipe``."""
+    ``expandable_segments:False``) is left as it is. Nor are they chosen for a pool of more than
+    :data:`EXPANDABLE_MAX_DEVICES` GPUs whose jobs may be graphed (``RPP_GRAPHS`` not ``0``): graph
+    captures failed with them there. Called by ``import roundpipe``."""
     if any(os.environ.get(name, "").strip() for name in ALLOC_CONF_VARS):
+        return None
+    from roundpipe import settings
+
+    gpus = pool_gpus_from_environment()
+    try:
+        graphs = settings.GRAPHS.get()
+    except ValueError:  # reported where the graphs read it
+        graphs = "auto"
+    if gpus is not None and gpus > EXPANDABLE_MAX_DEVICES and graphs != "0":
         return None
     torch_mod = sys.modules.get("torch")
     if torch_mod is not None:
@@ -43,6 +91,32 @@ def expandable_segments_requested() -> bool:
     """Whether the allocator's variables (ours or the user's) ask for expandable segments."""
     conf = ",".join(os.environ.get(name, "") for name in ALLOC_CONF_VARS)
     return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
+def withdraw_own_expandable_segments() -> Literal["off", "withdrawn", "user"]:
+    """Turn off the expandable segments that ``import roundpipe`` chose, for the segments the allocator creates
+    from now on. Returns ``"withdrawn"`` when this call turned them off, ``"off"`` when none are asked for
+    (withdrawn earlier, or never chosen), ``"user"`` when the user asked for them (theirs are kept).
+
+    Each device thread of a new pool asks at its first job, all at once: the check and the withdrawal happen
+    under one lock, so exactly one thread withdraws (two at once once wrote ``os.environ[None]``, a TypeError
+    on 4 GPUs)."""
+    global EXPANDABLE_BY_ROUNDPIPE
+    with _withdraw_lock:
+        if not expandable_segments_requested():
+            return "off"
+        name = EXPANDABLE_BY_ROUNDPIPE
+        if name is None:
+            return "user"
+        import torch
+
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        if setter is None:  # torch before 2.9
+            setter = torch.cuda.memory._set_allocator_settings
+        setter("expandable_segments:False")
+        os.environ[name] = "expandable_segments:False"
+        EXPANDABLE_BY_ROUNDPIPE = None
+        return "withdrawn"
 
 
 def _torch_at_least(major: int, minor: int) -> bool:

@@ -312,6 +312,37 @@ def gc_collect() -> None:
         d.graphs.clear()  # their pool's memory goes back with the next empty_cache
 
 
+PEER_MIN_DEVICES = 3
+"""The smallest pool ``RPP_PEER_HANDOFF=auto`` gives peer hand-overs: on 4 H200s (NVLink) they ran 1.10x
+(qwen3-1.7b and 4b, 16 x 4096, one call, 2026-11-27) and 1.20x (1.7b, across calls, 2026-11-28); on 2 GPUs
+they were 0-4% slower when measured eagerly (docs/benchmarks.md)."""
+_peer_handoff: Optional[bool] = None  # auto's answer for the current pool (reset with it)
+
+
+def peer_handoff_enabled() -> bool:
+    """Whether jobs hand activations and input gradients to the next job's GPU as peer copies
+    (``RPP_PEER_HANDOFF``; ``auto``: a pool of at least :data:`PEER_MIN_DEVICES` GPUs, every pair with peer
+    access). Asked once per call by the main thread."""
+    global _peer_handoff
+    mode = settings.PEER_HANDOFF.get()
+    if mode != "auto":
+        return mode == "1"
+    if _peer_handoff is None:
+        devices = [d.device for d in get_devices()]
+        _peer_handoff = (
+            len(devices) >= PEER_MIN_DEVICES
+            and all(backend.is_cuda(d) for d in devices)
+            and all(torch.cuda.can_device_access_peer(a, b) for a in devices for b in devices if a != b)
+        )
+    return _peer_handoff
+
+
+def peer_handoff_chosen() -> bool:
+    """Whether ``RPP_PEER_HANDOFF`` is ``1`` or ``0`` rather than ``auto`` (calls of one long sequence keep
+    ``auto`` off)."""
+    return settings.PEER_HANDOFF.get() != "auto"
+
+
 def on_reset(callback: Callable[[], None]) -> None:
     """Call ``callback()`` whenever the pool is re-created (the dispatcher starts again at device 0)."""
     _reset_callbacks.append(callback)
@@ -319,10 +350,11 @@ def on_reset(callback: Callable[[], None]) -> None:
 
 def reset_devices() -> None:
     """Shut the workers down so the next use re-reads ``RPP_DEVICES`` (tests and interactive use)."""
-    global device_list
+    global device_list, _peer_handoff
     for d in device_list:
         d.shutdown_controller()
     device_list = []
+    _peer_handoff = None
     for callback in _reset_callbacks:
         callback()
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Hashable, List, Optional, OrderedDict, Sequence, Set, Tuple
 
@@ -78,11 +77,7 @@ def enabled(device: torch.device, pool_size: int) -> bool:
     return backend.is_cuda(device) and pool_size > 1 and allocator_allows(pool_size)
 
 
-EXPANDABLE_MAX_DEVICES = 2
-"""The largest pool measured to capture graphs with the allocator's expandable segments on. On 4 H200s
-(2026-11-28, qwen3-1.7b 16 x 4096) every graphed run with them failed on a device thread ("CUDA driver
-error: operation not permitted", or an out-of-memory error with 139 GiB free), while 2 GPUs graphed
-with them, and 4 GPUs ran eagerly with them and graphed without them (docs/benchmarks.md)."""
+EXPANDABLE_MAX_DEVICES = allocator.EXPANDABLE_MAX_DEVICES
 
 _allocator_checked = False
 
@@ -96,16 +91,15 @@ def allocator_allows(pool_size: int) -> bool:
     global _allocator_checked
     if pool_size <= EXPANDABLE_MAX_DEVICES or not allocator.expandable_segments_requested():
         return True
-    if allocator.EXPANDABLE_BY_ROUNDPIPE is not None:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
-        os.environ[allocator.EXPANDABLE_BY_ROUNDPIPE] = "expandable_segments:False"
-        allocator.EXPANDABLE_BY_ROUNDPIPE = None
-        logger.info(
-            "roundpipe: graphed jobs on %d GPUs: the allocator's expandable segments (set by import roundpipe) "
-            "are off from now on; they failed graph captures on pools of more than %d GPUs",
-            pool_size,
-            EXPANDABLE_MAX_DEVICES,
-        )
+    state = allocator.withdraw_own_expandable_segments()
+    if state != "user":
+        if state == "withdrawn":
+            logger.info(
+                "roundpipe: graphed jobs on %d GPUs: the allocator's expandable segments (set by import roundpipe) "
+                "are off from now on; they failed graph captures on pools of more than %d GPUs",
+                pool_size,
+                EXPANDABLE_MAX_DEVICES,
+            )
         return True
     if not _allocator_checked:
         _allocator_checked = True

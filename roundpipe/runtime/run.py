@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tupl
 import torch
 from torch.utils import _pytree as pytree
 
-from roundpipe import settings
 from roundpipe.devices import cpu_streams, threads
 from roundpipe.devices import device as device_mod
 from roundpipe.model_protocol import PipelinedModel
@@ -135,7 +134,7 @@ class Run:
         self.model = model
         self.cfg = run_config
         # Settings the device threads consult per job, read once per call.
-        self.peer_handoff = settings.PEER_HANDOFF.get()
+        self.peer_handoff = device_mod.peer_handoff_enabled()
         self.batch = batch
         self.run_type = run_type
         self.enable_grad = run_type != "infer"
@@ -160,6 +159,10 @@ class Run:
         # One sequence cut into tiles (``roundpipe.runtime.sequence``): its jobs keep keys and values across tiles,
         # so each group runs whole on one device, and no fused job (its backward would precede later tiles).
         self.sequence = _sequence_run(run_config, batch, run_type)
+        if self.sequence is not None and not device_mod.peer_handoff_chosen():
+            # One long sequence: a peer copy lands while the receiving GPU still runs its previous job, a
+            # tile's hidden state more per GPU that the tiles' memory plan does not count.
+            self.peer_handoff = False
         if run_type in ("fused", "train") and plan.bwd_plan and self.sequence is None:
             fused = plan.bwd_plan[-1]
             has_buffers = any(True for i in fused for _ in model.layers[i].buffers())
