@@ -148,7 +148,7 @@ def busy_shares(step: Any) -> List[float]:
 
 
 def run_config(
-    model: Any, opt: Any, ids: torch.Tensor, args: argparse.Namespace, devices: str, graphs: str, peer: str = "0"
+    model: Any, opt: Any, ids: torch.Tensor, args: argparse.Namespace, devices: str, graphs: str, peer: str = "auto"
 ) -> Dict[str, Any]:
     import roundpipe
     from roundpipe import RoundPipeRunConfig
@@ -232,7 +232,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     p.add_argument("--graphs", default="0,1", help="RPP_GRAPHS values to run, e.g. 0,1")
     p.add_argument(
-        "--peer", default="0", help="RPP_PEER_HANDOFF values to run, e.g. 0,1 (hand-overs between GPUs as peer copies)"
+        "--peer",
+        default="auto",
+        help="RPP_PEER_HANDOFF values to run, e.g. 0,1 (hand-overs between GPUs as peer copies; auto: the default)",
     )
     p.add_argument("--microbatches", type=int, default=0, help="default: 2 per device")
     p.add_argument("--warmup", type=int, default=3)
