@@ -537,6 +537,7 @@ def test_one_process_leaves_cores_to_its_issuing_threads(monkeypatch: pytest.Mon
     chosen: list = []
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setattr(torch, "set_num_threads", chosen.append)
+    monkeypatch.setattr(optim_thread, "_base_threads", None)  # as in a fresh process: torch's count, 16
     for env in (None, "3"):
         if env is None:
             monkeypatch.delenv("RPP_OPTIM_THREADS", raising=False)
@@ -559,6 +560,38 @@ def test_one_process_leaves_cores_to_its_issuing_threads(monkeypatch: pytest.Mon
     assert optim_thread.issuing_devices() == 1  # CPU workers issue no GPU work
     monkeypatch.setattr(backend, "parse_devices", lambda spec: [torch.device("cuda", 0), torch.device("cuda", 1)])
     assert optim_thread.issuing_devices() == 2
+
+
+def test_the_optimizer_thread_takes_its_count_again_for_a_new_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The optimizer thread sets its intra-op count when it starts, for the pool of that moment; after
+    ``configure(devices=...)`` it sets it again before its next kernel, from torch's count before its own
+    (a benchmark that ran 1 GPU first kept 60 of 64 cores for the step on 4 GPUs, against 12)."""
+    import roundpipe
+    from roundpipe import settings
+    from roundpipe.optim import thread as optim_thread
+
+    chosen: list = []
+    optim_thread.synchronize()  # the thread has started and set its count (earlier tests, or now)
+    optim_thread.submit(lambda: None)
+    optim_thread.synchronize()
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RPP_OPTIM_THREADS", raising=False)
+    monkeypatch.setattr(optim_thread, "_base_threads", 64)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 60)  # what the thread sees after setting its own
+    monkeypatch.setattr(torch, "set_num_threads", chosen.append)
+    pools = {"cpu:1": 1, "cpu:2": 4}
+    monkeypatch.setattr(optim_thread, "issuing_devices", lambda: pools[settings.DEVICES.get()])
+    try:
+        for spec in ("cpu:1", "cpu:2"):
+            roundpipe.configure(devices=spec)
+            optim_thread.submit(lambda: None)
+            optim_thread.synchronize()
+        optim_thread.submit(lambda: None)  # no change since: no new count
+        optim_thread.synchronize()
+    finally:
+        settings.unconfigure("RPP_DEVICES")
+        optim_thread._recount.clear()
+    assert chosen == [60, 12]
 
 
 def test_ranks_sharing_a_host_give_the_optimizer_a_share_of_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:

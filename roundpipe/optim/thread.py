@@ -31,6 +31,8 @@ kernel_queue: "queue.Queue[Any]" = queue.Queue()
 OPTIM_STOP = object()
 _thread: Optional[RoundPipeThread] = None
 _start_lock = threading.Lock()
+_base_threads: Optional[int] = None  # torch's intra-op count before the optimizer thread set its own
+_recount = threading.Event()  # the pool changed: set the thread count again before the next kernel
 
 
 logger = logging.getLogger("roundpipe")
@@ -45,9 +47,12 @@ def _set_thread_count() -> None:
     the step runs. torch keeps the OpenMP thread count per thread, so this only changes the optimizer
     thread's parallel regions (its copies and the Adam kernel, which asks ``torch.get_num_threads()``).
     """
+    global _base_threads
+    if _base_threads is None:
+        _base_threads = torch.get_num_threads()
     n = settings.OPTIM_THREADS.get()
     if n is None:
-        share = shared_host_default()
+        share = shared_host_default(_base_threads)
         if share is not None:
             logger.info(
                 "roundpipe: %s ranks on this host and one intra-op thread each (torchrun sets "
@@ -58,11 +63,19 @@ def _set_thread_count() -> None:
             )
             torch.set_num_threads(share)
             return
-        single = single_process_default(issuing_devices())
-        if single is not None:
-            torch.set_num_threads(single)
+        torch.set_num_threads(single_process_default(issuing_devices(), _base_threads) or _base_threads)
         return
     torch.set_num_threads(n)
+
+
+def _pool_changed() -> None:
+    """``configure`` chose another pool (or thread count): the optimizer thread, which took its count for the
+    pool it started with, sets it again before its next kernel (the count is per thread: only it can)."""
+    _recount.set()
+
+
+settings.on_change(settings.DEVICES, _pool_changed)
+settings.on_change(settings.OPTIM_THREADS, _pool_changed)
 
 
 #: Cores left to each GPU's issuing threads (its device thread, autograd's backward thread for it, the
@@ -84,7 +97,7 @@ def issuing_devices() -> int:
     return max(1, sum(1 for d in devices if backend.is_cuda(d)))
 
 
-def single_process_default(devices: int = 1) -> Optional[int]:
+def single_process_default(devices: int = 1, threads: Optional[int] = None) -> Optional[int]:
     """The optimizer thread count of a process that does not share its host with other ranks and drives
     ``devices`` GPUs: each GPU's share of torch's thread count less ``RESERVED_SINGLE``, but at least
     ``MIN_SHARED_THREADS`` (or torch's count less 4, if smaller); None below 8 threads (keep torch's).
@@ -99,13 +112,13 @@ def single_process_default(devices: int = 1) -> Optional[int]:
     (docs/benchmarks.md)."""
     if int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) > 1:
         return None
-    n = torch.get_num_threads()
+    n = torch.get_num_threads() if threads is None else threads
     if n < 8:
         return None
     return max(min(MIN_SHARED_THREADS, n - RESERVED_SINGLE), n // max(1, devices) - RESERVED_SINGLE)
 
 
-def shared_host_default() -> Optional[int]:
+def shared_host_default(threads: Optional[int] = None) -> Optional[int]:
     """The optimizer thread count when several ranks share this host and torch was left with one
     intra-op thread, else None (keep torch's setting).
 
@@ -114,7 +127,7 @@ def shared_host_default() -> Optional[int]:
     optimizer then gets its share of the cores this process may run on (:func:`rank_share`).
     """
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    if ranks <= 1 or torch.get_num_threads() != 1:
+    if ranks <= 1 or (torch.get_num_threads() if threads is None else threads) != 1:
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     share = rank_share(cores, ranks)
@@ -147,6 +160,12 @@ def controller() -> None:
         try:
             if item is OPTIM_STOP:
                 return
+            if _recount.is_set():
+                _recount.clear()
+                try:
+                    _set_thread_count()
+                except ValueError as exc:  # a bad RPP_OPTIM_THREADS set since the start
+                    report_failure(OptimizerStepError(str(exc)))
             fn, args, kwargs = item
             _thread.is_active = True
             try:
