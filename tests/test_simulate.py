@@ -69,8 +69,8 @@ def test_jobs_and_dispatch_policy() -> None:
     )
     assert [(c, list(m), n) for c, m, n in jobs] == [
         (2.0, [0, 1, 2, 3], 2),
+        (5.0, [1, 3], 1),  # part 0 ends on the last microbatch (it waits for the others' gradients)
         (5.0, [0, 2], 1),
-        (5.0, [1, 3], 1),
         (6.0, [0, 1, 2, 3], 2),
     ]
     assert round_robin(5, 2) == [0, 1, 0, 1, 0]
@@ -78,6 +78,20 @@ def test_jobs_and_dispatch_policy() -> None:
     fwd = [range(0, 1), range(1, 2)]
     same = simulate_iteration("infer", fwd, [], [1.0, 1.0], [], 2, 3, assign=lambda n, d: [0] * n)
     assert same == pytest.approx(simulate_iteration("infer", fwd, [], [1.0, 1.0], [], 1, 3))
+
+
+def test_part_0_of_a_split_group_runs_the_last_microbatch() -> None:
+    """The parts of a split group take every K-th microbatch; part 0, which waits for the others'
+    gradients, ends on the call's last microbatch; each microbatch belongs to exactly one part."""
+    from roundpipe.runtime.partial_grads import part_microbatches, part_of
+
+    assert [list(part_microbatches(p, 4, 8)) for p in range(4)] == [[3, 7], [2, 6], [1, 5], [0, 4]]
+    assert [list(part_microbatches(p, 4, 5)) for p in range(4)] == [[0, 4], [3], [2], [1]]
+    for parts, mbs in [(2, 2), (2, 7), (3, 8), (4, 4), (5, 13)]:
+        seen = sorted(m for p in range(parts) for m in part_microbatches(p, parts, mbs))
+        assert seen == list(range(mbs))
+        assert part_microbatches(0, parts, mbs)[-1] == mbs - 1
+        assert all(part_of(m, parts, mbs) == p for p in range(parts) for m in part_microbatches(p, parts, mbs))
 
 
 def test_timer_fits_a_cost_per_microbatch_and_one_per_layer() -> None:

@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, List, Literal, Optional, Sequence, Tuple
 
+from roundpipe.runtime.partial_grads import part_microbatches
+
 RunType = Literal["infer", "train", "fused"]
 
 
@@ -63,14 +65,15 @@ def call_jobs(
 ) -> List[Job]:
     """A call's jobs in dispatch order: (cost per microbatch, the microbatches it runs, its layers). The
     last backward group (the fused group for 'fused', the first backward job for 'train') runs in
-    ``fused_parts`` jobs, part j taking microbatches j, j + parts, ... (``jobs.run_forward_backward``)."""
+    ``fused_parts`` jobs, each taking every ``fused_parts``-th microbatch as the runtime's parts do
+    (``partial_grads.part_microbatches``)."""
     every = range(max(1, num_microbatch))
     jobs: List[Job] = [(math.fsum(fwd_times[i] for i in r), every, len(r)) for r in fwd_plan]
     if run_type in ("fused", "train") and bwd_plan:
         top = bwd_plan[-1]
         cost = math.fsum(bwd_times[i] for i in top)  # fused: forward + loss + backward
         parts = max(1, fused_parts)
-        jobs += [(cost, range(j, len(every), parts), len(top)) for j in range(parts)]
+        jobs += [(cost, part_microbatches(j, parts, len(every)), len(top)) for j in range(parts)]
         jobs += [(math.fsum(bwd_times[i] for i in r), every, len(r)) for r in reversed(bwd_plan[:-1])]
     return jobs
 

@@ -34,6 +34,7 @@ from roundpipe.runtime.compute import (
     input_grads,
     wrap,
 )
+from roundpipe.runtime.partial_grads import part_microbatches, part_of
 from roundpipe.runtime.run import Leaves, MicrobatchState, Run
 from roundpipe.runtime.transfer import (
     async_d2h,
@@ -154,7 +155,7 @@ def _next_forward_device(run: Run, group: int, m: int) -> Optional["DeviceManage
     the caller)."""
     if group + 1 < len(run.plan.fwd_plan):
         return run.job_device.get(("f", group + 1))
-    return run.job_device.get(("fb", m % run.fused_parts))
+    return run.job_device.get(("fb", part_of(m, run.fused_parts, run.batch.num_microbatch)))
 
 
 def _take_grads(device: "DeviceManager", ctx: MicrobatchState) -> List[Optional[torch.Tensor]]:
@@ -358,8 +359,9 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int, part: i
     the device over microbatches and are downloaded once into the host gradient slots.
 
     The last group of a 'train' call (the first backward job) may run in ``run.fused_parts`` parts, as
-    the fused job does (``run_forward_backward``): part ``part`` takes microbatches part, part + parts,
-    ...; part 0 seeds and downloads, the others hand their gradients over (``partial_grads``)."""
+    the fused job does (``run_forward_backward``): part ``part`` takes every ``parts``-th microbatch
+    (``partial_grads.part_microbatches``); part 0 seeds and downloads, the others hand their gradients over
+    (``partial_grads``)."""
     batch, tracker, cfg = run.batch, run.tracker, run.cfg
     layers = run.plan.bwd_plan[layer_group_id]
     split = layer_group_id == len(run.plan.bwd_plan) - 1 and run.fused_parts > 1
@@ -375,7 +377,7 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int, part: i
         GroupBackward(run, device, layers, gpu_layers, ready, slots, parity) if cfg.recompute_grain == "stage" else None
     )
     first = True  # the first microbatch that computes waits for each layer; later ones find them there
-    order = range(part, batch.num_microbatch, run.fused_parts if split else 1)
+    order = part_microbatches(part, run.fused_parts, batch.num_microbatch) if split else range(batch.num_microbatch)
     tiles = None
     if run.sequence is not None:
         # The tiles of one sequence, last first: tile t's key and value gradients come from tiles t..T-1.
@@ -417,7 +419,7 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int, part: i
     _hand_grads_back(device, run, layers, gpu_layers, part, with_buffer=False, split=split)
     release_layers(gpu_layers, device, slots)
     device.job_done()
-    clock.note(run, len(range(part, batch.num_microbatch, run.fused_parts if split else 1)), len(layers))
+    clock.note(run, len(order), len(layers))
 
 
 def _at_fused(run: Run, what: str, i: int, m: int) -> str:
@@ -450,10 +452,11 @@ def run_forward_backward(device: "DeviceManager", run: Run, part: int = 0) -> No
     """The last backward group: forward, loss and backward in one job, with no recompute and no host
     round trip for the head. Losses (and outputs when asked) are downloaded per microbatch.
 
-    Split over ``run.fused_parts`` devices, part ``part`` runs microbatches part, part + parts, ...;
-    part 0 downloads the layers' gradients with the other parts' added in (``partial_grads``), the
-    others only hand theirs over. Only part 0 seeds its device gradients from the host (gradients
-    accumulated by earlier calls), so the sum counts them once."""
+    Split over ``run.fused_parts`` devices, part ``part`` runs every ``parts``-th microbatch
+    (``partial_grads.part_microbatches``, part 0 the last one); part 0 downloads the layers' gradients
+    with the other parts' added in (``partial_grads``), the others only hand theirs over. Only part 0
+    seeds its device gradients from the host (gradients accumulated by earlier calls), so the sum counts
+    them once."""
     batch, tracker = run.batch, run.tracker
     gid = len(run.plan.bwd_plan) - 1
     layers = run.plan.bwd_plan[gid]
@@ -461,7 +464,8 @@ def run_forward_backward(device: "DeviceManager", run: Run, part: int = 0) -> No
     clock = HostClock(device)
     device.graphs.begin_job()  # the fused job runs eagerly; it still takes its turn in the slot parity
     gpu_layers = _upload_group(device, run, layers, with_grad=True, for_recompute=False, seed=part == 0)
-    for m in range(part, batch.num_microbatch, run.fused_parts):
+    mine = part_microbatches(part, run.fused_parts, batch.num_microbatch)
+    for m in mine:
         tracker.forward_wait_for(len(run.plan.fwd_plan), m)
         ctx = run.contexts[m]
         device.where = (_at_fused, (run, "fused forward-backward of", layers.start, m))
@@ -506,4 +510,4 @@ def run_forward_backward(device: "DeviceManager", run: Run, part: int = 0) -> No
     _hand_grads_back(device, run, layers, gpu_layers, part, with_buffer=True, split=run.partial_grads is not None)
     release_layers(gpu_layers, device)
     device.job_done()
-    clock.note(run, len(range(part, batch.num_microbatch, run.fused_parts)), len(layers))
+    clock.note(run, len(mine), len(layers))

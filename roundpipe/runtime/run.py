@@ -152,8 +152,8 @@ class Run:
         self.outputs: List[Any] = [None] * batch.num_microbatch
         self.timer = model.model_timer.new_iter()
         # The last backward group (the fused job, or a 'train' call's first backward job: a language
-        # model's head) runs in this many parts, part j taking microbatches j, j + parts, ... on its
-        # own device; their gradients meet in part 0's download (``partial_grads``).
+        # model's head) runs in this many parts, each taking every parts-th microbatch on its own device
+        # (``partial_grads.part_microbatches``); their gradients meet in part 0's download (``partial_grads``).
         self.fused_parts = 1
         self.partial_grads: Optional[PartialGrads] = None
         # One sequence cut into tiles (``roundpipe.runtime.sequence``): its jobs keep keys and values across tiles,
