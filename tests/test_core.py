@@ -456,6 +456,41 @@ def test_split_fused_job_equals_pytorch(
     assert published == want
 
 
+@pytest.mark.parametrize("workers", ["cpu:2", "cpu:3"], indirect=True)
+@pytest.mark.parametrize("room", [1.0, 0.0])
+@pytest.mark.parametrize("fused", [True, False])
+def test_split_group_shares_go_to_part_0_as_peer_copies(
+    workers: str, room: float, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RPP_PEER_HANDOFF=1: the other parts of a split last group copy their gradients to part 0's device
+    (no host buffer), while they take at most ``PEER_SHARE_FRACTION`` of its room (0 here: through the
+    host); either way the sums equal plain PyTorch's, over two calls, under the stress mode."""
+    from roundpipe import settings
+    from roundpipe.runtime import partial_grads
+
+    monkeypatch.setenv("RPP_PEER_HANDOFF", "1")
+    monkeypatch.setattr(partial_grads, "PEER_SHARE_FRACTION", room)
+    ways: list = []
+    real_target = partial_grads.PartialGrads._peer_target
+
+    def peer_target(self: partial_grads.PartialGrads, device: object, nbytes: int) -> object:
+        target = real_target(self, device, nbytes)
+        if nbytes:  # a layer with gradients (the Tanh has none)
+            ways.append(target is not None)
+        return target
+
+    monkeypatch.setattr(partial_grads.PartialGrads, "_peer_target", peer_target)
+    with settings.overridden(stress_delay_s=0.001, split_fused="1"):
+        torch.manual_seed(3)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 5)).double()
+        ref = copy.deepcopy(model)
+        plan = ModelExecutePlan([range(0, 2), range(2, 3)], [range(0, 2), range(2, 3), range(3, 5)])
+        rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=4, execute_plan=plan))
+        _train_both(rp, ref, fused, rows=12, num_microbatch=4)
+    check_grads(model, ref, 1e-10)
+    assert ways and all(way == (room > 0) for way in ways)
+
+
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2", "cpu:3"], indirect=True)
 @pytest.mark.parametrize("grain", ["stage", "layer"])
 @pytest.mark.parametrize("fused", [True, False])

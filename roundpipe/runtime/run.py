@@ -175,6 +175,10 @@ class Run:
                     fused,
                     model.partial_grad_store,
                     lambda i: f"model {model.name!r}: {self.layer_name(i)}",
+                    primary=lambda: (
+                        self.job_device.get(("fb", 0)) or self.job_device.get(("b", len(plan.bwd_plan) - 1))
+                    ),
+                    peer=self.peer_handoff,
                 )
         # Which device runs each job ('f', g) / ('b', b) / ('fb', part), fixed at dispatch (roundpipe.devices.dispatch).
         self.job_device: Dict[Tuple[str, int], "DeviceManager"] = {}
