@@ -228,5 +228,19 @@ case "${1:-}" in
       set -- $v
       CUDA_VISIBLE_DEVICES=$1 RPP_PEER_HANDOFF=$2 timeout -s ABRT 90 $b 2>&1 | quiet | tee "$out/b$1-$2.log" | grep -E "^\\| roundpipe|per-iteration|Error" | sed "s/^/gpus=$1 peer=$2 /"
     done ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d" >&2; exit 2 ;;
+  next1)  # any kind, first call of the twenty-fourth session: every GPU test on the final tree, each result named
+    # (-rA), with room for a fresh machine's compiles; log in $out/gputests.log
+    export PYTHONFAULTHANDLER=1
+    timeout -s ABRT 540 python3 -m pytest -m gpu tests -q -rA -p no:cacheprovider 2>&1 | tee "$out/gputests.log" | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^E " | head -60 ;;
+  next4)  # issues 36/39 (nvidia-h200-x4 or h100-x4), twenty-fourth session: is a 4-GPU run repeatable (it also fills
+    # the compile cache), then qwen3-1.7b 16 x 4096 in one process per pool, one call: 4 GPUs (peer hand-overs
+    # on by auto) and 1 GPU first, then 4 GPUs without peer hand-overs and 2 GPUs; logs in $out (no commas in names)
+    export PYTHONFAULTHANDLER=1
+    timeout -s ABRT 150 python3 bench/repeat_losses.py 2>&1 | tee "$out/repeat4.log" | grep -E "device|Error"
+    b="python3 bench/train_bench.py --workload qwen3-1.7b --batch 16 --skip-baseline --warmup 3 --iters 4"
+    for v in "0,1,2,3 auto 4auto 200" "0 auto 1 120" "0,1,2,3 0 4nopeer 110" "0,1 auto 2auto 110"; do
+      set -- $v
+      CUDA_VISIBLE_DEVICES=$1 RPP_PEER_HANDOFF=$2 timeout -s ABRT $4 $b 2>&1 | quiet | tee "$out/g$3.log" | grep -E "^\\| roundpipe|per-iteration|Error" | sed "s/^/gpus=$1 peer=$2 /"
+    done ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4" >&2; exit 2 ;;
 esac
