@@ -518,6 +518,42 @@ def test_roundpipe_recompute_reuses_prefix_masks(workers: str, monkeypatch: pyte
     assert len(calls) == 3
 
 
+def test_prefix_keeps_the_rotary_tables_of_default_positions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefix computes the rotary tables of default positions once per device and length and hands the
+    same tensors to later microbatches (the values the rotary module gives); positions the caller gives,
+    another length, a rotary variant whose tables may change, or a sequence above the limit are computed."""
+    from roundpipe.models import preset as preset_mod
+
+    prefix = models.build_preset(tiny_model("qwen3")).layers[0]
+    calls: List[int] = []
+    rotary = prefix.rotary_emb
+    original = type(rotary).forward
+    monkeypatch.setattr(type(rotary), "forward", lambda self, x, pos: calls.append(1) or original(self, x, pos))
+    ids = torch.randint(1, VOCAB, (2, 10))
+    first = prefix(input_ids=ids)["position_embeddings"]
+    again = prefix(input_ids=ids.flip(0))["position_embeddings"]
+    assert len(calls) == 1 and all(a is b for a, b in zip(first, again))
+    embeds = prefix.embed_tokens(ids)
+    want = original(rotary, embeds, torch.arange(10).unsqueeze(0))
+    assert all(torch.equal(a, b) for a, b in zip(first, want))
+    positions = torch.arange(10).unsqueeze(0).expand(2, -1)
+    given = prefix(input_ids=ids, position_ids=positions)["position_embeddings"]
+    assert len(calls) == 2 and all(torch.equal(a.expand_as(b), b) for a, b in zip(first, given))
+    prefix(input_ids=ids[:, :7])
+    assert len(calls) == 3
+    prefix(input_ids=ids)
+    assert len(calls) == 4  # one length kept per device: 7 replaced 10
+    monkeypatch.setattr(preset_mod, "ROPE_CACHE_MAX_TOKENS", 9)
+    prefix(input_ids=ids)
+    prefix(input_ids=ids)
+    assert len(calls) == 6
+    monkeypatch.setattr(preset_mod, "ROPE_CACHE_MAX_TOKENS", 32768)
+    monkeypatch.setattr(rotary, "rope_type", "dynamic")
+    prefix(input_ids=ids)
+    prefix(input_ids=ids)
+    assert len(calls) == 8
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The family table, SUPPORTED_MODELS and third-party presets
 # ---------------------------------------------------------------------------------------------------------

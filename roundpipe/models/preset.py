@@ -188,10 +188,23 @@ def _saved_for_recompute() -> Optional[Tuple[Any, ...]]:
         return None
 
 
+#: Rotary variants whose tables depend on the sequence length alone (their ``inv_freq`` never changes in forward),
+#: so :class:`CausalLMPrefix` may keep them for the next microbatch of the same length.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+#: The longest sequence whose rotary tables the prefix keeps (two ``tokens x head_dim`` tensors per device: 16 MiB
+#: for a head_dim of 128 in bf16); longer ones are computed per microbatch, as their compute dwarfs it.
+ROPE_CACHE_MAX_TOKENS = 32768
+
+
 class CausalLMPrefix(nn.Module):
     """Embedding, rotary tables and attention masks: the first pipeline layer.
 
     Receives the (microbatch of the) model's keyword arguments and returns the state dict.
+
+    The rotary tables of default positions are kept per device and length (``_rope_cache``, shared by the
+    device copies a job makes of this module): computing them took about half the prefix's kernels, and
+    on 4 GPUs, where each eager launch waits for the interpreter lock, the prefix's job paced the whole
+    forward pipeline at about 10 ms per microbatch for 3 ms of kernels (docs/benchmarks.md).
     """
 
     def __init__(self, embed_tokens: nn.Module, rotary_emb: nn.Module, config: Any, spec: CausalLMSpec) -> None:
@@ -200,6 +213,26 @@ class CausalLMPrefix(nn.Module):
         self.rotary_emb = rotary_emb
         self.config = config
         self.spec = spec
+        # device -> ((tokens, dtype), (cos, sin)): the last tables made there (``_position_embeddings``).
+        self._rope_cache: Dict[torch.device, Tuple[Tuple[int, torch.dtype], Tuple[torch.Tensor, ...]]] = {}
+
+    def _position_embeddings(
+        self, embeds: torch.Tensor, position_ids: torch.Tensor, given: Optional[torch.Tensor]
+    ) -> Tuple[torch.Tensor, ...]:
+        """The rotary tables of ``position_ids``; for default positions (``given`` None) of a static rotary
+        variant up to :data:`ROPE_CACHE_MAX_TOKENS`, the ones kept from an earlier microbatch of this length
+        on this device. Consumers only read them (attention, hand-overs, saved for the recompute)."""
+        tokens = embeds.shape[1]
+        static = getattr(self.rotary_emb, "rope_type", None) in STATIC_ROPE_TYPES
+        if given is not None or not static or tokens > ROPE_CACHE_MAX_TOKENS:
+            return tuple(self.rotary_emb(embeds, position_ids))
+        key = (tokens, embeds.dtype)
+        kept = self._rope_cache.get(embeds.device)
+        if kept is None or kept[0] != key:
+            with torch.no_grad():
+                kept = (key, tuple(t.detach() for t in self.rotary_emb(embeds, position_ids)))
+            self._rope_cache[embeds.device] = kept
+        return kept[1]
 
     def _masks(
         self, embeds: torch.Tensor, attention_mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor]
@@ -242,7 +275,7 @@ class CausalLMPrefix(nn.Module):
                 masks = dict.fromkeys(self.spec.layer_types)
             else:
                 masks = self._masks(inputs_embeds, attention_mask, given_positions)
-            position_embeddings = tuple(self.rotary_emb(inputs_embeds, position_ids))
+            position_embeddings = self._position_embeddings(inputs_embeds, position_ids, given_positions)
             save_for_recompute(masks, position_embeddings)
         options = dict(options or {})
         router = None
