@@ -237,6 +237,7 @@ case "${1:-}" in
     # on by auto) and 1 GPU first, then 4 GPUs without peer hand-overs and 2 GPUs; logs in $out (no commas in names)
     export PYTHONFAULTHANDLER=1
     timeout -s ABRT 150 python3 bench/repeat_losses.py 2>&1 | tee "$out/repeat4.log" | grep -E "device|Error"
+    RPP_GRAPHS=0 timeout -s ABRT 90 python3 bench/repeat_losses.py 2>&1 | tee -a "$out/repeat4.log" | grep -E "device|Error" | sed "s/^/graphs=0 /"
     b="python3 bench/train_bench.py --workload qwen3-1.7b --batch 16 --skip-baseline --warmup 3 --iters 4"
     for v in "0,1,2,3 auto 4auto 200" "0 auto 1 120" "0,1,2,3 0 4nopeer 110" "0,1 auto 2auto 110"; do
       set -- $v
