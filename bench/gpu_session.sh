@@ -243,5 +243,13 @@ case "${1:-}" in
       set -- $v
       CUDA_VISIBLE_DEVICES=$1 RPP_PEER_HANDOFF=$2 timeout -s ABRT $4 $b 2>&1 | quiet | tee "$out/g$3.log" | grep -E "^\\| roundpipe|per-iteration|Error" | sed "s/^/gpus=$1 peer=$2 /"
     done ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4" >&2; exit 2 ;;
+  next4b)  # issue 39 run 2 (a 4-GPU kind), after next4 on the same warm machine: qwen3-1.7b 32 x 4096 and
+    # qwen3-4b 16 x 4096, 4 GPUs against 1 in one call, one process per pool; W=qwen3-4b B=16 to pick one
+    export PYTHONFAULTHANDLER=1
+    b="python3 bench/train_bench.py --workload ${W:-qwen3-1.7b} --batch ${B:-32} --skip-baseline --warmup 3 --iters 3"
+    for v in "0,1,2,3 4 240" "0 1 200"; do
+      set -- $v
+      CUDA_VISIBLE_DEVICES=$1 timeout -s ABRT $3 $b 2>&1 | quiet | tee "$out/w$2.log" | grep -E "^\\| roundpipe|per-iteration|Error" | sed "s/^/${W:-qwen3-1.7b} ${B:-32}x4096 gpus=$1 /"
+    done ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b" >&2; exit 2 ;;
 esac
