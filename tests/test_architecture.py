@@ -246,8 +246,9 @@ def test_the_device_layer_imports_only_settings_and_utils_from_outside() -> None
 def test_the_planning_layer_imports_no_optimizer_model_cli_or_wrapper() -> None:
     """Planning decides; it imports nothing of the optimizer, the presets, the CLI, data parallel or the
     wrapper. Known exception, both ways between planning and runtime (no module cycle, a test above checks):
-    ``plan`` asks ``runtime.partial_grads`` how a layer's gradient splits, and ``plan_choice`` (the plan of
-    one call) reads the call's batch and run. The other planning modules import nothing of the runtime."""
+    ``plan`` asks ``runtime.partial_grads`` how a layer's gradient splits, ``simulate`` which microbatches
+    each part of a split group runs, and ``plan_choice`` (the plan of one call) reads the call's batch and
+    run. The other planning modules import nothing of the runtime."""
     crossings = _crossings("roundpipe.planning")
     forbidden = UPPER + TOP[:2]
     assert not [c for c in crossings if any(_under(c[1], f) for f in forbidden)], sorted(crossings)
@@ -257,6 +258,7 @@ def test_the_planning_layer_imports_no_optimizer_model_cli_or_wrapper() -> None:
         ("roundpipe.planning.plan_choice", "roundpipe.runtime.batch"),
         ("roundpipe.planning.plan_choice", "roundpipe.runtime.partial_grads"),
         ("roundpipe.planning.plan_choice", "roundpipe.runtime.run"),
+        ("roundpipe.planning.simulate", "roundpipe.runtime.partial_grads"),
     }, sorted(into_runtime)
 
 

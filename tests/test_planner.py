@@ -372,8 +372,9 @@ def test_simulation_of_a_split_fused_job_by_hand():
     fwd_plan, bwd_plan = [range(0, 1)], [range(0, 1), range(1, 2)]
     # One fused job on B: mb0 1-11, mb1 11-21; b0 on A waits for it: mb0 11-13, mb1 21-23.
     assert simulate_iteration("fused", fwd_plan, bwd_plan, fwd, bwd, 2, 2) == pytest.approx(23)
-    # Two parts: mb0 on B 1-11, mb1 on A 2-12; b0 on B: mb0 11-13, mb1 13-15.
-    assert simulate_iteration("fused", fwd_plan, bwd_plan, fwd, bwd, 2, 2, fused_parts=2) == pytest.approx(15)
+    # Two parts, part 0 (on B) taking the last microbatch: mb1 on B 2-12, mb0 on A (after f0) 2-12; b0 on B:
+    # mb0 12-14, mb1 14-16.
+    assert simulate_iteration("fused", fwd_plan, bwd_plan, fwd, bwd, 2, 2, fused_parts=2) == pytest.approx(16)
 
 
 def test_simulation_of_a_split_first_backward_job_by_hand():
