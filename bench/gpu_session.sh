@@ -251,5 +251,18 @@ case "${1:-}" in
       set -- $v
       CUDA_VISIBLE_DEVICES=$1 timeout -s ABRT $3 $b 2>&1 | quiet | tee "$out/w$2.log" | grep -E "^\\| roundpipe|per-iteration|Error" | sed "s/^/${W:-qwen3-1.7b} ${B:-32}x4096 gpus=$1 /"
     done ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b" >&2; exit 2 ;;
+  s24a)  # issues 37/40 (any one-GPU kind, carry [".whl", ".old"]), twenty-fourth session, call 1: qwen3-1.7b 8 x 4096,
+    # the bench (this tree, then .old = 42ce6e4, then this tree again) beside the user script three ways (as a user
+    # writes it, the model built on the host, a GPU wait after each step), then every GPU test; logs in $out
+    export PYTHONFAULTHANDLER=1
+    nvidia-smi -L
+    b="bench/train_bench.py --workload qwen3-1.7b --skip-baseline --warmup 3 --iters 6"
+    timeout -s ABRT 100 python3 $b 2>&1 | quiet | tee "$out/bench1.log" | grep -E "^\\| roundpipe|per-iteration|optimizer step|Error"
+    (cd .old && PYTHONPATH=$PWD:/tmp/site timeout -s ABRT 90 python3 $b 2>&1 | quiet | tee "$out/old.log" | grep -E "^\\| roundpipe|Error")
+    for a in "" "--build host" "--sync-each"; do
+      timeout -s ABRT 80 python3 bench/user_script.py --workload qwen3-1.7b --batch 8 $a 2>&1 | tee -a "$out/script.log" | grep -E "user script|step returns|Error" | sed "s/^/[$a] /"
+    done
+    timeout -s ABRT 90 python3 $b 2>&1 | quiet | tee "$out/bench2.log" | grep -E "^\\| roundpipe|per-iteration|optimizer step|Error"
+    timeout -s ABRT 260 python3 -m pytest -m gpu tests -q -rA -p no:cacheprovider 2>&1 | tee "$out/gputests.log" | grep -E "^(FAILED|ERROR)|passed|failed|^E " | head -30 ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a" >&2; exit 2 ;;
 esac

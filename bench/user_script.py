@@ -35,6 +35,15 @@ def main() -> int:
         action="store_false",
         help="leave optim_dtype out: Adam steps the bf16 weights themselves (the wrapper's default)",
     )
+    p.add_argument(
+        "--build",
+        choices=("gpu", "host"),
+        default="gpu",
+        help="diagnostic: where the model is built (a user builds it on the GPU and moves it; the bench on the host)",
+    )
+    p.add_argument(
+        "--sync-each", action="store_true", help="diagnostic: wait for the GPU after each step, as the bench times"
+    )
     args = p.parse_args()
 
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -55,7 +64,11 @@ def main() -> int:
         attn_implementation="sdpa",
     )
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = Qwen3ForCausalLM(config).to(device, torch.bfloat16 if device == "cuda" else torch.float32).to("cpu")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if args.build == "gpu":
+        model = Qwen3ForCausalLM(config).to(device, dtype).to("cpu")
+    else:
+        model = Qwen3ForCausalLM(config).to(dtype)
     model = roundpipe.wrap_model_to_roundpipe(model, optim_dtype=torch.float32 if args.fp32_masters else None)
     opt = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-5)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq))
@@ -67,13 +80,24 @@ def main() -> int:
     for _ in range(3):
         step()
     t0 = time.perf_counter()
+    marks = []
     for _ in range(args.steps):
         step()
+        if args.sync_each and device == "cuda":
+            torch.cuda.synchronize()
+        marks.append(time.perf_counter())
     model.synchronize()
-    seconds = (time.perf_counter() - t0) / args.steps
+    end = time.perf_counter()
+    seconds = (end - t0) / args.steps
     print(
         f"user script: {args.workload} {args.batch} x {args.seq}: {ids.numel() / seconds:,.0f} tokens/s, "
         f"{seconds:.3f} s/step"
+    )
+    # Where the time goes: each step's return (the next one waits for nothing of it) and the final synchronize.
+    steps = [b - a for a, b in zip([t0] + marks, marks)]
+    print(
+        f"step returns after (s): {[round(t, 3) for t in steps]}; final synchronize {end - marks[-1]:.3f} s; "
+        f"without it {ids.numel() * args.steps / (marks[-1] - t0):,.0f} tokens/s"
     )
     return 0
 
