@@ -67,7 +67,10 @@ def test_bench_script_runs(argv: list) -> None:
             + ["--graphs", "0,1", "--warmup", "1", "--iters", "1"],
             "tokens/s",
         ),
-        (["bench/user_script.py", "--workload", "tiny", "--seq", "32", "--batch", "2", "--steps", "1"], "tokens/s"),
+        (
+            ["bench/user_script.py", "--workload", "tiny", "--seq", "32", "--batch", "2", "--steps", "1"],
+            "final synchronize",
+        ),
     ],
     ids=["job_cost", "pool_bench", "user_script"],
 )
