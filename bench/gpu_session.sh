@@ -264,5 +264,18 @@ case "${1:-}" in
     done
     timeout -s ABRT 90 python3 $b 2>&1 | quiet | tee "$out/bench2.log" | grep -E "^\\| roundpipe|per-iteration|optimizer step|Error"
     timeout -s ABRT 260 python3 -m pytest -m gpu tests -q -rA -p no:cacheprovider 2>&1 | tee "$out/gputests.log" | grep -E "^(FAILED|ERROR)|passed|failed|^E " | head -30 ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a" >&2; exit 2 ;;
+  s25a)  # issue 36: the pinned-block hazard of graph captures (torch alone, then HostScalar); the GPU tests;
+    # the graph tests with RPP_GC_FREEZE=1 twice (it was kept off after a graph test failed with it)
+    nvidia-smi -L
+    python3 bench/capture_pinned_check.py 2>&1 | tee "$out/capture.log"
+    timeout -s ABRT 300 python3 -m pytest -m gpu tests -q -rA -p no:cacheprovider 2>&1 | tee "$out/gputests.log" | grep -E "^(FAILED|ERROR)|passed|failed|^E " | head -30
+    for i in 1 2; do
+      RPP_GC_FREEZE=1 timeout -s ABRT 120 python3 -m pytest -m gpu tests/test_gpu.py tests/test_gc_freeze.py -q -p no:cacheprovider -k "graph or scalar or freeze" 2>&1 | tee -a "$out/freeze.log" | grep -E "^(FAILED|ERROR)|passed|failed|^E " | head -10
+    done ;;
+  s25b)  # issue 37 part 2: qwen3-8b LoRA 131,072 under a 24 GiB cap, with the memory detail; the plan beside it
+    python3 -m roundpipe plan --model qwen3-8b --seq-len 131072 --lora-r 16 --gpu-memory 24GiB 2>&1 | grep "peak GPU"
+    RPP_GPU_MEMORY=24GiB timeout -s ABRT 500 python3 bench/long_context.py --workload qwen3-8b --lora 16 --lengths 131072 --skip-baseline --memory-detail --out "$out/capped8b.json" 2>&1 | quiet | tee "$out/capped8b.log" | grep -v "^ *$" | tail -14 ;;
+  s25c)  # issue 37 part 2: what fills the GPU at the peak of a qwen3-8b LoRA step at 131,072 (a 2-layer slice, as capped)
+    RPP_GPU_MEMORY=24GiB RPP_DEVICE_SAVED_GB=0 timeout -s ABRT 400 python3 bench/memory_trace.py --workload qwen3-8b --lora 16 --layers 2 --seq 131072 --top 24 2>&1 | quiet | tee "$out/trace.log" | tail -32 ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c" >&2; exit 2 ;;
 esac

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import sys
 import threading
@@ -201,6 +202,8 @@ def roundpipe_results(args: argparse.Namespace, lengths: List[int]) -> List[Resu
         est = estimate_for(args, seq)
         if est is not None:
             r.estimate_gpu_gib, r.estimate_host_gib = est
+        if args.memory_detail and torch.cuda.is_available():
+            print(f"peak GPU reserved at {seq}: {torch.cuda.max_memory_reserved() / 2**30:.2f} GiB", flush=True)
         print(json.dumps(asdict(r)), flush=True)
         out.append(r)
         if not r.ok or (args.budget_s and r.s_per_step * 4.5 > args.budget_s - (time.perf_counter() - T0)):
@@ -233,6 +236,9 @@ def estimate_for(args: argparse.Namespace, seq: int) -> Optional[tuple]:
 
         gpu_bytes = float(device_mod.get_min_capacity())
     e = estimate.estimate(shape, seq_len=seq, batch_size=1, lora_rank=args.lora, gpu_bytes=gpu_bytes)
+    if getattr(args, "memory_detail", False):
+        parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in e.gpu_parts.items())
+        print(f"estimate at {seq}: GPU GiB {parts}; layers per stage {e.layers_per_stage}", flush=True)
     return e.peak_gpu_bytes / 2**30, e.peak_host_bytes / 2**30
 
 
@@ -298,7 +304,18 @@ def main() -> None:
         help="stop before a length that would not finish within this many seconds of the start",
     )
     p.add_argument("--out", default="", help="write the results as JSON here")
+    p.add_argument(
+        "--memory-detail",
+        action="store_true",
+        help="also print, per length, the estimate's parts, the reserved GPU peak and the stage inputs the runtime "
+        "kept on the device",
+    )
     args = p.parse_args()
+    if args.memory_detail:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.addFilter(lambda rec: "backward-stage inputs on the device" in rec.getMessage())
+        logging.getLogger("roundpipe").addHandler(handler)
+        logging.getLogger("roundpipe").setLevel(logging.DEBUG)
     lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     results: List[Result] = []
     if torch.cuda.is_available() and not args.skip_baseline:

@@ -171,6 +171,81 @@ def test_decoder_layer_estimate_matches_the_saved_tensors_of_a_tiled_layer() -> 
     assert abs(measured - expected) / measured < 0.15, (measured, expected)
 
 
+def _tiled_recompute_saved_bytes(lora: bool, seq: int, tile: int) -> Tuple[int, float, float, Any]:
+    """(bytes a bf16 Qwen3 layer's tiled recompute saves for its backward besides its input and the rotary
+    tables, the layer's extra bytes per token, their pre-attention part, its shape); adapters in fp32 as
+    PEFT's default upcast leaves them."""
+    from test_tiling import _inputs, _make_layer
+
+    from roundpipe.models import tiling
+    from roundpipe.models.causal_lm import _module_extra_per_token, _pre_attention_extra_per_token
+    from roundpipe.runtime.context import RecomputeCtx
+
+    base, layer = _make_layer("qwen3", lora=lora)
+    base = base.to(torch.bfloat16)
+    for name, p in base.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.float()
+    x, mask, pos, (cos, sin) = _inputs(base, 1, seq, padding=False)
+    x = x.detach().to(torch.bfloat16).requires_grad_(True)
+    pe = (cos.to(torch.bfloat16), sin.to(torch.bfloat16))
+    storages: Dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.numel() >= seq:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with (
+        roundpipe.settings.overridden(seq_tile=tile),
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        RecomputeCtx(None),
+    ):
+        assert tiling.maybe_tiled_forward(layer, x, mask, pos, pe) is not None, "the layer did not tile"
+    skip = {x.untyped_storage().data_ptr()} | {t.untyped_storage().data_ptr() for t in pe}
+    shape = estimate.ModelShape.from_config(base.config)
+    extra, pre = _module_extra_per_token(layer, shape), _pre_attention_extra_per_token(layer, shape)
+    return sum(v for k, v in storages.items() if k not in skip), extra, pre, shape
+
+
+def test_estimate_counts_what_fp32_adapters_add_to_the_kept_pre_attention_graph() -> None:
+    """Below ``PRE_TILES_IN_RECOMPUTE`` tiles a tiled recompute keeps the pre-attention graph at full length,
+    and PEFT's fp32 adapters on q / k / v each keep a cast copy of its input there (6.0 GiB of qwen3-8b
+    LoRA's 22.4 GiB peak at 131,072 tokens on an H200, bench/memory_trace.py). What the adapters add to a
+    tiled layer's saved tensors (LoRA against full fine-tune, 8 tiles) equals what ``decoder_layer_bytes``
+    adds for them, within 15%; from 16 tiles the graph is recomputed per tile and both add nothing. The
+    layer's pre-attention extra is the q / k / v share that ``estimate`` assumes for LoRA on all projections."""
+    from roundpipe.models import tiling
+
+    assert estimate.PRE_TILES_IN_RECOMPUTE == tiling.PRE_TILES_IN_RECOMPUTE
+    seq = 1024
+    for tile, tiles_kept in ((128, True), (64, False)):
+        runs = {lora: _tiled_recompute_saved_bytes(lora, seq, tile) for lora in (False, True)}
+        measured = runs[True][0] - runs[False][0]
+        est = {
+            lora: estimate.decoder_layer_bytes(shape, seq, tile, True, 2, False, extra, pre)[0]
+            for lora, (_, extra, pre, shape) in runs.items()
+        }
+        added = est[True] - est[False]
+        if tiles_kept:
+            assert measured > 0.1 * runs[False][0], (measured, runs[False][0])
+            assert abs(added - measured) / measured < 0.15, (added, measured)
+        else:
+            assert added == 0 and abs(measured) <= 0.15 * runs[False][0], (added, measured)
+    _, _, pre, shape = runs[True]
+    assert pre == estimate.lora_pre_attention_bytes_per_token(shape, 4)
+
+
+def test_plan_estimate_of_qwen3_8b_lora_at_131k_is_the_measured_peak() -> None:
+    """``roundpipe plan``'s GPU figure for qwen3-8b LoRA r=16 at 131,072 tokens against the peak measured on
+    one H200 under a 24 GiB cap (22.25 GiB allocated, docs/benchmarks.md): within 10%, and still within the
+    cap (the run completes). The runtime plans by its own count (``pre_extra_per_token=None``)."""
+    shape = estimate.ModelShape.builtin("qwen3-8b")
+    e = estimate.estimate(shape, seq_len=131072, lora_rank=16, gpu_bytes=24 * estimate.GiB, tile=16384)
+    assert abs(e.peak_gpu_bytes / estimate.GiB - 22.25) / 22.25 < 0.10, e.describe()
+    assert e.peak_gpu_bytes <= 24 * estimate.GiB
+
+
 def _saved_bytes_of_layer(base: torch.nn.Module, layer: torch.nn.Module, seq: int) -> int:
     """Bytes autograd saves for one bf16 forward of ``layer`` over ``seq`` tokens (saved-tensor hooks,
     deduplicated by storage), without its input, its weights, the rotary tables and the mask."""

@@ -448,6 +448,36 @@ def test_host_scalar_is_read_later_without_a_sync_when_created() -> None:
     assert value.item() == int((y[0] > 0).sum())
 
 
+def test_a_host_scalar_dropped_during_a_graph_capture_leaves_pinned_memory_usable() -> None:
+    """A HostScalar made on a stream and dropped by another thread while that stream captures a graph
+    (``thread_local``, as ``graphs.GraphCache`` captures): the pinned allocations after the capture work.
+    With the scalar's copy on the captured stream, torch's caching host allocator recorded the block's
+    free event into the capture, and every later pinned allocation raised "invalid argument"."""
+    import threading
+
+    from roundpipe.runtime.transfer import HostScalar
+
+    compute = torch.cuda.Stream()
+    x = torch.arange(8, device="cuda", dtype=torch.float32)
+    with torch.cuda.stream(compute):
+        held = [HostScalar((x > 2).sum()) for _ in range(4)]
+    assert [h.item() for h in held] == [5] * 4
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(compute):
+        graph.capture_begin(capture_error_mode="thread_local")
+        y = x * 2
+        dropper = threading.Thread(target=held.clear)
+        dropper.start()
+        dropper.join()
+        graph.capture_end()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, x * 2)
+    for _ in range(4):
+        torch.empty(1024, pin_memory=True).fill_(1)
+    assert HostScalar((x > 6).sum()).item() == 1
+
+
 def _mean_square_calls(rp: RoundPipe, ref: nn.Module, fused: bool, calls: int, rows: int, num_microbatch: int):
     """Training calls of the mean square of the output over random ``[rows, 1024]`` inputs, through
     forward_backward (``fused``: per microbatch mean over the microbatch count, summed, equals the whole

@@ -155,7 +155,9 @@ class RoundPipeForCausalLM(RoundPipe):
                 prefix = whole_tokens * 2 * (2 * shape.q_dim + shape.kv_dim) * e
             for i in decoder:
                 tiled = tileable[i] and tile > 0 and t > tile
-                k, p = estimate.decoder_layer_bytes(shape, t, tile, tiled, e, whole[i], extra[i])
+                # The pre-attention graph as the runtime's budget margins were fitted (None), not what PEFT's
+                # adapters add to it (``estimate.decoder_layer_bytes``; ``roundpipe plan`` counts that).
+                k, p = estimate.decoder_layer_bytes(shape, t, tile, tiled, e, whole[i], extra[i], None)
                 kept[i], peak[i] = k + kv, p + kv + prefix + io + side
                 # The host copy of a stage input per microbatch (bf16, or fp8 payload and scales) from torch's
                 # pinned caching allocator, which rounds each block up to a power of two.
@@ -290,6 +292,17 @@ def _module_extra_per_token(layer: nn.Module, shape: estimate.ModelShape) -> flo
     gate / up another); an adapter of another dtype (PEFT upcasts adapters to fp32 by default) saves its
     own cast copy instead; each adapter's ``lora_A`` output; with trainable norm weights, each norm's
     normed output (kept for the weight's gradient)."""
+    return _extra_parts(layer, shape)[0]
+
+
+def _pre_attention_extra_per_token(layer: nn.Module, shape: estimate.ModelShape) -> float:
+    """The part of ``_module_extra_per_token`` that the q / k / v projections and the input norm save: what
+    the pre-attention graph a tiled recompute keeps holds besides q, k and v (``estimate.decoder_layer_bytes``)."""
+    return _extra_parts(layer, shape)[1]
+
+
+def _extra_parts(layer: nn.Module, shape: estimate.ModelShape) -> Tuple[float, float]:
+    """(the whole layer's extra bytes per token, the pre-attention part's), see ``_module_extra_per_token``."""
     shared = {
         "q_proj": "attention input",
         "k_proj": "attention input",
@@ -298,7 +311,7 @@ def _module_extra_per_token(layer: nn.Module, shape: estimate.ModelShape) -> flo
         "up_proj": "mlp input",
     }
     inputs: Dict[str, float] = {}  # input group -> bytes per token of the one saved copy
-    extra = 0.0
+    extra = pre = 0.0
     for name, module in layer.named_modules():
         parts = name.split(".")
         if any(p.startswith("lora_") or p == "base_layer" for p in parts):
@@ -314,11 +327,13 @@ def _module_extra_per_token(layer: nn.Module, shape: estimate.ModelShape) -> flo
                 a = lora_a[adapter] if adapter in lora_a else None
                 if not isinstance(a, nn.Linear):
                     continue
-                extra += a.out_features * a.weight.element_size()
+                own = a.out_features * a.weight.element_size()
                 if a.weight.dtype != base_weight.dtype and getattr(module, "cast_input_dtype_enabled", True):
-                    extra += a.in_features * a.weight.element_size()
+                    own += a.in_features * a.weight.element_size()
                 else:
                     inputs[group] = float(width * size)
+                extra += own
+                pre += own if group == "attention input" else 0.0
         elif isinstance(module, nn.Linear) and module.weight.requires_grad:
             inputs[group] = float(module.in_features * module.weight.element_size())
     attn = getattr(layer, "self_attn", None)
@@ -327,8 +342,9 @@ def _module_extra_per_token(layer: nn.Module, shape: estimate.ModelShape) -> flo
         (getattr(layer, "post_attention_layernorm", None), shape.hidden),
     ]
     norms += [(getattr(attn, "q_norm", None), shape.q_dim), (getattr(attn, "k_norm", None), shape.kv_dim)]
-    for norm, width in norms:
+    for k, (norm, width) in enumerate(norms):
         w = getattr(norm, "weight", None)
         if isinstance(w, torch.Tensor) and w.requires_grad:
             extra += width * w.element_size()
-    return extra + sum(inputs.values())
+            pre += width * w.element_size() if k != 1 else 0.0
+    return extra + sum(inputs.values()), pre + inputs.get("attention input", 0.0)

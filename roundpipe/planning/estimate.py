@@ -184,6 +184,7 @@ def decoder_layer_bytes(
     e: int = 2,
     whole_layer: bool = True,
     extra_per_token: float = 0.0,
+    pre_extra_per_token: Optional[float] = 0.0,
 ) -> Tuple[float, float]:
     """(kept, peak) GPU bytes of one decoder layer's recompute + backward for a microbatch of ``tokens``,
     beyond its weights, its input and its output gradient (those are counted by the caller).
@@ -199,6 +200,14 @@ def decoder_layer_bytes(
     ``extra_per_token``: what depends on the trainable parameters (the projections' inputs, LoRA
     adapters' inputs and outputs, the norms' outputs kept for their weights' gradients), which
     ``roundpipe.models.causal_lm`` finds on the layer.
+
+    Below ``PRE_TILES_IN_RECOMPUTE`` tiles the recompute keeps the pre-attention graph at full length
+    (``roundpipe.models.tiling``): the compiled op's (the normed input, q and k) for a whole-layer op; run
+    as modules, the q / k / v projections' outputs and what the projections and the input norm save
+    (``pre_extra_per_token``: PEFT's fp32 adapters keep one cast copy of the input each). That graph's
+    backward then holds the gradients of the same tensors beside it. Measured on one H200 (qwen3-8b
+    LoRA r=16, 131,072 tokens, ``bench/memory_trace.py``): the adapters' three copies were 6.0 GiB of
+    the 22.4 GiB peak, which the estimate had not counted.
     """
     n, h, q, k, i, a = tokens, shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.heads
     attention = n * (e * (h + 4 * q + 4 * k) + 4 * q + 2 * e * q + 8 * a)
@@ -213,8 +222,26 @@ def decoder_layer_bytes(
         full = n * e * (3 * i + 2 * h + q + k)
         return float(kept + full), float(attention + full)
     mlp_tile = n * (e * (h + 3 * q + 2 * k) + 4 * a) + min(tile, n) * e * (5 * i + 4 * h)
-    pre = n * e * (h + q + k) if math.ceil(n / tile) < 16 else 0
+    if math.ceil(n / tile) >= PRE_TILES_IN_RECOMPUTE:
+        return float(kept), float(max(attention, mlp_tile))
+    if whole_layer or pre_extra_per_token is None:
+        # The compiled op's graph; also what the runtime plans by (``pre_extra_per_token=None``, see
+        # ``roundpipe.models.causal_lm``): its budget margins were fitted with this count.
+        pre = n * e * (h + q + k)
+    else:
+        pre = n * (pre_extra_per_token + e * (q + 2 * k))
     return float(kept + pre), float(max(attention, mlp_tile) + pre)
+
+
+#: ``tiling.PRE_TILES_IN_RECOMPUTE`` (copied so that the estimate imports no torch; a test keeps the two equal).
+PRE_TILES_IN_RECOMPUTE = 16
+
+
+def lora_pre_attention_bytes_per_token(shape: ModelShape, rank: int, e: int = 2, adapter_bytes: int = 4) -> float:
+    """The q / k / v share of :func:`lora_bytes_per_token`: what those three adapters save (the pre-attention
+    graph's part of it, see :func:`decoder_layer_bytes`)."""
+    inputs = 3 * adapter_bytes * shape.hidden if adapter_bytes != e else e * shape.hidden
+    return float(inputs + 3 * rank * adapter_bytes)
 
 
 def module_layer_bytes_per_token(shape: ModelShape, e: int = 2) -> float:
@@ -416,7 +443,8 @@ def estimate(
     weights = 2 * g * layer_w + g * trainable_layer * b  # the stage and the prefetched one; gradients
     # A LoRA model runs its layers module by module (PEFT's adapters), with fp32 adapters (PEFT's default).
     lora_extra = lora_bytes_per_token(shape, lora_rank, b) if lora_rank else 0.0
-    kept, peak = decoder_layer_bytes(shape, t, tile, tiled, b, whole_layer=not lora_rank, extra_per_token=lora_extra)
+    lora_pre = lora_pre_attention_bytes_per_token(shape, lora_rank, b) if lora_rank else 0.0
+    kept, peak = decoder_layer_bytes(shape, t, tile, tiled, b, not lora_rank, lora_extra, lora_pre)
     io = 2 * t * h * b  # the stage input and the output gradient
     # The neighbouring jobs' hidden-size tensors in flight on the device while this one computes: the
     # next stage's input uploading, the previous stage's input gradient still downloading (measured:

@@ -10,6 +10,7 @@ from its forward to its backward (saved stage inputs, recompute data, RNG states
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
@@ -27,6 +28,8 @@ from roundpipe.runtime.sequence import SequenceRun
 from roundpipe.runtime.tied_grads import TiedGrads
 from roundpipe.runtime.tracker import ModelTracker
 from roundpipe.runtime.transfer import async_d2h, async_h2d, device_saved_limit, tensor_bytes
+
+logger = logging.getLogger("roundpipe")
 
 if TYPE_CHECKING:
     from roundpipe.devices.device import DeviceManager
@@ -193,6 +196,7 @@ class Run:
         self.device_saved_left = (
             self._device_saved_budget() if self.enable_grad and device_mod.get_num_devices() == 1 else 0
         )
+        self.device_saved_room = self.device_saved_left  # what the call started with (logged at ``release``)
         # Gradient shares of tied parameters, summed into the owner layer's share on its device.
         self.tied = TiedGrads(model.layer_attrs, device_mod.get_num_devices() == 1) if self.enable_grad else None
         # Per microbatch: group boundaries whose output the producing job left on the device for the
@@ -254,6 +258,16 @@ class Run:
 
     def release(self) -> None:
         """Drop what backward needed (saved inputs, gradients, recompute data) once it has run."""
+        if self.device_saved_room and logger.isEnabledFor(logging.DEBUG):
+            kept = self.device_saved_room - self.device_saved_left
+            logger.debug(
+                "model %r: kept %.2f GiB of backward-stage inputs on the device (room %.2f GiB); backward stages of "
+                "%s layers",
+                self.model.name,
+                kept / 2**30,
+                self.device_saved_room / 2**30,
+                sorted({len(r) for r in self.plan.bwd_plan}),
+            )
         self.sequence = None
         self.contexts = []
         self.input_leaves = []

@@ -59,18 +59,38 @@ def tensor_bytes(leaves: Iterable[Any]) -> int:
 
 class HostScalar:
     """A device scalar the host reads later without waiting: created right after the kernel that
-    computes it, it queues a copy to pinned host memory and an event on the current stream; ``item()``
-    waits for that event only, which has long completed when it is read stages later. A plain
-    ``.item()`` would instead stall the issuing thread until the device has caught up. A non-tensor,
-    so RoundPipe passes it between stages and devices as it is."""
+    computes it, it queues a copy to pinned host memory and an event; ``item()`` waits for that event
+    only, which has long completed when it is read stages later. A plain ``.item()`` would instead stall
+    the issuing thread until the device has caught up. A non-tensor, so RoundPipe passes it between
+    stages and devices as it is.
+
+    The copy runs on a side stream of the device (``scalar_stream``) that waits for the current one,
+    never on the compute stream itself: the pinned block comes from torch's caching host allocator,
+    which records an event on every stream that used a block when the block is freed. Whichever thread
+    drops the scalar may do that while the device thread captures a CUDA graph on its compute stream
+    (``roundpipe.devices.graphs``); the event would be recorded into the capture, and every later pinned
+    allocation of the process, which queries it, failed with "CUDA error: invalid argument". The side
+    stream is never captured. (Inside a capture the copy stays on the capturing stream: that capture is
+    refused anyway, as its outputs include this object.)"""
 
     def __init__(self, t: torch.Tensor) -> None:
         self.event: Optional[Any] = None
         if t.device.type == "cuda":
             self.host = torch.empty((), dtype=t.dtype, pin_memory=True)
-            self.host.copy_(t.detach(), non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record(torch.cuda.current_stream(t.device))
+            src = t.detach()
+            if torch.cuda.is_current_stream_capturing():
+                self.host.copy_(src, non_blocking=True)
+                self.event = torch.cuda.Event()
+                self.event.record(torch.cuda.current_stream(t.device))
+                return
+            side = scalar_stream(t.device)
+            side.wait_stream(torch.cuda.current_stream(t.device))  # after the kernel that computes ``t``
+            with torch.cuda.stream(side):
+                self.host.copy_(src, non_blocking=True)
+                self.event = torch.cuda.Event()
+                self.event.record(side)
+            # ``t``'s device block is read on the side stream too: it is reused only after this copy.
+            src.record_stream(side)
         else:
             self.host = t.detach()
 
@@ -78,6 +98,19 @@ class HostScalar:
         if self.event is not None:
             self.event.synchronize()
         return self.host.item()
+
+
+_scalar_streams: Dict[int, Any] = {}  # device index -> the side stream of ``HostScalar`` copies
+
+
+def scalar_stream(device: torch.device) -> Any:
+    """The side stream ``HostScalar`` copies use on ``device`` (made at its first use; the first happens on
+    the device's own thread, and a dict assignment is atomic, so two threads can at worst make two)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _scalar_streams.get(index)
+    if stream is None:
+        stream = _scalar_streams.setdefault(index, torch.cuda.Stream(device=index))
+    return stream
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
