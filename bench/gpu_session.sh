@@ -277,5 +277,7 @@ case "${1:-}" in
     RPP_GPU_MEMORY=24GiB timeout -s ABRT 500 python3 bench/long_context.py --workload qwen3-8b --lora 16 --lengths 131072 --skip-baseline --memory-detail --out "$out/capped8b.json" 2>&1 | quiet | tee "$out/capped8b.log" | grep -v "^ *$" | tail -14 ;;
   s25c)  # issue 37 part 2: what fills the GPU at the peak of a qwen3-8b LoRA step at 131,072 (a 2-layer slice, as capped)
     RPP_GPU_MEMORY=24GiB RPP_DEVICE_SAVED_GB=0 timeout -s ABRT 400 python3 bench/memory_trace.py --workload qwen3-8b --lora 16 --layers 2 --seq 131072 --top 24 2>&1 | quiet | tee "$out/trace.log" | tail -32 ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c" >&2; exit 2 ;;
+  s25d)  # issue 38 on one GPU: what 8 tiles of one sequence cost beside the whole sequence, both tile attentions
+    timeout -s ABRT 560 python3 bench/pool_bench.py --workload qwen3-8b --lora 16 --batch 1 --seq ${SEQ:-65536} --devices 1 --graphs 0 --sequence-tiles 8 --tile-modes none,split,bias --warmup 1 --iters 2 --json "$out/tiles1.json" 2>&1 | quiet | tee "$out/tiles1.log" | grep -E "tokens/s|plan|Error|error" ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d" >&2; exit 2 ;;
 esac

@@ -148,7 +148,14 @@ def busy_shares(step: Any) -> List[float]:
 
 
 def run_config(
-    model: Any, opt: Any, ids: torch.Tensor, args: argparse.Namespace, devices: str, graphs: str, peer: str = "auto"
+    model: Any,
+    opt: Any,
+    ids: torch.Tensor,
+    args: argparse.Namespace,
+    devices: str,
+    graphs: str,
+    peer: str = "auto",
+    tile_mode: str = "",
 ) -> Dict[str, Any]:
     import roundpipe
     from roundpipe import RoundPipeRunConfig
@@ -158,7 +165,14 @@ def run_config(
     n = roundpipe.get_num_devices()
     n_mb = args.microbatches or 2 * n
     model.model_run_config = RoundPipeRunConfig(num_microbatch=n_mb)
-    if args.sequence_tiles:  # one sequence over the pool: tiles on several devices, the whole one on one
+    if tile_mode:  # --tile-modes: "none" the whole sequence, else tiles attending this way (any device count)
+        roundpipe.configure(tile_attention=tile_mode if tile_mode != "none" else "auto")
+        tiled = tile_mode != "none"
+        n_mb = args.sequence_tiles if tiled else 1
+        model.model_run_config = RoundPipeRunConfig(
+            sequence_tiles=args.sequence_tiles if tiled else None, num_microbatch=None if tiled else 1
+        )
+    elif args.sequence_tiles:  # one sequence over the pool: tiles on several devices, the whole one on one
         n_mb = args.sequence_tiles if n > 1 else 1
         model.model_run_config = RoundPipeRunConfig(
             sequence_tiles=args.sequence_tiles if n > 1 else None, num_microbatch=1 if n == 1 else None
@@ -251,6 +265,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         default=0,
         help="one sequence over the pool: this many tiles on several devices (the whole sequence on one)",
     )
+    p.add_argument(
+        "--tile-modes",
+        default="",
+        help="with --sequence-tiles, rows per device count for each of these: none (the whole sequence), bias, split "
+        "(RPP_TILE_ATTENTION), e.g. none,bias,split on one GPU: what the tiles cost beside the whole sequence",
+    )
     p.add_argument("--no-step", action="store_true", help="diagnostic: skip the optimizer (the pipeline alone)")
     p.add_argument("--json", default="", help="append each row as a JSON line to this file")
     p.add_argument(
@@ -284,15 +304,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         f"{torch.cuda.get_device_name(0) if cuda else 'CPU workers'}"
     )
     base: Dict[str, float] = {}
-    for graphs, peer, c in [(g, q, c) for g in args.graphs.split(",") for q in args.peer.split(",") for c in counts]:
+    modes = [m for m in args.tile_modes.split(",") if m] if args.sequence_tiles else []
+    rows = [(g, q, c, m) for g in args.graphs.split(",") for q in args.peer.split(",") for c in counts for m in modes or [""]]
+    for graphs, peer, c, mode in rows:
         if c:
             devices = (f"cuda:{','.join(str(i) for i in range(c))}") if cuda else f"cpu:{c}"
-            row = run_config(model, opt, ids, args, devices, graphs, peer)
+            row = run_config(model, opt, ids, args, devices, graphs, peer, mode)
+            row["tile_mode"] = mode
             base.setdefault(graphs, row["tokens_per_s"])
             row["vs_first"] = row["tokens_per_s"] / base[graphs]
             row["tflops_per_gpu"] = 6 * n_params * row["tokens_per_s"] / 1e12 / c
             print(
-                f"graphs={graphs} peer={peer} {c} device(s), {row['microbatches']} microbatches: "
+                f"graphs={graphs} peer={peer} {c} device(s){' tiles ' + mode if mode else ''}, "
+                f"{row['microbatches']} microbatches: "
                 f"{row['tokens_per_s']:,.0f} tokens/s "
                 f"({row['vs_first']:.2f}x), {row['s_per_iter']:.3f} s/iter, {row['tflops_per_gpu']:.0f} "
                 "TFLOP/s per GPU; "
