@@ -279,5 +279,12 @@ case "${1:-}" in
     RPP_GPU_MEMORY=24GiB RPP_DEVICE_SAVED_GB=0 timeout -s ABRT 400 python3 bench/memory_trace.py --workload qwen3-8b --lora 16 --layers 2 --seq 131072 --top 24 2>&1 | quiet | tee "$out/trace.log" | tail -32 ;;
   s25d)  # issue 38 on one GPU: what 8 tiles of one sequence cost beside the whole sequence, both tile attentions
     timeout -s ABRT 560 python3 bench/pool_bench.py --workload qwen3-8b --lora 16 --batch 1 --seq ${SEQ:-65536} --devices 1 --graphs 0 --sequence-tiles 8 --tile-modes none,split,bias --warmup 1 --iters 2 --json "$out/tiles1.json" 2>&1 | quiet | tee "$out/tiles1.log" | grep -E "tokens/s|plan|Error|error" ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d" >&2; exit 2 ;;
+  s25e)  # issue 38 on one GPU: the kernels of 8 tiles against the whole sequence (a 4-layer qwen3-8b LoRA slice, 65,536)
+    TORCH_LOGS=recompiles timeout -s ABRT 300 python3 bench/tile_profile.py --workload qwen3-8b --lora 16 --layers 4 --seq ${SEQ:-65536} --tiles 8 --top 16 > "$out/tileprof.log" 2>&1
+    grep -v -i "warn\|USDT" "$out/tileprof.log" | grep -E "^==|^\|" | head -40; grep -c -i "recompil" "$out/tileprof.log"; grep -i "recompil" "$out/tileprof.log" | head -5 ;;
+  s25f)  # issue 38 on one GPU: the tiles' blocks on cuDNN (probe), their GPU tests, then s25e's profile with both modes
+    timeout -s ABRT 90 python3 -m pytest -m gpu tests/test_gpu.py -k "sequence and cuda:0-" -q -rA -p no:cacheprovider 2>&1 | grep -E "^(PASSED|FAILED|ERROR)|passed|failed|^E |worst" | head -12
+    timeout -s ABRT 200 python3 bench/tile_profile.py --workload qwen3-8b --lora 16 --layers 4 --seq ${SEQ:-65536} --tiles 8 --top 6 > "$out/tileprof.log" 2>&1
+    grep -v -i "warn\|USDT" "$out/tileprof.log" | grep -E "^==|^\||Error" | head -40 ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d|s25e|s25f" >&2; exit 2 ;;
 esac

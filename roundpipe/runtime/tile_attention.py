@@ -13,8 +13,9 @@ Each returns its output and the log-sum-exp of its rows; the outputs merge with 
 ``exp(lse_block - lse)``, where ``lse = logaddexp(lse_prefix, lse_diagonal)``. The backward calls each
 block's flash backward with the *merged* output and log-sum-exp: the block's softmax probabilities are
 then those of the whole row, and ``rowsum(dout * out)`` is the whole row's, so the block gradients are
-exact (the identity ring attention uses). Flash attention on CUDA (``aten._scaled_dot_product_flash_
-attention``), its CPU kernel on CPU workers (float64 included, which the tests use).
+exact (the identity ring attention uses). On CUDA cuDNN's fused attention where a probe finds it exact
+(``cudnn_blocks``), else flash attention 2 (``aten._scaled_dot_product_flash_attention``); its CPU kernel on
+CPU workers (float64 included, which the tests use).
 
 Grouped-query attention: key and value heads are repeated to the query heads for the kernels (the prefix
 again in the backward rather than kept: a backward job recomputes a whole layer group before it runs
@@ -23,7 +24,7 @@ backward, so every layer's repeated prefix would be alive at once); their gradie
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, Tuple
+from typing import Any, Dict, Optional, Protocol, Tuple
 
 import torch
 from torch import Tensor
@@ -44,12 +45,15 @@ def _fold(t: Tensor, groups: int) -> Tensor:
 
 
 def _block(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: Optional[float]) -> Tuple[Tensor, Tensor, Extra]:
-    """One flash-attention block: output ``[b, h, n, d]``, the rows' log-sum-exp, and the CUDA extras."""
+    """One flash-attention block: output ``[b, h, n, d]``, the rows' log-sum-exp ``[b, h, n]`` (a kernel may
+    pad the rows), and what its backward needs (the kernel first)."""
     if q.device.type == "cuda":
+        if cudnn_blocks(q):
+            return _cudnn_block(q, k, v, causal, scale)
         out, lse, cq, ck, mq, mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, causal, False, scale=scale
         )
-        return out, lse, (cq, ck, mq, mk, seed, offset)
+        return out, lse, ("flash", cq, ck, mq, mk, seed, offset)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     return out, lse, ()
 
@@ -59,13 +63,74 @@ def _block_backward(
     extra: Extra,
 ) -> Tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     if q.device.type == "cuda":
-        cq, ck, mq, mk, seed, offset = extra
+        if extra[0] == "cudnn":
+            shape, cq, ck, mq, mk, seed, offset = extra[1:]
+            lse = lse[..., : q.shape[2]].reshape(shape).contiguous()  # in the layout the kernel gave
+            return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                dout, q, k, v, out.contiguous(), lse, seed, offset, None, cq, ck, mq, mk, 0.0, causal, scale=scale
+            )
+        cq, ck, mq, mk, seed, offset = extra[1:]
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse, cq, ck, mq, mk, 0.0, causal, seed, offset, scale=scale
         )
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, k, v, out, lse, 0.0, causal, scale=scale
     )
+
+
+_cudnn_ok: Dict[Tuple[Any, ...], bool] = {}  # (device index, dtype, head size) -> cuDNN's blocks passed the probe
+
+
+def cudnn_blocks(q: Tensor) -> bool:
+    """Whether the blocks of ``q``'s tiles run on cuDNN's fused attention rather than flash attention 2.
+
+    On Hopper torch picks cuDNN's kernels for a whole sequence's causal attention; the flash-attention 2
+    kernels the blocks called before ran a tile's attention 1.7x slower (qwen3-8b LoRA, 8 tiles of 8,192
+    tokens, one H200, ``bench/tile_profile.py``). Both return the rows' log-sum-exp, and both backward
+    kernels take the merged output and log-sum-exp, so the blocks' identity holds for either. Decided once
+    per (device, dtype, head size) by a probe: a causal and a rectangular block, forward and backward,
+    against flash attention 2 on small random inputs; any error or difference keeps flash attention."""
+    key = (q.device.index, q.dtype, q.shape[-1])
+    ok = _cudnn_ok.get(key)
+    if ok is None:
+        ok = _cudnn_ok[key] = _probe_cudnn(q)
+    return ok
+
+
+def _probe_cudnn(like: Tensor) -> bool:
+    g = torch.Generator(device=like.device).manual_seed(0)
+    d, dt = like.shape[-1], like.dtype
+
+    def rand(n: int) -> Tensor:
+        return torch.randn(1, 2, n, d, device=like.device, dtype=dt, generator=g)
+
+    try:
+        for causal, nk in ((True, 256), (False, 384)):
+            q, k, v = rand(256), rand(nk), rand(nk)
+            dout = rand(256)
+            ref = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False)
+            ref_grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                dout, q, k, v, ref[0], ref[1], ref[2], ref[3], ref[4], ref[5], 0.0, causal, ref[6], ref[7]
+            )
+            out, lse, extra = _cudnn_block(q, k, v, causal, None)
+            grads = _block_backward(dout, q, k, v, out, lse, causal, None, extra)
+            pairs = [(out, ref[0]), (lse.float(), ref[1][..., : q.shape[2]].float())] + list(zip(grads, ref_grads))
+            for a, b in pairs:
+                if a.shape != b.shape or not torch.allclose(a.float(), b.float(), rtol=3e-2, atol=3e-2):
+                    return False
+        return True
+    except RuntimeError:
+        return False
+
+
+def _cudnn_block(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: Optional[float]) -> Tuple[Tensor, Tensor, Extra]:
+    """``_block`` on cuDNN's kernel: its log-sum-exp as ``[b, h, n]`` (the kernel's own shape kept for the
+    backward), its output contiguous like the gradient the backward gets."""
+    out, lse, cq, ck, mq, mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, causal, False, scale=scale
+    )
+    rows = lse.reshape(*lse.shape[:2], -1)[..., : q.shape[2]]
+    return out.contiguous(), rows, ("cudnn", lse.shape, cq, ck, mq, mk, seed, offset)
 
 
 def _merge(q: Tensor, out_p: Tensor, lse_p: Tensor, out_d: Tensor, lse_d: Tensor) -> Tuple[Tensor, Tensor]:
