@@ -283,8 +283,8 @@ case "${1:-}" in
     TORCH_LOGS=recompiles timeout -s ABRT 300 python3 bench/tile_profile.py --workload qwen3-8b --lora 16 --layers 4 --seq ${SEQ:-65536} --tiles 8 --top 16 > "$out/tileprof.log" 2>&1
     grep -v -i "warn\|USDT" "$out/tileprof.log" | grep -E "^==|^\|" | head -40; grep -c -i "recompil" "$out/tileprof.log"; grep -i "recompil" "$out/tileprof.log" | head -5 ;;
   s25f)  # issue 38 on one GPU: the tiles' blocks on cuDNN (probe), their GPU tests, then s25e's profile with both modes
-    timeout -s ABRT 90 python3 -m pytest -m gpu tests/test_gpu.py -k "sequence and cuda:0-" -q -rA -p no:cacheprovider 2>&1 | grep -E "^(PASSED|FAILED|ERROR)|passed|failed|^E |worst" | head -12
-    timeout -s ABRT 200 python3 bench/tile_profile.py --workload qwen3-8b --lora 16 --layers 4 --seq ${SEQ:-65536} --tiles 8 --top 6 > "$out/tileprof.log" 2>&1
+    timeout -s ABRT 80 python3 -m pytest -m gpu tests/test_gpu.py -k "sequence and cuda:0-" -q -rA -p no:cacheprovider 2>&1 | grep -E "^(PASSED|FAILED|ERROR)|passed|failed|^E |worst" | head -12
+    timeout -s ABRT 110 python3 bench/tile_profile.py --workload qwen3-8b --lora 16 --layers 2 --seq ${SEQ:-65536} --tiles 8 --top 4 --modes split > "$out/tileprof.log" 2>&1
     grep -v -i "warn\|USDT" "$out/tileprof.log" | grep -E "^==|^\||Error" | head -40 ;;
   *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d|s25e|s25f" >&2; exit 2 ;;
 esac
