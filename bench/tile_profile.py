@@ -56,7 +56,6 @@ def main() -> None:
     hf, model = build_slice(args.workload, args.lora, args.layers, args.seq)
     ids = torch.randint(0, hf.config.vocab_size, (1, args.seq))
     import roundpipe
-    from roundpipe.runtime import tile_attention
 
     rows = [("whole", RoundPipeRunConfig(num_microbatch=1), "auto")]
     rows += [(f"{args.tiles} tiles, {m}", RoundPipeRunConfig(sequence_tiles=args.tiles), m) for m in args.modes.split(",")]
@@ -77,7 +76,7 @@ def main() -> None:
             wall = time.perf_counter() - t0
         busy, rows = kernels(prof)
         after = dict(dyn.counters["stats"])
-        print(f"\n== {name}: step {wall:.2f} s, GPU busy {busy / 1e3:.2f} s; cuDNN blocks {tile_attention._cudnn_ok}; "
+        print(f"\n== {name}: step {wall:.2f} s, GPU busy {busy / 1e3:.2f} s; "
               "dynamo stats change "
               f"{ {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)} }")
         print("| kernel | ms | calls |")
