@@ -276,8 +276,8 @@ GC_FREEZE: Setting[bool] = _register(
     Setting(
         "RPP_GC_FREEZE",
         boolean,
-        False,
-        "0",
+        True,
+        "1",
         "`1` or `0`",
         "At a model's first step, collect garbage once and move every object alive then out of Python's full "
         "collections (`gc.freeze`), which stall every thread for 0.5-0.8 s at random iterations (qwen3-4b, H200).",

@@ -31,7 +31,7 @@ def test_freeze_follows_the_setting(calls: List[str], choice: str, frozen: bool)
         assert step_cycle.freeze_garbage_collector() is frozen
         assert step_cycle.freeze_garbage_collector() is False  # once per process
     assert calls == (["collect", "freeze"] if frozen else [])
-    assert not settings.GC_FREEZE.get()  # the default: Python's collector as it is
+    assert settings.GC_FREEZE.get()  # the default: frozen at the first step
 
 
 def test_bad_value_names_the_setting() -> None:

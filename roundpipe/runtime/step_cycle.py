@@ -114,8 +114,10 @@ _gc_frozen = False  # whether this process froze the garbage collector's survivo
 def freeze_garbage_collector() -> bool:
     """Collect garbage once and move every object alive now into the collector's permanent generation
     (``gc.freeze``), so that later full collections scan only newer objects; once per process, with
-    ``RPP_GC_FREEZE=1`` (off by default until the GPU tests pass with it: one graph-capture test failed
-    in the one GPU run it had). Returns whether it froze now.
+    ``RPP_GC_FREEZE=1`` (the default; ``0`` keeps Python's collector as it is). Returns whether it froze now.
+    It was off by default while a graph-capture GPU test failed with it; the cause was a pinned block freed
+    during a capture (``transfer.HostScalar``), which a collection at another moment makes more likely, and
+    with that fixed the graph tests pass with the freeze on (docs/benchmarks.md, twenty-fifth session).
 
     Called at a model's first step, on the main thread: the first iteration has built the long-lived
     state (plan, kernels, host buffers) and the optimizer thread has not started the step. The frozen
