@@ -71,8 +71,18 @@ def test_bench_script_runs(argv: list) -> None:
             ["bench/user_script.py", "--workload", "tiny", "--seq", "32", "--batch", "2", "--steps", "1"],
             "final synchronize",
         ),
+        (
+            ["bench/pool_bench.py", "--workload", "tiny", "--seq", "128", "--batch", "1", "--devices", "1"]
+            + ["--graphs", "0", "--sequence-tiles", "4", "--tile-modes", "none,split", "--warmup", "1", "--iters", "1"],
+            "tiles split",
+        ),
+        (
+            ["bench/tile_profile.py", "--workload", "tiny", "--lora", "4", "--layers", "2", "--seq", "128"]
+            + ["--tiles", "4", "--modes", "split"],
+            "== 4 tiles, split",
+        ),
     ],
-    ids=["job_cost", "pool_bench", "user_script"],
+    ids=["job_cost", "pool_bench", "user_script", "pool_bench_tiles", "tile_profile"],
 )
 def test_pool_scripts_run(argv: list, expect: str) -> None:
     """The pool's benchmarks (per-job cost, 1..N devices side by side, a user's own script) on CPU workers."""
