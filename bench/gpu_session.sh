@@ -282,7 +282,8 @@ case "${1:-}" in
   s25e)  # issue 38 on one GPU: the kernels of 8 tiles against the whole sequence (a 4-layer qwen3-8b LoRA slice, 65,536)
     TORCH_LOGS=recompiles timeout -s ABRT 300 python3 bench/tile_profile.py --workload qwen3-8b --lora 16 --layers 4 --seq ${SEQ:-65536} --tiles 8 --top 16 > "$out/tileprof.log" 2>&1
     grep -v -i "warn\|USDT" "$out/tileprof.log" | grep -E "^==|^\|" | head -40; grep -c -i "recompil" "$out/tileprof.log"; grep -i "recompil" "$out/tileprof.log" | head -5 ;;
-  s25f)  # issue 38 on one GPU: the tiles' blocks on cuDNN (probe), their GPU tests, then s25e's profile with both modes
+  s25f)  # issue 38 on one GPU: the tiles' GPU tests, then s25e's profile on a 2-layer slice (run with
+    # f5a81e5's cuDNN blocks checked out: roundpipe/runtime/tile_attention.py)
     timeout -s ABRT 80 python3 -m pytest -m gpu tests/test_gpu.py -k "sequence and cuda:0-" -q -rA -p no:cacheprovider 2>&1 | grep -E "^(PASSED|FAILED|ERROR)|passed|failed|^E |worst" | head -12
     timeout -s ABRT 110 python3 bench/tile_profile.py --workload qwen3-8b --lora 16 --layers 2 --seq ${SEQ:-65536} --tiles 8 --top 4 --modes split > "$out/tileprof.log" 2>&1
     grep -v -i "warn\|USDT" "$out/tileprof.log" | grep -E "^==|^\||Error" | head -40 ;;

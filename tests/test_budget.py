@@ -133,40 +133,12 @@ def test_estimate_counts_the_checkpoints_the_runtime_keeps(monkeypatch: pytest.M
 def test_decoder_layer_estimate_matches_the_saved_tensors_of_a_tiled_layer() -> None:
     """The ``kept`` bytes of ``estimate.decoder_layer_bytes`` against what autograd saves for a tiled
     Qwen3 layer's backward (saved-tensor hooks, deduplicated by storage): within 15%."""
-    from test_tiling import _inputs, _make_layer
-
-    from roundpipe.models import tiling
-
-    base, layer = _make_layer("qwen3")
-    base = base.to(torch.bfloat16)
     seq, tile = 1024, 64  # 16 tiles: the pre-attention part is tiled in the recompute too
-    x, mask, pos, (cos, sin) = _inputs(base, 1, seq, padding=False)
-    x = x.detach().to(torch.bfloat16).requires_grad_(True)
-    pe = (cos.to(torch.bfloat16), sin.to(torch.bfloat16))
-    storages: Dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.numel() >= seq:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    from roundpipe.runtime.context import RecomputeCtx
-
     # As the runtime runs it before the backward: a recompute (the layer's last in its stage).
-    with (
-        roundpipe.settings.overridden(seq_tile=tile),
-        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-        RecomputeCtx(None),
-    ):
-        out = tiling.maybe_tiled_forward(layer, x, mask, pos, pe)
-        assert out is not None, "the layer did not tile"
-    config = base.config
-    shape = estimate.ModelShape.from_config(config)
+    measured, _, _, shape = _tiled_recompute_saved_bytes(False, seq, tile)
     kept, _ = estimate.decoder_layer_bytes(shape, seq, tile, True, 2)
     # What the recompute leaves for the backward besides the layer input (counted by the caller) and the
     # rotary tables (handed along, counted once per call).
-    skip = {x.untyped_storage().data_ptr()} | {t.untyped_storage().data_ptr() for t in pe}
-    measured = sum(v for k, v in storages.items() if k not in skip)
     expected = kept - seq * shape.hidden * 2
     assert abs(measured - expected) / measured < 0.15, (measured, expected)
 

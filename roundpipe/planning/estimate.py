@@ -184,7 +184,7 @@ def decoder_layer_bytes(
     e: int = 2,
     whole_layer: bool = True,
     extra_per_token: float = 0.0,
-    pre_extra_per_token: Optional[float] = 0.0,
+    pre_extra_per_token: Optional[float] = None,
 ) -> Tuple[float, float]:
     """(kept, peak) GPU bytes of one decoder layer's recompute + backward for a microbatch of ``tokens``,
     beyond its weights, its input and its output gradient (those are counted by the caller).
@@ -204,7 +204,8 @@ def decoder_layer_bytes(
     Below ``PRE_TILES_IN_RECOMPUTE`` tiles the recompute keeps the pre-attention graph at full length
     (``roundpipe.models.tiling``): the compiled op's (the normed input, q and k) for a whole-layer op; run
     as modules, the q / k / v projections' outputs and what the projections and the input norm save
-    (``pre_extra_per_token``: PEFT's fp32 adapters keep one cast copy of the input each). That graph's
+    (``pre_extra_per_token``: PEFT's fp32 adapters keep one cast copy of the input each; None counts the
+    compiled op's graph, as the runtime's own plan does). That graph's
     backward then holds the gradients of the same tensors beside it. Measured on one H200 (qwen3-8b
     LoRA r=16, 131,072 tokens, ``bench/memory_trace.py``): the adapters' three copies were 6.0 GiB of
     the 22.4 GiB peak, which the estimate had not counted.

@@ -77,20 +77,16 @@ class HostScalar:
         self.event: Optional[Any] = None
         if t.device.type == "cuda":
             self.host = torch.empty((), dtype=t.dtype, pin_memory=True)
-            src = t.detach()
-            if torch.cuda.is_current_stream_capturing():
+            src, current = t.detach(), torch.cuda.current_stream(t.device)
+            stream = current if torch.cuda.is_current_stream_capturing() else scalar_stream(t.device)
+            if stream is not current:
+                stream.wait_stream(current)  # after the kernel that computes ``t``
+            with torch.cuda.stream(stream):
                 self.host.copy_(src, non_blocking=True)
                 self.event = torch.cuda.Event()
-                self.event.record(torch.cuda.current_stream(t.device))
-                return
-            side = scalar_stream(t.device)
-            side.wait_stream(torch.cuda.current_stream(t.device))  # after the kernel that computes ``t``
-            with torch.cuda.stream(side):
-                self.host.copy_(src, non_blocking=True)
-                self.event = torch.cuda.Event()
-                self.event.record(side)
-            # ``t``'s device block is read on the side stream too: it is reused only after this copy.
-            src.record_stream(side)
+                self.event.record(stream)
+            if stream is not current:
+                src.record_stream(stream)  # ``t``'s device block is reused only after this copy
         else:
             self.host = t.detach()
 
