@@ -263,11 +263,16 @@ def attend(
 
 def split_attention(q: torch.Tensor) -> bool:
     """Whether a tile attends as two flash blocks (``tile_attention``) rather than one masked call:
-    ``RPP_TILE_ATTENTION`` ``split`` or ``bias``; ``auto`` splits on CPU workers (the masked call
-    materialises its mask there) and, until measured on GPUs, keeps the masked call on CUDA."""
+    ``RPP_TILE_ATTENTION`` ``split`` or ``bias``. ``auto`` splits on CPU workers (the masked call
+    materialises its mask there) and on GPUs where the blocks run on cuDNN's fused attention
+    (``tile_attention.cudnn_blocks``: 8 tiles of a qwen3-8b LoRA layer took 1.18x the whole sequence's
+    time there, against 1.44x on flash attention 2 or with the mask; docs/benchmarks.md); else the
+    masked call."""
     mode = settings.TILE_ATTENTION.get()
     if mode == "auto":
-        return q.device.type == "cpu"
+        if q.device.type != "cuda":
+            return True
+        return q.dtype in (torch.float16, torch.bfloat16) and tile_attention.cudnn_blocks(q)
     if mode == "split" and q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(
             f"RPP_TILE_ATTENTION=split: flash attention on GPUs takes float16 or bfloat16, not {q.dtype}; "

@@ -13,8 +13,9 @@ Each returns its output and the log-sum-exp of its rows; the outputs merge with 
 ``exp(lse_block - lse)``, where ``lse = logaddexp(lse_prefix, lse_diagonal)``. The backward calls each
 block's flash backward with the *merged* output and log-sum-exp: the block's softmax probabilities are
 then those of the whole row, and ``rowsum(dout * out)`` is the whole row's, so the block gradients are
-exact (the identity ring attention uses). Flash attention on CUDA (``aten._scaled_dot_product_flash_
-attention``), its CPU kernel on CPU workers (float64 included, which the tests use).
+exact (the identity ring attention uses). On CUDA cuDNN's fused attention where a probe finds it exact
+(``cudnn_blocks``), else flash attention 2 (``aten._scaled_dot_product_flash_attention``); its CPU kernel on
+CPU workers (float64 included, which the tests use).
 
 Grouped-query attention: key and value heads are repeated to the query heads for the kernels (the prefix
 again in the backward rather than kept: a backward job recomputes a whole layer group before it runs
@@ -23,7 +24,7 @@ backward, so every layer's repeated prefix would be alive at once); their gradie
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, Tuple
+from typing import Any, Dict, Optional, Protocol, Tuple
 
 import torch
 from torch import Tensor
@@ -43,13 +44,26 @@ def _fold(t: Tensor, groups: int) -> Tensor:
     return t.view(b, h // groups, groups, n, d).sum(2)
 
 
-def _block(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: Optional[float]) -> Tuple[Tensor, Tensor, Extra]:
-    """One flash-attention block: output ``[b, h, n, d]``, the rows' log-sum-exp, and the CUDA extras."""
+def _block(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: Optional[float], kind: Optional[str] = None
+) -> Tuple[Tensor, Tensor, Extra]:
+    """One flash-attention block: output ``[b, h, n, d]``, the rows' log-sum-exp ``[b, h, n]`` (a kernel may
+    pad the rows), and what its backward needs (the kernel first). ``kind``: ``cudnn`` or ``flash`` on CUDA
+    (default: ``cudnn_blocks``)."""
     if q.device.type == "cuda":
+        if kind is None:
+            kind = "cudnn" if cudnn_blocks(q) else "flash"
+        if kind == "cudnn":
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+            out, lse, cq, ck, mq, mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                q, k, v, None, True, 0.0, causal, False, scale=scale
+            )
+            rows = lse.reshape(*lse.shape[:2], -1)[..., : q.shape[2]]
+            return out.contiguous(), rows, ("cudnn", lse.shape, cq, ck, mq, mk, seed, offset)
         out, lse, cq, ck, mq, mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, causal, False, scale=scale
         )
-        return out, lse, (cq, ck, mq, mk, seed, offset)
+        return out, lse, ("flash", cq, ck, mq, mk, seed, offset)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     return out, lse, ()
 
@@ -59,13 +73,67 @@ def _block_backward(
     extra: Extra,
 ) -> Tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     if q.device.type == "cuda":
-        cq, ck, mq, mk, seed, offset = extra
+        if extra[0] == "cudnn":
+            shape, cq, ck, mq, mk, seed, offset = extra[1:]
+            lse = lse[..., : q.shape[2]].reshape(shape).contiguous()  # in the layout the kernel gave
+            q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
+            return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                dout, q, k, v, out, lse, seed, offset, None, cq, ck, mq, mk, 0.0, causal, scale=scale
+            )
+        cq, ck, mq, mk, seed, offset = extra[1:]
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse, cq, ck, mq, mk, 0.0, causal, seed, offset, scale=scale
         )
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, k, v, out, lse, 0.0, causal, scale=scale
     )
+
+
+_cudnn_ok: Dict[Tuple[Any, ...], bool] = {}  # (device index, dtype, head size) -> cuDNN's blocks passed the probe
+
+
+def cudnn_blocks(q: Tensor) -> bool:
+    """Whether the blocks of ``q``'s tiles run on cuDNN's fused attention rather than flash attention 2.
+
+    On Hopper torch picks cuDNN's kernels for a whole sequence's causal attention; the flash-attention 2
+    kernels ran a tile's blocks 1.7x slower (qwen3-8b LoRA, 8 tiles of 8,192 tokens, one H200,
+    ``bench/tile_profile.py``); on cuDNN they took as long as the whole sequence's attention. Decided once
+    per (device, dtype, head size) by a probe: the blocks of a small random tile (a rectangular prefix
+    block and a causal diagonal block, merged, then both backward with the merged output and
+    log-sum-exp, queries strided as a layer's are) on cuDNN against flash attention 2; any error or
+    difference keeps flash attention 2."""
+    key = (q.device.index, q.dtype, q.shape[-1])
+    ok = _cudnn_ok.get(key)
+    if ok is None:
+        ok = _cudnn_ok[key] = _probe_cudnn(q)
+    return ok
+
+
+def _probe_cudnn(like: Tensor) -> bool:
+    g = torch.Generator(device=like.device).manual_seed(0)
+    d, dt = like.shape[-1], like.dtype
+
+    def rand(n: int) -> Tensor:  # [1, 2, n, d] viewed from [1, n, 2, d], as a layer's projections give them
+        return torch.randn(1, n, 2, d, device=like.device, dtype=dt, generator=g).transpose(1, 2)
+
+    q, k, v, pk, pv, dout = rand(128), rand(128), rand(128), rand(256), rand(256), rand(128)
+
+    def run(kind: str) -> list:
+        out_d, lse_d, extra_d = _block(q, k, v, True, None, kind)
+        out_p, lse_p, extra_p = _block(q, pk, pv, False, None, kind)
+        out, lse = _merge(q, out_p, lse_p, out_d, lse_d)
+        grads_d = _block_backward(dout, q, k, v, out, lse, True, None, extra_d)
+        grads_p = _block_backward(dout, q, pk, pv, out, lse, False, None, extra_p)
+        return [out, *grads_d, *grads_p]
+
+    try:
+        for a, b in zip(run("cudnn"), run("flash")):
+            a, b = a.float(), b.float()
+            if a.shape != b.shape or (a - b).abs().max() > 2e-2 * b.abs().max():
+                return False
+        return True
+    except RuntimeError:
+        return False
 
 
 def _merge(q: Tensor, out_p: Tensor, lse_p: Tensor, out_d: Tensor, lse_d: Tensor) -> Tuple[Tensor, Tensor]:
