@@ -9,6 +9,9 @@ import torch
 
 _RECOMPUTE_GRAINS = ("stage", "layer")
 
+#: How backward-stage inputs are kept (``roundpipe.runtime.stage_codec.MODES``).
+StageInputs = Literal["bf16", "fp8", "int8"]
+
 
 @dataclass
 class RoundPipeRunConfig:
@@ -38,7 +41,8 @@ class RoundPipeRunConfig:
             (``roundpipe.runtime.sequence``). For causal LMs (``RoundPipeForCausalLM``'s ``train_step`` and
             ``forward`` without logits); replaces ``num_microbatch``. Default: 1 (off).
         stage_inputs: How backward-stage inputs are kept from the forward to the backward: 'bf16' (as the
-            layers produce them) or 'fp8' (a float32 scale per 128 values; the backward recomputes from the
+            layers produce them), 'fp8' (a float32 scale per 128 values) or 'int8' (one per 32 values, a fifth of
+            fp8's rounding error; both about half the host memory; the backward recomputes from the
             rounded values: ``roundpipe.runtime.stage_codec``). Default: ``RPP_STAGE_INPUTS`` (else 'bf16').
     """
 
@@ -52,7 +56,7 @@ class RoundPipeRunConfig:
     merge_output: Any = None
     execute_plan: Any = None
     sequence_tiles: Optional[int] = None
-    stage_inputs: Optional[Literal["bf16", "fp8"]] = None
+    stage_inputs: Optional[StageInputs] = None
 
     def __post_init__(self) -> None:
         if self.recompute_grain is not None and self.recompute_grain not in _RECOMPUTE_GRAINS:
@@ -120,7 +124,7 @@ class ResolvedRunConfig:
         self.num_microbatch_chosen: bool = self.num_microbatch is not None
         self.num_microbatch: int = self.num_microbatch or settings.default_num_microbatch(get_num_devices())
         self.merge_output: Any = True if self.merge_output is None else self.merge_output
-        self.stage_inputs: Literal["bf16", "fp8"] = self.stage_inputs or settings.STAGE_INPUTS.get()  # type: ignore
+        self.stage_inputs: StageInputs = self.stage_inputs or settings.STAGE_INPUTS.get()  # type: ignore
         self.split_input: Optional[Callable[..., Any]]
         self.split_label: Optional[Callable[..., Any]]
 

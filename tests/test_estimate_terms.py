@@ -101,6 +101,8 @@ def test_fp8_stage_inputs_on_the_host() -> None:
     side = 524_288 * estimate.side_bytes_per_token(q8)
     assert big["bf16"].host_parts["checkpoints"] - side == 36 * 524_288 * 8_192  # 144 GiB
     assert big["fp8"].host_parts["checkpoints"] - side == 36 * 524_288 * (4_096 + 128)  # 74.25 GiB
+    int8 = estimate.estimate(q8, 524_288, lora_rank=16, stage_inputs="int8", tile=16384)
+    assert int8.host_parts["checkpoints"] - side == 36 * 524_288 * (4_096 + 512)  # 81 GiB: a scale per 32 values
 
 
 def test_one_gpu_keeps_all_three_stage_inputs_when_they_fit(monkeypatch: pytest.MonkeyPatch) -> None:

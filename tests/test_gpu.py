@@ -317,6 +317,24 @@ def test_exact_size_pinned_buffers_copy_asynchronously_and_unpin_when_freed(monk
     assert len(unpinned) == 21
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_compact_stage_inputs_encode_on_the_gpu_as_on_the_cpu(fmt: str) -> None:
+    """The compact formats' bytes, scales and decoded values on CUDA equal the CPU's (bf16 hidden states with
+    outlier channels, so that int8 keeps some blocks in fp8)."""
+    from roundpipe.runtime import stage_codec
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 1000, generator=g)
+    x[:, [3, 400]] *= 1e3
+    x = x.to(torch.bfloat16)
+    cpu, gpu = stage_codec.encode(x, fmt=fmt), stage_codec.encode(x.cuda(), fmt=fmt)
+    assert torch.equal(gpu.payload.cpu().view(torch.int8), cpu.payload.view(torch.int8))
+    assert torch.equal(gpu.scales.cpu(), cpu.scales)
+    assert torch.equal(stage_codec.decode(gpu).cpu(), stage_codec.decode(cpu))
+    if fmt == "int8":
+        assert 0 < int((cpu.scales < 0).sum()) < cpu.scales.numel()
+
+
 def test_stage_inputs_kept_on_the_gpu_equal_host_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     """RPP_DEVICE_SAVED_GB on one GPU: backward-stage inputs kept on the device (no download, no upload)
     give bit-identical parameters to the host round trip, with the asynchronous step running, and the

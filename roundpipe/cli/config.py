@@ -32,7 +32,7 @@ PLANS = ("auto", "layerwise", "single")
 OPTIM_STATES = ("float32", "bfloat16", "int8")
 MASTERS = ("float32", "bfloat16")
 MASTER_ROUNDINGS = ("stochastic", "kahan", "nearest")
-STAGE_INPUTS = ("bf16", "fp8")  # roundpipe.runtime.stage_codec.MODES (this module imports no torch)
+STAGE_INPUTS = ("bf16", "fp8", "int8")  # roundpipe.runtime.stage_codec.MODES (this module imports no torch)
 
 
 def normalize_dtype(value: str) -> str:
@@ -165,7 +165,7 @@ class TrainConfig:
     )
     stage_inputs: Optional[str] = _f(
         None,
-        "backward-stage inputs kept on the host: bf16 (as computed) or fp8 (about half the host memory at long "
+        "backward-stage inputs kept on the host: bf16 (as computed), fp8 or int8 (about half the host memory at long "
         "context; backward recomputes from the rounded values; docs/long-context.md; default: RPP_STAGE_INPUTS, "
         "else bf16)",
         group="run",

@@ -167,7 +167,7 @@ class Estimate:
             [
                 f"{mode}, {self.batch_size} x {self.seq_len:,} tokens, {self.microbatches} microbatch(es), "
                 f"{self.layers_per_stage} decoder layer(s) per backward stage"
-                + (", stage inputs in fp8" if self.stage_inputs == "fp8" else ""),
+                + (f", stage inputs in {self.stage_inputs}" if self.stage_inputs != "bf16" else ""),
                 f"peak GPU  {self.peak_gpu_bytes / GiB:6.1f} GiB  ({parts(self.gpu_parts)}); "
                 f"{self.gpu_bytes_per_token / 1024:.1f} KiB per token",
                 f"peak host {self.peak_host_bytes / GiB:6.1f} GiB  ({parts(self.host_parts)}); "
@@ -274,26 +274,28 @@ def lora_bytes_per_token(shape: ModelShape, rank: int, e: int = 2, adapter_bytes
     return float(inputs + 7 * rank * adapter_bytes)
 
 
-#: ``stage_codec.BLOCK``, values per float32 scale of the compact stage inputs (copied so that the estimate
-#: imports no torch; a test keeps the two equal).
-STAGE_CODEC_BLOCK = 128
+#: ``stage_codec.BLOCKS``, values per float32 scale of each compact stage-input format (copied so that the
+#: estimate imports no torch; a test keeps the two equal).
+STAGE_CODEC_BLOCKS = {"fp8": 128, "int8": 32}
+STAGE_CODEC_BLOCK = STAGE_CODEC_BLOCKS["fp8"]
 
 
 def checkpoint_bytes_per_token(shape: ModelShape, e: int = 2, stage_inputs: str = "bf16") -> float:
     """Host bytes per token of a decoder layer's input kept from the forward to the backward: the hidden
     states (the rotary tables, position ids and labels handed along with them keep one host copy per
-    call, see ``roundpipe.runtime.jobs``); with ``stage_inputs='fp8'`` (``roundpipe.runtime.stage_codec``) one byte per
-    value and a float32 scale per ``STAGE_CODEC_BLOCK`` values."""
+    call, see ``roundpipe.runtime.jobs``); compact (``stage_inputs`` 'fp8' or 'int8', ``roundpipe.runtime.stage_codec``)
+    one byte per value and a float32 scale per block of the format's ``STAGE_CODEC_BLOCKS`` values."""
     return float(sum(checkpoint_parts(shape, 1, e, stage_inputs)))
 
 
 def checkpoint_parts(shape: ModelShape, tokens: int, e: int = 2, stage_inputs: str = "bf16") -> List[float]:
     """Bytes of the host tensors one stage input of ``tokens`` tokens is kept in: the hidden states, or
-    (``fp8``) their fp8 payload and their scales."""
-    if stage_inputs == "fp8":
-        return [float(tokens * shape.hidden), float(tokens * 4 * math.ceil(shape.hidden / STAGE_CODEC_BLOCK))]
+    (``fp8``, ``int8``) their one-byte payload and their scales."""
+    if stage_inputs in STAGE_CODEC_BLOCKS:
+        block = STAGE_CODEC_BLOCKS[stage_inputs]
+        return [float(tokens * shape.hidden), float(tokens * 4 * math.ceil(shape.hidden / block))]
     if stage_inputs != "bf16":
-        raise ValueError(f"stage_inputs={stage_inputs!r}: expected 'bf16' or 'fp8'")
+        raise ValueError(f"stage_inputs={stage_inputs!r}: expected 'bf16', 'fp8' or 'int8'")
     return [float(tokens * shape.hidden * e)]
 
 
@@ -408,8 +410,9 @@ def estimate(
             replaces ``microbatches``): a job holds one tile's activations and its layers' keys and values
             over the whole sequence (with float32 gradient accumulators in backward); the host keeps
             every attention layer's keys and values between forward and backward.
-        stage_inputs: How the host keeps them: 'bf16' (``dtype_bytes`` per value) or 'fp8' (1 byte and a
-            float32 scale per 128 values); those on the GPU stay exact. None: ``RPP_STAGE_INPUTS``.
+        stage_inputs: How the host keeps them: 'bf16' (``dtype_bytes`` per value), 'fp8' (1 byte and a
+            float32 scale per 128 values) or 'int8' (1 byte and a float32 scale per 32 values); those on the
+            GPU stay exact. None: ``RPP_STAGE_INPUTS``.
     """
     if seq_len < 1 or batch_size < 1 or microbatches < 1 or layers_per_stage < 1 or devices < 1 or sequence_tiles < 1:
         raise ValueError(

@@ -226,7 +226,8 @@ class Batch:
         label_list: Labels per microbatch (``forward_backward``).
         loss_list: Losses per microbatch (``forward_backward``).
         profiles: The model's activation profile of this call per recompute grain (``run.call_profile``).
-        stage_inputs: How the call keeps its backward-stage inputs ('bf16' or 'fp8', ``roundpipe.runtime.stage_codec``).
+        stage_inputs: How the call keeps its backward-stage inputs ('bf16', 'fp8' or 'int8',
+            ``roundpipe.runtime.stage_codec``).
     """
 
     def __init__(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], run_config: Any, label: Any = None) -> None:

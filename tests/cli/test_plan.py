@@ -107,7 +107,8 @@ def test_fp8_stage_inputs_as_train_takes_them(capsys, monkeypatch: pytest.Monkey
     side = 262144 * estimate.side_bytes_per_token(estimate.ModelShape.builtin("qwen3-8b"))
     assert checkpoints("--stage-inputs", "bf16") - side == 36 * 262144 * 8192
     assert checkpoints("--stage-inputs", "fp8") - side == 36 * 262144 * (4096 + 128)
-    one_line(capsys, ["--model", "qwen3-8b", "--seq-len", "64", "--stage-inputs", "int8"], "invalid choice: 'int8'")
+    assert checkpoints("--stage-inputs", "int8") - side == 36 * 262144 * (4096 + 512)
+    one_line(capsys, ["--model", "qwen3-8b", "--seq-len", "64", "--stage-inputs", "int4"], "invalid choice: 'int4'")
 
 
 def test_one_host_figure_and_the_same_exit_status_in_text_and_json(capsys) -> None:
