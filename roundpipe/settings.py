@@ -130,12 +130,13 @@ DEVICE_SAVED_GB: Setting[Optional[float]] = _register(
 STAGE_INPUTS: Setting[str] = _register(
     Setting(
         "RPP_STAGE_INPUTS",
-        choice("bf16", "fp8"),
+        choice("bf16", "fp8", "int8"),
         "bf16",
         "bf16",
-        "`bf16` (as the layers produce them) or `fp8`",
-        "Backward-stage inputs kept on the host from the forward to the backward: as computed, or fp8 with a "
-        "float32 scale per 128 values (about half the host memory; backward recomputes from the rounded values).",
+        "`bf16` (as the layers produce them), `fp8` or `int8`",
+        "Backward-stage inputs kept on the host from the forward to the backward: as computed, or one byte a value "
+        "with a float32 scale per block (fp8, 128 values; int8, 32 values, a fifth of fp8's rounding error): about "
+        "half the host memory; backward recomputes from the rounded values.",
     )
 )
 TILE_ATTENTION: Setting[str] = _register(
@@ -145,8 +146,9 @@ TILE_ATTENTION: Setting[str] = _register(
         "auto",
         "auto",
         "`auto`, `split` or `bias`",
-        "How a sequence tile (`sequence_tiles`) attends to the tiles before it: two flash-attention blocks merged by "
-        "their log-sum-exp, or one call with a bottom-right causal mask; `auto`: split on CPU workers, bias on GPUs",
+        "How a sequence tile (`sequence_tiles`) attends to the tiles before it: two flash-attention blocks merged "
+        "by their log-sum-exp, or one call with a bottom-right causal mask; `auto`: split on CPU workers and on GPUs "
+        "where the blocks run on cuDNN's fused attention (half precision, checked once per device), else bias",
     )
 )
 GRAD_BUFFERS: Setting[int] = _register(
