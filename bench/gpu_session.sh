@@ -287,5 +287,34 @@ case "${1:-}" in
     timeout -s ABRT 80 python3 -m pytest -m gpu tests/test_gpu.py -k "sequence and cuda:0-" -q -rA -p no:cacheprovider 2>&1 | grep -E "^(PASSED|FAILED|ERROR)|passed|failed|^E |worst" | head -12
     timeout -s ABRT 110 python3 bench/tile_profile.py --workload qwen3-8b --lora 16 --layers 2 --seq ${SEQ:-65536} --tiles 8 --top 4 --modes split > "$out/tileprof.log" 2>&1
     grep -v -i "warn\|USDT" "$out/tileprof.log" | grep -E "^==|^\||Error" | head -40 ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d|s25e|s25f" >&2; exit 2 ;;
+  s26a)  # issues 38/37/40 (one GPU, carry [".whl", ".old"]), twenty-sixth session, call 1: f5a81e5's cuDNN tile blocks
+    # (checked out into roundpipe/runtime/tile_attention.py): the tiles' GPU tests and a 2-layer profile; then the bench
+    # (this tree, .old = 42ce6e4) and the user script with its final synchronize split in two
+    export PYTHONFAULTHANDLER=1
+    nvidia-smi -L
+    timeout -s ABRT 90 python3 -m pytest -m gpu tests/test_gpu.py -k "sequence and cuda:0-" -q -rA -p no:cacheprovider 2>&1 | tee "$out/seqtests.log" | grep -E "^(PASSED|FAILED|ERROR)|passed|failed|^E |worst|cudnn" | head -14
+    timeout -s ABRT 110 python3 bench/tile_profile.py --workload qwen3-8b --lora 16 --layers 2 --seq ${SEQ:-65536} --tiles 8 --top 4 --modes split > "$out/tileprof.log" 2>&1
+    grep -v -i "warn\|USDT" "$out/tileprof.log" | grep -E "^==|^\||Error" | head -30
+    b="bench/train_bench.py --workload qwen3-1.7b --skip-baseline --warmup 3 --iters 6"
+    timeout -s ABRT 100 python3 $b 2>&1 | quiet | tee "$out/bench1.log" | grep -E "^\\| roundpipe|per-iteration|optimizer step|Error"
+    (cd .old && PYTHONPATH=$PWD:/tmp/site timeout -s ABRT 90 python3 $b 2>&1 | quiet | tee "$out/old.log" | grep -E "^\\| roundpipe|Error")
+    timeout -s ABRT 80 python3 bench/user_script.py --workload qwen3-1.7b --batch 8 2>&1 | tee "$out/script.log" | grep -E "user script|step returns|Error" ;;
+  s26b)  # issue 38 on one GPU, twenty-sixth session, call 2: s25d again with the cuDNN blocks and auto splitting on them
+    timeout -s ABRT 560 python3 bench/pool_bench.py --workload qwen3-8b --lora 16 --batch 1 --seq ${SEQ:-65536} --devices 1 --graphs 0 --sequence-tiles 8 --tile-modes none,auto --warmup 1 --iters 2 --json "$out/tiles1.json" 2>&1 | quiet | tee "$out/tiles1.log" | grep -E "tokens/s|plan|Error|error" ;;
+  s26c)  # issue 38 part 2 on one GPU, twenty-sixth session, call 4: a 4-layer qwen3-8b LoRA slice at 524,288 tokens under
+    # an 80 GiB cap with fp8 stage inputs (the full depth's plan beside it); then fp8 against bf16 stage inputs at 32K
+    python3 -m roundpipe plan --model qwen3-8b --seq-len 524288 --lora-r 16 --gpu-memory 80GiB --host-memory 128GiB --stage-inputs fp8 2>&1 | tail -6
+    RPP_GPU_MEMORY=80GiB RPP_STAGE_INPUTS=fp8 timeout -s ABRT 330 python3 bench/long_context.py --workload qwen3-8b --lora 16 --layers 4 --lengths 524288 --skip-baseline --memory-detail --out "$out/slice512k.json" 2>&1 | quiet | tee "$out/slice512k.log" | grep -v "^ *$" | tail -12
+    timeout -s ABRT 200 python3 bench/stage_inputs_bench.py --grad-cosine --workload qwen3-8b --lora 16 --seq 32768 2>&1 | quiet | tee "$out/fp8cos.log" | tail -4 ;;
+  s27x2a)  # issue 38 (a two-GPU kind), for the next session, call 1: every GPU test (the two-GPU ones, the tiles on cuDNN,
+    # the compact codecs), then qwen3-8b LoRA 65,536: the whole sequence on 1 GPU beside 8 tiles on 2 (auto: cuDNN blocks)
+    export PYTHONFAULTHANDLER=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False
+    nvidia-smi -L
+    timeout -s ABRT 300 python3 -m pytest -m gpu tests -q -rA -p no:cacheprovider 2>&1 | tee "$out/gputests.log" | grep -E "^(FAILED|ERROR)|passed|failed|^E |worst" | head -20
+    timeout -s ABRT 280 python3 bench/pool_bench.py --workload qwen3-8b --lora 16 --batch 1 --seq ${SEQ:-65536} --devices 2,1 --graphs 0 --sequence-tiles 8 --warmup 1 --warmup-seq 8192 --iters 2 --json "$out/tiles2.json" 2>&1 | quiet | tee "$out/tiles2.log" | grep -E "tokens/s|Error|error" ;;
+  s27x2b)  # issue 38's first target row (a two-GPU kind), call 2: qwen3-8b LoRA 262,144, 8 tiles on 2 GPUs, then the whole
+    # sequence on 1, one timed step each after a warm-up on 8,192 tokens (a 1-GPU step is ~230 s)
+    export PYTHONFAULTHANDLER=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False
+    timeout -s ABRT 560 python3 bench/pool_bench.py --workload qwen3-8b --lora 16 --batch 1 --seq 262144 --devices 2,1 --graphs 0 --sequence-tiles 8 --warmup 1 --warmup-seq 8192 --iters 1 --json "$out/tiles262k.json" 2>&1 | quiet | tee "$out/tiles262k.log" | grep -E "tokens/s|Error|error" ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d|s25e|s25f|s26a|s26b|s26c|s27x2a|s27x2b" >&2; exit 2 ;;
 esac

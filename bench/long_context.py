@@ -57,13 +57,15 @@ class Result:
     note: str = ""
 
 
-def build_model(name: str, device: str = "cpu") -> torch.nn.Module:
+def build_model(name: str, device: str = "cpu", layers: int = 0) -> torch.nn.Module:
     """A Qwen3 model of the workload's shape with random weights (WORKLOADS.md: matrices N(0, 0.02), norms
     1), built in bf16 without a first fp32 copy; on the host the weights are drawn by a thread pool
-    (``normal_`` is single-threaded per call: an 8B model would take minutes otherwise)."""
+    (``normal_`` is single-threaded per call: an 8B model would take minutes otherwise). ``layers``: a
+    slice with the workload's width and this many decoder layers (0: all of them)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    hidden, inter, layers, heads, kv, tied = WORKLOADS[name]
+    hidden, inter, all_layers, heads, kv, tied = WORKLOADS[name]
+    layers = layers or all_layers
     config = Qwen3Config(
         vocab_size=512 if name == "tiny" else flavors.QWEN3_VOCAB,
         hidden_size=hidden,
@@ -175,7 +177,7 @@ def roundpipe_results(args: argparse.Namespace, lengths: List[int]) -> List[Resu
     import roundpipe
     from roundpipe import RoundPipeRunConfig
 
-    hf = build_model(args.workload)
+    hf = build_model(args.workload, layers=args.layers)
     lora = args.lora > 0
     if lora:
         from peft import LoraConfig, get_peft_model
@@ -204,6 +206,9 @@ def roundpipe_results(args: argparse.Namespace, lengths: List[int]) -> List[Resu
             r.estimate_gpu_gib, r.estimate_host_gib = est
         if args.memory_detail and torch.cuda.is_available():
             print(f"peak GPU reserved at {seq}: {torch.cuda.max_memory_reserved() / 2**30:.2f} GiB", flush=True)
+        if args.memory_detail:
+            plans = model.__dict__.get("_plans") or {}
+            print(f"plan at {seq}: {[p[0] for p in plans.values()][-1:]}", flush=True)
         print(json.dumps(asdict(r)), flush=True)
         out.append(r)
         if not r.ok or (args.budget_s and r.s_per_step * 4.5 > args.budget_s - (time.perf_counter() - T0)):
@@ -218,6 +223,7 @@ def estimate_for(args: argparse.Namespace, seq: int) -> Optional[tuple]:
     except ImportError:
         return None
     hidden, inter, layers, heads, kv, tied = WORKLOADS[args.workload]
+    layers = args.layers or layers
     shape = estimate.ModelShape(
         hidden=hidden,
         intermediate=inter,
@@ -304,6 +310,12 @@ def main() -> None:
         help="stop before a length that would not finish within this many seconds of the start",
     )
     p.add_argument("--out", default="", help="write the results as JSON here")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        help="a slice: the workload's width with this many decoder layers (0: all); the estimate is the slice's",
+    )
     p.add_argument(
         "--memory-detail",
         action="store_true",

@@ -1,5 +1,6 @@
-"""Compact stage inputs (``RPP_STAGE_INPUTS=fp8``, ``roundpipe.runtime.stage_codec``) against exact ones (bf16: the
-run dtype): the same training with the backward stages' inputs kept exact, then in fp8, compared.
+"""Compact stage inputs (``RPP_STAGE_INPUTS=fp8`` or ``int8``, ``roundpipe.runtime.stage_codec``) against exact ones
+(bf16: the run dtype): the same training with the backward stages' inputs kept exact, then compact (``--format``,
+default fp8), compared.
 
 Modes (each prints one JSON line):
 
@@ -67,7 +68,8 @@ def build(args: argparse.Namespace) -> Tuple[torch.nn.Module, Any]:
 
     import roundpipe
 
-    hf = build_model(args.workload, "cuda" if torch.cuda.is_available() else "cpu")
+    # Drawn on the GPU where there is one (seconds for an 8B model), then kept on the host, as RoundPipe requires.
+    hf = build_model(args.workload, "cuda" if torch.cuda.is_available() else "cpu").to("cpu")
     if args.lora:
         from peft import LoraConfig, get_peft_model
 
@@ -87,21 +89,23 @@ def tokens(vocab: int, seq: int, device: str = "cpu") -> torch.Tensor:
 
 
 class Counter:
-    """Counts ``stage_codec.encode`` calls (the stage inputs the fp8 run compacted)."""
+    """Counts ``stage_codec.encode`` calls (the stage inputs the compact run compacted) and, for int8, the
+    blocks it kept in fp8 (a negative scale: a value dwarfing its block's others)."""
 
     def __init__(self) -> None:
         from roundpipe.runtime import stage_codec
 
-        self.n, self.codec, self.encode = 0, stage_codec, stage_codec.encode
+        self.n, self.blocks, self.fp8_blocks, self.codec, self.encode = 0, 0, 0, stage_codec, stage_codec.encode
 
         def counted(*a: Any, **k: Any) -> Any:
             self.n += 1
-            return self.encode(*a, **k)
+            packed = self.encode(*a, **k)
+            if packed.fmt == "int8":
+                self.blocks += packed.scales.numel()
+                self.fp8_blocks += int((packed.scales < 0).sum())
+            return packed
 
         stage_codec.encode = counted  # type: ignore[assignment]
-
-
-PAIRS = (("bf16", "fp8"), ("bf16", "bf16"), ("fp8", "fp8"))
 
 
 def _cosine(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -110,7 +114,7 @@ def _cosine(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def grad_cosine(args: argparse.Namespace) -> Dict[str, Any]:
-    """One step's gradients with exact and fp8 stage inputs (see the module docstring)."""
+    """One step's gradients with exact and compact (``--format``) stage inputs (see the module docstring)."""
     import roundpipe
 
     hf, model = build(args)
@@ -119,20 +123,36 @@ def grad_cosine(args: argparse.Namespace) -> Dict[str, Any]:
     grads: Dict[str, List[torch.Tensor]] = {}
     counter = Counter()
     t0 = time.perf_counter()
-    for mode in ("bf16", "fp8"):
+    # --repeat: exact stage inputs a second time, the run-to-run floor of the cosine (GPU kernels that add in
+    # a varying order, e.g. flash attention's backward, differ between two identical steps).
+    c = args.format
+    for mode in ("bf16", c) + (("bf16 again",) if args.repeat else ()):
         for _, p in trained:
             p.grad = None
-        loss = model.train_step(input_ids=ids, labels=ids, run_config=roundpipe.RoundPipeRunConfig(stage_inputs=mode))
+        run_config = roundpipe.RoundPipeRunConfig(stage_inputs=mode.split()[0])
+        loss = model.train_step(input_ids=ids, labels=ids, run_config=run_config)
         model.synchronize()
         grads[mode] = [p.grad.detach().float().flatten().clone() for _, p in trained]
         print(f"{mode}: loss {float(loss):.6f}", file=sys.stderr)
     # Sums in float64, tensor by tensor: a float32 cosine over hundreds of millions of values is off by far
     # more than the 1e-3 looked for (it gave 1.09 on qwen3-0.6b).
-    dot, aa, bb = (sum(float((x.double() * y.double()).sum()) for x, y in zip(grads[p], grads[q])) for p, q in PAIRS)
-    per = [(_cosine(x, y), n) for (n, _), x, y in zip(trained, grads["bf16"], grads["fp8"]) if x.norm() > 0]
+    pairs = (("bf16", c), ("bf16", "bf16"), (c, c))
+    dot, aa, bb = (sum(float((x.double() * y.double()).sum()) for x, y in zip(grads[p], grads[q])) for p, q in pairs)
+    per = [(_cosine(x, y), n) for (n, _), x, y in zip(trained, grads["bf16"], grads[c]) if x.norm() > 0]
     worst = min(per)
+    floor = {}
+    if args.repeat:
+        d2, a2, b2 = (
+            sum(float((x.double() * y.double()).sum()) for x, y in zip(grads[p], grads[q]))
+            for p, q in (("bf16", "bf16 again"), ("bf16", "bf16"), ("bf16 again", "bf16 again"))
+        )
+        floor = {
+            "repeat_grad_cosine": d2 / (a2 * b2) ** 0.5,
+            "repeat_grad_rel_err": max(0.0, a2 + b2 - 2 * d2) ** 0.5 / a2**0.5,
+        }
     return {
         "mode": "grad-cosine",
+        "format": c,
         "workload": args.workload,
         "seq": args.seq,
         "lora": args.lora,
@@ -145,7 +165,9 @@ def grad_cosine(args: argparse.Namespace) -> Dict[str, Any]:
         "worst_tensor": worst[1],
         "tensors": len(per),
         "compacted": counter.n,
+        "int8_blocks_in_fp8": f"{counter.fp8_blocks} of {counter.blocks}" if c == "int8" else None,
         "seconds": round(time.perf_counter() - t0, 1),
+        **floor,
     }
 
 
@@ -166,11 +188,12 @@ def workload_losses(mode: str, args: argparse.Namespace) -> List[float]:
 
 
 def losses(args: argparse.Namespace) -> Dict[str, Any]:
-    """Final losses of the same training with exact and fp8 stage inputs."""
+    """Final losses of the same training with exact and compact (``--format``) stage inputs."""
     t0 = time.perf_counter()
     runs: Dict[str, List[float]] = {}
     counter = Counter() if args.workload != "task" else None
-    for mode in ("bf16", "fp8") + (("control",) if args.workload == "task" and args.control else ()):
+    c = args.format
+    for mode in ("bf16", c) + (("control",) if args.workload == "task" and args.control else ()):
         if args.workload == "task":
             with tempfile.TemporaryDirectory() as d:
                 runs[mode] = task_losses("bf16" if mode == "control" else mode, args, d, seed=int(mode == "control"))
@@ -191,13 +214,13 @@ def losses(args: argparse.Namespace) -> Dict[str, Any]:
         "steps": args.steps,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "loss_bf16": runs["bf16"][-1],
-        "loss_fp8": runs["fp8"][-1],
-        "ratio": runs["fp8"][-1] / runs["bf16"][-1],
+        f"loss_{c}": runs[c][-1],
+        "ratio": runs[c][-1] / runs["bf16"][-1],
         "last10_bf16": last["bf16"],
-        "last10_fp8": last["fp8"],
-        "last10_ratio": last["fp8"] / last["bf16"],
-        "mean_ratio": mean["fp8"] / mean["bf16"],
-        "first_step_equal": runs["fp8"][0] == runs["bf16"][0],
+        f"last10_{c}": last[c],
+        "last10_ratio": last[c] / last["bf16"],
+        "mean_ratio": mean[c] / mean["bf16"],
+        "first_step_equal": runs[c][0] == runs["bf16"][0],
         **control,
         "compacted": counter.n if counter is not None else "see the runs' logs",
         "seconds": round(time.perf_counter() - t0, 1),
@@ -205,9 +228,9 @@ def losses(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def block_errors(args: argparse.Namespace) -> Dict[str, Any]:
-    """Relative RMS error of the fp8 round trip per block size, on hidden-state-like values: 4096 x 4096
-    Gaussian rows, and the same with three outlier channels (the "massive activations" of LLM hidden
-    states reach 1e3-1e4x the median); the error is measured on the ordinary channels, the ones an
+    """Relative RMS error of the fp8 round trip per block size (and int8's at 32 and 128), on hidden-state-like
+    values: 4096 x 4096 Gaussian rows, and the same with three outlier channels (the "massive activations" of
+    LLM hidden states reach 1e3-1e4x the median); the error is measured on the ordinary channels, the ones an
     outlier's scale coarsens (a block whose largest value is 2**15 times another's holds that one as an
     fp8 subnormal)."""
     from roundpipe.runtime import stage_codec
@@ -226,6 +249,10 @@ def block_errors(args: argparse.Namespace) -> Dict[str, Any]:
             err = stage_codec.roundtrip(y.to(torch.bfloat16), block).float() - y.to(torch.bfloat16).float()
             ref = y.to(torch.bfloat16).float()
             row[str(block)] = round((err[:, keep].norm() / ref[:, keep].norm()).item(), 5)
+        for block in (32, 128):  # int8 beside it: absmax scales, so an outlier coarsens its block's others
+            ref = y.to(torch.bfloat16).float()
+            err = stage_codec.roundtrip(y.to(torch.bfloat16), block, "int8").float() - ref
+            row[f"int8_{block}"] = round((err[:, keep].norm() / ref[:, keep].norm()).item(), 5)
         out[name] = row
     out["bytes_per_value"] = {str(b): stage_codec.bytes_per_value(b) for b in (32, 64, 128, 256, 512, 4096)}
     return out
@@ -238,7 +265,8 @@ def main() -> None:
     p.add_argument("--lora", type=int, default=0, help="LoRA rank on all decoder projections (0: full fine-tune)")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps of the loss mode")
     p.add_argument("--lr", type=float, default=1e-4, help="learning rate of a workload's loss mode")
-    p.add_argument("--grad-cosine", action="store_true", help="one step's gradient cosine, exact vs fp8")
+    p.add_argument("--grad-cosine", action="store_true", help="one step's gradient cosine, exact vs --format")
+    p.add_argument("--format", choices=("fp8", "int8"), default="fp8", help="the compact stage-input format compared")
     p.add_argument(
         "--plan",
         choices=("layerwise", "auto"),
@@ -248,6 +276,9 @@ def main() -> None:
     )
     p.add_argument(
         "--no-control", dest="control", action="store_false", help="task: skip the control run (exact, seed 1)"
+    )
+    p.add_argument(
+        "--repeat", action="store_true", help="--grad-cosine: also a second exact step (the run-to-run cosine floor)"
     )
     p.add_argument("--block-errors", action="store_true", help="round-trip error per block size")
     args = p.parse_args()
