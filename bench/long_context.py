@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import psutil
 import torch
@@ -178,6 +178,10 @@ def roundpipe_results(args: argparse.Namespace, lengths: List[int]) -> List[Resu
     from roundpipe import RoundPipeRunConfig
 
     hf = build_model(args.workload, layers=args.layers)
+    if torch.cuda.is_available():  # what the runtime plans to: the GPU before this process holds anything on it
+        from roundpipe.devices import device as device_mod
+
+        _START_CAPACITY["bytes"] = float(device_mod.get_min_capacity())
     lora = args.lora > 0
     if lora:
         from peft import LoraConfig, get_peft_model
@@ -216,6 +220,11 @@ def roundpipe_results(args: argparse.Namespace, lengths: List[int]) -> List[Resu
     return out
 
 
+#: The GPU capacity seen before the first step (``estimate_for``): measured after a step, the blocks the
+#: run still holds would shrink it, and with it the room the estimate gives stage inputs on the GPU.
+_START_CAPACITY: Dict[str, float] = {}
+
+
 def estimate_for(args: argparse.Namespace, seq: int) -> Optional[tuple]:
     """The memory estimate (peak GPU GiB, peak host GiB) for this run, if the estimate module exists."""
     try:
@@ -236,11 +245,7 @@ def estimate_for(args: argparse.Namespace, seq: int) -> Optional[tuple]:
     )
     # The GPU the runtime plans to (RPP_GPU_MEMORY's cap included): on one GPU the stage inputs its room holds stay
     # there.
-    gpu_bytes = None
-    if torch.cuda.is_available():
-        from roundpipe.devices import device as device_mod
-
-        gpu_bytes = float(device_mod.get_min_capacity())
+    gpu_bytes = _START_CAPACITY.get("bytes")
     e = estimate.estimate(shape, seq_len=seq, batch_size=1, lora_rank=args.lora, gpu_bytes=gpu_bytes)
     if getattr(args, "memory_detail", False):
         parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in e.gpu_parts.items())
