@@ -81,8 +81,18 @@ def test_bench_script_runs(argv: list) -> None:
             + ["--tiles", "4", "--modes", "split"],
             "== 4 tiles, split",
         ),
+        (
+            ["bench/long_context.py", "--workload", "tiny", "--layers", "2", "--lengths", "256", "--skip-baseline"]
+            + ["--memory-detail"],
+            "plan at 256",
+        ),
+        (
+            ["bench/stage_inputs_bench.py", "--grad-cosine", "--repeat", "--format", "int8", "--workload", "tiny"]
+            + ["--lora", "4", "--seq", "128"],
+            "int8_blocks_in_fp8",
+        ),
     ],
-    ids=["job_cost", "pool_bench", "user_script", "pool_bench_tiles", "tile_profile"],
+    ids=["job_cost", "pool_bench", "user_script", "pool_bench_tiles", "tile_profile", "long_context", "stage_inputs"],
 )
 def test_pool_scripts_run(argv: list, expect: str) -> None:
     """The pool's benchmarks (per-job cost, 1..N devices side by side, a user's own script) on CPU workers."""
