@@ -159,7 +159,7 @@ class RoundPipeForCausalLM(RoundPipe):
                 # adapters add to it (``estimate.decoder_layer_bytes``; ``roundpipe plan`` counts that).
                 k, p = estimate.decoder_layer_bytes(shape, t, tile, tiled, e, whole[i], extra[i], None)
                 kept[i], peak[i] = k + kv, p + kv + prefix + io + side
-                # The host copy of a stage input per microbatch (bf16, or fp8 payload and scales) from torch's
+                # The host copy of a stage input per microbatch (bf16, or a compact payload and scales) from torch's
                 # pinned caching allocator, which rounds each block up to a power of two.
                 checkpoint[i] = len(sizes) * estimate.pinned_checkpoint_bytes(shape, rows * seq_len, e, mode)
             head = self.num_layers - 1
