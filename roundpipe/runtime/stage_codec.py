@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, List, Optional, Set
+from typing import Any, Callable, Iterable, List, Optional, Set, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -144,7 +144,7 @@ def _int8_scales(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(amax), s, torch.full_like(s, float("nan")))
 
 
-def _int8_or_fp8(xb: torch.Tensor, amax: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
+def _int8_or_fp8(xb: torch.Tensor, amax: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Scales and int8 payload of float32 blocks ``xb`` (``rows x blocks x block``): per block int8, or fp8
     (scale negated, bytes reinterpreted) where its largest value dwarfs the others (:data:`FP8_BLOCK_RATIO`).
     A NaN block's payload is zeros and its scale NaN, which decodes it as NaN."""
