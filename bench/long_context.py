@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import psutil
 import torch
@@ -173,23 +173,32 @@ def measure(system: str, seq: int, step: Callable[[torch.Tensor], None], flops: 
     return Result(system, seq, True, dt, seq / dt, flops / dt / 1e12, _gpu_peak_gib(), rss.peak / 2**30)
 
 
-def roundpipe_results(args: argparse.Namespace, lengths: List[int]) -> List[Result]:
+def build_roundpipe(workload: str, lora: int, layers: int = 0) -> Tuple[torch.nn.Module, Any]:
+    """(the Hugging Face model, its RoundPipe): :func:`build_model` (``layers``: a slice), LoRA of rank
+    ``lora`` on all seven projections (0: full fine-tune), fp32 optimizer copies, one microbatch."""
     import roundpipe
     from roundpipe import RoundPipeRunConfig
 
-    hf = build_model(args.workload, layers=args.layers)
+    hf = build_model(workload, layers=layers)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        hf = get_peft_model(hf, LoraConfig(r=lora, lora_alpha=2 * lora, target_modules=LORA_TARGETS))
+    model = roundpipe.wrap_model_to_roundpipe(
+        hf, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=1)
+    )
+    return hf, model
+
+
+def roundpipe_results(args: argparse.Namespace, lengths: List[int]) -> List[Result]:
+    import roundpipe
+
+    hf, model = build_roundpipe(args.workload, args.lora, args.layers)
     if torch.cuda.is_available():  # what the runtime plans to: the GPU before this process holds anything on it
         from roundpipe.devices import device as device_mod
 
         _START_CAPACITY["bytes"] = float(device_mod.get_min_capacity())
     lora = args.lora > 0
-    if lora:
-        from peft import LoraConfig, get_peft_model
-
-        hf = get_peft_model(hf, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules=LORA_TARGETS))
-    model = roundpipe.wrap_model_to_roundpipe(
-        hf, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=1)
-    )
     opt = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-5)
     vocab = model.config.vocab_size
     base = hf.get_base_model() if lora else hf

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from long_context import build_roundpipe  # noqa: E402
 from train_bench import WORKLOADS  # noqa: E402
 
 GiB = float(1 << 30)
@@ -58,36 +59,6 @@ def peak_blocks(trace: List[Dict[str, Any]]) -> Tuple[int, Dict[int, Tuple[int, 
     return best, live
 
 
-def build_slice(workload: str, lora: int, layers: int, seq: int) -> Tuple[Any, Any]:
-    """(the Hugging Face model, its RoundPipe): ``workload``'s width with ``layers`` decoder layers, bf16,
-    LoRA of rank ``lora`` on all projections (0: full fine-tune), one microbatch."""
-    import roundpipe
-    from roundpipe import RoundPipeRunConfig, flavors
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    hidden, inter, _, heads, kv, tied = WORKLOADS[workload]
-    cfg = Qwen3Config(
-        vocab_size=flavors.QWEN3_VOCAB,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=flavors.QWEN3_HEAD_DIM,
-        tie_word_embeddings=tied,
-        max_position_embeddings=max(seq, 40960),
-    )
-    hf = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
-    if lora:
-        from peft import LoraConfig, get_peft_model
-
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        hf = get_peft_model(hf, LoraConfig(r=lora, lora_alpha=2 * lora, target_modules=targets))
-    model = roundpipe.wrap_model_to_roundpipe(
-        hf, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=1)
-    )
-    return hf, model
-
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -104,7 +75,7 @@ def main() -> None:
     from roundpipe.planning import estimate
 
     hidden, inter, layers, heads, kv, tied = WORKLOADS[args.workload]
-    hf, model = build_slice(args.workload, args.lora, args.layers, args.seq)
+    hf, model = build_roundpipe(args.workload, args.lora, args.layers)
     cfg = hf.config
     ids = torch.randint(0, cfg.vocab_size, (1, args.seq))
     model.train_step(input_ids=ids[:, :2048], labels=ids[:, :2048])  # warm-up: kernels, plan

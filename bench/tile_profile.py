@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from memory_trace import build_slice  # noqa: E402
+from long_context import build_roundpipe  # noqa: E402
 
 
 def kernels(prof: torch.profiler.profile) -> Tuple[float, List[Tuple[str, float, int]]]:
@@ -53,7 +53,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
-    hf, model = build_slice(args.workload, args.lora, args.layers, args.seq)
+    hf, model = build_roundpipe(args.workload, args.lora, args.layers)
     ids = torch.randint(0, hf.config.vocab_size, (1, args.seq))
     import roundpipe
 
