@@ -127,10 +127,13 @@ DEVICE_SAVED_GB: Setting[Optional[float]] = _register(
         "device memory its plan leaves free, in forward_backward calls of models that report their activations).",
     )
 )
+#: How backward-stage inputs may be kept (``roundpipe.runtime.stage_codec``): the one list of the modes, read
+#: by the codec, the CLI and this setting (``RoundPipeRunConfig.stage_inputs``' type repeats it; a test checks).
+STAGE_INPUT_MODES: Tuple[str, ...] = ("bf16", "fp8", "int8")
 STAGE_INPUTS: Setting[str] = _register(
     Setting(
         "RPP_STAGE_INPUTS",
-        choice("bf16", "fp8", "int8"),
+        choice(*STAGE_INPUT_MODES),
         "bf16",
         "bf16",
         "`bf16` (as the layers produce them), `fp8` or `int8`",

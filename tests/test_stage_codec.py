@@ -232,6 +232,18 @@ def test_the_setting_and_the_run_config(monkeypatch: pytest.MonkeyPatch) -> None
         RoundPipeRunConfig(stage_inputs="fp4")  # type: ignore[arg-type]
 
 
+def test_every_copy_of_the_modes_agrees() -> None:
+    """The modes come from one list (``settings.STAGE_INPUT_MODES``); the run config's type and the estimate's
+    block sizes repeat it (the estimate imports no torch) and must agree with it."""
+    import typing
+
+    from roundpipe.cli.config import STAGE_INPUTS
+    from roundpipe.run_config import StageInputs
+
+    assert stage_codec.MODES == settings.STAGE_INPUT_MODES == STAGE_INPUTS == typing.get_args(StageInputs)
+    assert ("bf16", *stage_codec.BLOCKS) == stage_codec.MODES and estimate.STAGE_CODEC_BLOCKS == stage_codec.BLOCKS
+
+
 def test_estimate_term_and_block_size_agree() -> None:
     """The estimate's copy of the block sizes is the codec's; fp8 costs 1 byte and 4 / 128 per value, int8
     1 byte and 4 / 32."""

@@ -18,6 +18,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
+from roundpipe.settings import STAGE_INPUT_MODES as STAGE_INPUTS  # the stage-input modes (settings imports no torch)
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: Short names of the dtypes, accepted wherever a dtype is (``--dtype bf16`` is ``--dtype bfloat16``).
 DTYPE_ALIASES = {
@@ -32,7 +34,6 @@ PLANS = ("auto", "layerwise", "single")
 OPTIM_STATES = ("float32", "bfloat16", "int8")
 MASTERS = ("float32", "bfloat16")
 MASTER_ROUNDINGS = ("stochastic", "kahan", "nearest")
-STAGE_INPUTS = ("bf16", "fp8", "int8")  # roundpipe.runtime.stage_codec.MODES (this module imports no torch)
 
 
 def normalize_dtype(value: str) -> str:

@@ -265,9 +265,9 @@ def split_attention(q: torch.Tensor) -> bool:
     """Whether a tile attends as two flash blocks (``tile_attention``) rather than one masked call:
     ``RPP_TILE_ATTENTION`` ``split`` or ``bias``. ``auto`` splits on CPU workers (the masked call
     materialises its mask there) and on GPUs where the blocks run on cuDNN's fused attention
-    (``tile_attention.cudnn_blocks``: 8 tiles of a qwen3-8b LoRA layer took 1.18x the whole sequence's
-    time there, against 1.44x on flash attention 2 or with the mask; docs/benchmarks.md); else the
-    masked call."""
+    (``tile_attention.cudnn_blocks``: 8 tiles of qwen3-8b LoRA at 65,536 tokens took 1.09x the whole
+    sequence's step there, against 1.44x on flash attention 2 or with the mask; docs/benchmarks.md); else
+    the masked call."""
     mode = settings.TILE_ATTENTION.get()
     if mode == "auto":
         if q.device.type != "cuda":

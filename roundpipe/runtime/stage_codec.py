@@ -51,9 +51,11 @@ from typing import Any, Callable, Iterable, List, Optional, Set, Tuple
 import torch
 from torch.utils import _pytree as pytree
 
+from roundpipe.settings import STAGE_INPUT_MODES
+
 #: The accepted ``stage_inputs`` values: as today (the dtype the layers produce, bf16 in a bf16 run), or a
-#: compact format.
-MODES = ("bf16", "fp8", "int8")
+#: compact format (one of :data:`BLOCKS`).
+MODES = STAGE_INPUT_MODES
 #: Values per float32 scale of each compact format, along the last dimension (docs/long-context.md,
 #: "Compact stage inputs").
 BLOCKS = {"fp8": 128, "int8": 32}
