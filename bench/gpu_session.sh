@@ -316,5 +316,24 @@ case "${1:-}" in
     # sequence on 1, one timed step each after a warm-up on 8,192 tokens (a 1-GPU step is ~230 s)
     export PYTHONFAULTHANDLER=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False
     timeout -s ABRT 560 python3 bench/pool_bench.py --workload qwen3-8b --lora 16 --batch 1 --seq 262144 --devices 2,1 --graphs 0 --sequence-tiles 8 --warmup 1 --warmup-seq 8192 --iters 1 --json "$out/tiles262k.json" 2>&1 | quiet | tee "$out/tiles262k.log" | grep -E "tokens/s|Error|error" ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d|s25e|s25f|s26a|s26b|s26c|s27x2a|s27x2b" >&2; exit 2 ;;
+  s27a)  # issue 38 on one GPU, twenty-seventh session, call 1: the compact codecs' and the tiles' GPU tests; then full-depth
+    # qwen3-8b LoRA at 262,144 under an 80 GiB cap with int8 stage inputs, to check the memory model that predicts 524,288
+    export PYTHONFAULTHANDLER=1
+    nvidia-smi -L
+    timeout -s ABRT 100 python3 -m pytest -m gpu tests/test_gpu.py -k "compact or sequence" -q -rA -p no:cacheprovider 2>&1 | tee "$out/tests.log" | grep -E "^(PASSED|FAILED|ERROR)|passed|failed|^E " | head -16
+    for n in 262144 524288; do
+      python3 -m roundpipe plan --model qwen3-8b --seq-len $n --lora-r 16 --gpu-memory 80GiB --host-memory 128GiB --stage-inputs int8 2>&1 | tail -4
+    done
+    RPP_GPU_MEMORY=80GiB RPP_STAGE_INPUTS=int8 timeout -s ABRT 440 python3 bench/long_context.py --workload qwen3-8b --lora 16 --lengths 262144 --warmup-len 8192 --skip-baseline --memory-detail --out "$out/full262k.json" 2>&1 | quiet | tee "$out/full262k.log" | grep -v "^ *$" | tail -14 ;;
+  s27b)  # issues 38/37 on one GPU, twenty-seventh session, call 2: the compact codecs' GPU test after the division fix;
+    # what a finished call still holds on the GPU when the next one plans (a 2-layer qwen3-8b LoRA slice, 65,536);
+    # the user script with the optimizer on all 16 cores (its final synchronize is one unhidden step)
+    export PYTHONFAULTHANDLER=1
+    timeout -s ABRT 60 python3 -m pytest -m gpu tests/test_gpu.py -k compact -q -rA -p no:cacheprovider 2>&1 | grep -E "^(PASSED|FAILED|ERROR)|passed|failed|^E " | head -8
+    RPP_GPU_MEMORY=80GiB timeout -s ABRT 150 python3 bench/stale_memory_check.py --workload qwen3-8b --lora 16 --layers 2 --seq 65536 --calls 3 2>&1 | grep -E "^call|^  |kept|Error" | tee "$out/stale.log"
+    for t in default 16; do
+      (if [ $t != default ]; then export RPP_OPTIM_THREADS=$t; fi
+       timeout -s ABRT 90 python3 bench/user_script.py --workload qwen3-1.7b --batch 8 2>&1 | tee "$out/script_$t.log" | grep -E "user script|step returns|Error")
+    done ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d|s25e|s25f|s26a|s26b|s26c|s27x2a|s27x2b|s27a|s27b" >&2; exit 2 ;;
 esac

@@ -131,6 +131,16 @@ def compute_guard(device: torch.device) -> ContextManager[Any]:
     return cpu_compute_lock
 
 
+def init_worker_thread(device: torch.device, intra_op_threads: int) -> None:
+    """Prepare a device's controller thread (on that thread, before its first job). A CPU worker computes
+    with ``intra_op_threads`` (torch's count on the thread that created the device), its BLAS included:
+    ``torch.set_num_threads`` sets MKL's count per thread, so a new thread's matrix products would use MKL's
+    default (every core) in an OpenMP team that spins between calls. Measured with ``bench/job_cost.py`` on
+    2 cores and torch at one thread: a spinning thread beside each worker, 2 workers 3.4x slower than 1."""
+    if not is_cuda(device):
+        torch.set_num_threads(max(1, intra_op_threads))
+
+
 def gpu_memory_cap_bytes() -> Optional[int]:
     """The per-GPU memory cap (``RPP_GPU_MEMORY``), or None for the whole GPU."""
     from roundpipe import settings

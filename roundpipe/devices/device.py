@@ -137,6 +137,7 @@ class DeviceManager:
         # The stage the running job executes: (model name, layers, bytes on the device), for OOM errors.
         self.stage: Optional[Tuple[str, range, float]] = None
         self.shutdown = False
+        self.intra_op_threads = torch.get_num_threads()  # this (creating) thread's, for a CPU worker's compute
         self.controller_thread = RoundPipeThread(self.controller, name=f"roundpipe-{self.name}")
         self.controller_thread.start()
 
@@ -160,6 +161,7 @@ class DeviceManager:
 
     def controller(self) -> None:
         """Background loop: run jobs as they arrive. Errors are reported, never fatal to the loop."""
+        backend.init_worker_thread(self.device, self.intra_op_threads)
         while True:
             # Plain (non-aborting) wait: an idle worker must keep waiting for work after a failure.
             threading.Semaphore.acquire(self.job_arrived)

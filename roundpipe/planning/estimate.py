@@ -361,6 +361,25 @@ def device_saved_room(gpu_bytes: float, step_gpu_bytes: float) -> float:
     return max(0.0, DEVICE_SAVED_SHARE * (gpu_bytes * (1 - GPU_MARGIN_FRACTION) - GPU_MARGIN_BYTES - step_gpu_bytes))
 
 
+def runtime_step_bytes(
+    shape: ModelShape, t: int, tile: int, tiled: bool, b: int, lora_rank: int, lora_extra: float, g: int,
+    layer_device: float, side: float, kv_per_layer: float = 0.0, prefix: float = 0.0,
+) -> float:
+    """What the runtime subtracts from a GPU's budget before it keeps stage inputs there
+    (``budget.device_saved_room``): twice the largest layer (a LoRA model's embedding or head) and its
+    largest backward stage by its own profile (``causal_lm.activation_profile``, ``pre_extra_per_token=None``);
+    the first stage holds the embedding with ``g`` decoder layers (``planner.stage_weight_excess``). On one
+    H200 (qwen3-8b LoRA, 262,144 tokens, 80 GiB) this estimate's own peak in its place kept two inputs too many."""
+    kept, peak = decoder_layer_bytes(shape, t, tile, tiled, b, not lora_rank, lora_extra, None)
+    io = (2 + OVERLAP_TENSORS) * t * shape.hidden * b
+    kept, peak = kept + kv_per_layer, peak + kv_per_layer + prefix + io + side
+    embed = shape.vocab * shape.hidden * b * (1 if lora_rank else 2)  # with its gradient in a full fine-tune
+    largest = max(layer_device, embed)
+    first = (g - 1) * kept + peak + 2 * max(0.0, g * layer_device + embed - largest)
+    head = head_activation_bytes(shape, t, b) + io + side
+    return 2 * largest + max(first, head)
+
+
 def estimate(
     shape: ModelShape,
     seq_len: int,
@@ -487,9 +506,18 @@ def estimate(
     raw_input = rows * mb_len * checkpoint_bytes_per_token(shape, b)
     host_input = rows * mb_len * checkpoint_bytes_per_token(shape, b, stage_inputs)
     per_microbatch = pinned_checkpoint_bytes(shape, rows * mb_len, b, stage_inputs) if pinned else host_input
-    # On one GPU the inputs the room holds stay there, whole (exact size, no pinned rounding).
-    room = device_saved_room(gpu_bytes, sum(gpu.values())) if devices == 1 and gpu_bytes is not None else 0.0
-    on_gpu = min(boundaries * microbatches, int(room // raw_input)) if raw_input > 0 else 0
+    # On one GPU the inputs the room holds stay there, whole (exact size, no pinned rounding). The room is
+    # sized as the runtime sizes it (its plan's count, not this estimate's peak; see runtime_step_bytes).
+    room = 0.0
+    if devices == 1 and gpu_bytes is not None:  # a layer's weights and gradients (PEFT's adapters in fp32)
+        layer_dev = layer_w + (8 * shape.lora_params(lora_rank) if lora_rank else trainable_layer * b)
+        kv, prefix = sequence_kv(1) - sequence_kv(0), sequence_kv(0)
+        step = runtime_step_bytes(shape, t, tile, tiled, b, lora_rank, lora_extra, g, layer_dev, side, kv, prefix)
+        # Where this estimate's count of the step is the larger, the inputs fill only what it leaves.
+        room = min(device_saved_room(gpu_bytes, step), max(0.0, gpu_bytes - sum(gpu.values())))
+    # The runtime charges each input with the rotary tables and position ids it carries (``tensor_bytes`` of
+    # its leaves), which all stages share: the room holds fewer inputs than their own bytes would fit.
+    on_gpu = min(boundaries * microbatches, int(room // (raw_input + side))) if raw_input > 0 else 0
     gpu["saved inputs"] = float(on_gpu * raw_input)
     checkpoints = (boundaries * microbatches - on_gpu) * per_microbatch + total_tokens * side_bytes_per_token(shape, b)
     parts = 1 if tiled_sequence else max(1, min(devices, microbatches))

@@ -121,10 +121,17 @@ def _rows(shape: torch.Size) -> int:
     return math.prod(shape) // last if last else 0
 
 
+def _full(like: torch.Tensor, value: float) -> torch.Tensor:
+    """``value`` as a float32 tensor of ``like``'s shape and device, to divide by: CUDA turns a division by a
+    Python number into a multiplication by its reciprocal (one ulp off the CPU's quotient), a division by a
+    tensor it rounds as the CPU does, so both devices encode the same bytes."""
+    return torch.full(like.shape, float(value), dtype=torch.float32, device=like.device)
+
+
 def _pow2_scales(amax: torch.Tensor) -> torch.Tensor:
     """``2**ceil(log2(amax / 448))`` per block, float32, at least 2**-126 (all-zero blocks); NaN for a
     block with a non-finite value (it decodes as NaN). Built from the exponent bits: exact everywhere."""
-    v = (amax.float() / FP8_MAX).clamp_min(2.0**-126)
+    v = (amax.float() / _full(amax, FP8_MAX)).clamp_min(2.0**-126)
     mantissa, exponent = torch.frexp(v)
     exponent = exponent - (mantissa == 0.5).to(exponent.dtype)  # an exact power of two is its own scale
     scales = ((exponent.clamp(-126, 127) + 127).to(torch.int32) << 23).view(torch.float32)
@@ -141,7 +148,7 @@ def _blocked(x: torch.Tensor, block: int) -> torch.Tensor:
 
 def _int8_scales(amax: torch.Tensor) -> torch.Tensor:
     """``amax / 127`` per block, float32; 1 for an all-zero block, NaN for one with a non-finite value."""
-    s = amax.float() / INT8_MAX
+    s = amax.float() / _full(amax, INT8_MAX)
     s = torch.where(s > 0, s, torch.ones_like(s))
     return torch.where(torch.isfinite(amax), s, torch.full_like(s, float("nan")))
 
@@ -154,7 +161,7 @@ def _int8_or_fp8(xb: torch.Tensor, amax: torch.Tensor) -> Tuple[torch.Tensor, to
     n = xb.shape[-1]
     # The mean square of the values below the largest (summed without it: subtracting its square from the
     # block's sum would lose the others to float32's rounding).
-    others_sq = xb.square().masked_fill_(xb.abs() == amax.unsqueeze(-1), 0.0).sum(-1) / max(1, n - 1)
+    others_sq = xb.square().masked_fill_(xb.abs() == amax.unsqueeze(-1), 0.0).sum(-1) / _full(amax, max(1, n - 1))
     # False for NaN blocks (NaN compares false) and for blocks with one nonzero value (int8 keeps it exactly).
     use_fp8 = (others_sq > 0) & (amax.square() > FP8_BLOCK_RATIO**2 * others_sq)
     s_int = _int8_scales(amax)
