@@ -335,5 +335,13 @@ case "${1:-}" in
       (if [ $t != default ]; then export RPP_OPTIM_THREADS=$t; fi
        timeout -s ABRT 90 python3 bench/user_script.py --workload qwen3-1.7b --batch 8 2>&1 | tee "$out/script_$t.log" | grep -E "user script|step returns|Error")
     done ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d|s25e|s25f|s26a|s26b|s26c|s27x2a|s27x2b|s27a|s27b" >&2; exit 2 ;;
+  s27c)  # issues 36/38 on one GPU, twenty-seventh session, call 3: the GPU tests after the planner's flush of finished
+    # jobs' tensors and the CPU workers' thread count; then what a finished call leaves again (the capacity read by each plan)
+    export PYTHONFAULTHANDLER=1
+    timeout -s ABRT 330 python3 -m pytest -m gpu tests -q -rA -p no:cacheprovider 2>&1 | tee "$out/gputests.log" | grep -E "^(FAILED|ERROR)|passed|failed|^E " | head -20
+    RPP_GPU_MEMORY=80GiB timeout -s ABRT 150 python3 bench/stale_memory_check.py --workload qwen3-8b --lora 16 --layers 2 --seq 65536 --calls 3 2>&1 | grep -E "^call|^  |kept|Error" | tee "$out/stale.log" ;;
+  s27d)  # issue 38 part 2 on one GPU, twenty-seventh session, call 4: s27a's full-depth run again after the planner's flush
+    # (the timed call now plans with the first call's capacity: 14 stage inputs on the GPU, as the estimate counts)
+    RPP_GPU_MEMORY=80GiB RPP_STAGE_INPUTS=int8 timeout -s ABRT 440 python3 bench/long_context.py --workload qwen3-8b --lora 16 --lengths 262144 --warmup-len 8192 --skip-baseline --memory-detail --out "$out/full262k.json" 2>&1 | quiet | tee "$out/full262k.log" | grep -v "^ *$" | tail -14 ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d|s25e|s25f|s26a|s26b|s26c|s27x2a|s27x2b|s27a|s27b|s27c|s27d" >&2; exit 2 ;;
 esac
