@@ -343,5 +343,10 @@ case "${1:-}" in
   s27d)  # issue 38 part 2 on one GPU, twenty-seventh session, call 4: s27a's full-depth run again after the planner's flush
     # (the timed call now plans with the first call's capacity: 14 stage inputs on the GPU, as the estimate counts)
     RPP_GPU_MEMORY=80GiB RPP_STAGE_INPUTS=int8 timeout -s ABRT 440 python3 bench/long_context.py --workload qwen3-8b --lora 16 --lengths 262144 --warmup-len 8192 --skip-baseline --memory-detail --out "$out/full262k.json" 2>&1 | quiet | tee "$out/full262k.log" | grep -v "^ *$" | tail -14 ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d|s25e|s25f|s26a|s26b|s26c|s27x2a|s27x2b|s27a|s27b|s27c|s27d" >&2; exit 2 ;;
+  s27e)  # issues 36/40 (one GPU, carry [".whl", ".old"]), twenty-seventh session, call 5: the bench on the final tree beside
+    # the tree before the restructuring (.old = 42ce6e4), qwen3-1.7b 8 x 4096 (the planner's flush changes later calls' room)
+    b="bench/train_bench.py --workload qwen3-1.7b --skip-baseline --warmup 3 --iters 6"
+    timeout -s ABRT 110 python3 $b 2>&1 | quiet | tee "$out/bench1.log" | grep -E "^\\| roundpipe|Error"
+    (cd .old && PYTHONPATH=$PWD:/tmp/site timeout -s ABRT 100 python3 $b 2>&1 | quiet | tee "$out/old.log" | grep -E "^\\| roundpipe|Error") ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d|s25e|s25f|s26a|s26b|s26c|s27x2a|s27x2b|s27a|s27b|s27c|s27d|s27e" >&2; exit 2 ;;
 esac
