@@ -163,6 +163,7 @@ def _int8_or_fp8(xb: torch.Tensor, amax: torch.Tensor) -> Tuple[torch.Tensor, to
     # block's sum would lose the others to float32's rounding).
     others_sq = xb.square().masked_fill_(xb.abs() == amax.unsqueeze(-1), 0.0).sum(-1) / _full(amax, max(1, n - 1))
     # False for NaN blocks (NaN compares false) and for blocks with one nonzero value (int8 keeps it exactly).
+    # The devices may sum in another order: a block within float32 rounding of the ratio may choose differently.
     use_fp8 = (others_sq > 0) & (amax.square() > FP8_BLOCK_RATIO**2 * others_sq)
     s_int = _int8_scales(amax)
     q_int = (xb / s_int.unsqueeze(-1)).round_().clamp_(-INT8_MAX, INT8_MAX).nan_to_num_(0.0)
