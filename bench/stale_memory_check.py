@@ -1,11 +1,11 @@
 """What a finished training call still holds on the GPU when the next call plans (one GPU).
 
 The runtime sizes the room for stage inputs on the device from ``capacity = cap - memory_allocated`` at
-the start of a call. A qwen3-8b LoRA run at 262,144 tokens under an 80 GiB cap planned its second call
-with 2.33 GiB less than its first, exactly the stage inputs the first call had kept on the GPU. This
-prints ``memory_allocated`` after a call, after a 1-element allocation (torch's caching allocator frees
-blocks whose cross-stream uses have finished only when it next allocates), and after ``gc.collect()``
-(tensors held by reference cycles), to tell the causes apart.
+the start of a call. A finished call's last job leaves its tensors in the device's ``InterStreamMemManager``
+until they are flushed; before the planner flushed them itself (``device.get_min_capacity``) every call
+after the first planned with that much less (a qwen3-8b LoRA slice: 76.48 GiB of an 80 GiB cap). This prints
+the capacity each call's plan reads, and ``memory_allocated`` after the call, after a 1-element allocation
+(blocks freed on other streams' events) and after ``gc.collect()`` (reference cycles).
 
     RPP_GPU_MEMORY=80GiB python bench/stale_memory_check.py --workload qwen3-8b --lora 16 --layers 2 --seq 8192
 """

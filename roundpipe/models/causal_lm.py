@@ -143,8 +143,7 @@ class RoundPipeForCausalLM(RoundPipe):
             t = rows * seq_len
             tokens = total * seq_len // seq
             kept, peak, checkpoint = [0.0] * self.num_layers, [0.0] * self.num_layers, [0.0] * self.num_layers
-            side = t * estimate.side_bytes_per_token(shape, e)
-            io = (2 + estimate.OVERLAP_TENSORS) * t * shape.hidden * e
+            io = estimate.job_io_bytes(shape, t, e)  # input, output gradient, neighbours' in flight, side tensors
             # Tiles of one sequence: each layer's keys and values over the whole sequence stay on the job's
             # device (with float32 gradient accumulators in backward), and a tile's attention reads
             # [prefix, tile] keys and values repeated to the query heads (``roundpipe.runtime.sequence``).
@@ -155,17 +154,18 @@ class RoundPipeForCausalLM(RoundPipe):
                 prefix = whole_tokens * 2 * (2 * shape.q_dim + shape.kv_dim) * e
             for i in decoder:
                 tiled = tileable[i] and tile > 0 and t > tile
-                # The pre-attention graph as the runtime's budget margins were fitted (None), not what PEFT's
-                # adapters add to it (``estimate.decoder_layer_bytes``; ``roundpipe plan`` counts that).
-                k, p = estimate.decoder_layer_bytes(shape, t, tile, tiled, e, whole[i], extra[i], None)
-                kept[i], peak[i] = k + kv, p + kv + prefix + io + side
+                # The pre-attention graph as the runtime's budget margins were fitted, not what PEFT's adapters
+                # add to it (``estimate.planned_layer_bytes``; ``roundpipe plan`` counts that).
+                kept[i], peak[i] = estimate.planned_layer_bytes(
+                    shape, t, tile, tiled, e, whole[i], extra[i], kv, prefix
+                )
                 # The host copy of a stage input per microbatch (bf16, or a compact payload and scales) from torch's
                 # pinned caching allocator, which rounds each block up to a power of two.
                 checkpoint[i] = len(sizes) * estimate.pinned_checkpoint_bytes(shape, rows * seq_len, e, mode)
             head = self.num_layers - 1
-            peak[head] = estimate.head_activation_bytes(shape, t, e) + io + side
+            peak[head] = estimate.head_activation_bytes(shape, t, e) + io
             checkpoint[head] = checkpoint[decoder[-1]] if decoder else 0.0
-            peak[0] = io + side
+            peak[0] = io
             return budget.ActivationProfile(kept, peak, checkpoint, tokens, seq_len, profile)
 
         return profile(seq)

@@ -7,19 +7,17 @@ The model of memory follows what the runtime keeps (see docs/resolve-oom.md):
   (fp32 master and Adam m, v: 12 bytes) and the host gradient buffers the asynchronous step rotates
   through (one more model-dtype buffer besides the weights by default); and the activation checkpoints:
   the input of every backward stage is kept from the forward to the backward, ``tokens x hidden``
-  values (in the model dtype, or fp8 with ``RPP_STAGE_INPUTS=fp8``) plus the rotary tables handed along
-  with them; on one GPU in the GPU memory the step leaves free as far as it goes (``RPP_DEVICE_SAVED_GB``,
-  given ``gpu_bytes``), the rest on the host.
+  values (model dtype, or ``RPP_STAGE_INPUTS`` fp8 / int8) with the rotary tables handed along; on one GPU
+  in the room the runtime's plan leaves (``RPP_DEVICE_SAVED_GB``, given ``gpu_bytes``), the rest on the host.
 * GPU, the largest of: a backward stage (its layers' weights and the next stage's prefetched ones,
   gradients of the trainable ones, the tensors the recompute keeps for backward: with sequence tiling a
   decoder layer keeps its input, q, k, v and the attention output at full length, the rest one tile at
   a time; and the backward's own transients: the output gradient, the attention backward's gradients
   and fp32 accumulator, the input gradient); and the head (final norm and the chunked loss).
 
-Sizes are counted exactly from the shapes; two constants cover what shapes do not tell (the CUDA
-context and allocator slack on the GPU, the interpreter and libraries on the host); they are fitted to
-measured peaks (docs/benchmarks.md, "Long context") and ``bench/long_context.py`` prints estimate and
-measurement side by side.
+Sizes are counted exactly from the shapes; two constants, fitted to measured peaks, cover what shapes do not
+tell (CUDA context and allocator slack; the interpreter and libraries); ``bench/long_context.py`` prints estimate
+and measurement side by side.
 
     from roundpipe import estimate
     e = estimate.estimate(estimate.ModelShape.builtin("qwen3-8b"), seq_len=262144, lora_rank=16)
@@ -40,7 +38,9 @@ GiB = float(1 << 30)
 GPU_OVERHEAD_BYTES = int(1.0 * GiB)  # CUDA context, cuBLAS workspaces, allocator rounding
 HOST_OVERHEAD_BYTES = int(3.0 * GiB)  # the interpreter, torch, transformers, CUDA host state
 
-# Hidden-size tensors of neighbouring jobs alive beside a stage's own (see ``estimate``).
+# Hidden-size tensors of neighbouring jobs alive beside a stage's own: the next stage's input uploading, the
+# previous one's input gradient still downloading (without them the estimate was 13% below the H100 peaks at
+# 262K / 524K tokens).
 OVERLAP_TENSORS = 2
 
 
@@ -361,22 +361,35 @@ def device_saved_room(gpu_bytes: float, step_gpu_bytes: float) -> float:
     return max(0.0, DEVICE_SAVED_SHARE * (gpu_bytes * (1 - GPU_MARGIN_FRACTION) - GPU_MARGIN_BYTES - step_gpu_bytes))
 
 
+def job_io_bytes(shape: ModelShape, t: int, e: int = 2) -> float:
+    """A job's bytes of ``t`` tokens besides its layers' activations: input, output gradient, the neighbours'
+    hidden states in flight (``OVERLAP_TENSORS``), what passes along (rotary tables, position ids)."""
+    return (2 + OVERLAP_TENSORS) * t * shape.hidden * e + t * side_bytes_per_token(shape, e)
+
+
+def planned_layer_bytes(
+    shape: ModelShape, t: int, tile: int, tiled: bool, e: int, whole: bool, extra: float, kv: float = 0.0,
+    prefix: float = 0.0,
+) -> Tuple[float, float]:
+    """(kept, peak) of a decoder layer's job in the runtime's plan (``causal_lm.activation_profile``): the
+    pre-attention graph as its margins were fitted (``pre_extra_per_token=None``), a tile's whole-sequence keys
+    and values ``kv``, and at the peak ``prefix`` and :func:`job_io_bytes`."""
+    kept, peak = decoder_layer_bytes(shape, t, tile, tiled, e, whole, extra, None)
+    return kept + kv, peak + kv + prefix + job_io_bytes(shape, t, e)
+
+
 def runtime_step_bytes(
     shape: ModelShape, t: int, tile: int, tiled: bool, b: int, lora_rank: int, lora_extra: float, g: int,
-    layer_device: float, side: float, kv_per_layer: float = 0.0, prefix: float = 0.0,
+    layer_device: float, kv: float = 0.0, prefix: float = 0.0,
 ) -> float:
-    """What the runtime subtracts from a GPU's budget before it keeps stage inputs there
-    (``budget.device_saved_room``): twice the largest layer (a LoRA model's embedding or head) and its
-    largest backward stage by its own profile (``causal_lm.activation_profile``, ``pre_extra_per_token=None``);
-    the first stage holds the embedding with ``g`` decoder layers (``planner.stage_weight_excess``). On one
-    H200 (qwen3-8b LoRA, 262,144 tokens, 80 GiB) this estimate's own peak in its place kept two inputs too many."""
-    kept, peak = decoder_layer_bytes(shape, t, tile, tiled, b, not lora_rank, lora_extra, None)
-    io = (2 + OVERLAP_TENSORS) * t * shape.hidden * b
-    kept, peak = kept + kv_per_layer, peak + kv_per_layer + prefix + io + side
+    """What the runtime takes from a GPU's budget before it keeps stage inputs there (``budget.device_saved_room``):
+    twice the largest layer and its largest backward stage by :func:`planned_layer_bytes`, the first holding the
+    embedding with ``g`` decoder layers (``planner.stage_weight_excess``)."""
+    kept, peak = planned_layer_bytes(shape, t, tile, tiled, b, not lora_rank, lora_extra, kv, prefix)
     embed = shape.vocab * shape.hidden * b * (1 if lora_rank else 2)  # with its gradient in a full fine-tune
     largest = max(layer_device, embed)
     first = (g - 1) * kept + peak + 2 * max(0.0, g * layer_device + embed - largest)
-    head = head_activation_bytes(shape, t, b) + io + side
+    head = head_activation_bytes(shape, t, b) + job_io_bytes(shape, t, b)
     return 2 * largest + max(first, head)
 
 
@@ -468,14 +481,10 @@ def estimate(
     lora_extra = lora_bytes_per_token(shape, lora_rank, b) if lora_rank else 0.0
     lora_pre = lora_pre_attention_bytes_per_token(shape, lora_rank, b) if lora_rank else 0.0
     kept, peak = decoder_layer_bytes(shape, t, tile, tiled, b, not lora_rank, lora_extra, lora_pre)
-    io = 2 * t * h * b  # the stage input and the output gradient
-    # The neighbouring jobs' hidden-size tensors in flight on the device while this one computes: the
-    # next stage's input uploading, the previous stage's input gradient still downloading (measured:
-    # without this term the estimate was 13% below the H100 peaks at 262K / 524K tokens).
-    overlap = OVERLAP_TENSORS * t * h * b
+    io = job_io_bytes(shape, t, b)  # the stage input, output gradient, neighbours' in flight, side tensors
     side = t * side_bytes_per_token(shape, b)
     others = (g - 1) * (kept if recompute_grain == "stage" else t * h * b)
-    stage = peak + others + io + side + overlap
+    stage = peak + others + io
 
     def sequence_kv(layers: int) -> float:
         """Tiles of one sequence: a job's keys and values of its ``layers`` over the whole sequence, their
@@ -490,7 +499,7 @@ def estimate(
     head_w = shape.vocab * h * b * (1 if shape.tied or lora_rank else 2) + (shape.vocab * h * b if not lora_rank else 0)
     # The fused last stage: the head (final norm, chunked loss) with, at long context, the last decoder
     # layer (the head is fast there, so the planner's time cap groups them): that layer's kept bytes.
-    head = head_activation_bytes(shape, t, b) + kept + io + side + overlap + sequence_kv(1)
+    head = head_activation_bytes(shape, t, b) + kept + io + sequence_kv(1)
     head_w += layer_w
     if stage + weights >= head + head_w:
         gpu = {"weights": float(weights), "activations": float(stage), "runtime": float(GPU_OVERHEAD_BYTES)}
@@ -506,17 +515,16 @@ def estimate(
     raw_input = rows * mb_len * checkpoint_bytes_per_token(shape, b)
     host_input = rows * mb_len * checkpoint_bytes_per_token(shape, b, stage_inputs)
     per_microbatch = pinned_checkpoint_bytes(shape, rows * mb_len, b, stage_inputs) if pinned else host_input
-    # On one GPU the inputs the room holds stay there, whole (exact size, no pinned rounding). The room is
-    # sized as the runtime sizes it (its plan's count, not this estimate's peak; see runtime_step_bytes).
+    # On one GPU the inputs the room holds stay there, whole (exact size, no pinned rounding). The room is the
+    # runtime's (its plan's count: this estimate's peak in its place kept two inputs too many at 262,144 tokens).
     room = 0.0
     if devices == 1 and gpu_bytes is not None:  # a layer's weights and gradients (PEFT's adapters in fp32)
         layer_dev = layer_w + (8 * shape.lora_params(lora_rank) if lora_rank else trainable_layer * b)
         kv, prefix = sequence_kv(1) - sequence_kv(0), sequence_kv(0)
-        step = runtime_step_bytes(shape, t, tile, tiled, b, lora_rank, lora_extra, g, layer_dev, side, kv, prefix)
+        step = runtime_step_bytes(shape, t, tile, tiled, b, lora_rank, lora_extra, g, layer_dev, kv, prefix)
         # Where this estimate's count of the step is the larger, the inputs fill only what it leaves.
         room = min(device_saved_room(gpu_bytes, step), max(0.0, gpu_bytes - sum(gpu.values())))
-    # The runtime charges each input with the rotary tables and position ids it carries (``tensor_bytes`` of
-    # its leaves), which all stages share: the room holds fewer inputs than their own bytes would fit.
+    # The runtime charges each input the rotary tables and position ids it carries (shared by all stages).
     on_gpu = min(boundaries * microbatches, int(room // (raw_input + side))) if raw_input > 0 else 0
     gpu["saved inputs"] = float(on_gpu * raw_input)
     checkpoints = (boundaries * microbatches - on_gpu) * per_microbatch + total_tokens * side_bytes_per_token(shape, b)
