@@ -348,5 +348,46 @@ case "${1:-}" in
     b="bench/train_bench.py --workload qwen3-1.7b --skip-baseline --warmup 3 --iters 6"
     timeout -s ABRT 110 python3 $b 2>&1 | quiet | tee "$out/bench1.log" | grep -E "^\\| roundpipe|Error"
     (cd .old && PYTHONPATH=$PWD:/tmp/site timeout -s ABRT 100 python3 $b 2>&1 | quiet | tee "$out/old.log" | grep -E "^\\| roundpipe|Error") ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d|s25e|s25f|s26a|s26b|s26c|s27x2a|s27x2b|s27a|s27b|s27c|s27d|s27e" >&2; exit 2 ;;
+  s28a)  # issue 36's job-count row on one GPU (twenty-eighth session, call 1): qwen3-1.7b 16 x 4096 at 4, 16 and
+    # 8 microbatches, one process each (the same plan search per row), 3 warm-up + 4 timed iterations
+    for mb in 4 16 8; do
+      timeout -s ABRT 150 python3 bench/train_bench.py --workload qwen3-1.7b --batch 16 --microbatches $mb --skip-baseline \
+        --warmup 3 --iters 4 2>&1 | quiet | tee "$out/mb$mb.log" | grep -E "^\\| roundpipe|Error"
+    done ;;
+  s28b)  # issue 36's job-count row on one GPU, call 2: the same rows with graphed jobs (RPP_GRAPHS=1; auto graphs
+    # pools of several GPUs only), then eagerly again, one process each
+    for run in "1 16" "1 4" "0 16" "0 4"; do
+      set -- $run
+      RPP_GRAPHS=$1 timeout -s ABRT 150 python3 bench/train_bench.py --workload qwen3-1.7b --batch 16 --microbatches $2 \
+        --skip-baseline --warmup 3 --iters 4 2>&1 | quiet | tee "$out/g$1_mb$2.log" | grep -E "^\\| roundpipe|Error"
+    done ;;
+  s28c)  # call 3: graphed jobs on one GPU where auto leaves them off: qwen3-1.7b 8 x 4096 at the default 2 microbatches
+    # and 16 x 4096 at 8, graphed (RPP_GRAPHS=1) and eager, one process each
+    for run in "1 8 2" "0 8 2" "1 16 8" "0 16 8"; do
+      set -- $run
+      RPP_GRAPHS=$1 timeout -s ABRT 130 python3 bench/train_bench.py --workload qwen3-1.7b --batch $2 --microbatches $3 \
+        --skip-baseline --warmup 3 --iters 4 2>&1 | quiet | tee "$out/g$1_b$2_mb$3.log" | grep -E "^\\| roundpipe|Error"
+    done ;;
+  s28d)  # call 4 (carry [".whl"]: liger-kernel): the job-count row beside the GPU-resident Liger baseline, which runs the
+    # same microbatches as gradient accumulation: qwen3-1.7b 16 x 4096 at 16 and 4 microbatches (eager, auto's choice on
+    # one GPU), then roundpipe alone at 16 with graphed jobs
+    for mb in 16 4; do
+      timeout -s ABRT 200 python3 bench/train_bench.py --workload qwen3-1.7b --batch 16 --microbatches $mb \
+        --baseline-microbatches $mb --baselines liger --warmup 3 --iters 4 2>&1 | quiet | tee "$out/liger_mb$mb.log" \
+        | grep -E "^\\| (roundpipe|gpu-resident)|Error"
+    done
+    RPP_GRAPHS=1 timeout -s ABRT 120 python3 bench/train_bench.py --workload qwen3-1.7b --batch 16 --microbatches 16 \
+      --skip-baseline --warmup 3 --iters 4 2>&1 | quiet | tee "$out/g1_mb16.log" | grep -E "^\\| roundpipe|Error" ;;
+  s28e)  # call 5 (carry [".whl"]: liger-kernel), issue 37 part 1 in one call: per workload the bench beside the GPU-resident
+    # Liger baseline (one process, 3 warm-up + 6 timed), then the user script (3 warm-up + 6 timed + its final synchronize)
+    for w in qwen3-1.7b qwen3-4b; do
+      timeout -s ABRT 200 python3 bench/train_bench.py --workload $w --baselines liger --warmup 3 --iters 6 2>&1 | quiet \
+        | tee "$out/bench_$w.log" | grep -E "^\\| (roundpipe|gpu-resident)|Error"
+      timeout -s ABRT 150 python3 bench/user_script.py --workload $w --batch 8 2>&1 | tee "$out/script_$w.log" \
+        | grep -E "user script|step returns|Error"
+    done ;;
+  s28f)  # call 6: issue 37 part 1, where the user script's last step goes: its optimizer steps timed by phase
+    timeout -s ABRT 150 python3 bench/user_script.py --workload qwen3-1.7b --batch 8 --step-phases 2>&1 \
+      | tee "$out/phases.log" | grep -v -i warn | tail -14 ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d|s25e|s25f|s26a|s26b|s26c|s27x2a|s27x2b|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s28d|s28e|s28f" >&2; exit 2 ;;
 esac

@@ -6,10 +6,11 @@ The stack: ``--layers`` x ``nn.Linear(--width, --width)``, ``--microbatches`` mi
 ``--rows`` rows, ``forward_backward`` + ``step`` (SGD) per iteration, torch at one intra-op thread.
 The reference: the same math in the same process as a plain PyTorch loop (per microbatch forward,
 loss, backward; one SGD step). Both are divided by the number of layer-microbatch jobs of an
-iteration, forward and backward counted as two (``2 x layers x microbatches``).
+iteration, forward and backward counted as two (``2 x layers x microbatches``). Per worker count the
+two alternate in rounds and each round compares its own two medians (``measure``).
 
     python bench/job_cost.py                     # 1, 2, 3 and 4 CPU workers
-    python bench/job_cost.py --workers 2 --iters 50 --json
+    python bench/job_cost.py --workers 2 --iters 50 --rounds 7 --json
 """
 
 from __future__ import annotations
@@ -39,59 +40,95 @@ def loss_fn(out: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out, label, reduction="sum")
 
 
-def plain_times(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> List[float]:
-    """Seconds per iteration of the plain PyTorch loop (same math, same process)."""
-    model = build(args.layers, args.width)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    xs, ys = x.chunk(args.microbatches), y.chunk(args.microbatches)
-    times = []
-    for _ in range(args.warmup + args.iters):
-        t0 = time.perf_counter()
-        for xm, ym in zip(xs, ys):
-            loss_fn(model(xm), ym).backward()
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - t0)
-    return times[args.warmup :]
+class PlainLoop:
+    """The reference: the same math as a plain PyTorch loop (same process, same inputs)."""
+
+    def __init__(self, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.model = build(args.layers, args.width)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
+        self.xs, self.ys = x.chunk(args.microbatches), y.chunk(args.microbatches)
+
+    def times(self, n: int) -> List[float]:
+        """Seconds of each of ``n`` iterations."""
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            for xm, ym in zip(self.xs, self.ys):
+                loss_fn(self.model(xm), ym).backward()
+            self.opt.step()
+            self.opt.zero_grad()
+            out.append(time.perf_counter() - t0)
+        return out
 
 
-def roundpipe_times(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor, workers: int) -> List[float]:
-    """Seconds per iteration of RoundPipe on ``workers`` CPU workers."""
-    import roundpipe
-    from roundpipe import RoundPipe, RoundPipeRunConfig
+class RuntimeLoop:
+    """The same iteration on RoundPipe with ``workers`` CPU workers (``forward_backward`` + asynchronous ``step``)."""
 
-    roundpipe.configure(devices=f"cpu:{workers}")
-    model = RoundPipe(
-        build(args.layers, args.width), model_run_config=RoundPipeRunConfig(num_microbatch=args.microbatches)
-    )
-    opt = torch.optim.SGD(model.optim_parameters(), lr=1e-4)
-    times = []
-    for _ in range(args.warmup + args.iters):
-        t0 = time.perf_counter()
-        model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
-        model.step(lambda: (opt.step(), opt.zero_grad()))
-        times.append(time.perf_counter() - t0)
-    model.synchronize()
-    return times[args.warmup :]
+    def __init__(self, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor, workers: int) -> None:
+        import roundpipe
+        from roundpipe import RoundPipe, RoundPipeRunConfig
+        from roundpipe.planning.plan import ModelExecutePlan
+
+        roundpipe.configure(devices=f"cpu:{workers}")
+        plan = ModelExecutePlan.layerwise(args.layers, "train") if args.plan == "layerwise" else None
+        self.model = RoundPipe(
+            build(args.layers, args.width),
+            model_run_config=RoundPipeRunConfig(num_microbatch=args.microbatches, execute_plan=plan),
+        )
+        self.opt = torch.optim.SGD(self.model.optim_parameters(), lr=1e-4)
+        self.x, self.y = x, y
+
+    def times(self, n: int) -> List[float]:
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            self.model.forward_backward(input_args=(self.x,), label=self.y, loss_fn=loss_fn)
+            self.model.step(lambda: (self.opt.step(), self.opt.zero_grad()))
+            out.append(time.perf_counter() - t0)
+        return out
+
+    def close(self) -> None:
+        self.model.synchronize()
 
 
 def measure(args: argparse.Namespace) -> Dict[str, object]:
+    """Per worker count: after the warm-up, ``--rounds`` rounds of ``--iters`` plain iterations followed by
+    ``--iters`` runtime iterations; each round's ratio compares the medians of the same round, so a machine
+    that drifts (a shared 2-core CI box does) moves both sides; the row is the median round."""
     torch.set_num_threads(1)
     x = torch.randn(args.rows * args.microbatches, args.width)
     y = torch.randn(args.rows * args.microbatches, args.width)
     jobs = 2 * args.layers * args.microbatches
-    plain = statistics.median(plain_times(args, x, y)) / jobs
+    plain = PlainLoop(args, x, y)
+    plain.times(args.warmup)
     rows = []
     for w in args.workers:
-        rp = statistics.median(roundpipe_times(args, x, y, w)) / jobs
-        # The plain loop again after each run: a drifting machine shows in the reference too.
-        ref = min(plain, statistics.median(plain_times(args, x, y)) / jobs)
-        rows.append({"workers": w, "runtime_us": rp * 1e6, "plain_us": ref * 1e6, "ratio": rp / ref})
+        rt = RuntimeLoop(args, x, y, w)
+        rt.times(args.warmup)
+        rounds = []
+        for _ in range(args.rounds):
+            ref = statistics.median(plain.times(args.iters)) / jobs
+            rp = statistics.median(rt.times(args.iters)) / jobs
+            rt.model.wait_optimizer()  # the last step off the plain loop's cores (untimed; changes no result)
+            rounds.append((rp / ref, rp, ref))
+        rt.close()
+        ratio, rp, ref = sorted(rounds)[len(rounds) // 2]
+        rows.append(
+            {
+                "workers": w,
+                "runtime_us": rp * 1e6,
+                "plain_us": ref * 1e6,
+                "ratio": ratio,
+                "round_ratios": [round(r[0], 3) for r in rounds],
+            }
+        )
     return {
         "layers": args.layers,
         "width": args.width,
         "microbatches": args.microbatches,
         "jobs_per_iteration": jobs,
+        "rounds": args.rounds,
+        "plan": args.plan,
         "rows": rows,
     }
 
@@ -103,23 +140,34 @@ def main(argv: List[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--rows", type=int, default=8, help="rows per microbatch")
     p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument(
+        "--plan",
+        choices=("auto", "layerwise"),
+        default="auto",
+        help="auto: the planner's (on CPU workers one fused job of every layer); layerwise: one job per layer and "
+        "pass, as a GPU plan's 30-40 jobs of one to three layers",
+    )
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--iters", type=int, default=30, help="iterations per side and round")
+    p.add_argument("--rounds", type=int, default=7, help="alternating plain / runtime rounds per worker count")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = p.parse_args(argv)
     if any(w < 1 for w in args.workers):
         p.error("--workers: each count must be at least 1")
+    if args.rounds < 1 or args.iters < 1:
+        p.error("--rounds and --iters: at least 1")
     result = measure(args)
     if args.json:
         print(json.dumps(result))
         return 0
     print(
-        f"{args.layers} x Linear({args.width}), {args.microbatches} microbatches: "
-        f"{result['jobs_per_iteration']} jobs per iteration"
+        f"{args.layers} x Linear({args.width}), {args.microbatches} microbatches, {args.plan} plan: "
+        f"{result['jobs_per_iteration']} layer-microbatch jobs per iteration"
     )
-    print("workers  runtime us/job  plain us/job  ratio")
+    print("workers  runtime us/job  plain us/job  ratio  (each round's ratio)")
     for r in result["rows"]:  # type: ignore[union-attr]
-        print(f"{r['workers']:>7}  {r['runtime_us']:>14.1f}  {r['plain_us']:>12.1f}  {r['ratio']:>5.2f}x")
+        rounds = " ".join(f"{v:.2f}" for v in r["round_ratios"])
+        print(f"{r['workers']:>7}  {r['runtime_us']:>14.1f}  {r['plain_us']:>12.1f}  {r['ratio']:>5.2f}x  ({rounds})")
     return 0
 
 

@@ -13,6 +13,8 @@ Modes (each prints one JSON line):
   stage inputs, seed 1 (near the end the task's loss is ~0.01, where any perturbation moves it by tens
   of percent). Another workload (``bench/train_bench.py``'s shapes: tiny, qwen3-0.6b, ..., qwen3-8b)
   trains on one fixed batch of random tokens (it learns to repeat it).
+* ``--seeds N`` (the built-in task): exact and compact at seeds 0..N-1; each seed's pair ratio, and the ratio of
+  the mean final losses over the seeds (what a single pair's last steps cannot say).
 * ``--grad-cosine``: one training step of a workload's model (random weights, random tokens,
   ``--seq`` tokens, LoRA with ``--lora R``) with exact, then fp8 stage inputs: the cosine similarity of
   the two steps' parameter gradients (all trainable parameters flattened; and the worst tensor's). With
@@ -23,6 +25,7 @@ stage input goes through the host, where the compact format applies. ``"compacte
 encoded in the fp8 run (0 would mean the comparison compared nothing).
 
     python bench/stage_inputs_bench.py                                    # loss, built-in task, 200 steps
+    python bench/stage_inputs_bench.py --format int8 --seeds 5            # the same at five seeds, means compared
     python bench/stage_inputs_bench.py --grad-cosine --workload tiny --seq 1024
     python bench/stage_inputs_bench.py --grad-cosine --workload qwen3-8b --lora 16 --seq 32768   # on a GPU
     python bench/stage_inputs_bench.py --block-errors                     # error of each block size
@@ -227,6 +230,42 @@ def losses(args: argparse.Namespace) -> Dict[str, Any]:
     }
 
 
+def seed_losses(args: argparse.Namespace) -> Dict[str, Any]:
+    """The built-in task's final losses at ``--seeds`` seeds, exact and compact (``--format``) stage inputs at
+    each seed: the task's last steps land anywhere on a steep slope (one seed ends 44x another), so one pair's
+    final-step ratio measures that slope; the means over seeds, and each pair's ratio beside the spread of the
+    exact runs across seeds, say whether the format moves the final loss."""
+    t0 = time.perf_counter()
+    c = args.format
+    final: Dict[str, List[float]] = {"bf16": [], c: []}
+    last10: Dict[str, List[float]] = {"bf16": [], c: []}
+    for seed in range(args.seeds):
+        for mode in ("bf16", c):
+            with tempfile.TemporaryDirectory() as d:
+                run = task_losses(mode, args, d, seed=seed)
+            final[mode].append(run[-1])
+            last10[mode].append(sum(run[-10:]) / len(run[-10:]))
+
+    def mean(v: List[float]) -> float:
+        return sum(v) / len(v)
+
+    exact = final["bf16"]
+    return {
+        "mode": "seeds",
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "final_bf16": [round(v, 5) for v in exact],
+        f"final_{c}": [round(v, 5) for v in final[c]],
+        "pair_ratios": [round(b / a, 3) for a, b in zip(exact, final[c])],
+        "mean_final_bf16": mean(exact),
+        f"mean_final_{c}": mean(final[c]),
+        "mean_final_ratio": mean(final[c]) / mean(exact),
+        "mean_last10_ratio": mean(last10[c]) / mean(last10["bf16"]),
+        "exact_spread_max_over_min": max(exact) / min(exact),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
 def block_errors(args: argparse.Namespace) -> Dict[str, Any]:
     """Relative RMS error of the fp8 round trip per block size (and int8's at 32 and 128), on hidden-state-like
     values: 4096 x 4096 Gaussian rows, and the same with three outlier channels (the "massive activations" of
@@ -281,6 +320,9 @@ def main() -> None:
         "--repeat", action="store_true", help="--grad-cosine: also a second exact step (the run-to-run cosine floor)"
     )
     p.add_argument("--block-errors", action="store_true", help="round-trip error per block size")
+    p.add_argument(
+        "--seeds", type=int, default=0, help="task: exact and compact at seeds 0..N-1, the means over seeds compared"
+    )
     args = p.parse_args()
     os.environ["RPP_DEVICE_SAVED_GB"] = "0"  # every stage input through the host (see the module docstring)
     if args.block_errors:
@@ -292,6 +334,11 @@ def main() -> None:
         if args.workload == "task":
             p.error("--grad-cosine takes a workload's model: --workload tiny, qwen3-0.6b, ..., qwen3-8b")
         print(json.dumps(grad_cosine(args)))
+        return
+    if args.seeds:
+        if args.workload != "task" or args.seeds < 2:
+            p.error("--seeds: the built-in task (--workload task) at 2 seeds or more")
+        print(json.dumps(seed_losses(args)))
         return
     print(json.dumps(losses(args)))
 

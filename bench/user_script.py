@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any, Callable, Dict, List
 
 import torch
 
@@ -44,6 +45,11 @@ def main() -> int:
     p.add_argument(
         "--sync-each", action="store_true", help="diagnostic: wait for the GPU after each step, as the bench times"
     )
+    p.add_argument(
+        "--step-phases",
+        action="store_true",
+        help="diagnostic: time each optimizer step's phases on its thread (publish, hand-over, step_fn, staging)",
+    )
     args = p.parse_args()
 
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -73,9 +79,12 @@ def main() -> int:
     opt = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-5)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq))
 
+    phases = StepPhases() if args.step_phases else None
+    step_fn = (lambda: (opt.step(), opt.zero_grad(), None)[-1]) if phases is None else phases.timed(opt)
+
     def step() -> None:
         model.train_step(input_ids=ids, labels=ids)
-        model.step(lambda: (opt.step(), opt.zero_grad(), None)[-1])
+        model.step(step_fn)
 
     for _ in range(3):
         step()
@@ -102,7 +111,68 @@ def main() -> int:
         f"(optimizer {waited - marks[-1]:.3f} s, copies into the model {end - waited:.3f} s); "
         f"without it {ids.numel() * args.steps / (marks[-1] - t0):,.0f} tokens/s"
     )
+    if phases is not None:
+        phases.report()
     return 0
+
+
+class StepPhases:
+    """Diagnostic (``--step-phases``): where each optimizer step's time goes on the optimizer thread, from
+    timestamps around the step protocol's parts (``roundpipe.optim.step``, patched here, not in the package):
+    the publish of the previous version, the gradients' hand-over (with its waits for the downloads), the
+    user's ``step_fn`` and the staging of the new version in the model's dtype."""
+
+    def __init__(self) -> None:
+        from roundpipe.optim import step as optim_step
+
+        self.rows: List[Dict[str, float]] = []
+        self.cur: Dict[str, float] = {}
+        for name in ("_step_kernel", "copy_params_to_model", "stage_params"):
+            setattr(optim_step, name, self._wrap(name, getattr(optim_step, name)))
+
+    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*a: Any, **k: Any) -> Any:
+            if name == "_step_kernel":
+                self.cur = {}
+            elif not self.cur or "_step_kernel<" in self.cur:
+                return fn(*a, **k)  # outside a step (synchronize's copy into the model)
+            self.cur[name + ">"] = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.cur[name + "<"] = time.perf_counter()
+                if name == "_step_kernel":
+                    self.rows.append(self.cur)
+
+        return timed
+
+    def timed(self, opt: Any) -> Callable[[], None]:
+        def step_fn() -> None:
+            self.cur["step_fn>"] = time.perf_counter()
+            opt.step()
+            opt.zero_grad()
+            self.cur["step_fn<"] = time.perf_counter()
+
+        return step_fn
+
+    def report(self) -> None:
+        def ms(r: Dict[str, float], a: str, b: str) -> str:
+            return f"{1e3 * (r[b] - r[a]):.0f}" if a in r and b in r else "-"
+
+        print("optimizer step phases, ms (publish / hand-over / step_fn / staging / whole kernel), warm-up first:")
+        for r in self.rows:
+            print(
+                "  "
+                + " / ".join(
+                    [
+                        ms(r, "copy_params_to_model>", "copy_params_to_model<"),
+                        ms(r, "copy_params_to_model<", "step_fn>"),
+                        ms(r, "step_fn>", "step_fn<"),
+                        ms(r, "stage_params>", "stage_params<"),
+                        ms(r, "_step_kernel>", "_step_kernel<"),
+                    ]
+                )
+            )
 
 
 if __name__ == "__main__":

@@ -63,6 +63,11 @@ def test_bench_script_runs(argv: list) -> None:
     [
         (["bench/job_cost.py", "--workers", "1", "2", "--iters", "3", "--warmup", "2", "--layers", "6"], "ratio"),
         (
+            ["bench/job_cost.py", "--workers", "2", "--iters", "2", "--warmup", "1", "--layers", "4"]
+            + ["--rounds", "2", "--plan", "layerwise"],
+            "layerwise plan",
+        ),
+        (
             ["bench/pool_bench.py", "--workload", "tiny", "--seq", "32", "--batch", "4", "--devices", "1,2"]
             + ["--graphs", "0,1", "--warmup", "1", "--iters", "1"],
             "tokens/s",
@@ -70,6 +75,11 @@ def test_bench_script_runs(argv: list) -> None:
         (
             ["bench/user_script.py", "--workload", "tiny", "--seq", "32", "--batch", "2", "--steps", "1"],
             "final synchronize",
+        ),
+        (
+            ["bench/user_script.py", "--workload", "tiny", "--seq", "32", "--batch", "2", "--steps", "1"]
+            + ["--step-phases"],
+            "optimizer step phases",
         ),
         (
             ["bench/pool_bench.py", "--workload", "tiny", "--seq", "128", "--batch", "1", "--devices", "1"]
@@ -91,8 +101,20 @@ def test_bench_script_runs(argv: list) -> None:
             + ["--lora", "4", "--seq", "128"],
             "int8_blocks_in_fp8",
         ),
+        (["bench/stage_inputs_bench.py", "--format", "int8", "--seeds", "2", "--steps", "4"], '"mean_final_ratio"'),
     ],
-    ids=["job_cost", "pool_bench", "user_script", "pool_bench_tiles", "tile_profile", "long_context", "stage_inputs"],
+    ids=[
+        "job_cost",
+        "job_cost_layerwise",
+        "pool_bench",
+        "user_script",
+        "user_script_phases",
+        "pool_bench_tiles",
+        "tile_profile",
+        "long_context",
+        "stage_inputs",
+        "stage_inputs_seeds",
+    ],
 )
 def test_pool_scripts_run(argv: list, expect: str) -> None:
     """The pool's benchmarks (per-job cost, 1..N devices side by side, a user's own script) on CPU workers."""
