@@ -389,10 +389,5 @@ case "${1:-}" in
   s28f)  # call 6: issue 37 part 1, where the user script's last step goes: its optimizer steps timed by phase
     timeout -s ABRT 150 python3 bench/user_script.py --workload qwen3-1.7b --batch 8 --step-phases 2>&1 \
       | tee "$out/phases.log" | grep -v -i warn | tail -14 ;;
-  s28g)  # call 7: the staging pass batched through the C++ rounding: the pass alone (torch copy_ per tensor against
-    # the kernel, 12 threads as the optimizer thread's default on one GPU here), then the user script's step phases
-    timeout -s ABRT 60 python3 bench/staging_bench.py --workload qwen3-1.7b --threads 12 2>&1 | grep -v -i warn | tail -5
-    timeout -s ABRT 130 python3 bench/user_script.py --workload qwen3-1.7b --batch 8 --step-phases 2>&1 \
-      | tee "$out/phases.log" | grep -v -i warn | tail -14 ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d|s25e|s25f|s26a|s26b|s26c|s27x2a|s27x2b|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s28d|s28e|s28f|s28g" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d|s25e|s25f|s26a|s26b|s26c|s27x2a|s27x2b|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s28d|s28e|s28f" >&2; exit 2 ;;
 esac

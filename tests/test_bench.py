@@ -102,7 +102,6 @@ def test_bench_script_runs(argv: list) -> None:
             "int8_blocks_in_fp8",
         ),
         (["bench/stage_inputs_bench.py", "--format", "int8", "--seeds", "2", "--steps", "4"], '"mean_final_ratio"'),
-        (["bench/staging_bench.py", "--workload", "tiny", "--threads", "2", "--reps", "1"], "batched / per tensor"),
     ],
     ids=[
         "job_cost",
@@ -115,7 +114,6 @@ def test_bench_script_runs(argv: list) -> None:
         "long_context",
         "stage_inputs",
         "stage_inputs_seeds",
-        "staging_bench",
     ],
 )
 def test_pool_scripts_run(argv: list, expect: str) -> None:

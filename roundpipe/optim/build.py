@@ -68,16 +68,7 @@ _SIGNATURES = {
         # decoupled, state_kind, master_kind, block_size, num_threads; seed
         [ctypes.c_int64] + [ctypes.c_void_p] * 11 + [ctypes.c_double] * 5 + [ctypes.c_int32] * 6 + [ctypes.c_int64],
     ),
-    "round_bf16": (
-        "rpp_round_bf16",
-        ctypes.c_int32,
-        # n_tensors; srcs, dsts, numels (arrays); num_threads
-        [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int32],
-    ),
 }
-
-# Functions that live in another function's library (``csrc/<library>.cpp``): name -> library.
-_LIBRARY_OF = {"round_bf16": "adam"}
 
 _load_lock = threading.Lock()
 # Why a function failed to build or load; not retried in this process (a failing compiler would
@@ -180,11 +171,10 @@ def load_optim_function(name: str) -> None:
     cxx = _compiler()
     if cxx is None:
         raise OptimBuildError("no C++ compiler found (set $CXX or install g++)")
-    library = _LIBRARY_OF.get(name, name)
-    path = _library_path(library, cxx)
+    path = _library_path(name, cxx)
     if not path.exists():
-        logger.info("roundpipe: building %s optimizer kernel into %s", library, path)
-        _compile(_CSRC / f"{library}.cpp", path, cxx)
+        logger.info("roundpipe: building %s optimizer kernel into %s", name, path)
+        _compile(_CSRC / f"{name}.cpp", path, cxx)
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:

@@ -38,7 +38,6 @@ main thread at launch, set by the optimizer thread when it is done with the laye
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import threading
 from typing import AbstractSet, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -47,7 +46,6 @@ from torch import nn
 
 from roundpipe import settings
 from roundpipe.devices.threads import AnnotatedEvent
-from roundpipe.optim import build
 from roundpipe.optim import thread as optim_thread
 from roundpipe.runtime.attribute import LayerAttribute, ParamAttribute
 from roundpipe.runtime.context import OptimizerCtx
@@ -339,65 +337,12 @@ def stage_params(units: Units) -> None:
     (``host_buffers.ParamBuffers.stage``: the buffers rotate, so staging costs no extra host copy).
     ``RPP_STAGE_PARAMS=0`` turns staging off (the next step copies the parameters when it starts).
     No event: the running call's uploads read the weights, not the staging buffers.
-
-    The roles are settled parameter by parameter, then every copy runs as one batched rounding
-    (:func:`copy_into`): 30% of qwen3-1.7b's step on an H200 was this pass, one torch ``copy_`` per tensor.
     """
     stage = settings.stage_params_enabled()
-    pending: List[Tuple[Any, ...]] = []
     with torch.no_grad():
         for _, params in units:
             for p in params:
-                ParamBuffers.of(p).stage(p, stage, pending)
-        copy_into([t for _, _, t in pending], [bufs.optim.data for bufs, _, _ in pending])
-        for bufs, p, target in pending:
-            bufs.staged_into(p, target)
-
-
-def copy_into(dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
-    """``dst.copy_(src)`` for each pair, bit for bit: contiguous host fp32 into bfloat16 of the same size in
-    one call of the C++ rounding (``csrc/adam.cpp``, round to nearest even as ``copy_``, on this thread's
-    intra-op thread count) when the Adam kernel's library is loaded already (``RPP_ADAM_IMPL`` not
-    ``torch``; nothing is compiled for it), the rest with ``copy_``."""
-    kernel = _round_kernel()
-    take: List[int] = []
-    for k, (d, s) in enumerate(zip(dsts, srcs)):
-        if kernel is not None and _roundable(d, s):
-            take.append(k)
-        else:
-            d.copy_(s)
-    if not take:
-        return
-    n = len(take)
-    src_ptrs = (ctypes.c_uint64 * n)(*[srcs[k].data_ptr() for k in take])
-    dst_ptrs = (ctypes.c_uint64 * n)(*[dsts[k].data_ptr() for k in take])
-    numels = (ctypes.c_int64 * n)(*[srcs[k].numel() for k in take])
-    kernel(n, src_ptrs, dst_ptrs, numels, torch.get_num_threads())
-    # Raw-pointer writes: bump the version counters as copy_ would.
-    torch.autograd.graph.increment_version([dsts[k] for k in take])
-
-
-def _roundable(d: torch.Tensor, s: torch.Tensor) -> bool:
-    return (
-        s.dtype is torch.float32
-        and d.dtype is torch.bfloat16
-        and s.is_cpu
-        and d.is_cpu
-        and s.is_contiguous()
-        and d.is_contiguous()
-        and s.shape == d.shape
-        and not s.is_conj()
-    )
-
-
-def _round_kernel() -> Optional[Callable[..., int]]:
-    """The C++ rounding when the Adam kernel's library is loaded, else None (``copy_`` then)."""
-    if settings.ADAM_IMPL.get() == "torch" or "adam" not in build.loaded_optim_functions:
-        return None
-    try:
-        return build.get_optim_function("round_bf16")
-    except build.OptimBuildError:
-        return None
+                ParamBuffers.of(p).stage(p, stage)
 
 
 def release_grad_buffers(units: Units) -> None:

@@ -55,7 +55,7 @@ Tests turn on ``enable_role_checks``: each transition then asserts its condition
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -415,14 +415,11 @@ class ParamBuffers:
             self.held = None
             return None if to_spare else held
 
-    def stage(self, p: torch.Tensor, enabled: bool = True, deferred: Optional[List[Tuple[Any, ...]]] = None) -> None:
+    def stage(self, p: torch.Tensor, enabled: bool = True) -> None:
         """(3), the end of an asynchronous step: write the optimizer's version into STAGED (into the weights
         if a download moved them there: nothing reads them before the next publish), published by the
         next step. The running call's uploads read WEIGHTS, not STAGED: no event needed. Not
-        ``enabled`` (``RPP_STAGE_PARAMS=0``): stages nothing, HELD becomes SPARE (the next step copies).
-        ``deferred``: the copy is left to the caller, which appends ``(self, p, target)`` and calls
-        :meth:`staged_into` once ``target`` holds the optimizer's values (one batched rounding of every
-        parameter, ``roundpipe.optim.step.stage_params``); the buffer's role is settled here either way."""
+        ``enabled`` (``RPP_STAGE_PARAMS=0``): stages nothing, HELD becomes SPARE (the next step copies)."""
         optim = self.optim
         with _LOCK:
             target = p.data if self.in_place else self.staged
@@ -460,15 +457,8 @@ class ParamBuffers:
         self.trim_spare()
         if _checks:
             self._check_stage(p, target)
-        if deferred is not None:
-            deferred.append((self, p, target))
-            return
         target.copy_(optim.data)
-        self.staged_into(p, target)
-
-    def staged_into(self, p: torch.Tensor, target: torch.Tensor) -> None:
-        """``target`` (chosen by :meth:`stage`) holds the optimizer's version now: STAGED is valid."""
-        self.staged_of = self.optim._version if self.optim is not None else None
+        self.staged_of = optim._version
         with _LOCK:  # valid wherever it is now: STAGED, or the weights after a download moved them there
             if same_storage(self.staged, target) or (self.in_place and same_storage(p.data, target)):
                 self.staged_valid = True

@@ -211,27 +211,4 @@ int32_t rpp_adam_f32(int64_t n_tensors, const uint64_t* params, const uint64_t* 
   return 0;
 }
 
-// Round n_tensors contiguous fp32 tensors into bfloat16 ones (to_bf16: nearest even, as torch's copy_),
-// split into the step's work items over num_threads threads: RoundPipe's staging of an asynchronous step's
-// new weights (roundpipe/optim/step.py), one call for every parameter instead of one torch copy each.
-//   srcs, dsts: data pointers; numels: elements per tensor. Returns 0.
-int32_t rpp_round_bf16(int64_t n_tensors, const uint64_t* srcs, const uint64_t* dsts, const int64_t* numels,
-                       int32_t num_threads) {
-  std::vector<WorkItem> items;
-  int64_t total = 0;
-  for (int64_t t = 0; t < n_tensors; ++t) {
-    for (int64_t b = 0; b < numels[t]; b += kChunk) items.push_back({t, b, std::min(numels[t], b + kChunk)});
-    total += numels[t];
-  }
-  const int64_t n_items = static_cast<int64_t>(items.size());
-  const bool parallel = num_threads > 1 && total >= kParallelThreshold;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
-  for (int64_t k = 0; k < n_items; ++k) {
-    const WorkItem& w = items[k];
-    to_bf16(reinterpret_cast<const float*>(srcs[w.tensor]), reinterpret_cast<uint16_t*>(dsts[w.tensor]), w.begin,
-            w.end);
-  }
-  return 0;
-}
-
 }  // extern "C"
