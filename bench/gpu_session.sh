@@ -389,5 +389,15 @@ case "${1:-}" in
   s28f)  # call 6: issue 37 part 1, where the user script's last step goes: its optimizer steps timed by phase
     timeout -s ABRT 150 python3 bench/user_script.py --workload qwen3-1.7b --batch 8 --step-phases 2>&1 \
       | tee "$out/phases.log" | grep -v -i warn | tail -14 ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d|s25e|s25f|s26a|s26b|s26c|s27x2a|s27x2b|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s28d|s28e|s28f" >&2; exit 2 ;;
+  s28x2)  # issue 36's two-GPU rows (a two-GPU kind), for the next session, one call: qwen3-1.7b and qwen3-4b 16 x 4096 on
+    # 1 GPU then 2 (one process per pool, target >= 1.9x), then the job count on 2 GPUs (16 microbatches against 4)
+    export PYTHONFAULTHANDLER=1
+    b="python3 bench/train_bench.py --batch 16 --skip-baseline --warmup 3 --iters 4"
+    for v in "qwen3-1.7b 0 0 110" "qwen3-1.7b 0,1 0 110" "qwen3-4b 0 0 150" "qwen3-4b 0,1 0 150" \
+      "qwen3-1.7b 0,1 16 110" "qwen3-1.7b 0,1 4 110"; do
+      set -- $v
+      CUDA_VISIBLE_DEVICES=$2 timeout -s ABRT $4 $b --workload $1 --microbatches $3 2>&1 | quiet \
+        | tee "$out/$1_g${2/,/}_mb$3.log" | grep -E "^\\| roundpipe|Error" | sed "s/^/$1 gpus=$2 mb=$3 /"
+    done ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d|s25e|s25f|s26a|s26b|s26c|s27x2a|s27x2b|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s28d|s28e|s28f|s28x2" >&2; exit 2 ;;
 esac
