@@ -399,5 +399,14 @@ case "${1:-}" in
       CUDA_VISIBLE_DEVICES=$2 timeout -s ABRT $4 $b --workload $1 --microbatches $3 2>&1 | quiet \
         | tee "$out/$1_g${2/,/}_mb$3.log" | grep -E "^\\| roundpipe|Error" | sed "s/^/$1 gpus=$2 mb=$3 /"
     done ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d|s25e|s25f|s26a|s26b|s26c|s27x2a|s27x2b|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s28d|s28e|s28f|s28x2" >&2; exit 2 ;;
+  s28h)  # for the next session (one GPU): RPP_FUSED_STAGING off and on side by side, the user script's step phases and
+    # the bench (qwen3-1.7b 8 x 4096), then the GPU tests on this tree
+    for f in 0 1; do
+      RPP_FUSED_STAGING=$f timeout -s ABRT 130 python3 bench/user_script.py --workload qwen3-1.7b --batch 8 --step-phases \
+        2>&1 | tee "$out/phases$f.log" | grep -v -i warn | tail -12 | sed "s/^/fused=$f /"
+      RPP_FUSED_STAGING=$f timeout -s ABRT 110 python3 bench/train_bench.py --workload qwen3-1.7b --skip-baseline --warmup 3 \
+        --iters 6 2>&1 | quiet | tee "$out/bench$f.log" | grep -E "^\\| roundpipe|optimizer step sec|Error" | sed "s/^/fused=$f /"
+    done
+    timeout -s ABRT 150 python3 -m pytest -m gpu tests -q -p no:cacheprovider 2>&1 | tail -3 ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d|s25e|s25f|s26a|s26b|s26c|s27x2a|s27x2b|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s28d|s28e|s28f|s28x2|s28h" >&2; exit 2 ;;
 esac

@@ -109,3 +109,16 @@ def test_split_fused_job_under_stress(
     import test_core
 
     test_core.test_split_fused_job_equals_pytorch(workers, num_microbatch, "stage", "1", fused, monkeypatch)
+
+
+@pytest.mark.parametrize("workers, microbatches", [(2, 2), (3, 4)])
+def test_fused_staging_under_stress(workers: int, microbatches: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RPP_FUSED_STAGING: the optimizer writes the staging buffers while downloads of the next call may move
+    them into the weights; under random delays every loss and weight still equals the staging pass."""
+    import test_fused_staging
+
+    try:
+        test_fused_staging.build.get_optim_function("adam")
+    except test_fused_staging.build.OptimBuildError as exc:
+        pytest.skip(f"no C++ Adam kernel here: {exc}")
+    test_fused_staging.test_fused_staging_equals_the_staging_pass(None, workers, microbatches, monkeypatch)

@@ -36,7 +36,7 @@ from roundpipe.optim import compact
 from roundpipe.optim.build import OptimBuildError, get_optim_function, prebuild
 from roundpipe.optim.fp32_step import KernelBatch, TensorLists, torch_step
 from roundpipe.optim.reserve import StateReserve
-from roundpipe.optim.step import accept_low_precision_grad, current_publisher
+from roundpipe.optim.step import accept_low_precision_grad, current_publisher, current_stager
 
 logger = logging.getLogger(__name__)
 
@@ -272,6 +272,7 @@ class Adam(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         pub = current_publisher()
+        stager = current_stager() if pub is None else None  # RPP_FUSED_STAGING: write the staging buffers
         compact_on = self.compact_config.enabled
         kernel = _adam_kernel("compact_adam" if compact_on else "adam")
         # The parameter's position in the optimizer: part of a compact state's rounding stream.
@@ -291,6 +292,8 @@ class Adam(Optimizer):
                     # The kernel writes this layer's model weights itself, once no upload reads
                     # them any more (Publisher.outputs waits for that).
                     outs = pub.outputs(unit)
+            elif stager is not None and not compact_on:
+                outs = stager.outputs([p for _, ps in parts for p in ps if p.grad is not None])
             written: List[Tensor] = []
             for gi, params in parts:
                 if compact_on:
@@ -299,6 +302,8 @@ class Adam(Optimizer):
                     written += self._fp32_params(self.param_groups[gi], params, kernel, outs)
             if unit is not None and pub is not None:
                 pub.done(unit, written)  # this layer goes to the next forward now
+            if stager is not None and outs:
+                stager.done(written, outs)
         self._drop_reserve()
         return loss
 

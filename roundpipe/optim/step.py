@@ -50,7 +50,7 @@ from roundpipe.optim import thread as optim_thread
 from roundpipe.runtime.attribute import LayerAttribute, ParamAttribute
 from roundpipe.runtime.context import OptimizerCtx
 from roundpipe.runtime.grad_sync import GradSync, StepSync
-from roundpipe.runtime.host_buffers import ParamBuffers
+from roundpipe.runtime.host_buffers import ParamBuffers, same_storage
 
 Units = List[Tuple[LayerAttribute, List[nn.Parameter]]]
 
@@ -135,10 +135,11 @@ def _step_kernel(
                 # After the staging buffers are chosen: the next call's downloads may move weights there.
                 attr.grad_copied.set()
             publisher = Publisher(units) if streamed else None
+            stager = Stager(units) if is_async and not streamed and settings.fused_staging_enabled() else None
             if step_sync is not None:
                 step_sync.before_step_fn(units, is_async)
             try:
-                with publisher.active() if publisher is not None else contextlib.nullcontext():
+                with publisher.active() if publisher is not None else _stager_active(stager):
                     step_fn(*args, **kwargs)
             except BaseException:
                 if step_sync is not None:
@@ -150,7 +151,9 @@ def _step_kernel(
                 publisher.finish()  # layers no optimizer reported (other optimizers, no gradient)
                 release_grad_buffers(units)
             elif is_async:
-                stage_params(units)
+                if stager is not None:
+                    stager.check()
+                stage_params(units, stager.written_buffers() if stager is not None else None)
             else:
                 release_grad_buffers(units)
                 copy_params_to_model(units)
@@ -166,13 +169,86 @@ def _step_kernel(
         done.set()
 
 
-_active = threading.local()  # the Publisher of the streamed step running on this thread, if any
+_active = threading.local()  # the Publisher (streamed step) or Stager (fused staging) running on this thread, if any
 
 
 def current_publisher() -> Optional["Publisher"]:
     """The :class:`Publisher` of the streamed step whose ``step_fn`` runs on this thread, else None
     (an optimizer asks this to step layer by layer; see the module docstring)."""
     return getattr(_active, "publisher", None)
+
+
+def current_stager() -> Optional["Stager"]:
+    """The :class:`Stager` of the staged step whose ``step_fn`` runs on this thread (``RPP_FUSED_STAGING``)."""
+    return getattr(_active, "stager", None)
+
+
+@contextlib.contextmanager
+def _stager_active(stager: Optional["Stager"]) -> Iterator[None]:
+    _active.stager = stager
+    try:
+        yield
+    finally:
+        _active.stager = None
+
+
+class Stager:
+    """``RPP_FUSED_STAGING``: an asynchronous staged step whose optimizer writes each parameter's new version,
+    rounded to the model's dtype, into the buffer ``stage_params`` would copy it to (``ParamBuffers.fused_target``)
+    in its own pass: ``roundpipe.optim.Adam``'s kernel rounds each chunk while it is in cache, instead of a second
+    pass over every fp32 copy after ``step_fn`` (about 30% of qwen3-1.7b's step on an H200, docs/benchmarks.md).
+
+    That buffer is usually the gradient buffer the optimizer reads as its ``.grad`` (``hand_over`` makes it the
+    staging buffer), so the step function must not read a gradient after ``optimizer.step()``; :meth:`check`
+    raises when one was kept (no ``zero_grad()``), and :meth:`outputs` when a parameter is stepped again from
+    a gradient buffer that holds weights now. Only the optimizer thread uses it."""
+
+    def __init__(self, units: Units) -> None:
+        self.model_of: Dict[int, nn.Parameter] = {}
+        for _, params in units:
+            for p in params:
+                optim = ParamAttribute.get(p).optim
+                if optim is not None:
+                    self.model_of[id(optim)] = p
+        self.written: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(optim) -> (optim, buffer written)
+
+    def outputs(self, params: Sequence[torch.Tensor]) -> Dict[int, torch.Tensor]:
+        """``id(optimizer parameter) -> buffer`` for those of ``params`` the optimizer may write."""
+        out: Dict[int, torch.Tensor] = {}
+        for o in params:
+            prev = self.written.get(id(o))
+            if prev is not None and o.grad is not None and same_storage(o.grad, prev[1]):
+                raise RuntimeError(
+                    "RPP_FUSED_STAGING=1: a parameter is stepped a second time in one step function, from a gradient "
+                    "buffer its first step filled with weights; step each parameter once per model.step(), or unset "
+                    "RPP_FUSED_STAGING"
+                )
+            p = self.model_of.get(id(o))
+            target = ParamBuffers.of(p).fused_target(p) if p is not None else None
+            if target is not None:
+                out[id(o)] = target
+        return out
+
+    def done(self, written: Sequence[torch.Tensor], outs: Dict[int, torch.Tensor]) -> None:
+        """The optimizer wrote ``written``'s new versions into their ``outs`` buffers."""
+        for o in written:
+            self.written[id(o)] = (o, outs[id(o)])
+        # Raw-pointer writes: bump the version counters as the copy in stage_params would.
+        torch.autograd.graph.increment_version([outs[id(o)] for o in written])
+
+    def check(self) -> None:
+        """After ``step_fn``: no written buffer may still be an optimizer parameter's ``.grad``."""
+        for o, buf in self.written.values():
+            if o.grad is not None and same_storage(o.grad, buf):
+                raise RuntimeError(
+                    "RPP_FUSED_STAGING=1: the step function kept its gradients after optimizer.step() (no "
+                    "optimizer.zero_grad()), but the optimizer wrote the new weights into their buffer; call "
+                    "zero_grad() in the step function, or unset RPP_FUSED_STAGING"
+                )
+
+    def written_buffers(self) -> Dict[int, torch.Tensor]:
+        """``id(optimizer parameter) -> the buffer holding its new version`` (for ``stage_params``)."""
+        return {k: buf for k, (_, buf) in self.written.items()}
 
 
 class Publisher:
@@ -331,18 +407,21 @@ def copy_params_to_model(units: Units, use_staged: bool = False, written: Abstra
         attr.param_copied.set()
 
 
-def stage_params(units: Units) -> None:
+def stage_params(units: Units, written: Optional[Dict[int, torch.Tensor]] = None) -> None:
     """End of an asynchronous step: write the updated optimizer parameters into each parameter's
     staging buffer (model dtype, pinned like the parameter), published by the next step
     (``host_buffers.ParamBuffers.stage``: the buffers rotate, so staging costs no extra host copy).
     ``RPP_STAGE_PARAMS=0`` turns staging off (the next step copies the parameters when it starts).
-    No event: the running call's uploads read the weights, not the staging buffers.
+    No event: the running call's uploads read the weights, not the staging buffers. ``written``: the buffers
+    the optimizer already wrote (:class:`Stager`), by ``id`` of the optimizer parameter: not copied again.
     """
     stage = settings.stage_params_enabled()
     with torch.no_grad():
         for _, params in units:
             for p in params:
-                ParamBuffers.of(p).stage(p, stage)
+                bufs = ParamBuffers.of(p)
+                done = written.get(id(bufs.optim)) if written and bufs.optim is not None else None
+                bufs.stage(p, stage, done)
 
 
 def release_grad_buffers(units: Units) -> None:

@@ -415,11 +415,12 @@ class ParamBuffers:
             self.held = None
             return None if to_spare else held
 
-    def stage(self, p: torch.Tensor, enabled: bool = True) -> None:
+    def stage(self, p: torch.Tensor, enabled: bool = True, written: Optional[torch.Tensor] = None) -> None:
         """(3), the end of an asynchronous step: write the optimizer's version into STAGED (into the weights
         if a download moved them there: nothing reads them before the next publish), published by the
         next step. The running call's uploads read WEIGHTS, not STAGED: no event needed. Not
-        ``enabled`` (``RPP_STAGE_PARAMS=0``): stages nothing, HELD becomes SPARE (the next step copies)."""
+        ``enabled`` (``RPP_STAGE_PARAMS=0``): stages nothing, HELD becomes SPARE (the next step copies).
+        ``written``: the buffer the optimizer already wrote this version into (:meth:`fused_target`)."""
         optim = self.optim
         with _LOCK:
             target = p.data if self.in_place else self.staged
@@ -457,7 +458,8 @@ class ParamBuffers:
         self.trim_spare()
         if _checks:
             self._check_stage(p, target)
-        target.copy_(optim.data)
+        if not same_storage(written, target):
+            target.copy_(optim.data)
         self.staged_of = optim._version
         with _LOCK:  # valid wherever it is now: STAGED, or the weights after a download moved them there
             if same_storage(self.staged, target) or (self.in_place and same_storage(p.data, target)):
@@ -505,6 +507,12 @@ class ParamBuffers:
             self.give_spare(self.staged)
             self.staged, self.staged_valid = None, False
         self.trim_spare()
+
+    def fused_target(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        """The buffer :meth:`stage` will write, for an optimizer that writes it in its pass (``RPP_FUSED_STAGING``)."""
+        with _LOCK:
+            target = p.data if self.in_place else self.staged
+        return target if target is not None and target.shape == p.shape and target.dtype == p.dtype else None
 
     def direct_output(self, p: torch.Tensor) -> Optional[torch.Tensor]:
         """The weights a streamed step's optimizer may write itself (its fused conversion), or None when

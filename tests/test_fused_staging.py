@@ -1,0 +1,102 @@
+"""``RPP_FUSED_STAGING=1``: roundpipe.optim.Adam writes an asynchronous step's new bf16 weights into their staging
+buffer in its own pass. Every loss and weight equals the default staging pass, bit for bit; a step function that
+keeps its gradients, or steps a parameter twice, fails loudly instead of training on weights read as gradients."""
+
+from __future__ import annotations
+
+from typing import Callable, List
+
+import pytest
+import torch
+from torch import nn
+
+import roundpipe
+from roundpipe import RoundPipe, RoundPipeRunConfig
+from roundpipe.devices.threads import OptimizerStepError
+from roundpipe.optim import Adam, build
+from roundpipe.optim import step as optim_step
+
+
+@pytest.fixture
+def kernel() -> None:
+    try:
+        build.get_optim_function("adam")
+    except build.OptimBuildError as exc:
+        pytest.skip(f"no C++ Adam kernel here: {exc}")
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3)).bfloat16()
+
+
+def _loss(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return ((o.float() - t) ** 2).mean()
+
+
+def _run(workers: int, microbatches: int, steps: int, step_fn: Callable[[Adam], None]) -> List[torch.Tensor]:
+    roundpipe.configure(devices=f"cpu:{workers}")
+    model = _model()
+    rp = RoundPipe(model, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=microbatches))
+    opt = Adam(rp.optim_parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for k in range(steps):
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+        out.append(rp.forward_backward(input_args=(x.bfloat16(),), label=y, loss_fn=_loss).detach().clone())
+        if k == steps // 2:
+            rp.synchronize()  # a sync point in the middle: the publish after it copies, then staging resumes
+        rp.step(lambda: step_fn(opt))
+    rp.synchronize()
+    return out + [p.detach().clone() for p in model.parameters()] + [p.detach().clone() for p in rp.optim_parameters()]
+
+
+def _step_and_zero(opt: Adam) -> None:
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("workers, microbatches", [(1, 1), (2, 2), (3, 4)])
+def test_fused_staging_equals_the_staging_pass(
+    kernel: None, workers: int, microbatches: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wrote = []
+    real = optim_step.Stager.done
+
+    def counting(self: optim_step.Stager, written: list, outs: dict) -> None:
+        wrote.append(len(written))
+        real(self, written, outs)
+
+    monkeypatch.setattr(optim_step.Stager, "done", counting)
+    monkeypatch.setenv("RPP_FUSED_STAGING", "0")
+    plain = _run(workers, microbatches, 7, _step_and_zero)
+    assert not wrote
+    monkeypatch.setenv("RPP_FUSED_STAGING", "1")
+    fused = _run(workers, microbatches, 7, _step_and_zero)
+    assert wrote and all(n == 6 for n in wrote), wrote  # the kernel wrote all 6 parameters' buffers at every step
+    for a, b in zip(plain, fused):
+        assert torch.equal(a, b)
+
+
+def test_fused_staging_refuses_kept_gradients(kernel: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RPP_FUSED_STAGING", "1")
+    with pytest.raises(OptimizerStepError, match="zero_grad"):
+        _run(1, 2, 3, lambda opt: opt.step())
+
+
+def test_fused_staging_refuses_a_second_step_of_the_same_parameters(
+    kernel: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RPP_FUSED_STAGING", "1")
+
+    def twice(opt: Adam) -> None:
+        opt.step()
+        opt.step()
+        opt.zero_grad()
+
+    with pytest.raises(OptimizerStepError, match="second time"):
+        _run(1, 2, 3, twice)
+
+
+def test_fused_staging_is_off_by_default() -> None:
+    assert roundpipe.settings.FUSED_STAGING.get() is False
