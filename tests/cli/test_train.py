@@ -547,3 +547,25 @@ def test_bfloat16_master_needs_bfloat16_weights(tmp_path) -> None:
         validate(config(output_dir=str(tmp_path / "x"), dtype="float32", master="bfloat16"))
     with pytest.raises(ConfigError, match="use one of float32, bfloat16, int8"):
         validate(config(output_dir=str(tmp_path / "x"), optim_state="fp8"))
+
+
+def test_fused_staging_trains_the_default_task_bit_for_bit(tmp_path) -> None:
+    """RPP_FUSED_STAGING=1 under `roundpipe train` (bf16 weights, fp32 masters, clipping and a schedule in its
+    step function, zero_grad() after the step): the same losses as the staging pass, to the last bit."""
+    from roundpipe.optim import build
+
+    from .runner import roundpipe as run_cli
+
+    try:
+        build.get_optim_function("adam")
+    except build.OptimBuildError as exc:
+        pytest.skip(f"no C++ Adam kernel here: {exc}")
+    losses = []
+    for fused in ("0", "1"):
+        out = tmp_path / f"fused{fused}"
+        args = ["train", "--steps", "12", "--dtype", "bf16", "--output-dir", str(out), "--eval-examples", "0"]
+        proc = run_cli(args + ["--no-tensorboard"], cwd=str(tmp_path), env={"RPP_FUSED_STAGING": fused})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        with open(out / "metrics.csv") as f:
+            losses.append([row["loss"] for row in csv.DictReader(f)])
+    assert len(losses[0]) == 12 and losses[0] == losses[1]
