@@ -18,6 +18,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from roundpipe.runtime.context import doing_recompute
 
 
+def require_adam_kernel() -> None:
+    """Skip the calling test where the C++ Adam kernel cannot be built (no compiler): tests of what that kernel
+    writes (``RPP_FUSED_STAGING``) need it loaded."""
+    import pytest
+
+    from roundpipe.optim import build
+
+    try:
+        build.get_optim_function("adam")
+    except build.OptimBuildError as exc:
+        pytest.skip(f"no C++ Adam kernel here: {exc}")
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| (0 when both are zero)."""
     a, b = a.detach().double().cpu(), b.detach().double().cpu()

@@ -8,21 +8,19 @@ from typing import Callable, List
 
 import pytest
 import torch
+from helpers import require_adam_kernel
 from torch import nn
 
 import roundpipe
 from roundpipe import RoundPipe, RoundPipeRunConfig
 from roundpipe.devices.threads import OptimizerStepError
-from roundpipe.optim import Adam, build
+from roundpipe.optim import Adam
 from roundpipe.optim import step as optim_step
 
 
 @pytest.fixture
 def kernel() -> None:
-    try:
-        build.get_optim_function("adam")
-    except build.OptimBuildError as exc:
-        pytest.skip(f"no C++ Adam kernel here: {exc}")
+    require_adam_kernel()
 
 
 def _model() -> nn.Module:

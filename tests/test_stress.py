@@ -14,7 +14,7 @@ from typing import Iterator
 import pytest
 import test_step
 import torch
-from helpers import rel_err
+from helpers import rel_err, require_adam_kernel
 from test_core import TOL, check_grads, make_model, reference_run
 
 from roundpipe import RoundPipe, RoundPipeRunConfig, settings
@@ -117,8 +117,5 @@ def test_fused_staging_under_stress(workers: int, microbatches: int, monkeypatch
     them into the weights; under random delays every loss and weight still equals the staging pass."""
     import test_fused_staging
 
-    try:
-        test_fused_staging.build.get_optim_function("adam")
-    except test_fused_staging.build.OptimBuildError as exc:
-        pytest.skip(f"no C++ Adam kernel here: {exc}")
+    require_adam_kernel()
     test_fused_staging.test_fused_staging_equals_the_staging_pass(None, workers, microbatches, monkeypatch)

@@ -552,14 +552,11 @@ def test_bfloat16_master_needs_bfloat16_weights(tmp_path) -> None:
 def test_fused_staging_trains_the_default_task_bit_for_bit(tmp_path) -> None:
     """RPP_FUSED_STAGING=1 under `roundpipe train` (bf16 weights, fp32 masters, clipping and a schedule in its
     step function, zero_grad() after the step): the same losses as the staging pass, to the last bit."""
-    from roundpipe.optim import build
+    from helpers import require_adam_kernel
 
     from .runner import roundpipe as run_cli
 
-    try:
-        build.get_optim_function("adam")
-    except build.OptimBuildError as exc:
-        pytest.skip(f"no C++ Adam kernel here: {exc}")
+    require_adam_kernel()
     losses = []
     for fused in ("0", "1"):
         out = tmp_path / f"fused{fused}"
