@@ -711,3 +711,34 @@ def test_split_tile_attention_names_the_setting_for_float32_on_the_gpu() -> None
     with pytest.raises(ValueError, match="RPP_TILE_ATTENTION=split"):
         sequence.split_attention(torch.zeros(1, 2, 4, 8, device="cuda"))
     assert sequence.split_attention(torch.zeros(1, 2, 4, 8, device="cuda", dtype=torch.bfloat16))
+
+
+def test_first_segments_of_several_gpus_at_once_after_the_pool_settles_their_type() -> None:
+    """Fresh processes with expandable segments: one thread per GPU makes its first allocation at the same moment,
+    after ``allocator.settle_expandable_handle_type`` (what the pool calls before its threads start). None fails
+    (without the settle, torch's process-wide handle-type choice races: bench/handle_type_race.py --arm raw)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(root, "bench", "handle_type_race.py"),
+            "--arm",
+            "settled",
+            "--trials",
+            "8",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert row["trials"] == 8 and row["failed"] == 0, row

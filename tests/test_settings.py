@@ -131,6 +131,31 @@ def test_import_leaves_expandable_segments_to_pools_of_two_gpus_or_fewer() -> No
     assert "expandable_segments:True" in eager.values()
 
 
+def test_pool_settles_the_segments_handle_type_before_its_threads_allocate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several GPUs' first expandable segments made at once race on torch's process-wide handle type ("CUDA driver
+    error: operation not permitted" on a 2-GPU pool's first job): the pool makes one allocation on the creating
+    thread before any controller thread starts, once per process, and only for pools of several GPUs."""
+    import torch
+
+    events = []
+    monkeypatch.setattr(allocator, "_handle_type_settled", False)
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: events.append(("probe", str(k["device"]))))
+    monkeypatch.setattr(
+        device.backend, "parse_devices", lambda spec: [torch.device("cuda", 0), torch.device("cuda", 1)]
+    )
+    monkeypatch.setattr(device, "DeviceManager", lambda i, d: events.append(("controller", str(d))) or object())
+    monkeypatch.setattr(device, "device_list", [])
+    device.get_devices()
+    assert events == [("probe", "cuda:0"), ("controller", "cuda:0"), ("controller", "cuda:1")]
+    monkeypatch.setattr(device, "device_list", [])
+    device.get_devices()  # a re-created pool: the type is chosen already
+    assert [e for e in events if e[0] == "probe"] == [("probe", "cuda:0")]
+    monkeypatch.setattr(allocator, "_handle_type_settled", False)
+    assert not allocator.settle_expandable_handle_type([torch.device("cuda", 0)])  # one GPU races with nobody
+    assert not allocator.settle_expandable_handle_type([])  # CPU workers
+    assert [e for e in events if e[0] == "probe"] == [("probe", "cuda:0")]
+
+
 def test_pool_size_before_cuda_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     """``RPP_DEVICES`` names the pool; without it NVML counts the visible GPUs; unknown when NVML fails."""
     import torch

@@ -10,7 +10,10 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional, Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 EXPANDABLE_BY_ROUNDPIPE: Optional[str] = None
@@ -117,6 +120,37 @@ def withdraw_own_expandable_segments() -> Literal["off", "withdrawn", "user"]:
         os.environ[name] = "expandable_segments:False"
         EXPANDABLE_BY_ROUNDPIPE = None
         return "withdrawn"
+
+
+_handle_type_settled = False
+"""Whether :func:`settle_expandable_handle_type` made this process's first expandable segment (once is enough:
+torch keeps the handle type it chose for the process)."""
+
+
+def settle_expandable_handle_type(cuda_devices: Sequence["torch.device"]) -> bool:
+    """Make torch's CUDA allocator choose its expandable segments' handle type now, on the thread that creates the
+    pool, before the device threads make their first segments at once. Returns whether this call allocated.
+
+    Why: torch (2.11 at least) chooses that type once per process, at the first expandable segment any device
+    maps. The first mapper sets a process-wide flag to fabric handles, tries ``cuMemCreate``, and, where the
+    driver refuses them (``CUDA_ERROR_NOT_PERMITTED`` without an IMEX channel, as on single-host H200s), sets the
+    flag to POSIX file descriptors and tries again. A second device's first segment that reads the flag while it
+    says "fabric" fails in turn, and then raises "CUDA driver error: operation not permitted" if the flag says
+    POSIX by the time it looks again, or reports out of memory if it still says fabric. Each device's allocator
+    has its own lock, so only several GPUs race: the first job of a 2-GPU pool failed this way (qwen3-1.7b,
+    2026-11-29), and so did 4-GPU graphed runs and a 2-GPU tiled run earlier ("operation not permitted", or out
+    of memory with 139 GiB free; docs/benchmarks.md). One allocation here, before any device thread runs, lets
+    the type be chosen alone; later segments only read it. Without expandable segments it costs one cached
+    block, so it is made whenever the pool has several GPUs."""
+    global _handle_type_settled
+    if _handle_type_settled or len(cuda_devices) < 2:
+        return False
+    import torch
+
+    probe = torch.empty(1, dtype=torch.uint8, device=cuda_devices[0])
+    del probe
+    _handle_type_settled = True
+    return True
 
 
 def _torch_at_least(major: int, minor: int) -> bool:

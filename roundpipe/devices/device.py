@@ -33,7 +33,7 @@ from typing import Any, Callable, Deque, List, Optional, Tuple
 import torch
 
 from roundpipe import settings
-from roundpipe.devices import backend, profile
+from roundpipe.devices import allocator, backend, profile
 from roundpipe.devices.backend import Event, Stream
 from roundpipe.devices.graphs import GraphCache
 from roundpipe.devices.threads import (
@@ -277,7 +277,10 @@ def get_devices() -> List[DeviceManager]:
     if not device_list:
         with _init_lock:
             if not device_list:
-                device_list = [DeviceManager(i, d) for i, d in enumerate(backend.parse_devices(settings.DEVICES.get()))]
+                devices = backend.parse_devices(settings.DEVICES.get())
+                # Before any controller thread allocates: see allocator.settle_expandable_handle_type.
+                allocator.settle_expandable_handle_type([d for d in devices if backend.is_cuda(d)])
+                device_list = [DeviceManager(i, d) for i, d in enumerate(devices)]
     return device_list
 
 
