@@ -448,14 +448,14 @@ case "${1:-}" in
         --iters 4 --workload qwen3-1.7b 2>&1 | quiet | tee "$out/17b_g${g/,/}.log" | grep -E "^\\| roundpipe|Error" | sed "s/^/gpus=$g t=${SECONDS}s /"
     done
     python3 -m roundpipe plan --model qwen3-8b --seq-len 131072 --lora-r 16 --gpu-memory 24GiB --gpus 2 2>&1 | grep -i peak
-    RPP_GPU_MEMORY=24GiB timeout -s ABRT $(( 480 - SECONDS < 260 ? 480 - SECONDS : 260 )) python3 bench/long_context.py \
+    RPP_GPU_MEMORY=24GiB timeout -s ABRT $(( 400 - SECONDS < 250 ? 400 - SECONDS : 250 )) python3 bench/long_context.py \
       --workload qwen3-8b --lora 16 --lengths 131072 --skip-baseline --memory-detail --out "$out/capped8b2.json" 2>&1 \
       | quiet | tee "$out/capped8b2.log" | grep -v "^ *$" | tail -10
-    t=$(( 560 - SECONDS )); [ $t -gt 40 ] && timeout -s ABRT $(( t < 100 ? t : 100 )) python3 bench/pool_bench.py \
+    t=$(( 450 - SECONDS )); [ $t -gt 40 ] && timeout -s ABRT $(( t < 100 ? t : 100 )) python3 bench/pool_bench.py \
       --workload qwen3-8b --lora 16 --batch 1 --seq 32768 --devices 2 --graphs 0 --sequence-tiles 8 --warmup 1 --iters 1 \
       2>&1 | quiet | tee "$out/tiles32k.log" | grep -E "tokens/s|Error|error"
     for f in 0 1; do
-      t=$(( 585 - SECONDS )); [ $t -gt 50 ] || break
+      t=$(( 500 - SECONDS )); [ $t -gt 50 ] || break
       CUDA_VISIBLE_DEVICES=0 RPP_FUSED_STAGING=$f timeout -s ABRT $t python3 bench/user_script.py --workload qwen3-1.7b \
         --batch 8 --step-phases 2>&1 | tee "$out/phases$f.log" | grep -v -i warn | tail -12 | sed "s/^/fused=$f /"
     done ;;
