@@ -174,16 +174,18 @@ STAGE_PARAMS: Setting[bool] = _register(
         "Asynchronous steps stage the updated parameters for the next step (off: copied when it starts).",
     )
 )
-FUSED_STAGING: Setting[bool] = _register(
+FUSED_STAGING: Setting[str] = _register(
     Setting(
         "RPP_FUSED_STAGING",
-        boolean,
-        False,
-        "0",
-        "`1` or `0`",
+        tristate,
+        "auto",
+        "auto",
+        "`auto`, `1` or `0`",
         "roundpipe.optim.Adam writes an asynchronous step's new bf16 weights into their staging buffer in its own "
         "pass, instead of a copy after the step function; that buffer is the gradient's, so the step function must "
-        "call zero_grad() after optimizer.step() and read no gradient after it (a missed zero_grad() raises).",
+        "call zero_grad() after optimizer.step() and read no gradient after it (a missed zero_grad() raises). "
+        "auto: for step functions that say so (roundpipe.optim.step_fn_zeroes_grads: roundpipe train's, the "
+        "Trainer's); `1`: for every step function.",
     )
 )
 GRAD_INTO_MODEL: Setting[bool] = _register(
@@ -534,11 +536,6 @@ def stage_params_enabled() -> bool:
     """Whether asynchronous steps stage the updated parameters for the next step (``RPP_STAGE_PARAMS``,
     never with streamed steps)."""
     return STAGE_PARAMS.get() and not streamed_steps()
-
-
-def fused_staging_enabled() -> bool:
-    """Whether staged steps let ``roundpipe.optim.Adam`` write the staging buffers (``RPP_FUSED_STAGING``)."""
-    return FUSED_STAGING.get() and stage_params_enabled()
 
 
 def grad_buffers_limit() -> int:

@@ -1,6 +1,8 @@
-"""``RPP_FUSED_STAGING=1``: roundpipe.optim.Adam writes an asynchronous step's new bf16 weights into their staging
-buffer in its own pass. Every loss and weight equals the default staging pass, bit for bit; a step function that
-keeps its gradients, or steps a parameter twice, fails loudly instead of training on weights read as gradients."""
+"""Fused staging (``RPP_FUSED_STAGING=1``, or ``auto`` with a step function declared by
+``roundpipe.optim.step_fn_zeroes_grads``): roundpipe.optim.Adam writes an asynchronous step's new bf16 weights into
+their staging buffer in its own pass. Every loss and weight equals the staging pass, bit for bit; a step function
+that keeps its gradients, or steps a parameter twice, fails loudly instead of training on weights read as
+gradients."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from torch import nn
 import roundpipe
 from roundpipe import RoundPipe, RoundPipeRunConfig
 from roundpipe.devices.threads import OptimizerStepError
-from roundpipe.optim import Adam
+from roundpipe.optim import Adam, step_fn_zeroes_grads
 from roundpipe.optim import step as optim_step
 
 
@@ -32,7 +34,11 @@ def _loss(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return ((o.float() - t) ** 2).mean()
 
 
-def _run(workers: int, microbatches: int, steps: int, step_fn: Callable[[Adam], None]) -> List[torch.Tensor]:
+def _run(
+    workers: int, microbatches: int, steps: int, step_fn: Callable[[Adam], None], declared: bool = False
+) -> List[torch.Tensor]:
+    """Train ``steps`` steps; ``declared``: the step function given to ``model.step`` is declared with
+    ``step_fn_zeroes_grads``."""
     roundpipe.configure(devices=f"cpu:{workers}")
     model = _model()
     rp = RoundPipe(model, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=microbatches))
@@ -44,7 +50,8 @@ def _run(workers: int, microbatches: int, steps: int, step_fn: Callable[[Adam], 
         out.append(rp.forward_backward(input_args=(x.bfloat16(),), label=y, loss_fn=_loss).detach().clone())
         if k == steps // 2:
             rp.synchronize()  # a sync point in the middle: the publish after it copies, then staging resumes
-        rp.step(lambda: step_fn(opt))
+        fn = lambda: step_fn(opt)  # noqa: E731
+        rp.step(step_fn_zeroes_grads(fn) if declared else fn)
     rp.synchronize()
     return out + [p.detach().clone() for p in model.parameters()] + [p.detach().clone() for p in rp.optim_parameters()]
 
@@ -58,14 +65,7 @@ def _step_and_zero(opt: Adam) -> None:
 def test_fused_staging_equals_the_staging_pass(
     kernel: None, workers: int, microbatches: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    wrote = []
-    real = optim_step.Stager.done
-
-    def counting(self: optim_step.Stager, written: list, outs: dict) -> None:
-        wrote.append(len(written))
-        real(self, written, outs)
-
-    monkeypatch.setattr(optim_step.Stager, "done", counting)
+    wrote = _counting_writes(monkeypatch)
     monkeypatch.setenv("RPP_FUSED_STAGING", "0")
     plain = _run(workers, microbatches, 7, _step_and_zero)
     assert not wrote
@@ -96,5 +96,50 @@ def test_fused_staging_refuses_a_second_step_of_the_same_parameters(
         _run(1, 2, 3, twice)
 
 
-def test_fused_staging_is_off_by_default() -> None:
-    assert roundpipe.settings.FUSED_STAGING.get() is False
+def _counting_writes(monkeypatch: pytest.MonkeyPatch) -> List[int]:
+    wrote: List[int] = []
+    real = optim_step.Stager.done
+
+    def counting(self: optim_step.Stager, written: list, outs: dict) -> None:
+        wrote.append(len(written))
+        real(self, written, outs)
+
+    monkeypatch.setattr(optim_step.Stager, "done", counting)
+    return wrote
+
+
+def test_auto_fuses_only_declared_step_functions(kernel: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default ``auto``: a step function declared with ``step_fn_zeroes_grads`` gets the fused writes (the same
+    bits as the staging pass), an undeclared one the staging pass, and ``RPP_FUSED_STAGING=0`` turns off even a
+    declared one."""
+    assert roundpipe.settings.FUSED_STAGING.get() == "auto"
+    wrote = _counting_writes(monkeypatch)
+    plain = _run(2, 2, 5, _step_and_zero)
+    assert not wrote
+    fused = _run(2, 2, 5, _step_and_zero, declared=True)
+    assert wrote and all(n == 6 for n in wrote), wrote
+    for a, b in zip(plain, fused):
+        assert torch.equal(a, b)
+    wrote.clear()
+    monkeypatch.setenv("RPP_FUSED_STAGING", "0")
+    _run(1, 2, 3, _step_and_zero, declared=True)
+    assert not wrote
+
+
+def test_a_declared_step_function_that_keeps_gradients_fails(kernel: None) -> None:
+    with pytest.raises(OptimizerStepError, match="zero_grad"):
+        _run(1, 2, 3, lambda opt: opt.step(), declared=True)
+
+
+def test_a_declared_method_keeps_its_declaration() -> None:
+    """Declared in the class (as roundpipe train's recipe does), the bound method says so too."""
+
+    class Recipe:
+        @step_fn_zeroes_grads
+        def step_fn(self) -> None:
+            pass
+
+        def other(self) -> None:
+            pass
+
+    assert optim_step.fused_staging(Recipe().step_fn) and not optim_step.fused_staging(Recipe().other)

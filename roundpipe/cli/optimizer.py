@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from roundpipe.cli.config import TrainConfig
+from roundpipe.optim.step import step_fn_zeroes_grads
 
 
 def make_optimizer(masters: List[torch.Tensor], cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -107,6 +108,7 @@ class HostOptimizer:
         """The loss scaling of backward: the GradScaler's (float16), else none."""
         return self.scaler.scale if self.scaler is not None else (lambda t: t)
 
+    @step_fn_zeroes_grads  # zero_grad() ends every path: the optimizer may write the staging buffers itself
     def step_fn(self, step: int) -> None:
         """Optimizer-thread body of one step: clip the host gradients' global norm, step, schedule."""
         if self.scaler is not None:

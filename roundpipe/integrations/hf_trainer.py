@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from roundpipe.optim.grad_scaler import GradScaler
+from roundpipe.optim.step import step_fn_zeroes_grads
 from roundpipe.roundpipe import RoundPipeBase
 
 logger = logging.getLogger("roundpipe")
@@ -152,6 +153,7 @@ class RoundPipeOptimizer(torch.optim.Optimizer):
         hyper = self._hyperparameters()
         inner, scaler, max_norm = self.optimizer, self.scaler, self.max_grad_norm
 
+        @step_fn_zeroes_grads  # zero_grad() right after the step: the optimizer may write the staging buffers
         def step_fn() -> None:
             for group, values in zip(inner.param_groups, hyper):
                 group.update(values)

@@ -550,15 +550,16 @@ def test_bfloat16_master_needs_bfloat16_weights(tmp_path) -> None:
 
 
 def test_fused_staging_trains_the_default_task_bit_for_bit(tmp_path) -> None:
-    """RPP_FUSED_STAGING=1 under `roundpipe train` (bf16 weights, fp32 masters, clipping and a schedule in its
-    step function, zero_grad() after the step): the same losses as the staging pass, to the last bit."""
+    """Fused staging under `roundpipe train`, on by default (its step function is declared with
+    step_fn_zeroes_grads; bf16 weights, fp32 masters, clipping and a schedule in it, zero_grad() after the step):
+    the same losses as the staging pass (RPP_FUSED_STAGING=0), to the last bit."""
     from helpers import require_adam_kernel
 
     from .runner import roundpipe as run_cli
 
     require_adam_kernel()
     losses = []
-    for fused in ("0", "1"):
+    for fused in ("0", "auto"):
         out = tmp_path / f"fused{fused}"
         args = ["train", "--steps", "12", "--dtype", "bf16", "--output-dir", str(out), "--eval-examples", "0"]
         proc = run_cli(args + ["--no-tensorboard"], cwd=str(tmp_path), env={"RPP_FUSED_STAGING": fused})
