@@ -459,5 +459,36 @@ case "${1:-}" in
       CUDA_VISIBLE_DEVICES=0 RPP_FUSED_STAGING=$f timeout -s ABRT $t python3 bench/user_script.py --workload qwen3-1.7b \
         --batch 8 --step-phases 2>&1 | tee "$out/phases$f.log" | grep -v -i warn | tail -12 | sed "s/^/fused=$f /"
     done ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d|s25e|s25f|s26a|s26b|s26c|s27x2a|s27x2b|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s28d|s28e|s28f|s28x2|s28h|s29a|s29b|s27x2b|s29c" >&2; exit 2 ;;
+  s30x2a)  # for the next session (a two-GPU kind), call 1: issue 37 part 2 on 2 GPUs after the fix for the graphs'
+    # leftovers (qwen3-8b LoRA 131,072 under a 24 GiB cap, no allocator variable; the twenty-ninth session's run was
+    # refused), the plan beside it; the job count on 2 GPUs (qwen3-1.7b 16 x 4096, 16 microbatches against 4); the
+    # GPU tests of the devices and graphs in the time left
+    export PYTHONFAULTHANDLER=1
+    python3 -m roundpipe plan --model qwen3-8b --seq-len 131072 --lora-r 16 --gpu-memory 24GiB --gpus 2 2>&1 | grep -i peak
+    RPP_GPU_MEMORY=24GiB timeout -s ABRT 260 python3 bench/long_context.py --workload qwen3-8b --lora 16 --lengths 131072 \
+      --skip-baseline --memory-detail --out "$out/capped8b2.json" 2>&1 | quiet | tee "$out/capped8b2.log" | grep -v "^ *$" | tail -10
+    for m in 16 4; do
+      t=$(( 480 - SECONDS )); [ $t -gt 30 ] || break
+      timeout -s ABRT $(( t < 110 ? t : 110 )) python3 bench/train_bench.py --batch 16 --skip-baseline --warmup 3 --iters 4 \
+        --workload qwen3-1.7b --microbatches $m 2>&1 | quiet | tee "$out/mb$m.log" | grep -E "^\\| roundpipe|Error" | sed "s/^/gpus=2 mb=$m /"
+    done
+    timeout -s ABRT $(( 590 - SECONDS )) python3 -m pytest -m gpu tests/test_gpu.py tests/test_graphs.py -q -p no:cacheprovider \
+      2>&1 | tail -3 ;;
+  s30x2b)  # call 2 (a two-GPU kind): issue 38's 262,144-token row with two timed steps on 2 GPUs (the first full-length
+    # step pins 38.6 GB of host blocks), then the 2-GPU row alone; the 1-GPU row is the twenty-ninth session's 215.0 s
+    # unless time is left (then: s27x2b)
+    export PYTHONFAULTHANDLER=1
+    timeout -s ABRT 560 python3 bench/pool_bench.py --workload qwen3-8b --lora 16 --batch 1 --seq 262144 --devices 2 \
+      --graphs 0 --sequence-tiles 8 --warmup 1 --warmup-seq 8192 --iters 2 --json "$out/tiles262k2.json" 2>&1 | quiet \
+      | tee "$out/tiles262k2.log" | grep -E "tokens/s|busy|Error|error" ;;
+  next4c)  # issue 39 (a 4-GPU kind): with the handle-type race fixed, do graphed jobs on 4 GPUs run with expandable
+    # segments (the reason import roundpipe leaves them off above 2 GPUs)? The race check on 4 GPUs, then qwen3-1.7b
+    # 16 x 4096 graphed with and without them, one process each
+    export PYTHONFAULTHANDLER=1
+    timeout 120 python3 bench/handle_type_race.py --trials 16 --parallel 4 2>&1 | tail -2
+    for a in "expandable_segments:True" "expandable_segments:False"; do
+      PYTORCH_ALLOC_CONF=$a RPP_GRAPHS=1 timeout -s ABRT 200 python3 bench/train_bench.py --workload qwen3-1.7b --batch 16 \
+        --skip-baseline --warmup 3 --iters 4 2>&1 | quiet | grep -E "^\\| roundpipe|Error" | sed "s/^/$a /"
+    done ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d|s25e|s25f|s26a|s26b|s26c|s27x2a|s27x2b|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s28d|s28e|s28f|s28x2|s28h|s29a|s29b|s27x2b|s29c|s30x2a|s30x2b|next4c" >&2; exit 2 ;;
 esac
