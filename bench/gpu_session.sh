@@ -480,7 +480,7 @@ case "${1:-}" in
     export PYTHONFAULTHANDLER=1
     timeout -s ABRT 560 python3 bench/pool_bench.py --workload qwen3-8b --lora 16 --batch 1 --seq 262144 --devices 2 \
       --graphs 0 --sequence-tiles 8 --warmup 1 --warmup-seq 8192 --iters 2 --json "$out/tiles262k2.json" 2>&1 | quiet \
-      | tee "$out/tiles262k2.log" | grep -E "tokens/s|busy|Error|error" ;;
+      | tee "$out/tiles262k2.log" | grep -E "tokens/s|iterations|Error|error" ;;
   next4c)  # issue 39 (a 4-GPU kind): with the handle-type race fixed, do graphed jobs on 4 GPUs run with expandable
     # segments (the reason import roundpipe leaves them off above 2 GPUs)? The race check on 4 GPUs, then qwen3-1.7b
     # 16 x 4096 graphed with and without them, one process each

@@ -213,6 +213,7 @@ def run_config(
         "peer_handoff": peer,
         "microbatches": n_mb,
         "s_per_iter": statistics.median(times),
+        "iter_s": [round(t, 3) for t in times],  # each timed iteration (the first at a new length pins host blocks)
         "tokens_per_s": ids.numel() / statistics.median(times),
         "plan": repr(model._plans and next(iter(model._plans.values()))[0]),
         "fwd_ms_per_layer_median": round(statistics.median(model.model_timer.get_estimate("fused")[1][1:-1]), 3),
@@ -305,7 +306,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     base: Dict[str, float] = {}
     modes = [m for m in args.tile_modes.split(",") if m] if args.sequence_tiles else []
-    rows = [(g, q, c, m) for g in args.graphs.split(",") for q in args.peer.split(",") for c in counts for m in modes or [""]]
+    rows = [
+        (g, q, c, m)
+        for g in args.graphs.split(",")
+        for q in args.peer.split(",")
+        for c in counts
+        for m in modes or [""]
+    ]
     for graphs, peer, c, mode in rows:
         if c:
             devices = (f"cuda:{','.join(str(i) for i in range(c))}") if cuda else f"cpu:{c}"
@@ -326,7 +333,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             )
             print(
                 f"  plan {row['plan']}; timer per middle layer fwd {row['fwd_ms_per_layer_median']} ms, bwd "
-                f"{row['bwd_ms_per_layer_median']} ms"
+                f"{row['bwd_ms_per_layer_median']} ms; iterations (s) {row['iter_s']}"
             )
             print(f"  thread CPU s/iter {row['thread_cpu_s_per_iter']}")
             if "gpu_busy" in row:
