@@ -59,7 +59,6 @@ def peak_blocks(trace: List[Dict[str, Any]]) -> Tuple[int, Dict[int, Tuple[int, 
     return best, live
 
 
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="qwen3-8b")
@@ -92,8 +91,12 @@ def main() -> None:
     groups: Dict[str, List[int]] = collections.defaultdict(list)
     for size, frames in live.values():
         groups[where(frames)].append(size)
-    print(f"{args.workload} {'LoRA r=%d' % args.lora if args.lora else 'full'}, {args.layers} layers, {args.seq:,} tokens")
-    print(f"max_memory_allocated {measured / GiB:.2f} GiB; peak in the trace {peak / GiB:.2f} GiB ({len(trace)} events)")
+    print(
+        f"{args.workload} {'LoRA r=%d' % args.lora if args.lora else 'full'}, {args.layers} layers, {args.seq:,} tokens"
+    )
+    print(
+        f"max_memory_allocated {measured / GiB:.2f} GiB; peak in the trace {peak / GiB:.2f} GiB ({len(trace)} events)"
+    )
     print("| allocated at | blocks | GiB | bytes per token |")
     print("|---|---|---|---|")
     for name, sizes in sorted(groups.items(), key=lambda kv: -sum(kv[1]))[: args.top]:

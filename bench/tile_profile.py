@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -58,7 +58,9 @@ def main() -> None:
     import roundpipe
 
     rows = [("whole", RoundPipeRunConfig(num_microbatch=1), "auto")]
-    rows += [(f"{args.tiles} tiles, {m}", RoundPipeRunConfig(sequence_tiles=args.tiles), m) for m in args.modes.split(",")]
+    rows += [
+        (f"{args.tiles} tiles, {m}", RoundPipeRunConfig(sequence_tiles=args.tiles), m) for m in args.modes.split(",")
+    ]
     for name, cfg, mode in rows:
         roundpipe.configure(tile_attention=mode)
         model.model_run_config = cfg
@@ -76,9 +78,11 @@ def main() -> None:
             wall = time.perf_counter() - t0
         busy, rows = kernels(prof)
         after = dict(dyn.counters["stats"])
-        print(f"\n== {name}: step {wall:.2f} s, GPU busy {busy / 1e3:.2f} s; "
-              "dynamo stats change "
-              f"{ {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)} }")
+        print(
+            f"\n== {name}: step {wall:.2f} s, GPU busy {busy / 1e3:.2f} s; "
+            "dynamo stats change "
+            f"{ {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)} }"
+        )
         print("| kernel | ms | calls |")
         for k, ms, n in rows[: args.top]:
             print(f"| {k} | {ms:,.0f} | {n} |")

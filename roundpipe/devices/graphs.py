@@ -245,6 +245,10 @@ class GraphCache:
         group; a warm-up or a capture is not, and runs the eager path's own timing)."""
         return key is not None and key in self.graphs
 
+    def holds_memory(self) -> bool:
+        """Whether graphs (their static outputs and pool) or slots hold device memory now."""
+        return bool(self.graphs or self.slots)
+
     def clear(self) -> None:
         """Drop every graph and slot (the caller has synchronised the device)."""
         self.graphs.clear()

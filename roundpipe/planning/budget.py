@@ -117,7 +117,9 @@ def still_fits(
     profile: Optional[ActivationProfile], layer_bytes: List[float], bwd_plan: Sequence[range], fused: bool
 ) -> bool:
     """Whether a backward plan made earlier still fits the budgets as they are now (host memory shrinks
-    as the optimizer state and pinned blocks appear); a plan by weights alone (no profile) always does."""
+    as the optimizer state and pinned blocks appear); a plan by weights alone (no profile) always does.
+    Graphs held on the devices count against it as they counted against the new plan it is weighed
+    against (``plan_or_refuse`` releases them only when that plan does not fit beside them)."""
     if profile is None:
         return True
     return fits_budgets(bwd_plan, costs(profile, gpu_budget(layer_bytes), host_budget()), fused, layer_bytes)
@@ -130,19 +132,31 @@ def plan_or_refuse(
     plan: Callable[[Optional[ActivationCosts]], object],
 ) -> object:
     """``plan(costs)`` under the budgets when the model has an activation profile, else ``plan(None)``;
-    a plan that cannot fit becomes the refusal (``refusal``)."""
+    a plan that cannot fit becomes the refusal (``refusal``), unless it fits once the devices have given
+    back their graphs and weight slots (``device.release_graphs``): calls of other shapes leave them, and
+    the device capacity the budget starts from counts them as taken."""
     if profile is None:
         return plan(None)
     gpu_limit, host_limit = gpu_budget(layer_bytes), host_budget()
     try:
         return plan(costs(profile, gpu_limit, host_limit))
     except ActivationMemoryError as exc:
+        error = exc
+    # Plans are made before the call's first job is launched (``RoundPipe.resolve_plan``), and every earlier
+    # call's dispatch waited for its jobs (``pipeline.guarded``): no job is in flight here (a forward awaiting
+    # its backward has none either; its backward jobs re-create the slots they use).
+    if device.release_graphs():
+        gpu_limit, host_limit = gpu_budget(layer_bytes), host_budget()
+        try:
+            return plan(costs(profile, gpu_limit, host_limit))
+        except ActivationMemoryError as exc:
+            error = exc
 
-        def fits(p: ActivationProfile) -> bool:
-            try:
-                plan(costs(p, gpu_limit, host_limit))
-                return True
-            except ActivationMemoryError:
-                return False
+    def fits(p: ActivationProfile) -> bool:
+        try:
+            plan(costs(p, gpu_limit, host_limit))
+            return True
+        except ActivationMemoryError:
+            return False
 
-        raise refusal(model_name, profile, exc, gpu_limit, host_limit, fits) from exc
+    raise refusal(model_name, profile, error, gpu_limit, host_limit, fits) from error

@@ -223,8 +223,9 @@ def _upload_group(
 def _graph_slots(
     device: "DeviceManager", run: Run, layers: range, backward: bool
 ) -> Tuple[int, Optional[List["LayerSlot"]]]:
-    """This job's parity on its device and, when it may be graphed (``compute.graph_signatures``), the
-    slots its layers upload into."""
+    """This job's parity on its device and, when it may be graphed (``compute.graph_signatures``; never in a
+    long-context call, ``compute.call_may_graph``), the slots its layers upload into; else None, and the
+    layers upload as an eager job's do."""
     parity = device.graphs.begin_job()
     sigs = graph_signatures(run, device, layers, backward)
     return parity, (device.graphs.take_slots(sigs, parity) if sigs is not None else None)
