@@ -1,6 +1,6 @@
 """Device memory of graphed jobs (``roundpipe.devices.graphs``) and long-context calls.
 
-A call whose microbatches are too large for a graph (``compute.call_may_graph``) takes no weight slots:
+A call whose microbatches are too large for a graph (``Run.may_graph``) takes no weight slots:
 its jobs upload as eager jobs do. Graphs and slots left by calls of other shapes do not make the planner
 refuse a call that fits without them (``budget.plan_or_refuse`` releases them, ``device.release_graphs``,
 and plans again). On CPU workers with the stand-in (``RPP_GRAPHS=1``), against plain PyTorch (float64).
@@ -20,7 +20,6 @@ from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig, settings
 from roundpipe.devices import device as device_mod
 from roundpipe.devices import graphs
 from roundpipe.planning import budget
-from roundpipe.runtime import compute
 from roundpipe.runtime.batch import Batch
 
 TOL = 1e-10
@@ -114,10 +113,10 @@ def _count_slots(monkeypatch: pytest.MonkeyPatch) -> List[int]:
 
 @pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
 def test_a_call_too_large_for_graphs_takes_no_slots(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Microbatches whose stage inputs exceed ``GRAPH_MAX_INPUT_BYTES`` (by the call's profile): no job of
+    """Microbatches whose stage inputs exceed ``graphs.MAX_INPUT_BYTES`` (by the call's profile): no job of
     the call takes slots or captures, the results equal PyTorch; small calls still graph, and a large one
     after them takes no slots either."""
-    monkeypatch.setattr(compute, "GRAPH_MAX_INPUT_BYTES", 1000)
+    monkeypatch.setattr(graphs, "MAX_INPUT_BYTES", 1000)
     taken = _count_slots(monkeypatch)
     rp = _model(monkeypatch, PLAN)
     ref = copy.deepcopy(rp.model)
@@ -141,7 +140,7 @@ def test_a_call_too_large_for_graphs_takes_no_slots(workers: str, monkeypatch: p
 def test_without_a_profile_the_microbatch_check_alone_decides(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A model that reports no activation profile keeps the per-microbatch check: its large call's jobs
     take slots but run eagerly (nothing captured); results equal PyTorch."""
-    monkeypatch.setattr(compute, "GRAPH_MAX_INPUT_BYTES", 1000)
+    monkeypatch.setattr(graphs, "MAX_INPUT_BYTES", 1000)
     taken = _count_slots(monkeypatch)
     rp = _model(monkeypatch, PLAN, profile=False)
     ref = copy.deepcopy(rp.model)

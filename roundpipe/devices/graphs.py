@@ -56,6 +56,12 @@ _OPAQUE_TYPES: Tuple[type, ...] = ()
 _SIMPLE = (type(None), bool, int, float, str)
 
 
+#: Graphs only for microbatches whose inputs stay below this many bytes: at long context a job is
+#: compute-bound (its launches cost nothing next to its kernels) and a graph's private memory pool
+#: would sit beside the eager allocator's, in the device memory long sequences need.
+MAX_INPUT_BYTES = 256 * 2**20
+
+
 def register_opaque(cls: type) -> None:
     """Let objects of ``cls`` ride through graphed layers as pass-through leaves (keyed by type, never
     read inside the graph), e.g. ``transfer.HostScalar``."""

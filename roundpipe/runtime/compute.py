@@ -20,7 +20,6 @@ the warm-up), and is timed as a whole (``IterTimer.time_group``).
 
 from __future__ import annotations
 
-import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
@@ -31,18 +30,13 @@ from roundpipe.devices import backend, graphs
 from roundpipe.devices import device as device_mod
 from roundpipe.runtime.attribute import ParamAttribute
 from roundpipe.runtime.context import ForwardCtx, RecomputeCtx
-from roundpipe.runtime.run import Leaves, MicrobatchState, Run, call_profile, differentiable
+from roundpipe.runtime.run import Leaves, MicrobatchState, Run, differentiable
 from roundpipe.runtime.transfer import HostScalar, wait_layer
 
 if TYPE_CHECKING:
     from roundpipe.devices.device import DeviceManager
 
 graphs.register_opaque(HostScalar)  # the head's token count rides through the decoder layers unread
-
-#: Graphs only for microbatches whose inputs stay below this many bytes: at long context a job is
-#: compute-bound (its launches cost nothing next to its kernels) and a graph's private memory pool
-#: would sit beside the eager allocator's, in the device memory long sequences need.
-GRAPH_MAX_INPUT_BYTES = 256 * 2**20
 
 
 def call_layer(layer: torch.nn.Module, x: Tuple[Tuple[Any, ...], Dict[str, Any]]) -> Any:
@@ -155,10 +149,8 @@ def graph_signatures(
     on (``graphs.enabled``), layers that fit slots (no buffers, no parameter tied to another layer)
     and, for a backward job, the 'stage' grain and layers whose forward was seen drawing no random
     numbers and saving nothing for recompute. Sequence tiles run eagerly (each tile's attention reads a
-    longer prefix), and so does every job of a long-context call (``call_may_graph``)."""
-    if run.sequence is not None or not graphs.enabled(device.device, device_mod.get_num_devices()):
-        return None
-    if not call_may_graph(run):
+    longer prefix), and so does every job of a long-context call (``Run.may_graph``)."""
+    if run.sequence is not None or not run.may_graph or not graphs.enabled(device.device, device_mod.get_num_devices()):
         return None
     if backward and run.cfg.recompute_grain != "stage":
         return None
@@ -178,34 +170,8 @@ def graph_signatures(
     return sigs
 
 
-#: Per call: ``call_may_graph``'s answer. Under the lock: the device threads of one call start their first
-#: jobs at once, and one of them computes the answer (and the call's profile) for all.
-_call_graphs: "weakref.WeakKeyDictionary[Run, bool]" = weakref.WeakKeyDictionary()
-_call_lock = threading.Lock()
-
-
-def call_may_graph(run: Run) -> bool:
-    """Whether any job of a training call may be graphed, decided once per call from its activation profile
-    (``call_profile``, known before its first job): not when one microbatch's largest stage input,
-    ``max(profile.checkpoint)`` (all microbatches' host copies) over the microbatches, exceeds
-    ``GRAPH_MAX_INPUT_BYTES``. Such a call is long context: ``_fits_graph`` sends its decoder groups'
-    microbatches down the eager path anyway, and slots taken regardless (each position of its largest
-    group, both parities) would sit beside its backward's activations, which the planner budgets without
-    them. The checkpoint counts the hidden states alone (the presets round it up to a power of two, as the
-    default limit is one), a job's inputs carry more: a call flagged here is one whose microbatches would
-    not fit a graph. Without a profile (inference, a model with no activation model) only the
-    per-microbatch check applies."""
-    with _call_lock:
-        answer = _call_graphs.get(run)
-        if answer is None:
-            profile = call_profile(run.model, run.batch, run.cfg.recompute_grain) if run.enable_grad else None
-            largest = max(profile.checkpoint, default=0.0) / run.batch.num_microbatch if profile is not None else 0.0
-            answer = _call_graphs[run] = largest <= GRAPH_MAX_INPUT_BYTES
-        return answer
-
-
 def _fits_graph(leaves: Leaves) -> bool:
-    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)) <= GRAPH_MAX_INPUT_BYTES
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)) <= graphs.MAX_INPUT_BYTES
 
 
 def _autocast_key(run: Run) -> Tuple[Any, ...]:

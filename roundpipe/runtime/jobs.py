@@ -224,7 +224,7 @@ def _graph_slots(
     device: "DeviceManager", run: Run, layers: range, backward: bool
 ) -> Tuple[int, Optional[List["LayerSlot"]]]:
     """This job's parity on its device and, when it may be graphed (``compute.graph_signatures``; never in a
-    long-context call, ``compute.call_may_graph``), the slots its layers upload into; else None, and the
+    long-context call, ``Run.may_graph``), the slots its layers upload into; else None, and the
     layers upload as an eager job's do."""
     parity = device.graphs.begin_job()
     sigs = graph_signatures(run, device, layers, backward)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tupl
 import torch
 from torch.utils import _pytree as pytree
 
-from roundpipe.devices import cpu_streams, threads
+from roundpipe.devices import cpu_streams, graphs, threads
 from roundpipe.devices import device as device_mod
 from roundpipe.model_protocol import PipelinedModel
 from roundpipe.planning import budget
@@ -49,6 +49,22 @@ def call_profile(model: PipelinedModel, batch: Batch, recompute_grain: str) -> O
     if recompute_grain not in batch.profiles:
         batch.profiles[recompute_grain] = model.activation_profile(batch, recompute_grain)
     return batch.profiles[recompute_grain]
+
+
+def may_graph(model: PipelinedModel, batch: Batch, recompute_grain: str, train: bool) -> bool:
+    """Whether any job of a call may be graphed, from its activation profile (known before its first job): not
+    a training call whose largest stage input per microbatch, ``max(profile.checkpoint)`` (all microbatches'
+    host copies) over the microbatches, exceeds ``graphs.MAX_INPUT_BYTES``. Such a call is long context: its
+    decoder groups' microbatches run eagerly anyway (``compute._fits_graph``), and the weight slots a graphed
+    job takes (each position of its largest group, both parities) would sit beside its backward's activations,
+    which the planner budgets without them. The profile counts the hidden states alone (the presets round
+    them up to a power of two, as the limit is one); a job's inputs carry more, so a call flagged here is one
+    whose microbatches would not fit a graph. Without a profile (inference, a model with no activation model)
+    only the per-microbatch check applies."""
+    profile = call_profile(model, batch, recompute_grain) if train else None
+    if profile is None:
+        return True
+    return max(profile.checkpoint, default=0.0) / batch.num_microbatch <= graphs.MAX_INPUT_BYTES
 
 
 class MicrobatchState:
@@ -141,6 +157,7 @@ class Run:
         self.batch = batch
         self.run_type = run_type
         self.enable_grad = run_type != "infer"
+        self.may_graph = may_graph(model, batch, run_config.recompute_grain, self.enable_grad)
         self.plan = plan
         self.tracker = ModelTracker(plan, batch.num_microbatch)
         self.contexts = [MicrobatchState(m) for m in range(batch.num_microbatch)]
