@@ -490,5 +490,15 @@ case "${1:-}" in
       PYTORCH_ALLOC_CONF=$a RPP_GRAPHS=1 timeout -s ABRT 200 python3 bench/train_bench.py --workload qwen3-1.7b --batch 16 \
         --skip-baseline --warmup 3 --iters 4 2>&1 | quiet | grep -E "^\\| roundpipe|Error" | sed "s/^/$a /"
     done ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d|s25e|s25f|s26a|s26b|s26c|s27x2a|s27x2b|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s28d|s28e|s28f|s28x2|s28h|s29a|s29b|s27x2b|s29c|s30x2a|s30x2b|next4c" >&2; exit 2 ;;
+  next4d)  # issues 38/39 run 7 (a 4-GPU kind): qwen3-8b LoRA, one 262,144-token sequence: 8 tiles on 4 GPUs, then the whole
+    # sequence on 1 (target >= 3.3x); then 8 tiles on 4 GPUs under a 24 GiB cap with no allocator variable (must complete;
+    # roundpipe plan predicts 20.2 GiB), the plan beside it
+    export PYTHONFAULTHANDLER=1
+    python3 -m roundpipe plan --model qwen3-8b --seq-len 262144 --lora-r 16 --gpus 4 --sequence-tiles 8 --gpu-memory 24GiB \
+      --host-memory 480GiB 2>&1 | grep -E "peak|fit"
+    p="python3 bench/pool_bench.py --workload qwen3-8b --lora 16 --batch 1 --seq 262144 --graphs 0 --sequence-tiles 8 --warmup 1 --warmup-seq 8192 --iters 1"
+    timeout -s ABRT 420 $p --devices 4,1 --json "$out/tiles4.json" 2>&1 | quiet | tee "$out/tiles4.log" | grep -E "tokens/s|iterations|Error|error"
+    RPP_GPU_MEMORY=24GiB timeout -s ABRT $(( 585 - SECONDS )) $p --devices 4 --json "$out/tiles4cap.json" 2>&1 | quiet \
+      | tee "$out/tiles4cap.log" | grep -E "tokens/s|iterations|Error|error" | sed "s/^/24GiB /" ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d|s25e|s25f|s26a|s26b|s26c|s27x2a|s27x2b|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s28d|s28e|s28f|s28x2|s28h|s29a|s29b|s27x2b|s29c|s30x2a|s30x2b|next4c|next4d" >&2; exit 2 ;;
 esac
