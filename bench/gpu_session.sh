@@ -470,7 +470,8 @@ case "${1:-}" in
     for m in 16 4; do
       t=$(( 480 - SECONDS )); [ $t -gt 30 ] || break
       timeout -s ABRT $(( t < 110 ? t : 110 )) python3 bench/train_bench.py --batch 16 --skip-baseline --warmup 3 --iters 4 \
-        --workload qwen3-1.7b --microbatches $m 2>&1 | quiet | tee "$out/mb$m.log" | grep -E "^\\| roundpipe|Error" | sed "s/^/gpus=2 mb=$m /"
+        --workload qwen3-1.7b --microbatches $m --host-allocs 2>&1 | quiet | tee "$out/mb$m.log" \
+        | grep -E "^\\| roundpipe|Error|pinned blocks|host allocs|MiB at" | sed "s/^/gpus=2 mb=$m /"
     done
     timeout -s ABRT $(( 590 - SECONDS )) python3 -m pytest -m gpu tests/test_gpu.py tests/test_graphs.py -q -p no:cacheprovider \
       2>&1 | tail -3 ;;
