@@ -420,22 +420,6 @@ case "${1:-}" in
     done
     timeout -s ABRT $(( 590 - SECONDS )) python3 -m pytest -m gpu tests -q -rA -p no:cacheprovider 2>&1 \
       | tee "$out/gputests.log" | grep -E "^(FAILED|ERROR)|passed|failed|^E " | head -30 ;;
-  s29c)  # call 3 (nvidia-h200-x2): RPP_FUSED_STAGING off and on, the user script's step phases (one GPU); issue 37 part 2
-    # on two GPUs (qwen3-8b LoRA 131,072 under a 24 GiB cap, no allocator variable) with the plan beside it; the job
-    # count on two GPUs (qwen3-1.7b 16 x 4096, 16 microbatches against 4)
-    export PYTHONFAULTHANDLER=1
-    for f in 0 1; do
-      CUDA_VISIBLE_DEVICES=0 RPP_FUSED_STAGING=$f timeout -s ABRT 120 python3 bench/user_script.py --workload qwen3-1.7b \
-        --batch 8 --step-phases 2>&1 | tee "$out/phases$f.log" | grep -v -i warn | tail -12 | sed "s/^/fused=$f /"
-    done
-    python3 -m roundpipe plan --model qwen3-8b --seq-len 131072 --lora-r 16 --gpu-memory 24GiB --gpus 2 2>&1 | grep -i peak
-    RPP_GPU_MEMORY=24GiB timeout -s ABRT 260 python3 bench/long_context.py --workload qwen3-8b --lora 16 --lengths 131072 \
-      --skip-baseline --memory-detail --out "$out/capped8b2.json" 2>&1 | quiet | tee "$out/capped8b2.log" | grep -v "^ *$" | tail -10
-    for m in 16 4; do
-      t=$(( 590 - SECONDS )); [ $t -gt 30 ] || break
-      timeout -s ABRT $t python3 bench/train_bench.py --batch 16 --skip-baseline --warmup 3 --iters 4 --workload qwen3-1.7b \
-        --microbatches $m 2>&1 | quiet | tee "$out/mb$m.log" | grep -E "^\\| roundpipe|Error" | sed "s/^/gpus=2 mb=$m /"
-    done ;;
   s29b)  # call 2 (nvidia-h200-x2): the expandable segments' handle-type race without and with roundpipe's settle, and its
     # GPU test; qwen3-1.7b 16 x 4096 on 1 GPU then 2 on defaults; issue 37 part 2 on two GPUs (qwen3-8b LoRA 131,072
     # under a 24 GiB cap, no allocator variable, the plan beside it); 8 tiles of 32,768 tokens on 2 GPUs with expandable
@@ -501,5 +485,5 @@ case "${1:-}" in
     timeout -s ABRT 420 $p --devices 4,1 --json "$out/tiles4.json" 2>&1 | quiet | tee "$out/tiles4.log" | grep -E "tokens/s|iterations|Error|error"
     RPP_GPU_MEMORY=24GiB timeout -s ABRT $(( 585 - SECONDS )) $p --devices 4 --json "$out/tiles4cap.json" 2>&1 | quiet \
       | tee "$out/tiles4cap.log" | grep -E "tokens/s|iterations|Error|error" | sed "s/^/24GiB /" ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d|s25e|s25f|s26a|s26b|s26c|s27x2a|s27x2b|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s28d|s28e|s28f|s28x2|s28h|s29a|s29b|s27x2b|s29c|s30x2a|s30x2b|next4c|next4d" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d|s25e|s25f|s26a|s26b|s26c|s27x2a|s27x2b|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s28d|s28e|s28f|s28x2|s28h|s29a|s29b|s27x2b|s30x2a|s30x2b|next4c|next4d" >&2; exit 2 ;;
 esac

@@ -331,21 +331,16 @@ def gc_collect() -> None:
 
 
 def release_graphs() -> bool:
-    """Give back the memory every device's graphs and weight slots hold (``GraphCache.clear``), for a call
-    that does not fit beside what calls of other shapes left there (``budget.plan_or_refuse``); returns
-    whether any device held some. The caller has no job in flight of its own; a later job re-creates the
-    slots and graphs it needs."""
+    """Give back the memory every device's graphs and weight slots hold, for a call that does not fit beside
+    what calls of other shapes left there (``budget.plan_or_refuse``); returns whether any device held some.
+    The caller has no job in flight of its own; a later job re-creates the slots and graphs it needs."""
     if not any(d.graphs.holds_memory() for d in device_list):
         return False
-    # A cache belongs to its device thread: wait until every thread has finished its jobs (none runs
-    # then; the next launch's semaphore orders this thread's writes before the thread's reads), and until
-    # the devices have run the work those jobs queued (a replay, an upload into a slot, a download from
-    # one), before the memory is dropped.
+    # A cache belongs to its device thread: wait until every thread has finished its jobs (none runs then; the
+    # next launch's semaphore orders this thread's writes before the thread's reads). gc_collect then waits for
+    # the work those jobs queued (a replay, an upload into a slot) before it drops the graphs and slots.
     wait_all_idle()
-    synchronize_devices()
-    for d in device_list:
-        d.mem_manager.free_all()  # layers of finished jobs held for their streams: done after the synchronisation
-        d.graphs.clear()
+    gc_collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the graphs' private pools and freed slots back to the driver
     return True
