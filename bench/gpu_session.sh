@@ -466,6 +466,28 @@ case "${1:-}" in
     timeout -s ABRT 560 python3 bench/pool_bench.py --workload qwen3-8b --lora 16 --batch 1 --seq 262144 --devices 2 \
       --graphs 0 --sequence-tiles 8 --warmup 1 --warmup-seq 8192 --iters 2 --json "$out/tiles262k2.json" 2>&1 | quiet \
       | tee "$out/tiles262k2.log" | grep -E "tokens/s|iterations|Error|error" ;;
+  s30a)  # thirtieth session, call 1 (one GPU; the several-GPU kinds are withheld): every GPU test on the final tree;
+    # then the graph-slot fix (7f38b74) on one GPU: qwen3-8b LoRA 131,072 under a 24 GiB cap, no allocator variable,
+    # with graphs forced on (RPP_GRAPHS=1), so the 4,096-token warm-up leaves graphs and slots as 2 GPUs' default does
+    export PYTHONFAULTHANDLER=1
+    nvidia-smi -L
+    timeout -s ABRT 300 python3 -m pytest -m gpu tests -q -rA -p no:cacheprovider 2>&1 | tee "$out/gputests.log" \
+      | grep -E "^(FAILED|ERROR)|passed|failed|^E " | head -30
+    RPP_GRAPHS=1 RPP_GPU_MEMORY=24GiB timeout -s ABRT $(( 590 - SECONDS )) python3 bench/long_context.py --workload qwen3-8b \
+      --lora 16 --lengths 131072 --skip-baseline --memory-detail --out "$out/capped8b_graphs.json" 2>&1 | quiet \
+      | tee "$out/capped8b_graphs.log" | grep -v "^ *$" | tail -12 ;;
+  s30b)  # call 2 (one GPU, carry [".whl"]: liger-kernel): the final tree's bench beside Liger and the user script (plain,
+    # then with its step function declared for fused staging), per workload in one call
+    for w in qwen3-1.7b qwen3-4b; do
+      t=$(( 580 - SECONDS )); [ $t -gt 60 ] || break
+      timeout -s ABRT $(( t < 200 ? t : 200 )) python3 bench/train_bench.py --workload $w --baselines liger --warmup 3 \
+        --iters 6 2>&1 | quiet | tee "$out/bench_$w.log" | grep -E "^\\| (roundpipe|gpu-resident)|Error"
+      for d in "" --declared; do
+        t=$(( 580 - SECONDS )); [ $t -gt 40 ] || break
+        timeout -s ABRT $(( t < 130 ? t : 130 )) python3 bench/user_script.py --workload $w --batch 8 $d 2>&1 \
+          | tee "$out/script_$w$d.log" | grep -E "user script|step returns|Error" | sed "s/^/$d /"
+      done
+    done ;;
   next4c)  # issue 39 (a 4-GPU kind): with the handle-type race fixed, do graphed jobs on 4 GPUs run with expandable
     # segments (the reason import roundpipe leaves them off above 2 GPUs)? The race check on 4 GPUs, then qwen3-1.7b
     # 16 x 4096 graphed with and without them, one process each
@@ -485,5 +507,5 @@ case "${1:-}" in
     timeout -s ABRT 420 $p --devices 4,1 --json "$out/tiles4.json" 2>&1 | quiet | tee "$out/tiles4.log" | grep -E "tokens/s|iterations|Error|error"
     RPP_GPU_MEMORY=24GiB timeout -s ABRT $(( 585 - SECONDS )) $p --devices 4 --json "$out/tiles4cap.json" 2>&1 | quiet \
       | tee "$out/tiles4cap.log" | grep -E "tokens/s|iterations|Error|error" | sed "s/^/24GiB /" ;;
-  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d|s25e|s25f|s26a|s26b|s26c|s27x2a|s27x2b|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s28d|s28e|s28f|s28x2|s28h|s29a|s29b|s27x2b|s30x2a|s30x2b|next4c|next4d" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_session.sh refactor|context8b|context17b|capped|host|streamed|lora32|issue22|first|first2|first3|floor|saved|gaps|gaps2|auto|auto2|first4|tied|liger4b|user|seqtiles|gcfreeze|x4a|x4b|x4c|x4d|next1|next4|next4b|s24a|s25a|s25b|s25c|s25d|s25e|s25f|s26a|s26b|s26c|s27x2a|s27x2b|s27a|s27b|s27c|s27d|s27e|s28a|s28b|s28c|s28d|s28e|s28f|s28x2|s28h|s29a|s29b|s27x2b|s30x2a|s30x2b|s30a|s30b|next4c|next4d" >&2; exit 2 ;;
 esac

@@ -46,6 +46,11 @@ def main() -> int:
         "--sync-each", action="store_true", help="diagnostic: wait for the GPU after each step, as the bench times"
     )
     p.add_argument(
+        "--declared",
+        action="store_true",
+        help="declare the step function with roundpipe.optim.step_fn_zeroes_grads (docs/optimizer.md), as a user may",
+    )
+    p.add_argument(
         "--step-phases",
         action="store_true",
         help="diagnostic: time each optimizer step's phases on its thread (publish, hand-over, step_fn, staging)",
@@ -81,6 +86,8 @@ def main() -> int:
 
     phases = StepPhases() if args.step_phases else None
     step_fn = (lambda: (opt.step(), opt.zero_grad(), None)[-1]) if phases is None else phases.timed(opt)
+    if args.declared:
+        step_fn = roundpipe.optim.step_fn_zeroes_grads(step_fn)
 
     def step() -> None:
         model.train_step(input_ids=ids, labels=ids)
