@@ -205,6 +205,7 @@ def run_config(
             step()
             cuda_sync()
             times.append(time.perf_counter() - t0)
+            print(f"  iteration {len(times)}: {times[-1]:.3f} s", flush=True)  # a call cut by its limit keeps these
     cpu1 = thread_cpu_seconds()
     wall = sum(times)
     row: Dict[str, Any] = {
