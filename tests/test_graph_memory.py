@@ -9,6 +9,7 @@ and plans again). On CPU workers with the stand-in (``RPP_GRAPHS=1``), against p
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any, Iterator, List, Optional
 
 import pytest
@@ -173,16 +174,21 @@ def _graph_small_calls(rp: RoundPipe, ref: nn.Module) -> None:
 
 
 @pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
-def test_leftover_graphs_are_released_before_a_refusal(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_leftover_graphs_are_released_before_a_refusal(
+    workers: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """A call planned while graphs of another shape hold the memory it needs: the planner releases them,
-    plans again and the call trains as PyTorch does (without the release it would be refused)."""
+    plans again (and says so at debug level) and the call trains as PyTorch does (without the release it
+    would be refused)."""
     reads = _capacity(monkeypatch, free=64 * GiB, while_held=1 * GiB)  # 1 GiB: no budget after the margin
     rp = _model(monkeypatch, None)
     ref = copy.deepcopy(rp.model)
     _graph_small_calls(rp, ref)
     reads.clear()
-    _call(rp, ref, LARGE_ROWS, 40)  # planned by the budgets (no execute_plan)
+    with caplog.at_level(logging.DEBUG, logger="roundpipe"):
+        _call(rp, ref, LARGE_ROWS, 40)  # planned by the budgets (no execute_plan)
     assert reads[0] and not reads[-1], reads  # refused while held, planned once released
+    assert sum("released the graphs and weight slots" in r.getMessage() for r in caplog.records) == 1
     _call(rp, ref, SMALL_ROWS, 41, RoundPipeRunConfig(execute_plan=PLAN))  # graphs again after the release
     _same_grads(rp, ref)
 

@@ -10,11 +10,14 @@ available memory less a margin. A plain ``RoundPipe`` reports nothing and is pla
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
 from roundpipe.devices import backend, device
 from roundpipe.planning.planner import ActivationCosts, ActivationMemoryError, fits_budgets
+
+logger = logging.getLogger("roundpipe")
 
 GiB = float(1 << 30)
 
@@ -146,6 +149,9 @@ def plan_or_refuse(
     # call's dispatch waited for its jobs (``pipeline.guarded``): no job is in flight here (a forward awaiting
     # its backward has none either; its backward jobs re-create the slots they use).
     if device.release_graphs():
+        logger.debug(
+            "model %r: released the graphs and weight slots of calls of other shapes to plan this call", model_name
+        )
         gpu_limit, host_limit = gpu_budget(layer_bytes), host_budget()
         try:
             return plan(costs(profile, gpu_limit, host_limit))
