@@ -47,8 +47,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         ],
         ["bench/core_bench.py", "--layers", "3", "--hidden", "32", "--tokens", "64", "--warmup", "1", "--iters", "1"],
         ["bench/adam_bench.py", "--sizes", "1M", "--repeats", "2", "--threads", "1"],
+        ["bench/fused_staging_bench.py", "--params", "13M", "--rounds", "2", "--threads", "1"],
     ],
-    ids=["train_bench", "train_bench_lora", "core_bench", "adam_bench"],
+    ids=["train_bench", "train_bench_lora", "core_bench", "adam_bench", "fused_staging_bench"],
 )
 def test_bench_script_runs(argv: list) -> None:
     env = dict(os.environ, RPP_DEVICES="cpu:2", PYTHONPATH=ROOT)
@@ -70,7 +71,7 @@ def test_bench_script_runs(argv: list) -> None:
         (
             ["bench/pool_bench.py", "--workload", "tiny", "--seq", "32", "--batch", "4", "--devices", "1,2"]
             + ["--graphs", "0,1", "--warmup", "1", "--iters", "1"],
-            "tokens/s",
+            "iteration 1:",
         ),
         (
             ["bench/user_script.py", "--workload", "tiny", "--seq", "32", "--batch", "2", "--steps", "1"],
@@ -79,6 +80,11 @@ def test_bench_script_runs(argv: list) -> None:
         (
             ["bench/user_script.py", "--workload", "tiny", "--seq", "32", "--batch", "2", "--steps", "1"]
             + ["--step-phases"],
+            "optimizer step phases",
+        ),
+        (
+            ["bench/user_script.py", "--workload", "tiny", "--seq", "32", "--batch", "2", "--steps", "1"]
+            + ["--declared", "--step-phases"],
             "optimizer step phases",
         ),
         (
@@ -109,6 +115,7 @@ def test_bench_script_runs(argv: list) -> None:
         "pool_bench",
         "user_script",
         "user_script_phases",
+        "user_script_declared",
         "pool_bench_tiles",
         "tile_profile",
         "long_context",
