@@ -81,7 +81,8 @@ def step_fn_zeroes_grads(fn: F) -> F:
     """Declare that the step function ``fn`` calls ``optimizer.zero_grad()`` after ``optimizer.step()`` and reads
     no gradient after it (a decorator; on a method, decorate it in the class). Under ``RPP_FUSED_STAGING=auto``
     (the default) ``roundpipe.optim.Adam`` may then write an asynchronous step's new weights straight into their
-    staging buffer, which is the gradient's (:class:`Stager`): about 0.13 s less per qwen3-1.7b step on an H200.
+    staging buffer, which is the gradient's (:class:`Stager`): on H200 hosts 0.03-0.13 s less per qwen3-1.7b step and
+    0.33 s per qwen3-4b step, depending on the host's cores (docs/optimizer.md).
     A declared function that keeps a gradient after the step raises OptimizerStepError."""
     setattr(fn, _ZEROES_GRADS_MARK, True)
     return fn
