@@ -88,6 +88,9 @@ def step_fn_zeroes_grads(fn: F) -> F:
     return fn
 
 
+_FUSED = "fused staging (RPP_FUSED_STAGING, or a step function declared with step_fn_zeroes_grads): "
+
+
 def fused_staging(step_fn: Callable[..., Any]) -> bool:
     """Whether a staged asynchronous step with ``step_fn`` lets the optimizer write the staging buffers
     (``RPP_FUSED_STAGING``: ``1`` always, ``0`` never, ``auto`` when ``step_fn`` was declared with
@@ -244,9 +247,9 @@ class Stager:
             prev = self.written.get(id(o))
             if prev is not None and o.grad is not None and same_storage(o.grad, prev[1]):
                 raise RuntimeError(
-                    "fused staging (RPP_FUSED_STAGING, or a step function declared with step_fn_zeroes_grads): a "
-                    "parameter is stepped a second time in one step function, from a gradient buffer its first step "
-                    "filled with weights; step each parameter once per model.step(), or set RPP_FUSED_STAGING=0"
+                    _FUSED + "a parameter is stepped a second time in one step function, from a gradient buffer its "
+                    "first step filled with weights; step each parameter once per model.step(), or set "
+                    "RPP_FUSED_STAGING=0"
                 )
             p = self.model_of.get(id(o))
             target = ParamBuffers.of(p).fused_target(p) if p is not None else None
@@ -266,10 +269,9 @@ class Stager:
         for o, buf in self.written.values():
             if o.grad is not None and same_storage(o.grad, buf):
                 raise RuntimeError(
-                    "fused staging (RPP_FUSED_STAGING, or a step function declared with step_fn_zeroes_grads): the "
-                    "step function kept its gradients after optimizer.step() (no optimizer.zero_grad()), but the "
-                    "optimizer wrote the new weights into their buffer; call zero_grad() in the step function, or "
-                    "set RPP_FUSED_STAGING=0"
+                    _FUSED + "the step function kept its gradients after optimizer.step() (no optimizer.zero_grad()), "
+                    "but the optimizer wrote the new weights into their buffer; call zero_grad() in the step "
+                    "function, or set RPP_FUSED_STAGING=0"
                 )
 
     def written_buffers(self) -> Dict[int, torch.Tensor]:

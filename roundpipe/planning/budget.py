@@ -140,23 +140,20 @@ def plan_or_refuse(
     the device capacity the budget starts from counts them as taken."""
     if profile is None:
         return plan(None)
-    gpu_limit, host_limit = gpu_budget(layer_bytes), host_budget()
-    try:
-        return plan(costs(profile, gpu_limit, host_limit))
-    except ActivationMemoryError as exc:
-        error = exc
-    # Plans are made before the call's first job is launched (``RoundPipe.resolve_plan``), and every earlier
-    # call's dispatch waited for its jobs (``pipeline.guarded``): no job is in flight here (a forward awaiting
-    # its backward has none either; its backward jobs re-create the slots they use).
-    if device.release_graphs():
-        logger.debug(
-            "model %r: released the graphs and weight slots of calls of other shapes to plan this call", model_name
-        )
+    for retry in (False, True):
         gpu_limit, host_limit = gpu_budget(layer_bytes), host_budget()
         try:
             return plan(costs(profile, gpu_limit, host_limit))
         except ActivationMemoryError as exc:
             error = exc
+        # Plans are made before the call's first job is launched (``RoundPipe.resolve_plan``), and every earlier
+        # call's dispatch waited for its jobs (``pipeline.guarded``): no job is in flight here (a forward awaiting
+        # its backward has none either; its backward jobs re-create the slots they use).
+        if retry or not device.release_graphs():
+            break
+        logger.debug(
+            "model %r: released the graphs and weight slots of calls of other shapes to plan this call", model_name
+        )
 
     def fits(p: ActivationProfile) -> bool:
         try:
