@@ -505,7 +505,7 @@ def simulated_ms(model: Any, plan: Any, n_mb: int) -> str:
 
     _, fwd_t, bwd_t = model.model_timer.get_estimate("fused")
     devices = roundpipe.get_num_devices()
-    from roundpipe.runtime.partial_grads import split_enabled, split_parts
+    from roundpipe.planning.fused_split import split_enabled, split_parts
 
     parts = split_parts(devices, n_mb, False, split_enabled())
     sim = simulate_iteration("fused", plan.fwd_plan, plan.bwd_plan, fwd_t, bwd_t, devices, n_mb, parts)
@@ -543,7 +543,7 @@ def bench_roundpipe(
 ) -> Row:
     import roundpipe
     from roundpipe import RoundPipeRunConfig
-    from roundpipe.run_config import ResolvedRunConfig
+    from roundpipe.runtime.run_config import ResolvedRunConfig
 
     rss0 = psutil.Process().memory_info().rss
     if torch.cuda.is_available():

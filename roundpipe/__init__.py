@@ -40,7 +40,7 @@ _LAZY = {
     "ModelExecutePlan": "roundpipe.planning.plan",
     "OptimizerCtx": "roundpipe.runtime.context",
     "RoundPipe": "roundpipe.roundpipe",
-    "RoundPipeRunConfig": "roundpipe.run_config",
+    "RoundPipeRunConfig": "roundpipe.runtime.run_config",
     "doing_recompute": "roundpipe.runtime.context",
     "get_num_devices": "roundpipe.devices.device",
     "get_recompute_data": "roundpipe.runtime.context",

@@ -14,11 +14,10 @@ from roundpipe.devices.memory import PinMode, pin_module
 from roundpipe.devices.threads import AnnotatedEvent, raise_if_failed
 from roundpipe.optim import step as optim_step
 from roundpipe.optim import thread as optim_thread
-from roundpipe.planning import budget, plan_choice
+from roundpipe.planning import budget
 from roundpipe.planning.plan import ModelExecutePlan, RunType
 from roundpipe.planning.timer import ModelTimer
-from roundpipe.run_config import ResolvedRunConfig, RoundPipeRunConfig, check_wrapper_arguments
-from roundpipe.runtime import pipeline, step_cycle
+from roundpipe.runtime import pipeline, plan_choice, step_cycle
 from roundpipe.runtime.attribute import LayerAttribute, ParamAttribute
 from roundpipe.runtime.batch import Batch
 from roundpipe.runtime.context import doing_optimizer
@@ -26,6 +25,7 @@ from roundpipe.runtime.grad_sync import GradSync
 from roundpipe.runtime.host_buffers import ParamBuffers, fold_shared_grads
 from roundpipe.runtime.partial_grads import PartialGradStore
 from roundpipe.runtime.run import Run
+from roundpipe.runtime.run_config import ResolvedRunConfig, RoundPipeRunConfig, check_wrapper_arguments
 from roundpipe.utils import get_call_location, get_model_active_size, get_model_compute_size, get_model_size
 
 _OWN_ATTRS = ("model", "original_model", "_rpp_initialized", "grad_sync")

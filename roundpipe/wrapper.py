@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from roundpipe.roundpipe import AutoRoundPipe, RoundPipe, RoundPipeBase
-from roundpipe.run_config import RoundPipeRunConfig
+from roundpipe.runtime.run_config import RoundPipeRunConfig
 from roundpipe.utils import get_call_location, get_model_size
 
 

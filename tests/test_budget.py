@@ -14,7 +14,7 @@ os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 import roundpipe  # noqa: E402
 from roundpipe.planning import budget, estimate
 from roundpipe.planning.plan import ModelExecutePlan  # noqa: E402
-from roundpipe.run_config import RoundPipeRunConfig  # noqa: E402
+from roundpipe.runtime.run_config import RoundPipeRunConfig  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 from test_models import assert_grads_close, grads, hf_reference, make_batch, tiny_model  # noqa: E402
@@ -28,8 +28,8 @@ def _wrapped(model: torch.nn.Module) -> Any:
 
 
 def _profile(rp: Any, batch: Dict[str, torch.Tensor]) -> budget.ActivationProfile:
-    from roundpipe.run_config import ResolvedRunConfig
     from roundpipe.runtime.batch import Batch
+    from roundpipe.runtime.run_config import ResolvedRunConfig
 
     cfg = ResolvedRunConfig(RoundPipeRunConfig(), rp.model_run_config)
     profile = rp.activation_profile(Batch((), {k: v for k, v in batch.items() if v is not None}, cfg), "stage")

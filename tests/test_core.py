@@ -13,8 +13,8 @@ from torch import nn
 
 from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe.devices.threads import RoundPipeWorkerError
-from roundpipe.run_config import ResolvedRunConfig
 from roundpipe.runtime.batch import RoundPipePackedData
+from roundpipe.runtime.run_config import ResolvedRunConfig
 
 
 def make_model(dtype: torch.dtype, dropout: float = 0.3) -> nn.Sequential:
@@ -520,7 +520,7 @@ def test_split_auto_splits_only_where_devices_compute_at_once(workers: str) -> N
     """``RPP_SPLIT_FUSED=auto`` (the default): CPU workers compute one at a time, so the fused job stays
     whole; in the stress mode they compute at once, as GPUs do, and it is split; 1 and 0 force."""
     from roundpipe import settings
-    from roundpipe.runtime.partial_grads import split_enabled
+    from roundpipe.planning.fused_split import split_enabled
 
     assert not split_enabled()
     with settings.overridden(stress_delay_s=0.001):
@@ -532,7 +532,7 @@ def test_split_auto_splits_only_where_devices_compute_at_once(workers: str) -> N
 
 
 def test_split_parts_rule() -> None:
-    from roundpipe.runtime.partial_grads import split_parts
+    from roundpipe.planning.fused_split import split_parts
 
     assert split_parts(1, 4, False, True) == 1
     assert split_parts(2, 4, False, True) == 2

@@ -14,8 +14,8 @@ os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 import roundpipe  # noqa: E402
 from roundpipe.devices import device  # noqa: E402
 from roundpipe.planning import budget, estimate  # noqa: E402
-from roundpipe.run_config import ResolvedRunConfig, RoundPipeRunConfig  # noqa: E402
 from roundpipe.runtime.batch import Batch  # noqa: E402
+from roundpipe.runtime.run_config import ResolvedRunConfig, RoundPipeRunConfig  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

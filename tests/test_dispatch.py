@@ -56,8 +56,8 @@ def test_the_simulator_asks_the_same_policy() -> None:
 def test_the_planner_simulates_with_the_runtimes_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     """The plan choice (``ModelExecutePlan.auto``'s host-cost choice and ``plan_choice.replan_pays``)
     simulates calls with the dispatcher the runtime assigns jobs with, not a model of round robin."""
-    from roundpipe.planning import plan_choice
     from roundpipe.planning.plan import ModelExecutePlan
+    from roundpipe.runtime import plan_choice
 
     asked: list = []
     real = dispatch.dispatcher.devices_for

@@ -26,7 +26,7 @@ from torch import nn
 
 from roundpipe import models, settings
 from roundpipe.models import fused_ops, kernels
-from roundpipe.run_config import RoundPipeRunConfig
+from roundpipe.runtime.run_config import RoundPipeRunConfig
 
 torch.set_num_threads(1)
 

@@ -13,7 +13,7 @@ from test_models import TOL, assert_grads_close, emulate_forward, grads, make_ba
 from torch import nn
 
 from roundpipe import models
-from roundpipe.run_config import RoundPipeRunConfig
+from roundpipe.runtime.run_config import RoundPipeRunConfig
 
 peft = pytest.importorskip("peft")
 

@@ -27,8 +27,8 @@ from roundpipe import models, settings
 from roundpipe.models import families
 from roundpipe.models.loss import count_loss_tokens
 from roundpipe.models.preset import CausalLMPrefix, CausalLMPreset
-from roundpipe.run_config import RoundPipeRunConfig
 from roundpipe.runtime.context import ForwardCtx, RecomputeCtx
+from roundpipe.runtime.run_config import RoundPipeRunConfig
 
 # Tiny models: intra-op threads only add synchronisation overhead (8x slower on the 2-core CI).
 torch.set_num_threads(1)

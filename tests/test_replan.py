@@ -44,8 +44,8 @@ def _proposing(monkeypatch: pytest.MonkeyPatch) -> Tuple[List[ModelExecutePlan],
 def test_replan_pays_only_for_a_real_gain(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Same layers in other groups at equal cost: no gain, the old plan stays. A plan that halves the
     simulated time on two devices (or removes a slow group's wait) pays."""
-    from roundpipe.planning import plan_choice
     from roundpipe.planning.simulate import HostCosts
+    from roundpipe.runtime import plan_choice
 
     rp = _model()
     times = [1.0, 1.0, 1.0, 1.0]

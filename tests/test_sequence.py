@@ -19,8 +19,8 @@ from torch import nn
 from roundpipe import models, settings
 from roundpipe.devices import device as device_mod
 from roundpipe.planning.plan import ModelExecutePlan
-from roundpipe.run_config import RoundPipeRunConfig
 from roundpipe.runtime import sequence
+from roundpipe.runtime.run_config import RoundPipeRunConfig
 
 torch.set_num_threads(1)
 
@@ -218,7 +218,7 @@ def test_the_planner_counts_a_jobs_keys_and_values(workers: str) -> None:
     peaks higher by the [prefix, tile] attention inputs too (hand-computed)."""
     from roundpipe.batch import Batch
     from roundpipe.models.sequence_inputs import split_along_sequence
-    from roundpipe.run_config import ResolvedRunConfig
+    from roundpipe.runtime.run_config import ResolvedRunConfig
 
     model = _model("llama", False)
     rp = models.wrap_model(model)

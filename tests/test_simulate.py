@@ -83,7 +83,7 @@ def test_jobs_and_dispatch_policy() -> None:
 def test_part_0_of_a_split_group_runs_the_last_microbatch() -> None:
     """The parts of a split group take every K-th microbatch; part 0, which waits for the others'
     gradients, ends on the call's last microbatch; each microbatch belongs to exactly one part."""
-    from roundpipe.runtime.partial_grads import part_microbatches, part_of
+    from roundpipe.planning.fused_split import part_microbatches, part_of
 
     assert [list(part_microbatches(p, 4, 8)) for p in range(4)] == [[3, 7], [2, 6], [1, 5], [0, 4]]
     assert [list(part_microbatches(p, 4, 5)) for p in range(4)] == [[0, 4], [3], [2], [1]]

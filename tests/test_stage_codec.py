@@ -238,7 +238,7 @@ def test_every_copy_of_the_modes_agrees() -> None:
     import typing
 
     from roundpipe.cli.config import STAGE_INPUTS
-    from roundpipe.run_config import StageInputs
+    from roundpipe.runtime.run_config import StageInputs
 
     assert stage_codec.MODES == settings.STAGE_INPUT_MODES == STAGE_INPUTS == typing.get_args(StageInputs)
     assert ("bf16", *stage_codec.BLOCKS) == stage_codec.MODES and estimate.STAGE_CODEC_BLOCKS == stage_codec.BLOCKS

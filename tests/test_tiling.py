@@ -29,8 +29,8 @@ from roundpipe import models, settings
 from roundpipe.models import fused_ops, kernels, tiling
 from roundpipe.models.preset import _call_mask_function
 from roundpipe.planning.plan import ModelExecutePlan
-from roundpipe.run_config import RoundPipeRunConfig
 from roundpipe.runtime.context import RecomputeCtx
+from roundpipe.runtime.run_config import RoundPipeRunConfig
 
 torch.set_num_threads(1)
 

@@ -16,8 +16,8 @@ from roundpipe.models.kernels import FusedKernels
 from roundpipe.models.preset import CausalLMPreset
 from roundpipe.planning import budget, estimate
 from roundpipe.roundpipe import RoundPipe
-from roundpipe.run_config import RoundPipeRunConfig
 from roundpipe.runtime.batch import Batch
+from roundpipe.runtime.run_config import RoundPipeRunConfig
 
 _KW = inspect.Parameter.KEYWORD_ONLY
 # RoundPipe's per-call run configuration, after the causal-LM arguments.

@@ -15,8 +15,8 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from roundpipe.models.loss import shift_causal_labels
-from roundpipe.run_config import RoundPipeRunConfig
 from roundpipe.runtime import sequence
+from roundpipe.runtime.run_config import RoundPipeRunConfig
 
 
 def tiles_of(run_config: RoundPipeRunConfig, model_run_config: RoundPipeRunConfig) -> int:

@@ -11,10 +11,10 @@ from typing import Callable, List, Optional, Protocol, Union
 
 from roundpipe.devices import device
 from roundpipe.devices.dispatch import dispatcher
+from roundpipe.planning.fused_split import split_enabled, split_parts
 from roundpipe.planning.planner import ActivationCosts, RunType, plan_stages, validate_plan
 from roundpipe.planning.simulate import HostCosts, simulate_iteration
 from roundpipe.planning.timer import ModelTimer
-from roundpipe.runtime.partial_grads import split_enabled, split_parts
 
 __all__ = ["ModelExecutePlan", "PlannedModel", "RunType"]
 
@@ -22,7 +22,7 @@ __all__ = ["ModelExecutePlan", "PlannedModel", "RunType"]
 class PlannedModel(Protocol):
     """What :meth:`ModelExecutePlan.auto` reads of a model (a ``RoundPipe`` satisfies it): its layers'
     sizes, measured times and device bytes. A protocol so that this module need not import the wrapper
-    that imports it (``roundpipe.model_protocol.PipelinedModel`` extends it)."""
+    that imports it (``roundpipe.runtime.model_protocol.PipelinedModel`` extends it)."""
 
     layer_size: List[float]
     """Each layer's parameters and buffers, in GB."""

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, List, Literal, Optional, Sequence, Tuple
 
-from roundpipe.runtime.partial_grads import part_microbatches
+from roundpipe.planning.fused_split import part_microbatches
 
 RunType = Literal["infer", "train", "fused"]
 
@@ -66,7 +66,7 @@ def call_jobs(
     """A call's jobs in dispatch order: (cost per microbatch, the microbatches it runs, its layers). The
     last backward group (the fused group for 'fused', the first backward job for 'train') runs in
     ``fused_parts`` jobs, each taking every ``fused_parts``-th microbatch as the runtime's parts do
-    (``partial_grads.part_microbatches``)."""
+    (``fused_split.part_microbatches``)."""
     every = range(max(1, num_microbatch))
     jobs: List[Job] = [(math.fsum(fwd_times[i] for i in r), every, len(r)) for r in fwd_plan]
     if run_type in ("fused", "train") and bwd_plan:

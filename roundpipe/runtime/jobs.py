@@ -23,6 +23,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from roundpipe.devices import backend
+from roundpipe.planning.fused_split import part_microbatches, part_of
 from roundpipe.runtime import sequence, stage_codec
 from roundpipe.runtime.compute import (
     GroupBackward,
@@ -34,7 +35,6 @@ from roundpipe.runtime.compute import (
     input_grads,
     wrap,
 )
-from roundpipe.runtime.partial_grads import part_microbatches, part_of
 from roundpipe.runtime.run import Leaves, MicrobatchState, Run
 from roundpipe.runtime.transfer import (
     async_d2h,

@@ -2,16 +2,15 @@
 
 On several devices the fused forward-backward job (the last layers and the loss head) is split by
 microbatch (``jobs.run_forward_backward``): part j runs every K-th microbatch on its own device
-(:func:`part_microbatches`),
-so no device carries the whole head while the others wait for its output (with one job, the head of
-every microbatch ran on one device: about a fifth of a qwen3-1.7b iteration, which capped two GPUs at
-about 1.6x one). Each part accumulates its layers' parameter gradients on its device; the sum goes to
-the host once, through the primary part (part 0), which owns the layers' gradient events
-(``attribute.LayerAttribute``) exactly as an unsplit job does. Part 0 runs the call's last microbatch,
-so it usually reaches its download after the other parts have handed theirs over, and its device thread
-seldom blocks waiting for them while its GPU could run the next job (with part 0 on the first
-microbatch, its thread waited 60-130 ms per iteration on 4 H200s, docs/benchmarks.md; not yet measured
-since).
+(``roundpipe.planning.fused_split``), so no device carries the whole head while the others wait for its
+output (with one job, the head of every microbatch ran on one device: about a fifth of a qwen3-1.7b
+iteration, which capped two GPUs at about 1.6x one). Each part accumulates its layers' parameter
+gradients on its device; the sum goes to the host once, through the primary part (part 0), which owns
+the layers' gradient events (``attribute.LayerAttribute``) exactly as an unsplit job does. Part 0 runs
+the call's last microbatch, so it usually reaches its download after the other parts have handed theirs
+over, and its device thread seldom blocks waiting for them while its GPU could run the next job (with
+part 0 on the first microbatch, its thread waited 60-130 ms per iteration on 4 H200s, docs/benchmarks.md;
+not yet measured since).
 
 Life cycle, per call and layer of the fused group:
 
@@ -48,9 +47,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 from torch import nn
 
-from roundpipe import settings
 from roundpipe.devices import backend, threads
-from roundpipe.devices import device as device_mod
 from roundpipe.devices.memory import pinned_empty
 from roundpipe.devices.threads import AnnotatedEvent
 from roundpipe.runtime.transfer import to_device
@@ -182,35 +179,4 @@ class PartialGrads:
             dp.grad = share if dp.grad is None else dp.grad.add_(share)
 
 
-def part_microbatches(part: int, parts: int, num_microbatch: int) -> range:
-    """The microbatches part ``part`` of ``parts`` runs, in order: every ``parts``-th, part 0 ending on the
-    last one (8 microbatches in 4 parts: part 0 runs 3 and 7, part 3 runs 0 and 4)."""
-    return range((num_microbatch - 1 - part) % parts, num_microbatch, parts)
-
-
-def part_of(m: int, parts: int, num_microbatch: int) -> int:
-    """The part that runs microbatch ``m`` (the inverse of :func:`part_microbatches`)."""
-    return (num_microbatch - 1 - m) % parts
-
-
-def split_enabled() -> bool:
-    """Whether the fused job may be split over the devices (``RPP_SPLIT_FUSED``). ``auto``: where the
-    devices compute at once (GPUs; CPU workers in the stress mode). CPU workers otherwise compute one
-    at a time, and a split only adds each part's uploads and hand-overs (bench/job_cost.py: 4 workers
-    167 us per job split, 79 us whole)."""
-    mode = settings.SPLIT_FUSED.get()
-    if mode != "auto":
-        return mode == "1"
-    return any(backend.is_cuda(d.device) for d in device_mod.get_devices()) or threads.stress_limit() > 0
-
-
-def split_parts(num_devices: int, num_microbatch: int, has_buffers: bool, enabled: bool) -> int:
-    """How many parts the fused job runs in: one per device (at most one per microbatch) when enabled
-    and there are several devices; one when the fused group has buffers (a forward may update them,
-    e.g. running statistics, and only one device's update could be kept)."""
-    if not enabled or has_buffers or num_devices <= 1:
-        return 1
-    return max(1, min(num_devices, num_microbatch))
-
-
-__all__ = ["PartialGradStore", "PartialGrads", "part_microbatches", "part_of", "split_parts"]
+__all__ = ["PartialGradStore", "PartialGrads"]

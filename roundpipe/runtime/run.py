@@ -18,12 +18,13 @@ from torch.utils import _pytree as pytree
 
 from roundpipe.devices import cpu_streams, graphs, threads
 from roundpipe.devices import device as device_mod
-from roundpipe.model_protocol import PipelinedModel
 from roundpipe.planning import budget
+from roundpipe.planning.fused_split import split_enabled, split_parts
 from roundpipe.planning.plan import ModelExecutePlan, RunType
 from roundpipe.runtime.batch import Batch
 from roundpipe.runtime.grad_sync import LayerReducer
-from roundpipe.runtime.partial_grads import PartialGrads, split_enabled, split_parts
+from roundpipe.runtime.model_protocol import PipelinedModel
+from roundpipe.runtime.partial_grads import PartialGrads
 from roundpipe.runtime.sequence import SequenceRun
 from roundpipe.runtime.tied_grads import TiedGrads
 from roundpipe.runtime.tracker import ModelTracker

@@ -48,11 +48,11 @@ from torch import nn
 from roundpipe import settings
 from roundpipe.devices import device as device_mod
 from roundpipe.devices.memory import pinned_empty
-from roundpipe.model_protocol import WrappedModel
 from roundpipe.optim import reserve as state_reserve
 from roundpipe.optim import step as optim_step
 from roundpipe.runtime.attribute import ParamAttribute
 from roundpipe.runtime.host_buffers import ParamBuffers
+from roundpipe.runtime.model_protocol import WrappedModel
 
 
 def preallocate_host_buffers(params: Sequence[nn.Parameter], name: str) -> threading.Thread:

@@ -14,14 +14,14 @@ from typing import Optional
 from roundpipe.devices import backend, threads
 from roundpipe.devices import device as device_mod
 from roundpipe.devices.dispatch import dispatcher
-from roundpipe.model_protocol import PipelinedModel
 from roundpipe.planning import budget
+from roundpipe.planning.fused_split import split_enabled, split_parts
 from roundpipe.planning.plan import ModelExecutePlan, RunType
 from roundpipe.planning.simulate import HostCosts, simulate_iteration
-from roundpipe.run_config import ResolvedRunConfig
 from roundpipe.runtime.batch import Batch
-from roundpipe.runtime.partial_grads import split_enabled, split_parts
+from roundpipe.runtime.model_protocol import PipelinedModel
 from roundpipe.runtime.run import call_profile
+from roundpipe.runtime.run_config import ResolvedRunConfig
 
 
 def host_costs(model: PipelinedModel) -> HostCosts:
