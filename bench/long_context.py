@@ -220,7 +220,7 @@ def roundpipe_results(args: argparse.Namespace, lengths: List[int]) -> List[Resu
         if args.memory_detail and torch.cuda.is_available():
             print(f"peak GPU reserved at {seq}: {torch.cuda.max_memory_reserved() / 2**30:.2f} GiB", flush=True)
         if args.memory_detail:
-            plans = model.__dict__.get("_plans") or {}
+            plans = model.plan_cache.plans
             print(f"plan at {seq}: {[p[0] for p in plans.values()][-1:]}", flush=True)
         print(json.dumps(asdict(r)), flush=True)
         out.append(r)

@@ -64,7 +64,7 @@ def main() -> None:
     for name, cfg, mode in rows:
         roundpipe.configure(tile_attention=mode)
         model.model_run_config = cfg
-        model.__dict__["_plans"].clear()
+        model.plan_cache.clear()
         for _ in range(2):  # warm-up at full length: kernels, plans, pinned blocks
             model.train_step(input_ids=ids, labels=ids)
         sync()

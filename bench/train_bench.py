@@ -670,7 +670,7 @@ def bench_roundpipe(
             gpu_segments.append(segs - last_segments[0])
             last_segments[0] = segs
         plans_seen.append(
-            sorted((str(k), len(p.fwd_plan), len(p.bwd_plan), v) for k, (p, v) in getattr(model, "_plans", {}).items())
+            sorted((str(k), len(p.fwd_plan), len(p.bwd_plan), v) for k, (p, v) in model.plan_cache.plans.items())
         )
         if i == 0:  # issue "steady from the first step": model load (build + wrap) to the first step's end
             first_step_s.append(time.perf_counter() - t_load)

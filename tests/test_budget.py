@@ -50,7 +50,7 @@ def test_host_budget_merges_backward_stages_and_training_is_unchanged(
     ckpt = max(_profile(rp, batch).checkpoint)
     monkeypatch.setattr(budget, "host_budget", lambda: 2.5 * ckpt)
     loss = rp.train_step(**{k: v for k, v in batch.items() if v is not None})
-    plan = rp._plans[next(iter(rp._plans))][0]
+    plan = rp.plan_cache.plans[next(iter(rp.plan_cache.plans))][0]
     starts = [r.start for r in plan.bwd_plan[:-1] if r.start > 0]
     assert len(starts) <= 2 and max(len(r) for r in plan.bwd_plan) >= 2, plan
     assert torch.allclose(loss, ref_loss, rtol=1e-5)

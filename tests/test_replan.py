@@ -56,9 +56,9 @@ def test_replan_pays_only_for_a_real_gain(workers: str, monkeypatch: pytest.Monk
     monkeypatch.setattr(plan_choice, "host_costs", lambda model: HostCosts())
     old = _plan([range(0, 2), range(2, 3), range(3, 4)], [range(0, 2), range(2, 4), range(4, 5)])
     same_cost = _plan([range(0, 1), range(1, 2), range(2, 3), range(3, 4)], [range(0, 2), range(2, 4), range(4, 5)])
-    assert rp._replan_pays(old, old, "train", 2)  # identical plans: nothing to compare
+    assert plan_choice.replan_pays(rp, old, old, "train", 2)  # identical plans: nothing to compare
     if workers == "cpu:1":
-        assert not rp._replan_pays(old, same_cost, "train", 2)  # one device: the sum of costs is equal
+        assert not plan_choice.replan_pays(rp, old, same_cost, "train", 2)  # one device: the sum of costs is equal
     # One group holding all backward layers serialises two devices; split, they overlap.
     lumped = _plan([range(0, 4)], [range(0, 4), range(4, 5)])
     split = _plan(
@@ -66,11 +66,11 @@ def test_replan_pays_only_for_a_real_gain(workers: str, monkeypatch: pytest.Monk
         [range(0, 1), range(1, 2), range(2, 3), range(3, 4), range(4, 5)],
     )
     if workers == "cpu:2":
-        assert rp._replan_pays(lumped, split, "train", 2)
+        assert plan_choice.replan_pays(rp, lumped, split, "train", 2)
         # CPU workers compute one at a time: splitting overlaps nothing, and each job costs the host.
         monkeypatch.setattr(plan_choice, "host_costs", lambda model: HostCosts(job_ms=0.5, serial_compute=True))
-        assert not rp._replan_pays(lumped, split, "train", 2)
-        assert rp._replan_pays(split, lumped, "train", 2)
+        assert not plan_choice.replan_pays(rp, lumped, split, "train", 2)
+        assert plan_choice.replan_pays(rp, split, lumped, "train", 2)
 
 
 @pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
@@ -78,6 +78,8 @@ def test_a_replan_of_equal_cost_keeps_the_plan_in_use(workers: str, monkeypatch:
     """Through the training path: the auto planner proposes another plan of the same simulated cost at
     the re-plan after the first timings; the calls keep running the first plan. A plan that pays is
     taken at the next re-plan."""
+    from roundpipe.runtime import plan_choice
+
     rp = _model()
     proposals, calls = _proposing(monkeypatch)
     x = torch.randn(4, 8)
@@ -85,17 +87,17 @@ def test_a_replan_of_equal_cost_keeps_the_plan_in_use(workers: str, monkeypatch:
     for _ in range(4):
         rp.forward_backward(input_args=(x,), loss_fn=lambda o, t: o.square().mean())
         rp.synchronize()
-        used.append(next(iter(rp._plans.values()))[0])
+        used.append(next(iter(rp.plan_cache.plans.values()))[0])
     assert len(calls) >= 2, "the timings never triggered a re-plan"
     assert all(p is proposals[0] for p in used), [str(p) for p in used]
 
     # A re-plan that pays (its simulated time is half) is taken.
-    monkeypatch.setattr(type(rp), "_replan_pays", lambda self, old, new, run_type, n: True)
+    monkeypatch.setattr(plan_choice, "replan_pays", lambda model, old, new, run_type, n: True)
     version = rp.model_timer.version
-    rp._plans[next(iter(rp._plans))] = (proposals[0], version - rp.REPLAN_EVERY)
+    rp.plan_cache.plans[next(iter(rp.plan_cache.plans))] = (proposals[0], version - rp.REPLAN_EVERY)
     rp.forward_backward(input_args=(x,), loss_fn=lambda o, t: o.square().mean())
     rp.synchronize()
-    assert next(iter(rp._plans.values()))[0] is proposals[1]
+    assert next(iter(rp.plan_cache.plans.values()))[0] is proposals[1]
 
 
 @pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
@@ -114,7 +116,7 @@ def test_a_plan_that_no_longer_fits_is_replaced_even_without_gain(
         rp.forward_backward(input_args=(x,), loss_fn=lambda o, t: o.square().mean())
         rp.synchronize()
     assert len(calls) >= 2
-    assert next(iter(rp._plans.values()))[0] is proposals[1]
+    assert next(iter(rp.plan_cache.plans.values()))[0] is proposals[1]
 
 
 def test_still_fits_checks_the_budgets_of_now(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,7 @@ algorithms that choose one (``auto``) and check one (``check_valid``).
 from __future__ import annotations
 
 import functools
-from typing import Callable, List, Optional, Protocol, Union
+from typing import Callable, Dict, List, Optional, Protocol, Tuple, Union
 
 from roundpipe.devices import device
 from roundpipe.devices.dispatch import dispatcher
@@ -177,6 +177,24 @@ class ModelExecutePlan:
         return plans
 
 
+#: (run type, tokens of the call rounded up to a power of two; 0 when the model reports no activations).
+PlanKey = Tuple[RunType, int]
+
+
+class PlanCache:
+    """One model's automatic plans: per ``PlanKey``, the plan in use and the timer version it was planned
+    at (-1: from size estimates), and the key of the last training call (a new length frees the pinned
+    blocks cached for the old one's checkpoints). Used by the main thread only."""
+
+    def __init__(self) -> None:
+        self.plans: Dict[PlanKey, Tuple[ModelExecutePlan, int]] = {}
+        self.last_activation_key: Optional[PlanKey] = None
+
+    def clear(self) -> None:
+        """Forget every plan: the next call plans again from the timer."""
+        self.plans.clear()
+
+
 def _cut(
     cls: type,
     run_type: RunType,
@@ -222,12 +240,9 @@ def choose_by_host_cost(
     the host's cost per job (``roundpipe.planning.simulate``) runs fastest; ``plan`` unless another is at least
     2% faster. Each job and microbatch costs the host ``host.job_ms`` whatever its length, so where
     that cost is near a layer's time (small layers, small microbatches, CPU workers) fewer jobs win."""
-    parts = split_parts(devices, num_microbatch, False, split_enabled())
 
     def cost(p: ModelExecutePlan) -> float:
-        return simulate_iteration(
-            run_type, p.fwd_plan, p.bwd_plan, fwd_t, bwd_t, devices, num_microbatch, parts, host, dispatcher.devices_for
-        )
+        return plan_cost(run_type, p, fwd_t, bwd_t, devices, num_microbatch, host)
 
     best, best_cost = plan, cost(plan)
     for scale in HOST_COST_CAPS:
@@ -236,3 +251,49 @@ def choose_by_host_cost(
         if c < 0.98 * best_cost:
             best, best_cost = candidate, c
     return best
+
+
+def plan_cost(
+    run_type: RunType,
+    plan: ModelExecutePlan,
+    fwd_t: List[float],
+    bwd_t: List[float],
+    devices: int,
+    num_microbatch: int,
+    host: HostCosts,
+) -> float:
+    """The time the pipeline model (``roundpipe.planning.simulate``) gives one call of ``plan`` over
+    ``devices`` under the dispatch policy, the fused job split as the runtime splits it."""
+    parts = split_parts(devices, num_microbatch, False, split_enabled())
+    return simulate_iteration(
+        run_type,
+        plan.fwd_plan,
+        plan.bwd_plan,
+        fwd_t,
+        bwd_t,
+        devices,
+        num_microbatch,
+        parts,
+        host,
+        dispatcher.devices_for,
+    )
+
+
+def replan_pays(
+    run_type: RunType,
+    old: ModelExecutePlan,
+    new: ModelExecutePlan,
+    timer: ModelTimer,
+    devices: int,
+    num_microbatch: int,
+    host: HostCosts,
+    gain: float,
+) -> bool:
+    """Whether ``new`` simulates at least ``gain`` (a fraction) faster than ``old`` under ``timer``'s
+    current estimates and the host's costs: a re-plan replaces the plan in use only then, so plans of
+    equal cost do not alternate on timer noise. Identical plans: True (nothing to compare)."""
+    if old.fwd_plan == new.fwd_plan and old.bwd_plan == new.bwd_plan:
+        return True
+    _, fwd_t, bwd_t = timer.get_estimate(run_type)
+    cost_new = plan_cost(run_type, new, fwd_t, bwd_t, devices, num_microbatch, host)
+    return cost_new < (1.0 - gain) * plan_cost(run_type, old, fwd_t, bwd_t, devices, num_microbatch, host)

@@ -1,4 +1,4 @@
-"""What the modules below ``roundpipe.roundpipe`` use of a RoundPipe model, as typing protocols.
+"""What the runtime's modules use of a RoundPipe model, as typing protocols.
 
 A call's state (``run``), its jobs (``jobs``, ``compute``, ``pipeline``), the plan choice
 (``plan_choice``) and the host buffers (``host_buffers``) all read the model that owns them. Typing
@@ -16,7 +16,7 @@ from typing import ClassVar, List, Optional, Protocol, Tuple
 from torch import nn
 
 from roundpipe.planning.budget import ActivationProfile
-from roundpipe.planning.plan import ModelExecutePlan, PlannedModel, RunType
+from roundpipe.planning.plan import PlannedModel
 from roundpipe.runtime.attribute import LayerAttribute
 from roundpipe.runtime.batch import Batch
 from roundpipe.runtime.grad_sync import GradSync
@@ -64,12 +64,6 @@ class PipelinedModel(WrappedModel, PlannedModel, Protocol):
 
     def reduce_shared_grads(self) -> None:
         """Fold the per-layer gradient shares of tied parameters into ``param.grad``."""
-        ...
-
-    def _replan_pays(
-        self, old: ModelExecutePlan, new: ModelExecutePlan, run_type: RunType, num_microbatch: int
-    ) -> bool:
-        """Whether ``new`` simulates enough faster than ``old`` to replace it (``plan_choice``)."""
         ...
 
 

@@ -3,8 +3,9 @@
 The automatic plan comes from size estimates at first, is planned again once real timings exist and
 then every ``RoundPipe.REPLAN_EVERY`` timer updates (plans do not churn every iteration), one per size
 of the call's activations (tokens rounded up to a power of two) when the model reports them. A new plan
-replaces the one in use only when the model of a call (``roundpipe.planning.simulate``, with the host's measured
-cost per job) says it is ``RoundPipe.REPLAN_GAIN`` faster and the old one still fits the budgets.
+replaces the one in use only when the model of a call (``roundpipe.planning.plan.replan_pays``, with the
+host's measured cost per job) says it is ``RoundPipe.REPLAN_GAIN`` faster and the old one still fits the
+budgets. The plans a model has chosen live in its ``plan_cache`` (``roundpipe.planning.plan.PlanCache``).
 """
 
 from __future__ import annotations
@@ -13,11 +14,10 @@ from typing import Optional
 
 from roundpipe.devices import backend, threads
 from roundpipe.devices import device as device_mod
-from roundpipe.devices.dispatch import dispatcher
 from roundpipe.planning import budget
-from roundpipe.planning.fused_split import split_enabled, split_parts
-from roundpipe.planning.plan import ModelExecutePlan, RunType
-from roundpipe.planning.simulate import HostCosts, simulate_iteration
+from roundpipe.planning import plan as plan_mod
+from roundpipe.planning.plan import ModelExecutePlan, PlanKey, RunType
+from roundpipe.planning.simulate import HostCosts
 from roundpipe.runtime.batch import Batch
 from roundpipe.runtime.model_protocol import PipelinedModel
 from roundpipe.runtime.run import call_profile
@@ -40,30 +40,30 @@ def host_costs(model: PipelinedModel) -> HostCosts:
 def local_plan(
     model: PipelinedModel, cfg: ResolvedRunConfig, run_type: RunType, batch: Optional[Batch] = None
 ) -> ModelExecutePlan:
-    """This process's plan for a call (see the module docstring)."""
+    """This process's plan for a call (see the module docstring). The call's microbatch count is the
+    batch's (``Batch.num_microbatch``); without a batch, the count the config asks for."""
     if cfg.execute_plan is not None:
         plan = cfg.execute_plan.for_run_type(run_type, model.num_layers)
         plan.check_valid(model.num_layers, run_type)
         return plan
+    num_microbatch = batch.num_microbatch if batch is not None else cfg.num_microbatch
+    cache = model.plan_cache
     profile = call_profile(model, batch, cfg.recompute_grain) if batch is not None and run_type != "infer" else None
-    key = (run_type, 1 << max(0, profile.tokens - 1).bit_length()) if profile is not None else (run_type, 0)
-    if profile is not None and model.__dict__.get("_last_activation_key", key) != key:
-        # Another length than the last call: the pinned blocks cached for its checkpoints would stay
-        # next to this call's (the host caching allocator reuses blocks of one size only).
-        backend.empty_host_cache()
+    key: PlanKey = (run_type, 1 << max(0, profile.tokens - 1).bit_length()) if profile is not None else (run_type, 0)
     if profile is not None:
-        model.__dict__["_last_activation_key"] = key
+        if cache.last_activation_key not in (None, key):
+            # Another length than the last call: the pinned blocks cached for its checkpoints would stay
+            # next to this call's (the host caching allocator reuses blocks of one size only).
+            backend.empty_host_cache()
+        cache.last_activation_key = key
     version = model.model_timer.version if model.model_timer.has_measurements(run_type) else -1
-    plans = model.__dict__["_plans"]
-    cached = plans.get(key)
+    cached = cache.plans.get(key)
     if cached is None or (cached[1] != version and (cached[1] < 0 or version - cached[1] >= model.REPLAN_EVERY)):
         layer_bytes = model.layer_device_bytes(run_type)
         host = host_costs(model)
 
         def auto(costs: Optional[budget.ActivationCosts]) -> ModelExecutePlan:
-            plan = ModelExecutePlan.auto(
-                run_type, model, activations=costs, num_microbatch=cfg.num_microbatch, host=host
-            )
+            plan = ModelExecutePlan.auto(run_type, model, activations=costs, num_microbatch=num_microbatch, host=host)
             assert isinstance(plan, ModelExecutePlan)  # one model: one plan
             return plan
 
@@ -74,29 +74,20 @@ def local_plan(
         if (
             cached is not None
             and version >= 0
-            and not model._replan_pays(cached[0], plan, run_type, cfg.num_microbatch)
+            and not replan_pays(model, cached[0], plan, run_type, num_microbatch)
             and budget.still_fits(profile, layer_bytes, cached[0].bwd_plan, run_type == "fused")
         ):
             plan = cached[0]
-        plans[key] = (plan, version)
-    return plans[key][0]
+        cache.plans[key] = (plan, version)
+    return cache.plans[key][0]
 
 
 def replan_pays(
     model: PipelinedModel, old: ModelExecutePlan, new: ModelExecutePlan, run_type: RunType, num_microbatch: int
 ) -> bool:
-    """Whether ``new`` simulates at least ``REPLAN_GAIN`` faster than ``old`` under the current timings
-    and host costs."""
-    if old.fwd_plan == new.fwd_plan and old.bwd_plan == new.bwd_plan:
-        return True
-    _, fwd_t, bwd_t = model.model_timer.get_estimate(run_type)
+    """Whether ``new`` simulates at least ``model.REPLAN_GAIN`` faster than ``old`` on this pool, under
+    the model's current timings and the host's costs (``roundpipe.planning.plan.replan_pays``)."""
     devices = device_mod.get_num_devices()
-    parts = split_parts(devices, num_microbatch, False, split_enabled())
-    host = host_costs(model)
-
-    def cost(p: ModelExecutePlan) -> float:
-        return simulate_iteration(
-            run_type, p.fwd_plan, p.bwd_plan, fwd_t, bwd_t, devices, num_microbatch, parts, host, dispatcher.devices_for
-        )
-
-    return cost(new) < (1.0 - model.REPLAN_GAIN) * cost(old)
+    return plan_mod.replan_pays(
+        run_type, old, new, model.model_timer, devices, num_microbatch, host_costs(model), model.REPLAN_GAIN
+    )
