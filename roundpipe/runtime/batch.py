@@ -10,7 +10,7 @@ Attributes:
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -214,6 +214,21 @@ def _custom_split_parts(result: Any) -> List[Tuple[Tuple[Any, ...], Dict[str, An
     return [(tuple(a), kw) for a, kw in parts]
 
 
+class SplitConfig(Protocol):
+    """What a ``Batch`` reads of the call's resolved config (``roundpipe.runtime.run_config.ResolvedRunConfig``
+    has every field): how many microbatches the call asks for and whether the user chose that count, how
+    to split inputs and labels and merge outputs, how stage inputs are kept, and the sequence tiles."""
+
+    num_microbatch: int
+    num_microbatch_chosen: bool
+    split_input: Any
+    split_label: Any
+    merge_output: Any
+    output_device: torch.device
+    stage_inputs: str
+    sequence_tiles: int
+
+
 class Batch:
     """Microbatch state of one RoundPipe call.
 
@@ -222,7 +237,9 @@ class Batch:
         flatten_specs: TreeSpecs rebuilding them.
         forward_events: Per microbatch, device events to wait on before reading ``flatten_states[m]``.
         backward_events: Per microbatch, events marking input gradients on the host.
-        num_microbatch: Number of microbatches.
+        num_microbatch: The call's number of microbatches, computed here once: the count the config asks
+            for, fitted to a smaller batch when the user did not choose it, or the count of packed inputs
+            or of a custom split's parts. The plan and the run read it here; nothing writes it back.
         label_list: Labels per microbatch (``forward_backward``).
         loss_list: Losses per microbatch (``forward_backward``).
         profiles: The model's activation profile of this call per recompute grain (``run.call_profile``).
@@ -230,7 +247,9 @@ class Batch:
             ``roundpipe.runtime.stage_codec``).
     """
 
-    def __init__(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], run_config: Any, label: Any = None) -> None:
+    def __init__(
+        self, args: Tuple[Any, ...], kwargs: Dict[str, Any], run_config: SplitConfig, label: Any = None
+    ) -> None:
         n = run_config.num_microbatch
         packed_n = _num_packed((args, kwargs))
         if packed_n is not None:
@@ -247,8 +266,8 @@ class Batch:
                 if bs is None:
                     n = 1  # nothing to split: one microbatch
                 else:
-                    if n > bs and not getattr(run_config, "num_microbatch_chosen", True):
-                        n = run_config.num_microbatch = bs  # the default count, fitted to a small batch
+                    if n > bs and not run_config.num_microbatch_chosen:
+                        n = bs  # the default count, fitted to a small batch
                     if n > bs:
                         raise ValueError(
                             f"num_microbatch={n} is larger than the batch size {bs}; lower num_microbatch "
@@ -257,9 +276,9 @@ class Batch:
                     self._check_batch_dims(data, bs)
             parts = _split_tree(data, n, split, "split_input", bs)
         self.num_microbatch: int = n
-        self.stage_inputs: str = getattr(run_config, "stage_inputs", None) or "bf16"
+        self.stage_inputs: str = run_config.stage_inputs
         # Tiles of one sequence (``roundpipe.runtime.sequence``): the microbatches are its tiles, in order.
-        self.sequence_tiles: int = getattr(run_config, "sequence_tiles", None) or 1
+        self.sequence_tiles: int = run_config.sequence_tiles
         self.flatten_states: List[List[Any]] = []
         self.flatten_specs: List[pytree.TreeSpec] = []
         self.forward_events: List[List[Event]] = []
@@ -289,7 +308,7 @@ class Batch:
                 )
 
     @staticmethod
-    def _split_label(label: Any, run_config: Any, n: int) -> List[Any]:
+    def _split_label(label: Any, run_config: SplitConfig, n: int) -> List[Any]:
         if label is None:
             return [None] * n
         split = run_config.split_label
@@ -304,7 +323,7 @@ class Batch:
         """Rebuild microbatch m's current stage input pytree."""
         return pytree.tree_unflatten(self.flatten_states[m], self.flatten_specs[m])
 
-    def dump(self, run_config: Any, outputs: Optional[List[Any]] = None) -> Any:
+    def dump(self, run_config: SplitConfig, outputs: Optional[List[Any]] = None) -> Any:
         """Merge microbatch outputs per ``run_config.merge_output`` (outputs default to the current states).
 
         Returns a ``RoundPipePackedData`` when ``merge_output`` is False (no host wait), otherwise waits

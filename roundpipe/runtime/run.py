@@ -25,6 +25,7 @@ from roundpipe.runtime.batch import Batch
 from roundpipe.runtime.grad_sync import LayerReducer
 from roundpipe.runtime.model_protocol import PipelinedModel
 from roundpipe.runtime.partial_grads import PartialGrads
+from roundpipe.runtime.run_config import ResolvedRunConfig
 from roundpipe.runtime.sequence import SequenceRun
 from roundpipe.runtime.tied_grads import TiedGrads
 from roundpipe.runtime.tracker import ModelTracker
@@ -117,10 +118,10 @@ class MicrobatchState:
         return pytree.tree_unflatten(dev, spec)
 
 
-def _sequence_run(run_config: Any, batch: Batch, run_type: RunType) -> Optional[SequenceRun]:
+def _sequence_run(batch: Batch, run_type: RunType) -> Optional[SequenceRun]:
     """The call's sequence state when ``sequence_tiles`` cut its batch along the sequence: the tiles'
     lengths are the microbatches' dim 1."""
-    if (getattr(run_config, "sequence_tiles", None) or 1) <= 1:
+    if batch.sequence_tiles <= 1:
         return None
     if run_type == "fused":
         raise ValueError(
@@ -142,7 +143,7 @@ class Run:
     def __init__(
         self,
         model: PipelinedModel,
-        run_config: Any,
+        run_config: ResolvedRunConfig,
         batch: Batch,
         run_type: RunType,
         plan: ModelExecutePlan,
@@ -179,7 +180,7 @@ class Run:
         self.partial_grads: Optional[PartialGrads] = None
         # One sequence cut into tiles (``roundpipe.runtime.sequence``): its jobs keep keys and values across tiles,
         # so each group runs whole on one device, and no fused job (its backward would precede later tiles).
-        self.sequence = _sequence_run(run_config, batch, run_type)
+        self.sequence = _sequence_run(batch, run_type)
         if self.sequence is not None and not device_mod.peer_handoff_chosen():
             # One long sequence: a peer copy lands while the receiving GPU still runs its previous job, a
             # tile's hidden state more per GPU that the tiles' memory plan does not count.

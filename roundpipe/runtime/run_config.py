@@ -119,12 +119,14 @@ class ResolvedRunConfig:
         self.output_device: torch.device = torch.device("cpu") if self.output_device is None else self.output_device
         self.preserve_rng_state: bool = True if self.preserve_rng_state is None else bool(self.preserve_rng_state)
         self.recompute_grain: Literal["stage", "layer"] = self.recompute_grain or "stage"
-        # Whether a count was chosen (per call or per model): the default (devices + 1) is fitted to a
-        # smaller batch instead, where a chosen one is an error (roundpipe.runtime.batch).
+        # The count the call asks for, and whether it was chosen (per call or per model): the default
+        # (devices + 1) is fitted to a smaller batch, where a chosen one is an error. The call's count is
+        # computed once from this and the inputs, by its ``Batch`` (``Batch.num_microbatch``).
         self.num_microbatch_chosen: bool = self.num_microbatch is not None
         self.num_microbatch: int = self.num_microbatch or settings.default_num_microbatch(get_num_devices())
         self.merge_output: Any = True if self.merge_output is None else self.merge_output
         self.stage_inputs: StageInputs = self.stage_inputs or settings.STAGE_INPUTS.get()  # type: ignore
+        self.sequence_tiles: int = self.sequence_tiles or 1
         self.split_input: Optional[Callable[..., Any]]
         self.split_label: Optional[Callable[..., Any]]
 
