@@ -14,7 +14,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-CASE = r'''
+CASE = r"""
 import threading, torch
 case = {case!r}
 s, side = torch.cuda.Stream(), torch.cuda.Stream()
@@ -51,13 +51,13 @@ try:
     print(case, "ok: pinned allocations after the capture work")
 except Exception as e:
     print(case, "FAILED:", str(e).splitlines()[0])
-'''
+"""
 
 
 def main() -> None:
     for case in ("torch-captured", "torch-side", "hostscalar"):
         r = subprocess.run([sys.executable, "-c", CASE.format(case=case)], capture_output=True, text=True, timeout=120)
-        out = (r.stdout.strip() or r.stderr.strip().splitlines()[-1:] or ["(no output)"])
+        out = r.stdout.strip() or r.stderr.strip().splitlines()[-1:] or ["(no output)"]
         print(out if isinstance(out, str) else f"{case} crashed: {out[0]}", flush=True)
 
 

@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from long_context import build_roundpipe  # noqa: E402
 from train_bench import WORKLOADS  # noqa: E402
 
-GiB = float(1 << 30)
+from roundpipe.utils import GiB
+
 OURS = ("roundpipe", "peft", "transformers")
 
 

@@ -501,7 +501,7 @@ def simulated_ms(model: Any, plan: Any, n_mb: int) -> str:
     """The planner's model of one iteration (compute only, from the timer's per-layer estimates) on this
     many devices and on one: what the round-robin pipeline would take if transfers were free."""
     import roundpipe
-    from roundpipe.planning.planner import simulate_iteration
+    from roundpipe.planning.simulate import simulate_iteration
 
     _, fwd_t, bwd_t = model.model_timer.get_estimate("fused")
     devices = roundpipe.get_num_devices()

@@ -22,7 +22,7 @@ from roundpipe.runtime.partial_grads import PartialGradStore
 from roundpipe.runtime.run import Run
 from roundpipe.runtime.run_config import ResolvedRunConfig, RoundPipeRunConfig, check_wrapper_arguments
 from roundpipe.runtime.step_cycle import HostBufferPrep, StepCycle, begin_call
-from roundpipe.utils import get_call_location, get_model_active_size, get_model_compute_size, get_model_size
+from roundpipe.utils import GiB, get_call_location, get_model_active_size, get_model_compute_size, get_model_size
 
 
 class RoundPipe(RoundPipeBase):
@@ -77,8 +77,8 @@ class RoundPipe(RoundPipeBase):
                 if attr.shared:
                     shared[id(p)] = p
         self.__dict__["_shared_list"] = list(shared.values())
-        self.layer_size = [get_model_size(layer) / 1024**3 for layer in layers]
-        self.model_timer = ModelTimer(self.num_layers, [get_model_compute_size(layer) / 1024**3 for layer in layers])
+        self.layer_size = [get_model_size(layer) / GiB for layer in layers]
+        self.model_timer = ModelTimer(self.num_layers, [get_model_compute_size(layer) / GiB for layer in layers])
         # Owned here, read and updated by the layers below: the automatic plans (``plan_choice``), the step
         # cycle and the host buffers built ahead of the first steps (``roundpipe.runtime.step_cycle``).
         self.plan_cache = PlanCache()

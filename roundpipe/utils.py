@@ -1,11 +1,18 @@
-"""Small helpers shared across RoundPipe components."""
+"""Small helpers shared across RoundPipe components: the byte unit, a caller's location, module sizes.
+torch is imported only by the helpers that read modules, so that the CLI's answers that need no model
+(``roundpipe plan``, configuration errors) can use this module without loading it."""
 
 from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
+
+#: Bytes in a GiB, as a float (sizes are divided by it for messages and budgets).
+GiB = float(1 << 30)
 
 
 def get_call_location(depth: int) -> str:
@@ -27,6 +34,8 @@ def get_model_compute_size(model: nn.Module) -> float:
     parameters and buffers, with embedding tables counted at 1% (a lookup reads only the rows it needs,
     so a 150k-token embedding is fast however large; counting it in full made the first plan treat it as
     the slowest layer and group everything else around it)."""
+    from torch import nn
+
     lookup = {
         id(t)
         for m in model.modules()

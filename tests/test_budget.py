@@ -12,9 +12,10 @@ import torch
 os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
 import roundpipe  # noqa: E402
-from roundpipe.planning import budget, estimate
+from roundpipe.planning import budget, estimate, memory_terms
 from roundpipe.planning.plan import ModelExecutePlan  # noqa: E402
 from roundpipe.runtime.run_config import RoundPipeRunConfig  # noqa: E402
+from roundpipe.utils import GiB
 
 transformers = pytest.importorskip("transformers")
 from test_models import assert_grads_close, grads, hf_reference, make_batch, tiny_model  # noqa: E402
@@ -131,12 +132,12 @@ def test_estimate_counts_the_checkpoints_the_runtime_keeps(monkeypatch: pytest.M
 
 
 def test_decoder_layer_estimate_matches_the_saved_tensors_of_a_tiled_layer() -> None:
-    """The ``kept`` bytes of ``estimate.decoder_layer_bytes`` against what autograd saves for a tiled
+    """The ``kept`` bytes of ``memory_terms.decoder_layer_bytes`` against what autograd saves for a tiled
     Qwen3 layer's backward (saved-tensor hooks, deduplicated by storage): within 15%."""
     seq, tile = 1024, 64  # 16 tiles: the pre-attention part is tiled in the recompute too
     # As the runtime runs it before the backward: a recompute (the layer's last in its stage).
     measured, _, _, shape = _tiled_recompute_saved_bytes(False, seq, tile)
-    kept, _ = estimate.decoder_layer_bytes(shape, seq, tile, True, 2)
+    kept, _ = memory_terms.decoder_layer_bytes(shape, seq, tile, True, 2)
     # What the recompute leaves for the backward besides the layer input (counted by the caller) and the
     # rotary tables (handed along, counted once per call).
     expected = kept - seq * shape.hidden * 2
@@ -189,13 +190,13 @@ def test_estimate_counts_what_fp32_adapters_add_to_the_kept_pre_attention_graph(
     layer's pre-attention extra is the q / k / v share that ``estimate`` assumes for LoRA on all projections."""
     from roundpipe.models import tiling
 
-    assert estimate.PRE_TILES_IN_RECOMPUTE == tiling.PRE_TILES_IN_RECOMPUTE
+    assert memory_terms.PRE_TILES_IN_RECOMPUTE == tiling.PRE_TILES_IN_RECOMPUTE
     seq = 1024
     for tile, tiles_kept in ((128, True), (64, False)):
         runs = {lora: _tiled_recompute_saved_bytes(lora, seq, tile) for lora in (False, True)}
         measured = runs[True][0] - runs[False][0]
         est = {
-            lora: estimate.decoder_layer_bytes(shape, seq, tile, True, 2, False, extra, pre)[0]
+            lora: memory_terms.decoder_layer_bytes(shape, seq, tile, True, 2, False, extra, pre)[0]
             for lora, (_, extra, pre, shape) in runs.items()
         }
         added = est[True] - est[False]
@@ -205,7 +206,7 @@ def test_estimate_counts_what_fp32_adapters_add_to_the_kept_pre_attention_graph(
         else:
             assert added == 0 and abs(measured) <= 0.15 * runs[False][0], (added, measured)
     _, _, pre, shape = runs[True]
-    assert pre == estimate.lora_pre_attention_bytes_per_token(shape, 4)
+    assert pre == memory_terms.lora_pre_attention_bytes_per_token(shape, 4)
 
 
 def test_plan_estimate_of_qwen3_8b_lora_at_131k_is_the_measured_peak() -> None:
@@ -213,9 +214,9 @@ def test_plan_estimate_of_qwen3_8b_lora_at_131k_is_the_measured_peak() -> None:
     one H200 under a 24 GiB cap (22.25 GiB allocated, docs/benchmarks.md): within 10%, and still within the
     cap (the run completes). The runtime plans by its own count (``pre_extra_per_token=None``)."""
     shape = estimate.ModelShape.builtin("qwen3-8b")
-    e = estimate.estimate(shape, seq_len=131072, lora_rank=16, gpu_bytes=24 * estimate.GiB, tile=16384)
-    assert abs(e.peak_gpu_bytes / estimate.GiB - 22.25) / 22.25 < 0.10, e.describe()
-    assert e.peak_gpu_bytes <= 24 * estimate.GiB
+    e = estimate.estimate(shape, seq_len=131072, lora_rank=16, gpu_bytes=24 * GiB, tile=16384)
+    assert abs(e.peak_gpu_bytes / GiB - 22.25) / 22.25 < 0.10, e.describe()
+    assert e.peak_gpu_bytes <= 24 * GiB
 
 
 def _saved_bytes_of_layer(base: torch.nn.Module, layer: torch.nn.Module, seq: int) -> int:
@@ -250,14 +251,14 @@ def _module_estimate(base: torch.nn.Module, layer: torch.nn.Module, seq: int) ->
 
     shape = estimate.ModelShape.from_config(base.config)
     extra = _module_extra_per_token(layer, shape)
-    kept, peak = estimate.decoder_layer_bytes(shape, seq, 16384, False, 2, whole_layer=False, extra_per_token=extra)
+    kept, peak = memory_terms.decoder_layer_bytes(shape, seq, 16384, False, 2, whole_layer=False, extra_per_token=extra)
     return kept, peak, extra
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-fp32-adapters"])
 def test_decoder_layer_estimate_matches_the_saved_tensors_of_a_layer_run_module_by_module(lora: bool) -> None:
     """Untiled and not as the whole-layer op (PEFT adapters, fused layers off), a Qwen3 layer saves what
-    Hugging Face's modules save: ``estimate.decoder_layer_bytes(whole_layer=False)`` with the extra bytes
+    Hugging Face's modules save: ``memory_terms.decoder_layer_bytes(whole_layer=False)`` with the extra bytes
     ``causal_lm`` finds on the layer (trainable norms; LoRA inputs cast to the adapters' fp32, as PEFT's
     default upcast makes them) against the saved-tensor hooks, within 15%. qwen3-32b LoRA went out of
     memory on the H100 when this path was estimated like the whole-layer op."""
@@ -275,12 +276,12 @@ def test_decoder_layer_estimate_matches_the_saved_tensors_of_a_layer_run_module_
     shape = estimate.ModelShape.from_config(base.config)
     norms = 2 * (2 * shape.hidden + shape.q_dim + shape.kv_dim)
     assert extra == (
-        estimate.lora_bytes_per_token(shape, 4) if lora else norms + estimate.projection_inputs_per_token(shape)
+        memory_terms.lora_bytes_per_token(shape, 4) if lora else norms + memory_terms.projection_inputs_per_token(shape)
     )
     assert abs(measured - kept) / measured < 0.15, (measured, kept)
     assert peak > kept
     # The whole-layer formula, which this path had used, falls far short of it.
-    whole, _ = estimate.decoder_layer_bytes(shape, seq, 16384, False, 2)
+    whole, _ = memory_terms.decoder_layer_bytes(shape, seq, 16384, False, 2)
     assert whole < 0.75 * measured
 
 
@@ -313,7 +314,7 @@ def test_loss_chunk_of_the_estimate_is_the_heads() -> None:
     from roundpipe.models.loss import default_chunk_size
 
     for vocab in (128, 32000, 151936, 262144):
-        assert estimate.loss_chunk_tokens(vocab) == default_chunk_size(vocab)
+        assert memory_terms.loss_chunk_tokens(vocab) == default_chunk_size(vocab)
 
 
 def test_roundpipe_plan_command(tmp_path: Any) -> None:
@@ -369,7 +370,7 @@ def test_roundpipe_plan_command(tmp_path: Any) -> None:
     assert as_json.returncode == 0, as_json.stderr
     got = json.loads(as_json.stdout)
     want = estimate.estimate(
-        estimate.ModelShape.from_config(config), 4096, gpu_bytes=8 * estimate.GiB
+        estimate.ModelShape.from_config(config), 4096, gpu_bytes=8 * GiB
     )  # one GPU: its stage inputs there
     assert got["peak_gpu_bytes"] == want.peak_gpu_bytes and got["peak_host_bytes"] == want.peak_host_bytes
     bad = plan("--model", str(tmp_path / "missing"), "--seq-len", "4096")
@@ -497,7 +498,7 @@ def test_the_estimates_room_for_stage_inputs_is_the_runtimes(monkeypatch: pytest
     """``estimate`` copies three constants of ``budget`` (it imports no torch): they must stay equal."""
     from roundpipe.planning import budget
 
-    assert (estimate.GPU_MARGIN_FRACTION, estimate.GPU_MARGIN_BYTES, estimate.DEVICE_SAVED_SHARE) == (
+    assert (memory_terms.GPU_MARGIN_FRACTION, memory_terms.GPU_MARGIN_BYTES, memory_terms.DEVICE_SAVED_SHARE) == (
         budget.GPU_MARGIN_FRACTION,
         budget.GPU_MARGIN_BYTES,
         budget.DEVICE_SAVED_SHARE,
@@ -514,20 +515,20 @@ def test_estimate_keeps_stage_inputs_on_one_gpu_as_the_runtime_does(
     before; the GPU peak stays within the GPU."""
     shape = estimate.ModelShape.builtin("qwen3-1.7b")
     monkeypatch.setenv("RPP_DEVICE_SAVED_GB", setting if setting in ("auto", "0", "2") else "auto")
-    gpu = (8 if setting == "small GPU" else 80) * estimate.GiB
+    gpu = (8 if setting == "small GPU" else 80) * GiB
     devices = 2 if setting == "several GPUs" else 1
     kw = dict(microbatches=2, devices=devices, pinned=False)
     host_only = estimate.estimate(shape, 4096, 8, **kw)
     e = estimate.estimate(shape, 4096, 8, gpu_bytes=gpu, **kw)
     inputs = shape.layers * 2  # one per backward stage (one layer each) and microbatch
-    raw = 4 * 4096 * estimate.checkpoint_bytes_per_token(shape, 2)
-    side = 8 * 4096 * estimate.side_bytes_per_token(shape, 2)
+    raw = 4 * 4096 * memory_terms.checkpoint_bytes_per_token(shape, 2)
+    side = 8 * 4096 * memory_terms.side_bytes_per_token(shape, 2)
     assert host_only.host_parts["checkpoints"] == pytest.approx(inputs * raw + side)
     kept = e.gpu_parts["saved inputs"] / raw
     assert kept == int(kept) and e.host_parts["checkpoints"] == pytest.approx((inputs - kept) * raw + side)
     # The runtime charges an input with the rotary tables and position ids it carries (side bytes).
-    charged = raw + 4 * 4096 * estimate.side_bytes_per_token(shape, 2)
-    want = {"auto": inputs, "0": 0, "2": int(2 * estimate.GiB // charged), "several GPUs": 0}.get(setting)
+    charged = raw + 4 * 4096 * memory_terms.side_bytes_per_token(shape, 2)
+    want = {"auto": inputs, "0": 0, "2": int(2 * GiB // charged), "several GPUs": 0}.get(setting)
     if want is not None:
         assert kept == want
     else:  # room for part of them: 75% of what the runtime's count of the step leaves of an 8 GiB GPU, or what
@@ -536,8 +537,8 @@ def test_estimate_keeps_stage_inputs_on_one_gpu_as_the_runtime_does(
 
         t, tile = 4 * 4096, settings.SEQ_TILE.get()
         layer = shape.layer_params() * 2
-        step = estimate.runtime_step_bytes(shape, t, tile, bool(tile) and t > tile, 2, 0, 0.0, 1, 2 * layer)
-        room = min(estimate.device_saved_room(gpu, step), gpu - host_only.peak_gpu_bytes)
+        step = memory_terms.runtime_step_bytes(shape, t, tile, bool(tile) and t > tile, 2, 0, 0.0, 1, 2 * layer)
+        room = min(memory_terms.device_saved_room(gpu, step), gpu - host_only.peak_gpu_bytes)
         assert 0 < kept < inputs and kept == int(room // charged)
     assert e.peak_gpu_bytes <= gpu
 

@@ -13,9 +13,10 @@ os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
 import roundpipe  # noqa: E402
 from roundpipe.devices import device  # noqa: E402
-from roundpipe.planning import budget, estimate  # noqa: E402
+from roundpipe.planning import budget, estimate, memory_terms  # noqa: E402
 from roundpipe.runtime.batch import Batch  # noqa: E402
 from roundpipe.runtime.run_config import ResolvedRunConfig, RoundPipeRunConfig  # noqa: E402
+from roundpipe.utils import GiB
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -53,13 +54,13 @@ def test_the_estimate_keeps_as_many_stage_inputs_on_the_gpu_as_the_runtime_room_
     less; at 5 and 8 GiB the runtime's room decides, at 3 GiB the estimate's remainder."""
     monkeypatch.setenv("RPP_DEVICE_SAVED_GB", "auto")
     shape, profile, layer_bytes = lora_model
-    gpu = gpu_gib * estimate.GiB
+    gpu = gpu_gib * GiB
     monkeypatch.setattr(device, "get_min_capacity", lambda: int(gpu))
     plan = [range(0, 2)] + [range(i, i + 1) for i in range(2, len(layer_bytes))]
     room = budget.device_saved_room(profile, layer_bytes, plan)
     e = estimate.estimate(shape, SEQ, 1, lora_rank=4, gpu_bytes=gpu, pinned=False)
-    raw = SEQ * estimate.checkpoint_bytes_per_token(shape, 2)
-    charged = raw + SEQ * estimate.side_bytes_per_token(shape, 2)
+    raw = SEQ * memory_terms.checkpoint_bytes_per_token(shape, 2)
+    charged = raw + SEQ * memory_terms.side_bytes_per_token(shape, 2)
     step = sum(v for k, v in e.gpu_parts.items() if k != "saved inputs")
     by_runtime, by_estimate = int(room // charged), int(max(0.0, gpu - step) // charged)
     assert e.gpu_parts["saved inputs"] == min(LAYERS, by_runtime, by_estimate) * raw
@@ -80,9 +81,7 @@ def test_plan_estimates_of_full_qwen3_8b_lora_are_the_measured_peaks(
     within its cap (both runs completed)."""
     monkeypatch.setenv("RPP_DEVICE_SAVED_GB", "auto")
     shape = estimate.ModelShape.builtin("qwen3-8b")
-    e = estimate.estimate(
-        shape, seq, lora_rank=16, gpu_bytes=gpu_gib * estimate.GiB, tile=16384, stage_inputs=stage_inputs
-    )
-    assert abs(e.peak_gpu_bytes / estimate.GiB / gpu_peak - 1) < 0.10, e.describe()
-    assert e.peak_gpu_bytes <= gpu_gib * estimate.GiB
-    assert abs(e.peak_host_bytes / estimate.GiB / host_peak - 1) < 0.10, e.describe()
+    e = estimate.estimate(shape, seq, lora_rank=16, gpu_bytes=gpu_gib * GiB, tile=16384, stage_inputs=stage_inputs)
+    assert abs(e.peak_gpu_bytes / GiB / gpu_peak - 1) < 0.10, e.describe()
+    assert e.peak_gpu_bytes <= gpu_gib * GiB
+    assert abs(e.peak_host_bytes / GiB / host_peak - 1) < 0.10, e.describe()

@@ -16,10 +16,10 @@ from typing import List
 import pytest
 
 from roundpipe.devices import device
-from roundpipe.planning import budget, estimate
+from roundpipe.planning import budget, estimate, memory_terms
+from roundpipe.utils import GiB
 
 MiB = float(1 << 20)
-GiB = float(1 << 30)
 
 
 def _shape(vocab: int) -> estimate.ModelShape:
@@ -53,7 +53,7 @@ def test_gpu_stage_of_two_layers_counts_its_weights_others_and_overlap() -> None
     e = _estimate()
     assert e.gpu_parts["activations"] == PEAK + KEPT + IO + SIDE + OVERLAP == 499_200
     assert e.gpu_parts["weights"] == 2 * 2 * LAYER_PARAMS * 2 + 2 * LAYER_PARAMS * 2 == 444_288
-    assert e.gpu_parts["runtime"] == estimate.GPU_OVERHEAD_BYTES and e.gpu_parts["saved inputs"] == 0
+    assert e.gpu_parts["runtime"] == memory_terms.GPU_OVERHEAD_BYTES and e.gpu_parts["saved inputs"] == 0
     assert e.gpu_bytes_per_token == 499_200 / 100
     # The layer grain keeps only the other layer's input (t h e = 12,800) instead of its recompute.
     layer = _estimate(recompute_grain="layer")
@@ -98,7 +98,7 @@ def test_fp8_stage_inputs_on_the_host() -> None:
     # of 8,192 (the payload is a power of two, the scales 64 MiB each).
     q8 = estimate.ModelShape.builtin("qwen3-8b")
     big = {m: estimate.estimate(q8, 524_288, lora_rank=16, stage_inputs=m, tile=16384) for m in ("bf16", "fp8")}
-    side = 524_288 * estimate.side_bytes_per_token(q8)
+    side = 524_288 * memory_terms.side_bytes_per_token(q8)
     assert big["bf16"].host_parts["checkpoints"] - side == 36 * 524_288 * 8_192  # 144 GiB
     assert big["fp8"].host_parts["checkpoints"] - side == 36 * 524_288 * (4_096 + 128)  # 74.25 GiB
     int8 = estimate.estimate(q8, 524_288, lora_rank=16, stage_inputs="int8", tile=16384)

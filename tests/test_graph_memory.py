@@ -22,9 +22,9 @@ from roundpipe.devices import device as device_mod
 from roundpipe.devices import graphs
 from roundpipe.planning import budget
 from roundpipe.runtime.batch import Batch
+from roundpipe.utils import GiB
 
 TOL = 1e-10
-GiB = float(1 << 30)
 LAYERS = 6
 WIDTH = 8
 SMALL_ROWS = 6  # 3 rows per microbatch: 192 bytes of input

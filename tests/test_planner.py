@@ -8,8 +8,7 @@ import time
 import pytest
 
 from roundpipe.planning.planner import plan_stages, validate_plan
-
-GiB = 1 << 30
+from roundpipe.utils import GiB
 
 
 def group_sums(plan, values):
@@ -341,7 +340,7 @@ def test_embedding_tables_count_little_in_the_first_time_estimates() -> None:
 # ---------------------------------------------------------------------------------------------------------
 # Several devices: the simulated round-robin pipeline and the refinement against it
 
-from roundpipe.planning.planner import simulate_iteration  # noqa: E402
+from roundpipe.planning.simulate import simulate_iteration  # noqa: E402
 
 
 def test_simulation_of_one_device_is_the_sum_of_all_costs():

@@ -18,7 +18,7 @@ os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
 import roundpipe  # noqa: E402
 from roundpipe import RoundPipe, RoundPipeRunConfig, settings
-from roundpipe.planning import estimate
+from roundpipe.planning import estimate, memory_terms
 from roundpipe.planning.plan import ModelExecutePlan  # noqa: E402
 from roundpipe.runtime import stage_codec
 
@@ -241,18 +241,18 @@ def test_every_copy_of_the_modes_agrees() -> None:
     from roundpipe.runtime.run_config import StageInputs
 
     assert stage_codec.MODES == settings.STAGE_INPUT_MODES == STAGE_INPUTS == typing.get_args(StageInputs)
-    assert ("bf16", *stage_codec.BLOCKS) == stage_codec.MODES and estimate.STAGE_CODEC_BLOCKS == stage_codec.BLOCKS
+    assert ("bf16", *stage_codec.BLOCKS) == stage_codec.MODES and memory_terms.STAGE_CODEC_BLOCKS == stage_codec.BLOCKS
 
 
 def test_estimate_term_and_block_size_agree() -> None:
     """The estimate's copy of the block sizes is the codec's; fp8 costs 1 byte and 4 / 128 per value, int8
     1 byte and 4 / 32."""
-    assert estimate.STAGE_CODEC_BLOCKS == stage_codec.BLOCKS and estimate.STAGE_CODEC_BLOCK == stage_codec.BLOCK
+    assert memory_terms.STAGE_CODEC_BLOCKS == stage_codec.BLOCKS and memory_terms.STAGE_CODEC_BLOCK == stage_codec.BLOCK
     assert stage_codec.bytes_per_value() == 1 + 4 / 128
     shape = estimate.ModelShape.builtin("qwen3-8b")  # hidden 4096: 32 scales per token (fp8), 128 (int8)
-    assert estimate.checkpoint_bytes_per_token(shape, 2, "fp8") == 4096 + 32 * 4
-    assert estimate.checkpoint_bytes_per_token(shape, 2, "int8") == 4096 + 128 * 4
-    assert estimate.checkpoint_bytes_per_token(shape, 2, "bf16") == 8192
+    assert memory_terms.checkpoint_bytes_per_token(shape, 2, "fp8") == 4096 + 32 * 4
+    assert memory_terms.checkpoint_bytes_per_token(shape, 2, "int8") == 4096 + 128 * 4
+    assert memory_terms.checkpoint_bytes_per_token(shape, 2, "bf16") == 8192
 
 
 transformers = pytest.importorskip("transformers")

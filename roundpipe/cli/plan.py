@@ -22,9 +22,8 @@ import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 from roundpipe.cli.config import MASTER_ROUNDINGS, MASTERS, OPTIM_STATES, STAGE_INPUTS, ConfigError, normalize_dtype
-from roundpipe.planning import estimate
-
-GiB = float(1 << 30)
+from roundpipe.planning import estimate, memory_terms
+from roundpipe.utils import GiB
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -197,7 +196,9 @@ def _plan(args: argparse.Namespace) -> int:
         microbatches=args.microbatches,
         devices=args.gpus,
         sequence_tiles=args.sequence_tiles,
-        optimizer_bytes_per_param=estimate.optimizer_state_bytes(args.optim_state, args.master, args.master_rounding),
+        optimizer_bytes_per_param=memory_terms.optimizer_state_bytes(
+            args.optim_state, args.master, args.master_rounding
+        ),
         stage_inputs=args.stage_inputs,
     )
     # As the planner does: one decoder layer per backward stage, or the fewest that let the stages'

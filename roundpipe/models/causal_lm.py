@@ -14,7 +14,7 @@ from roundpipe.models import kernels, sequence_inputs, tiling
 from roundpipe.models.inputs import CausalLMInputs, takes_inputs
 from roundpipe.models.kernels import FusedKernels
 from roundpipe.models.preset import CausalLMPreset
-from roundpipe.planning import budget, estimate
+from roundpipe.planning import budget, estimate, memory_terms
 from roundpipe.roundpipe import RoundPipe
 from roundpipe.runtime.batch import Batch
 from roundpipe.runtime.run_config import RoundPipeRunConfig
@@ -143,7 +143,7 @@ class RoundPipeForCausalLM(RoundPipe):
             t = rows * seq_len
             tokens = total * seq_len // seq
             kept, peak, checkpoint = [0.0] * self.num_layers, [0.0] * self.num_layers, [0.0] * self.num_layers
-            io = estimate.job_io_bytes(shape, t, e)  # input, output gradient, neighbours' in flight, side tensors
+            io = memory_terms.job_io_bytes(shape, t, e)  # input, output gradient, neighbours' in flight, side tensors
             # Tiles of one sequence: each layer's keys and values over the whole sequence stay on the job's
             # device (with float32 gradient accumulators in backward), and a tile's attention reads
             # [prefix, tile] keys and values repeated to the query heads (``roundpipe.runtime.sequence``).
@@ -155,15 +155,15 @@ class RoundPipeForCausalLM(RoundPipe):
             for i in decoder:
                 tiled = tileable[i] and tile > 0 and t > tile
                 # The pre-attention graph as the runtime's budget margins were fitted, not what PEFT's adapters
-                # add to it (``estimate.planned_layer_bytes``; ``roundpipe plan`` counts that).
-                kept[i], peak[i] = estimate.planned_layer_bytes(
+                # add to it (``memory_terms.planned_layer_bytes``; ``roundpipe plan`` counts that).
+                kept[i], peak[i] = memory_terms.planned_layer_bytes(
                     shape, t, tile, tiled, e, whole[i], extra[i], kv, prefix
                 )
                 # The host copy of a stage input per microbatch (bf16, or a compact payload and scales) from torch's
                 # pinned caching allocator, which rounds each block up to a power of two.
-                checkpoint[i] = len(sizes) * estimate.pinned_checkpoint_bytes(shape, rows * seq_len, e, mode)
+                checkpoint[i] = len(sizes) * memory_terms.pinned_checkpoint_bytes(shape, rows * seq_len, e, mode)
             head = self.num_layers - 1
-            peak[head] = estimate.head_activation_bytes(shape, t, e) + io
+            peak[head] = memory_terms.head_activation_bytes(shape, t, e) + io
             checkpoint[head] = checkpoint[decoder[-1]] if decoder else 0.0
             peak[0] = io
             return budget.ActivationProfile(kept, peak, checkpoint, tokens, seq_len, profile)
@@ -287,7 +287,7 @@ __all__ = ["RoundPipeForCausalLM"]
 
 def _module_extra_per_token(layer: nn.Module, shape: estimate.ModelShape) -> float:
     """Bytes per token a decoder layer run module by module saves beyond
-    ``estimate.module_layer_bytes_per_token``, from what is trainable: a projection's input when its
+    ``memory_terms.module_layer_bytes_per_token``, from what is trainable: a projection's input when its
     weight is trainable or a PEFT LoRA adapter of the layer's dtype reads it (q / k / v share one input,
     gate / up another); an adapter of another dtype (PEFT upcasts adapters to fp32 by default) saves its
     own cast copy instead; each adapter's ``lora_A`` output; with trainable norm weights, each norm's
@@ -297,7 +297,7 @@ def _module_extra_per_token(layer: nn.Module, shape: estimate.ModelShape) -> flo
 
 def _pre_attention_extra_per_token(layer: nn.Module, shape: estimate.ModelShape) -> float:
     """The part of ``_module_extra_per_token`` that the q / k / v projections and the input norm save: what
-    the pre-attention graph a tiled recompute keeps holds besides q, k and v (``estimate.decoder_layer_bytes``)."""
+    the pre-attention graph a tiled recompute keeps holds besides q, k and v (``memory_terms.decoder_layer_bytes``)."""
     return _extra_parts(layer, shape)[1]
 
 

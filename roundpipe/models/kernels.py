@@ -347,7 +347,7 @@ def is_fused(module: nn.Module) -> bool:
 def runs_whole_layer(layer: nn.Module) -> bool:
     """Whether ``layer`` runs as the whole-layer op in RoundPipe's training calls (fused, the setting on,
     plain projections, sdpa, no hooks): the activation estimate of such a layer differs from one run
-    module by module (``roundpipe.planning.estimate.decoder_layer_bytes``)."""
+    module by module (``roundpipe.planning.memory_terms.decoder_layer_bytes``)."""
     weights = getattr(layer, "_whole_layer_weights", None)
     return is_fused(layer) and whole_layer_enabled() and callable(weights) and weights() is not None
 

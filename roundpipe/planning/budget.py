@@ -16,10 +16,10 @@ from typing import Callable, List, Optional, Sequence
 
 from roundpipe.devices import backend, device
 from roundpipe.planning.planner import ActivationCosts, ActivationMemoryError, fits_budgets
+from roundpipe.utils import GiB
 
 logger = logging.getLogger("roundpipe")
 
-GiB = float(1 << 30)
 
 # Kept free on each device for what the activation model does not count (allocator fragmentation,
 # cuBLAS / attention workspaces) and on the host for page cache and the rest of the system.

@@ -12,9 +12,10 @@ from typing import Callable, Dict, List, Optional, Protocol, Tuple, Union
 from roundpipe.devices import device
 from roundpipe.devices.dispatch import dispatcher
 from roundpipe.planning.fused_split import split_enabled, split_parts
-from roundpipe.planning.planner import ActivationCosts, RunType, plan_stages, validate_plan
-from roundpipe.planning.simulate import HostCosts, simulate_iteration
+from roundpipe.planning.planner import ActivationCosts, plan_stages, validate_plan
+from roundpipe.planning.simulate import HostCosts, RunType, simulate_iteration
 from roundpipe.planning.timer import ModelTimer
+from roundpipe.utils import GiB
 
 __all__ = ["ModelExecutePlan", "PlannedModel", "RunType"]
 
@@ -161,7 +162,7 @@ class ModelExecutePlan:
                 bwd_t,
                 layer_bytes,
                 min_stages,
-                share * 1024**3,
+                share * GiB,
                 activations[k] if activations is not None else None,
             )
             plan = cut(upper_threshold)

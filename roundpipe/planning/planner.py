@@ -2,8 +2,7 @@
 
 This module is the pure algorithm behind ``ModelExecutePlan.auto`` and ``ModelExecutePlan.check_valid``:
 it sees per-layer times and sizes as plain numbers and knows nothing of devices. What a plan costs
-under the dispatch policy over several devices, the host's costs included, is ``roundpipe.planning.simulate``
-(``simulate_iteration`` is re-exported here).
+under the dispatch policy over several devices, the host's costs included, is ``roundpipe.planning.simulate``.
 
 A stage is a contiguous ``range`` of layers that is uploaded to a device, run, and dropped. Two things
 bound a stage:
@@ -28,10 +27,8 @@ import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-# re-exported (the planner's model of a call)
-from roundpipe.planning.simulate import HostCosts, RunType, simulate_iteration  # noqa: F401
-
-GiB = float(1 << 30)
+from roundpipe.planning.simulate import RunType
+from roundpipe.utils import GiB
 
 # Relative slack for comparing sums of floats against a bound, so that rounding in prefix sums never
 # turns an allowed group (say, exactly 1.1 x the slowest layer) into a forbidden one.

@@ -50,8 +50,7 @@ from typing import Any, Callable, Deque, Dict, List, Literal, Optional, Sequence
 import torch
 
 from roundpipe import settings
-from roundpipe.planning.planner import RunType
-from roundpipe.planning.simulate import HostCosts
+from roundpipe.planning.simulate import HostCosts, RunType
 
 TimeKind = Literal["fwd", "re", "bwd"]
 EventPair = Tuple[Any, Any]  # (start, end): torch.cuda.Event or WallClockEvent

@@ -13,11 +13,11 @@ from typing import Any, Dict, List
 import pytest
 
 from roundpipe.cli import plan
-from roundpipe.planning import estimate
+from roundpipe.planning import estimate, memory_terms
+from roundpipe.utils import GiB
 
 from .runner import roundpipe
 
-GiB = float(1 << 30)
 BUDGET = ["--gpu-memory", "80GiB", "--host-memory", "128GiB"]
 
 
@@ -91,8 +91,8 @@ def test_compact_optimizer_state_as_train_takes_it(capsys) -> None:
     ):
         got = host_optimizer(*flags)
         assert got - default == pytest.approx((per_param - 12.0) * n, rel=1e-9), flags
-    assert estimate.optimizer_state_bytes() == 12.0
-    assert estimate.optimizer_state_bytes("int8", "bfloat16") == 4.0 + 1 / 32
+    assert memory_terms.optimizer_state_bytes() == 12.0
+    assert memory_terms.optimizer_state_bytes("int8", "bfloat16") == 4.0 + 1 / 32
 
 
 def test_fp8_stage_inputs_as_train_takes_them(capsys, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -104,7 +104,7 @@ def test_fp8_stage_inputs_as_train_takes_them(capsys, monkeypatch: pytest.Monkey
         plan.main(["--model", "qwen3-8b", "--seq-len", "262144", "--lora-r", "16", *BUDGET, "--json", *flags])
         return json.loads(capsys.readouterr().out)["host_parts"]["checkpoints"]
 
-    side = 262144 * estimate.side_bytes_per_token(estimate.ModelShape.builtin("qwen3-8b"))
+    side = 262144 * memory_terms.side_bytes_per_token(estimate.ModelShape.builtin("qwen3-8b"))
     assert checkpoints("--stage-inputs", "bf16") - side == 36 * 262144 * 8192
     assert checkpoints("--stage-inputs", "fp8") - side == 36 * 262144 * (4096 + 128)
     assert checkpoints("--stage-inputs", "int8") - side == 36 * 262144 * (4096 + 512)
