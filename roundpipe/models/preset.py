@@ -43,7 +43,6 @@ from roundpipe.models.loss import (
 )
 from roundpipe.models.moe import (
     MoESpec,
-    RouterStats,  # noqa: F401 - re-exported
     accumulate_router_stats,
     hook_routers,
     moe_spec,

@@ -16,7 +16,7 @@ from typing import ClassVar, List, Optional, Protocol, Tuple
 from torch import nn
 
 from roundpipe.planning.budget import ActivationProfile
-from roundpipe.planning.plan import PlannedModel
+from roundpipe.planning.plan import PlanCache, PlannedModel
 from roundpipe.runtime.attribute import LayerAttribute
 from roundpipe.runtime.batch import Batch
 from roundpipe.runtime.grad_sync import GradSync
@@ -49,8 +49,10 @@ class PipelinedModel(WrappedModel, PlannedModel, Protocol):
     """Gradient synchronisation across processes, or None (``roundpipe.runtime.grad_sync``)."""
     partial_grad_store: PartialGradStore
     """Host buffers of the fused group's gradient parts on other devices (``roundpipe.runtime.partial_grads``)."""
+    plan_cache: PlanCache
+    """The automatic plans chosen so far (``roundpipe.runtime.plan_choice``)."""
     REPLAN_EVERY: ClassVar[int]
-    """Timer updates between two re-plans of the automatic plan (``roundpipe.planning.plan_choice``)."""
+    """Timer updates between two re-plans of the automatic plan (``roundpipe.runtime.plan_choice``)."""
     REPLAN_GAIN: ClassVar[float]
     """How much faster a re-plan must simulate to replace the plan in use."""
 
