@@ -185,6 +185,25 @@ def plan_stages(
     return _plain_training_plan(run_type, fwd_times, bwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
 
 
+def _settled_forward(
+    run_type: RunType,
+    bwd_plan: List[range],
+    fwd_times: Sequence[float],
+    layer_bytes: Sequence[int],
+    min_stages: int,
+    upper_threshold: float,
+    mem_cap: float,
+) -> Optional[Tuple[List[range], List[range]]]:
+    """The plan, when its forward needs no cut in front of the fused group: a 'train' forward is cut by
+    its own times; a 'fused' plan whose fused group starts at layer 0 has no forward groups. None: the
+    forward groups of a 'fused' plan, which the caller cuts in front of its fused group."""
+    if run_type == "train":
+        return _partition(fwd_times, layer_bytes, min_stages, upper_threshold, mem_cap), bwd_plan
+    if bwd_plan[-1].start == 0:
+        return [], bwd_plan
+    return None
+
+
 def _plain_training_plan(
     run_type: RunType,
     fwd_times: Sequence[float],
@@ -196,15 +215,12 @@ def _plain_training_plan(
 ) -> Tuple[List[range], List[range]]:
     """The time-balanced training plan under the weight cap (activations not budgeted)."""
     bwd_plan = _partition(bwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
-    if run_type == "train":
-        fwd_plan = _partition(fwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
-        return fwd_plan, bwd_plan
-
+    settled = _settled_forward(run_type, bwd_plan, fwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
+    if settled is not None:
+        return settled
     # Fused: the forward pipeline is the forward groups plus the fused group, so the forward groups need
     # one stage fewer to give every device work.
     fused_start = bwd_plan[-1].start
-    if fused_start == 0:
-        return [], bwd_plan
     # The backward groups before the fused one are re-cut with their cap relative to a typical (median)
     # one of their own layers: the fused group (typically the head, the slowest layer by far) runs as its
     # own job, so letting the other groups grow to its time would save only per-group overhead, which
@@ -289,12 +305,10 @@ def _plan_with_activations(
             0.0,
         )
     bwd = _activation_partition(layer_bytes, mem_cap, a, n, run_type == "fused")
-    if run_type == "train":
-        fwd = _partition(fwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
-        return fwd, bwd
+    settled = _settled_forward(run_type, bwd, fwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
+    if settled is not None:
+        return settled
     fused_start = bwd[-1].start
-    if fused_start == 0:
-        return [], bwd
     fwd = _partition(fwd_times[:fused_start], layer_bytes[:fused_start], min_stages - 1, upper_threshold, mem_cap)
     return fwd, bwd
 

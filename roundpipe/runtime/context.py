@@ -19,55 +19,62 @@ Attributes:
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple, TypeVar
 
 import torch
 
 flags = threading.local()
+_S = TypeVar("_S", bound="_Scope")
 
 
 def _get(name: str) -> Any:
     return getattr(flags, name, None)
 
 
-class ForwardCtx:
+class _Scope:
+    """A context manager that is the current one of its kind (``FLAG`` in this thread's ``flags``) inside
+    its ``with`` block; leaving the block makes the enclosing one current again."""
+
+    FLAG = ""
+
+    def __init__(self) -> None:
+        self._prev: Optional[_Scope] = None
+
+    def __enter__(self: _S) -> _S:
+        self._prev = _get(self.FLAG)
+        setattr(flags, self.FLAG, self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        setattr(flags, self.FLAG, self._prev)
+
+
+class ForwardCtx(_Scope):
     """Marks that this scope runs a forward pass whose data may be saved for recompute.
 
     Attributes:
         save_for_recompute: Callable receiving the data to save for the layer that runs now.
     """
 
+    FLAG = "forward_ctx"
+
     def __init__(self, save_for_recompute: Callable[..., None]) -> None:
+        super().__init__()
         self.save_for_recompute = save_for_recompute
-        self._prev: Optional[ForwardCtx] = None
-
-    def __enter__(self) -> "ForwardCtx":
-        self._prev = _get("forward_ctx")
-        flags.forward_ctx = self
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        flags.forward_ctx = self._prev
 
 
-class RecomputeCtx:
+class RecomputeCtx(_Scope):
     """Marks that this scope recomputes a forward pass for backward.
 
     Attributes:
         recompute_data: Data saved for recomputation (a tuple), or None if the layer saved nothing.
     """
 
+    FLAG = "recompute_ctx"
+
     def __init__(self, recompute_data: Optional[Tuple[Any, ...]]) -> None:
+        super().__init__()
         self.recompute_data = recompute_data
-        self._prev: Optional[RecomputeCtx] = None
-
-    def __enter__(self) -> "RecomputeCtx":
-        self._prev = _get("recompute_ctx")
-        flags.recompute_ctx = self
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        flags.recompute_ctx = self._prev
 
 
 class OptimizerCtx:

@@ -46,14 +46,12 @@ class ModelTracker:
             self.fwd_done[layer_group_id - 1][m].wait()
 
     def forward_notify(self, layer_group_id: int, m: int) -> None:
-        note_progress()
-        self.fwd_done[layer_group_id][m].set()
+        _notify(self.fwd_done[layer_group_id][m])
 
     def forward_wait_complete(self, num_microbatch: int) -> None:
         """Block until the last forward group finished ``num_microbatch`` microbatches."""
         if self.fwd_plan:
-            for m in range(num_microbatch):
-                self.fwd_done[-1][m].wait()
+            _wait_all(self.fwd_done[-1], num_microbatch)
 
     def backward_wait_for(self, layer_group_id: int, m: int) -> None:
         """Block until backward group ``layer_group_id + 1`` issued microbatch ``m``'s input gradient."""
@@ -61,11 +59,21 @@ class ModelTracker:
             self.bwd_done[layer_group_id + 1][m].wait()
 
     def backward_notify(self, layer_group_id: int, m: int) -> None:
-        note_progress()
-        self.bwd_done[layer_group_id][m].set()
+        _notify(self.bwd_done[layer_group_id][m])
 
     def backward_wait_complete(self, num_microbatch: int) -> None:
         """Block until backward group 0 finished ``num_microbatch`` microbatches."""
         if self.bwd_plan:
-            for m in range(num_microbatch):
-                self.bwd_done[0][m].wait()
+            _wait_all(self.bwd_done[0], num_microbatch)
+
+
+def _notify(done: AnnotatedEvent) -> None:
+    """A group issued a microbatch: the run made progress (the watchdog's clock), and the waiter may go."""
+    note_progress()
+    done.set()
+
+
+def _wait_all(done: List[AnnotatedEvent], num_microbatch: int) -> None:
+    """Block until a group issued each of the first ``num_microbatch`` microbatches."""
+    for m in range(num_microbatch):
+        done[m].wait()
