@@ -89,7 +89,7 @@ def test_configure_rejects_unknown_names_and_bad_values() -> None:
 
 
 def test_default_microbatch_count_is_one_function() -> None:
-    from roundpipe.runtime.run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
+    from roundpipe.run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
 
     full = FullRoundPipeRunConfig(RoundPipeRunConfig(), RoundPipeRunConfig())
     assert full.num_microbatch == settings.default_num_microbatch(roundpipe.get_num_devices())
