@@ -38,12 +38,12 @@ def test_no_module_reads_rpp_variables_from_the_environment() -> None:
     [
         (settings.GRAD_BUFFERS, "1", 1, "3"),
         (settings.STAGE_PARAMS, "off", False, "maybe"),
-        (settings.DEVICE_SAVED_GB, "1.5", 1.5, "-1"),
+        (settings.DEBUG_DEVICE_SAVED_GB, "1.5", 1.5, "-1"),
         (settings.WATCHDOG_S, "30", 30.0, "soon"),
         (settings.PROFILER, " NVTX ", "nvtx", "nsys"),
         (settings.OPTIM_THREADS, "4", 4, "0"),
-        (settings.ADAM_IMPL, "CPP", "cpp", "fast"),
-        (settings.FUSED_KERNELS, "on", "1", "sometimes"),
+        (settings.DEBUG_ADAM_IMPL, "CPP", "cpp", "fast"),
+        (settings.DEBUG_FUSED_KERNELS, "on", "1", "sometimes"),
         (settings.FUSED_LAYERS, "0", False, "2"),
         (settings.DIST_TIMEOUT_S, "12.5", 12.5, "0"),
         (settings.DIST_MAIN_TIMEOUT_S, "60", 60.0, "inf"),
@@ -127,7 +127,7 @@ def test_import_leaves_expandable_segments_to_pools_of_two_gpus_or_fewer() -> No
     ``import roundpipe`` does not choose them for a pool of more than two GPUs whose jobs may be graphed."""
     assert not any(_alloc_env_after_import({"RPP_DEVICES": "cuda:0,1,2"}).values())
     assert "expandable_segments:True" in _alloc_env_after_import({"RPP_DEVICES": "cuda:0,1"}).values()
-    eager = _alloc_env_after_import({"RPP_DEVICES": "cuda:0,1,2,3", "RPP_GRAPHS": "0"})
+    eager = _alloc_env_after_import({"RPP_DEVICES": "cuda:0,1,2,3", "RPP_DEBUG_GRAPHS": "0"})
     assert "expandable_segments:True" in eager.values()
 
 

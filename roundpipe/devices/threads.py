@@ -163,19 +163,19 @@ _stress_limit = 0.0
 
 
 def refresh_stress() -> float:
-    """Read ``RPP_STRESS_DELAY_S`` again (each RoundPipe call does, at its start) and return it. Waits
+    """Read ``RPP_DEBUG_STRESS_DELAY_S`` again (each RoundPipe call does, at its start) and return it. Waits
     use the value read last: a wait is too frequent a place to parse the environment."""
     global _stress_limit
     from roundpipe import settings
 
-    _stress_limit = settings.STRESS_DELAY_S.get()
+    _stress_limit = settings.DEBUG_STRESS_DELAY_S.get()
     return _stress_limit
 
 
 def _watch_stress_setting() -> None:
     from roundpipe import settings
 
-    settings.on_change(settings.STRESS_DELAY_S, refresh_stress)
+    settings.on_change(settings.DEBUG_STRESS_DELAY_S, refresh_stress)
     refresh_stress()
 
 
@@ -185,7 +185,7 @@ def stress_limit() -> float:
 
 
 def stress_delay() -> None:
-    """In stress mode (``RPP_STRESS_DELAY_S``), sleep a random time before a wait: the threads reach
+    """In stress mode (``RPP_DEBUG_STRESS_DELAY_S``), sleep a random time before a wait: the threads reach
     each synchronisation point in ever different orders, so a missing fence shows in the tests as a
     wrong result or a hang instead of hiding behind one lucky interleaving."""
     limit = _stress_limit

@@ -175,7 +175,7 @@ def _give_grads(
     device: "DeviceManager", run: Run, ctx: MicrobatchState, group: int, in_grads: List[Optional[torch.Tensor]]
 ) -> None:
     """Input gradients of backward group ``group`` go to group - 1: on the device if it runs here, as a
-    peer copy to its device (``RPP_PEER_HANDOFF``), else (and for the model input) to the host."""
+    peer copy to its device (``RPP_DEBUG_PEER_HANDOFF``), else (and for the model input) to the host."""
     consumer = run.job_device.get(("b", group - 1)) if group > 0 else None
     if consumer is device:
         ctx.grad_handoff = (device, in_grads, [])

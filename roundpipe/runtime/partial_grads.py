@@ -29,7 +29,7 @@ Life cycle, per call and layer of the fused group:
    ``finish_backward`` has waited for every gradient download, the primary's (which follows its
    upload of these buffers on the same stream) included.
 
-With peer hand-overs (``RPP_PEER_HANDOFF``, ``Run.peer_handoff``) a secondary copies its gradients
+With peer hand-overs (``RPP_DEBUG_PEER_HANDOFF``, ``Run.peer_handoff``) a secondary copies its gradients
 straight to the primary's device instead (a peer copy on its gradient stream, the event recorded after
 it), and the primary adds those copies without an upload: on 4 H200s each secondary's share of
 qwen3-1.7b's head (622 MB) otherwise went down to the host and up again, the three uploads one after
@@ -194,11 +194,11 @@ def part_of(m: int, parts: int, num_microbatch: int) -> int:
 
 
 def split_enabled() -> bool:
-    """Whether the fused job may be split over the devices (``RPP_SPLIT_FUSED``). ``auto``: where the
+    """Whether the fused job may be split over the devices (``RPP_DEBUG_SPLIT_FUSED``). ``auto``: where the
     devices compute at once (GPUs; CPU workers in the stress mode). CPU workers otherwise compute one
     at a time, and a split only adds each part's uploads and hand-overs (bench/job_cost.py: 4 workers
     167 us per job split, 79 us whole)."""
-    mode = settings.SPLIT_FUSED.get()
+    mode = settings.DEBUG_SPLIT_FUSED.get()
     if mode != "auto":
         return mode == "1"
     return any(backend.is_cuda(d.device) for d in device_mod.get_devices()) or threads.stress_limit() > 0

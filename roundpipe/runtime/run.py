@@ -74,7 +74,7 @@ class MicrobatchState:
     Attributes:
         microbatch_id: Index of this microbatch.
         flatten_inputs: Host copies of each backward stage's input: layer id -> (leaves, spec, events).
-        device_inputs: Backward-stage inputs kept on the device instead (``RPP_DEVICE_SAVED_GB``, one
+        device_inputs: Backward-stage inputs kept on the device instead (``RPP_DEBUG_DEVICE_SAVED_GB``, one
             device only): layer id -> (leaves, spec).
         input_requires_grad: For the model input: which leaves the caller wants gradients for.
         recompute_data: Data layers saved for recompute: layer id -> (host leaves, spec, events).
@@ -148,8 +148,8 @@ class Run:
         loss_fn: Optional[Callable[[Any, Any], Any]] = None,
         return_outputs: bool = False,
     ) -> None:
-        threads.refresh_stress()  # RPP_STRESS_DELAY_S, read once per call (the waits use it)
-        cpu_streams.refresh()  # RPP_CHECK_STREAMS (on in the stress mode): CPU streams check their order
+        threads.refresh_stress()  # RPP_DEBUG_STRESS_DELAY_S, read once per call (the waits use it)
+        cpu_streams.refresh()  # RPP_DEBUG_CHECK_STREAMS (on in the stress mode): CPU streams check their order
         self.model = model
         self.cfg = run_config
         # Settings the device threads consult per job, read once per call.
@@ -232,7 +232,7 @@ class Run:
             ctx.input_requires_grad = [isinstance(t, torch.Tensor) and t.requires_grad for t in leaves]
 
     def _device_saved_budget(self) -> int:
-        """``RPP_DEVICE_SAVED_GB`` in bytes; ``auto``: the device memory the plan leaves free
+        """``RPP_DEBUG_DEVICE_SAVED_GB`` in bytes; ``auto``: the device memory the plan leaves free
         (``budget.device_saved_room``) in a forward_backward call, none in a call whose backward comes
         later (several such calls may await their backward at once)."""
         limit = device_saved_limit()

@@ -201,7 +201,7 @@ class _TileGrads:
 
 
 class _PrefixKV(torch.autograd.Function):
-    """``[prefix, tile]`` keys and values for one masked attention call (``RPP_TILE_ATTENTION=bias``),
+    """``[prefix, tile]`` keys and values for one masked attention call (``RPP_DEBUG_TILE_ATTENTION=bias``),
     where the prefix (the earlier tiles') is a constant of this graph: its gradient and the tile's go
     through ``_TileGrads``."""
 
@@ -263,20 +263,20 @@ def attend(
 
 def split_attention(q: torch.Tensor) -> bool:
     """Whether a tile attends as two flash blocks (``tile_attention``) rather than one masked call:
-    ``RPP_TILE_ATTENTION`` ``split`` or ``bias``. ``auto`` splits on CPU workers (the masked call
+    ``RPP_DEBUG_TILE_ATTENTION`` ``split`` or ``bias``. ``auto`` splits on CPU workers (the masked call
     materialises its mask there) and on GPUs where the blocks run on cuDNN's fused attention
     (``tile_attention.cudnn_blocks``: 8 tiles of qwen3-8b LoRA at 65,536 tokens took 1.09x the whole
     sequence's step there, against 1.44x on flash attention 2 or with the mask; docs/benchmarks.md); else
     the masked call."""
-    mode = settings.TILE_ATTENTION.get()
+    mode = settings.DEBUG_TILE_ATTENTION.get()
     if mode == "auto":
         if q.device.type != "cuda":
             return True
         return q.dtype in (torch.float16, torch.bfloat16) and tile_attention.cudnn_blocks(q)
     if mode == "split" and q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(
-            f"RPP_TILE_ATTENTION=split: flash attention on GPUs takes float16 or bfloat16, not {q.dtype}; "
-            "set RPP_TILE_ATTENTION=bias (or auto) for this model"
+            f"RPP_DEBUG_TILE_ATTENTION=split: flash attention on GPUs takes float16 or bfloat16, not {q.dtype}; "
+            "set RPP_DEBUG_TILE_ATTENTION=bias (or auto) for this model"
         )
     return mode == "split"
 
