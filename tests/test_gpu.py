@@ -708,9 +708,10 @@ def test_split_tile_attention_names_the_setting_for_float32_on_the_gpu() -> None
     from roundpipe.runtime import sequence
 
     settings.configure(debug_tile_attention="split")
+    mode = sequence.SequenceRun.from_lengths([4]).attention  # as a call reads it
     with pytest.raises(ValueError, match="RPP_DEBUG_TILE_ATTENTION=split"):
-        sequence.split_attention(torch.zeros(1, 2, 4, 8, device="cuda"))
-    assert sequence.split_attention(torch.zeros(1, 2, 4, 8, device="cuda", dtype=torch.bfloat16))
+        sequence.split_attention(torch.zeros(1, 2, 4, 8, device="cuda"), mode)
+    assert sequence.split_attention(torch.zeros(1, 2, 4, 8, device="cuda", dtype=torch.bfloat16), mode)
 
 
 def test_first_segments_of_several_gpus_at_once_after_the_pool_settles_their_type() -> None:

@@ -44,7 +44,6 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, OrderedDict, S
 import torch
 from torch import nn
 
-from roundpipe import settings
 from roundpipe.devices import allocator, backend, memory
 from roundpipe.devices.backend import Event
 
@@ -70,12 +69,11 @@ def register_opaque(cls: type) -> None:
         _OPAQUE_TYPES = _OPAQUE_TYPES + (cls,)
 
 
-def enabled(device: torch.device, pool_size: int) -> bool:
-    """Whether jobs on ``device`` may be graphed (``RPP_DEBUG_GRAPHS``). ``auto``: on a pool of several GPUs,
-    where each job's host cost decides the pace (measured on one GPU, the graphs gave nothing: its
-    single device thread launches its kernels ahead of the GPU anyway). ``1`` on CPU workers selects
-    the stand-in."""
-    mode = settings.DEBUG_GRAPHS.get()
+def enabled(device: torch.device, pool_size: int, mode: str) -> bool:
+    """Whether jobs on ``device`` may be graphed under ``mode`` (``RPP_DEBUG_GRAPHS``, read once per call by
+    the run). ``auto``: on a pool of several GPUs, where each job's host cost decides the pace (measured on
+    one GPU, the graphs gave nothing: its single device thread launches its kernels ahead of the GPU
+    anyway). ``1`` on CPU workers selects the stand-in."""
     if mode == "0":
         return False
     if mode == "1":

@@ -150,7 +150,11 @@ def graph_signatures(
     and, for a backward job, the 'stage' grain and layers whose forward was seen drawing no random
     numbers and saving nothing for recompute. Sequence tiles run eagerly (each tile's attention reads a
     longer prefix), and so does every job of a long-context call (``Run.may_graph``)."""
-    if run.sequence is not None or not run.may_graph or not graphs.enabled(device.device, device_mod.get_num_devices()):
+    if (
+        run.sequence is not None
+        or not run.may_graph
+        or not graphs.enabled(device.device, device_mod.get_num_devices(), run.graph_mode)
+    ):
         return None
     if backward and run.cfg.recompute_grain != "stage":
         return None

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tupl
 import torch
 from torch.utils import _pytree as pytree
 
+from roundpipe import settings
 from roundpipe.devices import cpu_streams, graphs, threads
 from roundpipe.devices import device as device_mod
 from roundpipe.model_protocol import PipelinedModel
@@ -148,12 +149,13 @@ class Run:
         loss_fn: Optional[Callable[[Any, Any], Any]] = None,
         return_outputs: bool = False,
     ) -> None:
-        threads.refresh_stress()  # RPP_DEBUG_STRESS_DELAY_S, read once per call (the waits use it)
+        threads.refresh_waits()  # RPP_DEBUG_STRESS_DELAY_S and RPP_WATCHDOG_S, read once per call (the waits use them)
         cpu_streams.refresh()  # RPP_DEBUG_CHECK_STREAMS (on in the stress mode): CPU streams check their order
         self.model = model
         self.cfg = run_config
         # Settings the device threads consult per job, read once per call.
         self.peer_handoff = device_mod.peer_handoff_enabled()
+        self.graph_mode = settings.DEBUG_GRAPHS.get()  # ``graphs.enabled``
         self.batch = batch
         self.run_type = run_type
         self.enable_grad = run_type != "infer"
