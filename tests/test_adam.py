@@ -315,13 +315,14 @@ def test_auto_falls_back_without_compiler(monkeypatch, caplog) -> None:
     warnings = [r for r in caplog.records if "C++ kernel unavailable" in r.getMessage()]
     assert len(warnings) == 1
     assert_same_state(ours, ref, ps, qs)
-    monkeypatch.setenv(settings.DEBUG_ADAM_IMPL.name, "cpp")
+    monkeypatch.setenv(settings.DEBUG_ADAM_IMPL.name, "cpp")  # read when an optimizer is built
+    strict = Adam(ps, lr=0.01)
     with pytest.raises(optim_builder.OptimBuildError, match="no C\\+\\+ compiler"):
-        ours.step()
+        strict.step()
     # The failure is remembered: no rebuild attempt per step, even once a compiler would be found.
     monkeypatch.setattr(optim_builder, "_compiler", lambda: pytest.fail("rebuilt after a failure"))
     with pytest.raises(optim_builder.OptimBuildError, match="no C\\+\\+ compiler"):
-        ours.step()
+        strict.step()
 
 
 def test_kernel_builds_into_cache_keyed_by_cpu(monkeypatch, tmp_path) -> None:
