@@ -447,8 +447,11 @@ def configure(devices: Optional[str] = None, compile: Optional[bool] = None, **v
     for key, value in values.items():
         setting = REGISTRY.get("RPP_" + key.upper())
         if setting is None:
+            retired = retired_settings.RETIRED.get("RPP_" + key.upper())
             raise TypeError(
-                f"configure() got an unknown setting {key!r}; known: {sorted(n[4:].lower() for n in REGISTRY)}"
+                f"configure() got an unknown setting {key!r}"
+                + (f" (RPP_{key.upper()}: {retired})" if retired else "")
+                + f"; known: {sorted(n[4:].lower() for n in REGISTRY)}"
             )
         chosen.append((setting, _checked(setting, value) if isinstance(value, str) else value))
     if devices is not None:
