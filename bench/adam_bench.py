@@ -81,7 +81,7 @@ def make_optimizer(name: str, shapes: List[Tuple[int, ...]]) -> torch.optim.Opti
 
 
 CANDIDATES: Dict[str, str] = {
-    # candidate name -> RPP_ADAM_IMPL while it steps
+    # candidate name -> RPP_DEBUG_ADAM_IMPL while it steps
     "roundpipe Adam (cpp)": "cpp",
     "roundpipe Adam (torch fused path)": "torch",
     "torch AdamW fused=True": "",
@@ -92,7 +92,7 @@ ALONE = ("torch AdamW foreach=True",)
 
 
 def timed_step(opt: torch.optim.Optimizer, impl: str) -> float:
-    os.environ["RPP_ADAM_IMPL"] = impl or "auto"
+    os.environ["RPP_DEBUG_ADAM_IMPL"] = impl or "auto"
     t0 = time.perf_counter()
     opt.step()
     return time.perf_counter() - t0

@@ -88,14 +88,14 @@ case "${1:-}" in
     done
     timeout 150 python3 bench/compact_adam_bench.py --params 200M --threads 12 2>&1 | tee -a "$out/first2.log" | tail -12 ;;
   saved)  # issue 22 (nvidia-h100-x1), the final two-buffer runtime at ONE warm-up (the first timed iteration):
-    # backward-stage inputs on the host (default) against kept on the GPU (RPP_DEVICE_SAVED_GB=16), host
+    # backward-stage inputs on the host (default) against kept on the GPU (RPP_DEBUG_DEVICE_SAVED_GB=16), host
     # bytes/param and tokens/s side by side, qwen3-1.7b and qwen3-4b; then qwen3-8b with the compact state
     # (int8 moments, bf16 masters). A short first run takes the fresh machine's slow first process.
     P="^\\| roundpipe|load to|per-iteration|host RSS growth|optimizer step|Error"
     timeout -s ABRT 90 python3 bench/train_bench.py --workload qwen3-1.7b --warmup 1 --iters 2 --skip-baseline 2>&1 | quiet | grep -E "load to|Error"
     for a in "0 qwen3-1.7b 6 70" "16 qwen3-1.7b 6 70" "0 qwen3-4b 4 90" "16 qwen3-4b 4 90" "0 qwen3-1.7b 6 70"; do
-      set -- $a; echo "RPP_DEVICE_SAVED_GB=$1 $2" | tee -a "$out/saved.log"
-      RPP_DEVICE_SAVED_GB=$1 timeout -s ABRT $4 python3 bench/train_bench.py --workload $2 --warmup 1 --iters $3 --skip-baseline 2>&1 | quiet | tee -a "$out/saved.log" | grep -E "$P"
+      set -- $a; echo "RPP_DEBUG_DEVICE_SAVED_GB=$1 $2" | tee -a "$out/saved.log"
+      RPP_DEBUG_DEVICE_SAVED_GB=$1 timeout -s ABRT $4 python3 bench/train_bench.py --workload $2 --warmup 1 --iters $3 --skip-baseline 2>&1 | quiet | tee -a "$out/saved.log" | grep -E "$P"
     done
     timeout -s ABRT 200 python3 bench/train_bench.py --workload qwen3-8b --warmup 1 --iters 3 --skip-baseline --optim-state int8 --master bfloat16 2>&1 | quiet | tee -a "$out/saved.log" | grep -E "$P" ;;
   gaps)  # issue 22: the GPU's idle gaps in the first timed iteration after ONE warm-up against the third, with
@@ -115,25 +115,25 @@ case "${1:-}" in
       RPP_PROFILER=$pr timeout -s ABRT 80 python3 bench/train_bench.py --workload qwen3-1.7b --warmup 1 --iters 3 --skip-baseline --profile-timed 1,3 2>&1 | grep -v -i warn | tee -a "$out/gaps2.log" | grep -E "timed iteration|GPU 0| ms at|idle|between|Error" | head -40
     done ;;
   auto)  # issue 22 (nvidia-h100-x1): backward-stage inputs kept in the GPU memory the plan leaves free by default
-    # (RPP_DEVICE_SAVED_GB=auto) against the host copies (=0), one warm-up each: host bytes/param, tokens/s,
+    # (RPP_DEBUG_DEVICE_SAVED_GB=auto) against the host copies (=0), one warm-up each: host bytes/param, tokens/s,
     # the first timed iteration; the GPU tests first (also the machine's first process). Last, where the first
     # timed iteration waits: the runtime threads' blocking waits (--wait-log) and the GPU's idle gaps.
     timeout 300 python3 -m pytest -m gpu tests/test_gpu.py tests/test_loss.py -q -p no:cacheprovider 2>&1 | tee -a "$out/auto.log" | tail -2
     P="^\\| roundpipe|load to|per-iteration|host RSS growth|Error"
     for a in "auto qwen3-1.7b 5 60" "0 qwen3-1.7b 5 60" "auto qwen3-4b 3 75" "0 qwen3-4b 3 75"; do
-      set -- $a; echo "RPP_DEVICE_SAVED_GB=$1 $2" | tee -a "$out/auto.log"
-      RPP_DEVICE_SAVED_GB=$1 timeout -s ABRT $4 python3 bench/train_bench.py --workload $2 --warmup 1 --iters $3 --skip-baseline 2>&1 | quiet | tee -a "$out/auto.log" | grep -E "$P"
+      set -- $a; echo "RPP_DEBUG_DEVICE_SAVED_GB=$1 $2" | tee -a "$out/auto.log"
+      RPP_DEBUG_DEVICE_SAVED_GB=$1 timeout -s ABRT $4 python3 bench/train_bench.py --workload $2 --warmup 1 --iters $3 --skip-baseline 2>&1 | quiet | tee -a "$out/auto.log" | grep -E "$P"
     done
     timeout -s ABRT 60 python3 bench/train_bench.py --workload qwen3-1.7b --warmup 1 --iters 3 --skip-baseline --wait-log --profile-timed 1,3 2>&1 | grep -v -i warn \
       | tee -a "$out/auto.log" | grep -E "^waits|timed iteration|GPU 0|copies| ms at| ms from|Error" | head -70 ;;
   auto2)  # issue 22 (nvidia-h100-x1), seventeenth session: a warm-up process first (a fresh machine's first process
-    # compiles and ran past the limits of "auto"), then RPP_DEVICE_SAVED_GB 0 vs auto side by side, then what each
+    # compiles and ran past the limits of "auto"), then RPP_DEBUG_DEVICE_SAVED_GB 0 vs auto side by side, then what each
     # thread runs, 20 ms by 20 ms, in the first timed iteration (the gap at the forward-to-backward turn).
     timeout -s ABRT 200 python3 bench/train_bench.py --workload qwen3-1.7b --warmup 1 --iters 2 --skip-baseline 2>&1 | tail -3 | tee -a "$out/auto2.log"
     P="^\\| roundpipe|load to|per-iteration|host RSS growth|garbage|Error"
     for a in "0 qwen3-1.7b 5 100" "auto qwen3-1.7b 5 100" "0 qwen3-4b 3 130" "auto qwen3-4b 3 130"; do
-      set -- $a; echo "RPP_DEVICE_SAVED_GB=$1 $2" | tee -a "$out/auto2.log"
-      RPP_DEVICE_SAVED_GB=$1 timeout -s ABRT $4 python3 bench/train_bench.py --workload $2 --warmup 1 --iters $3 --skip-baseline 2>&1 | quiet | tee -a "$out/auto2.log" | grep -E "$P"
+      set -- $a; echo "RPP_DEBUG_DEVICE_SAVED_GB=$1 $2" | tee -a "$out/auto2.log"
+      RPP_DEBUG_DEVICE_SAVED_GB=$1 timeout -s ABRT $4 python3 bench/train_bench.py --workload $2 --warmup 1 --iters $3 --skip-baseline 2>&1 | quiet | tee -a "$out/auto2.log" | grep -E "$P"
     done
     timeout -s ABRT 100 python3 bench/train_bench.py --workload qwen3-1.7b --warmup 1 --iters 3 --skip-baseline --stack-timeline 1 > "$out/timeline.log" 2>&1
     grep -E "per-iteration|load to|garbage" "$out/timeline.log" ;;
@@ -182,7 +182,7 @@ case "${1:-}" in
     export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False
     for a in "${SEQ:-65536} 2,1 bias" "${SEQ:-65536} 2 split"; do
       set -- $a
-      RPP_TILE_ATTENTION=$3 timeout -s ABRT 280 python3 bench/pool_bench.py --workload qwen3-8b --lora 16 --batch 1 --seq $1 --devices $2 --graphs 0 --sequence-tiles 8 --warmup 1 --warmup-seq 8192 --iters 2 --busy --json "$out/seqtiles.json" 2>&1 | tee -a "$out/seqtiles.log" | grep -E "tokens/s|plan|Error"
+      RPP_DEBUG_TILE_ATTENTION=$3 timeout -s ABRT 280 python3 bench/pool_bench.py --workload qwen3-8b --lora 16 --batch 1 --seq $1 --devices $2 --graphs 0 --sequence-tiles 8 --warmup 1 --warmup-seq 8192 --iters 2 --busy --json "$out/seqtiles.json" 2>&1 | tee -a "$out/seqtiles.log" | grep -E "tokens/s|plan|Error"
     done ;;
   gcfreeze)  # issues 36/37 (nvidia-h100-x1 or nvidia-h200), for the twenty-third session: the GPU tests with
     # RPP_GC_FREEZE=1 (one graph-capture test failed with it in the twenty-second session: the whole output this
@@ -216,17 +216,17 @@ case "${1:-}" in
     timeout -s ABRT 110 python3 bench/pool_bench.py --workload qwen3-1.7b --batch 16 --devices 4 --graphs 1 --busy --gil-sampler --json "$out/rows.jsonl" 2>&1 | quiet | tee "$out/gil.log" | grep -v "^ *$" | tail -8
     b="python3 bench/train_bench.py --workload qwen3-1.7b --batch 16 --skip-baseline --warmup 3 --iters 3"
     timeout -s ABRT 90 $b --no-step 2>&1 | quiet | tee "$out/nostep.log" | grep -E "^\\| roundpipe|per-iteration|Error"
-    RPP_PEER_HANDOFF=1 timeout -s ABRT 90 $b 2>&1 | quiet | tee "$out/peer.log" | grep -E "^\\| roundpipe|per-iteration|Error"
+    RPP_DEBUG_PEER_HANDOFF=1 timeout -s ABRT 90 $b 2>&1 | quiet | tee "$out/peer.log" | grep -E "^\\| roundpipe|per-iteration|Error"
     timeout -s ABRT 90 $b --microbatches 16 2>&1 | quiet | tee "$out/mb16.log" | grep -E "^\\| roundpipe|per-iteration|simulated|Error" ;;
   x4d)  # issues 36/39 (nvidia-h200-x4), twenty-third session, call 4: is a 4-GPU run repeatable (the Trainer test's
     # losses differed between runs), then qwen3-1.7b 16 x 4096 in one process per pool: 4 GPUs with peer hand-overs
-    # (RPP_PEER_HANDOFF=auto's new default there) and without, 1 GPU, 2 GPUs; logs in $out
+    # (RPP_DEBUG_PEER_HANDOFF=auto's new default there) and without, 1 GPU, 2 GPUs; logs in $out
     timeout 50 python3 bench/repeat_losses.py 2>&1 | tee "$out/repeat.log" | grep -E "device|Error"
     CUDA_VISIBLE_DEVICES=0 timeout 40 python3 bench/repeat_losses.py 2>&1 | tee -a "$out/repeat.log" | grep -E "device|Error"
     b="python3 bench/train_bench.py --workload qwen3-1.7b --batch 16 --skip-baseline --warmup 3 --iters 3"
     for v in "0,1,2,3 auto" "0,1,2,3 0" "0 auto" "0,1 auto"; do
       set -- $v
-      CUDA_VISIBLE_DEVICES=$1 RPP_PEER_HANDOFF=$2 timeout -s ABRT 90 $b 2>&1 | quiet | tee "$out/b$1-$2.log" | grep -E "^\\| roundpipe|per-iteration|Error" | sed "s/^/gpus=$1 peer=$2 /"
+      CUDA_VISIBLE_DEVICES=$1 RPP_DEBUG_PEER_HANDOFF=$2 timeout -s ABRT 90 $b 2>&1 | quiet | tee "$out/b$1-$2.log" | grep -E "^\\| roundpipe|per-iteration|Error" | sed "s/^/gpus=$1 peer=$2 /"
     done ;;
   next1)  # any kind, first call of the twenty-fourth session: every GPU test on the final tree, each result named
     # (-rA), with room for a fresh machine's compiles; log in $out/gputests.log
@@ -237,11 +237,11 @@ case "${1:-}" in
     # on by auto) and 1 GPU first, then 4 GPUs without peer hand-overs and 2 GPUs; logs in $out (no commas in names)
     export PYTHONFAULTHANDLER=1
     timeout -s ABRT 150 python3 bench/repeat_losses.py 2>&1 | tee "$out/repeat4.log" | grep -E "device|Error"
-    RPP_GRAPHS=0 timeout -s ABRT 90 python3 bench/repeat_losses.py 2>&1 | tee -a "$out/repeat4.log" | grep -E "device|Error" | sed "s/^/graphs=0 /"
+    RPP_DEBUG_GRAPHS=0 timeout -s ABRT 90 python3 bench/repeat_losses.py 2>&1 | tee -a "$out/repeat4.log" | grep -E "device|Error" | sed "s/^/graphs=0 /"
     b="python3 bench/train_bench.py --workload qwen3-1.7b --batch 16 --skip-baseline --warmup 3 --iters 4"
     for v in "0,1,2,3 auto 4auto 200" "0 auto 1 120" "0,1,2,3 0 4nopeer 110" "0,1 auto 2auto 110"; do
       set -- $v
-      CUDA_VISIBLE_DEVICES=$1 RPP_PEER_HANDOFF=$2 timeout -s ABRT $4 $b 2>&1 | quiet | tee "$out/g$3.log" | grep -E "^\\| roundpipe|per-iteration|Error" | sed "s/^/gpus=$1 peer=$2 /"
+      CUDA_VISIBLE_DEVICES=$1 RPP_DEBUG_PEER_HANDOFF=$2 timeout -s ABRT $4 $b 2>&1 | quiet | tee "$out/g$3.log" | grep -E "^\\| roundpipe|per-iteration|Error" | sed "s/^/gpus=$1 peer=$2 /"
     done ;;
   next4b)  # issue 39 run 2 (a 4-GPU kind), after next4 on the same warm machine: qwen3-1.7b 32 x 4096 and
     # qwen3-4b 16 x 4096, 4 GPUs against 1 in one call, one process per pool; W=qwen3-4b B=16 to pick one
@@ -276,7 +276,7 @@ case "${1:-}" in
     python3 -m roundpipe plan --model qwen3-8b --seq-len 131072 --lora-r 16 --gpu-memory 24GiB 2>&1 | grep "peak GPU"
     RPP_GPU_MEMORY=24GiB timeout -s ABRT 500 python3 bench/long_context.py --workload qwen3-8b --lora 16 --lengths 131072 --skip-baseline --memory-detail --out "$out/capped8b.json" 2>&1 | quiet | tee "$out/capped8b.log" | grep -v "^ *$" | tail -14 ;;
   s25c)  # issue 37 part 2: what fills the GPU at the peak of a qwen3-8b LoRA step at 131,072 (a 2-layer slice, as capped)
-    RPP_GPU_MEMORY=24GiB RPP_DEVICE_SAVED_GB=0 timeout -s ABRT 400 python3 bench/memory_trace.py --workload qwen3-8b --lora 16 --layers 2 --seq 131072 --top 24 2>&1 | quiet | tee "$out/trace.log" | tail -32 ;;
+    RPP_GPU_MEMORY=24GiB RPP_DEBUG_DEVICE_SAVED_GB=0 timeout -s ABRT 400 python3 bench/memory_trace.py --workload qwen3-8b --lora 16 --layers 2 --seq 131072 --top 24 2>&1 | quiet | tee "$out/trace.log" | tail -32 ;;
   s25d)  # issue 38 on one GPU: what 8 tiles of one sequence cost beside the whole sequence, both tile attentions
     timeout -s ABRT 560 python3 bench/pool_bench.py --workload qwen3-8b --lora 16 --batch 1 --seq ${SEQ:-65536} --devices 1 --graphs 0 --sequence-tiles 8 --tile-modes none,split,bias --warmup 1 --iters 2 --json "$out/tiles1.json" 2>&1 | quiet | tee "$out/tiles1.log" | grep -E "tokens/s|plan|Error|error" ;;
   s25e)  # issue 38 on one GPU: the kernels of 8 tiles against the whole sequence (a 4-layer qwen3-8b LoRA slice, 65,536)
@@ -354,18 +354,18 @@ case "${1:-}" in
       timeout -s ABRT 150 python3 bench/train_bench.py --workload qwen3-1.7b --batch 16 --microbatches $mb --skip-baseline \
         --warmup 3 --iters 4 2>&1 | quiet | tee "$out/mb$mb.log" | grep -E "^\\| roundpipe|Error"
     done ;;
-  s28b)  # issue 36's job-count row on one GPU, call 2: the same rows with graphed jobs (RPP_GRAPHS=1; auto graphs
+  s28b)  # issue 36's job-count row on one GPU, call 2: the same rows with graphed jobs (RPP_DEBUG_GRAPHS=1; auto graphs
     # pools of several GPUs only), then eagerly again, one process each
     for run in "1 16" "1 4" "0 16" "0 4"; do
       set -- $run
-      RPP_GRAPHS=$1 timeout -s ABRT 150 python3 bench/train_bench.py --workload qwen3-1.7b --batch 16 --microbatches $2 \
+      RPP_DEBUG_GRAPHS=$1 timeout -s ABRT 150 python3 bench/train_bench.py --workload qwen3-1.7b --batch 16 --microbatches $2 \
         --skip-baseline --warmup 3 --iters 4 2>&1 | quiet | tee "$out/g$1_mb$2.log" | grep -E "^\\| roundpipe|Error"
     done ;;
   s28c)  # call 3: graphed jobs on one GPU where auto leaves them off: qwen3-1.7b 8 x 4096 at the default 2 microbatches
-    # and 16 x 4096 at 8, graphed (RPP_GRAPHS=1) and eager, one process each
+    # and 16 x 4096 at 8, graphed (RPP_DEBUG_GRAPHS=1) and eager, one process each
     for run in "1 8 2" "0 8 2" "1 16 8" "0 16 8"; do
       set -- $run
-      RPP_GRAPHS=$1 timeout -s ABRT 130 python3 bench/train_bench.py --workload qwen3-1.7b --batch $2 --microbatches $3 \
+      RPP_DEBUG_GRAPHS=$1 timeout -s ABRT 130 python3 bench/train_bench.py --workload qwen3-1.7b --batch $2 --microbatches $3 \
         --skip-baseline --warmup 3 --iters 4 2>&1 | quiet | tee "$out/g$1_b$2_mb$3.log" | grep -E "^\\| roundpipe|Error"
     done ;;
   s28d)  # call 4 (carry [".whl"]: liger-kernel): the job-count row beside the GPU-resident Liger baseline, which runs the
@@ -376,7 +376,7 @@ case "${1:-}" in
         --baseline-microbatches $mb --baselines liger --warmup 3 --iters 4 2>&1 | quiet | tee "$out/liger_mb$mb.log" \
         | grep -E "^\\| (roundpipe|gpu-resident)|Error"
     done
-    RPP_GRAPHS=1 timeout -s ABRT 120 python3 bench/train_bench.py --workload qwen3-1.7b --batch 16 --microbatches 16 \
+    RPP_DEBUG_GRAPHS=1 timeout -s ABRT 120 python3 bench/train_bench.py --workload qwen3-1.7b --batch 16 --microbatches 16 \
       --skip-baseline --warmup 3 --iters 4 2>&1 | quiet | tee "$out/g1_mb16.log" | grep -E "^\\| roundpipe|Error" ;;
   s28e)  # call 5 (carry [".whl"]: liger-kernel), issue 37 part 1 in one call: per workload the bench beside the GPU-resident
     # Liger baseline (one process, 3 warm-up + 6 timed), then the user script (3 warm-up + 6 timed + its final synchronize)
@@ -468,12 +468,12 @@ case "${1:-}" in
       | tee "$out/tiles262k2.log" | grep -E "tokens/s|iterations|Error|error" ;;
   s30a)  # thirtieth session, call 1 (one GPU; the several-GPU kinds are withheld): every GPU test on the final tree;
     # then the graph-slot fix (7f38b74) on one GPU: qwen3-8b LoRA 131,072 under a 24 GiB cap, no allocator variable,
-    # with graphs forced on (RPP_GRAPHS=1), so the 4,096-token warm-up leaves graphs and slots as 2 GPUs' default does
+    # with graphs forced on (RPP_DEBUG_GRAPHS=1), so the 4,096-token warm-up leaves graphs and slots as 2 GPUs' default does
     export PYTHONFAULTHANDLER=1
     nvidia-smi -L
     timeout -s ABRT 300 python3 -m pytest -m gpu tests -q -rA -p no:cacheprovider 2>&1 | tee "$out/gputests.log" \
       | grep -E "^(FAILED|ERROR)|passed|failed|^E " | head -30
-    RPP_GRAPHS=1 RPP_GPU_MEMORY=24GiB timeout -s ABRT $(( 590 - SECONDS )) python3 bench/long_context.py --workload qwen3-8b \
+    RPP_DEBUG_GRAPHS=1 RPP_GPU_MEMORY=24GiB timeout -s ABRT $(( 590 - SECONDS )) python3 bench/long_context.py --workload qwen3-8b \
       --lora 16 --lengths 131072 --skip-baseline --memory-detail --out "$out/capped8b_graphs.json" 2>&1 | quiet \
       | tee "$out/capped8b_graphs.log" | grep -v "^ *$" | tail -12 ;;
   s30b)  # call 2 (one GPU, carry [".whl"]: liger-kernel): the final tree's bench beside Liger and the user script (plain,
@@ -494,7 +494,7 @@ case "${1:-}" in
     export PYTHONFAULTHANDLER=1
     timeout 120 python3 bench/handle_type_race.py --trials 16 --parallel 4 2>&1 | tail -2
     for a in "expandable_segments:True" "expandable_segments:False"; do
-      PYTORCH_ALLOC_CONF=$a RPP_GRAPHS=1 timeout -s ABRT 200 python3 bench/train_bench.py --workload qwen3-1.7b --batch 16 \
+      PYTORCH_ALLOC_CONF=$a RPP_DEBUG_GRAPHS=1 timeout -s ABRT 200 python3 bench/train_bench.py --workload qwen3-1.7b --batch 16 \
         --skip-baseline --warmup 3 --iters 4 2>&1 | quiet | grep -E "^\\| roundpipe|Error" | sed "s/^/$a /"
     done ;;
   next4d)  # issues 38/39 run 7 (a 4-GPU kind): qwen3-8b LoRA, one 262,144-token sequence: 8 tiles on 4 GPUs, then the whole

@@ -161,12 +161,12 @@ def run_config(
     from roundpipe import RoundPipeRunConfig
     from roundpipe.planning.timer import ModelTimer
 
-    roundpipe.configure(devices=devices, graphs=graphs, peer_handoff=peer)
+    roundpipe.configure(devices=devices, debug_graphs=graphs, debug_peer_handoff=peer)
     n = roundpipe.get_num_devices()
     n_mb = args.microbatches or 2 * n
     model.model_run_config = RoundPipeRunConfig(num_microbatch=n_mb)
     if tile_mode:  # --tile-modes: "none" the whole sequence, else tiles attending this way (any device count)
-        roundpipe.configure(tile_attention=tile_mode if tile_mode != "none" else "auto")
+        roundpipe.configure(debug_tile_attention=tile_mode if tile_mode != "none" else "auto")
         tiled = tile_mode != "none"
         n_mb = args.sequence_tiles if tiled else 1
         model.model_run_config = RoundPipeRunConfig(
@@ -246,11 +246,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument(
         "--devices", default="1,2,4", help="GPU counts (the first k GPUs), e.g. 1,2,4; on CPU: worker counts"
     )
-    p.add_argument("--graphs", default="0,1", help="RPP_GRAPHS values to run, e.g. 0,1")
+    p.add_argument("--graphs", default="0,1", help="RPP_DEBUG_GRAPHS values to run, e.g. 0,1")
     p.add_argument(
         "--peer",
         default="auto",
-        help="RPP_PEER_HANDOFF values to run, e.g. 0,1 (hand-overs between GPUs as peer copies; auto: the default)",
+        help="RPP_DEBUG_PEER_HANDOFF values to run, e.g. 0,1 (hand-overs between GPUs as peer copies; default auto)",
     )
     p.add_argument("--microbatches", type=int, default=0, help="default: 2 per device")
     p.add_argument("--warmup", type=int, default=3)
@@ -271,7 +271,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "--tile-modes",
         default="",
         help="with --sequence-tiles, rows per device count for each of these: none (the whole sequence), bias, split "
-        "(RPP_TILE_ATTENTION), e.g. none,bias,split on one GPU: what the tiles cost beside the whole sequence",
+        "(RPP_DEBUG_TILE_ATTENTION), e.g. none,bias,split on one GPU: what the tiles cost beside the whole sequence",
     )
     p.add_argument("--no-step", action="store_true", help="diagnostic: skip the optimizer (the pipeline alone)")
     p.add_argument("--json", default="", help="append each row as a JSON line to this file")

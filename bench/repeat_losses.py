@@ -2,7 +2,7 @@
 current pool (``RPP_DEVICES``, default all GPUs): the first call's host gradients compared bit for bit, then the
 losses of a few Adam steps (two calls per step, clipping), as the Trainer GPU test runs them.
 
-    python bench/repeat_losses.py --steps 6            # RPP_GRAPHS=0 / RPP_SPLIT_FUSED=0 / ... to isolate a cause
+    python bench/repeat_losses.py --steps 6    # RPP_DEBUG_GRAPHS=0 / RPP_DEBUG_SPLIT_FUSED=0 / ... to isolate a cause
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ Modes (each prints one JSON line):
   the two steps' parameter gradients (all trainable parameters flattened; and the worst tensor's). With
   ``--plan layerwise`` (default) every decoder layer's input is kept, and compacted.
 
-Stage inputs kept in the GPU's free room stay exact, so the script sets ``RPP_DEVICE_SAVED_GB=0``: every
+Stage inputs kept in the GPU's free room stay exact, so the script sets ``RPP_DEBUG_DEVICE_SAVED_GB=0``: every
 stage input goes through the host, where the compact format applies. ``"compacted"`` counts the tensors
 encoded in the fp8 run (0 would mean the comparison compared nothing).
 
@@ -58,7 +58,7 @@ def task_losses(mode: str, args: argparse.Namespace, out_dir: str, seed: int = 0
     cmd += ["--log-every", str(max(1, args.steps // 4)), "--no-tensorboard", "--no-progress"]
     if args.seq:
         cmd += ["--seq-len", str(args.seq)]
-    env = dict(os.environ, RPP_DEVICE_SAVED_GB="0", RPP_PROGRESS="0")
+    env = dict(os.environ, RPP_DEBUG_DEVICE_SAVED_GB="0", RPP_PROGRESS="0")
     subprocess.run(cmd, check=True, cwd=ROOT, env=env, stdout=sys.stderr)
     with open(os.path.join(out_dir, "metrics.csv")) as f:
         return [float(row["loss"]) for row in csv.DictReader(f)]
@@ -324,7 +324,7 @@ def main() -> None:
         "--seeds", type=int, default=0, help="task: exact and compact at seeds 0..N-1, the means over seeds compared"
     )
     args = p.parse_args()
-    os.environ["RPP_DEVICE_SAVED_GB"] = "0"  # every stage input through the host (see the module docstring)
+    os.environ["RPP_DEBUG_DEVICE_SAVED_GB"] = "0"  # every stage input through the host (see the module docstring)
     if args.block_errors:
         print(json.dumps(block_errors(args)))
         return

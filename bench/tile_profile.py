@@ -46,7 +46,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=65536)
     p.add_argument("--tiles", type=int, default=8)
     p.add_argument("--top", type=int, default=14)
-    p.add_argument("--modes", default="split,bias", help="RPP_TILE_ATTENTION values of the tiled rows")
+    p.add_argument("--modes", default="split,bias", help="RPP_DEBUG_TILE_ATTENTION values of the tiled rows")
     args = p.parse_args()
     from roundpipe import RoundPipeRunConfig
 
@@ -62,7 +62,7 @@ def main() -> None:
         (f"{args.tiles} tiles, {m}", RoundPipeRunConfig(sequence_tiles=args.tiles), m) for m in args.modes.split(",")
     ]
     for name, cfg, mode in rows:
-        roundpipe.configure(tile_attention=mode)
+        roundpipe.configure(debug_tile_attention=mode)
         model.model_run_config = cfg
         model.plan_cache.clear()
         for _ in range(2):  # warm-up at full length: kernels, plans, pinned blocks

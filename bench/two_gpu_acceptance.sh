@@ -20,11 +20,11 @@ case "${1:-}" in
   tests)  # the GPU tests, the 2-GPU ones included
     python3 -m pytest -m gpu tests/test_gpu.py tests/test_loss.py -q -p no:cacheprovider 2>&1 | tail -5 ;;
   scale)  # issue 19: qwen3-1.7b and qwen3-4b, 16 x 4096, 2 GPUs >= 1.85x one GPU of the same machine
-    # (SCALE_NOSPLIT=1: also 2 GPUs with the fused job unsplit, RPP_SPLIT_FUSED=0; SCALE_MODELS picks models)
+    # (SCALE_NOSPLIT=1: also 2 GPUs with the fused job unsplit, RPP_DEBUG_SPLIT_FUSED=0; SCALE_MODELS picks models)
     for w in ${SCALE_MODELS:-qwen3-1.7b qwen3-4b}; do
       CUDA_VISIBLE_DEVICES=0 bench --workload $w --batch 16 --skip-baseline --warmup 3 --iters 4 | tail -4
       bench --workload $w --batch 16 --skip-baseline --warmup 3 --iters 4 | tail -4
-      [ -n "${SCALE_NOSPLIT:-}" ] && RPP_SPLIT_FUSED=0 bench --workload $w --batch 16 --skip-baseline --warmup 3 --iters 4 | tail -1
+      [ -n "${SCALE_NOSPLIT:-}" ] && RPP_DEBUG_SPLIT_FUSED=0 bench --workload $w --batch 16 --skip-baseline --warmup 3 --iters 4 | tail -1
       # SCALE_MB=K: also 2 GPUs with K microbatches (default 2 per device: 4 on 2 GPUs)
       [ -n "${SCALE_MB:-}" ] && bench --workload $w --batch 16 --microbatches "$SCALE_MB" --skip-baseline --warmup 3 --iters 4 | tail -2
     done ;;
@@ -45,7 +45,7 @@ case "${1:-}" in
     tbench 70 $W | grep -E "^\| roundpipe|per-iteration|optimizer step|Error"
     tbench 70 $W --no-step | grep -E "^\| roundpipe|per-iteration|Error"
     RPP_OPTIM_THREADS=12 tbench 70 $W | grep -E "^\| roundpipe|per-iteration|optimizer step|Error" ;;
-  peer)  # issue 19: activations GPU to GPU (RPP_PEER_HANDOFF=1) against through the host, and forward groups
+  peer)  # issue 19: activations GPU to GPU (RPP_DEBUG_PEER_HANDOFF=1) against through the host, and forward groups
     # of 1, 2, 4 layers (backward one layer per group): what the hand-overs between forward groups cost.
     # The first 2-GPU training run of a machine took over 70 s (37 s later): a short run takes that first.
     timeout 150 python3 -m pytest -m gpu tests/test_gpu.py -k "peer" -q -p no:cacheprovider 2>&1 | tee -a "$log" | tail -2
@@ -54,8 +54,8 @@ case "${1:-}" in
     CUDA_VISIBLE_DEVICES=0 tbench 80 $W | grep -E "^\| roundpipe|per-iteration|plan:|Error"
     for run in "0 layerwise" "1 layerwise" "0 fwd2" "0 fwd4" "1 fwd2" "1 fwd4" "0 layerwise"; do
       set -- $run
-      echo "RPP_PEER_HANDOFF=$1 --plan $2" | tee -a "$log"
-      RPP_PEER_HANDOFF=$1 tbench 60 $W --plan $2 | grep -E "^\| roundpipe|per-iteration|Error"
+      echo "RPP_DEBUG_PEER_HANDOFF=$1 --plan $2" | tee -a "$log"
+      RPP_DEBUG_PEER_HANDOFF=$1 tbench 60 $W --plan $2 | grep -E "^\| roundpipe|per-iteration|Error"
     done ;;
   opt)  # issue 19: does the host optimizer bound 2 GPUs (its memory traffic beside the uploads)? forward groups
     # of 2 layers: default (and where the threads spend two more iterations), without Adam (--noop-step)

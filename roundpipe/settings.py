@@ -3,10 +3,14 @@
 A setting is read from the environment each time it is asked for (so a test or a launcher may change
 the variable between runs), unless :func:`configure` has set it in this process, which wins. Bad
 values raise ``ValueError`` naming the variable and what it accepts. Nothing else in roundpipe reads
-``os.environ`` for an ``RPP_*`` variable; ``markdown_table()`` renders the table of the user guide.
+``os.environ`` for an ``RPP_*`` variable. Settings under ``RPP_DEBUG_*`` are internal (debugging aids
+and test modes that may change without notice); ``markdown_table()`` renders the user guide's table of
+the others, ``markdown_table(internal=True)`` the internal one. An ``RPP_*`` variable set in the
+environment that roundpipe does not know (a renamed or removed one, a typo) draws one warning at
+import, naming what to use instead (``roundpipe.retired_settings``).
 
     from roundpipe import settings
-    settings.GRAD_BUFFERS.get()          # -> 2
+    settings.SEQ_TILE.get()              # -> 16384
     roundpipe.configure(devices="cpu:2", compile=False)
 """
 
@@ -18,6 +22,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Generic, Iterator, List, Optional, Tuple, TypeVar
 
+from roundpipe import retired_settings
 from roundpipe.setting_parsers import (
     boolean,
     choice,
@@ -52,6 +57,12 @@ class Setting(Generic[T]):
     doc: str
     """One line: what it changes."""
 
+    @property
+    def internal(self) -> bool:
+        """Whether this is a debugging aid or test mode (``RPP_DEBUG_*``) rather than a user setting: the
+        namespace is the one statement of it, so no internal setting goes by a user's name."""
+        return self.name.startswith(INTERNAL_PREFIX)
+
     def get(self) -> T:
         """The value: ``configure``'s if set in this process, else the environment's, else the default."""
         if self.name in _overrides:
@@ -71,6 +82,8 @@ class Setting(Generic[T]):
         return self.name in _overrides or bool(os.environ.get(self.name, "").strip())
 
 
+#: The namespace of the internal settings.
+INTERNAL_PREFIX = "RPP_DEBUG_"
 REGISTRY: Dict[str, Setting[Any]] = {}
 
 
@@ -116,9 +129,9 @@ def _gib_or_auto(raw: str) -> Optional[float]:
     return None if raw.lower() == "auto" else number(0.0)(raw)
 
 
-DEVICE_SAVED_GB: Setting[Optional[float]] = _register(
+DEBUG_DEVICE_SAVED_GB: Setting[Optional[float]] = _register(
     Setting(
-        "RPP_DEVICE_SAVED_GB",
+        "RPP_DEBUG_DEVICE_SAVED_GB",
         _gib_or_auto,
         None,
         "auto",
@@ -142,9 +155,9 @@ STAGE_INPUTS: Setting[str] = _register(
         "half the host memory; backward recomputes from the rounded values.",
     )
 )
-TILE_ATTENTION: Setting[str] = _register(
+DEBUG_TILE_ATTENTION: Setting[str] = _register(
     Setting(
-        "RPP_TILE_ATTENTION",
+        "RPP_DEBUG_TILE_ATTENTION",
         choice("auto", "split", "bias"),
         "auto",
         "auto",
@@ -214,9 +227,9 @@ STEP_MODE: Setting[str] = _register(
         "`streamed` (not stale, two copies: the next forward follows the step layer by layer).",
     )
 )
-SPLIT_FUSED: Setting[str] = _register(
+DEBUG_SPLIT_FUSED: Setting[str] = _register(
     Setting(
-        "RPP_SPLIT_FUSED",
+        "RPP_DEBUG_SPLIT_FUSED",
         tristate,
         "auto",
         "auto",
@@ -225,9 +238,9 @@ SPLIT_FUSED: Setting[str] = _register(
         "(auto: where the devices compute at once: GPUs, or CPU workers in the stress mode).",
     )
 )
-PEER_HANDOFF: Setting[str] = _register(
+DEBUG_PEER_HANDOFF: Setting[str] = _register(
     Setting(
-        "RPP_PEER_HANDOFF",
+        "RPP_DEBUG_PEER_HANDOFF",
         tristate,
         "auto",
         "auto",
@@ -237,20 +250,9 @@ PEER_HANDOFF: Setting[str] = _register(
         "can all reach each other, except in calls of one long sequence; docs/execute-plans.md).",
     )
 )
-GRAD_STREAM: Setting[bool] = _register(
+DEBUG_GRAPHS: Setting[str] = _register(
     Setting(
-        "RPP_GRAD_STREAM",
-        boolean,
-        True,
-        "1",
-        "`1` or `0`",
-        "Parameter gradients go to the host on a stream of their own, so activation hand-overs never queue "
-        "behind them (0: one download stream for both, for comparison; read when the devices are created).",
-    )
-)
-GRAPHS: Setting[str] = _register(
-    Setting(
-        "RPP_GRAPHS",
+        "RPP_DEBUG_GRAPHS",
         tristate,
         "auto",
         "auto",
@@ -270,9 +272,9 @@ WATCHDOG_S: Setting[float] = _register(
         "hand-over that long overdue fails the run.",
     )
 )
-STRESS_DELAY_S: Setting[float] = _register(
+DEBUG_STRESS_DELAY_S: Setting[float] = _register(
     Setting(
-        "RPP_STRESS_DELAY_S",
+        "RPP_DEBUG_STRESS_DELAY_S",
         number(0.0),
         0.0,
         "0 (off)",
@@ -280,26 +282,15 @@ STRESS_DELAY_S: Setting[float] = _register(
         "Test mode: CPU workers compute concurrently and every RoundPipe wait first sleeps up to this long.",
     )
 )
-CHECK_STREAMS: Setting[str] = _register(
+DEBUG_CHECK_STREAMS: Setting[str] = _register(
     Setting(
-        "RPP_CHECK_STREAMS",
+        "RPP_DEBUG_CHECK_STREAMS",
         tristate,
         "auto",
         "auto",
         "`auto`, `1` or `0`",
         "Test mode: CPU workers' streams record what each op reads and writes and raise when an op is not ordered "
         "after another stream's access to the same data (auto: in the stress mode).",
-    )
-)
-GC_FREEZE: Setting[bool] = _register(
-    Setting(
-        "RPP_GC_FREEZE",
-        boolean,
-        True,
-        "1",
-        "`1` or `0`",
-        "At a model's first step, collect garbage once and move every object alive then out of Python's full "
-        "collections (`gc.freeze`), which stall every thread for 0.5-0.8 s at random iterations (qwen3-4b, H200).",
     )
 )
 PROFILER: Setting[Optional[str]] = _register(
@@ -312,9 +303,9 @@ PROFILER: Setting[Optional[str]] = _register(
         "Mark each device job and blocking wait as a profiler range (read at import).",
     )
 )
-VERBOSE_TIMER: Setting[bool] = _register(
+DEBUG_TIMER: Setting[bool] = _register(
     Setting(
-        "RPP_VERBOSE_TIMER",
+        "RPP_DEBUG_TIMER",
         boolean,
         False,
         "0",
@@ -335,9 +326,9 @@ OPTIM_THREADS: Setting[Optional[int]] = _register(
         "Intra-op threads of the host optimizer thread.",
     )
 )
-ADAM_IMPL: Setting[str] = _register(
+DEBUG_ADAM_IMPL: Setting[str] = _register(
     Setting(
-        "RPP_ADAM_IMPL",
+        "RPP_DEBUG_ADAM_IMPL",
         choice("auto", "cpp", "torch"),
         "auto",
         "auto",
@@ -367,9 +358,9 @@ DISABLE_TORCH_COMPILE: Setting[bool] = _register(
         "Run the fused kernels and the chunked loss eagerly instead of through torch.compile.",
     )
 )
-FUSED_KERNELS: Setting[str] = _register(
+DEBUG_FUSED_KERNELS: Setting[str] = _register(
     Setting(
-        "RPP_FUSED_KERNELS",
+        "RPP_DEBUG_FUSED_KERNELS",
         tristate,
         "auto",
         "auto",
@@ -446,7 +437,7 @@ def configure(devices: Optional[str] = None, compile: Optional[bool] = None, **v
 
     ``devices`` is ``RPP_DEVICES`` (re-creating the device workers if they exist), ``compile`` the
     inverse of ``RPP_DISABLE_TORCH_COMPILE``; other settings by lower-case name without the prefix,
-    e.g. ``configure(grad_buffers=1)``. Values are checked as the environment's text would be.
+    e.g. ``configure(seq_tile=8192)``. Values are checked as the environment's text would be.
     """
     chosen: List[Tuple[Setting[Any], Any]] = []
     if devices is not None:
@@ -456,8 +447,11 @@ def configure(devices: Optional[str] = None, compile: Optional[bool] = None, **v
     for key, value in values.items():
         setting = REGISTRY.get("RPP_" + key.upper())
         if setting is None:
+            retired = retired_settings.RETIRED.get("RPP_" + key.upper())
             raise TypeError(
-                f"configure() got an unknown setting {key!r}; known: {sorted(n[4:].lower() for n in REGISTRY)}"
+                f"configure() got an unknown setting {key!r}"
+                + (f" (RPP_{key.upper()}: {retired})" if retired else "")
+                + f"; known: {sorted(n[4:].lower() for n in REGISTRY)}"
             )
         chosen.append((setting, _checked(setting, value) if isinstance(value, str) else value))
     if devices is not None:
@@ -553,7 +547,15 @@ def grad_buffers_limit() -> int:
 def check_runtime() -> None:
     """Parse the settings a RoundPipe's host buffers and steps read later on worker threads, so that a bad
     value fails when the model is built, naming its variable."""
-    for s in (GRAD_BUFFERS, DEVICE_SAVED_GB, STAGE_PARAMS, STEP_MODE, GRAD_INTO_MODEL, STAGE_INPUTS, TILE_ATTENTION):
+    for s in (
+        GRAD_BUFFERS,
+        DEBUG_DEVICE_SAVED_GB,
+        STAGE_PARAMS,
+        STEP_MODE,
+        GRAD_INTO_MODEL,
+        STAGE_INPUTS,
+        DEBUG_TILE_ATTENTION,
+    ):
         s.get()
 
 
@@ -578,7 +580,15 @@ def default_num_microbatch(num_devices: int) -> int:
     return num_devices + 1
 
 
-def markdown_table() -> str:
-    """The settings as the markdown table of the user guide."""
-    rows = [f"| `{s.name}` | {s.accepts} | {s.default_text} | {s.doc} |" for s in REGISTRY.values()]
+def markdown_table(internal: bool = False) -> str:
+    """The user settings as the markdown table of the user guide, or with ``internal`` the ``RPP_DEBUG_*`` ones."""
+    rows = [
+        f"| `{s.name}` | {s.accepts} | {s.default_text} | {s.doc} |"
+        for s in REGISTRY.values()
+        if s.internal == internal
+    ]
     return "\n".join(["| variable | accepts | default | what it does |", "|---|---|---|---|", *rows])
+
+
+# A renamed or removed RPP_* variable still set in the environment draws one warning naming its replacement.
+retired_settings.warn_unknown(os.environ, REGISTRY)

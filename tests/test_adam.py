@@ -1,7 +1,7 @@
 """roundpipe.optim.Adam against torch.optim.Adam: results, state dicts, param groups, fallbacks.
 
-Every comparison runs twice: on the C++ kernel (RPP_ADAM_IMPL=cpp) and on the torch path
-(RPP_ADAM_IMPL=torch, torch's fused CPU kernel). Tolerance: |ours - torch| <= 1e-6 + 1e-6 * |torch|
+Every comparison runs twice: on the C++ kernel (RPP_DEBUG_ADAM_IMPL=cpp) and on the torch path
+(RPP_DEBUG_ADAM_IMPL=torch, torch's fused CPU kernel). Tolerance: |ours - torch| <= 1e-6 + 1e-6 * |torch|
 (the two agree to a few float32 ulps; torch's own fused and single-tensor paths differ as much).
 """
 
@@ -43,7 +43,7 @@ def _kernel_available() -> bool:
 def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "cpp" and not _kernel_available():
         pytest.skip("no C++ compiler: the C++ kernel cannot be built")
-    monkeypatch.setenv(settings.ADAM_IMPL.name, request.param)
+    monkeypatch.setenv(settings.DEBUG_ADAM_IMPL.name, request.param)
     return request.param
 
 
@@ -303,7 +303,7 @@ def test_auto_falls_back_without_compiler(monkeypatch, caplog) -> None:
     monkeypatch.setattr(optim_builder, "_build_errors", {})
     monkeypatch.setattr(optim_builder, "_compiler", lambda: None)
     monkeypatch.setattr(adam_mod, "_kernel_error", None)
-    monkeypatch.setenv(settings.ADAM_IMPL.name, "auto")
+    monkeypatch.setenv(settings.DEBUG_ADAM_IMPL.name, "auto")
     ps = make_params(2)
     qs = clone_params(ps)
     ours, ref = Adam(ps, lr=0.01), torch.optim.Adam(qs, lr=0.01)
@@ -315,13 +315,14 @@ def test_auto_falls_back_without_compiler(monkeypatch, caplog) -> None:
     warnings = [r for r in caplog.records if "C++ kernel unavailable" in r.getMessage()]
     assert len(warnings) == 1
     assert_same_state(ours, ref, ps, qs)
-    monkeypatch.setenv(settings.ADAM_IMPL.name, "cpp")
+    monkeypatch.setenv(settings.DEBUG_ADAM_IMPL.name, "cpp")  # read when an optimizer is built
+    strict = Adam(ps, lr=0.01)
     with pytest.raises(optim_builder.OptimBuildError, match="no C\\+\\+ compiler"):
-        ours.step()
+        strict.step()
     # The failure is remembered: no rebuild attempt per step, even once a compiler would be found.
     monkeypatch.setattr(optim_builder, "_compiler", lambda: pytest.fail("rebuilt after a failure"))
     with pytest.raises(optim_builder.OptimBuildError, match="no C\\+\\+ compiler"):
-        ours.step()
+        strict.step()
 
 
 def test_kernel_builds_into_cache_keyed_by_cpu(monkeypatch, tmp_path) -> None:
@@ -343,13 +344,13 @@ def test_kernel_builds_into_cache_keyed_by_cpu(monkeypatch, tmp_path) -> None:
 def test_the_kernel_is_built_before_the_first_step(impl, monkeypatch, tmp_path) -> None:
     """The constructor starts building (first run on a machine) and loading the C++ step in a
     background thread: the first step finds it loaded instead of compiling it itself; with
-    ``RPP_ADAM_IMPL=torch`` nothing is built."""
+    ``RPP_DEBUG_ADAM_IMPL=torch`` nothing is built."""
     if optim_builder._compiler() is None:
         pytest.skip("no C++ compiler")
     import threading
 
     monkeypatch.setenv("RPP_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv(settings.ADAM_IMPL.name, impl)
+    monkeypatch.setenv(settings.DEBUG_ADAM_IMPL.name, impl)
     monkeypatch.setattr(optim_builder, "loaded_optim_functions", {})
     monkeypatch.setattr(optim_builder, "_build_errors", {})
     compiled_on: List[str] = []

@@ -95,7 +95,7 @@ def test_estimate_counts_the_checkpoints_the_runtime_keeps(monkeypatch: pytest.M
     from roundpipe.runtime import jobs as jobs_mod
 
     settings.configure(devices="cpu:1")
-    monkeypatch.setenv("RPP_DEVICE_SAVED_GB", "0")  # every stage input to the host (auto keeps them on one device)
+    monkeypatch.setenv("RPP_DEBUG_DEVICE_SAVED_GB", "0")  # every stage input to the host (auto: kept on one device)
     hf = tiny_model("qwen3")
     config = hf.config
     batch = make_batch(False, batch=BATCH, seq=SEQ)
@@ -382,7 +382,7 @@ def test_estimate_counts_the_split_fused_stage_host_buffers() -> None:
     and the second part's gradients reach the first through host buffers the estimate counts."""
     from roundpipe import settings
 
-    settings.configure(devices="cpu:2", split_fused="1")  # split as on GPUs (CPU workers' default keeps it whole)
+    settings.configure(devices="cpu:2", debug_split_fused="1")  # split as on GPUs (CPU workers' default keeps it whole)
     hf = tiny_model("qwen3")
     config = hf.config
     n = config.num_hidden_layers + 2
@@ -440,7 +440,7 @@ def _kept_counts(monkeypatch: pytest.MonkeyPatch) -> List[bool]:
 def test_auto_keeps_stage_inputs_in_the_room_the_plan_leaves(
     workers: str, room: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``RPP_DEVICE_SAVED_GB=auto`` (the default) on one device: a forward_backward call keeps its
+    """``RPP_DEBUG_DEVICE_SAVED_GB=auto`` (the default) on one device: a forward_backward call keeps its
     backward-stage inputs on the device while the room the plan leaves holds them (all of them on a CPU
     worker's host-sized "device"; none when that room is 0 or the variable says 0); loss and
     gradients are Hugging Face's either way. The call computes the model's activation profile once (the
@@ -451,7 +451,7 @@ def test_auto_keeps_stage_inputs_in_the_room_the_plan_leaves(
     if room == "none":
         monkeypatch.setattr(budget, "DEVICE_SAVED_SHARE", 0.0)
     if room == "explicit 0":
-        monkeypatch.setenv("RPP_DEVICE_SAVED_GB", "0")
+        monkeypatch.setenv("RPP_DEBUG_DEVICE_SAVED_GB", "0")
     answers = _kept_counts(monkeypatch)
     rp = _wrapped(hf)
     profiles: List[int] = []
@@ -510,11 +510,11 @@ def test_estimate_keeps_stage_inputs_on_one_gpu_as_the_runtime_does(
     setting: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the GPU's memory given, a one-GPU estimate counts the backward stages' inputs that fit the room
-    (``RPP_DEVICE_SAVED_GB``: auto, or a number of GiB) on the GPU, whole and unrounded, and the rest on
+    (``RPP_DEBUG_DEVICE_SAVED_GB``: auto, or a number of GiB) on the GPU, whole and unrounded, and the rest on
     the host; host plus GPU keep every input once; 0, several GPUs or no GPU size: all on the host as
     before; the GPU peak stays within the GPU."""
     shape = estimate.ModelShape.builtin("qwen3-1.7b")
-    monkeypatch.setenv("RPP_DEVICE_SAVED_GB", setting if setting in ("auto", "0", "2") else "auto")
+    monkeypatch.setenv("RPP_DEBUG_DEVICE_SAVED_GB", setting if setting in ("auto", "0", "2") else "auto")
     gpu = (8 if setting == "small GPU" else 80) * GiB
     devices = 2 if setting == "several GPUs" else 1
     kw = dict(microbatches=2, devices=devices, pinned=False)
@@ -554,7 +554,7 @@ def test_plan_cli_counts_one_gpus_stage_inputs_on_the_gpu(
 
     from roundpipe.cli import plan
 
-    monkeypatch.setenv("RPP_DEVICE_SAVED_GB", "auto")
+    monkeypatch.setenv("RPP_DEBUG_DEVICE_SAVED_GB", "auto")
     args = [
         "--model",
         "qwen3-1.7b",

@@ -52,7 +52,7 @@ def _kernel_available() -> bool:
 def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     if request.param == "cpp" and not _kernel_available():
         pytest.skip("no C++ compiler")
-    monkeypatch.setenv(settings.ADAM_IMPL.name, request.param)
+    monkeypatch.setenv(settings.DEBUG_ADAM_IMPL.name, request.param)
     yield request.param
 
 
@@ -308,7 +308,7 @@ def test_cpp_and_torch_fallback_agree(
     finals = {}
     shapes = ((181, 367), (7,), (0,), (3, 5))  # (181, 367) spans chunks and ragged blocks
     for which in ("cpp", "torch"):
-        monkeypatch.setenv(settings.ADAM_IMPL.name, which)
+        monkeypatch.setenv(settings.DEBUG_ADAM_IMPL.name, which)
         ps = _params(master, shapes)
         opt = Adam(ps, state_dtype=state_dtype, master=master, master_rounding=rounding, block_size=100, seed=11, **kw)
         g = torch.Generator().manual_seed(4)
@@ -334,7 +334,7 @@ def test_cpp_and_torch_fallback_agree_on_extreme_values(
     finals = {}
     shapes = ((65536 + 3 * 16 + 5,), (2 * 4096 + 7,), (13,))
     for which in ("cpp", "torch"):
-        monkeypatch.setenv(settings.ADAM_IMPL.name, which)
+        monkeypatch.setenv(settings.DEBUG_ADAM_IMPL.name, which)
         ps = _params(master, shapes)
         opt = Adam(
             ps,
@@ -363,7 +363,7 @@ def test_cpp_rounds_nan_to_the_canonical_bf16_nan(mode: Tuple[str, str, str], mo
     c10::BFloat16 rounds NaN, wherever the element sits in the kernel's vector groups or tails."""
     if not _kernel_available():
         pytest.skip("no C++ compiler")
-    monkeypatch.setenv(settings.ADAM_IMPL.name, "cpp")
+    monkeypatch.setenv(settings.DEBUG_ADAM_IMPL.name, "cpp")
     state_dtype, master, rounding = mode
     p = nn.Parameter(torch.randn(1000).to(_dtype(master)))
     opt = Adam([p], lr=1e-2, state_dtype=state_dtype, master=master, master_rounding=rounding)
@@ -383,7 +383,7 @@ def test_cpp_rounds_nan_to_the_canonical_bf16_nan(mode: Tuple[str, str, str], mo
 def test_cpp_path_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
     if not _kernel_available():
         pytest.skip("no C++ compiler")
-    monkeypatch.setenv(settings.ADAM_IMPL.name, "cpp")
+    monkeypatch.setenv(settings.DEBUG_ADAM_IMPL.name, "cpp")
     called = []
     monkeypatch.setattr(compact, "torch_step", lambda *a: called.append(a))
     ps = _params("bfloat16")

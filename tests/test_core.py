@@ -372,12 +372,12 @@ def test_recompute_reuses_saved_data(workers: str, grain: str) -> None:
 def test_stage_inputs_kept_on_the_device_change_nothing(
     workers: str, grain: str, budget_gib: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """RPP_DEVICE_SAVED_GB keeps backward-stage inputs on the device (one device only) up to a budget:
+    """RPP_DEBUG_DEVICE_SAVED_GB keeps backward-stage inputs on the device (one device only) up to a budget:
     results equal plain PyTorch whether all, some (1000 bytes: two 384-byte microbatch inputs per call)
     or none stay, over two calls (each call has the budget)."""
     from roundpipe.runtime import run as run_mod
 
-    monkeypatch.setenv("RPP_DEVICE_SAVED_GB", budget_gib)
+    monkeypatch.setenv("RPP_DEBUG_DEVICE_SAVED_GB", budget_gib)
     kept = []
     real_keep = run_mod.Run.keep_on_device
     monkeypatch.setattr(
@@ -394,8 +394,8 @@ def test_stage_inputs_kept_on_the_device_change_nothing(
 
 def test_device_saved_env_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     for bad in ("-1", "lots", "inf"):
-        monkeypatch.setenv("RPP_DEVICE_SAVED_GB", bad)
-        with pytest.raises(ValueError, match="RPP_DEVICE_SAVED_GB"):
+        monkeypatch.setenv("RPP_DEBUG_DEVICE_SAVED_GB", bad)
+        with pytest.raises(ValueError, match="RPP_DEBUG_DEVICE_SAVED_GB"):
             RoundPipe(make_model(torch.float32))
 
 
@@ -432,7 +432,7 @@ def test_split_fused_job_equals_pytorch(
     share; the gradients the parts meet in equal plain PyTorch, accumulated over two calls."""
     from roundpipe.runtime.partial_grads import PartialGrads
 
-    monkeypatch.setenv("RPP_SPLIT_FUSED", split)
+    monkeypatch.setenv("RPP_DEBUG_SPLIT_FUSED", split)
     published = set()
     real_publish = PartialGrads.publish
 
@@ -462,13 +462,13 @@ def test_split_fused_job_equals_pytorch(
 def test_split_group_shares_go_to_part_0_as_peer_copies(
     workers: str, room: float, fused: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """RPP_PEER_HANDOFF=1: the other parts of a split last group copy their gradients to part 0's device
+    """RPP_DEBUG_PEER_HANDOFF=1: the other parts of a split last group copy their gradients to part 0's device
     (no host buffer), while they take at most ``PEER_SHARE_FRACTION`` of its room (0 here: through the
     host); either way the sums equal plain PyTorch's, over two calls, under the stress mode."""
     from roundpipe import settings
     from roundpipe.runtime import partial_grads
 
-    monkeypatch.setenv("RPP_PEER_HANDOFF", "1")
+    monkeypatch.setenv("RPP_DEBUG_PEER_HANDOFF", "1")
     monkeypatch.setattr(partial_grads, "PEER_SHARE_FRACTION", room)
     ways: list = []
     real_target = partial_grads.PartialGrads._peer_target
@@ -480,7 +480,7 @@ def test_split_group_shares_go_to_part_0_as_peer_copies(
         return target
 
     monkeypatch.setattr(partial_grads.PartialGrads, "_peer_target", peer_target)
-    with settings.overridden(stress_delay_s=0.001, split_fused="1"):
+    with settings.overridden(debug_stress_delay_s=0.001, debug_split_fused="1"):
         torch.manual_seed(3)
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 5)).double()
         ref = copy.deepcopy(model)
@@ -495,14 +495,14 @@ def test_split_group_shares_go_to_part_0_as_peer_copies(
 @pytest.mark.parametrize("grain", ["stage", "layer"])
 @pytest.mark.parametrize("fused", [True, False])
 def test_peer_handoff_equals_pytorch(workers: str, grain: str, fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """RPP_PEER_HANDOFF=1: a forward job's output, and a backward job's input gradients, go to the next
+    """RPP_DEBUG_PEER_HANDOFF=1: a forward job's output, and a backward job's input gradients, go to the next
     job's device directly when that job runs on another device (no host copy unless it is a backward
     stage's input). Results equal plain
     PyTorch over two calls, through forward_backward and forward + loss.backward(); with several devices
     the copies happened."""
     from roundpipe.runtime import jobs
 
-    monkeypatch.setenv("RPP_PEER_HANDOFF", "1")
+    monkeypatch.setenv("RPP_DEBUG_PEER_HANDOFF", "1")
     copies = []
     real_copy = jobs.peer_copy
     monkeypatch.setattr(
@@ -517,17 +517,17 @@ def test_peer_handoff_equals_pytorch(workers: str, grain: str, fused: bool, monk
 
 @pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
 def test_split_auto_splits_only_where_devices_compute_at_once(workers: str) -> None:
-    """``RPP_SPLIT_FUSED=auto`` (the default): CPU workers compute one at a time, so the fused job stays
+    """``RPP_DEBUG_SPLIT_FUSED=auto`` (the default): CPU workers compute one at a time, so the fused job stays
     whole; in the stress mode they compute at once, as GPUs do, and it is split; 1 and 0 force."""
     from roundpipe import settings
     from roundpipe.planning.fused_split import split_enabled
 
     assert not split_enabled()
-    with settings.overridden(stress_delay_s=0.001):
+    with settings.overridden(debug_stress_delay_s=0.001):
         assert split_enabled()
-    with settings.overridden(split_fused="1"):
+    with settings.overridden(debug_split_fused="1"):
         assert split_enabled()
-    with settings.overridden(split_fused="0", stress_delay_s=0.001):
+    with settings.overridden(debug_split_fused="0", debug_stress_delay_s=0.001):
         assert not split_enabled()
 
 

@@ -2,7 +2,7 @@
 job's gradients that never comes (``threads.wait_or_stall``).
 
 On CPU workers stream work runs at once, so a dropped ``wait_event`` never gives a wrong result; with
-``RPP_CHECK_STREAMS`` (on in the stress mode) the streams record what each op reads and writes and raise
+``RPP_DEBUG_CHECK_STREAMS`` (on in the stress mode) the streams record what each op reads and writes and raise
 when an op is not ordered after another stream's access. The mutant tests below drop one wait at one
 call site (``_drop_waits``) and show the run fails naming the streams and the event; the same run
 unmutated passes with the checks on.
@@ -30,8 +30,8 @@ STRESS_S = 0.001
 
 @pytest.fixture
 def checked() -> Iterator[None]:
-    """The stress mode, which turns the checks on (``RPP_CHECK_STREAMS=auto``)."""
-    with settings.overridden(stress_delay_s=STRESS_S):
+    """The stress mode, which turns the checks on (``RPP_DEBUG_CHECK_STREAMS=auto``)."""
+    with settings.overridden(debug_stress_delay_s=STRESS_S):
         assert cpu_streams.enabled()
         yield
 
@@ -87,13 +87,13 @@ def _bn_inference() -> Callable[[], None]:
 
 
 def test_checks_follow_the_stress_mode_and_the_setting() -> None:
-    with settings.overridden(stress_delay_s=0.0):
+    with settings.overridden(debug_stress_delay_s=0.0):
         assert not cpu_streams.enabled()
-    with settings.overridden(stress_delay_s=STRESS_S):
+    with settings.overridden(debug_stress_delay_s=STRESS_S):
         assert cpu_streams.enabled()
-        with settings.overridden(check_streams="0"):
+        with settings.overridden(debug_check_streams="0"):
             assert not cpu_streams.enabled()
-    with settings.overridden(check_streams="1"):
+    with settings.overridden(debug_check_streams="1"):
         assert cpu_streams.enabled()
 
 
@@ -128,7 +128,7 @@ def test_a_read_needs_the_writers_event_waited_for_or_synchronized(checked: None
 
 
 def test_checks_off_record_nothing() -> None:
-    with settings.overridden(stress_delay_s=0.0, check_streams="0"):
+    with settings.overridden(debug_stress_delay_s=0.0, debug_check_streams="0"):
         cpu = torch.device("cpu")
         a, b = CpuStream(cpu, "A"), CpuStream(cpu, "B")
         before = cpu_streams.ops_checked()
@@ -154,7 +154,7 @@ class _TorchLikeStream:
 def test_a_cuda_stream_waits_on_a_cpu_event_without_looping(check: str) -> None:
     # A host buffer's "downloaded" event starts as a CpuEvent (complete) and is waited for by the GPU's
     # upload stream before the first download: torch calls event.wait(stream), which must not call back.
-    with settings.overridden(check_streams=check):
+    with settings.overridden(debug_check_streams=check):
         cpu_streams.refresh()
         stream = _TorchLikeStream()
         event = CpuEvent()
@@ -172,7 +172,7 @@ def test_unmutated_runs_pass_the_checks(workers: str, checked: None) -> None:
     """The split fused job, a training run and inference with buffers: every cross-stream access is
     ordered, and the checks did see the ops."""
     before = cpu_streams.ops_checked()
-    with settings.overridden(split_fused="1"):
+    with settings.overridden(debug_split_fused="1"):
         _train(_split_model())
     _bn_inference()()
     assert cpu_streams.ops_checked() > before + 500
@@ -185,7 +185,7 @@ def test_split_part_uploaded_before_its_download_landed_fails(
     """Mutant (a): the primary part of a split fused job uploads a part's host buffers without waiting
     for that part's download event (``PartialGrads.fetch``)."""
     dropped = _drop_waits(monkeypatch, "roundpipe.runtime.partial_grads", "fetch")
-    with settings.overridden(split_fused="1"):
+    with settings.overridden(debug_split_fused="1"):
         rp = _split_model()
         with pytest.raises(RoundPipeWorkerError) as info:
             _train(rp)
@@ -200,7 +200,7 @@ def test_split_part_uploaded_before_its_download_landed_fails(
 def test_split_part_mutant_passes_unchecked(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Why the checks exist: without them the same mutant trains on CPU workers without a sign."""
     dropped = _drop_waits(monkeypatch, "roundpipe.runtime.partial_grads", "fetch")
-    with settings.overridden(split_fused="1", stress_delay_s=STRESS_S, check_streams="0"):
+    with settings.overridden(debug_split_fused="1", debug_stress_delay_s=STRESS_S, debug_check_streams="0"):
         _train(_split_model())
     assert dropped
 
@@ -262,7 +262,7 @@ def test_part_that_never_hands_over_fails_within_the_watchdog(
     monkeypatch.setattr(PartialGrads, "publish", publish)
     threads._ensure_watchdog()  # decided before the override: no stack-dumping thread for later tests
     limit = 0.4
-    with settings.overridden(split_fused="1", watchdog_s=limit):
+    with settings.overridden(debug_split_fused="1", watchdog_s=limit):
         rp = _split_model()
         start = time.monotonic()
         with pytest.raises(RuntimeError, match="fused part 1 never handed over its gradients") as info:

@@ -52,7 +52,7 @@ def test_the_estimate_keeps_as_many_stage_inputs_on_the_gpu_as_the_runtime_room_
     runtime's room, charged per input with the rotary tables and position ids it carries, holds as many
     inputs as the estimate counts on the GPU, unless the estimate's own (larger) count of the step leaves
     less; at 5 and 8 GiB the runtime's room decides, at 3 GiB the estimate's remainder."""
-    monkeypatch.setenv("RPP_DEVICE_SAVED_GB", "auto")
+    monkeypatch.setenv("RPP_DEBUG_DEVICE_SAVED_GB", "auto")
     shape, profile, layer_bytes = lora_model
     gpu = gpu_gib * GiB
     monkeypatch.setattr(device, "get_min_capacity", lambda: int(gpu))
@@ -79,7 +79,7 @@ def test_plan_estimates_of_full_qwen3_8b_lora_are_the_measured_peaks(
     (docs/benchmarks.md): 131,072 tokens under a 24 GiB cap (GPU allocated 22.25 GiB, host RSS 54.1 GiB) and
     262,144 under an 80 GiB cap with int8 stage inputs (57.25 GiB, 42.16 GiB): within 10%, and each GPU figure
     within its cap (both runs completed)."""
-    monkeypatch.setenv("RPP_DEVICE_SAVED_GB", "auto")
+    monkeypatch.setenv("RPP_DEBUG_DEVICE_SAVED_GB", "auto")
     shape = estimate.ModelShape.builtin("qwen3-8b")
     e = estimate.estimate(shape, seq, lora_rank=16, gpu_bytes=gpu_gib * GiB, tile=16384, stage_inputs=stage_inputs)
     assert abs(e.peak_gpu_bytes / GiB / gpu_peak - 1) < 0.10, e.describe()

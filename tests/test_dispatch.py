@@ -90,7 +90,7 @@ def test_the_planner_simulates_with_the_runtimes_policy(monkeypatch: pytest.Monk
 
 
 def test_peer_handoff_auto_needs_three_gpus_that_reach_each_other(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``RPP_PEER_HANDOFF=auto``: peer hand-overs on a pool of three or more GPUs with peer access between every
+    """``RPP_DEBUG_PEER_HANDOFF=auto``: peer hand-overs on a pool of three or more GPUs with peer access between every
     pair; never on CPU workers or two GPUs; ``1`` / ``0`` decide outright; the answer is kept per pool."""
     import types
 
@@ -103,7 +103,7 @@ def test_peer_handoff_auto_needs_three_gpus_that_reach_each_other(monkeypatch: p
         monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: reachable)
         monkeypatch.setattr(device_mod, "_peer_handoff", None)
 
-    monkeypatch.delenv("RPP_PEER_HANDOFF", raising=False)
+    monkeypatch.delenv("RPP_DEBUG_PEER_HANDOFF", raising=False)
     gpus = [torch.device("cuda", i) for i in range(4)]
     pool(gpus)
     assert device_mod.peer_handoff_enabled()
@@ -113,12 +113,12 @@ def test_peer_handoff_auto_needs_three_gpus_that_reach_each_other(monkeypatch: p
     assert not device_mod.peer_handoff_enabled()
     pool([torch.device("cpu")] * 4)
     assert not device_mod.peer_handoff_enabled()
-    monkeypatch.setenv("RPP_PEER_HANDOFF", "1")
+    monkeypatch.setenv("RPP_DEBUG_PEER_HANDOFF", "1")
     assert device_mod.peer_handoff_enabled()
-    monkeypatch.setenv("RPP_PEER_HANDOFF", "0")
+    monkeypatch.setenv("RPP_DEBUG_PEER_HANDOFF", "0")
     pool(gpus)
     assert not device_mod.peer_handoff_enabled()
-    monkeypatch.setenv("RPP_PEER_HANDOFF", "sometimes")
-    with pytest.raises(ValueError, match="RPP_PEER_HANDOFF"):
+    monkeypatch.setenv("RPP_DEBUG_PEER_HANDOFF", "sometimes")
+    with pytest.raises(ValueError, match="RPP_DEBUG_PEER_HANDOFF"):
         device_mod.peer_handoff_enabled()
-    assert settings.PEER_HANDOFF.default == "auto"
+    assert settings.DEBUG_PEER_HANDOFF.default == "auto"

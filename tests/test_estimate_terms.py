@@ -107,7 +107,7 @@ def test_fp8_stage_inputs_on_the_host() -> None:
 
 def test_one_gpu_keeps_all_three_stage_inputs_when_they_fit(monkeypatch: pytest.MonkeyPatch) -> None:
     """With a 4 GiB GPU the room (75% of what the step leaves) holds all 3 x 2 stage inputs, unrounded."""
-    monkeypatch.setenv("RPP_DEVICE_SAVED_GB", "auto")
+    monkeypatch.setenv("RPP_DEBUG_DEVICE_SAVED_GB", "auto")
     e = _estimate(gpu_bytes=4 * GiB)
     assert e.gpu_parts["saved inputs"] == 3 * 2 * 12_800
     assert e.host_parts["checkpoints"] == 200 * 80

@@ -1,5 +1,5 @@
-"""The garbage collector at a model's first step (``RPP_GC_FREEZE``, ``roundpipe.runtime.step_cycle``): once per
-process, garbage collected first, then every survivor frozen (off unless asked for)."""
+"""The garbage collector at a model's first step (``roundpipe.runtime.step_cycle``): once per process, garbage
+collected first, then every survivor frozen."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from typing import List
 
 import pytest
 
-from roundpipe import settings
 from roundpipe.runtime import step_cycle
 from tests.helpers import ROOT
 
@@ -25,19 +24,10 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> List[str]:
     return seen
 
 
-@pytest.mark.parametrize("choice, frozen", [("1", True), ("0", False)])
-def test_freeze_follows_the_setting(calls: List[str], choice: str, frozen: bool) -> None:
-    with settings.overridden(gc_freeze=choice):
-        assert step_cycle.freeze_garbage_collector() is frozen
-        assert step_cycle.freeze_garbage_collector() is False  # once per process
-    assert calls == (["collect", "freeze"] if frozen else [])
-    assert settings.GC_FREEZE.get()  # the default: frozen at the first step
-
-
-def test_bad_value_names_the_setting() -> None:
-    with pytest.raises(ValueError, match="RPP_GC_FREEZE"):
-        with settings.overridden(gc_freeze="sometimes"):
-            pass
+def test_freeze_collects_first_and_happens_once(calls: List[str]) -> None:
+    assert step_cycle.freeze_garbage_collector() is True
+    assert step_cycle.freeze_garbage_collector() is False  # once per process
+    assert calls == ["collect", "freeze"]
 
 
 SCRIPT = r"""
@@ -72,16 +62,14 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("choice", ["1", "0"])
-def test_the_first_step_collects_then_freezes_once(choice: str) -> None:
-    """A real model on a CPU worker: nothing frozen before the first step; with the setting on, the
-    survivors are frozen there (and not again), and garbage alive before it was collected, not frozen."""
+def test_the_first_step_collects_then_freezes_once() -> None:
+    """A real model on a CPU worker: nothing frozen before the first step; the survivors are frozen there
+    (and not again), and garbage alive before it was collected, not frozen."""
     import json
 
     env = dict(
         os.environ,
         RPP_DEVICES="cpu:1",
-        RPP_GC_FREEZE=choice,
         RPP_DISABLE_TORCH_COMPILE="1",
         PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )
@@ -89,9 +77,6 @@ def test_the_first_step_collects_then_freezes_once(choice: str) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["before"] == out["after_call"] == 0, out
-    if choice == "1":
-        assert out["after_step"] > 10_000, out  # torch's and roundpipe's objects, the model's
-        assert out["after_second_step"] <= out["after_step"], out  # (reference counting still frees some)
-        assert out["cycle_collected"], out
-    else:
-        assert out["after_step"] == out["after_second_step"] == 0, out
+    assert out["after_step"] > 10_000, out  # torch's and roundpipe's objects, the model's
+    assert out["after_second_step"] <= out["after_step"], out  # (reference counting still frees some)
+    assert out["cycle_collected"], out

@@ -336,7 +336,7 @@ def test_compact_stage_inputs_encode_on_the_gpu_as_on_the_cpu(fmt: str) -> None:
 
 
 def test_stage_inputs_kept_on_the_gpu_equal_host_copies(monkeypatch: pytest.MonkeyPatch) -> None:
-    """RPP_DEVICE_SAVED_GB on one GPU: backward-stage inputs kept on the device (no download, no upload)
+    """RPP_DEBUG_DEVICE_SAVED_GB on one GPU: backward-stage inputs kept on the device (no download, no upload)
     give bit-identical parameters to the host round trip, with the asynchronous step running, and the
     GPU memory peak grows by about the kept bytes."""
     from roundpipe.optim import Adam
@@ -344,7 +344,7 @@ def test_stage_inputs_kept_on_the_gpu_equal_host_copies(monkeypatch: pytest.Monk
     use_devices("cuda:0")
 
     def run(budget: str):
-        monkeypatch.setenv("RPP_DEVICE_SAVED_GB", budget)
+        monkeypatch.setenv("RPP_DEBUG_DEVICE_SAVED_GB", budget)
         torch.manual_seed(0)
         body = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(6)]).to(torch.bfloat16)
         plan = ModelExecutePlan.layerwise(6, "train")
@@ -373,9 +373,9 @@ def test_stage_inputs_kept_on_the_gpu_equal_host_copies(monkeypatch: pytest.Monk
 
 
 def test_auto_keeps_a_hf_models_stage_inputs_on_one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``RPP_DEVICE_SAVED_GB=auto`` (the default) on one GPU, a Hugging Face model (its activations are
+    """``RPP_DEBUG_DEVICE_SAVED_GB=auto`` (the default) on one GPU, a Hugging Face model (its activations are
     known): the backward-stage inputs stay on the GPU, and two asynchronous steps give bit-identical
-    weights to the host round trip (``RPP_DEVICE_SAVED_GB=0``)."""
+    weights to the host round trip (``RPP_DEBUG_DEVICE_SAVED_GB=0``)."""
     pytest.importorskip("transformers")
     from test_models import make_batch, tiny_model
 
@@ -391,7 +391,7 @@ def test_auto_keeps_a_hf_models_stage_inputs_on_one_gpu(monkeypatch: pytest.Monk
     )
 
     def run(setting: str) -> list:
-        monkeypatch.setenv("RPP_DEVICE_SAVED_GB", setting)
+        monkeypatch.setenv("RPP_DEBUG_DEVICE_SAVED_GB", setting)
         torch.manual_seed(0)
         rp = roundpipe.wrap_model_to_roundpipe(
             tiny_model("qwen3").bfloat16(),
@@ -542,7 +542,7 @@ def test_tied_gradient_shares_summed_on_the_gpu_match_pytorch(spec: str, fused: 
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_peer_handoff_on_two_gpus_matches_pytorch(fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """RPP_PEER_HANDOFF=1 on 2 GPUs: each forward job's output is copied to the other GPU's next job
+    """RPP_DEBUG_PEER_HANDOFF=1 on 2 GPUs: each forward job's output is copied to the other GPU's next job
     (``transfer.peer_copy``: the copy on the producer's download stream, the consumer's upload stream
     waiting on its event). Outputs and gradients equal plain PyTorch's over two calls (fp32), and every
     boundary between forward jobs on different GPUs used a peer copy."""
@@ -553,7 +553,7 @@ def test_peer_handoff_on_two_gpus_matches_pytorch(fused: bool, monkeypatch: pyte
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     use_devices("cuda:0,1")
-    monkeypatch.setenv("RPP_PEER_HANDOFF", "1")
+    monkeypatch.setenv("RPP_DEBUG_PEER_HANDOFF", "1")
     copies = []
     real_copy = jobs.peer_copy
     monkeypatch.setattr(
@@ -612,12 +612,12 @@ def _small_qwen3(hidden: int, heads: int) -> nn.Module:
 
 def _graph_run(graphs: str, devices: str, lengths: tuple) -> tuple:
     """A 4-layer Qwen3 (bf16, preset with fused kernels) trained a few synchronous steps per sequence
-    length with ``RPP_GRAPHS=graphs``: (losses, parameters after training, graph counts)."""
+    length with ``RPP_DEBUG_GRAPHS=graphs``: (losses, parameters after training, graph counts)."""
     import roundpipe
     from roundpipe import settings
     from roundpipe.devices import device as device_mod
 
-    settings.configure(graphs=graphs)
+    settings.configure(debug_graphs=graphs)
     use_devices(devices)
     hf = _small_qwen3(1024, 16)
     model = roundpipe.wrap_model_to_roundpipe(
@@ -634,13 +634,13 @@ def _graph_run(graphs: str, devices: str, lengths: tuple) -> tuple:
     devs = device_mod.get_devices()
     counts = {"captures": sum(d.graphs.captures for d in devs), "replays": sum(d.graphs.replays for d in devs)}
     params = [p.detach().float().cpu() for p in hf.parameters()]
-    settings.unconfigure("RPP_GRAPHS")
+    settings.unconfigure("RPP_DEBUG_GRAPHS")
     return losses, params, counts
 
 
 @pytest.mark.parametrize("devices", ["cuda:0", "cuda:0,1"])
 def test_graphed_layers_match_eager_and_recapture_a_new_length(devices: str) -> None:
-    """The decoder-layer jobs as CUDA graphs (``RPP_GRAPHS=1``) against the eager runtime, on one and
+    """The decoder-layer jobs as CUDA graphs (``RPP_DEBUG_GRAPHS=1``) against the eager runtime, on one and
     two GPUs: the same losses and trained weights within bf16 rounding over steps at two sequence
     lengths (the second is captured anew, not replayed with the first's shapes), and the graphs really
     replay."""
@@ -665,14 +665,14 @@ def test_sequence_tiles_match_the_unsplit_sequence_in_bf16(devices: str, attenti
     """One 4,096-token sequence in 4 tiles over the pool (``sequence_tiles``, roundpipe.runtime.sequence) against
     the same model on the unsplit sequence, bf16 with the compiled fused kernels: loss within bf16
     rounding and every gradient's cosine >= 0.999; the tiles attend through one masked call or as two
-    flash blocks (``RPP_TILE_ATTENTION``, roundpipe.runtime.tile_attention)."""
+    flash blocks (``RPP_DEBUG_TILE_ATTENTION``, roundpipe.runtime.tile_attention)."""
     if devices == "cuda:0,1" and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     import roundpipe
     from roundpipe import settings
 
     use_devices(devices)
-    settings.configure(tile_attention=attention)
+    settings.configure(debug_tile_attention=attention)
     hf = _small_qwen3(512, 8)
     ids = torch.randint(0, 4096, (1, 4096), generator=torch.Generator().manual_seed(1))
     results = []
@@ -702,15 +702,16 @@ def test_a_model_built_on_the_gpu_gives_its_cached_blocks_back_when_wrapped() ->
 
 
 def test_split_tile_attention_names_the_setting_for_float32_on_the_gpu() -> None:
-    """Flash attention on GPUs takes half precision: ``RPP_TILE_ATTENTION=split`` with a float32 model
+    """Flash attention on GPUs takes half precision: ``RPP_DEBUG_TILE_ATTENTION=split`` with a float32 model
     fails with the setting to change, before any kernel runs."""
     from roundpipe import settings
     from roundpipe.runtime import sequence
 
-    settings.configure(tile_attention="split")
-    with pytest.raises(ValueError, match="RPP_TILE_ATTENTION=split"):
-        sequence.split_attention(torch.zeros(1, 2, 4, 8, device="cuda"))
-    assert sequence.split_attention(torch.zeros(1, 2, 4, 8, device="cuda", dtype=torch.bfloat16))
+    settings.configure(debug_tile_attention="split")
+    mode = sequence.SequenceRun.from_lengths([4]).attention  # as a call reads it
+    with pytest.raises(ValueError, match="RPP_DEBUG_TILE_ATTENTION=split"):
+        sequence.split_attention(torch.zeros(1, 2, 4, 8, device="cuda"), mode)
+    assert sequence.split_attention(torch.zeros(1, 2, 4, 8, device="cuda", dtype=torch.bfloat16), mode)
 
 
 def test_first_segments_of_several_gpus_at_once_after_the_pool_settles_their_type() -> None:

@@ -3,7 +3,7 @@
 A call whose microbatches are too large for a graph (``Run.may_graph``) takes no weight slots:
 its jobs upload as eager jobs do. Graphs and slots left by calls of other shapes do not make the planner
 refuse a call that fits without them (``budget.plan_or_refuse`` releases them, ``device.release_graphs``,
-and plans again). On CPU workers with the stand-in (``RPP_GRAPHS=1``), against plain PyTorch (float64).
+and plans again). On CPU workers with the stand-in (``RPP_DEBUG_GRAPHS=1``), against plain PyTorch (float64).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ PLAN = ModelExecutePlan([range(0, 2), range(2, 4)], [range(0, 2), range(2, 4), r
 
 @pytest.fixture(autouse=True)
 def graphs_on() -> Iterator[None]:
-    with settings.overridden(graphs="1"):
+    with settings.overridden(debug_graphs="1"):
         yield
 
 

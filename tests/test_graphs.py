@@ -1,6 +1,6 @@
 """Graphed jobs (``roundpipe.devices.graphs``): weights in fixed device slots, each microbatch one replay.
 
-On CPU workers ``RPP_GRAPHS=1`` selects the stand-in, which "captures" by recording the job's function
+On CPU workers ``RPP_DEBUG_GRAPHS=1`` selects the stand-in, which "captures" by recording the job's function
 and "replays" by running it again on the static inputs and copying its results into the static
 outputs: the same slots, static copies, pass-through outputs, clones and refusals as on a GPU, so the
 whole data flow is checked against plain PyTorch here (float64, tight tolerances). The GPU versions
@@ -29,7 +29,7 @@ TOL = 1e-10
 
 @pytest.fixture(autouse=True)
 def graphs_on() -> Iterator[None]:
-    with settings.overridden(graphs="1"):
+    with settings.overridden(debug_graphs="1"):
         yield
 
 
@@ -236,8 +236,8 @@ def test_a_group_returning_a_new_object_is_refused(workers: str) -> None:
 
 @pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
 def test_graphs_off_runs_no_slots(workers: str) -> None:
-    """``RPP_GRAPHS=0``: no slot, no capture; the same results."""
-    with settings.overridden(graphs="0"):
+    """``RPP_DEBUG_GRAPHS=0``: no slot, no capture; the same results."""
+    with settings.overridden(debug_graphs="0"):
         model = _stack()
         ref = copy.deepcopy(model)
         rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=2))

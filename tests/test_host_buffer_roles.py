@@ -3,7 +3,7 @@
 Random (seeded) orders of training calls (gradient downloads, through ``forward_backward`` or
 ``forward`` + ``backward``), optimizer steps (asynchronous, synchronous, or keeping the optimizer's
 gradients), evaluations (forward without backward) and synchronizations drive a model with a tied weight
-through every role transition, under the CPU stress mode (``RPP_STRESS_DELAY_S``: concurrent CPU
+through every role transition, under the CPU stress mode (``RPP_DEBUG_STRESS_DELAY_S``: concurrent CPU
 workers, every wait delayed at random), in each buffer mode. Checked:
 
 - at every transition, its role conditions (``host_buffers.enable_role_checks``): a download never
@@ -49,7 +49,7 @@ OPS = ["train", "train", "train_split", "eval", "step_async", "step_async", "ste
 def checked_stress() -> Iterator[None]:
     host_buffers.enable_role_checks(True)
     try:
-        with settings.overridden(stress_delay_s=STRESS_S):
+        with settings.overridden(debug_stress_delay_s=STRESS_S):
             yield
     finally:
         host_buffers.enable_role_checks(False)

@@ -484,12 +484,12 @@ def test_lora_with_fused_kernels_matches_peft(workers: str, eager: None) -> None
 
 def test_resolve(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RPP_DEVICES", "cpu:2")
-    monkeypatch.delenv(settings.FUSED_KERNELS.name, raising=False)
+    monkeypatch.delenv(settings.DEBUG_FUSED_KERNELS.name, raising=False)
     assert kernels.resolve(None) is False and kernels.resolve("auto") is False  # CPU workers: off
     assert kernels.resolve(True) is True and kernels.resolve("on") is True and kernels.resolve(False) is False
-    monkeypatch.setenv(settings.FUSED_KERNELS.name, "1")
+    monkeypatch.setenv(settings.DEBUG_FUSED_KERNELS.name, "1")
     assert kernels.resolve(None) is True
-    monkeypatch.setenv(settings.FUSED_KERNELS.name, "0")
+    monkeypatch.setenv(settings.DEBUG_FUSED_KERNELS.name, "0")
     assert kernels.resolve(None) is False
     with pytest.raises(ValueError, match="fused_kernels"):
         kernels.resolve("sometimes")

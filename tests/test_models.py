@@ -482,10 +482,10 @@ def _check_roundpipe_against_hf(family: str, padding: bool) -> None:
 @pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
 @pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
 def test_stage_inputs_on_the_device_match_hf(workers: str, family: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """RPP_DEVICE_SAVED_GB on one device: the decoder stages' saved inputs (hidden states with the masks
+    """RPP_DEBUG_DEVICE_SAVED_GB on one device: the decoder stages' saved inputs (hidden states with the masks
     and rotary tables of the state) stay on the device; forward + backward and the fused train_step
     still equal Hugging Face."""
-    monkeypatch.setenv("RPP_DEVICE_SAVED_GB", "1")
+    monkeypatch.setenv("RPP_DEBUG_DEVICE_SAVED_GB", "1")
     _check_roundpipe_against_hf(family, padding=True)
 
 

@@ -1,7 +1,7 @@
 """The wheel is a complete package: built from a copy of this checkout (offline, no build isolation),
 installed into a fresh target directory, it holds every module and every C++ source and header, and
 the installed copy compiles and loads both optimizer kernels (``adam`` and ``compact_adam``) from its
-own files into an empty kernel cache, then steps with them (``RPP_ADAM_IMPL=cpp``: a kernel that cannot
+own files into an empty kernel cache, then steps with them (``RPP_DEBUG_ADAM_IMPL=cpp``: a kernel that cannot
 build is an error there, not a fallback to torch)."""
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def test_installed_wheel_builds_and_loads_both_kernels(wheel: Path, tmp_path: Pa
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     installed = sorted(p.name for p in (target / "roundpipe" / "optim" / "csrc").iterdir())
     assert installed == sorted(p.name for p in CSRC.iterdir() if p.is_file())
-    env = dict(os.environ, PYTHONPATH=str(target), RPP_CACHE_DIR=str(tmp_path / "cache"), RPP_ADAM_IMPL="cpp")
+    env = dict(os.environ, PYTHONPATH=str(target), RPP_CACHE_DIR=str(tmp_path / "cache"), RPP_DEBUG_ADAM_IMPL="cpp")
     # Run from an empty directory: neither the checkout nor the current directory is on the path.
     run_dir = tmp_path / "elsewhere"
     run_dir.mkdir()

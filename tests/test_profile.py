@@ -39,7 +39,7 @@ def test_each_device_job_is_a_named_range_on_its_worker_thread(workers: str, tor
     from roundpipe import settings
 
     plan = ModelExecutePlan([range(0, 2), range(2, 3)], [range(0, 1), range(1, 3), range(3, 4)])
-    with settings.overridden(split_fused="1"):  # the fused job in parts, as on GPUs
+    with settings.overridden(debug_split_fused="1"):  # the fused job in parts, as on GPUs
         jobs = _train_once(plan)
     assert sorted(name for name, _ in jobs) == sorted(
         [

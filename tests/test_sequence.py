@@ -100,8 +100,8 @@ def test_tiles_equal_the_unsplit_sequence(
     """fp64: ``train_step`` and ``forward`` + ``loss.backward()`` over ``tiles`` tiles (22 tokens: 11 + 11,
     8 + 7 + 7, 6 + 6 + 5 + 5, 5 + 5 + 4 + 4 + 4) give the loss and gradients of the same model run on the
     unsplit sequence to 1e-10, and Hugging Face's to its fp32 norms' rounding; with either tile attention
-    (``RPP_TILE_ATTENTION``: split blocks, the default on CPU workers, or one masked call)."""
-    settings.configure(tile_attention=attention)
+    (``RPP_DEBUG_TILE_ATTENTION``: split blocks, the default on CPU workers, or one masked call)."""
+    settings.configure(debug_tile_attention=attention)
     model = _model(family, lora)
     batch = _batch()
     hf_loss, hf_grads = _reference(model, batch)
@@ -150,7 +150,7 @@ def test_attend_matches_full_causal_attention_with_gqa(workers: str, attention: 
     """The tile attention (prefix + own keys, bottom-right causal, key heads repeated) equals the rows of
     full causal attention, forward and gradients, through the key/value accumulators: as two flash
     blocks merged by their log-sum-exp (``tile_attention``) and as one masked call."""
-    settings.configure(tile_attention=attention)
+    settings.configure(debug_tile_attention=attention)
     torch.manual_seed(0)
     q = torch.randn(2, 4, 12, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, 2, 12, 8, dtype=torch.float64, requires_grad=True)

@@ -15,10 +15,57 @@ from roundpipe.devices import allocator, device
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_user_guide_table_is_the_registry() -> None:
+REGENERATE = "regenerate with settings.markdown_table() / settings.markdown_table(internal=True)"
+
+
+@pytest.mark.parametrize("marker, internal", [("settings table", False), ("internal settings table", True)])
+def test_user_guide_tables_are_the_registry(marker: str, internal: bool) -> None:
+    """The user table and the internal one are what the registry renders, so neither drifts from the code."""
     text = (ROOT / "docs" / "user-guide.md").read_text()
-    table = text.split("<!-- settings table: begin -->\n", 1)[1].split("\n<!-- settings table: end -->", 1)[0]
-    assert table == settings.markdown_table()
+    table = text.split(f"<!-- {marker}: begin -->\n", 1)[1].split(f"\n<!-- {marker}: end -->", 1)[0]
+    assert table == settings.markdown_table(internal=internal), REGENERATE
+
+
+def test_internal_settings_are_the_debug_namespace() -> None:
+    internal = [s.name for s in settings.REGISTRY.values() if s.internal]
+    assert internal and all(n.startswith("RPP_DEBUG_") for n in internal)
+    assert "RPP_DEBUG_GRAPHS" in internal and "RPP_DEVICES" not in internal
+    user_table = settings.markdown_table()
+    assert "RPP_DEBUG_" not in user_table and "`RPP_DEVICES`" in user_table
+    assert all(f"`{n}`" in settings.markdown_table(internal=True) for n in internal)
+
+
+def test_retired_names_are_no_settings_and_name_their_replacement() -> None:
+    from roundpipe import retired_settings
+
+    assert not set(retired_settings.RETIRED) & set(settings.REGISTRY)
+    for old, what in retired_settings.RETIRED.items():
+        new = what.split()[1] if what.startswith("renamed ") else None
+        assert new is None or new in settings.REGISTRY, (old, what)
+    env = {"RPP_VERBOSE_TIMER": "1", "RPP_GRAD_STREAM": "0", "RPP_DEVCES": "cpu:2", "RPP_DEVICES": "cpu:1", "X": "1"}
+    assert retired_settings.unknown_variables(env, settings.REGISTRY) == [
+        "RPP_DEVCES: not a roundpipe setting (see roundpipe.settings.REGISTRY)",
+        "RPP_GRAD_STREAM: removed: parameter gradients always download on a stream of their own",
+        "RPP_VERBOSE_TIMER: renamed RPP_DEBUG_TIMER",
+    ]
+
+
+def test_import_warns_once_about_an_old_name_in_the_environment() -> None:
+    """A renamed setting still exported by a user's shell is not ignored in silence: one warning at import names
+    its replacement; a known setting draws none."""
+    import subprocess
+    import sys
+
+    code = "import warnings; warnings.simplefilter('always'); import roundpipe"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RPP_")}
+    old = subprocess.run([sys.executable, "-c", code], env={**base, "RPP_GRAPHS": "0"}, capture_output=True, text=True)
+    assert old.returncode == 0, old.stderr
+    assert old.stderr.count("roundpipe ignores these environment variables") == 1, old.stderr
+    assert "RPP_GRAPHS: renamed RPP_DEBUG_GRAPHS" in old.stderr, old.stderr
+    new = subprocess.run(
+        [sys.executable, "-c", code], env={**base, "RPP_DEBUG_GRAPHS": "0"}, capture_output=True, text=True
+    )
+    assert new.returncode == 0 and "ignores" not in new.stderr, new.stderr
 
 
 def test_no_module_reads_rpp_variables_from_the_environment() -> None:
@@ -38,12 +85,12 @@ def test_no_module_reads_rpp_variables_from_the_environment() -> None:
     [
         (settings.GRAD_BUFFERS, "1", 1, "3"),
         (settings.STAGE_PARAMS, "off", False, "maybe"),
-        (settings.DEVICE_SAVED_GB, "1.5", 1.5, "-1"),
+        (settings.DEBUG_DEVICE_SAVED_GB, "1.5", 1.5, "-1"),
         (settings.WATCHDOG_S, "30", 30.0, "soon"),
         (settings.PROFILER, " NVTX ", "nvtx", "nsys"),
         (settings.OPTIM_THREADS, "4", 4, "0"),
-        (settings.ADAM_IMPL, "CPP", "cpp", "fast"),
-        (settings.FUSED_KERNELS, "on", "1", "sometimes"),
+        (settings.DEBUG_ADAM_IMPL, "CPP", "cpp", "fast"),
+        (settings.DEBUG_FUSED_KERNELS, "on", "1", "sometimes"),
         (settings.FUSED_LAYERS, "0", False, "2"),
         (settings.DIST_TIMEOUT_S, "12.5", 12.5, "0"),
         (settings.DIST_MAIN_TIMEOUT_S, "60", 60.0, "inf"),
@@ -76,6 +123,13 @@ def test_configure_wins_over_the_environment_and_is_undone(monkeypatch: pytest.M
     settings.unconfigure()
     device.reset_devices()
     assert settings.GRAD_BUFFERS.get() == 2 and settings.DISABLE_TORCH_COMPILE.get() is False
+
+
+def test_configure_takes_internal_settings_by_their_lower_case_name() -> None:
+    roundpipe.configure(debug_graphs="0", debug_stress_delay_s=0.5)
+    assert settings.DEBUG_GRAPHS.get() == "0" and settings.DEBUG_STRESS_DELAY_S.get() == 0.5
+    with pytest.raises(TypeError, match=re.escape("unknown setting 'graphs' (RPP_GRAPHS: renamed RPP_DEBUG_GRAPHS)")):
+        roundpipe.configure(graphs="0")  # the old name
 
 
 def test_configure_rejects_unknown_names_and_bad_values() -> None:
@@ -127,7 +181,7 @@ def test_import_leaves_expandable_segments_to_pools_of_two_gpus_or_fewer() -> No
     ``import roundpipe`` does not choose them for a pool of more than two GPUs whose jobs may be graphed."""
     assert not any(_alloc_env_after_import({"RPP_DEVICES": "cuda:0,1,2"}).values())
     assert "expandable_segments:True" in _alloc_env_after_import({"RPP_DEVICES": "cuda:0,1"}).values()
-    eager = _alloc_env_after_import({"RPP_DEVICES": "cuda:0,1,2,3", "RPP_GRAPHS": "0"})
+    eager = _alloc_env_after_import({"RPP_DEVICES": "cuda:0,1,2,3", "RPP_DEBUG_GRAPHS": "0"})
     assert "expandable_segments:True" in eager.values()
 
 

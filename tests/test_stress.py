@@ -1,5 +1,5 @@
 """The core equality tests under stress: CPU workers compute concurrently (as GPUs do) and every wait on
-a RoundPipe event or semaphore first sleeps a random time (``RPP_STRESS_DELAY_S``), so the device
+a RoundPipe event or semaphore first sleeps a random time (``RPP_DEBUG_STRESS_DELAY_S``), so the device
 threads, the main thread and the optimizer thread meet each fence in ever different orders.
 
 Normally CPU workers compute under one lock, which would hide a missing fence between two workers'
@@ -25,7 +25,7 @@ STRESS_WORKERS = ["cpu:2", "cpu:3"]
 
 @pytest.fixture(autouse=True)
 def stress() -> Iterator[None]:
-    with settings.overridden(stress_delay_s=STRESS_S):
+    with settings.overridden(debug_stress_delay_s=STRESS_S):
         yield
 
 

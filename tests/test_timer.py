@@ -281,7 +281,7 @@ def test_verbose_prints_updates(clock, monkeypatch, capsys):
 
 def test_verbose_comes_from_the_environment():
     code = "from roundpipe.planning.timer import ModelTimer; print(ModelTimer.VERBOSE)"
-    env = dict(os.environ, RPP_VERBOSE_TIMER="1")
+    env = dict(os.environ, RPP_DEBUG_TIMER="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
 

@@ -209,16 +209,15 @@ def test_unchanged_side_inputs_are_downloaded_once(workers: str, monkeypatch: py
     assert not [t for t in downloaded if any(t.shape == half.shape and torch.equal(t, half) for half in pos.chunk(2))]
 
 
-@pytest.mark.parametrize("separate", [True, False])
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2", "cpu:3"], indirect=True)
 def test_parameter_gradients_go_on_their_own_stream_with_other_devices_shares_fetched_first(
-    workers: str, separate: bool, monkeypatch: pytest.MonkeyPatch
+    workers: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A layer's parameter gradients download on the device's gradient stream: a stream of its own by
-    default (so activation hand-overs on ``downstream`` never queue behind them), the download stream
-    with ``RPP_GRAD_STREAM=0``. The shares other devices contribute (a tied weight's share from its last
-    layer, the split fused job's other part) are uploaded before the gradient stream waits for the job's
-    compute, so they land while it runs; on one worker nothing is uploaded. Gradients equal PyTorch's."""
+    """A layer's parameter gradients download on the device's gradient stream, a stream of its own (so
+    activation hand-overs on ``downstream`` never queue behind them). The shares other devices contribute
+    (a tied weight's share from its last layer, the split fused job's other part) are uploaded before the
+    gradient stream waits for the job's compute, so they land while it runs; on one worker nothing is
+    uploaded. Gradients equal PyTorch's."""
     import copy
     import threading
 
@@ -231,17 +230,17 @@ def test_parameter_gradients_go_on_their_own_stream_with_other_devices_shares_fe
     from roundpipe.runtime import transfer as transfer_mod
     from roundpipe.runtime.host_buffers import ParamBuffers
 
-    settings.configure(grad_stream=separate, split_fused="1")  # the fused job's parts, as on GPUs
+    settings.configure(debug_split_fused="1")  # the fused job's parts, as on GPUs
     device_mod.reset_devices()
     devices = device_mod.get_devices()
-    assert all((d.grad_stream is not d.downstream) == separate for d in devices)
+    assert all(d.grad_stream is not d.downstream for d in devices)
 
     log: list = []  # (what, thread): a device thread's uploads of shares, gradient-stream waits, downloads
 
     class _Recorder(backend_mod.CpuStream):
         def wait_stream(self, stream: object) -> None:
             log.append(("wait", threading.current_thread().name))
-            super().wait_stream(stream)  # still ordered (the stream order checks, RPP_CHECK_STREAMS)
+            super().wait_stream(stream)  # still ordered (the stream order checks, RPP_DEBUG_CHECK_STREAMS)
 
     for d in devices:
         d.grad_stream = _Recorder(d.device, f"{d.name}.grad_stream")

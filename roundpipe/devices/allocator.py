@@ -65,7 +65,7 @@ def prefer_expandable_segments() -> Optional[str]:
     tokens under a 24 GiB cap failed in a backward stage with 3.8 GiB free, and ran with expandable
     segments. A user's own ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` (even
     ``expandable_segments:False``) is left as it is. Nor are they chosen for a pool of more than
-    :data:`EXPANDABLE_MAX_DEVICES` GPUs whose jobs may be graphed (``RPP_GRAPHS`` not ``0``): graph
+    :data:`EXPANDABLE_MAX_DEVICES` GPUs whose jobs may be graphed (``RPP_DEBUG_GRAPHS`` not ``0``): graph
     captures failed with them there. Called by ``import roundpipe``."""
     if any(os.environ.get(name, "").strip() for name in ALLOC_CONF_VARS):
         return None
@@ -73,7 +73,7 @@ def prefer_expandable_segments() -> Optional[str]:
 
     gpus = pool_gpus_from_environment()
     try:
-        graphs = settings.GRAPHS.get()
+        graphs = settings.DEBUG_GRAPHS.get()
     except ValueError:  # reported where the graphs read it
         graphs = "auto"
     if gpus is not None and gpus > EXPANDABLE_MAX_DEVICES and graphs != "0":

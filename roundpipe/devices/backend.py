@@ -3,7 +3,7 @@
 The runtime talks to devices only through this module (streams, events, RNG, memory queries), so the
 scheduler, threads, recompute, optimizer thread and autograd integration run unchanged on CPU workers:
 there a "stream" runs work synchronously in the calling thread and events are complete once recorded
-(``roundpipe.devices.cpu_streams``, which can also check the order between streams: ``RPP_CHECK_STREAMS``).
+(``roundpipe.devices.cpu_streams``, which can also check the order between streams: ``RPP_DEBUG_CHECK_STREAMS``).
 
 ``RPP_DEVICES`` picks the devices: ``cpu:N`` gives N CPU workers, ``cuda`` all GPUs, ``cuda:0,2`` some.
 Default: all GPUs where CUDA is available, else ``cpu:1``.
@@ -119,7 +119,7 @@ def set_rng_state(device: torch.device, state: torch.Tensor) -> None:
 
 def compute_guard(device: torch.device) -> ContextManager[Any]:
     """Serialise stage compute across CPU workers (see ``cpu_compute_lock``); GPUs run freely. In stress
-    mode (``RPP_STRESS_DELAY_S``) CPU workers compute concurrently too, as GPUs do, so races between
+    mode (``RPP_DEBUG_STRESS_DELAY_S``) CPU workers compute concurrently too, as GPUs do, so races between
     workers' compute, transfers and the optimizer thread can show on CPU (the shared RNG is then not
     isolated: run models without dropout in that mode)."""
     if is_cuda(device):

@@ -1,8 +1,8 @@
 """CPU workers' streams and events, and a recording stand-in that checks the order between streams.
 
 On CPU workers a stream op runs at once in the issuing thread and an event is complete once recorded,
-so a missing ``wait_event`` can never show as a wrong result. With ``RPP_CHECK_STREAMS`` on (``auto``:
-in the stress mode, ``RPP_STRESS_DELAY_S``) the streams keep CUDA's ordering rules as bookkeeping, and
+so a missing ``wait_event`` can never show as a wrong result. With ``RPP_DEBUG_CHECK_STREAMS`` on (``auto``:
+in the stress mode, ``RPP_DEBUG_STRESS_DELAY_S``) the streams keep CUDA's ordering rules as bookkeeping, and
 an op that CUDA could run before the work it depends on raises ``StreamOrderError`` instead:
 
 * Positions: each stream counts the ops issued while it is current (``backend.use_stream`` enters a
@@ -179,11 +179,11 @@ def ops_checked() -> int:
 
 
 def refresh() -> bool:
-    """Read ``RPP_CHECK_STREAMS`` again (each RoundPipe call does, at its start, and any ``configure`` of
+    """Read ``RPP_DEBUG_CHECK_STREAMS`` again (each RoundPipe call does, at its start, and any ``configure`` of
     it or of the stress mode): ``auto`` checks in the stress mode. Turning on starts a new epoch."""
     global _enabled, _epoch
-    mode = settings.CHECK_STREAMS.get()
-    on = mode == "1" or (mode == "auto" and settings.STRESS_DELAY_S.get() > 0)
+    mode = settings.DEBUG_CHECK_STREAMS.get()
+    on = mode == "1" or (mode == "auto" and settings.DEBUG_STRESS_DELAY_S.get() > 0)
     with _lock:
         if on and not _enabled:
             _epoch += 1
@@ -387,8 +387,8 @@ def use(stream: CpuStream) -> Optional[_StreamContext]:
 
 
 def _watch_settings() -> None:
-    settings.on_change(settings.CHECK_STREAMS, refresh)
-    settings.on_change(settings.STRESS_DELAY_S, refresh)
+    settings.on_change(settings.DEBUG_CHECK_STREAMS, refresh)
+    settings.on_change(settings.DEBUG_STRESS_DELAY_S, refresh)
     refresh()
 
 

@@ -122,12 +122,7 @@ class DeviceManager:
         self.upstream = backend.new_stream(device, priority=-1, name=f"{self.name}.upstream")
         self.compute_stream = backend.new_stream(device, priority=0, name=f"{self.name}.compute_stream")
         self.downstream = backend.new_stream(device, priority=-1, name=f"{self.name}.downstream")
-        # RPP_GRAD_STREAM=0 (for comparison): gradients share the activations' download stream.
-        self.grad_stream = (
-            backend.new_stream(device, priority=0, name=f"{self.name}.grad_stream")
-            if settings.GRAD_STREAM.get()
-            else self.downstream
-        )
+        self.grad_stream = backend.new_stream(device, priority=0, name=f"{self.name}.grad_stream")
         self.mem_manager = InterStreamMemManager()
         self.recent_jobs: Deque[Event] = collections.deque()
         self.is_idle = AnnotatedSemaphore(1, name=f"{self.name}.is_idle")
@@ -347,7 +342,7 @@ def release_graphs() -> bool:
 
 
 PEER_MIN_DEVICES = 3
-"""The smallest pool ``RPP_PEER_HANDOFF=auto`` gives peer hand-overs: on 4 H200s (NVLink) they ran 1.10x
+"""The smallest pool ``RPP_DEBUG_PEER_HANDOFF=auto`` gives peer hand-overs: on 4 H200s (NVLink) they ran 1.10x
 (qwen3-1.7b and 4b, 16 x 4096, one call, 2026-11-27) and 1.20x (1.7b, across calls, 2026-11-28); on 2 GPUs
 they were 0-4% slower when measured eagerly (docs/benchmarks.md)."""
 _peer_handoff: Optional[bool] = None  # auto's answer for the current pool (reset with it)
@@ -355,10 +350,10 @@ _peer_handoff: Optional[bool] = None  # auto's answer for the current pool (rese
 
 def peer_handoff_enabled() -> bool:
     """Whether jobs hand activations and input gradients to the next job's GPU as peer copies
-    (``RPP_PEER_HANDOFF``; ``auto``: a pool of at least :data:`PEER_MIN_DEVICES` GPUs, every pair with peer
+    (``RPP_DEBUG_PEER_HANDOFF``; ``auto``: a pool of at least :data:`PEER_MIN_DEVICES` GPUs, every pair with peer
     access). Asked once per call by the main thread."""
     global _peer_handoff
-    mode = settings.PEER_HANDOFF.get()
+    mode = settings.DEBUG_PEER_HANDOFF.get()
     if mode != "auto":
         return mode == "1"
     if _peer_handoff is None:
@@ -372,9 +367,9 @@ def peer_handoff_enabled() -> bool:
 
 
 def peer_handoff_chosen() -> bool:
-    """Whether ``RPP_PEER_HANDOFF`` is ``1`` or ``0`` rather than ``auto`` (calls of one long sequence keep
+    """Whether ``RPP_DEBUG_PEER_HANDOFF`` is ``1`` or ``0`` rather than ``auto`` (calls of one long sequence keep
     ``auto`` off)."""
-    return settings.PEER_HANDOFF.get() != "auto"
+    return settings.DEBUG_PEER_HANDOFF.get() != "auto"
 
 
 def on_reset(callback: Callable[[], None]) -> None:

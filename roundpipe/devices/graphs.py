@@ -29,7 +29,7 @@ graph's static outputs stay allocated while the graph is cached, so what two gra
 their temporaries: safe in any replay order. At most ``MAX_GRAPHS`` graphs are kept per device, and a
 new shape (another sequence length) is a new key: shapes that keep changing run eagerly.
 
-CPU workers (``RPP_GRAPHS=1`` on CPU) get a stand-in that "captures" by recording the function and
+CPU workers (``RPP_DEBUG_GRAPHS=1`` on CPU) get a stand-in that "captures" by recording the function and
 "replays" by running it again on the static inputs and copying its results into the static outputs:
 the same data flow (slots, static copies, pass-through outputs, clones, guards), so CI tests it.
 """
@@ -44,7 +44,6 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, OrderedDict, S
 import torch
 from torch import nn
 
-from roundpipe import settings
 from roundpipe.devices import allocator, backend, memory
 from roundpipe.devices.backend import Event
 
@@ -70,12 +69,11 @@ def register_opaque(cls: type) -> None:
         _OPAQUE_TYPES = _OPAQUE_TYPES + (cls,)
 
 
-def enabled(device: torch.device, pool_size: int) -> bool:
-    """Whether jobs on ``device`` may be graphed (``RPP_GRAPHS``). ``auto``: on a pool of several GPUs,
-    where each job's host cost decides the pace (measured on one GPU, the graphs gave nothing: its
-    single device thread launches its kernels ahead of the GPU anyway). ``1`` on CPU workers selects
-    the stand-in."""
-    mode = settings.GRAPHS.get()
+def enabled(device: torch.device, pool_size: int, mode: str) -> bool:
+    """Whether jobs on ``device`` may be graphed under ``mode`` (``RPP_DEBUG_GRAPHS``, read once per call by
+    the run). ``auto``: on a pool of several GPUs, where each job's host cost decides the pace (measured on
+    one GPU, the graphs gave nothing: its single device thread launches its kernels ahead of the GPU
+    anyway). ``1`` on CPU workers selects the stand-in."""
     if mode == "0":
         return False
     if mode == "1":
@@ -111,7 +109,7 @@ def allocator_allows(pool_size: int) -> bool:
         _allocator_checked = True
         logger.warning(
             "roundpipe: jobs on %d GPUs stay eager: PYTORCH_ALLOC_CONF asks for expandable segments, with which "
-            "graph captures failed on pools of more than %d GPUs; unset it (or set RPP_GRAPHS=1 to try)",
+            "graph captures failed on pools of more than %d GPUs; unset it (or set RPP_DEBUG_GRAPHS=1 to try)",
             pool_size,
             EXPANDABLE_MAX_DEVICES,
         )

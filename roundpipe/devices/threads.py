@@ -160,32 +160,35 @@ def _poll(attempt: Callable[[float], bool], timeout: Optional[float]) -> bool:
 
 _stress_rng = random.Random(0)
 _stress_limit = 0.0
+_stall_limit = 0.0  # RPP_WATCHDOG_S as ``wait_or_stall`` uses it (0: plain waits)
 
 
-def refresh_stress() -> float:
-    """Read ``RPP_STRESS_DELAY_S`` again (each RoundPipe call does, at its start) and return it. Waits
-    use the value read last: a wait is too frequent a place to parse the environment."""
-    global _stress_limit
+def refresh_waits() -> None:
+    """Read ``RPP_DEBUG_STRESS_DELAY_S`` and ``RPP_WATCHDOG_S`` again (each RoundPipe call does, at its start,
+    and any ``configure`` of them). Waits use the values read last: a wait is too frequent a place to parse
+    the environment."""
+    global _stress_limit, _stall_limit
     from roundpipe import settings
 
-    _stress_limit = settings.STRESS_DELAY_S.get()
-    return _stress_limit
+    _stress_limit = settings.DEBUG_STRESS_DELAY_S.get()
+    _stall_limit = settings.WATCHDOG_S.get()
 
 
-def _watch_stress_setting() -> None:
+def _watch_wait_settings() -> None:
     from roundpipe import settings
 
-    settings.on_change(settings.STRESS_DELAY_S, refresh_stress)
-    refresh_stress()
+    settings.on_change(settings.DEBUG_STRESS_DELAY_S, refresh_waits)
+    settings.on_change(settings.WATCHDOG_S, refresh_waits)
+    refresh_waits()
 
 
 def stress_limit() -> float:
-    """The stress delay in force (seconds; 0: off), as last read by ``refresh_stress``."""
+    """The stress delay in force (seconds; 0: off), as last read by ``refresh_waits``."""
     return _stress_limit
 
 
 def stress_delay() -> None:
-    """In stress mode (``RPP_STRESS_DELAY_S``), sleep a random time before a wait: the threads reach
+    """In stress mode (``RPP_DEBUG_STRESS_DELAY_S``), sleep a random time before a wait: the threads reach
     each synchronisation point in ever different orders, so a missing fence shows in the tests as a
     wrong result or a hang instead of hiding behind one lucky interleaving."""
     limit = _stress_limit
@@ -220,9 +223,7 @@ def wait_or_stall(event: AnnotatedEvent, what: Callable[[], str]) -> None:
     (``note_progress``: a microbatch or optimizer kernel done) for that long, so a peer that will never
     set the event fails the run instead of hanging it. The clock restarts at every progress: a run
     that is slow but moving is not cut short. Without a watchdog it waits as ``event.wait()``."""
-    from roundpipe import settings
-
-    limit = settings.WATCHDOG_S.get()
+    limit = _stall_limit
     if limit <= 0:
         event.wait()
         return
@@ -320,4 +321,4 @@ def raise_if_failed(where: str = "") -> None:
     raise err from exc
 
 
-_watch_stress_setting()
+_watch_wait_settings()

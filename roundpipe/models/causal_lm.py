@@ -79,7 +79,7 @@ class RoundPipeForCausalLM(RoundPipe):
 
     Build it with :func:`roundpipe.models.wrap_model` (or ``wrap_model_to_roundpipe``).
 
-    ``fused_kernels`` (True, False, ``"auto"``; None: ``$RPP_FUSED_KERNELS``, default ``auto`` = on for
+    ``fused_kernels`` (True, False, ``"auto"``; None: ``$RPP_DEBUG_FUSED_KERNELS``, default ``auto`` = on for
     GPUs with torch.compile) turns on the fused norm / rotary / SwiGLU kernels of
     :mod:`roundpipe.models.kernels` for presets that support them (Qwen3, Llama); when given, it
     overrides the choice the preset was built with.

@@ -399,7 +399,7 @@ def unfuse_layer(layer: nn.Module) -> int:
 # The option
 # ---------------------------------------------------------------------------------------------------------
 
-ENV = "RPP_FUSED_KERNELS"
+ENV = "RPP_DEBUG_FUSED_KERNELS"
 
 
 def has_triton() -> bool:
@@ -427,9 +427,9 @@ def auto_enabled() -> bool:
 
 def resolve(mode: FusedKernels) -> bool:
     """Whether fused kernels are on for ``mode``: True / False, ``"auto"`` (see :func:`auto_enabled`), or
-    None for ``$RPP_FUSED_KERNELS`` (``auto`` when unset; also ``1``/``0``)."""
+    None for ``$RPP_DEBUG_FUSED_KERNELS`` (``auto`` when unset; also ``1``/``0``)."""
     if mode is None:
-        mode = settings.FUSED_KERNELS.get()
+        mode = settings.DEBUG_FUSED_KERNELS.get()
     if isinstance(mode, str):
         word = mode.strip().lower()
         if word in ("1", "true", "on", "yes"):

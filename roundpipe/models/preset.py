@@ -431,7 +431,7 @@ class CausalLMPreset:
         """Turn the fused kernels of :mod:`roundpipe.models.kernels` on or off for the decoder layers.
 
         ``mode``: True, False, ``"auto"`` (on when RoundPipe runs on GPUs and torch.compile can build
-        Triton kernels) or None (``$RPP_FUSED_KERNELS``, default ``auto``). Families whose spec does
+        Triton kernels) or None (``$RPP_DEBUG_FUSED_KERNELS``, default ``auto``). Families whose spec does
         not allow them stay off. Swaps the classes of the model's own norm, attention and MLP modules
         (see :func:`kernels.fuse_layer`); results equal Hugging Face's up to floating-point rounding.
         Returns whether they are on.

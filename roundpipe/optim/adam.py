@@ -5,7 +5,7 @@ host memory and steps them on the optimizer thread while the devices run the nex
 host step must run at memory speed. ``Adam`` has the signature, the state and the results of
 ``torch.optim.Adam``; its state dicts load into ``torch.optim.Adam`` and back.
 
-Two implementations, chosen per step with ``RPP_ADAM_IMPL``:
+Two implementations, chosen per step with ``RPP_DEBUG_ADAM_IMPL``:
 
 * ``cpp`` (``auto`` picks it when it builds): ``csrc/adam.cpp``, one pass over memory per parameter and
   one parallel region per parameter group (the per-tensor overhead of many small tensors disappears).
@@ -19,7 +19,7 @@ compatibility and stored in the param groups, but do not change the host impleme
 
 Opt-in compact state (``state_dtype``, ``master``, ``master_rounding``, ``block_size``, ``seed``): bf16 or
 blockwise-int8 moments and bf16 master weights, stepped by ``roundpipe.optim.compact`` (its own C++
-kernel ``csrc/compact_adam.cpp``, same ``RPP_ADAM_IMPL`` choice). The defaults keep the path above.
+kernel ``csrc/compact_adam.cpp``, same ``RPP_DEBUG_ADAM_IMPL`` choice). The defaults keep the path above.
 """
 
 from __future__ import annotations
@@ -42,18 +42,20 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Adam"]
 
-IMPL_ENV = "RPP_ADAM_IMPL"
+IMPL_ENV = "RPP_DEBUG_ADAM_IMPL"
 _IMPLS = ("auto", "cpp", "torch")
 
 _kernel_error: Optional[str] = None  # why the C++ kernel is unavailable in this process, once known
 _compact_kernel_error: Optional[str] = None  # the same for the compact kernel
 
 
-def _adam_kernel(name: str = "adam") -> Optional[Callable[..., int]]:
-    """The C++ step function ``name`` ("adam" or "compact_adam"), or None when ``RPP_ADAM_IMPL``
-    selects torch or the build failed (auto)."""
+def _adam_kernel(name: str = "adam", impl: Optional[str] = None) -> Optional[Callable[..., int]]:
+    """The C++ step function ``name`` ("adam" or "compact_adam"), or None when ``impl`` (an optimizer's
+    ``RPP_DEBUG_ADAM_IMPL``, read when it was built; None: read it now) selects torch or the build failed
+    (auto)."""
     global _kernel_error, _compact_kernel_error
-    impl = settings.ADAM_IMPL.get()
+    if impl is None:
+        impl = settings.DEBUG_ADAM_IMPL.get()
     if impl == "torch":
         return None
     failed = _kernel_error if name == "adam" else _compact_kernel_error
@@ -182,7 +184,9 @@ class Adam(Optimizer):
         # Set before the base constructor: it calls add_param_group, which starts the builders.
         self._reserve: Optional[StateReserve] = StateReserve("adam") if preallocate_state else None
         super().__init__(params, defaults)
-        if settings.ADAM_IMPL.get() != "torch":
+        # The kernel choice, read once: steps run on the optimizer thread.
+        self.impl: str = settings.DEBUG_ADAM_IMPL.get()
+        if self.impl != "torch":
             # The C++ step is compiled (first run on a machine: 2 s for Adam, 7 s for the compact
             # kernel on a 2-core host) and loaded meanwhile, not inside the first step.
             prebuild("compact_adam" if self.compact_config.enabled else "adam")
@@ -274,7 +278,7 @@ class Adam(Optimizer):
         pub = current_publisher()
         stager = current_stager() if pub is None else None  # RPP_FUSED_STAGING: write the staging buffers
         compact_on = self.compact_config.enabled
-        kernel = _adam_kernel("compact_adam" if compact_on else "adam")
+        kernel = _adam_kernel("compact_adam" if compact_on else "adam", self.impl)
         # The parameter's position in the optimizer: part of a compact state's rounding stream.
         pids = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])} if compact_on else {}
         # Whole groups; in a streamed RoundPipe step, layer by layer in forward order (Publisher.plan).

@@ -15,7 +15,7 @@ State of a parameter ``p`` (``step`` as torch.optim.Adam):
   ``kahan_comp`` (bf16, p's shape), the rounding error carried to the next step.
 
 Every step decodes the state to fp32, computes Adam in fp32 with the new (unrounded) moments, and
-encodes once. Two implementations: the C++ kernel ``csrc/compact_adam.cpp`` (``RPP_ADAM_IMPL`` auto /
+encodes once. Two implementations: the C++ kernel ``csrc/compact_adam.cpp`` (``RPP_DEBUG_ADAM_IMPL`` auto /
 cpp) and ``torch_step`` here (torch, or when the kernel cannot be built), which it mirrors.
 """
 

@@ -49,7 +49,7 @@ def gpu_budget(layer_bytes: List[float]) -> float:
 
 
 #: Share of the device memory a single-device plan leaves free that backward-stage inputs take by
-#: default (``RPP_DEVICE_SAVED_GB=auto``); the rest absorbs what the activation model does not count.
+#: default (``RPP_DEBUG_DEVICE_SAVED_GB=auto``); the rest absorbs what the activation model does not count.
 DEVICE_SAVED_SHARE = 0.75
 
 

@@ -8,7 +8,7 @@ The model of memory follows what the runtime keeps (see docs/resolve-oom.md):
   through (one more model-dtype buffer besides the weights by default); and the activation checkpoints:
   the input of every backward stage is kept from the forward to the backward, ``tokens x hidden``
   values (model dtype, or ``RPP_STAGE_INPUTS`` fp8 / int8) with the rotary tables handed along; on one GPU
-  in the room the runtime's plan leaves (``RPP_DEVICE_SAVED_GB``, given ``gpu_bytes``), the rest on the host.
+  in the room the runtime's plan leaves (``RPP_DEBUG_DEVICE_SAVED_GB``, given ``gpu_bytes``), the rest on the host.
 * GPU, the largest of: a backward stage (its layers' weights and the next stage's prefetched ones,
   gradients of the trainable ones, the tensors the recompute keeps for backward: with sequence tiling a
   decoder layer keeps its input, q, k, v and the attention output at full length, the rest one tile at

@@ -26,11 +26,11 @@ def part_of(m: int, parts: int, num_microbatch: int) -> int:
 
 
 def split_enabled() -> bool:
-    """Whether the fused job may be split over the devices (``RPP_SPLIT_FUSED``). ``auto``: where the
+    """Whether the fused job may be split over the devices (``RPP_DEBUG_SPLIT_FUSED``). ``auto``: where the
     devices compute at once (GPUs; CPU workers in the stress mode). CPU workers otherwise compute one
     at a time, and a split only adds each part's uploads and hand-overs (bench/job_cost.py: 4 workers
     167 us per job split, 79 us whole)."""
-    mode = settings.SPLIT_FUSED.get()
+    mode = settings.DEBUG_SPLIT_FUSED.get()
     if mode != "auto":
         return mode == "1"
     return any(backend.is_cuda(d.device) for d in device_mod.get_devices()) or threads.stress_limit() > 0

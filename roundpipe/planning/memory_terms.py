@@ -284,11 +284,11 @@ DEVICE_SAVED_SHARE = 0.75
 
 
 def device_saved_room(gpu_bytes: float, step_gpu_bytes: float) -> float:
-    """GPU bytes a one-GPU step may keep backward-stage inputs in (``RPP_DEVICE_SAVED_GB``: a number of
+    """GPU bytes a one-GPU step may keep backward-stage inputs in (``RPP_DEBUG_DEVICE_SAVED_GB``: a number of
     GiB, or ``auto``: a share of the GPU budget less the step's own peak, as ``budget.device_saved_room``)."""
     from roundpipe import settings
 
-    limit = settings.DEVICE_SAVED_GB.get()
+    limit = settings.DEBUG_DEVICE_SAVED_GB.get()
     if limit is not None:
         return float(limit) * GiB
     return max(0.0, DEVICE_SAVED_SHARE * (gpu_bytes * (1 - GPU_MARGIN_FRACTION) - GPU_MARGIN_BYTES - step_gpu_bytes))

@@ -208,7 +208,7 @@ class ModelTimer:
         SMOOTH_RATE: Weight of the old average in each update (Adam's beta).
         BACKWARD_MULTIPLIER: Backward time (without recompute) as a multiple of forward time, used until
             backward has been measured.
-        VERBOSE: Print every update (environment ``RPP_VERBOSE_TIMER=1``).
+        VERBOSE: Print every update (environment ``RPP_DEBUG_TIMER=1``).
         n_layers: Number of layers timed.
         layer_sizes: Per-layer sizes, the estimates before any measurement (any unit, e.g. bytes).
         stage: Per kind: 0 nothing measured yet, 1 first (warm-up) iteration dropped, 2 time-based.
@@ -220,7 +220,7 @@ class ModelTimer:
 
     SMOOTH_RATE: float = 0.9
     BACKWARD_MULTIPLIER: float = 2.0
-    VERBOSE: bool = settings.VERBOSE_TIMER.get()
+    VERBOSE: bool = settings.DEBUG_TIMER.get()
     #: Calls timed from the start (warm-up and the first estimates), then one call in ``TIMED_EVERY``.
     TIMED_FIRST: int = 8
     TIMED_EVERY: int = 4

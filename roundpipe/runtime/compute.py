@@ -21,7 +21,7 @@ the warm-up), and is timed as a whole (``IterTimer.time_group``).
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -150,7 +150,11 @@ def graph_signatures(
     and, for a backward job, the 'stage' grain and layers whose forward was seen drawing no random
     numbers and saving nothing for recompute. Sequence tiles run eagerly (each tile's attention reads a
     longer prefix), and so does every job of a long-context call (``Run.may_graph``)."""
-    if run.sequence is not None or not run.may_graph or not graphs.enabled(device.device, device_mod.get_num_devices()):
+    if (
+        run.sequence is not None
+        or not run.may_graph
+        or not graphs.enabled(device.device, device_mod.get_num_devices(), run.graph_mode)
+    ):
         return None
     if backward and run.cfg.recompute_grain != "stage":
         return None
@@ -203,7 +207,46 @@ def _unpack(flat: Leaves, meta: Any) -> Tuple[Leaves, Any, Saved]:
     return flat[:n_out], out_spec, saved
 
 
-class GroupForward:
+class _GroupCompute:
+    """What the forward and the backward of one job's layer group share: the group on its device, its
+    per-layer upload events (``ready``, waited for on the first microbatch) and, for a graphed group,
+    the graph key of a microbatch and the timing of a replay."""
+
+    def __init__(
+        self, run: Run, device: "DeviceManager", layers: range, gpu_layers: List[torch.nn.Module], ready: List[Any]
+    ) -> None:
+        self.run, self.device, self.layers, self.gpu_layers, self.ready = run, device, layers, gpu_layers, ready
+        self.waited = False
+        self.key_base: Tuple[Any, ...] = ()
+
+    def _graph_key_base(self, kind: str, parity: int, *extra: Any) -> Tuple[Any, ...]:
+        """What every graph of this group shares in its key: the direction, the slot parity, the layers'
+        slot signatures and training flags, ``extra`` and the caller's autocast."""
+        sigs = tuple(_facts_of(self.run.model).signatures[i] for i in self.layers)
+        training = tuple(layer.training for layer in self.gpu_layers)
+        return (kind, parity, sigs, training, *extra, _autocast_key(self.run))
+
+    def _graph_key(self, leaves: Leaves, spec: Any, *extra: Any) -> Optional[Tuple[Any, ...]]:
+        """A microbatch's graph key, or None for inputs a graph cannot be keyed by (``graphs.leaves_key``)."""
+        inputs_key = graphs.leaves_key(leaves, spec)
+        return None if inputs_key is None else (*self.key_base, inputs_key, *extra)
+
+    def _wait_all(self) -> None:
+        """A replay runs every layer at once: all the group's uploads first (once per job)."""
+        if not self.waited:
+            for k in range(len(self.ready)):
+                wait_layer(self.device, self.ready, k)
+            self.waited = True
+
+    def _replay_timing(self, name: str, key: Optional[Tuple[Any, ...]]) -> ContextManager[Any]:
+        """Only a replay is timed as a group: a warm-up times its layers itself, and a capture leaves the
+        GPU idle while the host records (an outlier the planner must not see)."""
+        if self.device.graphs.captured(key):
+            return self.run.timer.time_group(name, self.layers, self.device.compute_stream)
+        return backend._NULL
+
+
+class GroupForward(_GroupCompute):
     """The forward of one job's layer group, per microbatch (no autograd graph).
 
     ``graphed``: the layers sit in graph slots of ``parity``; the first replay waits for every layer's
@@ -219,7 +262,7 @@ class GroupForward:
         graphed: bool,
         parity: int,
     ) -> None:
-        self.run, self.device, self.layers, self.gpu_layers, self.ready = run, device, layers, gpu_layers, ready
+        super().__init__(run, device, layers, gpu_layers, ready)
         tracker, cfg = run.tracker, run.cfg
         train = run.enable_grad
         # Backward stages starting inside the group (their input is kept for the recompute).
@@ -233,15 +276,11 @@ class GroupForward:
             save_rng and (by_layer or k == 0 or tracker.backward_need_input(i)) for k, i in enumerate(layers)
         ]
         self.graphed = graphed
-        self.waited = False
         self.current = layers.start
         self.ctx: Optional[MicrobatchState] = None
         self.m = 0
         if graphed:
-            sigs = tuple(_facts_of(run.model).signatures[i] for i in layers)
-            training = tuple(layer.training for layer in gpu_layers)
-            keep = tuple(self.keep_input)
-            self.key_base = ("fwd", parity, sigs, training, train, keep, _autocast_key(run))
+            self.key_base = self._graph_key_base("fwd", parity, train, tuple(self.keep_input))
 
     def __call__(self, ctx: MicrobatchState, m: int, dev_leaves: Leaves, spec: Any) -> Tuple[Leaves, Any, Saved]:
         """Microbatch ``m``'s forward: (output leaves, output spec, the inputs of the backward stages that
@@ -266,20 +305,9 @@ class GroupForward:
             out_leaves, out_spec, saved = self._eager(leaves, spec, saved_any)
             return _pack(out_leaves, out_spec, [(i - self.layers.start, lv, sp) for i, lv, sp in saved])
 
-        if not self.waited:  # a replay runs every layer at once: all uploads first
-            for k in range(len(self.ready)):
-                wait_layer(device, self.ready, k)
-            self.waited = True
-        inputs_key = graphs.leaves_key(dev_leaves, spec)
-        key = None if inputs_key is None else (*self.key_base, inputs_key)
-        # Only a replay is timed as a group: a warm-up times its layers itself, and a capture leaves the
-        # GPU idle while the host records (an outlier the planner must not see).
-        timing = (
-            run.timer.time_group("fwd", self.layers, device.compute_stream)
-            if device.graphs.captured(key)
-            else backend._NULL
-        )
-        with timing:
+        self._wait_all()
+        key = self._graph_key(dev_leaves, spec)
+        with self._replay_timing("fwd", key):
             flat, meta = device.graphs.run(key, lambda lv: self._pure(lv, spec), dev_leaves, eager, check)
         out_leaves, out_spec, saved = _unpack(flat, meta)
         return out_leaves, out_spec, [(self.layers.start + k, lv, sp) for k, lv, sp in saved]
@@ -341,7 +369,23 @@ class GroupForward:
 
 
 # ---- backward -----------------------------------------------------------------------------------------
-class GroupBackward:
+class BackwardInputs(NamedTuple):
+    """What one microbatch's recompute and backward of a layer group takes, on the job's device."""
+
+    ctx: MicrobatchState
+    m: int
+    dev_in: Leaves
+    """The stage input's leaves (``spec`` its tree)."""
+    spec: Any
+    dev_grads: List[Optional[torch.Tensor]]
+    """The gradients of the group's output leaves."""
+    recompute: Dict[int, Any]
+    """Per layer: the data its forward saved for the recompute."""
+    flags: Optional[List[bool]]
+    """Which input leaves require grad (the model's first group only, else None)."""
+
+
+class GroupBackward(_GroupCompute):
     """Recompute + backward of one job's layer group, per microbatch ('stage' grain): the recompute
     keeps its graph, the backward fills the input gradients and accumulates the parameter gradients
     into the device copies' ``.grad``.
@@ -360,14 +404,11 @@ class GroupBackward:
         slots: Optional[List[graphs.LayerSlot]],
         parity: int,
     ) -> None:
-        self.run, self.device, self.layers, self.gpu_layers, self.ready = run, device, layers, gpu_layers, ready
+        super().__init__(run, device, layers, gpu_layers, ready)
         self.graphed = slots is not None
-        self.waited = False
         self.touched: set = set()
         if slots is not None:
-            sigs = tuple(_facts_of(run.model).signatures[i] for i in layers)
-            training = tuple(layer.training for layer in gpu_layers)
-            self.key_base = ("bwd", parity, sigs, training, _autocast_key(run))
+            self.key_base = self._graph_key_base("bwd", parity)
             # Trainable parameters and their slot gradient buffers, in a fixed order (the slots' order).
             self.params: List[Tuple[torch.nn.Parameter, torch.Tensor]] = []
             for layer, slot in zip(gpu_layers, slots):
@@ -382,47 +423,28 @@ class GroupBackward:
                             self.params.append((p, slot.grad(j)))
                         j += 1
 
-    def __call__(
-        self,
-        ctx: MicrobatchState,
-        m: int,
-        dev_in: Leaves,
-        spec: Any,
-        dev_grads: List[Optional[torch.Tensor]],
-        recompute: Dict[int, Any],
-        flags: Optional[List[bool]],
-    ) -> List[Optional[torch.Tensor]]:
-        """Microbatch ``m``'s input gradients (the parameter gradients accumulate on the device)."""
+    def __call__(self, b: BackwardInputs) -> List[Optional[torch.Tensor]]:
+        """Microbatch ``b.m``'s input gradients (the parameter gradients accumulate on the device)."""
         run, device = self.run, self.device
         if not self.graphed:
-            return self._eager(ctx, m, dev_in, spec, dev_grads, recompute, flags)
-        if any(recompute[i] is not None for i in self.layers):
+            return self._eager(b)
+        if any(b.recompute[i] is not None for i in self.layers):
             raise RuntimeError(
-                f"{_at_graph(run, 'recompute', self.layers, m)}: a graphed layer saved data for its recompute"
+                f"{_at_graph(run, 'recompute', self.layers, b.m)}: a graphed layer saved data for its recompute"
             )
-        device.where = (_at_graph, (run, "recompute and backward", self.layers, m))
-        if not self.waited:
-            for k in range(len(self.ready)):
-                wait_layer(device, self.ready, k)
-            self.waited = True
-        n_in = len(dev_in)
-        inputs = list(dev_in) + list(dev_grads)
+        device.where = (_at_graph, (run, "recompute and backward", self.layers, b.m))
+        self._wait_all()
+        n_in = len(b.dev_in)
+        inputs = list(b.dev_in) + list(b.dev_grads)
 
         def pure(lv: Leaves) -> Tuple[Leaves, Any]:
-            return self._pure(lv, spec, n_in, flags)
+            return self._pure(lv, b.spec, n_in, b.flags)
 
-        if not _fits_graph(dev_in):
+        if not _fits_graph(b.dev_in):
             out, touched = pure(inputs)
         else:
-            inputs_key = graphs.leaves_key(inputs, spec)
-            key = None if inputs_key is None else (*self.key_base, inputs_key, None if flags is None else tuple(flags))
-            # Only a replay is timed as a group (see ``GroupForward``).
-            timing = (
-                run.timer.time_group("rebwd", self.layers, device.compute_stream)
-                if device.graphs.captured(key)
-                else backend._NULL
-            )
-            with timing:
+            key = self._graph_key(inputs, b.spec, None if b.flags is None else tuple(b.flags))
+            with self._replay_timing("rebwd", key):
                 out, touched = device.graphs.run(key, pure, inputs)
         self.touched.update(touched)
         return out
@@ -435,31 +457,22 @@ class GroupBackward:
                 if k in self.touched and p.grad is None:
                     p.grad = buf
 
-    def _eager(
-        self,
-        ctx: MicrobatchState,
-        m: int,
-        dev_in: Leaves,
-        spec: Any,
-        dev_grads: Sequence[Optional[torch.Tensor]],
-        recompute: Dict[int, Any],
-        flags: Optional[List[bool]],
-    ) -> List[Optional[torch.Tensor]]:
+    def _eager(self, b: BackwardInputs) -> List[Optional[torch.Tensor]]:
         run, device = self.run, self.device
         timer = run.timer
-        with torch.enable_grad(), RngFork(run, device, ctx) as rng:
-            leaves = grad_leaves(dev_in, flags)
-            x = pytree.tree_unflatten(leaves, spec)
+        with torch.enable_grad(), RngFork(run, device, b.ctx) as rng:
+            leaves = grad_leaves(b.dev_in, b.flags)
+            x = pytree.tree_unflatten(leaves, b.spec)
             for k, (i, layer) in enumerate(zip(self.layers, self.gpu_layers)):
-                device.where = (_at_recompute, (run, i, m))
+                device.where = (_at_recompute, (run, i, b.m))
                 if not self.waited:
                     wait_layer(device, self.ready, k)
                 rng.restore(i)
-                with RecomputeCtx(recompute[i]), timer.time_fwd("re", i, device.compute_stream):
+                with RecomputeCtx(b.recompute[i]), timer.time_fwd("re", i, device.compute_stream):
                     x = wrap(call_layer(layer, x))
-            device.where = (_at_backward, (run, self.layers, m))
+            device.where = (_at_backward, (run, self.layers, b.m))
             with timer.time_bwd(self.layers, device.compute_stream):
-                backward_through(pytree.tree_leaves(x), dev_grads, device.describe_location())
+                backward_through(pytree.tree_leaves(x), b.dev_grads, device.describe_location())
             self.waited = True
             return input_grads(leaves)
 
@@ -504,20 +517,14 @@ def backward_by_layer(
     gpu_layers: List[torch.nn.Module],
     ready: List[Any],
     first: bool,
-    ctx: MicrobatchState,
-    m: int,
-    dev_in: Leaves,
-    spec: Any,
-    dev_grads: List[Optional[torch.Tensor]],
-    recompute: Dict[int, Any],
-    flags: Optional[List[bool]],
+    b: BackwardInputs,
 ) -> List[Optional[torch.Tensor]]:
     """The 'layer' grain: recompute the stage without a graph to get each layer's input, then recompute
     and back-propagate one layer at a time (one layer's autograd graph alive at once)."""
-    timer = run.timer
-    with RngFork(run, device, ctx) as rng:
+    timer, m, recompute, flags = run.timer, b.m, b.recompute, b.flags
+    with RngFork(run, device, b.ctx) as rng:
         inputs: List[Tuple[Leaves, Any]] = []
-        x_leaves, x_spec = dev_in, spec
+        x_leaves, x_spec = b.dev_in, b.spec
         with torch.no_grad():
             for k, (i, layer) in enumerate(zip(layers, gpu_layers)):
                 device.where = (_at_recompute, (run, i, m))
@@ -531,7 +538,7 @@ def backward_by_layer(
                     x_leaves, x_spec = pytree.tree_flatten(
                         wrap(call_layer(layer, pytree.tree_unflatten(x_leaves, x_spec)))
                     )
-        grads = dev_grads
+        grads = b.dev_grads
         for k in reversed(range(len(layers))):
             i, layer = layers[k], gpu_layers[k]
             device.where = (_at_backward, (run, range(i, i + 1), m))

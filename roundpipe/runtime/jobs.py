@@ -26,6 +26,7 @@ from roundpipe.devices import backend
 from roundpipe.planning.fused_split import part_microbatches, part_of
 from roundpipe.runtime import sequence, stage_codec
 from roundpipe.runtime.compute import (
+    BackwardInputs,
     GroupBackward,
     GroupForward,
     backward_by_layer,
@@ -175,7 +176,7 @@ def _give_grads(
     device: "DeviceManager", run: Run, ctx: MicrobatchState, group: int, in_grads: List[Optional[torch.Tensor]]
 ) -> None:
     """Input gradients of backward group ``group`` go to group - 1: on the device if it runs here, as a
-    peer copy to its device (``RPP_PEER_HANDOFF``), else (and for the model input) to the host."""
+    peer copy to its device (``RPP_DEBUG_PEER_HANDOFF``), else (and for the model input) to the host."""
     consumer = run.job_device.get(("b", group - 1)) if group > 0 else None
     if consumer is device:
         ctx.grad_handoff = (device, in_grads, [])
@@ -395,17 +396,16 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int, part: i
         recompute = {i: ctx.fetch_recompute_data(i, device) for i in layers}
         device.compute_stream.wait_stream(device.upstream)
         flags = ctx.input_requires_grad if layers.start == 0 else None
+        inputs = BackwardInputs(ctx, m, dev_in, spec, dev_grads, recompute, flags)
         with _on_compute(device, run), clock, sequence.tile(tiles, m):
             if by_stage is not None:
-                in_grads = by_stage(ctx, m, dev_in, spec, dev_grads, recompute, flags)
+                in_grads = by_stage(inputs)
             else:
-                in_grads = backward_by_layer(
-                    run, device, layers, gpu_layers, ready, first, ctx, m, dev_in, spec, dev_grads, recompute, flags
-                )
+                in_grads = backward_by_layer(run, device, layers, gpu_layers, ready, first, inputs)
         first = False
         _give_grads(device, run, ctx, layer_group_id, in_grads)
         device.mem_manager.free((dev_in, dev_grads, in_grads, recompute), device.compute_stream, device.downstream)
-        del dev_in, dev_grads, in_grads, recompute
+        del dev_in, dev_grads, in_grads, recompute, inputs  # (``inputs`` holds them too)
         tracker.backward_notify(layer_group_id, m)
     if first:
         # No microbatch computed (no gradient reached this stage): the downloads below still read the

@@ -28,7 +28,7 @@ Life cycle, per call and layer of the fused group:
    ``finish_backward`` has waited for every gradient download, the primary's (which follows its
    upload of these buffers on the same stream) included.
 
-With peer hand-overs (``RPP_PEER_HANDOFF``, ``Run.peer_handoff``) a secondary copies its gradients
+With peer hand-overs (``RPP_DEBUG_PEER_HANDOFF``, ``Run.peer_handoff``) a secondary copies its gradients
 straight to the primary's device instead (a peer copy on its gradient stream, the event recorded after
 it), and the primary adds those copies without an upload: on 4 H200s each secondary's share of
 qwen3-1.7b's head (622 MB) otherwise went down to the host and up again, the three uploads one after

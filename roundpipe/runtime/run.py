@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tupl
 import torch
 from torch.utils import _pytree as pytree
 
+from roundpipe import settings
 from roundpipe.devices import cpu_streams, graphs, threads
 from roundpipe.devices import device as device_mod
 from roundpipe.planning import budget
@@ -76,7 +77,7 @@ class MicrobatchState:
     Attributes:
         microbatch_id: Index of this microbatch.
         flatten_inputs: Host copies of each backward stage's input: layer id -> (leaves, spec, events).
-        device_inputs: Backward-stage inputs kept on the device instead (``RPP_DEVICE_SAVED_GB``, one
+        device_inputs: Backward-stage inputs kept on the device instead (``RPP_DEBUG_DEVICE_SAVED_GB``, one
             device only): layer id -> (leaves, spec).
         input_requires_grad: For the model input: which leaves the caller wants gradients for.
         recompute_data: Data layers saved for recompute: layer id -> (host leaves, spec, events).
@@ -150,12 +151,13 @@ class Run:
         loss_fn: Optional[Callable[[Any, Any], Any]] = None,
         return_outputs: bool = False,
     ) -> None:
-        threads.refresh_stress()  # RPP_STRESS_DELAY_S, read once per call (the waits use it)
-        cpu_streams.refresh()  # RPP_CHECK_STREAMS (on in the stress mode): CPU streams check their order
+        threads.refresh_waits()  # RPP_DEBUG_STRESS_DELAY_S and RPP_WATCHDOG_S, read once per call (the waits use them)
+        cpu_streams.refresh()  # RPP_DEBUG_CHECK_STREAMS (on in the stress mode): CPU streams check their order
         self.model = model
         self.cfg = run_config
         # Settings the device threads consult per job, read once per call.
         self.peer_handoff = device_mod.peer_handoff_enabled()
+        self.graph_mode = settings.DEBUG_GRAPHS.get()  # ``graphs.enabled``
         self.batch = batch
         self.run_type = run_type
         self.enable_grad = run_type != "infer"
@@ -234,7 +236,7 @@ class Run:
             ctx.input_requires_grad = [isinstance(t, torch.Tensor) and t.requires_grad for t in leaves]
 
     def _device_saved_budget(self) -> int:
-        """``RPP_DEVICE_SAVED_GB`` in bytes; ``auto``: the device memory the plan leaves free
+        """``RPP_DEBUG_DEVICE_SAVED_GB`` in bytes; ``auto``: the device memory the plan leaves free
         (``budget.device_saved_room``) in a forward_backward call, none in a call whose backward comes
         later (several such calls may await their backward at once)."""
         limit = device_saved_limit()

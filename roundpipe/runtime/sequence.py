@@ -65,6 +65,8 @@ class SequenceRun:
     host: Dict[int, HostKV] = field(default_factory=dict)
     """Per attention layer: keys, values ``[batch, kv_heads, seq, head_dim]`` and their download events."""
     lock: threading.Lock = field(default_factory=threading.Lock)
+    attention: str = field(default_factory=lambda: settings.DEBUG_TILE_ATTENTION.get())
+    """How the tiles attend (``RPP_DEBUG_TILE_ATTENTION``, see :func:`split_attention`), read once per call."""
 
     @classmethod
     def from_lengths(cls, lengths: List[int]) -> "SequenceRun":
@@ -201,7 +203,7 @@ class _TileGrads:
 
 
 class _PrefixKV(torch.autograd.Function):
-    """``[prefix, tile]`` keys and values for one masked attention call (``RPP_TILE_ATTENTION=bias``),
+    """``[prefix, tile]`` keys and values for one masked attention call (``RPP_DEBUG_TILE_ATTENTION=bias``),
     where the prefix (the earlier tiles') is a constant of this graph: its gradient and the tile's go
     through ``_TileGrads``."""
 
@@ -240,7 +242,7 @@ def attend(
         kv.k[:, :, s : s + n] = k
         kv.v[:, :, s : s + n] = v
     grad = t.store.backward and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if split_attention(q):
+    if split_attention(q, t.store.seq.attention):
         prefix_k, prefix_v = kv.k[:, :, :s], kv.v[:, :, :s]
         if grad:
             out = tile_attention.TileAttention.apply(q, k, v, prefix_k, prefix_v, scaling, _TileGrads(kv, s, n))
@@ -261,22 +263,21 @@ def attend(
     return out.transpose(1, 2)
 
 
-def split_attention(q: torch.Tensor) -> bool:
-    """Whether a tile attends as two flash blocks (``tile_attention``) rather than one masked call:
-    ``RPP_TILE_ATTENTION`` ``split`` or ``bias``. ``auto`` splits on CPU workers (the masked call
+def split_attention(q: torch.Tensor, mode: str) -> bool:
+    """Whether a tile attends as two flash blocks (``tile_attention``) rather than one masked call under
+    ``mode`` (``RPP_DEBUG_TILE_ATTENTION``): ``split`` or ``bias``. ``auto`` splits on CPU workers (the masked call
     materialises its mask there) and on GPUs where the blocks run on cuDNN's fused attention
     (``tile_attention.cudnn_blocks``: 8 tiles of qwen3-8b LoRA at 65,536 tokens took 1.09x the whole
     sequence's step there, against 1.44x on flash attention 2 or with the mask; docs/benchmarks.md); else
     the masked call."""
-    mode = settings.TILE_ATTENTION.get()
     if mode == "auto":
         if q.device.type != "cuda":
             return True
         return q.dtype in (torch.float16, torch.bfloat16) and tile_attention.cudnn_blocks(q)
     if mode == "split" and q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(
-            f"RPP_TILE_ATTENTION=split: flash attention on GPUs takes float16 or bfloat16, not {q.dtype}; "
-            "set RPP_TILE_ATTENTION=bias (or auto) for this model"
+            f"RPP_DEBUG_TILE_ATTENTION=split: flash attention on GPUs takes float16 or bfloat16, not {q.dtype}; "
+            "set RPP_DEBUG_TILE_ATTENTION=bias (or auto) for this model"
         )
     return mode == "split"
 

@@ -33,7 +33,7 @@ Which leaves (:func:`hidden_leaves`): floating tensors of two or more dimensions
 receive unchanged (those pass through and keep their one host copy per call: rotary tables, position
 ids, labels; ``jobs._download_reusing``); where a leaf sits in a dict (the Hugging Face presets' state),
 only the one under ``hidden_states``. The model's own input (the first stage's), what the fused job hands
-to the loss and stage inputs kept on the device (``RPP_DEVICE_SAVED_GB``: they cost no host memory) stay
+to the loss and stage inputs kept on the device (``RPP_DEBUG_DEVICE_SAVED_GB``: they cost no host memory) stay
 exact.
 
 Where: :func:`compact` encodes on the device's compute stream, after the compute that made the values and

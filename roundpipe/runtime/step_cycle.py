@@ -29,7 +29,7 @@ The first step is also where Python's full garbage collections are taken off the
 (:func:`freeze_garbage_collector`): a full collection scans every object alive, half a million after
 importing torch and transformers, while holding the GIL, so every device thread stalls with it. On one
 H200 it took 0.5-0.8 s, within the first 3-6 iterations after the warm-up in 3 of 4 runs (qwen3-4b
-8 x 4096: a 2.9 s iteration against 2.14 s); with ``RPP_GC_FREEZE=1`` no timed iteration had one.
+8 x 4096: a 2.9 s iteration against 2.14 s); with the freeze no timed iteration had one.
 """
 
 from __future__ import annotations
@@ -113,18 +113,15 @@ _gc_frozen = False  # whether this process froze the garbage collector's survivo
 
 def freeze_garbage_collector() -> bool:
     """Collect garbage once and move every object alive now into the collector's permanent generation
-    (``gc.freeze``), so that later full collections scan only newer objects; once per process, with
-    ``RPP_GC_FREEZE=1`` (the default; ``0`` keeps Python's collector as it is). Returns whether it froze now.
-    It was off by default while a graph-capture GPU test failed with it; the cause was a pinned block freed
-    during a capture (``transfer.HostScalar``), which a collection at another moment makes more likely, and
-    with that fixed the graph tests pass with the freeze on (docs/benchmarks.md, twenty-fifth session).
+    (``gc.freeze``), so that later full collections scan only newer objects; once per process. Returns
+    whether it froze now.
 
     Called at a model's first step, on the main thread: the first iteration has built the long-lived
     state (plan, kernels, host buffers) and the optimizer thread has not started the step. The frozen
     objects are still freed by reference counting as usual; only a reference cycle among them that
     becomes garbage later is not collected."""
     global _gc_frozen
-    if _gc_frozen or not settings.GC_FREEZE.get():
+    if _gc_frozen:
         return False
     _gc_frozen = True
     gc.collect()  # what is garbage now would otherwise never be collected once frozen

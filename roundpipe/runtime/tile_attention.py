@@ -2,7 +2,7 @@
 
 Tile t of a sequence (``roundpipe.runtime.sequence``) attends to every key of the earlier tiles and
 causally to its own. One ``scaled_dot_product_attention`` call with a bottom-right causal mask does
-that (``RPP_TILE_ATTENTION=bias``), but how fast depends on which kernel torch picks for the mask; on
+that (``RPP_DEBUG_TILE_ATTENTION=bias``), but how fast depends on which kernel torch picks for the mask; on
 CPU workers it materialises a ``tile x (prefix + tile)`` mask. Here (``split``) the two parts are
 separate kernels with no mask at all:
 

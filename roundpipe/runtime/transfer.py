@@ -40,7 +40,7 @@ CHUNK_UPLOAD_SIZE = 64 * 1024**2
 
 def device_saved_limit() -> Optional[int]:
     """Bytes of backward-stage inputs one call (forward + backward) on one device may keep on the device
-    (``RPP_DEVICE_SAVED_GB``, in GiB), or None for ``auto`` (the default: ``budget.device_saved_room``).
+    (``RPP_DEBUG_DEVICE_SAVED_GB``, in GiB), or None for ``auto`` (the default: ``budget.device_saved_room``).
 
     Every backward stage needs its input again for the recompute. Otherwise each one is downloaded to
     the host in forward and uploaded again in backward; up to this many bytes of them (per call) stay
@@ -48,7 +48,7 @@ def device_saved_limit() -> Optional[int]:
     both copies for as much GPU memory. With several devices they go through the host (a stage's
     backward may run on another device).
     """
-    gib = settings.DEVICE_SAVED_GB.get()
+    gib = settings.DEBUG_DEVICE_SAVED_GB.get()
     return None if gib is None else int(gib * 2**30)
 
 

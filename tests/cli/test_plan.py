@@ -98,7 +98,7 @@ def test_compact_optimizer_state_as_train_takes_it(capsys) -> None:
 def test_fp8_stage_inputs_as_train_takes_them(capsys, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--stage-inputs fp8`` counts the host checkpoints at 1 byte and a float32 scale per 128 values (all
     36 on the host here: none kept on the GPU); a value train refuses is refused here too."""
-    monkeypatch.setenv("RPP_DEVICE_SAVED_GB", "0")
+    monkeypatch.setenv("RPP_DEBUG_DEVICE_SAVED_GB", "0")
 
     def checkpoints(*flags: str) -> float:
         plan.main(["--model", "qwen3-8b", "--seq-len", "262144", "--lora-r", "16", *BUDGET, "--json", *flags])
