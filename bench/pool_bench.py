@@ -176,7 +176,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument(
         "--peer",
         default="auto",
-        help="RPP_DEBUG_PEER_HANDOFF values to run, e.g. 0,1 (hand-overs between GPUs as peer copies; auto: the default)",
+        help="RPP_DEBUG_PEER_HANDOFF values to run, e.g. 0,1 (hand-overs between GPUs as peer copies; auto: default)",
     )
     p.add_argument("--microbatches", type=int, default=0, help="default: 2 per device")
     p.add_argument("--warmup", type=int, default=3)
