@@ -222,7 +222,7 @@ def bench_baseline(args: argparse.Namespace, ids: torch.Tensor, liger: bool = Fa
 def fixed_plan(name: str, num_layers: int) -> Any:
     """A fixed plan for side-by-side runs: 'layerwise' (one layer per group), or 'fwdK': forward groups of K
     layers, backward one layer per group (what the hand-overs between forward groups cost)."""
-    from roundpipe.planning.plan import ModelExecutePlan
+    from roundpipe import ModelExecutePlan
 
     if name == "layerwise":
         return ModelExecutePlan.layerwise(num_layers, "train")
