@@ -45,6 +45,7 @@ import multiprocessing
 import os
 import platform
 import statistics
+import sys
 import time
 from typing import Callable, Dict, List, Tuple
 
@@ -53,7 +54,9 @@ from torch import nn
 
 import roundpipe
 import roundpipe.optim
-from roundpipe import settings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_bench import debug_key  # noqa: E402
 
 BYTES_PER_PARAM = 28
 
@@ -101,7 +104,7 @@ def make_optimizer(name: str, shapes: List[Tuple[int, ...]]) -> torch.optim.Opti
 
 
 CANDIDATES: Dict[str, str] = {
-    # candidate name -> RPP_ADAM_IMPL while it steps
+    # candidate name -> RPP_DEBUG_ADAM_IMPL while it steps
     "roundpipe Adam (cpp)": "cpp",
     "roundpipe Adam (torch fused path)": "torch",
     "torch AdamW fused=True": "",
@@ -111,12 +114,8 @@ CANDIDATES: Dict[str, str] = {
 ALONE = ("torch AdamW foreach=True",)
 
 
-ADAM_IMPL = "debug_adam_impl" if "RPP_DEBUG_ADAM_IMPL" in settings.REGISTRY else "adam_impl"
-"""The ``roundpipe.configure`` key of ``RPP_DEBUG_ADAM_IMPL`` (the undecorated one in a tree without it)."""
-
-
 def timed_step(opt: torch.optim.Optimizer, impl: str) -> float:
-    roundpipe.configure(**{ADAM_IMPL: impl or "auto"})
+    roundpipe.configure(**{debug_key("adam_impl"): impl or "auto"})
     t0 = time.perf_counter()
     opt.step()
     return time.perf_counter() - t0

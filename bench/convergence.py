@@ -53,12 +53,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]  # this checkout's roundpipe and train_bench
-from train_bench import WORKLOADS, add_lora, build_model  # noqa: E402
+from train_bench import WORKLOADS, add_lora, build_model, debug_key  # noqa: E402
 
-from roundpipe import settings  # noqa: E402
 from roundpipe.models.configs import tiny_config  # noqa: E402
 
-SAVED_GB = "RPP_DEBUG_DEVICE_SAVED_GB" if "RPP_DEBUG_DEVICE_SAVED_GB" in settings.REGISTRY else "RPP_DEVICE_SAVED_GB"
+SAVED_GB = "RPP_" + debug_key("device_saved_gb").upper()
 """The setting that keeps stage inputs on the device (0: every one through the host)."""
 
 

@@ -185,17 +185,7 @@ def estimate_for(args: argparse.Namespace, seq: int) -> Optional[tuple]:
     """The memory estimate (peak GPU GiB, peak host GiB) for this run."""
     from roundpipe.planning import estimate
 
-    config = workload_config(args.workload, args.layers)
-    shape = estimate.ModelShape(
-        hidden=config.hidden_size,
-        intermediate=config.intermediate_size,
-        layers=config.num_hidden_layers,
-        heads=config.num_attention_heads,
-        kv_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        vocab=config.vocab_size,
-        tied=config.tie_word_embeddings,
-    )
+    shape = estimate.ModelShape.from_config(workload_config(args.workload, args.layers))
     # The GPU the runtime plans to (RPP_GPU_MEMORY's cap included): on one GPU the stage inputs its room holds stay
     # there.
     gpu_bytes = _START_CAPACITY.get("bytes")
