@@ -35,7 +35,7 @@ import psutil
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_bench import WORKLOADS, add_lora, build_model, workload_config  # noqa: E402
+from train_bench import WORKLOADS, add_lora, build_model, cached_plans, workload_config  # noqa: E402
 
 MAX_POSITIONS = 1 << 21
 """The models' position limit here: the lengths measured go past the released models' 40,960."""
@@ -167,7 +167,7 @@ def roundpipe_results(args: argparse.Namespace, lengths: List[int]) -> List[Resu
         if args.memory_detail and torch.cuda.is_available():
             print(f"peak GPU reserved at {seq}: {torch.cuda.max_memory_reserved() / 2**30:.2f} GiB", flush=True)
         if args.memory_detail:
-            plans = model.__dict__.get("_plans") or {}
+            plans = cached_plans(model)
             print(f"plan at {seq}: {[p[0] for p in plans.values()][-1:]}", flush=True)
         print(json.dumps(asdict(r)), flush=True)
         out.append(r)

@@ -38,6 +38,7 @@ from train_bench import (  # noqa: E402
     add_lora,
     build_model,
     busy_fraction,
+    cached_plans,
     cuda_sync,
     debug_key,
     thread_cpu_seconds,
@@ -109,7 +110,7 @@ def run_config(
         )
     # A fresh start for every row, as a new process would have: no plan, and no timings (the previous
     # row's, or this row's first calls on devices that compile their kernels, would steer the plan).
-    model.__dict__["_plans"].clear()
+    cached_plans(model).clear()
     old = model.model_timer
     model.model_timer = ModelTimer(old.n_layers, old.layer_sizes)
 
@@ -144,7 +145,7 @@ def run_config(
         "s_per_iter": statistics.median(times),
         "iter_s": [round(t, 3) for t in times],  # each timed iteration (the first at a new length pins host blocks)
         "tokens_per_s": ids.numel() / statistics.median(times),
-        "plan": repr(model._plans and next(iter(model._plans.values()))[0]),
+        "plan": repr(next(iter(cached_plans(model).values()), [None])[0]),
         "fwd_ms_per_layer_median": round(statistics.median(model.model_timer.get_estimate("fused")[1][1:-1]), 3),
         "bwd_ms_per_layer_median": round(statistics.median(model.model_timer.get_estimate("fused")[2][1:-1]), 3),
         "thread_cpu_s_per_iter": {

@@ -147,6 +147,13 @@ def debug_key(name: str) -> str:
     return f"debug_{name}" if f"RPP_DEBUG_{name.upper()}" in settings.REGISTRY else name
 
 
+def cached_plans(model: Any) -> Dict[Any, Any]:
+    """The model's automatic plans: key -> (plan, timer version); ``.clear()`` makes the next call plan anew.
+    (``model.plan_cache``; the model's own dict in a tree without one.)"""
+    cache = getattr(model, "plan_cache", None)
+    return cache.plans if cache is not None else model.__dict__["_plans"]
+
+
 def host_rss() -> int:
     """This process's resident memory in bytes."""
     import psutil
