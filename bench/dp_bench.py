@@ -209,11 +209,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(threads)
     os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "0" if torch.cuda.is_available() else "1")
     sys.path.insert(0, HERE)
-    import train_bench  # the Qwen3 workload shapes
-
-    if args.shape:  # a custom Qwen3 shape: hidden, intermediate, layers, heads, kv heads (tied embeddings)
-        hidden, inter, layers, heads, kv = (int(x) for x in args.shape.split(","))
-        train_bench.WORKLOADS[args.model] = (hidden, inter, layers, heads, kv, True)
+    import train_bench  # the Qwen3 workloads and their builder
 
     from roundpipe import distributed as rdist
 
@@ -235,6 +231,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def shape_overrides(args: argparse.Namespace) -> Dict[str, Any]:
+    """The config fields ``--shape`` (hidden, intermediate, layers, heads, kv heads; tied embeddings) and
+    ``--vocab`` change in the ``--model`` workload."""
+    out: Dict[str, Any] = {"vocab_size": args.vocab} if args.vocab else {}
+    if args.shape:
+        hidden, inter, layers, heads, kv = (int(x) for x in args.shape.split(","))
+        out.update(
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            tie_word_embeddings=True,
+        )
+    return out
+
+
 def run_one(
     args: argparse.Namespace, mode: str, out: Optional[str], rank: int, world: int, threads: int, train_bench: Any
 ) -> int:
@@ -246,7 +259,7 @@ def run_one(
     from roundpipe import distributed as rdist
     from roundpipe.models.loss import count_loss_tokens
 
-    hf = train_bench.build_model(args.model, "cpu", vocab=args.vocab or None)
+    hf = train_bench.build_model(args.model, "cpu", **shape_overrides(args))
     if args.lora:
         import peft
 

@@ -66,8 +66,7 @@ class RuntimeLoop:
 
     def __init__(self, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor, workers: int) -> None:
         import roundpipe
-        from roundpipe import RoundPipe, RoundPipeRunConfig
-        from roundpipe.planning.plan import ModelExecutePlan
+        from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 
         roundpipe.configure(devices=f"cpu:{workers}")
         plan = ModelExecutePlan.layerwise(args.layers, "train") if args.plan == "layerwise" else None

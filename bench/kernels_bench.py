@@ -1,64 +1,67 @@
-"""One Qwen3 decoder layer, Hugging Face eager vs RoundPipe's fused kernels (roundpipe.models.kernels).
+"""One Qwen3 decoder layer: Hugging Face eager vs RoundPipe's fused kernels (roundpipe.models.kernels), and with
+``--tiling`` sequence tiling (roundpipe.models.tiling) vs the whole sequence.
 
-Times what RoundPipe runs per layer and microbatch: a forward without grad (the pipelined forward), and a forward with
-grad + backward (the recompute and backward), for Hugging Face's layer, the fused ops per module
-(``RPP_FUSED_LAYERS=0``) and the whole layer as one fused op (the default). Besides the time until the GPU is done it
-reports the host CPU time spent issuing the work (the calling thread's CPU time): on several GPUs the device threads
-share one interpreter lock, so that is what bounds them. Default shape: Qwen3-1.7B (hidden 2048, intermediate 6144, 16
-heads, 8 kv heads, head_dim 128, qk-norm), 4 x 4096 tokens, bf16, sdpa. Checks that the fused layer's output and
-gradients (input and every parameter) agree with Hugging Face's within bf16 rounding: both are compared with an fp32
-copy of the layer, and the fused error must not exceed the eager one by more than a rounding margin.
+Times what RoundPipe runs per layer and microbatch: a forward without grad (the pipelined forward), and a forward
+with grad + backward (the recompute and backward), for Hugging Face's layer and the fused one (the whole layer as one
+op). Besides the time until the GPU is
+done it reports the host CPU time spent issuing the work (the calling thread's CPU time): on several GPUs the device
+threads share one interpreter lock, so that is what bounds them. Default shape: Qwen3-1.7B, 4 x 4096 tokens, bf16,
+sdpa. Checks that the fused layer's output and gradients (input and every parameter) agree with Hugging Face's within
+bf16 rounding: both are compared with an fp32 copy of the layer, and the fused error must not exceed the eager one by
+more than a rounding margin.
+
+``--tiling`` runs, through the preset's ``DecoderLayerStage``, the forward without grad, then the recompute with grad
+(inside ``RecomputeCtx``) and its backward of ``--layers`` layers, one sequence per length of ``--seqs``: the time
+(minimum of ``--iters`` rounds, the variants in turn within each round so clock drift affects them alike) and the peak
+GPU memory above the parameters, the input and the output gradient, untiled (``RPP_SEQ_TILE=0``) and tiled, for full
+fine-tuning and LoRA (r=16 on every projection).
 
     python bench/kernels_bench.py                 # device machine, < 60 s with compilation
     python bench/kernels_bench.py --cpu --tiny    # CPU smoke (tests/test_kernels.py runs it)
+    python bench/kernels_bench.py --tiling --fused --seqs 32768,65536 --variants untiled,16384,8192   # Qwen3-8B layer
+    python bench/kernels_bench.py --tiling --cpu --tiny --seqs 64,128 --tile 32 --iters 1           # smoke
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
+import sys
 import time
-from typing import Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 from torch import nn
 
-from roundpipe import flavors, settings
+from roundpipe import settings
 
-SHAPES = {
-    # hidden, intermediate, heads, kv heads, head_dim: Qwen3 flavors (roundpipe.flavors), and a tiny layer
-    **{
-        name: (f.hidden, f.intermediate, f.heads, f.kv_heads, f.head_dim)
-        for name, f in flavors.QWEN3.items()
-        if name in ("qwen3-1.7b",)
-    },
-    "tiny": (64, 128, 4, 2, 16),
-}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_bench import LORA_TARGETS, WORKLOADS, workload_config  # noqa: E402
+
+
+def random_layers(config: Any, layers: int = 1) -> List[nn.Module]:
+    """``layers`` seeded Qwen3 decoder layers of ``config``: norms around 1 (not exactly 1, so their weight
+    multiply matters), matrices N(0, 0.02)."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    torch.manual_seed(0)
+    out = []
+    for i in range(layers):
+        layer = Qwen3DecoderLayer(config, layer_idx=i)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.copy_(1 + 0.1 * torch.randn_like(p) if p.dim() == 1 else 0.02 * torch.randn_like(p))
+        out.append(layer)
+    return out
 
 
 def build_layer(shape: str, dtype: torch.dtype, device: torch.device) -> Tuple[nn.Module, nn.Module, object]:
     """A randomly initialised Qwen3 decoder layer, its rotary embedding and config."""
-    from transformers import Qwen3Config
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-    hidden, inter, heads, kv, head_dim = SHAPES[shape]
-    config = Qwen3Config(
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=1,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=head_dim,
-        max_position_embeddings=40960,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    layer = Qwen3DecoderLayer(config, layer_idx=0)
-    with torch.no_grad():
-        for p in layer.parameters():
-            # norms around 1 (not exactly 1, so their weight multiply matters), matrices N(0, 0.02)
-            p.copy_(1 + 0.1 * torch.randn_like(p) if p.dim() == 1 else 0.02 * torch.randn_like(p))
+    config = workload_config(shape, layers=1)
+    layer = random_layers(config)[0]
     return layer.to(device=device, dtype=dtype), Qwen3RotaryEmbedding(config).to(device), config
 
 
@@ -141,42 +144,147 @@ def timed(fn: Callable[[], object], warmup: int, iters: int, device: torch.devic
     return sorted(times)[len(times) // 2], sorted(cpu)[len(cpu) // 2]
 
 
-class whole_layer:
-    """Within the block, fused layers run as one op (``on``) or per module (``RPP_FUSED_LAYERS``)."""
-
-    def __init__(self, on: bool) -> None:
-        self.on = on
-
-    def __enter__(self) -> None:
-        self.block = settings.overridden(fused_layers=self.on)
-        self.block.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        self.block.__exit__(None, None, None)
+# ---- --tiling: one sequence through a stage of decoder layers, tiled and untiled ----------------------------
 
 
-def main(argv=None) -> Dict[str, float]:
+def build_stages(
+    shape: str, layers: int, lora: bool, fused: bool, dtype: torch.dtype, device: torch.device
+) -> Tuple[List[nn.Module], nn.Module]:
+    """``layers`` randomly initialised Qwen3 decoder layers as preset stages, and the rotary embedding."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    from roundpipe.models import kernels
+    from roundpipe.models.preset import DecoderLayerStage
+
+    config = workload_config(shape, layers=layers, max_position_embeddings=1 << 20)
+    stages = []
+    for layer in random_layers(config, layers):
+        if lora:
+            import peft
+
+            layer = peft.inject_adapter_in_model(
+                peft.LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS), layer
+            )
+            for name, p in layer.named_parameters():
+                p.requires_grad_("lora_" in name)
+        layer = layer.to(device=device, dtype=dtype)
+        if fused:
+            kernels.fuse_layer(layer)
+        stages.append(DecoderLayerStage(layer, "full_attention", None))
+    return stages, Qwen3RotaryEmbedding(config).to(device)
+
+
+def step(stages: List[nn.Module], state: Dict[str, Any], grad: torch.Tensor) -> None:
+    """Forward without grad, then recompute with grad and backward, as a RoundPipe backward job."""
+    with torch.no_grad():
+        s = state
+        for stage in stages:
+            s = stage(s)
+    x = state["hidden_states"].detach().requires_grad_()
+    s = dict(state, hidden_states=x)
+    from roundpipe.runtime.context import RecomputeCtx
+
+    with RecomputeCtx(None):
+        for stage in stages:
+            s = stage(s)
+    s["hidden_states"].backward(grad)
+    for stage in stages:
+        stage.zero_grad(set_to_none=True)
+
+
+def measure(
+    stages: List[nn.Module],
+    rotary: nn.Module,
+    hidden: int,
+    seq: int,
+    variants: List[str],
+    iters: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Dict[str, Tuple[float, float]]:
+    """Per variant (``untiled`` or ``T``, tokens per tile): (min ms of :func:`step` over ``iters`` rounds
+    run variant after variant, peak GiB above what was allocated before it: the parameters, the input
+    and the output gradient)."""
+    x = torch.randn(1, seq, hidden, device=device, dtype=dtype)
+    pos = torch.arange(seq, device=device)[None]
+    cos, sin = rotary(x, pos)
+    state = {
+        "hidden_states": x,
+        "masks": {"full_attention": None},
+        "position_ids": pos,
+        "position_embeddings": (cos, sin),
+        "router": None,
+        "attention_mask": None,
+    }
+    grad = torch.randn_like(x)
+    cuda = device.type == "cuda"
+
+    def configure(variant: str) -> None:
+        settings.configure(seq_tile=0 if variant == "untiled" else int(variant))
+
+    times: Dict[str, List[float]] = {v: [] for v in variants}
+    peaks: Dict[str, float] = {}
+    for v in variants:  # warm-up (compilation) and peak memory
+        configure(v)
+        step(stages, state, grad)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            step(stages, state, grad)
+            peaks[v] = (torch.cuda.max_memory_allocated() - base) / 2**30
+        else:
+            peaks[v] = float("nan")
+    for _ in range(iters):
+        for v in variants:
+            configure(v)
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step(stages, state, grad)
+            if cuda:
+                torch.cuda.synchronize()
+            times[v].append((time.perf_counter() - t0) * 1e3)
+    return {v: (min(times[v]), peaks[v]) for v in variants}
+
+
+def parse_args(argv: Any = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu", action="store_true", help="run on the CPU (smoke test)")
-    p.add_argument("--tiny", action="store_true", help="tiny layer, 2 x 32 tokens")
+    p.add_argument("--tiny", action="store_true", help="the tiny layer (2 x 32 tokens unless --batch / --seq)")
+    p.add_argument("--shape", choices=WORKLOADS, default=None, help="default: qwen3-1.7b; with --tiling qwen3-8b")
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--no-compile", action="store_true", help="fused ops eager (torch.compile off)")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--iters", type=int, default=None)
-    args = p.parse_args(argv)
+    p.add_argument("--tiling", action="store_true", help="sequence tiling vs the whole sequence (see above)")
+    p.add_argument("--seqs", default="4096,8192,16384,32768", help="with --tiling: sequence lengths")
+    p.add_argument("--tile", type=int, default=16384, help="with --tiling: tokens per tile")
+    p.add_argument("--variants", default="", help="with --tiling: untiled, T (tokens per tile); default untiled,--tile")
+    p.add_argument("--layers", type=int, default=1, help="with --tiling: decoder layers in the stage")
+    p.add_argument("--modes", default="full,lora", help="with --tiling: full, lora")
+    p.add_argument("--fused", action="store_true", help="with --tiling: fused kernels (compiled unless disabled)")
+    return p.parse_args(argv)
 
+
+def main(argv: Any = None) -> Dict[str, float]:
+    args = parse_args(argv)
+    if args.tiling:
+        return tiling_main(args)
     from roundpipe.models import kernels
 
     t_start = time.perf_counter()
     device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    shape = "tiny" if args.tiny else "qwen3-1.7b"
+    shape = "tiny" if args.tiny else args.shape or "qwen3-1.7b"
     batch = args.batch or (2 if args.tiny else 4)
     seq = args.seq or (32 if args.tiny else 4096)
     warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
     iters = args.iters if args.iters is not None else (2 if args.tiny else 10)
+    variants = [("layer", {})]
+    names = ["hf"] + [v for v, _ in variants]
     settings.configure(compile=not args.no_compile)
     try:
         hf, rotary, config = build_layer(shape, dtype, device)
@@ -186,13 +294,13 @@ def main(argv=None) -> Dict[str, float]:
         x, pos, mask, position_ids, grad_out = layer_inputs(config, rotary, batch, seq, dtype, device)
         pos32 = tuple(t.float() for t in pos)
 
-        # Correctness of both fused variants (their first calls also compile: timed separately).
+        # Correctness of the fused variants (their first calls also compile: timed separately).
         eager = run_layer(hf, x, pos, mask, position_ids, grad_out)
         ref = run_layer(ref32, x.float(), pos32, mask, position_ids, grad_out.float())
         e_eager = errors(eager, ref)
-        checks: Dict[str, Dict[str, object]] = {}
-        for variant, on in (("modules", False), ("layer", True)):
-            with whole_layer(on):
+        checks: Dict[str, Dict[str, Any]] = {}
+        for variant, chosen in variants:
+            with settings.overridden(**chosen):
                 t0 = time.perf_counter()
                 with torch.no_grad():
                     run_layer(fused, x, pos, mask, position_ids)
@@ -226,8 +334,8 @@ def main(argv=None) -> Dict[str, float]:
             return lambda: run_layer(layer, x, pos, mask, position_ids, grad_out, collect=False)
 
         res = {}
-        for name, layer, on in (("hf", hf, True), ("modules", fused, False), ("layer", fused, True)):
-            with whole_layer(on):
+        for name, layer, chosen in [("hf", hf, {})] + [(v, fused, c) for v, c in variants]:
+            with settings.overridden(**chosen):
                 res[f"{name}_fwd_ms"], res[f"{name}_fwd_cpu_ms"] = timed(fwd(layer), warmup, iters, device)
                 res[f"{name}_fwd_bwd_ms"], res[f"{name}_fwd_bwd_cpu_ms"] = timed(fwd_bwd(layer), warmup, iters, device)
     finally:
@@ -235,34 +343,31 @@ def main(argv=None) -> Dict[str, float]:
 
     dev_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(
-        f"Qwen3 decoder layer {shape} {SHAPES[shape]}, {batch} x {seq} tokens, {args.dtype}, sdpa, {dev_name}, "
-        f"torch {torch.__version__}; fused: {', '.join(n or '(layer)' for n in swapped)}; compile "
-        f"{'off' if args.no_compile else 'on'}"
+        f"Qwen3 decoder layer {shape} (hidden {config.hidden_size}, intermediate {config.intermediate_size}), "
+        f"{batch} x {seq} tokens, {args.dtype}, sdpa, {dev_name}, torch {torch.__version__}; fused: "
+        f"{', '.join(n or '(layer)' for n in swapped)}; compile {'off' if args.no_compile else 'on'}"
     )
     print(
         "first fused forward + backward (incl. compile): "
         + ", ".join(f"{v} {c['compile_s']:.1f} s" for v, c in checks.items())
     )
-    print(
-        "| pass | HF eager ms | fused modules ms | fused layer ms | layer speed-up | host CPU ms: HF / modules "
-        "/ layer |"
-    )
-    print("|---|---|---|---|---|---|")
-    for label, key in (("forward, no grad", "fwd"), ("forward + backward", "fwd_bwd")):
-        ms = [res[f"{n}_{key}_ms"] for n in ("hf", "modules", "layer")]
-        cpu = [res[f"{n}_{key}_cpu_ms"] for n in ("hf", "modules", "layer")]
-        print(
-            f"| {label} | {ms[0]:.3f} | {ms[1]:.3f} | {ms[2]:.3f} | {ms[0] / ms[2]:.2f}x | {cpu[0]:.2f} / "
-            f"{cpu[1]:.2f} / {cpu[2]:.2f} |"
+    heads = " | ".join(f"fused {v} ms" for v, _ in variants)
+    print(f"| pass | HF eager ms | {heads} | layer speed-up | host CPU ms: {' / '.join(names)} |")
+    print("|---|---|" + "---|" * len(variants) + "---|---|")
+    per_layer = {n: res[f"{n}_fwd_ms"] + res[f"{n}_fwd_bwd_ms"] for n in names}
+    per_layer_cpu = {n: res[f"{n}_fwd_cpu_ms"] + res[f"{n}_fwd_bwd_cpu_ms"] for n in names}
+    passes = [("forward, no grad", {n: res[f"{n}_fwd_ms"] for n in names}, {n: res[f"{n}_fwd_cpu_ms"] for n in names})]
+    passes.append(
+        (
+            "forward + backward",
+            {n: res[f"{n}_fwd_bwd_ms"] for n in names},
+            {n: res[f"{n}_fwd_bwd_cpu_ms"] for n in names},
         )
-    per_layer = {n: res[f"{n}_fwd_ms"] + res[f"{n}_fwd_bwd_ms"] for n in ("hf", "modules", "layer")}
-    per_layer_cpu = {n: res[f"{n}_fwd_cpu_ms"] + res[f"{n}_fwd_bwd_cpu_ms"] for n in ("hf", "modules", "layer")}
-    print(
-        f"| RoundPipe per layer (both) | {per_layer['hf']:.3f} | {per_layer['modules']:.3f} | "
-        f"{per_layer['layer']:.3f} | "
-        f"{per_layer['hf'] / per_layer['layer']:.2f}x | {per_layer_cpu['hf']:.2f} / {per_layer_cpu['modules']:.2f} / "
-        f"{per_layer_cpu['layer']:.2f} |"
     )
+    passes.append(("RoundPipe per layer (both)", per_layer, per_layer_cpu))
+    for label, ms, cpu in passes:
+        cells = " | ".join(f"{ms[n]:.3f}" for n in names)
+        print(f"| {label} | {cells} | {ms['hf'] / ms['layer']:.2f}x | {' / '.join(f'{cpu[n]:.2f}' for n in names)} |")
     for variant, c in checks.items():
         print(
             f"fused {variant}: rel. error vs fp32 layer, worst of output/grads {c['fused_err']:.2e} (HF eager "
@@ -278,10 +383,45 @@ def main(argv=None) -> Dict[str, float]:
         res,
         ok=float(ok),
         speedup=per_layer["hf"] / per_layer["layer"],
-        speedup_modules=per_layer["hf"] / per_layer["modules"],
         compile_s=max(c["compile_s"] for c in checks.values()),
         fused_vs_hf=max(c["vs"] for c in checks.values()),
     )
+
+
+def tiling_main(args: argparse.Namespace) -> Dict[str, float]:
+    """``--tiling``: the table of time (GiB) per mode, length and variant; returns each cell's time in ms."""
+    torch._dynamo.config.recompile_limit = 64  # every variant in one process: more shapes than training sees
+    shape = "tiny" if args.tiny else args.shape or "qwen3-8b"
+    device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    hidden = workload_config(shape).hidden_size
+    print(
+        f"shape {shape}, {args.layers} layer(s), tile {args.tile}, fused={args.fused}, {dtype}, "
+        f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}"
+    )
+    variants = args.variants.split(",") if args.variants else ["untiled", str(args.tile)]
+    iters = args.iters or 3
+    print("| mode | seq | " + " | ".join(f"{v} ms (GiB)" for v in variants) + " |")
+    print("|---|---|" + "---|" * len(variants))
+    out: Dict[str, float] = {}
+    try:
+        for mode in args.modes.split(","):
+            stages, rotary = build_stages(shape, args.layers, mode == "lora", args.fused, dtype, device)
+            for seq in (int(s) for s in args.seqs.split(",")):
+                res = measure(stages, rotary, hidden, seq, variants, iters, device, dtype)
+                base = res[variants[0]][0]
+                cells = [
+                    f"{t:.1f} ({m:.2f})" + ("" if v == variants[0] else f" {100 * (t / base - 1):+.1f}%")
+                    for v, (t, m) in res.items()
+                ]
+                out.update({f"{mode}_{seq}_{v}_ms": t for v, (t, _) in res.items()})
+                print(f"| {mode} | {seq} | " + " | ".join(cells) + " |", flush=True)
+            del stages, rotary
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        settings.unconfigure(settings.SEQ_TILE.name)
+    return out
 
 
 if __name__ == "__main__":

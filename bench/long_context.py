@@ -35,11 +35,10 @@ import psutil
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_bench import WORKLOADS  # noqa: E402
+from train_bench import WORKLOADS, add_lora, build_model, workload_config  # noqa: E402
 
-from roundpipe import flavors  # noqa: E402
-
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MAX_POSITIONS = 1 << 21
+"""The models' position limit here: the lengths measured go past the released models' 40,960."""
 
 
 @dataclass
@@ -55,56 +54,6 @@ class Result:
     estimate_gpu_gib: float = float("nan")
     estimate_host_gib: float = float("nan")
     note: str = ""
-
-
-def build_model(name: str, device: str = "cpu", layers: int = 0) -> torch.nn.Module:
-    """A Qwen3 model of the workload's shape with random weights (WORKLOADS.md: matrices N(0, 0.02), norms
-    1), built in bf16 without a first fp32 copy; on the host the weights are drawn by a thread pool
-    (``normal_`` is single-threaded per call: an 8B model would take minutes otherwise). ``layers``: a
-    slice with the workload's width and this many decoder layers (0: all of them)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    hidden, inter, all_layers, heads, kv, tied = WORKLOADS[name]
-    layers = layers or all_layers
-    config = Qwen3Config(
-        vocab_size=512 if name == "tiny" else flavors.QWEN3_VOCAB,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=flavors.QWEN3_HEAD_DIM if name != "tiny" else 16,
-        tie_word_embeddings=tied,
-        max_position_embeddings=1 << 21,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
-    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = Qwen3ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(old)
-    model = model.to_empty(device=device)
-    # The rotary tables are computed buffers, not weights: build them for real (in fp32).
-    model.model.rotary_emb = type(model.model.rotary_emb)(config).to(device)
-    tensors = list({id(p): p for p in model.parameters()}.values())
-
-    def fill(k_p: tuple) -> None:
-        k, p = k_p
-        with torch.no_grad():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.02, generator=torch.Generator(device=p.device).manual_seed(k))
-            else:
-                p.fill_(1.0)
-
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        list(pool.map(fill, enumerate(tensors)))
-    return model
 
 
 def step_flops(model: torch.nn.Module, seq: int, lora: bool) -> float:
@@ -174,16 +123,14 @@ def measure(system: str, seq: int, step: Callable[[torch.Tensor], None], flops: 
 
 
 def build_roundpipe(workload: str, lora: int, layers: int = 0) -> Tuple[torch.nn.Module, Any]:
-    """(the Hugging Face model, its RoundPipe): :func:`build_model` (``layers``: a slice), LoRA of rank
-    ``lora`` on all seven projections (0: full fine-tune), fp32 optimizer copies, one microbatch."""
+    """(the Hugging Face model, its RoundPipe): the workload (``layers``: a slice), LoRA of rank ``lora`` on
+    all seven projections (0: full fine-tune), fp32 optimizer copies, one microbatch."""
     import roundpipe
     from roundpipe import RoundPipeRunConfig
 
-    hf = build_model(workload, layers=layers)
+    hf = build_model(workload, layers=layers, max_position_embeddings=MAX_POSITIONS)
     if lora:
-        from peft import LoraConfig, get_peft_model
-
-        hf = get_peft_model(hf, LoraConfig(r=lora, lora_alpha=2 * lora, target_modules=LORA_TARGETS))
+        hf = add_lora(hf, lora)
     model = roundpipe.wrap_model_to_roundpipe(
         hf, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=1)
     )
@@ -235,23 +182,10 @@ _START_CAPACITY: Dict[str, float] = {}
 
 
 def estimate_for(args: argparse.Namespace, seq: int) -> Optional[tuple]:
-    """The memory estimate (peak GPU GiB, peak host GiB) for this run, if the estimate module exists."""
-    try:
-        from roundpipe.planning import estimate
-    except ImportError:
-        return None
-    hidden, inter, layers, heads, kv, tied = WORKLOADS[args.workload]
-    layers = args.layers or layers
-    shape = estimate.ModelShape(
-        hidden=hidden,
-        intermediate=inter,
-        layers=layers,
-        heads=heads,
-        kv_heads=kv,
-        head_dim=flavors.QWEN3_HEAD_DIM if args.workload != "tiny" else 16,
-        vocab=512 if args.workload == "tiny" else flavors.QWEN3_VOCAB,
-        tied=tied,
-    )
+    """The memory estimate (peak GPU GiB, peak host GiB) for this run."""
+    from roundpipe.planning import estimate
+
+    shape = estimate.ModelShape.from_config(workload_config(args.workload, args.layers))
     # The GPU the runtime plans to (RPP_GPU_MEMORY's cap included): on one GPU the stage inputs its room holds stay
     # there.
     gpu_bytes = _START_CAPACITY.get("bytes")
@@ -274,16 +208,14 @@ def baseline_results(args: argparse.Namespace, lengths: List[int]) -> List[Resul
     lora = args.lora > 0
     out: List[Result] = []
     try:
-        model = build_model(args.workload, "cuda")
+        model = build_model(args.workload, "cuda", max_position_embeddings=MAX_POSITIONS)
     except torch.OutOfMemoryError:
         return [Result(name, lengths[0], False, note="the model does not fit on the GPU")]
     model.gradient_checkpointing_enable()
     model.enable_input_require_grads()
     base = model
     if lora:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules=LORA_TARGETS))
+        model = add_lora(model, args.lora)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
 
     def step(ids: torch.Tensor) -> None:
@@ -311,7 +243,7 @@ T0 = time.perf_counter()
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", choices=sorted(WORKLOADS), default="qwen3-8b")
+    p.add_argument("--workload", choices=WORKLOADS, default="qwen3-8b")
     p.add_argument("--lora", type=int, default=0, help="LoRA rank on all decoder projections (0: full fine-tune)")
     p.add_argument("--lengths", default="65536,131072,262144", help="comma-separated sequence lengths, ascending")
     p.add_argument("--warmup-len", type=int, default=4096)

@@ -6,12 +6,13 @@ The model is built and wrapped once; between configurations the device pool is r
 optimizer and batch on the same machine. Per row: tokens/s, the ratio to the first row of its graph
 mode, and per iteration:
 
-* each GPU's busy share (kernels merged over the timed iterations, from CUDA events recorded around
-  them: ``--busy`` profiles one extra iteration with the torch profiler, CUDA activity only);
+* with ``--busy``, each GPU's busy share and idle gaps in one more, profiled iteration;
 * each RoundPipe thread's CPU seconds (device threads, the optimizer thread, the main thread);
 * the interpreter lock: a probe thread sleeps 1 ms at a time and measures how late it wakes (the
-  time a thread waits for the lock once it wants it), and, with ``--gil-sampler``, the share of
-  samples in which a device thread holds the lock (py-spy ``--gil``; attached to this process).
+  time a thread waits for the lock once it wants it).
+
+``--sequence-tiles N`` trains one long sequence over the pool instead: N tiles on several devices, the
+whole sequence on one (``--tile-modes`` compares the tiles' attention modes on any device count).
 
     python bench/pool_bench.py --workload qwen3-1.7b --batch 16 --devices 1,2,4 --graphs 0,1
     # CPU smoke:
@@ -23,11 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Any, Dict, List, Optional
@@ -35,7 +33,14 @@ from typing import Any, Dict, List, Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_bench import WORKLOADS, build_model, cuda_sync, thread_cpu_seconds  # noqa: E402
+from train_bench import (  # noqa: E402
+    WORKLOADS,
+    add_lora,
+    build_model,
+    busy_fraction,
+    cuda_sync,
+    thread_cpu_seconds,
+)
 
 
 class GilProbe:
@@ -69,82 +74,6 @@ class GilProbe:
             "gil_wait_mean_ms": 1e3 * statistics.fmean(late),
             "gil_wait_p90_ms": 1e3 * late[int(0.9 * (len(late) - 1))],
         }
-
-
-class GilSampler:
-    """py-spy attached to this process with ``--gil`` (only the thread holding the interpreter lock is
-    sampled): the share of wall time each thread holds the lock. None when py-spy cannot attach."""
-
-    def __init__(self, seconds: float, rate: int = 250) -> None:
-        self.out = os.path.join(tempfile.mkdtemp(), "gil.txt")
-        exe = shutil.which("py-spy")
-        self.proc: Optional[subprocess.Popen] = None
-        self.rate, self.seconds = rate, seconds
-        if exe is not None:
-            cmd = [
-                exe,
-                "record",
-                "--pid",
-                str(os.getpid()),
-                "--gil",
-                "--threads",
-                "--idle",
-                "-r",
-                str(rate),
-                "-d",
-                str(int(seconds + 1)),
-                "--format",
-                "raw",
-                "-o",
-                self.out,
-                "--nonblocking",
-            ]
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            time.sleep(1.0)  # attach
-
-    def shares(self, wall_s: float) -> Optional[Dict[str, float]]:
-        if self.proc is None:
-            return None
-        try:
-            _, err = self.proc.communicate(timeout=self.seconds + 30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return None
-        if not os.path.exists(self.out):
-            print(f"py-spy: {err.strip()[-300:]}")
-            return None
-        per_thread: Dict[str, int] = {}
-        for line in open(self.out):
-            stack, _, n = line.rstrip().rpartition(" ")
-            if not n.isdigit():  # a frame's text broke the line
-                continue
-            thread = stack.split(";", 1)[0]
-            per_thread[thread] = per_thread.get(thread, 0) + int(n)
-        samples = self.rate * min(wall_s, self.seconds)
-        return {t: n / samples for t, n in sorted(per_thread.items(), key=lambda kv: -kv[1])}
-
-
-def busy_shares(step: Any) -> List[float]:
-    """Each GPU's kernel-busy share of one iteration (torch profiler, CUDA activity only)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        step()
-        cuda_sync()
-        wall = (time.perf_counter() - t0) * 1e6
-    per_dev: Dict[int, List[tuple]] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")):
-            per_dev.setdefault(e.device_index, []).append((e.time_range.start, e.time_range.end))
-    out = []
-    for dev in sorted(per_dev):
-        busy, end = 0.0, None
-        for s, e in sorted(per_dev[dev]):
-            if end is None or s > end:
-                busy, end = busy + e - s, e
-            elif e > end:
-                busy, end = busy + e - end, e
-        out.append(busy / wall)
-    return out
 
 
 def run_config(
@@ -185,7 +114,7 @@ def run_config(
 
     def step(batch: torch.Tensor = ids) -> None:
         model.train_step(input_ids=batch, labels=batch)
-        if args.no_step:  # diagnostic: the pipeline alone, gradients dropped
+        if args.no_step:  # the pipeline alone, gradients dropped
             model.zero_grad(set_to_none=True)
             return
         model.step(lambda: (opt.step(), opt.zero_grad()))
@@ -197,7 +126,6 @@ def run_config(
         step(warm)
     cuda_sync()
     cpu0 = thread_cpu_seconds()
-    sampler = GilSampler(seconds=min(args.iters * 3.0, 20.0)) if args.gil_sampler else None
     times = []
     with GilProbe() as probe:
         for _ in range(args.iters):
@@ -205,9 +133,8 @@ def run_config(
             step()
             cuda_sync()
             times.append(time.perf_counter() - t0)
-            print(f"  iteration {len(times)}: {times[-1]:.3f} s", flush=True)  # a call cut by its limit keeps these
+            print(f"  iteration {len(times)}: {times[-1]:.3f} s", flush=True)  # a run cut by a time limit keeps these
     cpu1 = thread_cpu_seconds()
-    wall = sum(times)
     row: Dict[str, Any] = {
         "devices": n,
         "graphs": graphs,
@@ -216,7 +143,7 @@ def run_config(
         "s_per_iter": statistics.median(times),
         "iter_s": [round(t, 3) for t in times],  # each timed iteration (the first at a new length pins host blocks)
         "tokens_per_s": ids.numel() / statistics.median(times),
-        "plan": repr(model.plan_cache.plans and next(iter(model.plan_cache.plans.values()))[0]),
+        "plan": repr(next(iter(model.plan_cache.plans.values()), [None])[0]),
         "fwd_ms_per_layer_median": round(statistics.median(model.model_timer.get_estimate("fused")[1][1:-1]), 3),
         "bwd_ms_per_layer_median": round(statistics.median(model.model_timer.get_estimate("fused")[2][1:-1]), 3),
         "thread_cpu_s_per_iter": {
@@ -226,21 +153,19 @@ def run_config(
         },
         **probe.summary(),
     }
-    if sampler is not None:
-        row["gil_held_share"] = sampler.shares(wall)
     devs = roundpipe.devices.device.get_devices()
     row["graph_captures"] = sum(d.graphs.captures for d in devs)
     row["graph_replays"] = sum(d.graphs.replays for d in devs)
     row["graph_refused"] = sum(len(d.graphs.refused) for d in devs)
     row["graph_error"] = next((d.graphs.last_error for d in devs if d.graphs.last_error), "")
     if args.busy and torch.cuda.is_available():
-        row["gpu_busy"] = [round(b, 3) for b in busy_shares(step)]
+        row["gpu_busy"] = busy_fraction(step)
     return row
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workload", choices=sorted(WORKLOADS), default="qwen3-1.7b")
+    p.add_argument("--workload", choices=WORKLOADS, default="qwen3-1.7b")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument(
@@ -250,16 +175,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument(
         "--peer",
         default="auto",
-        help="RPP_DEBUG_PEER_HANDOFF values to run, e.g. 0,1 (hand-overs between GPUs as peer copies; default auto)",
+        help="RPP_DEBUG_PEER_HANDOFF values to run, e.g. 0,1 (hand-overs between GPUs as peer copies; auto: default)",
     )
     p.add_argument("--microbatches", type=int, default=0, help="default: 2 per device")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--warmup-seq", type=int, default=0, help="warm up on the first N tokens only (long sequences)")
     p.add_argument("--iters", type=int, default=4)
     p.add_argument("--busy", action="store_true", help="profile one more iteration per row: each GPU's busy share")
-    p.add_argument(
-        "--gil-sampler", action="store_true", help="py-spy --gil on this process during the timed iterations"
-    )
     p.add_argument("--lora", type=int, default=0, help="LoRA rank on all decoder projections (0: full fine-tune)")
     p.add_argument(
         "--sequence-tiles",
@@ -273,17 +195,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="with --sequence-tiles, rows per device count for each of these: none (the whole sequence), bias, split "
         "(RPP_DEBUG_TILE_ATTENTION), e.g. none,bias,split on one GPU: what the tiles cost beside the whole sequence",
     )
-    p.add_argument("--no-step", action="store_true", help="diagnostic: skip the optimizer (the pipeline alone)")
+    p.add_argument("--no-step", action="store_true", help="skip the optimizer: the pipeline alone")
     p.add_argument("--json", default="", help="append each row as a JSON line to this file")
-    p.add_argument(
-        "--switch-interval",
-        type=float,
-        default=0.0,
-        help="sys.setswitchinterval (s) for the whole run; 0: Python's default",
-    )
     args = p.parse_args(argv)
-    if args.switch_interval > 0:
-        sys.setswitchinterval(args.switch_interval)
 
     import roundpipe
 
@@ -294,10 +208,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     hf = build_model(args.workload, "cpu")
     n_params = sum(q.numel() for q in hf.parameters())
     if args.lora:
-        from peft import LoraConfig, get_peft_model
-
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        hf = get_peft_model(hf, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules=targets))
+        hf = add_lora(hf, args.lora)
     model = roundpipe.wrap_model_to_roundpipe(hf, optim_dtype=torch.float32)
     opt = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-5, decoupled_weight_decay=True)
     ids = torch.randint(0, hf.config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
@@ -339,8 +250,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"  thread CPU s/iter {row['thread_cpu_s_per_iter']}")
             if "gpu_busy" in row:
                 print(f"  GPU busy {row['gpu_busy']}")
-            if row.get("gil_held_share"):
-                print(f"  GIL held share {row['gil_held_share']}")
             if args.json:
                 with open(args.json, "a") as f:
                     f.write(json.dumps({"workload": args.workload, "batch": args.batch, "seq": args.seq, **row}) + "\n")

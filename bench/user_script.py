@@ -1,8 +1,8 @@
 """A user's own training script, as short as one writes it: build the model on the GPU, move it to the
 host, wrap it with fp32 optimizer copies (``optim_dtype=torch.float32``, as the user guide writes it),
 train with roundpipe.optim.Adam's defaults. Its tokens/s is compared with
-bench/train_bench.py (the same workload) and the GPU-resident Liger baseline (docs/benchmarks.md);
-the issue's target is the bench's speed.
+bench/train_bench.py (the same workload) and the GPU-resident Liger baseline (docs/benchmarks.md): a
+user's script should train as fast as the bench does.
 
     python bench/user_script.py --workload qwen3-1.7b --batch 8
     RPP_DEVICES=cpu:1 python bench/user_script.py --workload tiny --seq 64 --batch 2 --steps 3   # CPU smoke
@@ -19,14 +19,12 @@ from typing import Any, Callable, Dict, List
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_bench import WORKLOADS  # noqa: E402  (the workload shapes, nothing else)
-
-from roundpipe import flavors  # noqa: E402
+from train_bench import WORKLOADS, workload_config  # noqa: E402  (the workload shapes, nothing else)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workload", choices=sorted(WORKLOADS), default="qwen3-1.7b")
+    p.add_argument("--workload", choices=WORKLOADS, default="qwen3-1.7b")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--steps", type=int, default=6, help="timed steps after 3 warm-up steps")
@@ -37,15 +35,6 @@ def main() -> int:
         help="leave optim_dtype out: Adam steps the bf16 weights themselves (the wrapper's default)",
     )
     p.add_argument(
-        "--build",
-        choices=("gpu", "host"),
-        default="gpu",
-        help="diagnostic: where the model is built (a user builds it on the GPU and moves it; the bench on the host)",
-    )
-    p.add_argument(
-        "--sync-each", action="store_true", help="diagnostic: wait for the GPU after each step, as the bench times"
-    )
-    p.add_argument(
         "--declared",
         action="store_true",
         help="declare the step function with roundpipe.optim.step_fn_zeroes_grads (docs/optimizer.md), as a user may",
@@ -53,33 +42,18 @@ def main() -> int:
     p.add_argument(
         "--step-phases",
         action="store_true",
-        help="diagnostic: time each optimizer step's phases on its thread (publish, hand-over, step_fn, staging)",
+        help="time each optimizer step's phases on its thread (publish, hand-over, step_fn, staging)",
     )
     args = p.parse_args()
 
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     import roundpipe
 
-    hidden, inter, layers, heads, kv, tied = WORKLOADS[args.workload]
-    config = Qwen3Config(
-        vocab_size=512 if args.workload == "tiny" else flavors.QWEN3_VOCAB,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=16 if args.workload == "tiny" else flavors.QWEN3_HEAD_DIM,
-        tie_word_embeddings=tied,
-        use_cache=False,
-        attn_implementation="sdpa",
-    )
+    config = workload_config(args.workload)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    if args.build == "gpu":
-        model = Qwen3ForCausalLM(config).to(device, dtype).to("cpu")
-    else:
-        model = Qwen3ForCausalLM(config).to(dtype)
+    model = Qwen3ForCausalLM(config).to(device, dtype).to("cpu")  # built on the GPU and moved, as a user does
     model = roundpipe.wrap_model_to_roundpipe(model, optim_dtype=torch.float32 if args.fp32_masters else None)
     opt = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-5)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq))
@@ -99,8 +73,6 @@ def main() -> int:
     marks = []
     for _ in range(args.steps):
         step()
-        if args.sync_each and device == "cuda":
-            torch.cuda.synchronize()
         marks.append(time.perf_counter())
     model.wait_optimizer()  # the last step's optimizer work (what a final synchronize() waits for first)
     waited = time.perf_counter()

@@ -1,140 +1,218 @@
-"""The benchmark scripts run in a tiny CPU configuration, so they cannot rot."""
+"""The benchmark scripts run in a tiny CPU configuration, so they cannot rot: each one's ``--help``, and each
+one (or each mode with its own code path) on a tiny model with CPU workers."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from typing import List
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench")
+SCRIPTS = sorted(f for f in os.listdir(BENCH) if f.endswith(".py"))
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize(
-    "argv",
-    [
-        [
-            "bench/train_bench.py",
-            "--workload",
-            "tiny",
-            "--seq",
-            "32",
-            "--batch",
-            "4",
-            "--warmup",
-            "1",
-            "--iters",
-            "1",
-            "--compare-plans",
-            "--compare-kernels",
-        ],
-        [
-            "bench/train_bench.py",
-            "--workload",
-            "tiny",
-            "--seq",
-            "32",
-            "--batch",
-            "4",
-            "--warmup",
-            "1",
-            "--iters",
-            "1",
-            "--lora",
-            "2",
-        ],
-        ["bench/core_bench.py", "--layers", "3", "--hidden", "32", "--tokens", "64", "--warmup", "1", "--iters", "1"],
-        ["bench/adam_bench.py", "--sizes", "1M", "--repeats", "2", "--threads", "1"],
-        ["bench/fused_staging_bench.py", "--params", "13M", "--rounds", "2", "--threads", "1"],
-    ],
-    ids=["train_bench", "train_bench_lora", "core_bench", "adam_bench", "fused_staging_bench"],
-)
-def test_bench_script_runs(argv: list) -> None:
-    env = dict(os.environ, RPP_DEVICES="cpu:2", PYTHONPATH=ROOT)
-    res = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "|" in res.stdout  # the results table
+def run(argv: List[str], workers: int = 1) -> subprocess.CompletedProcess:
+    """``python bench/<argv>`` with ``workers`` CPU workers, from the repository root."""
+    env = dict(os.environ, RPP_DEVICES=f"cpu:{workers}", PYTHONPATH=ROOT)
+    return subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=230, check=False
+    )
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize(
-    "argv, expect",
-    [
-        (["bench/job_cost.py", "--workers", "1", "2", "--iters", "3", "--warmup", "2", "--layers", "6"], "ratio"),
-        (
-            ["bench/job_cost.py", "--workers", "2", "--iters", "2", "--warmup", "1", "--layers", "4"]
-            + ["--rounds", "2", "--plan", "layerwise"],
-            "layerwise plan",
-        ),
-        (
-            ["bench/pool_bench.py", "--workload", "tiny", "--seq", "32", "--batch", "4", "--devices", "1,2"]
-            + ["--graphs", "0,1", "--warmup", "1", "--iters", "1"],
-            "iteration 1:",
-        ),
-        (
-            ["bench/user_script.py", "--workload", "tiny", "--seq", "32", "--batch", "2", "--steps", "1"],
-            "final synchronize",
-        ),
-        (
-            ["bench/user_script.py", "--workload", "tiny", "--seq", "32", "--batch", "2", "--steps", "1"]
-            + ["--step-phases"],
-            "optimizer step phases",
-        ),
-        (
-            ["bench/user_script.py", "--workload", "tiny", "--seq", "32", "--batch", "2", "--steps", "1"]
-            + ["--declared", "--step-phases"],
-            "optimizer step phases",
-        ),
-        (
-            ["bench/pool_bench.py", "--workload", "tiny", "--seq", "128", "--batch", "1", "--devices", "1"]
-            + ["--graphs", "0", "--sequence-tiles", "4", "--tile-modes", "none,split", "--warmup", "1", "--iters", "1"],
-            "tiles split",
-        ),
-        (
-            ["bench/tile_profile.py", "--workload", "tiny", "--lora", "4", "--layers", "2", "--seq", "128"]
-            + ["--tiles", "4", "--modes", "split"],
-            "== 4 tiles, split",
-        ),
-        (
-            ["bench/long_context.py", "--workload", "tiny", "--layers", "2", "--lengths", "256", "--skip-baseline"]
-            + ["--memory-detail"],
-            "plan at 256",
-        ),
-        (
-            ["bench/stage_inputs_bench.py", "--grad-cosine", "--repeat", "--format", "int8", "--workload", "tiny"]
-            + ["--lora", "4", "--seq", "128"],
-            "int8_blocks_in_fp8",
-        ),
-        (["bench/stage_inputs_bench.py", "--format", "int8", "--seeds", "2", "--steps", "4"], '"mean_final_ratio"'),
-    ],
-    ids=[
-        "job_cost",
-        "job_cost_layerwise",
-        "pool_bench",
-        "user_script",
-        "user_script_phases",
-        "user_script_declared",
-        "pool_bench_tiles",
-        "tile_profile",
-        "long_context",
-        "stage_inputs",
-        "stage_inputs_seeds",
-    ],
-)
-def test_pool_scripts_run(argv: list, expect: str) -> None:
-    """The pool's benchmarks (per-job cost, 1..N devices side by side, a user's own script) on CPU workers."""
+# Runs several scripts one after another in one process (``runpy``, as ``python script.py`` would), so that
+# the interpreter and torch start once per group: prints each run's standard output, as a JSON list.
+DRIVER = """
+import contextlib, io, json, runpy, sys
+outs = []
+for argv in json.loads(sys.argv[1]):
+    print("running", argv, file=sys.stderr, flush=True)
+    sys.argv, out = argv, io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exc:
+        assert exc.code in (0, None), (argv, exc.code, out.getvalue()[-2000:])
+    outs.append(out.getvalue())
+print(json.dumps(outs))
+"""
+
+
+def run_group(argvs: List[List[str]], workers: int = 1) -> List[str]:
+    """The standard output of each ``bench/`` command line in ``argvs``, run in one process in turn."""
+    env = dict(os.environ, RPP_DEVICES=f"cpu:{workers}", PYTHONPATH=ROOT)
+    res = subprocess.run(
+        [sys.executable, "-c", DRIVER, json.dumps(argvs)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=290,
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_bench_stays_small() -> None:
+    """At most ten scripts, each within the line limit."""
+    assert len(SCRIPTS) <= 10, SCRIPTS
+    for name in SCRIPTS:
+        with open(os.path.join(BENCH, name)) as f:
+            assert sum(1 for _ in f) <= 600, name
+
+
+@pytest.mark.timeout(120)
+def test_every_script_has_a_help_that_imports_no_model_library() -> None:
+    """``--help`` of every script in one process: it prints the usage and exits 0, and loads neither
+    transformers nor peft (nor builds anything) on the way."""
+    code = (
+        "import contextlib, io, runpy, sys\n"
+        f"for name in {SCRIPTS!r}:\n"
+        "    sys.argv = [name, '--help']\n"
+        "    out = io.StringIO()\n"
+        "    try:\n"
+        "        with contextlib.redirect_stdout(out):\n"
+        f"            runpy.run_path({BENCH!r} + '/' + name, run_name='__main__')\n"
+        "    except SystemExit as exc:\n"
+        "        assert exc.code in (0, None), (name, exc.code)\n"
+        "    else:\n"
+        "        raise AssertionError(name + ': --help did not exit')\n"
+        "    assert 'usage:' in out.getvalue(), name\n"
+        "print(sorted(m for m in ('transformers', 'peft') if m in sys.modules))\n"
+    )
     env = dict(os.environ, RPP_DEVICES="cpu:1", PYTHONPATH=ROOT)
-    res = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert expect in res.stdout
+    assert res.stdout.strip().splitlines()[-1] == "[]"
+
+
+TINY = ["--workload", "tiny", "--seq", "32"]
+
+GROUPS = {
+    # name: (CPU workers, [(command line, a line of its expected output), ...])
+    "training": (
+        2,
+        [
+            (
+                ["bench/train_bench.py", *TINY, "--batch", "4", "--warmup", "1", "--iters", "1", "--lora", "2"]
+                + ["--compare-plans", "--compare-kernels"],
+                "| roundpipe (2 device, layerwise plan",
+            ),
+            (["bench/user_script.py", *TINY, "--batch", "2", "--steps", "1", "--declared", "--step-phases"], "phases"),
+        ],
+    ),
+    "pool": (  # the scripts that choose their own device count last: the choice stays for the process
+        1,
+        [
+            (
+                ["bench/dp_bench.py", "--model", "tiny", "--seq", "32", "--batch-per-rank", "2", "--steps", "2"]
+                + ["--warmup", "1", "--gpus-per-rank", "0"],
+                "| tiny | 1 rank(s) x 1 device(s)",
+            ),
+            (["bench/dp_bench.py", "--simulate", "--net-gbps", "10", "100"], "| 100 |"),
+            (
+                ["bench/long_context.py", "--workload", "tiny", "--layers", "2", "--lengths", "256"]
+                + ["--warmup-len", "64", "--skip-baseline", "--memory-detail"],
+                "plan at 256",
+            ),
+            (
+                ["bench/job_cost.py", "--workers", "1", "2", "--iters", "2", "--warmup", "1", "--layers", "4"]
+                + ["--rounds", "2", "--plan", "layerwise"],
+                "layerwise plan",
+            ),
+            (
+                ["bench/pool_bench.py", *TINY, "--batch", "4", "--devices", "2", "--graphs", "0,1"]
+                + ["--warmup", "1", "--iters", "1"],
+                "graphs=1 peer=auto 2 device(s)",
+            ),
+            (
+                ["bench/pool_bench.py", "--workload", "tiny", "--seq", "128", "--batch", "1", "--devices", "1"]
+                + ["--graphs", "0", "--sequence-tiles", "4", "--tile-modes", "none,split"]
+                + ["--warmup", "1", "--iters", "1"],
+                "tiles split",
+            ),
+        ],
+    ),
+    "host optimizer": (
+        1,
+        [
+            (["bench/adam_bench.py", "--sizes", "1M", "--layouts", "lora", "--repeats", "2", "--threads", "1"], "lora"),
+            (
+                ["bench/adam_bench.py", "--mode", "compact", "--sizes", "4M", "--repeats", "1", "--threads", "1"],
+                "| int8 state, bf16 master Kahan |",
+            ),
+            (
+                ["bench/adam_bench.py", "--mode", "staging", "--sizes", "13M", "--repeats", "2", "--threads", "1"],
+                "| Adam pass, bf16 write fused",
+            ),
+            (
+                ["bench/convergence.py", "optimizer", "--steps", "3", "--batch", "2", "--seq", "32", "--modes", "2"]
+                + ["--no-plot"],
+                "| int8 state |",
+            ),
+        ],
+    ),
+    "layers": (
+        1,
+        [
+            (
+                ["bench/kernels_bench.py", "--cpu", "--tiny", "--no-compile", "--warmup", "0", "--iters", "1"],
+                "agreement OK",
+            ),
+            (
+                ["bench/kernels_bench.py", "--tiling", "--cpu", "--tiny", "--seqs", "64", "--tile", "32"]
+                + ["--iters", "1"],
+                "| lora | 64 |",
+            ),
+            (["bench/convergence.py", "block-errors", "--size", "256"], '"int8_128"'),
+            (["bench/convergence.py", "repeat", "--steps", "2"], "first call's gradients equal"),
+        ],
+    ),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_scripts_run_on_cpu_workers(group: str) -> None:
+    """Each script, and each mode with a code path of its own, on a tiny model: it finishes and prints its result."""
+    workers, runs = GROUPS[group]
+    outs = run_group([argv for argv, _ in runs], workers)
+    for (argv, expect), out in zip(runs, outs):
+        assert expect in out, (argv, out[-3000:])
+
+
+@pytest.mark.timeout(240)
+def test_convergence_stage_inputs_compacts_and_compares() -> None:
+    """One step's gradients with exact and int8 stage inputs agree to a cosine near 1 and stage inputs were
+    compacted; the loss comparison trains the same tiny model with both and starts from the same loss."""
+    grads, losses = run_group(
+        [
+            ["bench/convergence.py", "grad-cosine", "--repeat", "--format", "int8", *TINY, "--lora", "4"],
+            ["bench/convergence.py", "stage-inputs", "--format", "int8", *TINY, "--steps", "2"],
+        ]
+    )
+    out = json.loads(grads.strip().splitlines()[-1])
+    assert out["compacted"] > 0 and out["grad_cosine"] > 0.99 and out["repeat_grad_cosine"] == pytest.approx(1.0)
+    kept_fp8, blocks = (int(n) for n in out["int8_blocks_in_fp8"].split(" of "))
+    assert blocks > 0 and 0 <= kept_fp8 <= blocks
+    out = json.loads(losses.strip().splitlines()[-1])
+    assert out["first_step_equal"] and out["compacted"] > 0 and out["ratio"] > 0
+
+
+def test_copy_bench_without_a_gpu_says_so() -> None:
+    """Host-device copies need a GPU: without one the script refuses with a usage error, not a traceback."""
+    res = run(["bench/copy_bench.py", "--pinned", "--sizes-mib", "1", "--reps", "1"])
+    assert res.returncode == 2 and "need a CUDA device" in res.stderr
 
 
 def _split_gaps(events: list, **kwargs: str) -> list:
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    sys.path.insert(0, BENCH)
     try:
-        from gpu_gaps import split_gaps
+        from train_bench import split_gaps
     finally:
         sys.path.pop(0)
     return split_gaps(events, **kwargs)
@@ -172,6 +250,10 @@ def test_gpu_gaps_split_between_and_inside_groups() -> None:
     assert (d0.kernels, d0.unattributed) == (4, 0)
     assert (d1.between_us, d1.within_us, d1.unattributed) == (20, 0, 1)
     assert "idle between layer groups 0.0 ms (10.0%" in d0.describe(wall_us=100)
+    # Without job ranges (no RPP_PROFILER=torch) the idle time is not split, and not called "between groups".
+    plain = _split_gaps([e for e in events if e["cat"] != "user_annotation"])[0]
+    assert plain.unattributed == plain.kernels and "idle 0.0 ms (13.0%, 2 gaps)" in plain.describe(100)
+    assert "between layer groups" not in plain.describe(100)
 
 
 def test_gpu_gaps_backward_kernels_from_autograd_thread_get_the_running_job() -> None:
@@ -201,7 +283,7 @@ def test_gpu_gaps_backward_kernels_from_autograd_thread_get_the_running_job() ->
 def test_one_flavor_table_feeds_the_cli_the_estimate_and_the_benches() -> None:
     """The Qwen3 sizes are written once (``roundpipe.flavors``): ``roundpipe train``'s built-in names
     (the WORKLOADS.md sizes), the estimate's shapes and the benchmarks' workloads are read from it."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    sys.path.insert(0, BENCH)
     try:
         import train_bench
     finally:
@@ -212,8 +294,12 @@ def test_one_flavor_table_feeds_the_cli_the_estimate_and_the_benches() -> None:
 
     assert list(flavors.QWEN3) == ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"]
     assert flavors.QWEN3["qwen3-1.7b"] == flavors.Flavor(2048, 6144, 28, 16, 8, tied=True)  # WORKLOADS.md
+    assert train_bench.WORKLOADS == ["tiny", *flavors.QWEN3]
     for name, f in flavors.QWEN3.items():
-        assert train_bench.WORKLOADS[name] == (f.hidden, f.intermediate, f.layers, f.heads, f.kv_heads, f.tied)
+        c = train_bench.workload_config(name)
+        assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (f.hidden, f.intermediate, f.layers)
+        assert (c.num_attention_heads, c.num_key_value_heads, c.tie_word_embeddings) == (f.heads, f.kv_heads, f.tied)
+        assert train_bench.workload_config(name, layers=2).num_hidden_layers == 2
         shape = estimate.ModelShape.builtin(name)
         assert (shape.hidden, shape.layers, shape.head_dim, shape.vocab) == (f.hidden, f.layers, 128, 151936)
         if f.workload:

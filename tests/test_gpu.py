@@ -717,7 +717,7 @@ def test_split_tile_attention_names_the_setting_for_float32_on_the_gpu() -> None
 def test_first_segments_of_several_gpus_at_once_after_the_pool_settles_their_type() -> None:
     """Fresh processes with expandable segments: one thread per GPU makes its first allocation at the same moment,
     after ``allocator.settle_expandable_handle_type`` (what the pool calls before its threads start). None fails
-    (without the settle, torch's process-wide handle-type choice races: bench/handle_type_race.py --arm raw)."""
+    (without the settle, torch's process-wide handle-type choice races: tests/handle_type_race.py --arm raw)."""
     import json
     import os
     import subprocess
@@ -729,7 +729,7 @@ def test_first_segments_of_several_gpus_at_once_after_the_pool_settles_their_typ
     out = subprocess.run(
         [
             sys.executable,
-            os.path.join(root, "bench", "handle_type_race.py"),
+            os.path.join(root, "tests", "handle_type_race.py"),
             "--arm",
             "settled",
             "--trials",

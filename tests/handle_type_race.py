@@ -6,8 +6,8 @@ starts a CUDA context on every GPU without allocating, then one thread per GPU a
 barrier). ``--arm raw`` does only that; ``--arm settled`` first calls roundpipe's settle, as the pool does.
 Prints one line per arm: trials, failures and their errors.
 
-    python bench/handle_type_race.py --trials 24               # both arms, 8 processes at a time
-    python bench/handle_type_race.py --arm settled --trials 4 --json
+    python tests/handle_type_race.py --trials 24               # both arms, 8 processes at a time
+    python tests/handle_type_race.py --arm settled --trials 4 --json
 """
 
 from __future__ import annotations
