@@ -184,7 +184,7 @@ def _tiled_recompute_saved_bytes(lora: bool, seq: int, tile: int) -> Tuple[int, 
 def test_estimate_counts_what_fp32_adapters_add_to_the_kept_pre_attention_graph() -> None:
     """Below ``PRE_TILES_IN_RECOMPUTE`` tiles a tiled recompute keeps the pre-attention graph at full length,
     and PEFT's fp32 adapters on q / k / v each keep a cast copy of its input there (6.0 GiB of qwen3-8b
-    LoRA's 22.4 GiB peak at 131,072 tokens on an H200, bench/memory_trace.py). What the adapters add to a
+    LoRA's 22.4 GiB peak at 131,072 tokens on an H200, from a memory snapshot). What the adapters add to a
     tiled layer's saved tensors (LoRA against full fine-tune, 8 tiles) equals what ``decoder_layer_bytes``
     adds for them, within 15%; from 16 tiles the graph is recomputed per tile and both add nothing. The
     layer's pre-attention extra is the q / k / v share that ``estimate`` assumes for LoRA on all projections."""

@@ -146,7 +146,7 @@ def decoder_layer_bytes(
     (``pre_extra_per_token``: PEFT's fp32 adapters keep one cast copy of the input each; None counts the
     compiled op's graph, as the runtime's own plan does). That graph's
     backward then holds the gradients of the same tensors beside it. Measured on one H200 (qwen3-8b
-    LoRA r=16, 131,072 tokens, ``bench/memory_trace.py``): the adapters' three copies were 6.0 GiB of
+    LoRA r=16, 131,072 tokens, a memory snapshot of the step): the adapters' three copies were 6.0 GiB of
     the 22.4 GiB peak, which the estimate had not counted.
     """
     n, h, q, k, i, a = tokens, shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.heads

@@ -96,8 +96,8 @@ def cudnn_blocks(q: Tensor) -> bool:
     """Whether the blocks of ``q``'s tiles run on cuDNN's fused attention rather than flash attention 2.
 
     On Hopper torch picks cuDNN's kernels for a whole sequence's causal attention; the flash-attention 2
-    kernels ran a tile's blocks 1.7x slower (qwen3-8b LoRA, 8 tiles of 8,192 tokens, one H200,
-    ``bench/tile_profile.py``); on cuDNN they took as long as the whole sequence's attention. Decided once
+    kernels ran a tile's blocks 1.7x slower (qwen3-8b LoRA, 8 tiles of 8,192 tokens, one H200, profiled);
+    on cuDNN they took as long as the whole sequence's attention. Decided once
     per (device, dtype, head size) by a probe: the blocks of a small random tile (a rectangular prefix
     block and a causal diagonal block, merged, then both backward with the merged output and
     log-sum-exp, queries strided as a layer's are) on cuDNN against flash attention 2; any error or
