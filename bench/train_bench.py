@@ -157,11 +157,18 @@ class Row:
     note: str = ""
 
 
-def bench_baseline(args: argparse.Namespace, ids: torch.Tensor, liger: bool = False) -> Row:
-    """The same model resident on one GPU, gradient checkpointing, fused AdamW on the GPU; with ``liger``
-    Liger's kernels (fused RMSNorm, rotary, SwiGLU, linear cross-entropy: WORKLOADS.md baseline b).
-    Liger patches transformers' Qwen3 classes for the rest of the process, so it runs last."""
-    name = "gpu-resident HF baseline" + (" + Liger" if liger else "")
+BASELINES = ("eager", "liger", "eager-nockpt", "liger-nockpt")
+"""The resident baselines: Hugging Face's kernels or Liger's, with per-layer checkpointing or (``-nockpt``) without."""
+
+
+def bench_baseline(args: argparse.Namespace, ids: torch.Tensor, kind: str = "eager") -> Row:
+    """The same model resident on one GPU, fused AdamW on the GPU, per-layer gradient checkpointing unless ``kind``
+    ends in ``-nockpt``; ``liger``: Liger's kernels (fused RMSNorm, rotary, SwiGLU, linear cross-entropy). With
+    ``--lora`` the model gets PEFT's adapters (the optimizer steps only those). Liger patches transformers' Qwen3
+    classes for the rest of the process, so its baselines run last."""
+    liger, checkpointing = kind.startswith("liger"), not kind.endswith("-nockpt")
+    name = "gpu-resident HF baseline" + (" + Liger" if liger else "") + ("" if checkpointing else ", no checkpointing")
+    name += f", PEFT LoRA r{args.lora}" if args.lora else ""
     if liger:
         try:
             from liger_kernel.transformers import apply_liger_kernel_to_qwen3
@@ -173,9 +180,14 @@ def bench_baseline(args: argparse.Namespace, ids: torch.Tensor, liger: bool = Fa
     model = opt = None
     try:
         model = build_model(args.workload, "cuda")
-        model.gradient_checkpointing_enable()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        if args.lora:
+            model = add_lora(model, args.lora)
+            if checkpointing:
+                model.enable_input_require_grads()  # reentrant checkpoints need an input that requires grad
         model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
         # The same microbatches as RoundPipe (gradient accumulation; equal-sized microbatches, so the mean of
         # their mean losses is the batch's mean loss): same work, and the logits of one microbatch at a time.
         chunks = ids.cuda().chunk(args.baseline_microbatches)
@@ -327,7 +339,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-step", action="store_true", help="skip the optimizer: the pipeline alone")
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument(
-        "--baselines", default="eager,liger", help="GPU-resident baselines, run after roundpipe: eager, liger"
+        "--baselines",
+        default="eager,liger",
+        help="GPU-resident baselines, run after roundpipe, comma-separated: " + ", ".join(BASELINES),
     )
     p.add_argument(
         "--plan", default="auto", type=_plan_name, help="auto, layerwise or fwdK (forward groups of K layers)"
@@ -348,6 +362,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
+    kinds = [k.strip() for k in args.baselines.split(",") if k.strip()]
+    unknown = sorted(set(kinds) - set(BASELINES))
+    if unknown:
+        raise SystemExit(f"--baselines: unknown {unknown}; choose from {', '.join(BASELINES)}")
     probe = build_model(args.workload, "meta")
     n_params = sum(t.numel() for t in {id(t): t for t in probe.parameters()}.values())
     ids = torch.randint(0, probe.config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
@@ -366,8 +384,9 @@ def main(argv: Optional[List[str]] = None) -> None:
             rows.append(bench_roundpipe(args, ids, n_params))
             rows[-1].system += " untiled (RPP_SEQ_TILE=0)"
     baselines: List[Row] = []
-    if torch.cuda.is_available() and not args.skip_baseline and not args.lora:
-        baselines = [bench_baseline(args, ids, liger=kind.strip() == "liger") for kind in args.baselines.split(",")]
+    if torch.cuda.is_available() and not args.skip_baseline:
+        # Liger patches the model classes for the rest of the process: its baselines run after the others.
+        baselines = [bench_baseline(args, ids, kind) for kind in sorted(kinds, key=lambda k: k.startswith("liger"))]
     print_table(args, n_params, baselines + rows, baselines)
 
 
