@@ -1,10 +1,9 @@
 """One Qwen3 decoder layer, Hugging Face eager vs RoundPipe's fused kernels (roundpipe.models.kernels).
 
 Times what RoundPipe runs per layer and microbatch: a forward without grad (the pipelined forward), and a forward with
-grad + backward (the recompute and backward), for Hugging Face's layer, the fused ops per module
-(``RPP_FUSED_LAYERS=0``) and the whole layer as one fused op (the default). Besides the time until the GPU is done it
-reports the host CPU time spent issuing the work (the calling thread's CPU time): on several GPUs the device threads
-share one interpreter lock, so that is what bounds them. Default shape: Qwen3-1.7B (hidden 2048, intermediate 6144, 16
+grad + backward (the recompute and backward), for Hugging Face's layer and the whole layer as one fused op. Besides the
+time until the GPU is done it reports the host CPU time spent issuing the work (the calling thread's CPU time): on
+several GPUs the device threads share one interpreter lock, so that is what bounds them. Default shape: Qwen3-1.7B (hidden 2048, intermediate 6144, 16
 heads, 8 kv heads, head_dim 128, qk-norm), 4 x 4096 tokens, bf16, sdpa. Checks that the fused layer's output and
 gradients (input and every parameter) agree with Hugging Face's within bf16 rounding: both are compared with an fp32
 copy of the layer, and the fused error must not exceed the eager one by more than a rounding margin.
@@ -141,20 +140,6 @@ def timed(fn: Callable[[], object], warmup: int, iters: int, device: torch.devic
     return sorted(times)[len(times) // 2], sorted(cpu)[len(cpu) // 2]
 
 
-class whole_layer:
-    """Within the block, fused layers run as one op (``on``) or per module (``RPP_FUSED_LAYERS``)."""
-
-    def __init__(self, on: bool) -> None:
-        self.on = on
-
-    def __enter__(self) -> None:
-        self.block = settings.overridden(fused_layers=self.on)
-        self.block.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        self.block.__exit__(None, None, None)
-
-
 def main(argv=None) -> Dict[str, float]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu", action="store_true", help="run on the CPU (smoke test)")
@@ -186,20 +171,19 @@ def main(argv=None) -> Dict[str, float]:
         x, pos, mask, position_ids, grad_out = layer_inputs(config, rotary, batch, seq, dtype, device)
         pos32 = tuple(t.float() for t in pos)
 
-        # Correctness of both fused variants (their first calls also compile: timed separately).
+        # Correctness of the fused layer (its first calls also compile: timed separately).
         eager = run_layer(hf, x, pos, mask, position_ids, grad_out)
         ref = run_layer(ref32, x.float(), pos32, mask, position_ids, grad_out.float())
         e_eager = errors(eager, ref)
         checks: Dict[str, Dict[str, object]] = {}
-        for variant, on in (("modules", False), ("layer", True)):
-            with whole_layer(on):
-                t0 = time.perf_counter()
-                with torch.no_grad():
-                    run_layer(fused, x, pos, mask, position_ids)
-                got = run_layer(fused, x, pos, mask, position_ids, grad_out)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                compile_s = time.perf_counter() - t0
+        for variant in ("layer",):
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                run_layer(fused, x, pos, mask, position_ids)
+            got = run_layer(fused, x, pos, mask, position_ids, grad_out)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            compile_s = time.perf_counter() - t0
             e_fused, e_vs = errors(got, ref), errors(got, eager)
             worst = max(e_fused, key=lambda k: e_fused[k] - 1.25 * e_eager[k])
             margin = 1.25 * e_eager[worst] + (2e-3 if dtype == torch.bfloat16 else 1e-6)
@@ -226,10 +210,9 @@ def main(argv=None) -> Dict[str, float]:
             return lambda: run_layer(layer, x, pos, mask, position_ids, grad_out, collect=False)
 
         res = {}
-        for name, layer, on in (("hf", hf, True), ("modules", fused, False), ("layer", fused, True)):
-            with whole_layer(on):
-                res[f"{name}_fwd_ms"], res[f"{name}_fwd_cpu_ms"] = timed(fwd(layer), warmup, iters, device)
-                res[f"{name}_fwd_bwd_ms"], res[f"{name}_fwd_bwd_cpu_ms"] = timed(fwd_bwd(layer), warmup, iters, device)
+        for name, layer in (("hf", hf), ("layer", fused)):
+            res[f"{name}_fwd_ms"], res[f"{name}_fwd_cpu_ms"] = timed(fwd(layer), warmup, iters, device)
+            res[f"{name}_fwd_bwd_ms"], res[f"{name}_fwd_bwd_cpu_ms"] = timed(fwd_bwd(layer), warmup, iters, device)
     finally:
         settings.unconfigure(settings.DISABLE_TORCH_COMPILE.name)
 
@@ -243,25 +226,17 @@ def main(argv=None) -> Dict[str, float]:
         "first fused forward + backward (incl. compile): "
         + ", ".join(f"{v} {c['compile_s']:.1f} s" for v, c in checks.items())
     )
-    print(
-        "| pass | HF eager ms | fused modules ms | fused layer ms | layer speed-up | host CPU ms: HF / modules "
-        "/ layer |"
-    )
-    print("|---|---|---|---|---|---|")
+    print("| pass | HF eager ms | fused layer ms | layer speed-up | host CPU ms: HF / layer |")
+    print("|---|---|---|---|---|")
     for label, key in (("forward, no grad", "fwd"), ("forward + backward", "fwd_bwd")):
-        ms = [res[f"{n}_{key}_ms"] for n in ("hf", "modules", "layer")]
-        cpu = [res[f"{n}_{key}_cpu_ms"] for n in ("hf", "modules", "layer")]
-        print(
-            f"| {label} | {ms[0]:.3f} | {ms[1]:.3f} | {ms[2]:.3f} | {ms[0] / ms[2]:.2f}x | {cpu[0]:.2f} / "
-            f"{cpu[1]:.2f} / {cpu[2]:.2f} |"
-        )
-    per_layer = {n: res[f"{n}_fwd_ms"] + res[f"{n}_fwd_bwd_ms"] for n in ("hf", "modules", "layer")}
-    per_layer_cpu = {n: res[f"{n}_fwd_cpu_ms"] + res[f"{n}_fwd_bwd_cpu_ms"] for n in ("hf", "modules", "layer")}
+        ms = [res[f"{n}_{key}_ms"] for n in ("hf", "layer")]
+        cpu = [res[f"{n}_{key}_cpu_ms"] for n in ("hf", "layer")]
+        print(f"| {label} | {ms[0]:.3f} | {ms[1]:.3f} | {ms[0] / ms[1]:.2f}x | {cpu[0]:.2f} / {cpu[1]:.2f} |")
+    per_layer = {n: res[f"{n}_fwd_ms"] + res[f"{n}_fwd_bwd_ms"] for n in ("hf", "layer")}
+    per_layer_cpu = {n: res[f"{n}_fwd_cpu_ms"] + res[f"{n}_fwd_bwd_cpu_ms"] for n in ("hf", "layer")}
     print(
-        f"| RoundPipe per layer (both) | {per_layer['hf']:.3f} | {per_layer['modules']:.3f} | "
-        f"{per_layer['layer']:.3f} | "
-        f"{per_layer['hf'] / per_layer['layer']:.2f}x | {per_layer_cpu['hf']:.2f} / {per_layer_cpu['modules']:.2f} / "
-        f"{per_layer_cpu['layer']:.2f} |"
+        f"| RoundPipe per layer (both) | {per_layer['hf']:.3f} | {per_layer['layer']:.3f} | "
+        f"{per_layer['hf'] / per_layer['layer']:.2f}x | {per_layer_cpu['hf']:.2f} / {per_layer_cpu['layer']:.2f} |"
     )
     for variant, c in checks.items():
         print(
@@ -278,7 +253,6 @@ def main(argv=None) -> Dict[str, float]:
         res,
         ok=float(ok),
         speedup=per_layer["hf"] / per_layer["layer"],
-        speedup_modules=per_layer["hf"] / per_layer["modules"],
         compile_s=max(c["compile_s"] for c in checks.values()),
         fused_vs_hf=max(c["vs"] for c in checks.values()),
     )

@@ -763,13 +763,7 @@ def bench_roundpipe(
     )
     if (args.optim_state, args.master) != ("float32", "float32"):
         what += f", Adam state {args.optim_state}, master {args.master}"
-    from roundpipe.models import kernels as fused_ops
-
-    kernels = (
-        ", HF kernels"
-        if not model.preset.fused_kernels
-        else (", fused layers" if fused_ops.whole_layer_enabled() else ", fused ops per module")
-    )
+    kernels = ", fused layers" if model.preset.fused_kernels else ", HF kernels"
     row = Row(
         f"roundpipe ({roundpipe.get_num_devices()} device, {plan} plan{kernels})",
         ids.numel() / (sum(times) / len(times)),
@@ -810,12 +804,6 @@ def main() -> None:
     )
     p.add_argument("--compare-plans", action="store_true", help="also run roundpipe with the one-layer-per-group plan")
     p.add_argument("--compare-kernels", action="store_true", help="also run roundpipe with Hugging Face's own kernels")
-    p.add_argument(
-        "--compare-layers",
-        action="store_true",
-        help="also run roundpipe with the fused ops per module instead of one op per decoder layer "
-        "(RPP_FUSED_LAYERS=0)",
-    )
     p.add_argument("--profile", action="store_true", help="report the GPU busy share of one iteration")
     p.add_argument(
         "--profile-iters", type=int, default=1, help="with --profile: profile this many iterations, one by one"
@@ -914,9 +902,6 @@ def main() -> None:
         rows.append(bench_roundpipe(args, ids, n_params, plan="layerwise"))
     if args.compare_kernels:
         rows.append(bench_roundpipe(args, ids, n_params, fused=False))
-    if args.compare_layers:
-        with settings.overridden(fused_layers=False):
-            rows.append(bench_roundpipe(args, ids, n_params))
     if args.compare_tiling:
         with settings.overridden(seq_tile=0):
             row = bench_roundpipe(args, ids, n_params)

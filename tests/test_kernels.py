@@ -167,13 +167,8 @@ def test_compiled_path_and_bench_tiny_mode(compiled: None, capsys: pytest.Captur
     assert res["ok"] == 1.0 and "agreement OK" in out and "| forward + backward |" in out
     assert res["fused_vs_hf"] < 1e-2  # bf16 rounding (bitwise equal on the CPU: emulate_precision_casts)
     assert all(not op.failed for op in kernels.OPS)
-    # both variants ran compiled: the ops per module, and the whole layer as one op
-    assert {op.fn.__name__ for op in kernels.OPS if op.compiled} == {
-        "rms_norm_reference",
-        "qk_norm_rope",
-        "swiglu",
-        "decoder_layer",
-    }
+    # the whole layer ran compiled, as one op
+    assert {op.fn.__name__ for op in kernels.OPS if op.compiled} == {"decoder_layer"}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -248,17 +243,14 @@ def _causal_mask(n: int) -> torch.Tensor:
     return torch.full((n, n), float("-inf")).triu(1)[None, None]
 
 
-FALLBACKS = ["mask", "env off", "hook", "backward hook", "lora", "dropout", "kwargs", "bias", "eager attention"]
+FALLBACKS = ["mask", "hook", "backward hook", "lora", "dropout", "kwargs", "bias", "eager attention"]
 
 
 @pytest.mark.parametrize("case", FALLBACKS)
-def test_whole_layer_falls_back_to_modules(
-    eager: None, op_calls: Dict[str, int], case: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Calls the one op would not compute as Hugging Face does run the fused modules instead: a mask,
-    ``RPP_FUSED_LAYERS=0``, a forward or backward hook on a submodule (it still fires), PEFT adapters,
-    attention dropout in training, extra keyword arguments, projection biases, another attention
-    implementation."""
+def test_whole_layer_falls_back_to_modules(eager: None, op_calls: Dict[str, int], case: str) -> None:
+    """Calls the one op would not compute as Hugging Face does run the fused modules instead: a mask, a
+    forward or backward hook on a submodule (it still fires), PEFT adapters, attention dropout in
+    training, extra keyword arguments, projection biases, another attention implementation."""
     config = {"attention_bias": True} if case == "bias" else {"attention_dropout": 0.5} if case == "dropout" else {}
     hf, pos, x = _decoder_layer("llama" if case == "bias" else "qwen3", torch.float64, **config)
     if case == "eager attention":
@@ -269,8 +261,6 @@ def test_whole_layer_falls_back_to_modules(
     fired = []
     if case == "mask":
         kwargs["attention_mask"] = _causal_mask(x.shape[1]).to(x.dtype)
-    elif case == "env off":
-        monkeypatch.setenv(settings.FUSED_LAYERS.name, "0")
     elif case == "hook":
         fused.mlp.register_forward_hook(lambda m, i, o: fired.append(1))
     elif case == "backward hook":
