@@ -149,8 +149,8 @@ def pre_attention(
     x: torch.Tensor,  # [batch, seq, hidden]
     cos: torch.Tensor,  # [batch, seq, head_dim]
     sin: torch.Tensor,  # [batch, seq, head_dim]
-    weights: PreWeights,
-    eps: PreEps,
+    weights: PreWeights,  # input norm, q, k, v projections, q_norm, k_norm
+    eps: PreEps,  # input norm, q_norm, k_norm
     head_dim: int,
     norm: Norm = rms_norm_reference,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

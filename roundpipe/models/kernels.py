@@ -19,7 +19,7 @@ import importlib
 import logging
 import sys
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -173,9 +173,9 @@ def _sdpa_uses_gqa(head_dim: int) -> bool:
     return _gqa_cache[head_dim]
 
 
-def _has_hooks(modules: Tuple[nn.Module, ...]) -> bool:
+def has_hooks(modules: Iterable[nn.Module]) -> bool:
     """Whether a forward or backward hook (global, or on one of ``modules``) would run if the modules
-    were called: the whole-layer op does not call them."""
+    were called: the whole-layer op does not call them, and a tiled layer would call them per tile."""
     from torch.nn.modules import module as module_mod
 
     if (
@@ -217,7 +217,7 @@ class _DecoderLayerForward:
         if any(type(m) is not nn.Linear or m.bias is not None for m in linears):
             return None  # PEFT adapters, biases, quantized layers: the submodules' own forwards
         qk = (attn.q_norm, attn.k_norm) if attn._rpp_qk_norm else ()
-        if _has_hooks((*norms, attn, mlp, *linears, *qk)):
+        if has_hooks((*norms, attn, mlp, *linears, *qk)):
             return None
         qn_w, kn_w = (attn.q_norm.weight, attn.k_norm.weight) if qk else (None, None)
         q, k, v, o = (m.weight for m in linears[:4])
@@ -451,6 +451,7 @@ __all__ = [
     "decoder_layer",
     "fuse_layer",
     "fused_base_classes",
+    "has_hooks",
     "is_fused",
     "post_attention",
     "pre_attention",
