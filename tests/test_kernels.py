@@ -21,17 +21,17 @@ os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers import rel_err, with_lora
 from torch import nn
 
 from roundpipe import models, settings
-from roundpipe.models import fused_ops, kernels
+from roundpipe.models import configs, fused_ops, kernels
 from roundpipe.run_config import RoundPipeRunConfig
 
 torch.set_num_threads(1)
 
 transformers = pytest.importorskip("transformers")
-from test_models import VOCAB, assert_grads_close, grads, hf_reference, make_batch, tiny_model  # noqa: E402
+from test_models import assert_grads_close, grads, hf_reference, make_batch, tiny_model  # noqa: E402
 from transformers.models.llama import modeling_llama as llama  # noqa: E402
 from transformers.models.qwen3 import modeling_qwen3 as qwen3  # noqa: E402
 
@@ -61,17 +61,8 @@ def compiled(monkeypatch: pytest.MonkeyPatch):
 
 
 def _config(family: str) -> Any:
-    common = dict(
-        hidden_size=32,
-        intermediate_size=48,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_hidden_layers=1,
-        vocab_size=VOCAB,
-        attn_implementation="sdpa",
-    )
-    return transformers.Qwen3Config(**common) if family == "qwen3" else transformers.LlamaConfig(**common)
+    """One layer, hidden 32, MLP 48, sdpa."""
+    return configs.tiny_config(family, intermediate_size=48, num_hidden_layers=1, attn_implementation="sdpa")
 
 
 def _module(
@@ -450,14 +441,8 @@ def test_roundpipe_with_fused_kernels_matches_hf(
 @pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
 def test_lora_with_fused_kernels_matches_peft(workers: str, eager: None) -> None:
     """PEFT adapters inside fused attention and MLP modules train as in PEFT."""
-    peft = pytest.importorskip("peft")
-    model = peft.get_peft_model(
-        tiny_model("qwen3"), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "gate_proj"])
-    )
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1)
+    pytest.importorskip("peft")
+    model = with_lora(tiny_model("qwen3"), ["q_proj", "k_proj", "gate_proj"])
     batch = make_batch(padding=True)
     ref_loss, ref_grads = hf_reference(model, batch)
     rp = models.wrap_model(model, model_run_config=RUN3, fused_kernels=True)
