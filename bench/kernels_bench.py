@@ -3,10 +3,11 @@
 Times what RoundPipe runs per layer and microbatch: a forward without grad (the pipelined forward), and a forward with
 grad + backward (the recompute and backward), for Hugging Face's layer and the whole layer as one fused op. Besides the
 time until the GPU is done it reports the host CPU time spent issuing the work (the calling thread's CPU time): on
-several GPUs the device threads share one interpreter lock, so that is what bounds them. Default shape: Qwen3-1.7B (hidden 2048, intermediate 6144, 16
-heads, 8 kv heads, head_dim 128, qk-norm), 4 x 4096 tokens, bf16, sdpa. Checks that the fused layer's output and
-gradients (input and every parameter) agree with Hugging Face's within bf16 rounding: both are compared with an fp32
-copy of the layer, and the fused error must not exceed the eager one by more than a rounding margin.
+several GPUs the device threads share one interpreter lock, so that is what bounds them. Default shape: Qwen3-1.7B
+(hidden 2048, intermediate 6144, 16 heads, 8 kv heads, head_dim 128, qk-norm), 4 x 4096 tokens, bf16, sdpa. Checks that
+the fused layer's output and gradients (input and every parameter) agree with Hugging Face's within bf16 rounding: both
+are compared with an fp32 copy of the layer, and the fused error must not exceed the eager one by more than a rounding
+margin.
 
     python bench/kernels_bench.py                 # device machine, < 60 s with compilation
     python bench/kernels_bench.py --cpu --tiny    # CPU smoke (tests/test_kernels.py runs it)
