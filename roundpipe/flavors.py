@@ -14,7 +14,7 @@ Data only, no torch: the CLI checks a model name before torch loads, which is wh
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict
+from typing import Any, Dict
 
 QWEN3_VOCAB = 151936
 """Vocabulary size of every Qwen3 flavor."""
@@ -44,6 +44,19 @@ class Flavor:
     """``head_dim``."""
     vocab: int = QWEN3_VOCAB
     """``vocab_size``."""
+
+    def config_fields(self) -> Dict[str, Any]:
+        """These sizes as ``Qwen3Config`` keyword arguments (what a builder adds to them is its own)."""
+        return dict(
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            tie_word_embeddings=self.tied,
+        )
 
 
 QWEN3: Dict[str, Flavor] = {

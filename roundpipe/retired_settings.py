@@ -25,6 +25,7 @@ RETIRED = {
     "RPP_DEVICE_SAVED_GB": "renamed RPP_DEBUG_DEVICE_SAVED_GB",
     "RPP_GRAD_STREAM": "removed: parameter gradients always download on a stream of their own",
     "RPP_GC_FREEZE": "removed: a model's first step always freezes the objects alive then (gc.freeze)",
+    "RPP_FUSED_LAYERS": "removed: a fused decoder layer always runs as one compiled op",
 }
 
 

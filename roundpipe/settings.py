@@ -368,16 +368,6 @@ DEBUG_FUSED_KERNELS: Setting[str] = _register(
         "Fused RMSNorm / rotary / SwiGLU kernels for Qwen3 and Llama layers (auto: on GPUs with Triton).",
     )
 )
-FUSED_LAYERS: Setting[bool] = _register(
-    Setting(
-        "RPP_FUSED_LAYERS",
-        boolean,
-        True,
-        "1",
-        "`1` or `0`",
-        "Fused decoder layers run as one compiled op (0: the fused ops per module).",
-    )
-)
 SEQ_TILE: Setting[int] = _register(
     Setting(
         "RPP_SEQ_TILE",

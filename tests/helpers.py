@@ -31,6 +31,44 @@ def require_adam_kernel() -> None:
         pytest.skip(f"no C++ Adam kernel here: {exc}")
 
 
+LORA_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""Every projection of a Qwen3 / Llama decoder layer: LoRA on all of them."""
+
+
+def with_lora(
+    model: nn.Module, targets: List[str], seed: Optional[int] = None, std: float = 0.1, dropout: float = 0.0
+) -> nn.Module:
+    """``model`` with PEFT LoRA adapters (r=4, alpha 8) on ``targets``, their B matrices drawn from N(0, std)
+    (after ``torch.manual_seed(seed)`` when given): PEFT starts B at zero, which would leave every A
+    gradient zero, so a test could not tell a wrong adapter gradient from a right one."""
+    import peft
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=list(targets))
+    peft_model = peft.get_peft_model(model, config)
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, std)
+    return peft_model
+
+
+def wrap_by_size(model: nn.Module, num_microbatch: int) -> Any:
+    """``model`` (a Hugging Face causal LM in fp32) wrapped without its preset: an ``AutoRoundPipe`` whose
+    layer groups hold one decoder layer's bytes each."""
+    import roundpipe
+
+    layer_bytes = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
+    return roundpipe.wrap_model_to_roundpipe(
+        model,
+        use_sequential_preset=False,
+        lower_threshold=layer_bytes,
+        upper_threshold=layer_bytes,
+        model_run_config=roundpipe.RoundPipeRunConfig(num_microbatch=num_microbatch),
+    )
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| (0 when both are zero)."""
     a, b = a.detach().double().cpu(), b.detach().double().cpu()
@@ -81,6 +119,30 @@ def with_recorded_dropout(model: nn.Module, recorder: DropoutRecorder) -> nn.Mod
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def small_mlp() -> Any:
+    """A seeded 6 -> 12 -> 3 ``nn.Sequential`` RoundPipe in fp32, two microbatches."""
+    from roundpipe import RoundPipe, RoundPipeRunConfig
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
+    return RoundPipe(net, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2), name="t")
+
+
+def train_small_mlp(model: Any, steps: int, dp: Any = None) -> torch.Tensor:
+    """``steps`` SGD steps of :func:`small_mlp` on seeded batches of 4 rows (the mean over the 4 rows per
+    rank when ``dp``, a ``DataParallel``, is given); the trained parameters, flattened."""
+    opt = torch.optim.SGD(list(model.optim_parameters()), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+        model.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, t: ((o - t) ** 2).mean())
+        if dp is not None:
+            dp.normalize_by(4)
+        model.step(lambda: (opt.step(), opt.zero_grad()))
+    model.synchronize()
+    return torch.cat([p.detach().reshape(-1) for p in model.optim_parameters()])
 
 
 def torchrun(

@@ -16,7 +16,7 @@ os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers import rel_err, wrap_by_size
 from test_models import assert_grads_close, grads, make_batch, tiny_model
 from torch import nn
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer, _Replicate
@@ -409,14 +409,7 @@ def test_wrapping_chains_module_lists_and_runs_small_modules_on_devices(workers:
 def test_hugging_face_loss_function_runs_on_the_devices(workers: str) -> None:
     model = tiny_model("llama")
     ref = copy.deepcopy(model)
-    layer_bytes = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
-    wrapped = roundpipe.wrap_model_to_roundpipe(
-        model,
-        use_sequential_preset=False,
-        lower_threshold=layer_bytes,
-        upper_threshold=layer_bytes,
-        model_run_config=RoundPipeRunConfig(num_microbatch=3),
-    )
+    wrapped = wrap_by_size(model, 3)
     assert isinstance(model.loss_function, RoundPipe)
     batch = make_batch(padding=True)
     for extra in ({}, {"num_items_in_batch": torch.tensor(77)}):

@@ -13,6 +13,7 @@ os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
 import roundpipe  # noqa: E402
 from roundpipe.devices import device  # noqa: E402
+from roundpipe.models import configs  # noqa: E402
 from roundpipe.planning import budget, estimate, memory_terms  # noqa: E402
 from roundpipe.runtime.batch import Batch  # noqa: E402
 from roundpipe.runtime.run_config import ResolvedRunConfig, RoundPipeRunConfig  # noqa: E402
@@ -30,9 +31,9 @@ PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 def lora_model() -> tuple:
     """A bf16 Qwen3 of width 256 with 48 layers and a vocabulary that makes the embedding the largest layer,
     LoRA r=4 on every projection; its runtime profile at 131,072 tokens (computed, never run)."""
-    cfg = transformers.Qwen3Config(
-        hidden_size=256, intermediate_size=768, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=64, vocab_size=8192, max_position_embeddings=SEQ, tie_word_embeddings=False, use_cache=False,
+    cfg = configs.tiny_config(
+        "qwen3", hidden_size=256, intermediate_size=768, num_hidden_layers=LAYERS, head_dim=64, vocab_size=8192,
+        max_position_embeddings=SEQ,
     )  # fmt: skip
     torch.manual_seed(0)
     hf = transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16)

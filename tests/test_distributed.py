@@ -20,15 +20,15 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List
 
 import helpers
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import small_mlp, train_small_mlp
 from torch import nn
 
-from roundpipe import RoundPipe, RoundPipeRunConfig
 from roundpipe import distributed as rdist
 from roundpipe.runtime.grad_sync import GradSync
 
@@ -37,17 +37,10 @@ SCRIPT = os.path.join(ROOT, "tests", "dist_scripts", "dp_train.py")
 EXACT = 1e-6
 
 
-def torchrun(
-    args: List[str],
-    tmp_path: Any,
-    nproc: int = 2,
-    env: Optional[Dict[str, str]] = None,
-    timeout: float = 90,
-    monitor_s: Optional[float] = None,
-    script: str = SCRIPT,
-) -> subprocess.CompletedProcess:
-    """``torchrun --standalone`` on ``script``; one CPU worker and one thread per rank."""
-    return helpers.torchrun(script, args, tmp_path, nproc, env, timeout, monitor_s)
+def torchrun(args: List[str], tmp_path: Any, script: str = SCRIPT, **kwargs: Any) -> subprocess.CompletedProcess:
+    """:func:`helpers.torchrun` of ``script`` (the data-parallel script by default); one CPU worker and one
+    thread per rank."""
+    return helpers.torchrun(script, args, tmp_path, **kwargs)
 
 
 def train(tmp_path: Any, *args: str) -> Dict[str, Any]:
@@ -67,20 +60,14 @@ def train(tmp_path: Any, *args: str) -> Dict[str, Any]:
 @pytest.mark.parametrize(
     "args",
     [
-        ["--model", "mlp"],
-        ["--model", "mlp", "--sync"],
-        ["--model", "auto"],
-        ["--model", "lora"],
-        ["--model", "lora", "--uneven"],
-        ["--model", "lora", "--uneven", "--sync", "--bucket-mb", "25"],
-    ],
-    ids=[
-        "sequential-async",
-        "sequential-sync",
-        "autoroundpipe-async",
-        "lora-async",
-        "lora-uneven-tokens-async",
-        "lora-uneven-tokens-sync-one-bucket",
+        pytest.param(["--model", "mlp"], id="sequential-async"),
+        pytest.param(["--model", "mlp", "--sync"], id="sequential-sync"),
+        pytest.param(["--model", "auto"], id="autoroundpipe-async"),
+        pytest.param(["--model", "lora"], id="lora-async"),
+        pytest.param(["--model", "lora", "--uneven"], id="lora-uneven-tokens-async"),
+        pytest.param(
+            ["--model", "lora", "--uneven", "--sync", "--bucket-mb", "25"], id="lora-uneven-tokens-sync-one-bucket"
+        ),
     ],
 )
 def test_two_ranks_equal_one_process_on_the_whole_batch(tmp_path: Any, args: List[str]) -> None:
@@ -156,16 +143,12 @@ def test_resume_with_two_ranks_repeats_the_uninterrupted_run(tmp_path: Any) -> N
 @pytest.mark.parametrize(
     "args",
     [
-        ["--model", "mlp"],
-        ["--model", "mlp", "--optim", "adamw", "--clip", "0.5", "--sync"],
-        ["--model", "auto", "--optim", "adamw"],
-        ["--model", "lora", "--optim", "rpadam", "--clip", "1.0"],
-    ],
-    ids=[
-        "sequential-sgd-async",
-        "sequential-adamw-clip-sync",
-        "autoroundpipe-adamw-async",
-        "lora-roundpipe-adam-clip-async",
+        pytest.param(["--model", "mlp"], id="sequential-sgd-async"),
+        pytest.param(
+            ["--model", "mlp", "--optim", "adamw", "--clip", "0.5", "--sync"], id="sequential-adamw-clip-sync"
+        ),
+        pytest.param(["--model", "auto", "--optim", "adamw"], id="autoroundpipe-adamw-async"),
+        pytest.param(["--model", "lora", "--optim", "rpadam", "--clip", "1.0"], id="lora-roundpipe-adam-clip-async"),
     ],
 )
 def test_sharded_step_equals_one_process_and_keeps_each_state_once(tmp_path: Any, args: List[str]) -> None:
@@ -424,20 +407,14 @@ def test_the_package_exports_its_public_names() -> None:
     )
 
 
-def _mlp() -> RoundPipe:
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
-    return RoundPipe(net, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2), name="t")
-
-
 def test_enable_needs_an_initialized_group() -> None:
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="launch with torchrun"):
-        rdist.enable_data_parallel(_mlp())
+        rdist.enable_data_parallel(small_mlp())
 
 
 @pytest.fixture
-def one_rank_group():
+def one_rank_group() -> Iterator[None]:
     """A real (1-rank) gloo default group in this process."""
     assert not dist.is_initialized()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -445,27 +422,14 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
-def _train(model: RoundPipe, steps: int, dp: Optional[rdist.DataParallel] = None) -> torch.Tensor:
-    opt = torch.optim.SGD(list(model.optim_parameters()), lr=0.1, momentum=0.9)
-    g = torch.Generator().manual_seed(3)
-    for _ in range(steps):
-        x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
-        model.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, t: ((o - t) ** 2).mean())
-        if dp is not None:
-            dp.normalize_by(4)
-        model.step(lambda: (opt.step(), opt.zero_grad()))
-    model.synchronize()
-    return torch.cat([p.detach().reshape(-1) for p in model.optim_parameters()])
-
-
 @pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
 def test_one_rank_data_parallel_is_plain_training(workers: str, one_rank_group: None) -> None:
-    ref = _train(_mlp(), 4)
-    model = _mlp()
+    ref = train_small_mlp(small_mlp(), 4)
+    model = small_mlp()
     dp = rdist.enable_data_parallel(model)
     assert model.grad_sync is dp
     assert isinstance(dp, GradSync)  # the one interface the core calls
-    got = _train(model, 4, dp)
+    got = train_small_mlp(model, 4, dp)
     assert torch.equal(got, ref)
     assert dp.stats.steps == 4 and dp.stats.collectives == 0  # nothing to exchange with one rank
     dp.close()
@@ -476,7 +440,7 @@ def test_one_rank_data_parallel_is_plain_training(workers: str, one_rank_group: 
 def test_setup_errors(workers: str, one_rank_group: None) -> None:
     with pytest.raises(TypeError, match="needs a RoundPipe model"):
         rdist.enable_data_parallel(nn.Linear(2, 2))  # type: ignore[arg-type]
-    model = _mlp()
+    model = small_mlp()
     with pytest.raises(NotImplementedError, match="docs/multi-node.md"):
         rdist.enable_data_parallel(model, backend="nccl")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="bucket_mb"):
@@ -492,7 +456,7 @@ def test_setup_errors(workers: str, one_rank_group: None) -> None:
 def test_normalize_by_twice_in_one_step_is_reported(workers: str, one_rank_group: None) -> None:
     from roundpipe.optim.thread import OptimizerStepError
 
-    model = _mlp()
+    model = small_mlp()
     dp = rdist.enable_data_parallel(model)
     dp.normalize_by(4)
     dp.normalize_by(4)
@@ -508,7 +472,7 @@ def test_normalize_by_twice_in_one_step_is_reported(workers: str, one_rank_group
 def _slow_kernel_run(slow: bool) -> torch.Tensor:
     import time as _time
 
-    model = _mlp()
+    model = small_mlp()
     opt = torch.optim.SGD(list(model.optim_parameters()), lr=0.05)
     calls = [0]
 

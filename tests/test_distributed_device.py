@@ -24,15 +24,16 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import helpers
 import pytest
+import test_distributed
 import torch
 import torch.distributed as dist
+from helpers import small_mlp, train_small_mlp
 from torch import nn
 
-from roundpipe import RoundPipe, RoundPipeRunConfig
 from roundpipe import distributed as rdist
 from roundpipe.distributed import device_order, device_reduce, enable, sharding
 from roundpipe.planning.plan import ModelExecutePlan
@@ -52,16 +53,10 @@ EXACT_SCENARIOS = [
 ]
 
 
-def torchrun(
-    args: List[str],
-    tmp_path: Any,
-    nproc: int = 2,
-    env: Optional[Dict[str, str]] = None,
-    timeout: float = 150,
-    monitor_s: Optional[float] = None,
-) -> subprocess.CompletedProcess:
-    """``torchrun --standalone`` on the device-reduction script; one thread per rank."""
-    return helpers.torchrun(SCRIPT, args, tmp_path, nproc, env, timeout, monitor_s, devices=None)
+def torchrun(args: List[str], tmp_path: Any, **kwargs: Any) -> subprocess.CompletedProcess:
+    """:func:`helpers.torchrun` of the device-reduction script, one thread per rank, the devices as the
+    scenario sets them (150 s unless ``timeout`` says otherwise)."""
+    return helpers.torchrun(SCRIPT, args, tmp_path, **{"timeout": 150, "devices": None, **kwargs})
 
 
 @pytest.fixture(scope="module")
@@ -246,45 +241,22 @@ def test_reduce_on_choice_on_cpu_workers(workers: str) -> None:
         enable.choose_reduce_on("gpu", False)
 
 
-@pytest.fixture
-def one_rank_group() -> Any:
-    """A real (1-rank) gloo default group in this process."""
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def _mlp() -> RoundPipe:
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
-    return RoundPipe(net, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2), name="t")
-
-
-def _train(model: RoundPipe, steps: int) -> torch.Tensor:
-    opt = torch.optim.SGD(list(model.optim_parameters()), lr=0.1, momentum=0.9)
-    g = torch.Generator().manual_seed(3)
-    for _ in range(steps):
-        x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
-        model.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, t: ((o - t) ** 2).mean())
-        model.step(lambda: (opt.step(), opt.zero_grad()))
-    model.synchronize()
-    return torch.cat([p.detach().reshape(-1) for p in model.optim_parameters()])
+one_rank_group = test_distributed.one_rank_group  # the fixture: a 1-rank gloo group in this process
 
 
 @pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
 def test_one_rank_device_mode_is_plain_training(workers: str, one_rank_group: None) -> None:
-    ref = _train(_mlp(), 3)
-    model = _mlp()
+    ref = train_small_mlp(small_mlp(), 3)
+    model = small_mlp()
     dp = rdist.enable_data_parallel(model, reduce_on="device")
     assert dp.reduce_on == "device" and dp.device is None  # one rank: nothing to reduce, nothing hooked
-    assert torch.equal(_train(model, 3), ref)
+    assert torch.equal(train_small_mlp(model, 3), ref)
     dp.close()
 
 
 @pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
 def test_device_mode_setup_errors(workers: str, one_rank_group: None) -> None:
-    model = _mlp()
+    model = small_mlp()
     with pytest.raises(ValueError, match="process_group works with reduce_on='host' only"):
         rdist.enable_data_parallel(model, process_group=dist.new_group(backend="gloo"), reduce_on="device")
     with pytest.raises(NotImplementedError, match="reduce_on='device'"):

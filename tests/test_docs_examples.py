@@ -84,21 +84,10 @@ for block in json.load(open(sys.argv[1])):
 
 def save_stand_in(kind: str, path: str) -> str:
     """A tiny random model of architecture ``kind`` with a tokenizer, saved as save_pretrained writes it."""
-    import torch
-    from cli.local_model import word_tokenizer
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from cli.local_model import make_local_model, word_tokenizer
 
     assert kind == "qwen3", kind
-    tokenizer = word_tokenizer()
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=False, use_cache=False,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
-    Qwen3ForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return make_local_model(path, word_tokenizer(), tie=False, positions=4096)
 
 
 def test_blocks_compile_and_skips_say_why() -> None:

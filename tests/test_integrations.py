@@ -15,7 +15,7 @@ os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers import rel_err, wrap_by_size
 from test_models import VOCAB, tiny_model
 
 import roundpipe
@@ -49,9 +49,11 @@ def wrapped(dtype: torch.dtype = torch.float32) -> Any:
     )
 
 
-def training_args(out: str, steps: int, save_steps: Optional[int] = None, **kw: Any) -> Any:
-    settings = dict(
-        output_dir=out,
+def trainer_settings(steps: int, save_steps: Optional[int] = None) -> Dict[str, Any]:
+    """The Trainer arguments the tests here share: ``BATCH`` rows a micro-step, ``ACCUM`` of them a step,
+    sequential sampling on the CPU, the loss logged every step, a checkpoint every ``save_steps`` (none
+    without)."""
+    return dict(
         report_to=[],
         per_device_train_batch_size=BATCH,
         gradient_accumulation_steps=ACCUM,
@@ -64,7 +66,10 @@ def training_args(out: str, steps: int, save_steps: Optional[int] = None, **kw: 
         use_cpu=True,
         disable_tqdm=True,
     )
-    return transformers.TrainingArguments(**{**settings, **kw})
+
+
+def training_args(out: str, steps: int, save_steps: Optional[int] = None, **kw: Any) -> Any:
+    return transformers.TrainingArguments(**{"output_dir": out, **trainer_settings(steps, save_steps), **kw})
 
 
 def step_losses(trainer: Any) -> List[float]:
@@ -192,14 +197,7 @@ def test_model_wrapped_by_size_saves_its_original_names(workers: str, tmp_path: 
     hf = tiny_model("llama")
     names = [n for n, _ in hf.named_parameters()]  # before wrapping; the parameter objects stay
     params = list(hf.parameters())
-    layer_bytes = sum(p.numel() * 4 for p in hf.model.layers[0].parameters())
-    model = roundpipe.wrap_model_to_roundpipe(
-        hf,
-        use_sequential_preset=False,
-        lower_threshold=layer_bytes,
-        upper_threshold=layer_bytes,
-        model_run_config=RoundPipeRunConfig(num_microbatch=2),
-    )
+    model = wrap_by_size(hf, 2)
     assert any(".model." in n for n, _ in hf.named_parameters())
     trainer = RoundPipeTrainer(
         model=model, args=training_args(str(tmp_path / "run"), 1), train_dataset=dataset(BATCH * ACCUM)
@@ -278,19 +276,7 @@ def test_sft_trainer_with_roundpipe(workers: str, tmp_path: Any) -> None:
     steps = 3
     data = dataset(steps * BATCH * ACCUM, seed=2)
     sft_data = datasets.Dataset.from_list([{"input_ids": d["input_ids"].tolist()} for d in data])
-    common = dict(
-        report_to=[],
-        per_device_train_batch_size=BATCH,
-        gradient_accumulation_steps=ACCUM,
-        max_steps=steps,
-        learning_rate=LR,
-        logging_steps=1,
-        save_strategy="no",
-        train_sampling_strategy="sequential",
-        use_cpu=True,
-        disable_tqdm=True,
-        bf16=True,
-    )
+    common = dict(trainer_settings(steps), bf16=True)
     sft_args = trl.SFTConfig(output_dir=str(tmp_path / "sft"), eos_token=None, **common)
     sft = with_roundpipe(trl.SFTTrainer)(
         model=wrapped(), args=sft_args, train_dataset=sft_data, processing_class=tokenizer

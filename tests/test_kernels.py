@@ -21,17 +21,17 @@ os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers import rel_err, with_lora
 from torch import nn
 
 from roundpipe import models, settings
-from roundpipe.models import fused_ops, kernels
+from roundpipe.models import configs, fused_ops, kernels
 from roundpipe.runtime.run_config import RoundPipeRunConfig
 
 torch.set_num_threads(1)
 
 transformers = pytest.importorskip("transformers")
-from test_models import VOCAB, assert_grads_close, grads, hf_reference, make_batch, tiny_model  # noqa: E402
+from test_models import assert_grads_close, grads, hf_reference, make_batch, tiny_model  # noqa: E402
 from transformers.models.llama import modeling_llama as llama  # noqa: E402
 from transformers.models.qwen3 import modeling_qwen3 as qwen3  # noqa: E402
 
@@ -61,17 +61,8 @@ def compiled(monkeypatch: pytest.MonkeyPatch):
 
 
 def _config(family: str) -> Any:
-    common = dict(
-        hidden_size=32,
-        intermediate_size=48,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_hidden_layers=1,
-        vocab_size=VOCAB,
-        attn_implementation="sdpa",
-    )
-    return transformers.Qwen3Config(**common) if family == "qwen3" else transformers.LlamaConfig(**common)
+    """One layer, hidden 32, MLP 48, sdpa."""
+    return configs.tiny_config(family, intermediate_size=48, num_hidden_layers=1, attn_implementation="sdpa")
 
 
 def _module(
@@ -167,13 +158,8 @@ def test_compiled_path_and_bench_tiny_mode(compiled: None, capsys: pytest.Captur
     assert res["ok"] == 1.0 and "agreement OK" in out and "| forward + backward |" in out
     assert res["fused_vs_hf"] < 1e-2  # bf16 rounding (bitwise equal on the CPU: emulate_precision_casts)
     assert all(not op.failed for op in kernels.OPS)
-    # both variants ran compiled: the ops per module, and the whole layer as one op
-    assert {op.fn.__name__ for op in kernels.OPS if op.compiled} == {
-        "rms_norm_reference",
-        "qk_norm_rope",
-        "swiglu",
-        "decoder_layer",
-    }
+    # the whole layer ran compiled, as one op
+    assert {op.fn.__name__ for op in kernels.OPS if op.compiled} == {"decoder_layer"}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -248,17 +234,14 @@ def _causal_mask(n: int) -> torch.Tensor:
     return torch.full((n, n), float("-inf")).triu(1)[None, None]
 
 
-FALLBACKS = ["mask", "env off", "hook", "backward hook", "lora", "dropout", "kwargs", "bias", "eager attention"]
+FALLBACKS = ["mask", "hook", "backward hook", "lora", "dropout", "kwargs", "bias", "eager attention"]
 
 
 @pytest.mark.parametrize("case", FALLBACKS)
-def test_whole_layer_falls_back_to_modules(
-    eager: None, op_calls: Dict[str, int], case: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Calls the one op would not compute as Hugging Face does run the fused modules instead: a mask,
-    ``RPP_FUSED_LAYERS=0``, a forward or backward hook on a submodule (it still fires), PEFT adapters,
-    attention dropout in training, extra keyword arguments, projection biases, another attention
-    implementation."""
+def test_whole_layer_falls_back_to_modules(eager: None, op_calls: Dict[str, int], case: str) -> None:
+    """Calls the one op would not compute as Hugging Face does run the fused modules instead: a mask, a
+    forward or backward hook on a submodule (it still fires), PEFT adapters, attention dropout in
+    training, extra keyword arguments, projection biases, another attention implementation."""
     config = {"attention_bias": True} if case == "bias" else {"attention_dropout": 0.5} if case == "dropout" else {}
     hf, pos, x = _decoder_layer("llama" if case == "bias" else "qwen3", torch.float64, **config)
     if case == "eager attention":
@@ -269,8 +252,6 @@ def test_whole_layer_falls_back_to_modules(
     fired = []
     if case == "mask":
         kwargs["attention_mask"] = _causal_mask(x.shape[1]).to(x.dtype)
-    elif case == "env off":
-        monkeypatch.setenv(settings.FUSED_LAYERS.name, "0")
     elif case == "hook":
         fused.mlp.register_forward_hook(lambda m, i, o: fired.append(1))
     elif case == "backward hook":
@@ -460,14 +441,8 @@ def test_roundpipe_with_fused_kernels_matches_hf(
 @pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
 def test_lora_with_fused_kernels_matches_peft(workers: str, eager: None) -> None:
     """PEFT adapters inside fused attention and MLP modules train as in PEFT."""
-    peft = pytest.importorskip("peft")
-    model = peft.get_peft_model(
-        tiny_model("qwen3"), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "gate_proj"])
-    )
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1)
+    pytest.importorskip("peft")
+    model = with_lora(tiny_model("qwen3"), ["q_proj", "k_proj", "gate_proj"])
     batch = make_batch(padding=True)
     ref_loss, ref_grads = hf_reference(model, batch)
     rp = models.wrap_model(model, model_run_config=RUN3, fused_kernels=True)

@@ -8,7 +8,7 @@ os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers import rel_err, with_lora
 from test_models import TOL, assert_grads_close, emulate_forward, grads, make_batch, tiny_model
 from torch import nn
 
@@ -27,15 +27,7 @@ RUN3 = RoundPipeRunConfig(num_microbatch=3)
 
 
 def lora_model(family: str, seed: int = 0) -> nn.Module:
-    model = tiny_model(family, seed)
-    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS[family])
-    peft_model = peft.get_peft_model(model, config)
-    torch.manual_seed(seed + 1)
-    with torch.no_grad():  # PEFT starts B at zero; make the adapters active so every gradient is non-zero
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1)
-    return peft_model
+    return with_lora(tiny_model(family, seed), TARGETS[family], seed=seed + 1)
 
 
 def peft_reference(peft_model: nn.Module, batch):

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from roundpipe import models, settings
-from roundpipe.models import families
+from roundpipe.models import configs, families
 from roundpipe.models.loss import count_loss_tokens
 from roundpipe.models.preset import CausalLMPrefix, CausalLMPreset
 from roundpipe.runtime.context import ForwardCtx, RecomputeCtx
@@ -36,63 +36,31 @@ torch.set_num_threads(1)
 transformers = pytest.importorskip("transformers")
 
 TOL = 1e-5
-VOCAB = 128
 FAMILIES = ["qwen3", "llama", "qwen3_moe", "gpt_oss", "qwen2", "mistral"]
 
 # ---------------------------------------------------------------------------------------------------------
 # Tiny models
 # ---------------------------------------------------------------------------------------------------------
 
-COMMON = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    vocab_size=VOCAB,
-    max_position_embeddings=64,
-    pad_token_id=0,
-    initializer_range=0.1,
-    use_cache=False,
-)
+VOCAB = configs.TINY["vocab_size"]
 MIXED_LAYERS = ["full_attention", "sliding_attention", "full_attention"]
+SLIDING = dict(layer_types=MIXED_LAYERS, sliding_window=4, use_sliding_window=True)
+ROUTER_LOSS = dict(output_router_logits=True, router_aux_loss_coef=0.1)
+TINY_OVERRIDES: Dict[str, Dict[str, Any]] = {
+    "qwen3": dict(SLIDING, tie_word_embeddings=True),
+    "llama": {},
+    "qwen2": SLIDING,
+    "mistral": dict(sliding_window=4),
+    # layer 1 is dense (mlp_only_layers): it must not contribute to the router loss.
+    "qwen3_moe": dict(ROUTER_LOSS, mlp_only_layers=[1]),
+    "gpt_oss": ROUTER_LOSS,
+}
+"""What each family's test model sets beyond :func:`roundpipe.models.configs.tiny_config`."""
 
 
 def tiny_config(family: str) -> Any:
     """A 3-layer config of ``family``; sliding windows (4) shorter than the test sequences (10)."""
-    t = transformers
-    if family == "qwen3":
-        return t.Qwen3Config(
-            **COMMON, layer_types=MIXED_LAYERS, sliding_window=4, use_sliding_window=True, tie_word_embeddings=True
-        )
-    if family == "llama":
-        return t.LlamaConfig(**COMMON)
-    if family == "qwen2":
-        return t.Qwen2Config(**COMMON, layer_types=MIXED_LAYERS, sliding_window=4, use_sliding_window=True)
-    if family == "mistral":
-        return t.MistralConfig(**COMMON, sliding_window=4)
-    if family == "qwen3_moe":
-        # layer 1 is dense (mlp_only_layers): it must not contribute to the router loss.
-        return t.Qwen3MoeConfig(
-            **COMMON,
-            moe_intermediate_size=32,
-            num_experts=4,
-            num_experts_per_tok=2,
-            mlp_only_layers=[1],
-            output_router_logits=True,
-            router_aux_loss_coef=0.1,
-        )
-    if family == "gpt_oss":
-        return t.GptOssConfig(
-            **COMMON,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            sliding_window=4,
-            output_router_logits=True,
-            router_aux_loss_coef=0.1,
-        )
-    raise KeyError(family)
+    return configs.tiny_config(family, **TINY_OVERRIDES[family])
 
 
 def tiny_model(family: str, seed: int = 0) -> nn.Module:
@@ -372,7 +340,7 @@ def _shrunk_config(model_type: str) -> Any:
 
     config = CONFIG_MAPPING[model_type]()
     sizes = dict(
-        COMMON,
+        configs.TINY,
         moe_intermediate_size=32,
         num_experts=4,
         num_local_experts=4,

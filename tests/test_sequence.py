@@ -13,11 +13,12 @@ os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers import LORA_PROJECTIONS, rel_err, with_lora
 from torch import nn
 
 from roundpipe import models, settings
 from roundpipe.devices import device as device_mod
+from roundpipe.models import configs
 from roundpipe.planning.plan import ModelExecutePlan
 from roundpipe.runtime import sequence
 from roundpipe.runtime.run_config import RoundPipeRunConfig
@@ -26,34 +27,23 @@ torch.set_num_threads(1)
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
-from test_models import COMMON, grads  # noqa: E402
+from test_models import VOCAB, grads  # noqa: E402
 
 TOL = 1e-10
 HF_TOL = 1e-6  # fp64 against Hugging Face itself: its RMSNorms round through fp32 (as in test_tiling)
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def _model(family: str, lora: bool) -> nn.Module:
     torch.manual_seed(0)
-    if family == "qwen3":
-        config = transformers.Qwen3Config(**COMMON, tie_word_embeddings=True, attn_implementation="sdpa")
-    else:
-        config = transformers.LlamaConfig(**COMMON, attn_implementation="sdpa")
+    tied = dict(tie_word_embeddings=True) if family == "qwen3" else {}
+    config = configs.tiny_config(family, attn_implementation="sdpa", **tied)
     model = transformers.AutoModelForCausalLM.from_config(config).double()
-    if not lora:
-        return model
-    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS))
-    torch.manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1)
-    return model
+    return with_lora(model, LORA_PROJECTIONS, seed=7) if lora else model
 
 
 def _batch(rows: int = 2, seq: int = 22) -> Dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, COMMON["vocab_size"], (rows, seq), generator=g)
+    ids = torch.randint(1, VOCAB, (rows, seq), generator=g)
     labels = ids.clone()
     labels[0, 5] = -100
     labels[-1, 11] = -100  # an ignored target at a tile boundary of 2 tiles
@@ -203,7 +193,7 @@ def test_tiles_refuse_what_they_cannot_compute(workers: str) -> None:
     with pytest.raises(ValueError, match="sequence_tiles"):
         RoundPipeRunConfig(sequence_tiles=0)
     eager = transformers.AutoModelForCausalLM.from_config(
-        transformers.LlamaConfig(**COMMON, attn_implementation="eager")
+        configs.tiny_config("llama", attn_implementation="eager")
     ).double()
     rp2 = models.wrap_model(eager, model_run_config=RoundPipeRunConfig(sequence_tiles=2))
     with pytest.raises(ValueError, match="sdpa"):

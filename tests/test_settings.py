@@ -91,7 +91,6 @@ def test_no_module_reads_rpp_variables_from_the_environment() -> None:
         (settings.OPTIM_THREADS, "4", 4, "0"),
         (settings.DEBUG_ADAM_IMPL, "CPP", "cpp", "fast"),
         (settings.DEBUG_FUSED_KERNELS, "on", "1", "sometimes"),
-        (settings.FUSED_LAYERS, "0", False, "2"),
         (settings.DIST_TIMEOUT_S, "12.5", 12.5, "0"),
         (settings.DIST_MAIN_TIMEOUT_S, "60", 60.0, "inf"),
     ],

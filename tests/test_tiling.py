@@ -21,12 +21,12 @@ os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers import LORA_PROJECTIONS, rel_err, with_lora
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from roundpipe import models, settings
-from roundpipe.models import fused_ops, kernels, tiling
+from roundpipe.models import configs, fused_ops, kernels, tiling
 from roundpipe.models.preset import _call_mask_function
 from roundpipe.planning.plan import ModelExecutePlan
 from roundpipe.runtime.context import RecomputeCtx
@@ -39,7 +39,6 @@ peft = pytest.importorskip("peft")
 from test_models import grads, make_batch, tiny_model  # noqa: E402
 
 TOL = 1e-10  # fp64: tiling changes only which rows a matmul computes at once
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -48,19 +47,10 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 def _layer_config(family: str, layer_type: str = "full_attention") -> Any:
-    common = dict(
-        hidden_size=32,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_hidden_layers=1,
-        vocab_size=64,
-        attn_implementation="sdpa",
-    )
-    if family == "qwen3":
-        return transformers.Qwen3Config(**common, layer_types=[layer_type], sliding_window=5, use_sliding_window=True)
-    return transformers.LlamaConfig(**common)
+    """One layer, hidden 32, MLP 96, vocab 64, sdpa; a Qwen3 sliding-window layer's window is 5."""
+    sliding = dict(layer_types=[layer_type], sliding_window=5, use_sliding_window=True) if family == "qwen3" else {}
+    sizes = dict(intermediate_size=96, num_hidden_layers=1, vocab_size=64, attn_implementation="sdpa")
+    return configs.tiny_config(family, **sizes, **sliding)
 
 
 def _make_layer(
@@ -72,13 +62,7 @@ def _make_layer(
     for p in model.model.layers[0].parameters():
         nn.init.normal_(p, 0.0, 0.2)
     if lora:
-        model = peft.get_peft_model(
-            model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=LORA_TARGETS)
-        )
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.2)
+        model = with_lora(model, LORA_PROJECTIONS, std=0.2, dropout=dropout)
     base = model.get_base_model() if lora else model
     return base, base.model.layers[0]
 
@@ -326,7 +310,7 @@ def test_dropout_masks_replay_in_backward() -> None:
     layer.train()
     x, mask, pos, pe = _inputs(base, 2, 7, False)
     drops = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Dropout)}
-    assert len(drops) == len(LORA_TARGETS)
+    assert len(drops) == len(LORA_PROJECTIONS)
     drawn: Dict[str, List[torch.Tensor]] = {n: [] for n in drops}
     for name, mod in drops.items():
 
@@ -438,17 +422,7 @@ def _count_tiled(monkeypatch: pytest.MonkeyPatch) -> List[int]:
 
 def _fp64_model(family: str, lora: bool) -> nn.Module:
     model = tiny_model(family).double()
-    if not lora:
-        return model
-    peft_model = peft.get_peft_model(
-        model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS)
-    )
-    torch.manual_seed(7)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1)
-    return peft_model
+    return with_lora(model, LORA_PROJECTIONS, seed=7) if lora else model
 
 
 def _reference(

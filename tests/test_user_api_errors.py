@@ -105,11 +105,12 @@ def test_gpt2_wrapped_by_size_trains_a_batch_of_one() -> None:
 # Runs in a subprocess: an abort (a device-side assert, a compiled kernel's failure) would kill pytest.
 LABEL_SCRIPT = r"""
 import os, sys, torch, roundpipe
-from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, Qwen3ForCausalLM
+from roundpipe.models.configs import tiny_config
 
 torch.manual_seed(0)
-qwen = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+qwen = Qwen3ForCausalLM(tiny_config("qwen3", vocab_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                    num_key_value_heads=1, head_dim=16))
 gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=32, bos_token_id=0,
                                   eos_token_id=0))
 ids = torch.randint(0, 64, (2, 8))

@@ -9,7 +9,7 @@ os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers import rel_err, wrap_by_size
 from test_models import TOL, assert_grads_close, grads, make_batch, tiny_model
 from torch import nn
 
@@ -139,14 +139,7 @@ def test_hf_model_without_preset_wrapped_by_size(workers: str) -> None:
     model = tiny_model("llama")
     ref_model = copy.deepcopy(model)
     batch = make_batch(padding=True)
-    layer_bytes = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
-    wrapped = wrap_model_to_roundpipe(
-        model,
-        use_sequential_preset=False,
-        lower_threshold=layer_bytes,
-        upper_threshold=layer_bytes,
-        model_run_config=RoundPipeRunConfig(num_microbatch=3),
-    )
+    wrapped = wrap_by_size(model, 3)
     assert isinstance(wrapped, AutoRoundPipe)
     assert all(isinstance(layer, RoundPipe) for layer in model.model.layers)
     out = wrapped(**batch)

@@ -15,19 +15,7 @@ from roundpipe.cli.tasks import BYTE_VOCAB_SIZE
 def _qwen3(flavor: flavors.Flavor) -> Dict[str, Any]:
     """The ``Qwen3Config`` fields of a built-in flavor: its sizes (``roundpipe.flavors``) and the rotary
     base, norm epsilon and position limit of the released Qwen3 models."""
-    return dict(
-        head_dim=flavor.head_dim,
-        rms_norm_eps=1e-6,
-        rope_theta=1_000_000.0,
-        max_position_embeddings=40960,
-        vocab_size=flavor.vocab,
-        hidden_size=flavor.hidden,
-        intermediate_size=flavor.intermediate,
-        num_hidden_layers=flavor.layers,
-        num_attention_heads=flavor.heads,
-        num_key_value_heads=flavor.kv_heads,
-        tie_word_embeddings=flavor.tied,
-    )
+    return dict(flavor.config_fields(), rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960)
 
 
 #: Built-in Qwen3 architectures (random init): the WORKLOADS.md sizes (``roundpipe.flavors``) plus ``tiny``

@@ -66,19 +66,8 @@ def tiny_config(family: str = "qwen3", **overrides: Any) -> Any:
 def flavor_config(name: str, **overrides: Any) -> Any:
     """The ``Qwen3Config`` of the named size in :data:`roundpipe.flavors.QWEN3` (``"qwen3-8b"``), as the
     benchmarks build it: sdpa attention, no KV cache, the 40,960-position limit of the released models."""
-    flavor = flavors.QWEN3[name]
     fields = dict(
-        vocab_size=flavor.vocab,
-        hidden_size=flavor.hidden,
-        intermediate_size=flavor.intermediate,
-        num_hidden_layers=flavor.layers,
-        num_attention_heads=flavor.heads,
-        num_key_value_heads=flavor.kv_heads,
-        head_dim=flavor.head_dim,
-        tie_word_embeddings=flavor.tied,
-        max_position_embeddings=40960,
-        use_cache=False,
-        attn_implementation="sdpa",
+        flavors.QWEN3[name].config_fields(), max_position_embeddings=40960, use_cache=False, attn_implementation="sdpa"
     )
     return config_class("qwen3")(**{**fields, **overrides})
 

@@ -10,8 +10,11 @@ Fused ops (each the same math, in the same order, as Hugging Face's code):
   one function, so query and key each take one read and one write.
 * :func:`rope` (Llama) -- the rotary embedding of queries and keys.
 * :func:`swiglu` -- ``silu(gate) * up``.
-* :func:`decoder_layer` -- the whole decoder layer (norms, projections, q/k norms and rotary, sdpa,
-  SwiGLU MLP, residuals) as one op, for the calls RoundPipe's training makes.
+* :func:`pre_attention` -- input norm, q/k/v projections, q/k norms and rotary;
+  :func:`post_attention` -- o projection, residual, norm, SwiGLU MLP, residual. Both are position-wise:
+  the tiled path (:mod:`roundpipe.models.tiling`) runs them per tile of tokens.
+* :func:`decoder_layer` -- the whole decoder layer as one op (:func:`pre_attention`, sdpa,
+  :func:`post_attention`), for the calls RoundPipe's training makes.
 
 Each op runs compiled (``torch.compile``, one fused Triton kernel forward and a few backward; inductor
 is told to round intermediates to bf16/fp16 where eager does, ``emulate_precision_casts``) unless
@@ -30,6 +33,7 @@ instead of recompiling for every length.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import types
@@ -46,8 +50,15 @@ logger = logging.getLogger("roundpipe")
 # The math: pure functions of tensors
 # ---------------------------------------------------------------------------------------------------------
 
+Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+"""An RMSNorm ``(x, weight, eps) -> normed x``: :func:`rms_norm_reference` (compiled) or :func:`rms_norm_eager`."""
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+
+def rms_norm_reference(
+    x: torch.Tensor,  # [..., dim]
+    weight: torch.Tensor,  # [dim]
+    eps: float,
+) -> torch.Tensor:
     """Hugging Face's RMSNorm (``Qwen3RMSNorm`` / ``LlamaRMSNorm``), written out: what gets compiled."""
     dtype = x.dtype
     h = x.to(torch.float32)
@@ -55,7 +66,11 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * h.to(dtype)
 
 
-def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_eager(
+    x: torch.Tensor,  # [..., dim]
+    weight: torch.Tensor,  # [dim]
+    eps: float,
+) -> torch.Tensor:
     """The same with ``F.rms_norm`` (fused on CUDA) for the normalisation; the weight multiply stays
     separate so the rounding order is Hugging Face's. Inputs other than fp32/bf16/fp16 (fp64) are
     normalised in fp32, as Hugging Face does."""
@@ -72,34 +87,39 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Rotary embedding of queries and keys given as ``[batch, seq, heads, head_dim]`` (the projection
-    layout); returns them ``[batch, heads, seq, head_dim]`` like Hugging Face's
-    ``apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)``."""
+def rope(
+    q: torch.Tensor,  # [batch, seq, heads, head_dim]
+    k: torch.Tensor,  # [batch, seq, kv heads, head_dim]
+    cos: torch.Tensor,  # [batch, seq, head_dim]
+    sin: torch.Tensor,  # [batch, seq, head_dim]
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of queries and keys given in the projection layout; returns them ``[batch, heads,
+    seq, head_dim]`` like Hugging Face's ``apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos,
+    sin)``."""
     q, k = q.transpose(1, 2), k.transpose(1, 2)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return (q * cos) + (_rotate_half(q) * sin), (k * cos) + (_rotate_half(k) * sin)
 
 
 def qk_norm_rope(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
+    q: torch.Tensor,  # [batch, seq, heads, head_dim]
+    k: torch.Tensor,  # [batch, seq, kv heads, head_dim]
+    q_weight: torch.Tensor,  # [head_dim]
+    k_weight: torch.Tensor,  # [head_dim]
     q_eps: float,
     k_eps: float,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    cos: torch.Tensor,  # [batch, seq, head_dim]
+    sin: torch.Tensor,  # [batch, seq, head_dim]
+    norm: Norm = rms_norm_reference,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Qwen3's ``q_norm``/``k_norm`` (RMSNorm over ``head_dim``) followed by :func:`rope`."""
-    return rope(rms_norm_reference(q, q_weight, q_eps), rms_norm_reference(k, k_weight, k_eps), cos, sin)
+    return rope(norm(q, q_weight, q_eps), norm(k, k_weight, k_eps), cos, sin)
 
 
-def _qk_norm_rope_eager(q, k, q_weight, k_weight, q_eps, k_eps, cos, sin):  # type: ignore[no-untyped-def]
-    return rope(rms_norm_eager(q, q_weight, q_eps), rms_norm_eager(k, k_weight, k_eps), cos, sin)
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def swiglu(
+    gate: torch.Tensor,  # [..., intermediate]
+    up: torch.Tensor,  # [..., intermediate]
+) -> torch.Tensor:
     """``silu(gate) * up``: the elementwise part of the SwiGLU MLP."""
     return F.silu(gate) * up
 
@@ -110,51 +130,66 @@ def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None, :, :].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
 
 
+PreWeights = Tuple[Optional[torch.Tensor], ...]
+"""The weights before attention: input norm ``[hidden]``, q / k / v projections ``[heads * head_dim,
+hidden]``, ``q_norm`` / ``k_norm`` ``[head_dim]`` (None without q/k norms: Llama)."""
+PostWeights = Tuple[torch.Tensor, ...]
+"""The weights after attention: o projection ``[hidden, heads * head_dim]``, post-attention norm
+``[hidden]``, gate / up projections ``[intermediate, hidden]``, down projection ``[hidden, intermediate]``."""
 LayerWeights = Tuple[Optional[torch.Tensor], ...]
+"""A whole layer's: :data:`PreWeights` then :data:`PostWeights` (11 tensors)."""
+PreEps = Tuple[float, float, float]
+"""The epsilons of the input norm, ``q_norm`` and ``k_norm`` (the last two unused without q/k norms)."""
 LayerEps = Tuple[float, float, float, float]
+"""A whole layer's: :data:`PreEps`, then the post-attention norm's."""
+PRE_WEIGHTS = 6  # how many of LayerWeights are PreWeights
 
 
-def _decoder_layer_math(
-    norm: Callable[..., torch.Tensor],
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    weights: LayerWeights,
-    eps: LayerEps,
+def pre_attention(
+    x: torch.Tensor,  # [batch, seq, hidden]
+    cos: torch.Tensor,  # [batch, seq, head_dim]
+    sin: torch.Tensor,  # [batch, seq, head_dim]
+    weights: PreWeights,  # input norm, q, k, v projections, q_norm, k_norm
+    eps: PreEps,  # input norm, q_norm, k_norm
     head_dim: int,
-    scaling: float,
-    is_causal: bool,
-    kv_groups: int,
-    gqa: bool,
-) -> torch.Tensor:
-    """A Qwen3 / Llama decoder layer without mask, cache or dropout, op for op as Hugging Face's
-    ``*DecoderLayer.forward`` with sdpa attention; ``norm`` is the RMSNorm to use. ``is_causal``,
-    ``kv_groups`` (query heads per key/value head) and ``gqa`` (sdpa's ``enable_gqa``) are decided by
-    the caller: computed here from shapes they would be symbolic once a shape is dynamic, which sdpa's
-    flags do not accept."""
-    ln1_w, q_w, k_w, v_w, o_w, qn_w, kn_w, ln2_w, gate_w, up_w, down_w = weights
-    eps1, eps2, q_eps, k_eps = eps
+    norm: Norm = rms_norm_reference,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Input norm, q/k/v projections, q/k norms, rotary, op for op as Hugging Face's layer: ``q``, ``k``,
+    ``v`` as ``[batch, seq, heads, head_dim]`` (``k``, ``v`` with the key/value heads). Position-wise:
+    the tiled path applies it per tile of tokens."""
+    ln1_w, q_w, k_w, v_w, qn_w, kn_w = weights
+    eps1, q_eps, k_eps = eps
     b, s = x.shape[0], x.shape[1]
     h = norm(x, ln1_w, eps1)
     q = F.linear(h, q_w).view(b, s, -1, head_dim)
     k = F.linear(h, k_w).view(b, s, -1, head_dim)
-    v = F.linear(h, v_w).view(b, s, -1, head_dim).transpose(1, 2)
+    v = F.linear(h, v_w).view(b, s, -1, head_dim)
     if qn_w is not None:
-        q, k = norm(q, qn_w, q_eps), norm(k, kn_w, k_eps)
-    q, k = rope(q, k, cos, sin)
-    if kv_groups > 1 and not gqa:
-        k, v = _repeat_kv(k, kv_groups), _repeat_kv(v, kv_groups)
-    a = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, scale=scaling, is_causal=is_causal, enable_gqa=gqa)
-    a = a.transpose(1, 2).reshape(b, s, -1)
-    x = x + F.linear(a, o_w)
-    h = norm(x, ln2_w, eps2)
-    return x + F.linear(swiglu(F.linear(h, gate_w), F.linear(h, up_w)), down_w)
+        q, k = qk_norm_rope(q, k, qn_w, kn_w, q_eps, k_eps, cos, sin, norm)
+    else:
+        q, k = rope(q, k, cos, sin)
+    return q.transpose(1, 2), k.transpose(1, 2), v
+
+
+def post_attention(
+    x: torch.Tensor,  # [batch, seq, hidden]: the layer input (the residual)
+    a: torch.Tensor,  # [batch, seq, heads * head_dim]: the attention output
+    weights: PostWeights,
+    eps: float,
+    norm: Norm = rms_norm_reference,
+) -> torch.Tensor:
+    """``y = x + o_proj(a); y + down(silu(gate(norm(y))) * up(norm(y)))``: ``[batch, seq, hidden]``.
+    Position-wise: the tiled path applies it per tile of tokens."""
+    o_w, ln2_w, gate_w, up_w, down_w = weights
+    y = x + F.linear(a, o_w)
+    h = norm(y, ln2_w, eps)
+    return y + F.linear(swiglu(F.linear(h, gate_w), F.linear(h, up_w)), down_w)
 
 
 def decoder_layer(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    x: torch.Tensor,  # [batch, seq, hidden]
+    cos: torch.Tensor,  # [batch, seq, head_dim]
+    sin: torch.Tensor,  # [batch, seq, head_dim]
     weights: LayerWeights,
     eps: LayerEps,
     head_dim: int,
@@ -162,27 +197,22 @@ def decoder_layer(
     is_causal: bool,
     kv_groups: int,
     gqa: bool,
+    norm: Norm = rms_norm_reference,
 ) -> torch.Tensor:
-    """The whole decoder layer with :func:`rms_norm_reference` (what gets compiled: one graph, one
-    autograd node and one Python call per layer instead of about twenty)."""
-    return _decoder_layer_math(
-        rms_norm_reference, x, cos, sin, weights, eps, head_dim, scaling, is_causal, kv_groups, gqa
-    )
-
-
-def _decoder_layer_eager(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    weights: LayerWeights,
-    eps: LayerEps,
-    head_dim: int,
-    scaling: float,
-    is_causal: bool,
-    kv_groups: int,
-    gqa: bool,
-) -> torch.Tensor:
-    return _decoder_layer_math(rms_norm_eager, x, cos, sin, weights, eps, head_dim, scaling, is_causal, kv_groups, gqa)
+    """A Qwen3 / Llama decoder layer without mask, cache or dropout, op for op as Hugging Face's
+    ``*DecoderLayer.forward`` with sdpa attention: :func:`pre_attention`, sdpa over the whole sequence,
+    :func:`post_attention` (one graph, one autograd node and one Python call per layer instead of about
+    twenty). ``is_causal``, ``kv_groups`` (query heads per key/value head) and ``gqa`` (sdpa's
+    ``enable_gqa``) are decided by the caller: computed here from shapes they would be symbolic once a
+    shape is dynamic, which sdpa's flags do not accept."""
+    b, s = x.shape[0], x.shape[1]
+    q, k, v = pre_attention(x, cos, sin, weights[:PRE_WEIGHTS], eps[:3], head_dim, norm)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [batch, heads, seq, head_dim]
+    if kv_groups > 1 and not gqa:
+        k, v = _repeat_kv(k, kv_groups), _repeat_kv(v, kv_groups)
+    a = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, scale=scaling, is_causal=is_causal, enable_gqa=gqa)
+    a = a.transpose(1, 2).reshape(b, s, -1)  # [batch, seq, heads * head_dim]
+    return post_attention(x, a, weights[PRE_WEIGHTS:], eps[3], norm)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -287,12 +317,21 @@ class FusedOp:
         )
 
 
+def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with :func:`rms_norm_eager` for its norms: the eager version of a compiled op."""
+    return functools.partial(fn, norm=rms_norm_eager)
+
+
 RMS_NORM = FusedOp(rms_norm_reference, rms_norm_eager)
-QK_NORM_ROPE = FusedOp(qk_norm_rope, _qk_norm_rope_eager)
+QK_NORM_ROPE = FusedOp(qk_norm_rope, _eager(qk_norm_rope))
 ROPE = FusedOp(rope, rope)
 SWIGLU = FusedOp(swiglu, swiglu)
-DECODER_LAYER = FusedOp(decoder_layer, _decoder_layer_eager)
-OPS = (RMS_NORM, QK_NORM_ROPE, ROPE, SWIGLU, DECODER_LAYER)
+DECODER_LAYER = FusedOp(decoder_layer, _eager(decoder_layer))
+PRE_ATTENTION = FusedOp(pre_attention, _eager(pre_attention))
+"""One tile's pre-attention part of a tiled layer (:mod:`roundpipe.models.tiling`)."""
+POST_ATTENTION = FusedOp(post_attention, _eager(post_attention))
+"""One tile's post-attention part of a tiled layer."""
+OPS = (RMS_NORM, QK_NORM_ROPE, ROPE, SWIGLU, DECODER_LAYER, PRE_ATTENTION, POST_ATTENTION)
 
 
 def reset() -> None:

@@ -9,8 +9,8 @@ with fused ones (:mod:`roundpipe.models.fused_ops`) **per module instance**: a s
 is swapped for a subclass whose ``forward`` calls the fused op. Nothing in transformers is patched, so a
 plain Hugging Face model in the same process is unaffected, and :func:`unfuse_layer` restores the
 original classes. A whole decoder layer runs as one op (``fused_ops.decoder_layer``) for the calls
-RoundPipe's training makes (causal attention, no mask, cache, dropout or hooks; ``RPP_FUSED_LAYERS=0``
-keeps the per-module ops): one Python call and one autograd node instead of about twenty.
+RoundPipe's training makes (causal attention, no mask, cache, dropout or hooks; other calls run the
+per-module ops): one Python call and one autograd node instead of about twenty.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import importlib
 import logging
 import sys
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -29,6 +29,8 @@ from roundpipe.models import families
 from roundpipe.models.fused_ops import (
     DECODER_LAYER,
     OPS,
+    POST_ATTENTION,
+    PRE_ATTENTION,
     QK_NORM_ROPE,
     RMS_NORM,
     ROPE,
@@ -37,6 +39,8 @@ from roundpipe.models.fused_ops import (
     LayerWeights,
     compile_enabled,
     decoder_layer,
+    post_attention,
+    pre_attention,
     qk_norm_rope,
     reset,
     rms_norm_eager,
@@ -149,12 +153,6 @@ class _AttentionForward:
         return attn_output, attn_weights
 
 
-def whole_layer_enabled() -> bool:
-    """Whether fused decoder layers run as one op (``$RPP_FUSED_LAYERS``, default on; ``0`` keeps the
-    per-module fused ops, to compare)."""
-    return settings.FUSED_LAYERS.get()
-
-
 _gqa_cache: Dict[int, bool] = {}
 
 
@@ -175,9 +173,9 @@ def _sdpa_uses_gqa(head_dim: int) -> bool:
     return _gqa_cache[head_dim]
 
 
-def _has_hooks(modules: Tuple[nn.Module, ...]) -> bool:
+def has_hooks(modules: Iterable[nn.Module]) -> bool:
     """Whether a forward or backward hook (global, or on one of ``modules``) would run if the modules
-    were called: the whole-layer op does not call them."""
+    were called: the whole-layer op does not call them, and a tiled layer would call them per tile."""
     from torch.nn.modules import module as module_mod
 
     if (
@@ -219,17 +217,12 @@ class _DecoderLayerForward:
         if any(type(m) is not nn.Linear or m.bias is not None for m in linears):
             return None  # PEFT adapters, biases, quantized layers: the submodules' own forwards
         qk = (attn.q_norm, attn.k_norm) if attn._rpp_qk_norm else ()
-        if _has_hooks((*norms, attn, mlp, *linears, *qk)):
+        if has_hooks((*norms, attn, mlp, *linears, *qk)):
             return None
         qn_w, kn_w = (attn.q_norm.weight, attn.k_norm.weight) if qk else (None, None)
-        return (
-            self.input_layernorm.weight,
-            *(m.weight for m in linears[:4]),
-            qn_w,
-            kn_w,
-            self.post_attention_layernorm.weight,
-            *(m.weight for m in linears[4:]),
-        )
+        q, k, v, o = (m.weight for m in linears[:4])
+        mlp_weights = (m.weight for m in linears[4:])
+        return (self.input_layernorm.weight, q, k, v, qn_w, kn_w, o, self.post_attention_layernorm.weight, *mlp_weights)
 
     def forward(
         self,
@@ -247,7 +240,6 @@ class _DecoderLayerForward:
             and past_key_values is None
             and position_embeddings is not None
             and not kwargs
-            and whole_layer_enabled()
             and sequence.active() is None  # a tile's attention reads the earlier tiles' (roundpipe.runtime.sequence)
         ):
             weights = self._whole_layer_weights()
@@ -265,7 +257,7 @@ class _DecoderLayerForward:
         # The rotary tables carry no gradient (see _AttentionForward.forward).
         cos, sin = (t.detach() for t in position_embeddings)
         qk = (attn.q_norm.variance_epsilon, attn.k_norm.variance_epsilon) if attn._rpp_qk_norm else (0.0, 0.0)
-        eps = (self.input_layernorm.variance_epsilon, self.post_attention_layernorm.variance_epsilon, *qk)
+        eps = (self.input_layernorm.variance_epsilon, *qk, self.post_attention_layernorm.variance_epsilon)
         groups = attn.num_key_value_groups
         return DECODER_LAYER(
             hidden_states,
@@ -345,11 +337,11 @@ def is_fused(module: nn.Module) -> bool:
 
 
 def runs_whole_layer(layer: nn.Module) -> bool:
-    """Whether ``layer`` runs as the whole-layer op in RoundPipe's training calls (fused, the setting on,
-    plain projections, sdpa, no hooks): the activation estimate of such a layer differs from one run
-    module by module (``roundpipe.planning.memory_terms.decoder_layer_bytes``)."""
+    """Whether ``layer`` runs as the whole-layer op in RoundPipe's training calls (fused, plain
+    projections, sdpa, no hooks): the activation estimate of such a layer differs from one run module by
+    module (``roundpipe.planning.memory_terms.decoder_layer_bytes``)."""
     weights = getattr(layer, "_whole_layer_weights", None)
-    return is_fused(layer) and whole_layer_enabled() and callable(weights) and weights() is not None
+    return is_fused(layer) and callable(weights) and weights() is not None
 
 
 def _is_rms_norm(module: Any) -> bool:
@@ -448,6 +440,8 @@ __all__ = [
     "FusedKernels",
     "FusedOp",
     "OPS",
+    "POST_ATTENTION",
+    "PRE_ATTENTION",
     "QK_NORM_ROPE",
     "RMS_NORM",
     "ROPE",
@@ -457,7 +451,10 @@ __all__ = [
     "decoder_layer",
     "fuse_layer",
     "fused_base_classes",
+    "has_hooks",
     "is_fused",
+    "post_attention",
+    "pre_attention",
     "qk_norm_rope",
     "reset",
     "resolve",
@@ -466,5 +463,4 @@ __all__ = [
     "rope",
     "swiglu",
     "unfuse_layer",
-    "whole_layer_enabled",
 ]

@@ -55,7 +55,11 @@ def loss_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _transform_logits(z: torch.Tensor, logit_scale: float, softcap: Optional[float]) -> torch.Tensor:
+def _transform_logits(
+    z: torch.Tensor,  # [rows, vocab] fp32 (at least) logits
+    logit_scale: float,
+    softcap: Optional[float],
+) -> torch.Tensor:
     """Apply the model's logit scaling and final soft-capping (Gemma 2) to fp32 logits."""
     if logit_scale != 1.0:
         z = z * logit_scale
@@ -65,7 +69,9 @@ def _transform_logits(z: torch.Tensor, logit_scale: float, softcap: Optional[flo
 
 
 def _mask_rows(
-    h: torch.Tensor, target: torch.Tensor, ignore_index: int
+    h: torch.Tensor,  # [rows, hidden]
+    target: torch.Tensor,  # [rows] token ids
+    ignore_index: int,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One chunk's rows as ``(hidden, safe target, counted mask)``, without a host sync.
 
@@ -79,36 +85,23 @@ def _mask_rows(
 
 
 def _chunk_loss(
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    target: torch.Tensor,
-    valid: torch.Tensor,
+    h: torch.Tensor,  # [rows, hidden]
+    weight: torch.Tensor,  # [vocab, hidden]
+    bias: Optional[torch.Tensor],  # [vocab]
+    target: torch.Tensor,  # [rows] token ids (0 where not valid)
+    valid: torch.Tensor,  # [rows] bool: counted
     logit_scale: float,
     softcap: Optional[float],
-) -> torch.Tensor:
-    """Sum of the cross-entropy of the ``valid`` rows of one chunk; fp32 math (at least), as HF's loss."""
-    z = _transform_logits(F.linear(h, weight, bias).to(loss_dtype(h.dtype)), logit_scale, softcap)
-    lse = torch.logsumexp(z, dim=-1)
-    return torch.where(valid, lse - z.gather(1, target.unsqueeze(1)).squeeze(1), 0.0).sum()
-
-
-def _chunk_loss_and_dlogits(
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    target: torch.Tensor,
-    valid: torch.Tensor,
-    logit_scale: float,
-    softcap: Optional[float],
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Loss sum of the ``valid`` rows of one chunk and d(loss sum)/d(raw logits) in ``h``'s dtype.
-
-    The rows that are not ``valid`` contribute 0 to the loss and get all-zero dlogits.
-    """
+    dlogits: bool,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Sum of the cross-entropy of the ``valid`` rows of one chunk (fp32 math at least, as Hugging Face's
+    loss) and, with ``dlogits``, d(loss sum)/d(raw logits) ``[rows, vocab]`` in ``h``'s dtype (all-zero
+    rows where not ``valid``); without it, None."""
     z = _transform_logits(F.linear(h, weight, bias).to(loss_dtype(h.dtype)), logit_scale, softcap)
     lse = torch.logsumexp(z, dim=-1, keepdim=True)
     loss = torch.where(valid, lse.squeeze(1) - z.gather(1, target.unsqueeze(1)).squeeze(1), 0.0).sum()
+    if not dlogits:
+        return loss, None
     d = torch.exp(z - lse)
     d.scatter_add_(1, target.unsqueeze(1), torch.full_like(target, -1, dtype=d.dtype).unsqueeze(1))
     if softcap is not None:
@@ -150,10 +143,10 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: Optional[torch.Tensor],
-        target: torch.Tensor,
+        hidden: torch.Tensor,  # [N, H]
+        weight: torch.Tensor,  # [V, H]
+        bias: Optional[torch.Tensor],  # [V]
+        target: torch.Tensor,  # [N] token ids
         chunk_size: int,
         ignore_index: int,
         logit_scale: float,
@@ -161,7 +154,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         compile: Optional[bool],
     ) -> torch.Tensor:
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        chunk_fn = _maybe_compiled(_chunk_loss_and_dlogits, compile)
+        chunk_fn = _maybe_compiled(_chunk_loss, compile)
         loss = torch.zeros((), dtype=loss_dtype(hidden.dtype), device=hidden.device)
         # Every row of grad_h is written by its chunk (ignored rows get 0 @ weight = 0), so no zero fill.
         grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
@@ -170,7 +163,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_h_chunks = grad_h.split(chunk_size) if grad_h is not None else None
         for i, (h, t) in enumerate(zip(hidden.split(chunk_size), target.split(chunk_size))):
             h, t, valid = _mask_rows(h, t, ignore_index)
-            chunk_loss, d = chunk_fn(h, weight, bias, t, valid, logit_scale, softcap)
+            chunk_loss, d = chunk_fn(h, weight, bias, t, valid, logit_scale, softcap, True)
+            assert d is not None
             loss += chunk_loss
             if grad_h_chunks is not None:
                 torch.mm(d, weight.to(d.dtype), out=grad_h_chunks[i])
@@ -192,10 +186,10 @@ class LinearCrossEntropy(torch.autograd.Function):
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
+    hidden: torch.Tensor,  # [N, H]
+    weight: torch.Tensor,  # [V, H]
+    target: torch.Tensor,  # [N] token ids
+    bias: Optional[torch.Tensor] = None,  # [V]
     *,
     ignore_index: int = IGNORE_INDEX,
     chunk_size: Optional[int] = None,
@@ -229,14 +223,14 @@ def linear_cross_entropy(
     loss = torch.zeros((), dtype=loss_dtype(hidden.dtype), device=hidden.device)
     for h, t in zip(hidden.split(chunk_size), target.split(chunk_size)):
         h, t, valid = _mask_rows(h, t, ignore_index)
-        loss += chunk_fn(h, weight, bias, t, valid, logit_scale, softcap)
+        loss += chunk_fn(h, weight, bias, t, valid, logit_scale, softcap, False)[0]
     return loss
 
 
 def _module_chunk_loss(
-    head: nn.Module,
-    h: torch.Tensor,
-    target: torch.Tensor,
+    head: nn.Module,  # [rows, H] -> [rows, V]
+    h: torch.Tensor,  # [rows, H]
+    target: torch.Tensor,  # [rows] token ids
     ignore_index: int,
     logit_scale: float,
     softcap: Optional[float],
@@ -252,9 +246,9 @@ def _module_chunk_loss(
 
 
 def chunked_module_cross_entropy(
-    hidden: torch.Tensor,
-    head: nn.Module,
-    target: torch.Tensor,
+    hidden: torch.Tensor,  # [N, H]
+    head: nn.Module,  # [rows, H] -> [rows, V]
+    target: torch.Tensor,  # [N] token ids
     *,
     ignore_index: int = IGNORE_INDEX,
     chunk_size: int = 1024,
@@ -279,14 +273,17 @@ def chunked_module_cross_entropy(
     return loss
 
 
-def shift_causal_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+def shift_causal_labels(
+    labels: torch.Tensor,  # [..., T] token ids
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
     """Targets for next-token prediction: ``labels[:, 1:]`` padded with ``ignore_index`` at the end
     (the same shift as transformers' ``ForCausalLMLoss``)."""
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
 def check_label_range(
-    labels: Optional[torch.Tensor],
+    labels: Optional[torch.Tensor],  # [..., T] token ids
     vocab_size: int,
     ignore_index: int = IGNORE_INDEX,
     shifted: bool = False,
@@ -314,8 +311,8 @@ def check_label_range(
 
 
 def count_loss_tokens(
-    labels: Optional[torch.Tensor] = None,
-    shift_labels: Optional[torch.Tensor] = None,
+    labels: Optional[torch.Tensor] = None,  # [B, T] token ids
+    shift_labels: Optional[torch.Tensor] = None,  # [B, T] targets, already shifted
     ignore_index: int = IGNORE_INDEX,
 ) -> int:
     """Number of tokens a causal-LM loss counts for this batch: the normaliser of the batch mean."""
@@ -324,11 +321,11 @@ def count_loss_tokens(
 
 
 def causal_lm_loss(
-    hidden: torch.Tensor,
-    head: nn.Module,
-    labels: Optional[torch.Tensor] = None,
+    hidden: torch.Tensor,  # [B, T, H]
+    head: nn.Module,  # [rows, H] -> [rows, V]
+    labels: Optional[torch.Tensor] = None,  # [B, T] token ids
     *,
-    shift_labels: Optional[torch.Tensor] = None,
+    shift_labels: Optional[torch.Tensor] = None,  # [B, T] targets, already shifted
     ignore_index: int = IGNORE_INDEX,
     chunk_size: Optional[int] = None,
     logit_scale: float = 1.0,

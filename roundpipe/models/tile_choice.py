@@ -58,23 +58,6 @@ def _linear_like(module: Any) -> bool:
     return callable(get_base) and isinstance(get_base(), nn.Linear)
 
 
-def _has_hooks(layer: nn.Module) -> bool:
-    """Whether a forward or backward hook (global, or on the layer or a submodule) would run: it would
-    see tiles instead of the full sequence, or not run at all."""
-    from torch.nn.modules import module as module_mod
-
-    if (
-        module_mod._global_forward_hooks
-        or module_mod._global_forward_pre_hooks
-        or module_mod._global_backward_hooks
-        or module_mod._global_backward_pre_hooks
-    ):
-        return True
-    return any(
-        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in layer.modules()
-    )
-
-
 def tileable(layer: nn.Module) -> bool:
     """Whether ``layer`` (a decoder layer, possibly fused or PEFT-adapted) can run tiled."""
     if not _is(layer, "layer"):
@@ -96,7 +79,7 @@ def tileable(layer: nn.Module) -> bool:
         return False
     if hasattr(attn, "q_norm") and not (_is(attn.q_norm, "norm") and _is(attn.k_norm, "norm")):
         return False
-    return not _has_hooks(layer)
+    return not kernels.has_hooks(layer.modules())  # a hook would see tiles instead of the full sequence
 
 
 def rows_per_tile(batch: int, seq: int, tile_tokens: Optional[int] = None) -> int:

@@ -18,8 +18,9 @@ one tile at a time under grad, back-propagates it with the tile's slice of the o
 the tile's input gradient into a preallocated full-length gradient and sums the parameter gradients
 over tiles (returned to autograd like any input's). Per tile they call the Hugging Face submodules, so
 PEFT adapters, the fused kernels (:mod:`roundpipe.models.kernels`) and any activation function work;
-with fused kernels and plain projections each part is one compiled op instead
-(:data:`PRE_ATTENTION`, :data:`POST_ATTENTION`, as ``kernels.DECODER_LAYER`` is for a whole layer).
+with fused kernels and plain projections each part is one compiled op instead: the two halves of the
+fused decoder layer's math (``fused_ops.pre_attention`` and ``fused_ops.post_attention``, which
+``fused_ops.decoder_layer`` joins with attention for a whole untiled layer), applied per tile.
 
 RoundPipe recomputes a layer right before its backward (the forward pass keeps no graph), so the
 recompute avoids work the tiles would repeat:
@@ -46,11 +47,11 @@ import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from roundpipe.devices import backend
 from roundpipe.models import kernels
+from roundpipe.models.fused_ops import POST_ATTENTION, PRE_ATTENTION, post_attention, pre_attention
 from roundpipe.models.tile_choice import Tiles, rows_per_tile, tile_bounds, tileable
 from roundpipe.runtime import sequence
 from roundpipe.runtime.context import doing_recompute
@@ -73,85 +74,17 @@ def _dropout_active(modules: Sequence[nn.Module]) -> bool:
     return any(isinstance(d, _DROPOUTS) and d.training and d.p > 0 for m in modules for d in m.modules())
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Each part as one compiled op (fused kernels on, plain projections): what kernels.DECODER_LAYER is for
-# an untiled layer, one graph instead of a dozen module calls, residual adds fused into the norms
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _pre_math(
-    norm: Callable[..., torch.Tensor],
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    weights: Tuple[Any, ...],
-    eps: Tuple[float, float, float],
-    head_dim: int,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Input norm, q/k/v projections, q/k norms, rotary: ``q``, ``k``, ``v`` as ``[batch, seq, heads,
-    head_dim]`` (op for op as Hugging Face's layer)."""
-    ln1_w, q_w, k_w, v_w, qn_w, kn_w = weights
-    eps1, q_eps, k_eps = eps
-    b, s = x.shape[0], x.shape[1]
-    h = norm(x, ln1_w, eps1)
-    q = F.linear(h, q_w).view(b, s, -1, head_dim)
-    k = F.linear(h, k_w).view(b, s, -1, head_dim)
-    v = F.linear(h, v_w).view(b, s, -1, head_dim)
-    if qn_w is not None:
-        q, k = norm(q, qn_w, q_eps), norm(k, kn_w, k_eps)
-    q, k = kernels.rope(q, k, cos, sin)
-    return q.transpose(1, 2), k.transpose(1, 2), v
-
-
-def _post_math(
-    norm: Callable[..., torch.Tensor], x: torch.Tensor, a: torch.Tensor, weights: Tuple[torch.Tensor, ...], eps: float
-) -> torch.Tensor:
-    """``y = x + o_proj(a); y + down(silu(gate(norm(y))) * up(norm(y)))``."""
-    o_w, ln2_w, gate_w, up_w, down_w = weights
-    y = x + F.linear(a, o_w)
-    h = norm(y, ln2_w, eps)
-    return y + F.linear(kernels.swiglu(F.linear(h, gate_w), F.linear(h, up_w)), down_w)
-
-
-def pre_attention(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    weights: Tuple[Any, ...],
-    eps: Tuple[float, float, float],
-    head_dim: int,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_pre_math` with :func:`kernels.rms_norm_reference` (what gets compiled)."""
-    return _pre_math(kernels.rms_norm_reference, x, cos, sin, weights, eps, head_dim)
-
-
-def _pre_attention_eager(x, cos, sin, weights, eps, head_dim):  # type: ignore[no-untyped-def]
-    return _pre_math(kernels.rms_norm_eager, x, cos, sin, weights, eps, head_dim)
-
-
-def post_attention(x: torch.Tensor, a: torch.Tensor, weights: Tuple[torch.Tensor, ...], eps: float) -> torch.Tensor:
-    """:func:`_post_math` with :func:`kernels.rms_norm_reference` (what gets compiled)."""
-    return _post_math(kernels.rms_norm_reference, x, a, weights, eps)
-
-
-def _post_attention_eager(x, a, weights, eps):  # type: ignore[no-untyped-def]
-    return _post_math(kernels.rms_norm_eager, x, a, weights, eps)
-
-
-PRE_ATTENTION = kernels.FusedOp(pre_attention, _pre_attention_eager)
-POST_ATTENTION = kernels.FusedOp(post_attention, _post_attention_eager)
-
-
 def _plain(modules: Sequence[nn.Module]) -> bool:
     """Fused kernels on for these modules and every projection a bias-free ``nn.Linear`` (no adapter):
-    the compiled parts compute what the modules would."""
+    the compiled parts (:data:`PRE_ATTENTION`, :data:`POST_ATTENTION`, the decoder layer's own math
+    applied to one tile) compute what the modules would."""
     for m in modules:
         if isinstance(m, nn.Linear):
             if type(m) is not nn.Linear or m.bias is not None:
                 return False
         elif not kernels.is_fused(m):
             return False
-    return kernels.whole_layer_enabled()
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -36,22 +36,26 @@ def word_tokenizer() -> Any:
     return fast
 
 
-def make_local_model(path: str, tokenizer: Any, tie: bool = True) -> str:
+SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+HEADS = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+"""The local model's sizes (beyond :func:`roundpipe.models.configs.tiny_config`'s): two layers of width 64, two
+query heads of 32 sharing one key/value head."""
+
+
+def make_local_model(path: str, tokenizer: Any, tie: bool = True, positions: int = 128) -> str:
     """A tiny Qwen3 (random init, seed 0) and ``tokenizer`` saved to ``path``, as save_pretrained writes them."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
+
+    from roundpipe.models import configs
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(
+    cfg = configs.tiny_config(
+        "qwen3",
+        **SIZES,
+        **HEADS,
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=128,
+        max_position_embeddings=positions,
         tie_word_embeddings=tie,
-        use_cache=False,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )

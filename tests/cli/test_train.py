@@ -6,7 +6,7 @@ import csv
 import json
 import os
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
@@ -235,6 +235,22 @@ def assert_step_skipped(output_dir: str, skipped: int) -> None:
     assert all(torch.isfinite(t).all() for t in after.values())
 
 
+def run_skipping_nonfinite(output_dir: str) -> Tuple[Any, List[str]]:
+    """Four synchronous steps with ``on_nonfinite="skip"`` and a checkpoint after each: the run's result and
+    the lines it logged."""
+    logs: List[str] = []
+    cfg = config(
+        output_dir=output_dir,
+        steps=4,
+        batch_size=4,
+        on_nonfinite="skip",
+        async_step=False,
+        save_every=1,
+        keep_checkpoints=10,
+    )
+    return run(cfg, out=logs.append), logs
+
+
 def test_nonfinite_loss_stops_or_skips(tmp_path, capsys, monkeypatch) -> None:
     """A NaN loss stops the run with one line (before any step uses it), or with on_nonfinite=skip drops
     that step's gradients: no update, and training goes on."""
@@ -275,19 +291,7 @@ def test_nonfinite_loss_stops_or_skips(tmp_path, capsys, monkeypatch) -> None:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the loss is nan at step 3" in err[0], err
     poisoned["done"] = False
-    logs: List[str] = []
-    res = run(
-        config(
-            output_dir=str(tmp_path / "skip"),
-            steps=4,
-            batch_size=4,
-            on_nonfinite="skip",
-            async_step=False,
-            save_every=1,
-            keep_checkpoints=10,
-        ),
-        out=logs.append,
-    )
+    res, logs = run_skipping_nonfinite(str(tmp_path / "skip"))
     assert res.step == 4 and "roundpipe: step 3: loss is nan; its gradients were dropped (on_nonfinite=skip)" in logs
     assert_step_skipped(str(tmp_path / "skip"), 3)
 
@@ -339,20 +343,8 @@ def test_nonfinite_gradient_norm_stops_or_skips(tmp_path, capsys, monkeypatch) -
     assert resolve_checkpoint("latest", out).endswith("step-0000002")  # step 4's checkpoint was not written
     rows = {int(r["step"]): r for r in csv.DictReader(open(os.path.join(out, "metrics.csv")))}
     assert max(rows) <= 4 and all(float(r["loss"]) == float(r["loss"]) for r in rows.values())
-    logs: List[str] = []
     skip = str(tmp_path / "skip")
-    res = run(
-        config(
-            output_dir=skip,
-            steps=4,
-            batch_size=4,
-            on_nonfinite="skip",
-            async_step=False,
-            save_every=1,
-            keep_checkpoints=10,
-        ),
-        out=logs.append,
-    )
+    res, logs = run_skipping_nonfinite(skip)
     assert (
         res.step == 4
         and "roundpipe: step 3: gradient norm is nan; its gradients were dropped (on_nonfinite=skip)" in logs

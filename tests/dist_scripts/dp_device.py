@@ -50,12 +50,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dp_train as base  # noqa: E402  (models and batches of the host-reduction tests)
 import torch  # noqa: E402
+from common import finish  # noqa: E402
 from torch import nn  # noqa: E402
 
 import roundpipe  # noqa: E402
 from roundpipe import AutoRoundPipe, RoundPipe, RoundPipeRunConfig  # noqa: E402
 from roundpipe import distributed as rdist  # noqa: E402
 from roundpipe.devices import device as device_mod
+from roundpipe.models import configs
 from roundpipe.planning.plan import ModelExecutePlan  # noqa: E402
 
 
@@ -64,20 +66,8 @@ def build_qwen(hidden: int = 32, layers: int = 2, dtype: torch.dtype = torch.flo
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.Qwen3Config(
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden // 4,
-        vocab_size=base.VOCAB,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        initializer_range=0.1,
-        use_cache=False,
-        tie_word_embeddings=True,
-    )
+    sizes = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, head_dim=hidden // 4)
+    config = configs.tiny_config("qwen3", **sizes, vocab_size=base.VOCAB, tie_word_embeddings=True)
     return transformers.AutoModelForCausalLM.from_config(config).to(dtype)
 
 
@@ -399,11 +389,7 @@ def main() -> int:
             raise
         if rank == 0:
             print(f"scenario {name}: {json.dumps(results[name])}", flush=True)
-    if rank == 0 and args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f)
-    rdist.destroy()
-    return 0
+    return finish(rank, args.out, results)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import sys
 import time
@@ -39,7 +38,12 @@ from torch import nn
 import roundpipe
 from roundpipe import AutoRoundPipe, RoundPipe, RoundPipeRunConfig
 from roundpipe import distributed as rdist
+from roundpipe.models import configs
 from roundpipe.optim import thread as optim_thread
+
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
+from common import finish  # noqa: E402
+from helpers import with_lora  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -86,34 +90,13 @@ class HostScaled(nn.Module):
 
 
 def build_lora(adapter_seed: int) -> nn.Module:
-    import peft
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.Qwen3Config(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        initializer_range=0.1,
-        use_cache=False,
-        tie_word_embeddings=True,
-    )
+    config = configs.tiny_config("qwen3", num_hidden_layers=2, vocab_size=VOCAB, tie_word_embeddings=True)
     base = transformers.AutoModelForCausalLM.from_config(config).float()
     torch.manual_seed(adapter_seed)
-    model = peft.get_peft_model(
-        base, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
-    )
-    with torch.no_grad():  # PEFT starts B at zero: make every adapter gradient non-zero from step 1
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1)
-    return model
+    return with_lora(base, ["q_proj", "v_proj", "down_proj"])
 
 
 def mlp_batch(step: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -342,11 +325,7 @@ def main() -> int:
             result["c_moved"] = float(
                 (masters[f"{prefix}.c"] - build_mlp()[0].c.detach().to(masters[f"{prefix}.c"].dtype)).abs().max()
             )
-    if rank == 0 and args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f)
-    rdist.destroy()
-    return 0
+    return finish(rank, args.out, result)
 
 
 if __name__ == "__main__":

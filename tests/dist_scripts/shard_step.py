@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import sys
 import time
@@ -33,6 +32,7 @@ os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
 import torch
 import torch.distributed as dist
+from common import finish  # this folder: first on sys.path
 from torch import nn
 
 from roundpipe import RoundPipe, RoundPipeRunConfig
@@ -172,11 +172,7 @@ def main() -> int:
     result: Dict[str, Any] = {"ranks": ranks}
     if shard is not None:
         result["owned_here"], result["total_params"] = shard.owned_params, shard.total_params
-    if rank == 0 and args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f)
-    rdist.destroy()
-    return 0
+    return finish(rank, args.out, result)
 
 
 if __name__ == "__main__":
