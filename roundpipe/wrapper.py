@@ -49,24 +49,22 @@ def _subtree_has(module: nn.Module, skip_modules: Container[nn.Module]) -> bool:
     return any(_is_skipped(m, skip_modules) or isinstance(m, RoundPipeBase) for m in module.modules())
 
 
+@dataclasses.dataclass
 class _Wrapping:
     """The arguments of one ``wrap_model_recursive`` walk, shared by its recursion."""
 
-    def __init__(
-        self,
-        lower_threshold: int,
-        upper_threshold: int,
-        skip_modules: Container[nn.Module],
-        override_config: Dict[nn.Module, RoundPipeRunConfig],
-        model_run_config: RoundPipeRunConfig,
-        roundpipe_kwargs: Dict[str, Any],
-    ) -> None:
-        self.lower = lower_threshold
-        self.upper = upper_threshold
-        self.skip = skip_modules
-        self.override = override_config
-        self.config = model_run_config
-        self.kwargs = roundpipe_kwargs
+    lower: int
+    """``lower_threshold``: bytes below which a child stays where its parent runs (chain elements aside)."""
+    upper: int
+    """``upper_threshold``: modules up to this many bytes become one RoundPipe; larger ones are recursed into."""
+    skip: Container[nn.Module]
+    """Modules left untouched, neither wrapped nor recursed into."""
+    override: Dict[nn.Module, RoundPipeRunConfig]
+    """A run configuration of their own for these modules."""
+    config: RoundPipeRunConfig
+    """The run configuration of every other wrapped module."""
+    kwargs: Dict[str, Any]
+    """Passed on to each ``RoundPipe``."""
 
     def roundpipe(self, module: nn.Module, name: str) -> RoundPipe:
         config = self.override.get(module, self.config)

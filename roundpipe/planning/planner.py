@@ -35,6 +35,20 @@ from roundpipe.utils import GiB
 _REL_TOL = 1e-9
 
 
+@dataclass(frozen=True)
+class _Problem:
+    """One training call's planning problem, as ``plan_stages`` checked it: the per-layer costs and the caps."""
+
+    run_type: RunType
+    fwd_times: Sequence[float]
+    bwd_times: Sequence[float]
+    layer_bytes: Sequence[int]
+    min_stages: int
+    upper_threshold: float
+    mem_cap: float
+    """Device bytes of one stage's weights (half the weight budget: the prefetched stage is resident too)."""
+
+
 class PlanMemoryError(ValueError):
     """A single layer does not fit in the per-stage memory budget. ``plan_stages`` warns and raises the
     budget instead; kept for callers that catch it."""
@@ -174,48 +188,33 @@ def plan_stages(
     if run_type == "infer":
         return _partition(fwd_times, layer_bytes, min_stages, upper_threshold, mem_cap), []
 
+    problem = _Problem(run_type, fwd_times, bwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
     if activations is not None:
         _check_activations(activations, n)
-        plain = _plain_training_plan(run_type, fwd_times, bwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
+        plain = _plain_training_plan(problem)
         if fits_budgets(plain[1], activations, run_type == "fused", layer_bytes):
             return plain
-        return _plan_with_activations(
-            run_type, fwd_times, bwd_times, layer_bytes, min_stages, upper_threshold, mem_cap, activations
-        )
-    return _plain_training_plan(run_type, fwd_times, bwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
+        return _plan_with_activations(problem, activations)
+    return _plain_training_plan(problem)
 
 
-def _settled_forward(
-    run_type: RunType,
-    bwd_plan: List[range],
-    fwd_times: Sequence[float],
-    layer_bytes: Sequence[int],
-    min_stages: int,
-    upper_threshold: float,
-    mem_cap: float,
-) -> Optional[Tuple[List[range], List[range]]]:
+def _settled_forward(p: _Problem, bwd_plan: List[range]) -> Optional[Tuple[List[range], List[range]]]:
     """The plan, when its forward needs no cut in front of the fused group: a 'train' forward is cut by
     its own times; a 'fused' plan whose fused group starts at layer 0 has no forward groups. None: the
     forward groups of a 'fused' plan, which the caller cuts in front of its fused group."""
-    if run_type == "train":
-        return _partition(fwd_times, layer_bytes, min_stages, upper_threshold, mem_cap), bwd_plan
+    if p.run_type == "train":
+        return _partition(p.fwd_times, p.layer_bytes, p.min_stages, p.upper_threshold, p.mem_cap), bwd_plan
     if bwd_plan[-1].start == 0:
         return [], bwd_plan
     return None
 
 
-def _plain_training_plan(
-    run_type: RunType,
-    fwd_times: Sequence[float],
-    bwd_times: Sequence[float],
-    layer_bytes: Sequence[int],
-    min_stages: int,
-    upper_threshold: float,
-    mem_cap: float,
-) -> Tuple[List[range], List[range]]:
+def _plain_training_plan(p: _Problem) -> Tuple[List[range], List[range]]:
     """The time-balanced training plan under the weight cap (activations not budgeted)."""
+    fwd_times, bwd_times, layer_bytes = p.fwd_times, p.bwd_times, p.layer_bytes
+    min_stages, upper_threshold, mem_cap = p.min_stages, p.upper_threshold, p.mem_cap
     bwd_plan = _partition(bwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
-    settled = _settled_forward(run_type, bwd_plan, fwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
+    settled = _settled_forward(p, bwd_plan)
     if settled is not None:
         return settled
     # Fused: the forward pipeline is the forward groups plus the fused group, so the forward groups need
@@ -277,16 +276,7 @@ def _check_activations(a: ActivationCosts, n: int) -> None:
         raise ValueError(f"plan_stages: activation limits must be >= 0, got gpu {a.gpu_limit}, host {a.host_limit}")
 
 
-def _plan_with_activations(
-    run_type: RunType,
-    fwd_times: Sequence[float],
-    bwd_times: Sequence[float],
-    layer_bytes: Sequence[int],
-    min_stages: int,
-    upper_threshold: float,
-    mem_cap: float,
-    a: ActivationCosts,
-) -> Tuple[List[range], List[range]]:
+def _plan_with_activations(p: _Problem, a: ActivationCosts) -> Tuple[List[range], List[range]]:
     """``plan_stages`` for a training call whose activations are budgeted (see ``ActivationCosts``).
 
     The backward plan: the time-balanced plan when its stages fit the GPU budget and its checkpoints
@@ -295,7 +285,7 @@ def _plan_with_activations(
     one, whose input is handed over on the device (no checkpoint). The forward plan is cut as without
     activations (forward jobs keep no graph).
     """
-    n = len(fwd_times)
+    n = len(p.fwd_times)
     if any(a.peak[i] > a.gpu_limit for i in range(n)):
         worst = max(range(n), key=lambda i: a.peak[i])
         raise ActivationMemoryError(
@@ -304,12 +294,12 @@ def _plan_with_activations(
             a.peak[worst],
             0.0,
         )
-    bwd = _activation_partition(layer_bytes, mem_cap, a, n, run_type == "fused")
-    settled = _settled_forward(run_type, bwd, fwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
+    bwd = _activation_partition(p.layer_bytes, p.mem_cap, a, n, p.run_type == "fused")
+    settled = _settled_forward(p, bwd)
     if settled is not None:
         return settled
-    fused_start = bwd[-1].start
-    fwd = _partition(fwd_times[:fused_start], layer_bytes[:fused_start], min_stages - 1, upper_threshold, mem_cap)
+    start = bwd[-1].start
+    fwd = _partition(p.fwd_times[:start], p.layer_bytes[:start], p.min_stages - 1, p.upper_threshold, p.mem_cap)
     return fwd, bwd
 
 
