@@ -35,7 +35,7 @@ from roundpipe.distributed.errors import (
     run_collective,
 )
 from roundpipe.distributed.layer_slot import LayerBucket, LayerSlot, layer_buckets
-from roundpipe.distributed.reduction import ReduceOptions, StatsCounter
+from roundpipe.distributed.reduction import ReduceOptions, StatsCounter, group_ranks
 from roundpipe.distributed.sharding import (
     register_device_reduction,
     unregister_device_reduction,
@@ -198,9 +198,7 @@ class DeviceReduction:
         self.control = control
         self.backend = backend_name
         self.num_devices = num_devices
-        self.rank = dist.get_rank(control)
-        self.world_size = dist.get_world_size(control)
-        self.global_rank = dist.get_rank()
+        self.rank, self.world_size, self.global_rank = group_ranks(control)
         self.where = f"rank {self.global_rank}/{self.world_size}"
         self.default_weight = options.default_weight(self.world_size)
         self.agreement = PlanAgreement(control, max_layers)

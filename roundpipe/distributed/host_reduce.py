@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from roundpipe.distributed.errors import DataParallelError, collective_failure
-from roundpipe.distributed.reduction import ReduceOptions, StatsCounter
+from roundpipe.distributed.reduction import ReduceOptions, StatsCounter, group_ranks
 from roundpipe.roundpipe import RoundPipeBase
 from roundpipe.runtime.attribute import LayerAttribute
 
@@ -81,9 +81,7 @@ class HostReduction:
         self.group = group
         self.options = options
         self.counter = counter
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self.global_rank = dist.get_rank()
+        self.rank, self.world_size, self.global_rank = group_ranks(group)
         self.device: Optional["DeviceReduction"] = None  # attached by enable_data_parallel
         self._cursor = 0
         self._units: List[Tuple[LayerAttribute, List[nn.Parameter]]] = []

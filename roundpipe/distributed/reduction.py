@@ -7,11 +7,18 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Literal, Optional
+from typing import Any, Deque, Literal, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 ReduceOn = Literal["auto", "host", "device"]
+
+
+def group_ranks(group: Any) -> Tuple[int, int, int]:
+    """(this rank in ``group``, the group's size, this rank in the default group): what a reduction names
+    itself by in its errors and weights its share with."""
+    return dist.get_rank(group), dist.get_world_size(group), dist.get_rank()
 
 
 @dataclass(frozen=True)

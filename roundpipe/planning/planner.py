@@ -287,13 +287,7 @@ def _plan_with_activations(p: _Problem, a: ActivationCosts) -> Tuple[List[range]
     """
     n = len(p.fwd_times)
     if any(a.peak[i] > a.gpu_limit for i in range(n)):
-        worst = max(range(n), key=lambda i: a.peak[i])
-        raise ActivationMemoryError(
-            f"layer {worst} alone needs {a.peak[worst] / GiB:.1f} GiB of device memory for its activations; "
-            f"{a.gpu_limit / GiB:.1f} GiB are available",
-            a.peak[worst],
-            0.0,
-        )
+        raise _activation_error("a layer alone does not fit", a, n)
     bwd = _activation_partition(p.layer_bytes, p.mem_cap, a, n, p.run_type == "fused")
     settled = _settled_forward(p, bwd)
     if settled is not None:
@@ -301,6 +295,17 @@ def _plan_with_activations(p: _Problem, a: ActivationCosts) -> Tuple[List[range]
     start = bwd[-1].start
     fwd = _partition(p.fwd_times[:start], p.layer_bytes[:start], p.min_stages - 1, p.upper_threshold, p.mem_cap)
     return fwd, bwd
+
+
+def _activation_error(what: str, a: ActivationCosts, n: int) -> ActivationMemoryError:
+    """The error of a plan whose stages cannot hold their activations, naming the layer that needs the most."""
+    worst = max(range(n), key=lambda i: a.peak[i])
+    return ActivationMemoryError(
+        f"{what} in {a.gpu_limit / GiB:.1f} GiB of device memory for activations "
+        f"(layer {worst} needs {a.peak[worst] / GiB:.1f} GiB alone)",
+        a.peak[worst],
+        0.0,
+    )
 
 
 def _activation_partition(
@@ -327,13 +332,7 @@ def _activation_partition(
                 break  # longer groups ending at j only grow
             starts[j].append(i)
     if not starts[n] or any(not starts[j] for j in range(1, n + 1)):
-        worst_layer = max(range(n), key=lambda i: a.peak[i])
-        raise ActivationMemoryError(
-            f"no backward stage plan fits {a.gpu_limit / GiB:.1f} GiB of device memory for activations "
-            f"(layer {worst_layer} needs {a.peak[worst_layer] / GiB:.1f} GiB)",
-            a.peak[worst_layer],
-            0.0,
-        )
+        raise _activation_error("no backward stage plan fits", a, n)
 
     def add(i: int, j: int) -> float:
         return 0.0 if i == 0 or (j == n and last_free) else float(a.checkpoint[i])
