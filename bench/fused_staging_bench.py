@@ -1,4 +1,4 @@
-"""The host Adam pass with and without its fused bf16 write (``RPP_FUSED_STAGING``), against the pass plus a
+"""The host Adam pass with and without its fused bf16 write (``RPP_DEBUG_FUSED_STAGING``), against the pass plus a
 separate staging copy (what an undeclared step function gets), on this machine's CPU.
 
 The C++ kernel (``roundpipe/optim/csrc/adam.cpp``) steps fp32 masters from bf16 gradients. Fused, each work

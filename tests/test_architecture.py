@@ -264,19 +264,23 @@ def test_the_planning_layer_imports_no_optimizer_model_cli_or_wrapper() -> None:
 
 def test_the_runtime_layer_reaches_the_optimizer_only_where_listed() -> None:
     """The runtime imports nothing of the presets, the CLI, data parallel, the integrations or the wrapper
-    above it. Of ``roundpipe.optim`` it may use the package's face; the known exceptions, where the runtime
-    and the optimizer thread share a protocol, name the optimizer internals they use: the host buffers
-    hand gradients to the optimizer thread (``optim.thread``), and the step cycle drives the step
-    (``optim.step``) and the host room reserved for optimizer state (``optim.reserve``)."""
+    above it. Of ``roundpipe.optim`` it may use the package's face only: the optimizer thread and the step
+    protocol it shares with the runtime are the host layer's (``roundpipe.host``)."""
     crossings = _crossings("roundpipe.runtime")
     forbidden = UPPER[1:] + TOP[:2]
     assert not [c for c in crossings if any(_under(c[1], f) for f in forbidden)], sorted(crossings)
     optim_internals = {c for c in crossings if _under(c[1], "roundpipe.optim") and c[1] != "roundpipe.optim"}
-    assert optim_internals <= {
-        ("roundpipe.runtime.host_buffers", "roundpipe.optim.thread"),
-        ("roundpipe.runtime.step_cycle", "roundpipe.optim.reserve"),
-        ("roundpipe.runtime.step_cycle", "roundpipe.optim.step"),
-    }, sorted(optim_internals)
+    assert not optim_internals, sorted(optim_internals)
+
+
+def test_the_host_layer_imports_only_settings_helpers_and_devices() -> None:
+    """``roundpipe.host`` (host buffers, events, the optimizer thread, the step protocol and cycle) imports
+    from the rest of the package only the settings, the small helpers and the device layer."""
+    init = ast.parse(MODULES["roundpipe.host"].read_text())
+    assert ast.get_docstring(init) and not [n for n in ast.walk(init) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    allowed = ("roundpipe.settings", "roundpipe.setting_parsers", "roundpipe.utils", "roundpipe.flavors")
+    outside = {dst for _, dst in _crossings("roundpipe.host")}
+    assert not [d for d in outside if d not in allowed and not _under(d, "roundpipe.devices")], sorted(outside)
 
 
 def test_the_folder_rules_see_crossings() -> None:

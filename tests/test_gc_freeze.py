@@ -1,4 +1,4 @@
-"""The garbage collector at a model's first step (``RPP_GC_FREEZE``, ``roundpipe.runtime.step_cycle``): once per
+"""The garbage collector at a model's first step (``RPP_GC_FREEZE``, ``roundpipe.host.step_cycle``): once per
 process, garbage collected first, then every survivor frozen (off unless asked for)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import List
 import pytest
 
 from roundpipe import settings
-from roundpipe.runtime import step_cycle
+from roundpipe.host import step_cycle
 from tests.helpers import ROOT
 
 

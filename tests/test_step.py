@@ -12,7 +12,8 @@ from helpers import rel_err
 from torch import nn
 
 from roundpipe import AutoRoundPipe, RoundPipe, RoundPipeRunConfig
-from roundpipe.runtime.context import OptimizerCtx
+from roundpipe.host.step import OptimizerCtx
+from roundpipe.host.step_mode import StepMode
 
 
 def make_model() -> nn.Sequential:
@@ -99,26 +100,18 @@ def _mixed_schedule_losses(model: nn.Module) -> List[float]:
     rp.synchronize()
     # The host buffers of a parameter rotate without piling up across the schedule: the model
     # buffer, the staging buffer and one spare (the last model buffer, or the copied gradient).
-    from roundpipe.runtime.host_buffers import ParamBuffers
+    from roundpipe.host.buffers import ParamBuffers
 
     assert all(len(ParamBuffers.of(p).host_buffers(p)) <= 3 for p in model.parameters())
     return losses + [p.detach().double().sum().item() for p in model.parameters()]
 
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:3"], indirect=True)
-def test_staged_parameters_equal_copying_at_the_next_step(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Asynchronous steps stage the updated parameters for the next step (RPP_STAGE_PARAMS, default
-    on) instead of copying them when it starts: every iteration sees exactly the same parameters,
-    including around synchronize(), synchronous steps and edits of the optimizer parameters."""
-    monkeypatch.setenv("RPP_STAGE_PARAMS", "0")
-    copying = _mixed_schedule_losses(make_model())
-    monkeypatch.setenv("RPP_STAGE_PARAMS", "1")
-    monkeypatch.setenv("RPP_GRAD_INTO_MODEL", "0")
-    assert _mixed_schedule_losses(make_model()) == copying
-    monkeypatch.setenv("RPP_GRAD_INTO_MODEL", "1")  # downloads into the weights' buffers
-    model = make_model()
-    staged = _mixed_schedule_losses(model)
-    assert staged == copying
+def test_staged_parameters_follow_the_one_step_stale_rule(workers: str) -> None:
+    """Asynchronous steps stage the updated parameters for the next step: a schedule mixing them with
+    synchronize(), synchronous steps and edits of the optimizer parameters runs the same twice without
+    piling up host buffers, and pure asynchronous iterations follow the one-step-stale reference."""
+    assert _mixed_schedule_losses(make_model()) == _mixed_schedule_losses(make_model())
     # Pure asynchronous iterations follow the one-step-stale reference loss by loss.
     rp = RoundPipe(make_model(), model_run_config=RoundPipeRunConfig(num_microbatch=3))
     opt = torch.optim.SGD(rp.optim_parameters(), lr=0.1, momentum=0.9)
@@ -140,10 +133,10 @@ def test_staged_parameters_equal_copying_at_the_next_step(workers: str, monkeypa
 
 
 @pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
-def test_stage_params_env_is_checked(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fused_staging_env_is_checked(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A bad value fails when the model is built, naming the variable (not at some later step)."""
-    monkeypatch.setenv("RPP_STAGE_PARAMS", "maybe")
-    with pytest.raises(ValueError, match="RPP_STAGE_PARAMS='maybe': expected"):
+    monkeypatch.setenv("RPP_DEBUG_FUSED_STAGING", "maybe")
+    with pytest.raises(ValueError, match="RPP_DEBUG_FUSED_STAGING='maybe': expected"):
         RoundPipe(make_model())
 
 
@@ -230,8 +223,8 @@ def test_tied_gradient_shares_are_summed_on_the_device(
     not even downloaded, on two they are and the owner's download adds them in. Either way the main
     thread finds one share left to fold; where owner and sharer run in one job it still adds them.
     Gradients equal plain PyTorch, across calls (accumulation) and steps."""
+    from roundpipe.host.buffers import ParamBuffers
     from roundpipe.planning.plan import ModelExecutePlan
-    from roundpipe.runtime.host_buffers import ParamBuffers
 
     torch.manual_seed(5)
     emb, mid, head = (nn.Linear(5, 5, bias=False) for _ in range(3))
@@ -315,8 +308,8 @@ def test_spare_buffers_serve_pinned_requests_only_with_pinned_memory(monkeypatch
     """ParamBuffers spares: a pageable spare (pin_model='off' model buffer) serves staging of a
     pageable parameter but is dropped, not returned, when a pinned download buffer is asked for."""
     from roundpipe.devices import backend
-    from roundpipe.runtime.attribute import ParamAttribute
-    from roundpipe.runtime.host_buffers import ParamBuffers
+    from roundpipe.host.attribute import ParamAttribute
+    from roundpipe.host.buffers import ParamBuffers
 
     monkeypatch.setattr(backend, "pin_enabled", lambda: True)
     attr = ParamBuffers(ParamAttribute())
@@ -406,21 +399,17 @@ def test_host_buffers_rotate_and_one_gradient_buffer_waits(workers: str, monkeyp
     """A bf16 model with fp32 masters and roundpipe.optim.Adam, a slow asynchronous step (the next
     backward's downloads arrive while it still reads the gradient buffers it was handed):
 
-    - default: the host buffers of a parameter rotate (download target, optimizer .grad, staging,
-      model), three copies per parameter instead of four;
-    - RPP_STAGE_PARAMS=0: the download takes a second gradient buffer instead (three again);
-    - RPP_STAGE_PARAMS=0 RPP_GRAD_BUFFERS=1: the download waits for the optimizer, two copies;
-    - a step that keeps its gradients (no zero_grad) still gets its own buffers.
-    Every variant trains exactly the same parameters."""
+    - staged (the default): downloads take the weights' buffer once a step has staged ahead, two copies
+      per parameter (tests/test_grad_into_weights.py has the details);
+    - streamed: the download waits for the optimizer to release its one gradient buffer, two copies;
+    - a streamed step that keeps its gradients (no zero_grad) still gets its own buffers."""
     import time
 
+    from roundpipe.host.buffers import ParamBuffers
     from roundpipe.optim import Adam
-    from roundpipe.runtime.host_buffers import ParamBuffers
 
-    def run(stage: str, buffers: str, zero_grad: bool = True, into: str = "0") -> tuple:
-        monkeypatch.setenv("RPP_STAGE_PARAMS", stage)
-        monkeypatch.setenv("RPP_GRAD_BUFFERS", buffers)
-        monkeypatch.setenv("RPP_GRAD_INTO_MODEL", into)
+    def run(mode: str, zero_grad: bool = True) -> tuple:
+        monkeypatch.setenv("RPP_STEP_MODE", mode)
         model = make_model().to(torch.bfloat16)
         rp = RoundPipe(model, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2))
         opt = Adam(rp.optim_parameters(), lr=1e-2)
@@ -438,29 +427,14 @@ def test_host_buffers_rotate_and_one_gradient_buffer_waits(workers: str, monkeyp
             most = max([most] + [len(ParamBuffers.of(p).host_buffers(p)) for p in model.parameters()])
         rp.synchronize()
         counts = {len(ParamBuffers.of(p).host_buffers(p)) for p in model.parameters()}
-        return [p.detach().clone() for p in rp.optim_parameters()], max(most, *counts), counts
+        return max(most, *counts), counts
 
-    rotated, most, counts = run("1", "2")
-    assert most == 3 and counts == {3}, (most, counts)
-    copied, most, counts = run("0", "2")
-    assert most == 3 and counts <= {2, 3}, (most, counts)
-    single, most, counts = run("0", "1")
+    most, counts = run("staged")
     assert most == 2 and counts == {2}, (most, counts)
-    # RPP_GRAD_INTO_MODEL (the default): downloads take the weights' buffer once a step has staged ahead,
-    # two copies (tests/test_grad_into_weights.py has the details)
-    moved, most, counts = run("1", "2", into="1")
+    most, counts = run("streamed")
     assert most == 2 and counts == {2}, (most, counts)
-    for a, b, c, d in zip(rotated, copied, single, moved):
-        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
-    _, kept, _ = run("0", "1", zero_grad=False)
+    kept, _ = run("streamed", zero_grad=False)
     assert kept > 2  # no release to wait for: it took another buffer (and did not hang)
-
-
-@pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
-def test_grad_buffers_env_is_checked(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RPP_GRAD_BUFFERS", "3")
-    with pytest.raises(ValueError, match="RPP_GRAD_BUFFERS='3'"):
-        RoundPipe(make_model())
 
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
@@ -469,8 +443,8 @@ def test_bf16_gradients_are_handed_to_roundpipe_adam_without_a_copy(workers: str
     """bf16 model, fp32 masters: roundpipe.optim.Adam reads the bf16 host gradient buffers as its .grad
     (no fp32 gradient copy); the run equals the copying path (torch.optim.Adam gets fp32 gradients) and
     each layer keeps at most two gradient buffers, alternating while the asynchronous step reads one."""
+    from roundpipe.host.buffers import ParamBuffers
     from roundpipe.optim import Adam
-    from roundpipe.runtime.host_buffers import ParamBuffers
 
     def run(opt_cls: type, accumulate: bool) -> List[torch.Tensor]:
         model = make_model().to(torch.bfloat16)
@@ -513,7 +487,7 @@ def test_one_process_leaves_cores_to_its_issuing_threads(monkeypatch: pytest.Mon
     runs; RPP_OPTIM_THREADS wins."""
     import threading
 
-    from roundpipe.optim import thread as optim_thread
+    from roundpipe.host import optim_thread
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
@@ -568,7 +542,7 @@ def test_the_optimizer_thread_takes_its_count_again_for_a_new_pool(monkeypatch: 
     (a benchmark that ran 1 GPU first kept 60 of 64 cores for the step on 4 GPUs, against 12)."""
     import roundpipe
     from roundpipe import settings
-    from roundpipe.optim import thread as optim_thread
+    from roundpipe.host import optim_thread
 
     chosen: list = []
     optim_thread.synchronize()  # the thread has started and set its count (earlier tests, or now)
@@ -600,7 +574,7 @@ def test_ranks_sharing_a_host_give_the_optimizer_a_share_of_the_cores(monkeypatc
     RPP_OPTIM_THREADS says otherwise (a count the user chose is kept)."""
     import os
 
-    from roundpipe.optim import thread as optim_thread
+    from roundpipe.host import optim_thread
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
@@ -641,14 +615,12 @@ def _bf16_async_training(step: bool = True) -> Tuple[RoundPipe, Callable[[torch.
     return rp, train
 
 
-def _record_host_allocations(stage: str, monkeypatch: pytest.MonkeyPatch) -> list:
-    """Set the buffer mode (``stage``: "1" staged steps, two buffers; "0" no staging; "rotate": staged
-    with three buffers, ``RPP_GRAD_INTO_MODEL=0``) and record the shape of every host buffer the
-    runtime's download and step paths allocate from now on."""
-    from roundpipe.runtime import host_buffers
+def _record_host_allocations(mode: str, monkeypatch: pytest.MonkeyPatch) -> list:
+    """Set the step mode (``RPP_STEP_MODE``) and record the shape of every host buffer the runtime's
+    download and step paths allocate from now on."""
+    from roundpipe.host import buffers as host_buffers
 
-    monkeypatch.setenv("RPP_STAGE_PARAMS", "0" if stage == "0" else "1")
-    monkeypatch.setenv("RPP_GRAD_INTO_MODEL", "0" if stage == "rotate" else "1")
+    monkeypatch.setenv("RPP_STEP_MODE", mode)
     allocations: list = []
     for mod in (host_buffers,):
         real = mod.pinned_empty
@@ -659,20 +631,19 @@ def _record_host_allocations(stage: str, monkeypatch: pytest.MonkeyPatch) -> lis
 
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
-@pytest.mark.parametrize("stage", ["1", "0", "rotate"])
+@pytest.mark.parametrize("mode", ["staged", "streamed"])
 def test_host_buffers_exist_before_the_second_iteration(
-    workers: str, stage: str, monkeypatch: pytest.MonkeyPatch
+    workers: str, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The buffers the first steps rotate through are allocated in the background from the first
     training call on: once that is done, no later iteration or step allocates a host buffer (the first
-    iterations after warm-up run at the steady pace), and training is unchanged. ('rotate': staged
-    steps with three buffers, ``RPP_GRAD_INTO_MODEL=0``.)"""
-    allocations = _record_host_allocations(stage, monkeypatch)
+    iterations after warm-up run at the steady pace), and training is unchanged."""
+    allocations = _record_host_allocations(mode, monkeypatch)
     rp, train = _bf16_async_training()
     data = batches(5)
 
     train(*data[0])
-    assert rp.__dict__["host_buffers"].thread is None  # the first step waited for it
+    assert rp.cycle.prep.thread is None  # the first step waited for it
     rp.synchronize()
     allocations.clear()
     for x, y in data[1:]:
@@ -684,32 +655,32 @@ def test_host_buffers_exist_before_the_second_iteration(
 @pytest.mark.parametrize(
     "workers,plan_kind", [("cpu:1", "layerwise"), ("cpu:2", "layerwise"), ("cpu:2", "one-group")], indirect=["workers"]
 )
-@pytest.mark.parametrize("stage", ["1", "0", "rotate"])
+@pytest.mark.parametrize("mode", ["staged", "streamed"])
 def test_a_tied_weights_buffers_come_from_the_background_builder(
-    workers: str, plan_kind: str, stage: str, monkeypatch: pytest.MonkeyPatch
+    workers: str, plan_kind: str, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A tied weight's gradient buffers are built in the background too: with the builder done before
     the first backward, neither the first call, nor the first step (which runs beside the next
     iteration: pinning there held the driver's lock for 0.3 s of it on a GPU), nor a later iteration
     allocates a host buffer; the results are bit-identical to a run whose buffers are all allocated
-    where they are first needed (no builder). With the default buffers (``stage`` 1) the tied weight
+    where they are first needed (no builder). In the default step mode (staged) the tied weight
     has two host copies in the model dtype, as any weight, plus one per other layer sharing it that
     downloads its own share (several devices, or owner and sharer in one stage: the builder foresees
     the first only, so that case on one device is not run here)."""
     import threading
 
+    from roundpipe.host import step_cycle
+    from roundpipe.host.attribute import ParamAttribute
+    from roundpipe.host.buffers import ParamBuffers
     from roundpipe.optim import Adam
     from roundpipe.planning.plan import ModelExecutePlan
-    from roundpipe.runtime import step_cycle
-    from roundpipe.runtime.attribute import ParamAttribute
-    from roundpipe.runtime.host_buffers import ParamBuffers
 
-    allocations = _record_host_allocations(stage, monkeypatch)
+    allocations = _record_host_allocations(mode, monkeypatch)
     build = step_cycle.preallocate_host_buffers
 
     def run(builder: bool) -> Tuple[List[torch.Tensor], int]:
-        def prealloc(params: list, name: str) -> threading.Thread:
-            t = build(params, name) if builder else threading.Thread(target=lambda: None)
+        def prealloc(params: list, name: str, step_mode: StepMode) -> threading.Thread:
+            t = build(params, name, step_mode) if builder else threading.Thread(target=lambda: None)
             if not builder:
                 t.start()
             t.join()  # done before the first backward
@@ -746,7 +717,7 @@ def test_a_tied_weights_buffers_come_from_the_background_builder(
     assert allocations  # the buffers were allocated on the way (the tied weight's among them)
     with_builder, copies = run(builder=True)
     assert allocations == []
-    if stage == "1":
+    if mode == "staged":
         assert copies == (2 if workers == "cpu:1" else 3)
     for a, b in zip(with_builder, without):
         assert torch.equal(a, b)
@@ -763,8 +734,8 @@ def test_the_first_step_waits_for_the_host_buffers_and_the_optimizer_state(
     gradients do not wait."""
     import threading
 
-    from roundpipe.optim import reserve
-    from roundpipe.runtime import step_cycle
+    from roundpipe.host import state_reserve as reserve
+    from roundpipe.host import step_cycle
 
     release = threading.Event()
     real = step_cycle.preallocate_host_buffers
@@ -772,10 +743,10 @@ def test_the_first_step_waits_for_the_host_buffers_and_the_optimizer_state(
     real_wait = reserve.wait_for
     monkeypatch.setattr(reserve, "wait_for", lambda params: (waited.append(len(list(params))), real_wait(params))[1])
 
-    def slow(params: list, name: str) -> threading.Thread:
+    def slow(params: list, name: str, mode: StepMode) -> threading.Thread:
         def run() -> None:
             release.wait(30)
-            real(params, name).join()
+            real(params, name, mode).join()
 
         t = threading.Thread(target=run, daemon=True)
         t.start()
@@ -787,7 +758,7 @@ def test_the_first_step_waits_for_the_host_buffers_and_the_optimizer_state(
     data = batches(2)
 
     train(*data[0])
-    prep = rp.__dict__["host_buffers"]
+    prep = rp.cycle.prep
     thread = prep.thread
     assert thread.is_alive()
     with torch.no_grad():

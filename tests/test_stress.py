@@ -113,7 +113,7 @@ def test_split_fused_job_under_stress(
 
 @pytest.mark.parametrize("workers, microbatches", [(2, 2), (3, 4)])
 def test_fused_staging_under_stress(workers: int, microbatches: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """RPP_FUSED_STAGING: the optimizer writes the staging buffers while downloads of the next call may move
+    """RPP_DEBUG_FUSED_STAGING: the optimizer writes the staging buffers while downloads of the next call may move
     them into the weights; under random delays every loss and weight still equals the staging pass."""
     import test_fused_staging
 

@@ -39,7 +39,7 @@ from torch import nn
 import roundpipe
 from roundpipe import AutoRoundPipe, RoundPipe, RoundPipeRunConfig
 from roundpipe import distributed as rdist
-from roundpipe.optim import thread as optim_thread
+from roundpipe.host import optim_thread
 
 torch.set_num_threads(1)
 
