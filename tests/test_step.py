@@ -13,7 +13,6 @@ from torch import nn
 
 from roundpipe import AutoRoundPipe, RoundPipe, RoundPipeRunConfig
 from roundpipe.host.step import OptimizerCtx
-from roundpipe.host.step_mode import StepMode
 
 
 def make_model() -> nn.Sequential:
@@ -679,8 +678,8 @@ def test_a_tied_weights_buffers_come_from_the_background_builder(
     build = step_cycle.preallocate_host_buffers
 
     def run(builder: bool) -> Tuple[List[torch.Tensor], int]:
-        def prealloc(params: list, name: str, step_mode: StepMode) -> threading.Thread:
-            t = build(params, name, step_mode) if builder else threading.Thread(target=lambda: None)
+        def prealloc(params: list, name: str) -> threading.Thread:
+            t = build(params, name) if builder else threading.Thread(target=lambda: None)
             if not builder:
                 t.start()
             t.join()  # done before the first backward
@@ -743,10 +742,10 @@ def test_the_first_step_waits_for_the_host_buffers_and_the_optimizer_state(
     real_wait = reserve.wait_for
     monkeypatch.setattr(reserve, "wait_for", lambda params: (waited.append(len(list(params))), real_wait(params))[1])
 
-    def slow(params: list, name: str, mode: StepMode) -> threading.Thread:
+    def slow(params: list, name: str) -> threading.Thread:
         def run() -> None:
             release.wait(30)
-            real(params, name, mode).join()
+            real(params, name).join()
 
         t = threading.Thread(target=run, daemon=True)
         t.start()

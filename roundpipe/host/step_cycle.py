@@ -55,20 +55,17 @@ from roundpipe.host.protocol import HostModel
 from roundpipe.host.step_mode import StepMode
 
 
-def preallocate_host_buffers(params: Sequence[nn.Parameter], name: str, mode: StepMode) -> threading.Thread:
-    """Allocate, in a background thread, per trainable parameter the spares that the first gradient downloads take
-    (``mode.spares_ahead``; one when the first call's downloads may take the weights' buffers, staged mode),
-    pinned and faulted in. A shared (tied)
-    parameter's owner layer rotates its buffers like any parameter; on several devices each other layer sharing it
-    downloads its own share (``host_buffers``): one spare more per such layer. (A tied embedding's buffers are a
-    model's largest: pinning one in the first step held the driver's lock for 0.3 s of the next iteration on
-    qwen3-1.7b.) A buffer the download needs before the thread reaches its parameter is allocated there as before
-    (an extra spare is trimmed after the step; with downloads into the weights none is made for a parameter whose
-    download came first); a failure to pin is left to that path, which reports it with advice. Not foreseen: a
-    sharer in its owner's stage on one device, and data parallel reducing on the devices (both download every
-    share): those buffers come in the first call."""
-    into_weights = mode.staged
-    want = 1 if into_weights else mode.spares_ahead
+def preallocate_host_buffers(params: Sequence[nn.Parameter], name: str) -> threading.Thread:
+    """Allocate, in a background thread, per trainable parameter the spare that its first gradient download
+    takes, pinned and faulted in: later downloads take the weights' buffer (staged mode) or the buffer the step
+    releases (streamed mode). A shared (tied) parameter's owner layer rotates its buffers like any parameter;
+    on several devices each other layer sharing it downloads its own share (``buffers``): one spare more per
+    such layer. (A tied embedding's buffers are a model's largest: pinning one in the first step held the
+    driver's lock for 0.3 s of the next iteration on qwen3-1.7b.) A buffer the download needs before the
+    thread reaches its parameter is allocated there (none is made here then for an unshared parameter); a
+    failure to pin is left to that path, which reports it with advice. Not foreseen: a sharer in its owner's
+    stage on one device, and data parallel reducing on the devices (both download every share): those
+    buffers come in the first call."""
     one_device = device_mod.get_num_devices() == 1  # a tied weight's shares are summed on the device then
 
     def run() -> None:
@@ -76,10 +73,10 @@ def preallocate_host_buffers(params: Sequence[nn.Parameter], name: str, mode: St
             if _exiting.is_set():
                 return
             attr, bufs = ParamAttribute.get(p), ParamBuffers.of(p)
-            if not p.requires_grad or (into_weights and p.grad is not None and not attr.shared):
+            if not p.requires_grad or (p.grad is not None and not attr.shared):
                 continue  # (a download that came first took a buffer of its own: one more would be surplus)
             sharers = 0 if one_device or not attr.shared else len(attr.layer_ids) - 1
-            for _ in range(bufs.spares_to_build(p, want, sharers)):
+            for _ in range(bufs.spares_to_build(p, 1, sharers)):
                 try:
                     buf = pinned_empty(p.shape, p.dtype)
                 except RuntimeError:
@@ -140,7 +137,7 @@ class HostBufferPrep:
         self.thread: Optional[threading.Thread] = None  # the builder, until ``finish`` joined it
         self._optim_params: List[nn.Parameter] = []
 
-    def start(self, params: Sequence[nn.Parameter], name: str, mode: StepMode) -> None:
+    def start(self, params: Sequence[nn.Parameter], name: str) -> None:
         """Start building for ``params`` (the model's parameters whose optimizer copies exist), once."""
         if self.started:
             return
@@ -149,7 +146,7 @@ class HostBufferPrep:
         state_reserve.start_for(self._optim_params)
         if params:
             self.started = True
-            self.thread = preallocate_host_buffers(params, name, mode)
+            self.thread = preallocate_host_buffers(params, name)
 
     def finish(self) -> None:
         """Wait for the builder and the optimizers' state reserves (once; later calls return at once)."""
@@ -240,7 +237,7 @@ def begin_call(model: CycledModel, train: bool) -> bool:
             prep.finish()
         else:
             params = [p for _, ps in model.optim_units() for p in ps if ParamAttribute.get(p).optim is not None]
-            prep.start(params, model.name, model.step_mode)
+            prep.start(params, model.name)
     into_weights, resync = model.cycle.begin_call(train)
     if resync:
         host_step.settle_params(model.optim_units(), model.step_mode)

@@ -39,13 +39,6 @@ class StepMode:
         return not self.streamed
 
     @property
-    def spares_ahead(self) -> int:
-        """Spare buffers per trainable parameter built before the first downloads (``step_cycle``) when
-        those downloads may not take the weights' buffers: staged, the download target and the buffer a
-        step stages into; streamed, none (a download waits for the buffer the step releases)."""
-        return 0 if self.streamed else 2
-
-    @property
     def host_buffers_besides_weights(self) -> int:
         """Model-dtype host buffers per trainable parameter besides its weights in the steady state of one
         training call per step (what the estimate counts): staged, the gradient download that the step then
