@@ -231,7 +231,7 @@ class RoundPipeBase(nn.Module):
         ``RPP_STEP_MODE=streamed``: ``is_async=True`` returns at once too, but nothing is stale: each
         layer goes to the next forward as soon as the optimizer has stepped it (layer by layer with
         ``roundpipe.optim.Adam``, after ``step_fn`` with other optimizers), so results equal
-        ``is_async=False``, with one host copy of the weights fewer (``roundpipe.host.step``).
+        ``is_async=False``, two host copies of the weights also with accumulation (``roundpipe.host.step``).
         """
         raise_if_failed(f"model {self.name!r} optimizer step")
         self._finish_host_buffers()

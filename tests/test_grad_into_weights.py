@@ -260,9 +260,9 @@ def test_a_shared_gradient_accumulated_over_two_calls_counts_each_call_once(
     """Two training calls per step and a tied weight: the second call continues the shared parameter's
     running gradient in the buffer its upload was seeded from. Here the step in flight holds its own
     gradient buffer through the first call of the next cycle and releases it before the second (a
-    gate in its step function): the second call's download used to take that released buffer, and the
-    fold then added the first call's share twice (a data-parallel run showed it as a wrong gradient in
-    about 1 run of 10). The result must equal the run whose step ends before the next cycle starts."""
+    gate in its step function): were the second call's download to take that released buffer, the fold
+    would add the first call's share twice. The result must equal the run whose step ends before the next
+    cycle starts."""
     import threading
 
     def run(gated: bool) -> Tuple[List[torch.Tensor], bool]:

@@ -16,15 +16,16 @@ One step, on the optimizer thread (``roundpipe.host.optim_thread``):
 4. (asynchronous) stage the updated parameters in the model's dtype for the next step's publish (into
    the weights themselves if a download has moved them there); (synchronous) copy them into the model.
 
-The step mode (``step_mode.StepMode``, ``RPP_STEP_MODE``, resolved when the model was built and passed
-with each step) decides the rest. ``streamed`` changes the asynchronous step: no publish in 1. and no staging in 4.;
-instead each layer's updated parameters are copied into the model as soon as the optimizer has
-stepped them (:class:`Publisher`: ``roundpipe.optim.Adam`` steps its parameters layer by layer in
-forward order and reports each layer; other optimizers' layers are copied when ``step_fn`` returns),
-setting ``param_copied``. The next forward, which waits for ``param_copied`` layer by layer, follows the
-step: no parameter is stale (results equal synchronous steps) and no staging buffer exists, so a
-parameter has two host copies in the model dtype (weights, gradient) instead of three. The next
-backward's gradient downloads wait until the step has released its gradient buffers (``zero_grad``).
+The step mode (``step_mode.StepMode``, ``RPP_STEP_MODE``, resolved when the model was built and
+passed with each step) decides the rest. ``streamed`` changes the asynchronous step: no publish in 1.
+and no staging in 4.; instead each layer's updated parameters are copied into the model as soon as the
+optimizer has stepped them (:class:`Publisher`: ``roundpipe.optim.Adam`` steps its parameters layer by
+layer in forward order and reports each layer; other optimizers' layers are copied when ``step_fn``
+returns), setting ``param_copied``. The next forward, which waits for ``param_copied`` layer by layer,
+follows the step: no parameter is stale (results equal synchronous steps) and no staging buffer
+exists, so a parameter has two host copies in the model dtype (weights, gradient), also with gradient
+accumulation. The next backward's gradient downloads wait until the step has released its gradient
+buffers (``zero_grad``).
 
 Which host buffer holds what at each of these points (the roles of a parameter's buffers and their
 transitions) is ``roundpipe.host.buffers``' business: this module runs the protocol's order and events
