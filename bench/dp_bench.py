@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     if args.pin_cores:  # CPU weak scaling: rank r owns cores [r*k, (r+1)*k), whatever its thread count
         k = args.pin_cores
         os.sched_setaffinity(0, set(range(local_rank * k, (local_rank + 1) * k)))
-    from roundpipe.optim.thread import rank_share
+    from roundpipe.host.optim_thread import rank_share
 
     threads = args.threads or (
         rank_share(os.cpu_count() or 1, local_world) if local_world > 1 else (os.cpu_count() or 1)

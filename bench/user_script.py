@@ -97,12 +97,12 @@ def main() -> int:
 
 class StepPhases:
     """Diagnostic (``--step-phases``): where each optimizer step's time goes on the optimizer thread, from
-    timestamps around the step protocol's parts (``roundpipe.optim.step``, patched here, not in the package):
+    timestamps around the step protocol's parts (``roundpipe.host.step``, patched here, not in the package):
     the publish of the previous version, the gradients' hand-over (with its waits for the downloads), the
     user's ``step_fn`` and the staging of the new version in the model's dtype."""
 
     def __init__(self) -> None:
-        from roundpipe.optim import step as optim_step
+        from roundpipe.host import step as optim_step
 
         self.rows: List[Dict[str, float]] = []
         self.cur: Dict[str, float] = {}

@@ -38,7 +38,7 @@ _LAZY = {
     "AutoRoundPipe": "roundpipe.roundpipe",
     "GradScaler": "roundpipe.optim.grad_scaler",
     "ModelExecutePlan": "roundpipe.planning.plan",
-    "OptimizerCtx": "roundpipe.runtime.context",
+    "OptimizerCtx": "roundpipe.host.step",
     "RoundPipe": "roundpipe.roundpipe",
     "RoundPipeRunConfig": "roundpipe.runtime.run_config",
     "doing_recompute": "roundpipe.runtime.context",

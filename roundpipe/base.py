@@ -11,14 +11,13 @@ import torch
 from torch import nn
 
 from roundpipe.devices.threads import AnnotatedEvent, raise_if_failed
-from roundpipe.optim import step as optim_step
-from roundpipe.optim import thread as optim_thread
-from roundpipe.runtime.attribute import LayerAttribute, ParamAttribute
-from roundpipe.runtime.context import doing_optimizer
+from roundpipe.host import optim_thread, step_cycle
+from roundpipe.host import step as optim_step
+from roundpipe.host.attribute import LayerAttribute, ParamAttribute
+from roundpipe.host.buffers import ParamBuffers, fold_shared_grads
+from roundpipe.host.step_mode import StepMode
 from roundpipe.runtime.grad_sync import GradSync
-from roundpipe.runtime.host_buffers import ParamBuffers, fold_shared_grads
 from roundpipe.runtime.run_config import check_wrapper_arguments
-from roundpipe.runtime.step_cycle import StepCycle
 from roundpipe.utils import get_call_location
 
 _OWN_ATTRS = ("model", "original_model", "_rpp_initialized", "grad_sync")
@@ -46,6 +45,8 @@ class RoundPipeBase(nn.Module):
         self.optim_dtype = optim_dtype
         self.layer_attrs: List[LayerAttribute] = []
         self.optim_updated = AnnotatedEvent(f"{self.name}.optim_updated", set=True)
+        self.step_mode = StepMode.resolve()  # the buffer policy of its steps, read once (a bad value fails here)
+        self.cycle = step_cycle.StepCycle(self.name)  # its calls between two steps
         # Gradient synchronisation across processes (data parallel), or None: see roundpipe.runtime.grad_sync.
         self.grad_sync: Optional[GradSync] = None
 
@@ -181,7 +182,7 @@ class RoundPipeBase(nn.Module):
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:  # type: ignore[override]
         """Model parameters; the optimizer copies inside ``OptimizerCtx``."""
-        if doing_optimizer():
+        if optim_step.doing_optimizer():
             return self.optim_parameters()
         # nn.Module.parameters goes through named_parameters, whose warning is for the named form.
         return (p for _, p in nn.Module.named_parameters(self, recurse=recurse))
@@ -190,7 +191,7 @@ class RoundPipeBase(nn.Module):
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[Tuple[str, nn.Parameter]]:  # type: ignore[override]
         """Named model parameters; the optimizer copies inside ``OptimizerCtx``."""
-        if doing_optimizer():
+        if optim_step.doing_optimizer():
             return self.optim_named_parameters(prefix, remove_duplicate)
         if self.optim_dtype is not None and any(p.dtype != self.optim_dtype for _, p in super().named_parameters()):
             warnings.warn(
@@ -204,7 +205,7 @@ class RoundPipeBase(nn.Module):
     # ---- optimizer step ----------------------------------------------------------------------------
     def optim_units(self) -> List[Tuple[LayerAttribute, List[nn.Parameter]]]:
         """Trainable parameters grouped by the layer whose events guard them, each listed once: the
-        units of the optimizer step protocol (``roundpipe.optim.step``)."""
+        units of the optimizer step protocol (``roundpipe.host.step``)."""
         raise NotImplementedError
 
     def step(self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any) -> None:
@@ -222,30 +223,27 @@ class RoundPipeBase(nn.Module):
         ``RPP_STEP_MODE=streamed``: ``is_async=True`` returns at once too, but nothing is stale: each
         layer goes to the next forward as soon as the optimizer has stepped it (layer by layer with
         ``roundpipe.optim.Adam``, after ``step_fn`` with other optimizers), so results equal
-        ``is_async=False``, with one host copy of the weights fewer (``roundpipe.optim.step``).
+        ``is_async=False``, two host copies of the weights also with accumulation (``roundpipe.host.step``).
         """
         raise_if_failed(f"model {self.name!r} optimizer step")
         self._finish_host_buffers()
         for cycle in self._cycles():
-            cycle.on_step(is_async)
-        sync = self.grad_sync
-        if sync is not None:
-            sync.on_step_launch()
-        optim_step.launch(self.optim_units(), step_fn, is_async, args, kwargs, self.optim_updated, sync)
+            cycle.on_step(is_async, self.step_mode)
+        optim_step.launch(self, step_fn, is_async, args, kwargs)
 
-    def _cycles(self) -> List[StepCycle]:
-        """The step cycles (``StepCycle``) of the RoundPipes whose calls this model's step ends."""
-        raise NotImplementedError
+    def _cycles(self) -> List[step_cycle.StepCycle]:
+        """The step cycles (``step_cycle.StepCycle``) of the RoundPipes whose calls this model's step ends."""
+        return [self.cycle]
 
     def _finish_host_buffers(self) -> None:
-        """Wait, once, for the host buffers and optimizer state built ahead (``roundpipe.runtime.step_cycle``)."""
-        raise NotImplementedError
+        """Wait, once, for the host buffers and optimizer state built ahead (``roundpipe.host.step_cycle``)."""
+        self.cycle.prep.finish()
 
     def sync_optim_param(self) -> None:
         """Copy the optimizer parameters into the model parameters (from the main or optimizer thread);
         first waits for the values staged ahead of the first step, which this makes obsolete."""
         self._finish_host_buffers()
-        optim_step.sync_params(self.optim_units())
+        optim_step.sync_params(self.optim_units(), self.step_mode)
         for cycle in self._cycles():
             cycle.on_sync()
 

@@ -26,6 +26,10 @@ RETIRED = {
     "RPP_GRAD_STREAM": "removed: parameter gradients always download on a stream of their own",
     "RPP_GC_FREEZE": "removed: a model's first step always freezes the objects alive then (gc.freeze)",
     "RPP_FUSED_LAYERS": "removed: a fused decoder layer always runs as one compiled op",
+    "RPP_FUSED_STAGING": "renamed RPP_DEBUG_FUSED_STAGING",
+    "RPP_GRAD_BUFFERS": "removed: the step mode (RPP_STEP_MODE) decides the host buffers",
+    "RPP_STAGE_PARAMS": "removed: staged steps always stage (RPP_STEP_MODE=streamed does not)",
+    "RPP_GRAD_INTO_MODEL": "removed: gradient downloads reuse the weights' buffers wherever the step cycle allows",
 }
 
 

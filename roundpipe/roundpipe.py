@@ -12,16 +12,16 @@ from roundpipe import settings
 from roundpipe.base import RoundPipeBase
 from roundpipe.devices.memory import PinMode, pin_module
 from roundpipe.devices.threads import raise_if_failed
+from roundpipe.host import step_cycle
+from roundpipe.host.attribute import LayerAttribute, ParamAttribute
 from roundpipe.planning import budget
 from roundpipe.planning.plan import ModelExecutePlan, PlanCache, RunType
 from roundpipe.planning.timer import ModelTimer
 from roundpipe.runtime import pipeline, plan_choice
-from roundpipe.runtime.attribute import LayerAttribute, ParamAttribute
 from roundpipe.runtime.batch import Batch
 from roundpipe.runtime.partial_grads import PartialGradStore
 from roundpipe.runtime.run import Run
 from roundpipe.runtime.run_config import ResolvedRunConfig, RoundPipeRunConfig, check_wrapper_arguments
-from roundpipe.runtime.step_cycle import HostBufferPrep, StepCycle, begin_call
 from roundpipe.utils import GiB, get_call_location, get_model_active_size, get_model_compute_size, get_model_size
 
 
@@ -60,7 +60,8 @@ class RoundPipe(RoundPipeBase):
                 "call model.cpu() (or load it on the CPU) before wrapping"
             )
         self.model_run_config = model_run_config
-        settings.check_runtime()  # a bad RPP_* value of the host buffers fails here, naming the variable
+        for s in (settings.DEBUG_DEVICE_SAVED_GB, settings.STAGE_INPUTS, settings.DEBUG_TILE_ATTENTION):
+            s.get()  # read later on worker threads: a bad value fails here, naming the variable
         layers = list(model.children()) if isinstance(model, nn.Sequential) else [model]
         if not layers:
             raise ValueError("RoundPipe needs at least one layer; the nn.Sequential is empty")
@@ -79,22 +80,13 @@ class RoundPipe(RoundPipeBase):
         self.__dict__["_shared_list"] = list(shared.values())
         self.layer_size = [get_model_size(layer) / GiB for layer in layers]
         self.model_timer = ModelTimer(self.num_layers, [get_model_compute_size(layer) / GiB for layer in layers])
-        # Owned here, read and updated by the layers below: the automatic plans (``plan_choice``), the step
-        # cycle and the host buffers built ahead of the first steps (``roundpipe.runtime.step_cycle``).
+        # Owned here, read and updated by the runtime's plan choice: the automatic plans (``plan_choice``).
         self.plan_cache = PlanCache()
-        self.step_cycle = StepCycle(self.name)
-        self.host_buffers = HostBufferPrep()
         self._finish_init()
 
     @property
     def _shared_params(self) -> List[nn.Parameter]:
         return self.__dict__["_shared_list"]
-
-    def _cycles(self) -> List[StepCycle]:
-        return [self.step_cycle]
-
-    def _finish_host_buffers(self) -> None:
-        self.host_buffers.finish()
 
     def optim_units(self) -> List[Tuple[LayerAttribute, List[nn.Parameter]]]:
         # Each layer's parameters are listed once (the layer list is fixed at wrapping); which of them
@@ -168,7 +160,7 @@ class RoundPipe(RoundPipeBase):
         self._check_optimizer_idle()
         batch = Batch(args, kwargs, cfg)
         train = cfg.requires_grad and self._needs_graph(batch)
-        into_weights = begin_call(self, train)
+        into_weights = step_cycle.begin_call(self, train)
         run_type: RunType = "train" if train else "infer"
         run = Run(self, cfg, batch, run_type, self.resolve_plan(cfg, run_type, batch))
         run.grad_into_weights = into_weights
@@ -211,7 +203,7 @@ class RoundPipe(RoundPipeBase):
             input_args = (input_args,)
         cfg = ResolvedRunConfig(run_config, self.model_run_config)
         self._check_optimizer_idle()
-        into_weights = begin_call(self, True)
+        into_weights = step_cycle.begin_call(self, True)
         batch = Batch(input_args, dict(input_kwargs), cfg, label)
         run = Run(self, cfg, batch, "fused", self.resolve_plan(cfg, "fused", batch), loss_fn, return_outputs)
         run.grad_into_weights = into_weights
@@ -290,7 +282,7 @@ class AutoRoundPipe(RoundPipeBase):
         for sub in self._submodels():
             sub._finish_host_buffers()
 
-    def _cycles(self) -> List[StepCycle]:
+    def _cycles(self) -> List[step_cycle.StepCycle]:
         return [c for sub in self._submodels() for c in sub._cycles()]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -10,7 +10,7 @@ environment that roundpipe does not know (a renamed or removed one, a typo) draw
 import, naming what to use instead (``roundpipe.retired_settings``).
 
     from roundpipe import settings
-    settings.SEQ_TILE.get()              # -> 16384
+    settings.STEP_MODE.get()             # -> 'staged'
     roundpipe.configure(devices="cpu:2", compile=False)
 """
 
@@ -167,29 +167,9 @@ DEBUG_TILE_ATTENTION: Setting[str] = _register(
         "where the blocks run on cuDNN's fused attention (half precision, checked once per device), else bias",
     )
 )
-GRAD_BUFFERS: Setting[int] = _register(
+DEBUG_FUSED_STAGING: Setting[str] = _register(
     Setting(
-        "RPP_GRAD_BUFFERS",
-        integer(1, 2),
-        2,
-        "2",
-        "`2` (double-buffered gradient downloads) or `1` (downloads wait for the step)",
-        "Host gradient buffers per parameter while an asynchronous step runs (staging off).",
-    )
-)
-STAGE_PARAMS: Setting[bool] = _register(
-    Setting(
-        "RPP_STAGE_PARAMS",
-        boolean,
-        True,
-        "1",
-        "`1` or `0`",
-        "Asynchronous steps stage the updated parameters for the next step (off: copied when it starts).",
-    )
-)
-FUSED_STAGING: Setting[str] = _register(
-    Setting(
-        "RPP_FUSED_STAGING",
+        "RPP_DEBUG_FUSED_STAGING",
         tristate,
         "auto",
         "auto",
@@ -201,20 +181,6 @@ FUSED_STAGING: Setting[str] = _register(
         "Trainer's); `1`: for every step function.",
     )
 )
-GRAD_INTO_MODEL: Setting[bool] = _register(
-    Setting(
-        "RPP_GRAD_INTO_MODEL",
-        boolean,
-        True,
-        "1",
-        "`1` or `0`",
-        "Staged asynchronous steps with one training call per step: a layer's gradient download reuses its "
-        "weight buffer "
-        "(the call has read it for the last time) and the weights move to the buffer the step stages into: two "
-        "host copies "
-        "of each weight in the model dtype instead of three (off: three).",
-    )
-)
 STEP_MODE: Setting[str] = _register(
     Setting(
         "RPP_STEP_MODE",
@@ -223,8 +189,9 @@ STEP_MODE: Setting[str] = _register(
         "staged",
         "`staged` or `streamed`",
         "Asynchronous steps: `staged` (one step stale; two host copies of each weight in the model dtype with one "
-        "training call per step, three otherwise, see `RPP_GRAD_INTO_MODEL`) or "
-        "`streamed` (not stale, two copies: the next forward follows the step layer by layer).",
+        "training call per step, three otherwise) or "
+        "`streamed` (not stale, two copies: the next forward follows the step layer by layer); read when the "
+        "model is built.",
     )
 )
 DEBUG_SPLIT_FUSED: Setting[str] = _register(
@@ -427,7 +394,7 @@ def configure(devices: Optional[str] = None, compile: Optional[bool] = None, **v
 
     ``devices`` is ``RPP_DEVICES`` (re-creating the device workers if they exist), ``compile`` the
     inverse of ``RPP_DISABLE_TORCH_COMPILE``; other settings by lower-case name without the prefix,
-    e.g. ``configure(seq_tile=8192)``. Values are checked as the environment's text would be.
+    e.g. ``configure(step_mode="streamed")``. Values are checked as the environment's text would be.
     """
     chosen: List[Tuple[Setting[Any], Any]] = []
     if devices is not None:
@@ -508,61 +475,6 @@ def restore(saved: Dict[str, Any]) -> None:
         _overrides.clear()
         _overrides.update(saved)
     _notify(changed)
-
-
-def streamed_steps() -> bool:
-    """Whether asynchronous steps hand each layer to the next forward as the optimizer steps it
-    (``RPP_STEP_MODE=streamed``, see ``roundpipe.optim.step``)."""
-    return STEP_MODE.get() == "streamed"
-
-
-def stage_params_enabled() -> bool:
-    """Whether asynchronous steps stage the updated parameters for the next step (``RPP_STAGE_PARAMS``,
-    never with streamed steps)."""
-    return STAGE_PARAMS.get() and not streamed_steps()
-
-
-def grad_buffers_limit() -> int:
-    """Host gradient buffers per parameter while an asynchronous step runs (``RPP_GRAD_BUFFERS``;
-    streamed steps imply 1).
-
-    Matters only without staging (with staging the gradient download takes the model buffer the step's
-    publish released, see ``roundpipe.runtime.host_buffers``). 2: the next backward downloads into a second
-    buffer while the optimizer still reads the first as its ``.grad``. 1: it waits for the optimizer
-    instead, so the parameter has two host copies in all (model and gradient), at the price of that wait.
-    """
-    return 1 if streamed_steps() else GRAD_BUFFERS.get()
-
-
-def check_runtime() -> None:
-    """Parse the settings a RoundPipe's host buffers and steps read later on worker threads, so that a bad
-    value fails when the model is built, naming its variable."""
-    for s in (
-        GRAD_BUFFERS,
-        DEBUG_DEVICE_SAVED_GB,
-        STAGE_PARAMS,
-        STEP_MODE,
-        GRAD_INTO_MODEL,
-        STAGE_INPUTS,
-        DEBUG_TILE_ATTENTION,
-    ):
-        s.get()
-
-
-def grad_into_model_enabled() -> bool:
-    """Whether gradient downloads may reuse the weight buffers (``RPP_GRAD_INTO_MODEL``, staged steps only;
-    see ``roundpipe.runtime.step_cycle.StepCycle``)."""
-    return GRAD_INTO_MODEL.get() and stage_params_enabled()
-
-
-def host_buffers_besides_weights() -> int:
-    """Model-dtype host buffers per trainable parameter besides its weights that these settings make in
-    the steady state of one training call per step: with staging, the gradient download target that the
-    step then stages into (1, ``RPP_GRAD_INTO_MODEL``) or a staged copy and a download target (2);
-    without staging, the gradient buffers."""
-    if stage_params_enabled():
-        return 1 if grad_into_model_enabled() else 2
-    return grad_buffers_limit()
 
 
 def default_num_microbatch(num_devices: int) -> int:

@@ -20,7 +20,7 @@ from roundpipe.runtime.context import doing_recompute
 
 def require_adam_kernel() -> None:
     """Skip the calling test where the C++ Adam kernel cannot be built (no compiler): tests of what that kernel
-    writes (``RPP_FUSED_STAGING``) need it loaded."""
+    writes (``RPP_DEBUG_FUSED_STAGING``) need it loaded."""
     import pytest
 
     from roundpipe.optim import build

@@ -407,7 +407,7 @@ def test_state_of_the_wrong_shape_raises(impl) -> None:
 
 def test_step_on_the_optimizer_thread(impl) -> None:
     """Where RoundPipe runs it: queued on the optimizer stream, large enough for the threaded kernel."""
-    from roundpipe.optim import thread as optim_thread
+    from roundpipe.host import optim_thread
 
     ps = make_params(4, real_shapes=[(5,), (400, 400)], complex_shapes=[(3,)])
     qs = clone_params(ps)

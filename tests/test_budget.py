@@ -403,21 +403,17 @@ def test_estimate_counts_the_split_fused_stage_host_buffers() -> None:
 
 def test_estimate_host_buffers_follow_the_step_mode() -> None:
     """Staged steps whose gradient downloads take the weights' buffers (the default) keep one model-dtype
-    buffer per trainable parameter besides the weights, as streamed steps do; with RPP_GRAD_INTO_MODEL=0
-    two (staged copy, gradient download): the estimate counts what the settings make."""
+    buffer per trainable parameter besides the weights, as streamed steps do: the estimate counts what the
+    step mode makes (two such buffers would cost one bf16 copy of every parameter more)."""
     from roundpipe import settings
 
     shape = estimate.ModelShape.from_config(tiny_model("qwen3").config)
     staged = estimate.estimate(shape, SEQ, BATCH, dtype_bytes=2)
-    with settings.overridden(grad_into_model="0"):
-        rotated = estimate.estimate(shape, SEQ, BATCH, dtype_bytes=2)
     with settings.overridden(step_mode="streamed"):
         streamed = estimate.estimate(shape, SEQ, BATCH, dtype_bytes=2)
-    with settings.overridden(stage_params="0", grad_buffers="1"):
-        two = estimate.estimate(shape, SEQ, BATCH, dtype_bytes=2)
-    saved = rotated.host_parts["optimizer"] - streamed.host_parts["optimizer"]
-    assert saved == 2 * shape.params()  # one bf16 buffer per parameter (a full fine-tune: all trainable)
-    assert streamed.host_parts["optimizer"] == two.host_parts["optimizer"] == staged.host_parts["optimizer"]
+    two = estimate.estimate(shape, SEQ, BATCH, dtype_bytes=2, grad_buffers=2)
+    assert two.host_parts["optimizer"] - staged.host_parts["optimizer"] == 2 * shape.params()  # all trainable
+    assert streamed.host_parts["optimizer"] == staged.host_parts["optimizer"]
 
 
 def _kept_counts(monkeypatch: pytest.MonkeyPatch) -> List[bool]:

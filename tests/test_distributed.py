@@ -454,7 +454,7 @@ def test_setup_errors(workers: str, one_rank_group: None) -> None:
 
 @pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
 def test_normalize_by_twice_in_one_step_is_reported(workers: str, one_rank_group: None) -> None:
-    from roundpipe.optim.thread import OptimizerStepError
+    from roundpipe.host.optim_thread import OptimizerStepError
 
     model = small_mlp()
     dp = rdist.enable_data_parallel(model)

@@ -1,4 +1,4 @@
-"""Fused staging (``RPP_FUSED_STAGING=1``, or ``auto`` with a step function declared by
+"""Fused staging (``RPP_DEBUG_FUSED_STAGING=1``, or ``auto`` with a step function declared by
 ``roundpipe.optim.step_fn_zeroes_grads``): roundpipe.optim.Adam writes an asynchronous step's new bf16 weights into
 their staging buffer in its own pass. Every loss and weight equals the staging pass, bit for bit; a step function
 that keeps its gradients, or steps a parameter twice, fails loudly instead of training on weights read as
@@ -16,8 +16,9 @@ from torch import nn
 import roundpipe
 from roundpipe import RoundPipe, RoundPipeRunConfig
 from roundpipe.devices.threads import OptimizerStepError
+from roundpipe.host import step as optim_step
+from roundpipe.host.step_mode import StepMode
 from roundpipe.optim import Adam, step_fn_zeroes_grads
-from roundpipe.optim import step as optim_step
 
 
 @pytest.fixture
@@ -66,10 +67,10 @@ def test_fused_staging_equals_the_staging_pass(
     kernel: None, workers: int, microbatches: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     wrote = _counting_writes(monkeypatch)
-    monkeypatch.setenv("RPP_FUSED_STAGING", "0")
+    monkeypatch.setenv("RPP_DEBUG_FUSED_STAGING", "0")
     plain = _run(workers, microbatches, 7, _step_and_zero)
     assert not wrote
-    monkeypatch.setenv("RPP_FUSED_STAGING", "1")
+    monkeypatch.setenv("RPP_DEBUG_FUSED_STAGING", "1")
     fused = _run(workers, microbatches, 7, _step_and_zero)
     assert wrote and all(n == 6 for n in wrote), wrote  # the kernel wrote all 6 parameters' buffers at every step
     for a, b in zip(plain, fused):
@@ -77,7 +78,7 @@ def test_fused_staging_equals_the_staging_pass(
 
 
 def test_fused_staging_refuses_kept_gradients(kernel: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RPP_FUSED_STAGING", "1")
+    monkeypatch.setenv("RPP_DEBUG_FUSED_STAGING", "1")
     with pytest.raises(OptimizerStepError, match="zero_grad"):
         _run(1, 2, 3, lambda opt: opt.step())
 
@@ -85,7 +86,7 @@ def test_fused_staging_refuses_kept_gradients(kernel: None, monkeypatch: pytest.
 def test_fused_staging_refuses_a_second_step_of_the_same_parameters(
     kernel: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("RPP_FUSED_STAGING", "1")
+    monkeypatch.setenv("RPP_DEBUG_FUSED_STAGING", "1")
 
     def twice(opt: Adam) -> None:
         opt.step()
@@ -110,9 +111,9 @@ def _counting_writes(monkeypatch: pytest.MonkeyPatch) -> List[int]:
 
 def test_auto_fuses_only_declared_step_functions(kernel: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """The default ``auto``: a step function declared with ``step_fn_zeroes_grads`` gets the fused writes (the same
-    bits as the staging pass), an undeclared one the staging pass, and ``RPP_FUSED_STAGING=0`` turns off even a
+    bits as the staging pass), an undeclared one the staging pass, and ``RPP_DEBUG_FUSED_STAGING=0`` turns off even a
     declared one."""
-    assert roundpipe.settings.FUSED_STAGING.get() == "auto"
+    assert roundpipe.settings.DEBUG_FUSED_STAGING.get() == "auto"
     wrote = _counting_writes(monkeypatch)
     plain = _run(2, 2, 5, _step_and_zero)
     assert not wrote
@@ -121,7 +122,7 @@ def test_auto_fuses_only_declared_step_functions(kernel: None, monkeypatch: pyte
     for a, b in zip(plain, fused):
         assert torch.equal(a, b)
     wrote.clear()
-    monkeypatch.setenv("RPP_FUSED_STAGING", "0")
+    monkeypatch.setenv("RPP_DEBUG_FUSED_STAGING", "0")
     _run(1, 2, 3, _step_and_zero, declared=True)
     assert not wrote
 
@@ -142,4 +143,5 @@ def test_a_declared_method_keeps_its_declaration() -> None:
         def other(self) -> None:
             pass
 
-    assert optim_step.fused_staging(Recipe().step_fn) and not optim_step.fused_staging(Recipe().other)
+    mode = StepMode()
+    assert optim_step.fused_staging(Recipe().step_fn, mode) and not optim_step.fused_staging(Recipe().other, mode)

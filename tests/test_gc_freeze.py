@@ -1,4 +1,4 @@
-"""The garbage collector at a model's first step (``roundpipe.runtime.step_cycle``): once per process, garbage
+"""The garbage collector at a model's first step (``roundpipe.host.step_cycle``): once per process, garbage
 collected first, then every survivor frozen."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import List
 
 import pytest
 
-from roundpipe.runtime import step_cycle
+from roundpipe.host import step_cycle
 from tests.helpers import ROOT
 
 

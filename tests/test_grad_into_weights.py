@@ -1,6 +1,7 @@
-"""Gradient downloads into the weights' host buffers (``RPP_GRAD_INTO_MODEL``, ``step_cycle.StepCycle``):
-with one training call per staged asynchronous step a weight keeps two host copies in the model dtype
-instead of three, and every run trains exactly what the three-buffer rotation trains (bit for bit),
+"""Gradient downloads into the weights' host buffers (staged steps, ``step_cycle.StepCycle``): with one
+training call per staged asynchronous step a weight keeps two host copies in the model dtype instead of
+three, and every run trains exactly what the three-buffer rotation (calls that never take the weights'
+buffers, as with gradient accumulation) trains (bit for bit),
 including when the number of calls per step changes, an evaluation reads the weights mid-cycle, or the
 optimizer keeps its gradients."""
 
@@ -16,10 +17,11 @@ import torch
 from torch import nn
 
 from roundpipe import RoundPipe, RoundPipeRunConfig
+from roundpipe.host.attribute import ParamAttribute
+from roundpipe.host.buffers import ParamBuffers
+from roundpipe.host.step_mode import StepMode
 from roundpipe.optim import Adam
 from roundpipe.planning.plan import ModelExecutePlan
-from roundpipe.runtime.attribute import ParamAttribute
-from roundpipe.runtime.host_buffers import ParamBuffers
 
 
 def _model(tied: bool = False) -> nn.Module:
@@ -56,6 +58,18 @@ def _joined(thread: threading.Thread) -> threading.Thread:
     return thread
 
 
+def _rotation_only(rp: RoundPipe, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference: none of ``rp``'s calls takes the weights' buffers (its step cycle sees no staged step
+    to move weights into), so the three host buffers of a staged step rotate, as with several calls per step."""
+    cycle, real = rp.cycle, rp.cycle.on_step
+
+    def on_step(is_async: bool, mode: StepMode) -> None:
+        real(is_async, mode)
+        cycle.async_staged = False
+
+    monkeypatch.setattr(cycle, "on_step", on_step)
+
+
 def _train(
     into: str,
     monkeypatch: pytest.MonkeyPatch,
@@ -75,11 +89,10 @@ def _train(
     background builder of the first buffers (``step_cycle``, tested on its own in test_step.py) is
     done before the first backward here: racing it, a download that comes first makes its own buffer
     and the builder a spare that the step trims, which the counts would see on a loaded machine."""
-    from roundpipe.runtime import step_cycle
+    from roundpipe.host import step_cycle
 
     build = step_cycle.preallocate_host_buffers
-    monkeypatch.setattr(step_cycle, "preallocate_host_buffers", lambda params, name: _joined(build(params, name)))
-    monkeypatch.setenv("RPP_GRAD_INTO_MODEL", into)
+    monkeypatch.setattr(step_cycle, "preallocate_host_buffers", lambda *a: _joined(build(*a)))
     model = _model(tied)
     # A fixed plan: the auto planner follows measured times, and on a loaded machine two runs could
     # choose different layer groups, which sum the same gradients in another order (6th digit).
@@ -89,6 +102,8 @@ def _train(
         optim_dtype=torch.float32,
         model_run_config=RoundPipeRunConfig(num_microbatch=microbatches, recompute_grain=grain, execute_plan=plan),
     )
+    if into == "0":
+        _rotation_only(rp, monkeypatch)
     params = list(rp.optim_parameters())
     opt: torch.optim.Optimizer = (
         Adam(params, lr=1e-2) if optimizer == "roundpipe" else torch.optim.AdamW(params, lr=1e-2)
@@ -233,15 +248,9 @@ def test_tied_weights_move_at_their_owners_download(workers: str, cycle: str, mo
 
 @pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
 def test_planner_counts_one_buffer_besides_the_weights(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from roundpipe import settings
-
-    monkeypatch.setenv("RPP_GRAD_INTO_MODEL", "1")
-    assert settings.host_buffers_besides_weights() == 1
-    monkeypatch.setenv("RPP_GRAD_INTO_MODEL", "0")
-    assert settings.host_buffers_besides_weights() == 2
-    monkeypatch.setenv("RPP_GRAD_INTO_MODEL", "1")
+    assert StepMode.resolve().host_buffers_besides_weights == 1 and StepMode.resolve().staged
     monkeypatch.setenv("RPP_STEP_MODE", "streamed")
-    assert not settings.grad_into_model_enabled()
+    assert StepMode.resolve().host_buffers_besides_weights == 1 and not StepMode.resolve().staged
 
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
@@ -251,12 +260,10 @@ def test_a_shared_gradient_accumulated_over_two_calls_counts_each_call_once(
     """Two training calls per step and a tied weight: the second call continues the shared parameter's
     running gradient in the buffer its upload was seeded from. Here the step in flight holds its own
     gradient buffer through the first call of the next cycle and releases it before the second (a
-    gate in its step function): the second call's download used to take that released buffer, and the
-    fold then added the first call's share twice (a data-parallel run showed it as a wrong gradient in
-    about 1 run of 10). The result must equal the run whose step ends before the next cycle starts."""
+    gate in its step function): were the second call's download to take that released buffer, the fold
+    would add the first call's share twice. The result must equal the run whose step ends before the next
+    cycle starts."""
     import threading
-
-    monkeypatch.setenv("RPP_GRAD_INTO_MODEL", "0")
 
     def run(gated: bool) -> Tuple[List[torch.Tensor], bool]:
         model = _model(tied=True)
@@ -264,6 +271,7 @@ def test_a_shared_gradient_accumulated_over_two_calls_counts_each_call_once(
         rp = RoundPipe(
             model, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan)
         )
+        _rotation_only(rp, monkeypatch)
         opt = Adam(list(rp.optim_parameters()), lr=1e-2)
         gate = threading.Event()
         data = iter(_batches(4))

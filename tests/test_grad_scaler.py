@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from roundpipe.devices import threads
+from roundpipe.host import optim_thread
 from roundpipe.optim import Adam
-from roundpipe.optim import thread as optim_thread
 from roundpipe.optim.grad_scaler import GradScaler
 
 INF_STEP = 6

@@ -1,4 +1,4 @@
-"""State-machine test of the host buffers' roles (``roundpipe.runtime.host_buffers``).
+"""State-machine test of the host buffers' roles (``roundpipe.host.buffers``).
 
 Random (seeded) orders of training calls (gradient downloads, through ``forward_backward`` or
 ``forward`` + ``backward``), optimizer steps (asynchronous, synchronous, or keeping the optimizer's
@@ -31,16 +31,14 @@ from helpers import rel_err
 from torch import nn
 
 from roundpipe import RoundPipe, RoundPipeRunConfig, settings
+from roundpipe.host import buffers as host_buffers
+from roundpipe.host.buffers import ParamBuffers, RoleError
 from roundpipe.planning.plan import ModelExecutePlan
-from roundpipe.runtime import host_buffers
-from roundpipe.runtime.host_buffers import ParamBuffers, RoleError
 
 STRESS_S = 0.002
 MODES = {  # buffer mode -> environment
-    "moved": {"RPP_GRAD_INTO_MODEL": "1"},  # the default: downloads may take the weights' buffers
-    "rotated": {"RPP_GRAD_INTO_MODEL": "0"},  # three buffers rotate
-    "unstaged": {"RPP_STAGE_PARAMS": "0", "RPP_GRAD_BUFFERS": "1"},  # a download waits for the optimizer
-    "streamed": {"RPP_STEP_MODE": "streamed"},
+    "moved": {"RPP_STEP_MODE": "staged"},  # the default: downloads may take the weights' buffers
+    "streamed": {"RPP_STEP_MODE": "streamed"},  # a download waits for the optimizer
 }
 OPS = ["train", "train", "train_split", "eval", "step_async", "step_async", "step_keep", "step_sync", "sync"]
 
@@ -160,7 +158,7 @@ def _run(mode: str, dtype: torch.dtype, plan_kind: str, seed: int, monkeypatch: 
         monkeypatch.setenv(name, value)
     rng = random.Random(seed)
     model = _model(dtype)
-    ref = Reference(model, dtype, into=mode == "moved", staging=mode in ("moved", "rotated"))
+    ref = Reference(model, dtype, into=mode == "moved", staging=mode == "moved")
     n = len(model)
     plan = (
         ModelExecutePlan.layerwise(n, "train") if plan_kind == "layerwise" else ModelExecutePlan([range(n)], [range(n)])
@@ -221,7 +219,7 @@ def test_random_schedules_keep_the_roles_and_train_as_pytorch(
 
 
 @pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
-@pytest.mark.parametrize("mode", ["moved", "rotated"])
+@pytest.mark.parametrize("mode", list(MODES))
 def test_copied_gradients_keep_the_roles(workers: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A float32 model with float64 optimizer copies: the gradient is copied into the optimizer's dtype
     and its buffer becomes the staging buffer at once (no HELD role)."""
@@ -231,7 +229,7 @@ def test_copied_gradients_keep_the_roles(workers: str, mode: str, monkeypatch: p
 def test_the_role_checks_catch_two_owners() -> None:
     """The checks themselves: a buffer both spare and the weights, or a download into the optimizer's
     gradient, is reported."""
-    from roundpipe.runtime.attribute import ParamAttribute
+    from roundpipe.host.attribute import ParamAttribute
 
     p = nn.Parameter(torch.zeros(3, 3, dtype=torch.float64))
     attr = ParamAttribute.set(p, 0)
@@ -266,7 +264,7 @@ def test_the_state_machine_runs_every_transition(monkeypatch: pytest.MonkeyPatch
         monkeypatch.setattr(ParamBuffers, name, staticmethod(spy) if name == "_wait_for_release" else spy)
     from roundpipe.devices import device
 
-    for spec, mode in (("cpu:1", "moved"), ("cpu:2", "unstaged"), ("cpu:2", "moved")):
+    for spec, mode in (("cpu:1", "moved"), ("cpu:2", "streamed"), ("cpu:2", "moved")):
         settings.configure(devices=spec)
         try:
             for seed in range(2):

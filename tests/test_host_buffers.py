@@ -1,4 +1,4 @@
-"""The first asynchronous step converts nothing (``roundpipe.runtime.step_cycle``): an optimizer copy starts as
+"""The first asynchronous step converts nothing (``roundpipe.host.step_cycle``): an optimizer copy starts as
 the weights' version, so the first publish leaves the weights in place; nothing that changes the weights
 or the optimizer copies before that step is lost, and nothing is staged ahead."""
 
@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from roundpipe import RoundPipe, RoundPipeRunConfig
+from roundpipe.host.buffers import ParamBuffers
 from roundpipe.optim import Adam
-from roundpipe.runtime.host_buffers import ParamBuffers
 
 
 def _model() -> nn.Sequential:
@@ -47,12 +47,10 @@ def _edit_copies_unseen(rp: RoundPipe) -> None:
 
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2", "cpu:3"], indirect=True)
-@pytest.mark.parametrize("into", ["1", "0"])
-def test_first_async_step_leaves_the_weights_in_place(workers: str, into: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_first_async_step_leaves_the_weights_in_place(workers: str) -> None:
     """The optimizer copies were made from the weights, so the first asynchronous step's publish leaves
-    them (it used to convert every copy while the next forward waited): same buffer, values before the
+    them (no conversion of every copy while the next forward waits): same buffer, values before the
     update (one-step-stale rule); the step stages its update, which the second step publishes."""
-    monkeypatch.setenv("RPP_GRAD_INTO_MODEL", into)
     rp, opt = _setup()
     (x, y), (x2, y2) = _batches(2)
     rp.forward_backward(input_args=(x,), label=y, loss_fn=_loss)
@@ -126,12 +124,7 @@ def test_synchronous_steps_keep_no_staging_buffer(workers: str) -> None:
 @pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
 @pytest.mark.parametrize(
     "env",
-    [
-        ("RPP_GRAD_INTO_MODEL", "1"),
-        ("RPP_GRAD_INTO_MODEL", "0"),
-        ("RPP_STAGE_PARAMS", "0"),
-        ("RPP_STEP_MODE", "streamed"),
-    ],
+    [("RPP_STEP_MODE", "staged"), ("RPP_STEP_MODE", "streamed")],
 )
 def test_nothing_is_staged_ahead_of_the_first_step(
     workers: str, env: Tuple[str, str], monkeypatch: pytest.MonkeyPatch
@@ -148,15 +141,11 @@ def test_nothing_is_staged_ahead_of_the_first_step(
 
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
-@pytest.mark.parametrize("into", ["1", "0"])
-def test_synchronize_swaps_the_staged_version_in_and_a_restore_wins_over_it(
-    workers: str, into: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_synchronize_swaps_the_staged_version_in_and_a_restore_wins_over_it(workers: str) -> None:
     """After an asynchronous step staged its update, ``synchronize()`` makes the weights that version
     without converting the copies again (where a staging buffer holds it, that buffer becomes the
     weights); copies restored later (``load_optim_params``, which bumps their version) are what reach
     the weights then, not the stale staged version."""
-    monkeypatch.setenv("RPP_GRAD_INTO_MODEL", into)
     rp, opt = _setup()
     for x, y in _batches(2):
         rp.forward_backward(input_args=(x,), label=y, loss_fn=_loss)

@@ -11,8 +11,8 @@ from typing import Dict, List
 import pytest
 import torch
 
+from roundpipe.host.state_reserve import StateReserve, start_for
 from roundpipe.optim import Adam
-from roundpipe.optim.reserve import StateReserve, start_for
 
 
 def _params(seed: int = 0, n: int = 3) -> List[torch.nn.Parameter]:
@@ -201,7 +201,7 @@ def test_parameters_stepped_elsewhere_get_no_reserved_state() -> None:
     """A sharded data-parallel step (``roundpipe.distributed.optim_shard``) declares the parameters other
     ranks step: no reserve builds their moments (the memory the sharding saves), and declaring them
     local again lets the next reserve build them."""
-    from roundpipe.optim.reserve import stepped_elsewhere
+    from roundpipe.host.state_reserve import stepped_elsewhere
 
     params = _params()
     stepped_elsewhere(params[1:])

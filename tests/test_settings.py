@@ -35,6 +35,12 @@ def test_internal_settings_are_the_debug_namespace() -> None:
     assert all(f"`{n}`" in settings.markdown_table(internal=True) for n in internal)
 
 
+def test_a_user_can_hold_the_user_settings_in_their_head() -> None:
+    """At most 15 settings are for users; everything else is an internal ``RPP_DEBUG_*`` aid."""
+    user = [s.name for s in settings.REGISTRY.values() if not s.internal]
+    assert len(user) <= 15, user
+
+
 def test_retired_names_are_no_settings_and_name_their_replacement() -> None:
     from roundpipe import retired_settings
 
@@ -83,8 +89,8 @@ def test_no_module_reads_rpp_variables_from_the_environment() -> None:
 @pytest.mark.parametrize(
     "setting, good, value, bad",
     [
-        (settings.GRAD_BUFFERS, "1", 1, "3"),
-        (settings.STAGE_PARAMS, "off", False, "maybe"),
+        (settings.STEP_MODE, "streamed", "streamed", "stream"),
+        (settings.DEBUG_FUSED_STAGING, "off", "0", "maybe"),
         (settings.DEBUG_DEVICE_SAVED_GB, "1.5", 1.5, "-1"),
         (settings.WATCHDOG_S, "30", 30.0, "soon"),
         (settings.PROFILER, " NVTX ", "nvtx", "nsys"),
@@ -110,18 +116,18 @@ def test_values_defaults_and_errors(
 
 
 def test_configure_wins_over_the_environment_and_is_undone(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RPP_GRAD_BUFFERS", "2")
+    monkeypatch.setenv("RPP_STEP_MODE", "staged")
     monkeypatch.delenv("RPP_DISABLE_TORCH_COMPILE", raising=False)
-    roundpipe.configure(grad_buffers=1, devices="cpu:2", compile=False)
-    assert settings.GRAD_BUFFERS.get() == 1 and settings.DISABLE_TORCH_COMPILE.get() is True
+    roundpipe.configure(step_mode="streamed", devices="cpu:2", compile=False)
+    assert settings.STEP_MODE.get() == "streamed" and settings.DISABLE_TORCH_COMPILE.get() is True
     assert roundpipe.get_num_devices() == 2
     assert os.environ.get("RPP_DEVICES") != "cpu:2"  # chosen for this process, not written to the environment
-    with settings.overridden(grad_buffers="2"):
-        assert settings.GRAD_BUFFERS.get() == 2
-    assert settings.GRAD_BUFFERS.get() == 1
+    with settings.overridden(step_mode="staged"):
+        assert settings.STEP_MODE.get() == "staged"
+    assert settings.STEP_MODE.get() == "streamed"
     settings.unconfigure()
     device.reset_devices()
-    assert settings.GRAD_BUFFERS.get() == 2 and settings.DISABLE_TORCH_COMPILE.get() is False
+    assert settings.STEP_MODE.get() == "staged" and settings.DISABLE_TORCH_COMPILE.get() is False
 
 
 def test_configure_takes_internal_settings_by_their_lower_case_name() -> None:
@@ -132,12 +138,12 @@ def test_configure_takes_internal_settings_by_their_lower_case_name() -> None:
 
 
 def test_configure_rejects_unknown_names_and_bad_values() -> None:
-    with pytest.raises(TypeError, match="unknown setting 'grad_buffer'"):
-        roundpipe.configure(grad_buffer=1)
+    with pytest.raises(TypeError, match="unknown setting 'step_modes'"):
+        roundpipe.configure(step_modes="staged")
     with pytest.raises(ValueError, match="RPP_DEVICES='gpu:1'"):
         roundpipe.configure(devices="gpu:1")
     with pytest.raises(ValueError):
-        roundpipe.configure(grad_buffers="3")
+        roundpipe.configure(step_mode="stream")
     assert not settings.snapshot()
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Callable, List, Tuple
+from typing import List
 
 import pytest
 import torch
@@ -12,7 +12,7 @@ from helpers import rel_err
 from torch import nn
 
 from roundpipe import AutoRoundPipe, RoundPipe, RoundPipeRunConfig
-from roundpipe.runtime.context import OptimizerCtx
+from roundpipe.host.step import OptimizerCtx
 
 
 def make_model() -> nn.Sequential:
@@ -99,26 +99,18 @@ def _mixed_schedule_losses(model: nn.Module) -> List[float]:
     rp.synchronize()
     # The host buffers of a parameter rotate without piling up across the schedule: the model
     # buffer, the staging buffer and one spare (the last model buffer, or the copied gradient).
-    from roundpipe.runtime.host_buffers import ParamBuffers
+    from roundpipe.host.buffers import ParamBuffers
 
     assert all(len(ParamBuffers.of(p).host_buffers(p)) <= 3 for p in model.parameters())
     return losses + [p.detach().double().sum().item() for p in model.parameters()]
 
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:3"], indirect=True)
-def test_staged_parameters_equal_copying_at_the_next_step(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Asynchronous steps stage the updated parameters for the next step (RPP_STAGE_PARAMS, default
-    on) instead of copying them when it starts: every iteration sees exactly the same parameters,
-    including around synchronize(), synchronous steps and edits of the optimizer parameters."""
-    monkeypatch.setenv("RPP_STAGE_PARAMS", "0")
-    copying = _mixed_schedule_losses(make_model())
-    monkeypatch.setenv("RPP_STAGE_PARAMS", "1")
-    monkeypatch.setenv("RPP_GRAD_INTO_MODEL", "0")
-    assert _mixed_schedule_losses(make_model()) == copying
-    monkeypatch.setenv("RPP_GRAD_INTO_MODEL", "1")  # downloads into the weights' buffers
-    model = make_model()
-    staged = _mixed_schedule_losses(model)
-    assert staged == copying
+def test_staged_parameters_follow_the_one_step_stale_rule(workers: str) -> None:
+    """Asynchronous steps stage the updated parameters for the next step: a schedule mixing them with
+    synchronize(), synchronous steps and edits of the optimizer parameters runs the same twice without
+    piling up host buffers, and pure asynchronous iterations follow the one-step-stale reference."""
+    assert _mixed_schedule_losses(make_model()) == _mixed_schedule_losses(make_model())
     # Pure asynchronous iterations follow the one-step-stale reference loss by loss.
     rp = RoundPipe(make_model(), model_run_config=RoundPipeRunConfig(num_microbatch=3))
     opt = torch.optim.SGD(rp.optim_parameters(), lr=0.1, momentum=0.9)
@@ -140,10 +132,10 @@ def test_staged_parameters_equal_copying_at_the_next_step(workers: str, monkeypa
 
 
 @pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
-def test_stage_params_env_is_checked(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fused_staging_env_is_checked(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A bad value fails when the model is built, naming the variable (not at some later step)."""
-    monkeypatch.setenv("RPP_STAGE_PARAMS", "maybe")
-    with pytest.raises(ValueError, match="RPP_STAGE_PARAMS='maybe': expected"):
+    monkeypatch.setenv("RPP_DEBUG_FUSED_STAGING", "maybe")
+    with pytest.raises(ValueError, match="RPP_DEBUG_FUSED_STAGING='maybe': expected"):
         RoundPipe(make_model())
 
 
@@ -230,8 +222,8 @@ def test_tied_gradient_shares_are_summed_on_the_device(
     not even downloaded, on two they are and the owner's download adds them in. Either way the main
     thread finds one share left to fold; where owner and sharer run in one job it still adds them.
     Gradients equal plain PyTorch, across calls (accumulation) and steps."""
+    from roundpipe.host.buffers import ParamBuffers
     from roundpipe.planning.plan import ModelExecutePlan
-    from roundpipe.runtime.host_buffers import ParamBuffers
 
     torch.manual_seed(5)
     emb, mid, head = (nn.Linear(5, 5, bias=False) for _ in range(3))
@@ -315,8 +307,8 @@ def test_spare_buffers_serve_pinned_requests_only_with_pinned_memory(monkeypatch
     """ParamBuffers spares: a pageable spare (pin_model='off' model buffer) serves staging of a
     pageable parameter but is dropped, not returned, when a pinned download buffer is asked for."""
     from roundpipe.devices import backend
-    from roundpipe.runtime.attribute import ParamAttribute
-    from roundpipe.runtime.host_buffers import ParamBuffers
+    from roundpipe.host.attribute import ParamAttribute
+    from roundpipe.host.buffers import ParamBuffers
 
     monkeypatch.setattr(backend, "pin_enabled", lambda: True)
     attr = ParamBuffers(ParamAttribute())
@@ -406,21 +398,17 @@ def test_host_buffers_rotate_and_one_gradient_buffer_waits(workers: str, monkeyp
     """A bf16 model with fp32 masters and roundpipe.optim.Adam, a slow asynchronous step (the next
     backward's downloads arrive while it still reads the gradient buffers it was handed):
 
-    - default: the host buffers of a parameter rotate (download target, optimizer .grad, staging,
-      model), three copies per parameter instead of four;
-    - RPP_STAGE_PARAMS=0: the download takes a second gradient buffer instead (three again);
-    - RPP_STAGE_PARAMS=0 RPP_GRAD_BUFFERS=1: the download waits for the optimizer, two copies;
-    - a step that keeps its gradients (no zero_grad) still gets its own buffers.
-    Every variant trains exactly the same parameters."""
+    - staged (the default): downloads take the weights' buffer once a step has staged ahead, two copies
+      per parameter (tests/test_grad_into_weights.py has the details);
+    - streamed: the download waits for the optimizer to release its one gradient buffer, two copies;
+    - a streamed step that keeps its gradients (no zero_grad) still gets its own buffers."""
     import time
 
+    from roundpipe.host.buffers import ParamBuffers
     from roundpipe.optim import Adam
-    from roundpipe.runtime.host_buffers import ParamBuffers
 
-    def run(stage: str, buffers: str, zero_grad: bool = True, into: str = "0") -> tuple:
-        monkeypatch.setenv("RPP_STAGE_PARAMS", stage)
-        monkeypatch.setenv("RPP_GRAD_BUFFERS", buffers)
-        monkeypatch.setenv("RPP_GRAD_INTO_MODEL", into)
+    def run(mode: str, zero_grad: bool = True) -> tuple:
+        monkeypatch.setenv("RPP_STEP_MODE", mode)
         model = make_model().to(torch.bfloat16)
         rp = RoundPipe(model, optim_dtype=torch.float32, model_run_config=RoundPipeRunConfig(num_microbatch=2))
         opt = Adam(rp.optim_parameters(), lr=1e-2)
@@ -438,29 +426,14 @@ def test_host_buffers_rotate_and_one_gradient_buffer_waits(workers: str, monkeyp
             most = max([most] + [len(ParamBuffers.of(p).host_buffers(p)) for p in model.parameters()])
         rp.synchronize()
         counts = {len(ParamBuffers.of(p).host_buffers(p)) for p in model.parameters()}
-        return [p.detach().clone() for p in rp.optim_parameters()], max(most, *counts), counts
+        return max(most, *counts), counts
 
-    rotated, most, counts = run("1", "2")
-    assert most == 3 and counts == {3}, (most, counts)
-    copied, most, counts = run("0", "2")
-    assert most == 3 and counts <= {2, 3}, (most, counts)
-    single, most, counts = run("0", "1")
+    most, counts = run("staged")
     assert most == 2 and counts == {2}, (most, counts)
-    # RPP_GRAD_INTO_MODEL (the default): downloads take the weights' buffer once a step has staged ahead,
-    # two copies (tests/test_grad_into_weights.py has the details)
-    moved, most, counts = run("1", "2", into="1")
+    most, counts = run("streamed")
     assert most == 2 and counts == {2}, (most, counts)
-    for a, b, c, d in zip(rotated, copied, single, moved):
-        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
-    _, kept, _ = run("0", "1", zero_grad=False)
+    kept, _ = run("streamed", zero_grad=False)
     assert kept > 2  # no release to wait for: it took another buffer (and did not hang)
-
-
-@pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
-def test_grad_buffers_env_is_checked(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RPP_GRAD_BUFFERS", "3")
-    with pytest.raises(ValueError, match="RPP_GRAD_BUFFERS='3'"):
-        RoundPipe(make_model())
 
 
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
@@ -469,8 +442,8 @@ def test_bf16_gradients_are_handed_to_roundpipe_adam_without_a_copy(workers: str
     """bf16 model, fp32 masters: roundpipe.optim.Adam reads the bf16 host gradient buffers as its .grad
     (no fp32 gradient copy); the run equals the copying path (torch.optim.Adam gets fp32 gradients) and
     each layer keeps at most two gradient buffers, alternating while the asynchronous step reads one."""
+    from roundpipe.host.buffers import ParamBuffers
     from roundpipe.optim import Adam
-    from roundpipe.runtime.host_buffers import ParamBuffers
 
     def run(opt_cls: type, accumulate: bool) -> List[torch.Tensor]:
         model = make_model().to(torch.bfloat16)
@@ -505,299 +478,3 @@ def test_bf16_gradients_are_handed_to_roundpipe_adam_without_a_copy(workers: str
         for a, b in zip(handed, copied):
             assert a.dtype == torch.float32
             assert (a - b).abs().max().item() < 1e-6, accumulate
-
-
-def test_one_process_leaves_cores_to_its_issuing_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Alone on its host, the optimizer thread takes each GPU's share of torch's thread count less four
-    (from 8 threads up, at least 8), so the main, device and autograd threads keep cores while a step
-    runs; RPP_OPTIM_THREADS wins."""
-    import threading
-
-    from roundpipe.optim import thread as optim_thread
-
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
-    assert optim_thread.single_process_default() == 12
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
-    assert optim_thread.single_process_default() == 4
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)
-    assert optim_thread.single_process_default() is None  # small hosts (CI's 2 cores) keep torch's count
-    # Several GPUs: each one's share less 4 (32 cores, 2 GPUs: 12), at least 8 (16 cores, 2 GPUs)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 32)
-    assert [optim_thread.single_process_default(d) for d in (1, 2, 4)] == [28, 12, 8]
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
-    assert [optim_thread.single_process_default(d) for d in (1, 2)] == [12, 8]
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
-    assert optim_thread.single_process_default(2) == 4  # never more than torch's count less 4
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert optim_thread.single_process_default() is None  # several ranks: their share, not this rule
-
-    # What the optimizer thread sets, run on a thread of its own as the optimizer thread is.
-    chosen: list = []
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.setattr(torch, "set_num_threads", chosen.append)
-    monkeypatch.setattr(optim_thread, "_base_threads", None)  # as in a fresh process: torch's count, 16
-    for env in (None, "3"):
-        if env is None:
-            monkeypatch.delenv("RPP_OPTIM_THREADS", raising=False)
-        else:
-            monkeypatch.setenv("RPP_OPTIM_THREADS", env)
-        t = threading.Thread(target=optim_thread._set_thread_count)
-        t.start()
-        t.join()
-    monkeypatch.delenv("RPP_OPTIM_THREADS", raising=False)
-    monkeypatch.setattr(optim_thread, "issuing_devices", lambda: 2)  # a process driving two GPUs
-    t = threading.Thread(target=optim_thread._set_thread_count)
-    t.start()
-    t.join()
-    assert chosen == [12, 3, 8]
-    monkeypatch.undo()
-
-    from roundpipe.devices import backend
-
-    monkeypatch.setattr(backend, "parse_devices", lambda spec: [torch.device("cpu")] * 3)
-    assert optim_thread.issuing_devices() == 1  # CPU workers issue no GPU work
-    monkeypatch.setattr(backend, "parse_devices", lambda spec: [torch.device("cuda", 0), torch.device("cuda", 1)])
-    assert optim_thread.issuing_devices() == 2
-
-
-def test_the_optimizer_thread_takes_its_count_again_for_a_new_pool(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The optimizer thread sets its intra-op count when it starts, for the pool of that moment; after
-    ``configure(devices=...)`` it sets it again before its next kernel, from torch's count before its own
-    (a benchmark that ran 1 GPU first kept 60 of 64 cores for the step on 4 GPUs, against 12)."""
-    import roundpipe
-    from roundpipe import settings
-    from roundpipe.optim import thread as optim_thread
-
-    chosen: list = []
-    optim_thread.synchronize()  # the thread has started and set its count (earlier tests, or now)
-    optim_thread.submit(lambda: None)
-    optim_thread.synchronize()
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.delenv("RPP_OPTIM_THREADS", raising=False)
-    monkeypatch.setattr(optim_thread, "_base_threads", 64)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 60)  # what the thread sees after setting its own
-    monkeypatch.setattr(torch, "set_num_threads", chosen.append)
-    pools = {"cpu:1": 1, "cpu:2": 4}
-    monkeypatch.setattr(optim_thread, "issuing_devices", lambda: pools[settings.DEVICES.get()])
-    try:
-        for spec in ("cpu:1", "cpu:2"):
-            roundpipe.configure(devices=spec)
-            optim_thread.submit(lambda: None)
-            optim_thread.synchronize()
-        optim_thread.submit(lambda: None)  # no change since: no new count
-        optim_thread.synchronize()
-    finally:
-        settings.unconfigure("RPP_DEVICES")
-        optim_thread._recount.clear()
-    assert chosen == [60, 12]
-
-
-def test_ranks_sharing_a_host_give_the_optimizer_a_share_of_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torchrun sets OMP_NUM_THREADS=1 for several ranks per host; the host Adam then gets cores / ranks
-    threads, less two per rank for its issuing threads when that leaves at least 4, unless
-    RPP_OPTIM_THREADS says otherwise (a count the user chose is kept)."""
-    import os
-
-    from roundpipe.optim import thread as optim_thread
-
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert optim_thread.shared_host_default() == 14  # 16 each, two left to the device and main threads
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    assert optim_thread.shared_host_default() == 8
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert optim_thread.shared_host_default() == 4  # a share under 6 is kept whole
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert optim_thread.shared_host_default() is None
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
-    assert optim_thread.shared_host_default() is None
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})
-    assert optim_thread.shared_host_default() is None  # one core per rank: nothing to spread
-
-
-def _bf16_async_training(step: bool = True) -> Tuple[RoundPipe, Callable[[torch.Tensor, torch.Tensor], None]]:
-    """A bf16 RoundPipe model with fp32 masters and roundpipe's Adam, and one training call with an
-    asynchronous step (``step=False``: the call alone; ``rp.opt`` steps)."""
-    from roundpipe.optim import Adam
-
-    rp = RoundPipe(
-        make_model().to(torch.bfloat16),
-        optim_dtype=torch.float32,
-        model_run_config=RoundPipeRunConfig(num_microbatch=2),
-    )
-    opt = Adam(rp.optim_parameters(), lr=1e-2)
-    rp.__dict__["opt"] = opt
-
-    def train(x: torch.Tensor, y: torch.Tensor) -> None:
-        rp.forward_backward(input_args=(x.bfloat16(),), label=y, loss_fn=lambda o, t: ((o.float() - t) ** 2).mean())
-        if step:
-            rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
-
-    return rp, train
-
-
-def _record_host_allocations(stage: str, monkeypatch: pytest.MonkeyPatch) -> list:
-    """Set the buffer mode (``stage``: "1" staged steps, two buffers; "0" no staging; "rotate": staged
-    with three buffers, ``RPP_GRAD_INTO_MODEL=0``) and record the shape of every host buffer the
-    runtime's download and step paths allocate from now on."""
-    from roundpipe.runtime import host_buffers
-
-    monkeypatch.setenv("RPP_STAGE_PARAMS", "0" if stage == "0" else "1")
-    monkeypatch.setenv("RPP_GRAD_INTO_MODEL", "0" if stage == "rotate" else "1")
-    allocations: list = []
-    for mod in (host_buffers,):
-        real = mod.pinned_empty
-        monkeypatch.setattr(
-            mod, "pinned_empty", lambda *a, real=real, **k: (allocations.append(a[0]), real(*a, **k))[1]
-        )
-    return allocations
-
-
-@pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
-@pytest.mark.parametrize("stage", ["1", "0", "rotate"])
-def test_host_buffers_exist_before_the_second_iteration(
-    workers: str, stage: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The buffers the first steps rotate through are allocated in the background from the first
-    training call on: once that is done, no later iteration or step allocates a host buffer (the first
-    iterations after warm-up run at the steady pace), and training is unchanged. ('rotate': staged
-    steps with three buffers, ``RPP_GRAD_INTO_MODEL=0``.)"""
-    allocations = _record_host_allocations(stage, monkeypatch)
-    rp, train = _bf16_async_training()
-    data = batches(5)
-
-    train(*data[0])
-    assert rp.__dict__["host_buffers"].thread is None  # the first step waited for it
-    rp.synchronize()
-    allocations.clear()
-    for x, y in data[1:]:
-        train(x, y)
-    rp.synchronize()
-    assert allocations == []
-
-
-@pytest.mark.parametrize(
-    "workers,plan_kind", [("cpu:1", "layerwise"), ("cpu:2", "layerwise"), ("cpu:2", "one-group")], indirect=["workers"]
-)
-@pytest.mark.parametrize("stage", ["1", "0", "rotate"])
-def test_a_tied_weights_buffers_come_from_the_background_builder(
-    workers: str, plan_kind: str, stage: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A tied weight's gradient buffers are built in the background too: with the builder done before
-    the first backward, neither the first call, nor the first step (which runs beside the next
-    iteration: pinning there held the driver's lock for 0.3 s of it on a GPU), nor a later iteration
-    allocates a host buffer; the results are bit-identical to a run whose buffers are all allocated
-    where they are first needed (no builder). With the default buffers (``stage`` 1) the tied weight
-    has two host copies in the model dtype, as any weight, plus one per other layer sharing it that
-    downloads its own share (several devices, or owner and sharer in one stage: the builder foresees
-    the first only, so that case on one device is not run here)."""
-    import threading
-
-    from roundpipe.optim import Adam
-    from roundpipe.planning.plan import ModelExecutePlan
-    from roundpipe.runtime import step_cycle
-    from roundpipe.runtime.attribute import ParamAttribute
-    from roundpipe.runtime.host_buffers import ParamBuffers
-
-    allocations = _record_host_allocations(stage, monkeypatch)
-    build = step_cycle.preallocate_host_buffers
-
-    def run(builder: bool) -> Tuple[List[torch.Tensor], int]:
-        def prealloc(params: list, name: str) -> threading.Thread:
-            t = build(params, name) if builder else threading.Thread(target=lambda: None)
-            if not builder:
-                t.start()
-            t.join()  # done before the first backward
-            return t
-
-        monkeypatch.setattr(step_cycle, "preallocate_host_buffers", prealloc)
-        torch.manual_seed(0)
-        m = nn.Sequential(
-            nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3)
-        )
-        m[4].weight = m[2].weight
-        plan = (
-            ModelExecutePlan.layerwise(7, "train")
-            if plan_kind == "layerwise"
-            else ModelExecutePlan([range(0, 7)], [range(0, 7)])
-        )
-        rp = RoundPipe(
-            m.to(torch.bfloat16),
-            optim_dtype=torch.float32,
-            model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan),
-        )
-        assert ParamAttribute.get(rp.model[2].weight).shared
-        opt = Adam(rp.optim_parameters(), lr=1e-2)
-        allocations.clear()
-        for x, y in batches(4):
-            rp.forward_backward(input_args=(x.bfloat16(),), label=y, loss_fn=lambda o, t: ((o.float() - t) ** 2).mean())
-            rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
-        rp.synchronize()
-        w = rp.model[2].weight
-        copies = len(ParamBuffers.of(w).host_buffers(w))
-        return [o.detach().clone() for o in rp.optim_parameters()], copies
-
-    without, _ = run(builder=False)
-    assert allocations  # the buffers were allocated on the way (the tied weight's among them)
-    with_builder, copies = run(builder=True)
-    assert allocations == []
-    if stage == "1":
-        assert copies == (2 if workers == "cpu:1" else 3)
-    for a, b in zip(with_builder, without):
-        assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
-@pytest.mark.parametrize("waiter", ["first step", "second call"])
-def test_the_first_step_waits_for_the_host_buffers_and_the_optimizer_state(
-    workers: str, waiter: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Pinning holds the driver's lock, and a first step still building its state would hold up the
-    next iteration: the first ``step`` (or, without one, the second training call) lets the background
-    allocation and the state reserve finish, so no later iteration runs beside them; calls without
-    gradients do not wait."""
-    import threading
-
-    from roundpipe.optim import reserve
-    from roundpipe.runtime import step_cycle
-
-    release = threading.Event()
-    real = step_cycle.preallocate_host_buffers
-    waited: list = []
-    real_wait = reserve.wait_for
-    monkeypatch.setattr(reserve, "wait_for", lambda params: (waited.append(len(list(params))), real_wait(params))[1])
-
-    def slow(params: list, name: str) -> threading.Thread:
-        def run() -> None:
-            release.wait(30)
-            real(params, name).join()
-
-        t = threading.Thread(target=run, daemon=True)
-        t.start()
-        return t
-
-    monkeypatch.setattr(step_cycle, "preallocate_host_buffers", slow)
-    rp, train = _bf16_async_training(step=False)
-    opt = rp.__dict__["opt"]
-    data = batches(2)
-
-    train(*data[0])
-    prep = rp.__dict__["host_buffers"]
-    thread = prep.thread
-    assert thread.is_alive()
-    with torch.no_grad():
-        rp(data[1][0].bfloat16())  # inference does not wait
-    assert thread.is_alive() and waited == []
-    threading.Timer(0.5, release.set).start()
-    if waiter == "first step":
-        rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
-    else:
-        train(*data[1])
-    assert not thread.is_alive() and prep.thread is None
-    assert waited and waited[0] > 0  # the optimizer states' builders were waited for too
-    rp.synchronize()

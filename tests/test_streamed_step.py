@@ -1,6 +1,6 @@
 """``RPP_STEP_MODE=streamed``: asynchronous steps that hand each layer to the next forward as soon as the
 optimizer has stepped it. Nothing is stale (results equal plain PyTorch's synchronous loop) and a
-parameter keeps two host copies in the model dtype (weights, gradient) instead of three."""
+parameter keeps two host copies in the model dtype (weights, gradient), also with gradient accumulation."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from torch import nn
 
 import roundpipe
 from roundpipe import RoundPipe, RoundPipeRunConfig, settings
-from roundpipe.optim import step as step_protocol
-from roundpipe.runtime.host_buffers import ParamBuffers
+from roundpipe.host import step as step_protocol
+from roundpipe.host.buffers import ParamBuffers
 
 
 @pytest.fixture(autouse=True)
@@ -183,6 +183,22 @@ def test_two_optimizers_and_a_second_step_of_one_layer(workers: str) -> None:
     rp.step(lambda: (opt.step(), opt.step()), is_async=True)  # the second step would change published layers
     with pytest.raises(RuntimeError, match="RPP_STEP_MODE=streamed"):
         rp.synchronize()
+
+
+@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
+def test_the_step_mode_is_read_once_when_the_model_is_built(workers: str) -> None:
+    """A model keeps the step mode it was built with: the setting changed afterwards changes nothing."""
+    model = make_model()
+    rp = RoundPipe(model, optim_dtype=torch.float64, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    settings.configure(step_mode="staged")
+    opt = rp_adamw(list(rp.optim_parameters()))
+    for x, y in batches(4):
+        rp.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
+        rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=True)
+    rp.synchronize()
+    ref = plain_pytorch(adamw, 4)
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert rel_err(p, q) < 1e-12, n
 
 
 @pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)

@@ -224,11 +224,11 @@ def test_parameter_gradients_go_on_their_own_stream_with_other_devices_shares_fe
     from roundpipe import RoundPipe, RoundPipeRunConfig, settings
     from roundpipe.devices import backend as backend_mod
     from roundpipe.devices import device as device_mod
+    from roundpipe.host.buffers import ParamBuffers
     from roundpipe.planning.plan import ModelExecutePlan
     from roundpipe.runtime import partial_grads as partial_mod
     from roundpipe.runtime import tied_grads as tied_mod
     from roundpipe.runtime import transfer as transfer_mod
-    from roundpipe.runtime.host_buffers import ParamBuffers
 
     settings.configure(debug_split_fused="1")  # the fused job's parts, as on GPUs
     device_mod.reset_devices()

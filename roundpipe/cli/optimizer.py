@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from roundpipe.cli.config import TrainConfig
-from roundpipe.optim.step import step_fn_zeroes_grads
+from roundpipe.host.step import step_fn_zeroes_grads
 
 
 def make_optimizer(masters: List[torch.Tensor], cfg: TrainConfig) -> torch.optim.Optimizer:

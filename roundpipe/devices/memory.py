@@ -36,9 +36,8 @@ def _cuda_register(ptr: int, nbytes: int) -> None:
         raise RuntimeError(
             f"cudaHostRegister failed ({err}) pinning {nbytes / 2**20:.1f} MiB of host memory: the host is out of "
             "memory it can page-lock. Free host memory, or lower RoundPipe's use of it: pin_model='off' (model "
-            "weights), RPP_STAGE_PARAMS=0 RPP_GRAD_BUFFERS=1 together (one host copy of the trainable parameters "
-            "less); see "
-            "docs/resolve-oom.md"
+            "weights), RPP_STEP_MODE=streamed (no staged copy of the trainable parameters, also with gradient "
+            "accumulation); see docs/resolve-oom.md"
         )
 
 

@@ -16,7 +16,7 @@ weights, so the replicas stay identical without ever exchanging weights.
 Two places to reduce (``enable_data_parallel(reduce_on=...)``):
 
 * ``"host"``: :class:`DataParallel` is the model's ``grad_sync`` (``roundpipe.runtime.grad_sync``;
-  see ``roundpipe.optim.step``) and all-reduces the host gradients with gloo on the optimizer thread, after
+  see ``roundpipe.host.step``) and all-reduces the host gradients with gloo on the optimizer thread, after
   they have landed on the host and before they are copied into the optimizer's master copies. It works on any
   accelerator, CPU workers included, adds no device traffic, and the asynchronous step hides it behind the next
   forward. It runs on a *dedicated* gloo group that only the optimizer thread uses: collectives on one

@@ -18,7 +18,7 @@ from roundpipe.distributed.reduction import (
     ReduceOptions,
     StatsCounter,
 )
-from roundpipe.optim import thread as optim_thread
+from roundpipe.host import optim_thread
 from roundpipe.planning.plan import ModelExecutePlan, RunType
 from roundpipe.roundpipe import RoundPipeBase
 from roundpipe.runtime.grad_sync import LayerReducer

@@ -40,12 +40,12 @@ from roundpipe.distributed.sharding import (
     register_device_reduction,
     unregister_device_reduction,
 )
-from roundpipe.optim import thread as optim_thread
+from roundpipe.host import optim_thread
+from roundpipe.host.attribute import LayerAttribute
+from roundpipe.host.buffers import host_grad
 from roundpipe.planning.plan import ModelExecutePlan
 from roundpipe.roundpipe import RoundPipe, RoundPipeBase
-from roundpipe.runtime.attribute import LayerAttribute
 from roundpipe.runtime.grad_sync import GradSync
-from roundpipe.runtime.host_buffers import host_grad
 
 NCCL_GRACE_S = 30.0  # NCCL groups time out this much later than RPP_DIST_TIMEOUT_S (see CollectiveMonitor)
 

@@ -19,9 +19,9 @@ from roundpipe.distributed.env import timeout_s
 from roundpipe.distributed.errors import DataParallelError
 from roundpipe.distributed.optim_shard import OptimizerShard
 from roundpipe.distributed.reduction import ReduceOn
-from roundpipe.optim import thread as optim_thread
+from roundpipe.host import optim_thread
+from roundpipe.host.attribute import ParamAttribute
 from roundpipe.roundpipe import RoundPipeBase
-from roundpipe.runtime.attribute import ParamAttribute
 
 logger = logging.getLogger("roundpipe")
 

@@ -22,8 +22,8 @@ from torch import nn
 
 from roundpipe.distributed.errors import DataParallelError, collective_failure
 from roundpipe.distributed.reduction import ReduceOptions, StatsCounter, group_ranks
+from roundpipe.host.attribute import LayerAttribute
 from roundpipe.roundpipe import RoundPipeBase
-from roundpipe.runtime.attribute import LayerAttribute
 
 if TYPE_CHECKING:
     from roundpipe.distributed.device_reduce import DeviceReduction

@@ -12,7 +12,7 @@ per parameter) through one memory bus, and hold W copies of the fp32 masters and
   pre-hook, so gradient clipping in ``step_fn`` still sees every reduced gradient) the other ranks'
   optimizers find ``.grad = None`` there and skip the unit, creating no moments for it;
 * every rank then copies every unit from the shared masters into its own model weights (the usual
-  staging or copy of :mod:`roundpipe.optim.step`), so replicas stay bit-identical.
+  staging or copy of :mod:`roundpipe.host.step`), so replicas stay bit-identical.
 
 Order: two barriers on a gloo group of the host's ranks, issued only by the optimizer threads, in the
 same sequence on every rank (the optimizer thread runs the steps in order):
@@ -47,13 +47,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from roundpipe import settings
 from roundpipe.distributed.env import timeout_s
 from roundpipe.distributed.errors import DataParallelError, run_collective
-from roundpipe.optim import reserve
-from roundpipe.optim import thread as optim_thread
+from roundpipe.host import optim_thread
+from roundpipe.host import state_reserve as reserve
+from roundpipe.host.attribute import ParamAttribute
 from roundpipe.roundpipe import RoundPipeBase
-from roundpipe.runtime.attribute import ParamAttribute
 
 logger = logging.getLogger("roundpipe")
 
@@ -106,7 +105,7 @@ def _install_hook() -> None:
 
 class OptimizerShard:
     """This rank's share of the host optimizer step (module docstring); the ``step_sync`` of a
-    :class:`~roundpipe.distributed.data_parallel.DataParallel` (``roundpipe.runtime.grad_sync.StepSync``).
+    :class:`~roundpipe.distributed.data_parallel.DataParallel` (``roundpipe.host.protocol.StepSync``).
 
     Attributes:
         local_rank: This rank's index among the ranks of its host (0..local_size-1).
@@ -203,10 +202,10 @@ class OptimizerShard:
             os.close(fd)
         return segment
 
-    # ---- roundpipe.runtime.grad_sync.StepSync (optimizer thread) --------------------------------------------
-    def before_step_fn(self, units: Units, is_async: bool) -> None:
+    # ---- roundpipe.host.protocol.StepSync (optimizer thread) ------------------------------------------------
+    def before_step_fn(self, units: Units, streamed: bool) -> None:
         """Before ``step_fn``: no peer still reads the masters of the previous step."""
-        if is_async and settings.streamed_steps():
+        if streamed:
             raise DataParallelError(
                 f"{self.where}: RPP_STEP_MODE=streamed publishes each layer from its own optimizer; with "
                 "shard_optimizer=True "

@@ -43,8 +43,8 @@ from typing import Any, Callable, Dict, List, Optional, Type
 import torch
 from torch import nn
 
+from roundpipe.host.step import step_fn_zeroes_grads
 from roundpipe.optim.grad_scaler import GradScaler
-from roundpipe.optim.step import step_fn_zeroes_grads
 from roundpipe.roundpipe import RoundPipeBase
 
 logger = logging.getLogger("roundpipe")
@@ -287,8 +287,8 @@ class RoundPipeTrainerMixin:
         return self.optimizer
 
     def _create_host_optimizer(self, rp: RoundPipeBase) -> torch.optim.Optimizer:
+        from roundpipe.host.step import OptimizerCtx
         from roundpipe.optim import Adam
-        from roundpipe.runtime.context import OptimizerCtx
 
         args = self.args  # type: ignore[attr-defined]
         decay = set(self.get_decay_parameter_names(rp.model))  # type: ignore[attr-defined]

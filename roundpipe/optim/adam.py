@@ -32,11 +32,11 @@ from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
 from roundpipe import settings
+from roundpipe.host.state_reserve import StateReserve
+from roundpipe.host.step import accept_low_precision_grad, current_publisher, current_stager
 from roundpipe.optim import compact
 from roundpipe.optim.build import OptimBuildError, get_optim_function, prebuild
 from roundpipe.optim.fp32_step import KernelBatch, TensorLists, torch_step
-from roundpipe.optim.reserve import StateReserve
-from roundpipe.optim.step import accept_low_precision_grad, current_publisher, current_stager
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class Adam(Optimizer):
         seed: seed of the stochastic rounding, an int in [0, 2**63).
         preallocate_state: build the zero moments in a background thread from the RoundPipe model's
             first training call on, so the first ``step()`` does not allocate them on its critical
-            path (``roundpipe.optim.reserve``; same memory, same state dict; a parameter's state still
+            path (``roundpipe.host.state_reserve``; same memory, same state dict; a parameter's state still
             appears at its first step). False, or without RoundPipe: allocate them in the first step,
             as torch does.
 
@@ -276,7 +276,7 @@ class Adam(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         pub = current_publisher()
-        stager = current_stager() if pub is None else None  # RPP_FUSED_STAGING: write the staging buffers
+        stager = current_stager() if pub is None else None  # fused staging: write the staging buffers
         compact_on = self.compact_config.enabled
         kernel = _adam_kernel("compact_adam" if compact_on else "adam", self.impl)
         # The parameter's position in the optimizer: part of a compact state's rounding stream.

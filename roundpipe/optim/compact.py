@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from roundpipe.optim import quant
+from roundpipe.optim.fp32_step import kernel_hyperparams
 
 __all__ = [
     "CompactConfig",
@@ -329,20 +330,13 @@ class CompactKernelBatch:
 
     def run(self, kernel: Callable[..., int], group: Dict[str, Any]) -> None:
         """One kernel call for the batch."""
-        beta1, beta2 = group["betas"]
         kernel(
             len(self),
             *(a.buffer_info()[0] for a in self.ptrs),
             self.grad_kinds.buffer_info()[0],
             self.numels.buffer_info()[0],
             self.pids.buffer_info()[0],
-            float(group["lr"]),
-            float(beta1),
-            float(beta2),
-            float(group["eps"]),
-            float(group["weight_decay"]),
-            int(bool(group["maximize"])),
-            int(bool(group["decoupled_weight_decay"])),
+            *kernel_hyperparams(group),
             self.cfg.state_kind,
             self.cfg.master_kind,
             self.cfg.block_size,

@@ -20,6 +20,15 @@ def _as_float(x: Union[float, Tensor]) -> float:
     return x.item() if isinstance(x, Tensor) else float(x)
 
 
+def kernel_hyperparams(group: Dict[str, Any], amsgrad: bool = False) -> Tuple[Union[float, int], ...]:
+    """A param group's Adam hyperparameters in the order the C++ kernels take them: lr, beta1, beta2, eps,
+    weight decay, then the flags (``amsgrad`` where the kernel has it), maximize, decoupled weight decay."""
+    beta1, beta2 = group["betas"]
+    flags = ([group["amsgrad"]] if amsgrad else []) + [group["maximize"], group["decoupled_weight_decay"]]
+    rates = (_as_float(group["lr"]), _as_float(beta1), _as_float(beta2), float(group["eps"]))
+    return (*rates, float(group["weight_decay"]), *(int(bool(f)) for f in flags))
+
+
 class TensorLists:
     """params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs (amsgrad only), steps."""
 
@@ -107,7 +116,6 @@ class KernelBatch(TensorLists):
 
     def run(self, kernel: Callable[..., int], group: Dict[str, Any]) -> None:
         """One kernel call for the whole batch. The arrays and tensors stay referenced by ``self``."""
-        beta1, beta2 = group["betas"]
         p, g, m, v, vmax, step = (a.buffer_info()[0] if len(a) else None for a in self.ptrs)
         kernel(
             len(self.params),
@@ -119,14 +127,7 @@ class KernelBatch(TensorLists):
             vmax,
             step,
             self.numels.buffer_info()[0],
-            _as_float(group["lr"]),
-            _as_float(beta1),
-            _as_float(beta2),
-            float(group["eps"]),
-            float(group["weight_decay"]),
-            int(bool(group["amsgrad"])),
-            int(bool(group["maximize"])),
-            int(bool(group["decoupled_weight_decay"])),
+            *kernel_hyperparams(group, amsgrad=True),
             torch.get_num_threads(),
             self.outs.buffer_info()[0] if any(self.outs) else None,
         )

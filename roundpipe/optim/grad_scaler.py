@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from roundpipe.devices.threads import AnnotatedEvent
-from roundpipe.optim import thread as optim_thread
+from roundpipe.host import optim_thread
 
 __all__ = ["GradScaler"]
 

@@ -132,9 +132,8 @@ def estimate(
         optimizer_bytes_per_param: Optimizer state and master bytes per trainable parameter (12: fp32
             master + Adam m, v; :func:`optimizer_state_bytes` gives the compact states).
         grad_buffers: Host buffers per trainable parameter besides the weights (gradient download and
-            staging). None: as the settings make it: 1 by default (downloads into the weights' buffers,
-            ``RPP_GRAD_INTO_MODEL``), with ``RPP_STEP_MODE=streamed`` or ``RPP_STAGE_PARAMS=0
-            RPP_GRAD_BUFFERS=1``; 2 with ``RPP_GRAD_INTO_MODEL=0``.
+            staging). None: as the step mode makes it with one training call per step
+            (``roundpipe.host.step_mode.StepMode.host_buffers_besides_weights``: 1, staged or streamed).
         pinned: Whether checkpoints come from the pinned caching allocator (GPU runs; CPU workers keep
             them unrounded).
         devices: GPUs of the process: with several (and several microbatches) the fused last stage runs
@@ -159,11 +158,12 @@ def estimate(
         raise ValueError(f"recompute_grain={recompute_grain!r}: expected 'stage' or 'layer'")
     if tile is None or grad_buffers is None or stage_inputs is None:
         from roundpipe import settings
+        from roundpipe.host.step_mode import StepMode
 
         if tile is None:
             tile = settings.SEQ_TILE.get()
         if grad_buffers is None:
-            grad_buffers = settings.host_buffers_besides_weights()
+            grad_buffers = StepMode.resolve().host_buffers_besides_weights
         if stage_inputs is None:
             stage_inputs = settings.STAGE_INPUTS.get()
     b = dtype_bytes

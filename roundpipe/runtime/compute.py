@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 
 from roundpipe.devices import backend, graphs
 from roundpipe.devices import device as device_mod
-from roundpipe.runtime.attribute import ParamAttribute
+from roundpipe.host.attribute import ParamAttribute
 from roundpipe.runtime.context import ForwardCtx, RecomputeCtx
 from roundpipe.runtime.run import Leaves, MicrobatchState, Run, differentiable
 from roundpipe.runtime.transfer import HostScalar, wait_layer

@@ -10,7 +10,8 @@ so that the backward recompute reuses it instead of computing it again::
         save_for_recompute(cos, sin)
 
 Outside a RoundPipe run ``save_for_recompute`` is a no-op and ``doing_recompute`` is False, so the same
-layer code runs unchanged in plain PyTorch.
+layer code runs unchanged in plain PyTorch. (The optimizer's scope, ``OptimizerCtx``, belongs to the step
+protocol: ``roundpipe.host.step``.)
 
 Attributes:
     flags: Thread-local storage for context flags. Each device controller thread has its own.
@@ -75,23 +76,6 @@ class RecomputeCtx(_Scope):
     def __init__(self, recompute_data: Optional[Tuple[Any, ...]]) -> None:
         super().__init__()
         self.recompute_data = recompute_data
-
-
-class OptimizerCtx:
-    """Marks optimizer-related code: inside it, RoundPipe models' ``parameters()`` and
-    ``named_parameters()`` return the optimizer copies (``optim_parameters()``)."""
-
-    def __enter__(self) -> "OptimizerCtx":
-        flags.optimizer_depth = (_get("optimizer_depth") or 0) + 1
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        flags.optimizer_depth = _get("optimizer_depth") - 1
-
-
-def doing_optimizer() -> bool:
-    """Whether the current scope is doing optimizer-related operations."""
-    return bool(_get("optimizer_depth"))
 
 
 def doing_recompute() -> bool:

@@ -20,19 +20,22 @@ compression). The core calls, and nothing else:
   weighting this rank's share).
 
 An implementation may also share the optimizer step itself across processes (data parallel with
-``shard_optimizer=True``): its ``step_sync`` attribute (None when it does not) is a :class:`StepSync`,
-which the step kernel (``roundpipe.optim.step``) calls on the optimizer thread right
+``shard_optimizer=True``): its ``step_sync`` attribute (None when it does not) is a
+``roundpipe.host.protocol.StepSync``,
+which the step kernel (``roundpipe.host.step``) calls on the optimizer thread right
 before ``step_fn`` (``before_step_fn``), right after it (``after_step_fn``; before the updated
 optimizer copies are staged or copied into the model) and, instead of ``after_step_fn``, when the step
-failed (``abort``).
+failed (``abort``). What the step kernel calls (``reduce_host``, ``step_sync``) is the host side's own
+protocol, ``roundpipe.host.protocol.HostGradSync``, which :class:`GradSync` extends.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, runtime_checkable
 
 from torch import nn
 
+from roundpipe.host.protocol import HostGradSync
 from roundpipe.planning.plan import ModelExecutePlan, RunType
 
 if TYPE_CHECKING:
@@ -42,17 +45,8 @@ LayerReducer = Callable[[nn.Module, nn.Module, int, "DeviceManager"], None]
 
 
 @runtime_checkable
-class GradSync(Protocol):
+class GradSync(HostGradSync, Protocol):
     """Gradient synchronisation hooks of a RoundPipe model (see the module docstring)."""
-
-    step_sync: Optional["StepSync"]
-    """The optimizer step shared across processes, or None (each process steps all its parameters)."""
-
-    def on_step_launch(self) -> None:
-        """Main thread, at the start of ``model.step``."""
-
-    def reduce_host(self, params: List[nn.Parameter]) -> None:
-        """Optimizer thread: reduce one unit's host gradients before the optimizer reads them."""
 
     def agree_plan(self, model: Any, run_type: RunType, plan: ModelExecutePlan) -> ModelExecutePlan:
         """Main thread, before a call of ``model``: the plan to run."""
@@ -61,16 +55,4 @@ class GradSync(Protocol):
         """Main thread: the device reduction of ``model``'s layer ``layer_id``, or None."""
 
 
-@runtime_checkable
-class StepSync(Protocol):
-    """Optimizer-step hooks of a ``grad_sync`` that shares the step across processes (module docstring).
-    ``units`` are the step's optimizer units (``RoundPipeBase.optim_units()``)."""
-
-    def before_step_fn(self, units: List[Any], is_async: bool) -> None:
-        """Optimizer thread: the gradients are handed over; ``step_fn`` runs next."""
-
-    def after_step_fn(self, units: List[Any]) -> None:
-        """Optimizer thread: ``step_fn`` returned; the optimizer copies are read next."""
-
-    def abort(self) -> None:
-        """Optimizer thread: the step failed between ``before_step_fn`` and ``after_step_fn``."""
+__all__ = ["GradSync", "LayerReducer"]

@@ -15,15 +15,16 @@ from typing import ClassVar, List, Optional, Protocol, Tuple
 
 from torch import nn
 
+from roundpipe.host.attribute import LayerAttribute
+from roundpipe.host.protocol import HostModel
 from roundpipe.planning.budget import ActivationProfile
 from roundpipe.planning.plan import PlanCache, PlannedModel
-from roundpipe.runtime.attribute import LayerAttribute
 from roundpipe.runtime.batch import Batch
 from roundpipe.runtime.grad_sync import GradSync
 from roundpipe.runtime.partial_grads import PartialGradStore
 
 
-class WrappedModel(Protocol):
+class WrappedModel(HostModel, Protocol):
     """What every RoundPipe wrapper (``RoundPipe``, ``AutoRoundPipe``) offers the host buffers and
     the optimizer step: a name, and the optimizer units of its trainable parameters."""
 
@@ -44,7 +45,7 @@ class PipelinedModel(WrappedModel, PlannedModel, Protocol):
     num_layers: int
     """``len(layers)``."""
     layer_attrs: List[LayerAttribute]
-    """Per-layer events between the device threads and the optimizer thread (``roundpipe.runtime.attribute``)."""
+    """Per-layer events between the device threads and the optimizer thread (``roundpipe.host.attribute``)."""
     grad_sync: Optional[GradSync]
     """Gradient synchronisation across processes, or None (``roundpipe.runtime.grad_sync``)."""
     partial_grad_store: PartialGradStore

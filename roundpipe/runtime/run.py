@@ -224,7 +224,7 @@ class Run:
         # next job to keep as its saved stage input (no host copy was made).
         self.kept_inputs: List[Set[int]] = [set() for _ in range(batch.num_microbatch)]
         # Whether this call's gradient downloads may take the weights' host buffers (set by the model at
-        # the call's start, ``roundpipe.runtime.step_cycle.StepCycle``; read by the device threads).
+        # the call's start, ``roundpipe.host.step_cycle.StepCycle``; read by the device threads).
         self.grad_into_weights = False
         # Autocast is thread-local: carry the caller's settings into the device threads.
         self.autocast: List[Tuple[str, torch.dtype]] = [

@@ -9,8 +9,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from roundpipe.runtime.attribute import LayerAttribute, ParamAttribute
-from roundpipe.runtime.host_buffers import ParamBuffers
+from roundpipe.host.attribute import LayerAttribute, ParamAttribute
+from roundpipe.host.buffers import ParamBuffers
 from roundpipe.runtime.transfer import to_device
 
 

@@ -7,7 +7,7 @@ on ``grad_stream`` (``download_layer``). Callers make the compute stream wait fo
 and hand device tensors to the device's ``InterStreamMemManager`` so they outlive their last use.
 Host waits: ``HostScalar.item()`` waits for an event recorded stages earlier (in practice long complete).
 Which host buffer a gradient download writes (and whether it must wait for the optimizer to release one)
-is ``roundpipe.runtime.host_buffers``' decision.
+is ``roundpipe.host.buffers``' decision.
 
 On CPU workers uploads copy too (so layers that modify inputs or parameters in place never touch the
 host copies saved for recompute or written by the optimizer thread) and downloads detach.
@@ -30,8 +30,8 @@ from torch import nn
 from roundpipe import settings
 from roundpipe.devices import backend
 from roundpipe.devices.backend import Event
-from roundpipe.runtime.attribute import LayerAttribute, ParamAttribute
-from roundpipe.runtime.host_buffers import ParamBuffers
+from roundpipe.host.attribute import LayerAttribute, ParamAttribute
+from roundpipe.host.buffers import ParamBuffers
 from roundpipe.runtime.stage_codec import Packed, decode
 
 chunked_upload = True
@@ -403,7 +403,7 @@ def download_layer(
 
     Buffers are written into the host buffers in place (``buffer_downloaded`` marks completion; the
     next upload of the layer waits for it). Gradients go to the host gradient slots, reusing the
-    buffer ``roundpipe.runtime.host_buffers`` gives; ``grad_downloaded`` is recorded and ``grad_download_started`` set.
+    buffer ``roundpipe.host.buffers`` gives; ``grad_downloaded`` is recorded and ``grad_download_started`` set.
 
     ``tied`` (the call's ``TiedGrads``) sums the gradient shares of tied parameters into the owner
     layer's share before its download (``job_layers``: the layers of this job). ``reducer``

@@ -544,7 +544,7 @@ def test_bfloat16_master_needs_bfloat16_weights(tmp_path) -> None:
 def test_fused_staging_trains_the_default_task_bit_for_bit(tmp_path) -> None:
     """Fused staging under `roundpipe train`, on by default (its step function is declared with
     step_fn_zeroes_grads; bf16 weights, fp32 masters, clipping and a schedule in it, zero_grad() after the step):
-    the same losses as the staging pass (RPP_FUSED_STAGING=0), to the last bit."""
+    the same losses as the staging pass (RPP_DEBUG_FUSED_STAGING=0), to the last bit."""
     from helpers import require_adam_kernel
 
     from .runner import roundpipe as run_cli
@@ -554,7 +554,7 @@ def test_fused_staging_trains_the_default_task_bit_for_bit(tmp_path) -> None:
     for fused in ("0", "auto"):
         out = tmp_path / f"fused{fused}"
         args = ["train", "--steps", "12", "--dtype", "bf16", "--output-dir", str(out), "--eval-examples", "0"]
-        proc = run_cli(args + ["--no-tensorboard"], cwd=str(tmp_path), env={"RPP_FUSED_STAGING": fused})
+        proc = run_cli(args + ["--no-tensorboard"], cwd=str(tmp_path), env={"RPP_DEBUG_FUSED_STAGING": fused})
         assert proc.returncode == 0, proc.stderr[-3000:]
         with open(out / "metrics.csv") as f:
             losses.append([row["loss"] for row in csv.DictReader(f)])

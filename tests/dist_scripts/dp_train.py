@@ -38,8 +38,8 @@ from torch import nn
 import roundpipe
 from roundpipe import AutoRoundPipe, RoundPipe, RoundPipeRunConfig
 from roundpipe import distributed as rdist
+from roundpipe.host import optim_thread
 from roundpipe.models import configs
-from roundpipe.optim import thread as optim_thread
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
 from common import finish  # noqa: E402

@@ -38,7 +38,7 @@ from torch import nn
 from roundpipe import RoundPipe, RoundPipeRunConfig
 from roundpipe import distributed as rdist
 from roundpipe.distributed.optim_shard import OptimizerShard
-from roundpipe.optim import step as optim_step
+from roundpipe.host import step as optim_step
 
 torch.set_num_threads(1)
 

@@ -12,7 +12,7 @@ on those before touching the host tensors the device copies read or write:
                swaps in the version the previous one staged) -> set param_copied;
                wait grad_download_started, sync grad_downloaded -> copy grads -> set grad_copied
                -> step -> stage the new version in buffers no upload reads (the gradient buffers it
-               has just released: host buffers rotate, see roundpipe.runtime.host_buffers)]
+               has just released: host buffers rotate, see roundpipe.host.buffers)]
 
 So an upload never reads host parameters the optimizer is writing, a gradient download never overwrites
 a gradient the optimizer is still reading, and the optimizer never writes parameters an upload in
@@ -84,7 +84,7 @@ class ParamAttribute:
 
     A parameter may be shared by several layers (tied embeddings): each layer then downloads its share
     of the gradient, summed before the step. Its host buffers and their roles (weights, gradient,
-    staged version, spares) belong to ``roundpipe.runtime.host_buffers.ParamBuffers``.
+    staged version, spares) belong to ``roundpipe.host.buffers.ParamBuffers``.
 
     Attributes:
         layer_ids: Layers (indices in the RoundPipe) that use this parameter.

@@ -2,32 +2,33 @@
 model's optimizer units (a layer's trainable parameters with the ``LayerAttribute`` whose events guard
 them; ``RoundPipeBase.optim_units()``).
 
-One step, on the optimizer thread (``roundpipe.optim.thread``):
+One step, on the optimizer thread (``roundpipe.host.optim_thread``):
 
 1. (asynchronous steps) publish the parameters the previous step staged into the model, layer by layer
    in forward order, setting ``param_copied`` so the next forward's uploads of that layer may start
-   (weights already current, ``host_buffers.ParamBuffers.in_place``, are left where they are);
+   (weights already current, ``host.buffers.ParamBuffers.in_place``, are left where they are);
 2. per unit, last layer first: wait for the unit's gradient download (``grad_downloaded``), let the
    model's ``grad_sync`` reduce it across processes, hand it to the optimizer parameter's ``.grad``
    (the buffer itself, or a copy), choose the gradient buffer as the staging buffer (asynchronous),
-   set ``grad_copied`` (the next backward's download of that layer may take a buffer: with
-   ``RPP_GRAD_INTO_MODEL`` the weights', whose weights then move to the staging buffer);
+   set ``grad_copied`` (the next backward's download of that layer may take a buffer: where the step cycle
+   allows, the weights', whose weights then move to the staging buffer);
 3. run the user's ``step_fn`` (``optimizer.step(); optimizer.zero_grad()``) on the optimizer copies;
 4. (asynchronous) stage the updated parameters in the model's dtype for the next step's publish (into
    the weights themselves if a download has moved them there); (synchronous) copy them into the model.
 
-``RPP_STEP_MODE=streamed`` changes the asynchronous step: no publish in 1. and no staging in 4.;
-instead each layer's updated parameters are copied into the model as soon as the optimizer has
-stepped them (:class:`Publisher`: ``roundpipe.optim.Adam`` steps its parameters layer by layer in
-forward order and reports each layer; other optimizers' layers are copied when ``step_fn`` returns),
-setting ``param_copied``. The next forward, which waits for ``param_copied`` layer by layer, follows the
-step: no parameter is stale (results equal synchronous steps) and no staging buffer exists, so a
-parameter has two host copies in the model dtype (weights, gradient) instead of three. The next
-backward's gradient downloads wait until the step has released its gradient buffers (``zero_grad``),
-as with ``RPP_GRAD_BUFFERS=1``.
+The step mode (``step_mode.StepMode``, ``RPP_STEP_MODE``, resolved when the model was built and
+passed with each step) decides the rest. ``streamed`` changes the asynchronous step: no publish in 1.
+and no staging in 4.; instead each layer's updated parameters are copied into the model as soon as the
+optimizer has stepped them (:class:`Publisher`: ``roundpipe.optim.Adam`` steps its parameters layer by
+layer in forward order and reports each layer; other optimizers' layers are copied when ``step_fn``
+returns), setting ``param_copied``. The next forward, which waits for ``param_copied`` layer by layer,
+follows the step: no parameter is stale (results equal synchronous steps) and no staging buffer
+exists, so a parameter has two host copies in the model dtype (weights, gradient), also with gradient
+accumulation. The next backward's gradient downloads wait until the step has released its gradient
+buffers (``zero_grad``).
 
 Which host buffer holds what at each of these points (the roles of a parameter's buffers and their
-transitions) is ``roundpipe.runtime.host_buffers``' business: this module runs the protocol's order and events
+transitions) is ``roundpipe.host.buffers``' business: this module runs the protocol's order and events
 and asks it for each change of role.
 
 The main thread clears ``param_copied`` / ``grad_copied`` of every unit before it queues the step
@@ -39,20 +40,38 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from dataclasses import dataclass
 from typing import AbstractSet, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 from torch import nn
 
-from roundpipe import settings
 from roundpipe.devices.threads import AnnotatedEvent
-from roundpipe.optim import thread as optim_thread
-from roundpipe.runtime.attribute import LayerAttribute, ParamAttribute
-from roundpipe.runtime.context import OptimizerCtx
-from roundpipe.runtime.grad_sync import GradSync, StepSync
-from roundpipe.runtime.host_buffers import ParamBuffers, same_storage
+from roundpipe.host import optim_thread
+from roundpipe.host.attribute import LayerAttribute, ParamAttribute
+from roundpipe.host.buffers import ParamBuffers, same_storage
+from roundpipe.host.protocol import HostModel, StepSync, Units
+from roundpipe.host.step_mode import StepMode
 
-Units = List[Tuple[LayerAttribute, List[nn.Parameter]]]
+_scope = threading.local()  # per thread: how many OptimizerCtx scopes are open
+
+
+class OptimizerCtx:
+    """Marks optimizer-related code: inside it, RoundPipe models' ``parameters()`` and
+    ``named_parameters()`` return the optimizer copies (``optim_parameters()``)."""
+
+    def __enter__(self) -> "OptimizerCtx":
+        _scope.depth = getattr(_scope, "depth", 0) + 1
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _scope.depth -= 1
+
+
+def doing_optimizer() -> bool:
+    """Whether the current scope is doing optimizer-related operations (inside an ``OptimizerCtx``)."""
+    return bool(getattr(_scope, "depth", 0))
+
 
 # Marks optimizer parameters whose optimizer reads a gradient of a lower precision than the parameter
 # (``roundpipe.optim.Adam`` widens bfloat16 gradients on the fly). For those the host gradient buffer
@@ -79,7 +98,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def step_fn_zeroes_grads(fn: F) -> F:
     """Declare that the step function ``fn`` calls ``optimizer.zero_grad()`` after ``optimizer.step()`` and reads
-    no gradient after it (a decorator; on a method, decorate it in the class). Under ``RPP_FUSED_STAGING=auto``
+    no gradient after it (a decorator; on a method, decorate it in the class). Under ``RPP_DEBUG_FUSED_STAGING=auto``
     (the default) ``roundpipe.optim.Adam`` may then write an asynchronous step's new weights straight into their
     staging buffer, which is the gradient's (:class:`Stager`): on H200 hosts 0.03-0.13 s less per qwen3-1.7b step and
     0.33 s per qwen3-4b step, depending on the host's cores (docs/optimizer.md).
@@ -88,35 +107,53 @@ def step_fn_zeroes_grads(fn: F) -> F:
     return fn
 
 
-_FUSED = "fused staging (RPP_FUSED_STAGING, or a step function declared with step_fn_zeroes_grads): "
+_FUSED = "fused staging (RPP_DEBUG_FUSED_STAGING, or a step function declared with step_fn_zeroes_grads): "
 
 
-def fused_staging(step_fn: Callable[..., Any]) -> bool:
+def fused_staging(step_fn: Callable[..., Any], mode: StepMode) -> bool:
     """Whether a staged asynchronous step with ``step_fn`` lets the optimizer write the staging buffers
-    (``RPP_FUSED_STAGING``: ``1`` always, ``0`` never, ``auto`` when ``step_fn`` was declared with
+    (``mode.fused_staging``: ``1`` always, ``0`` never, ``auto`` when ``step_fn`` was declared with
     :func:`step_fn_zeroes_grads`)."""
-    mode = settings.FUSED_STAGING.get()
-    if mode == "0" or not settings.stage_params_enabled():
-        return False
-    return mode == "1" or bool(getattr(step_fn, _ZEROES_GRADS_MARK, False))
+    fused = mode.fused_staging
+    return fused == "1" or (fused == "auto" and bool(getattr(step_fn, _ZEROES_GRADS_MARK, False)))
+
+
+@dataclass(frozen=True)
+class StepCall:
+    """One ``model.step``, as the optimizer thread runs it (``_step_kernel``; the module docstring).
+
+    Attributes:
+        units: The model's optimizer units.
+        step_fn: The user's step, called as ``step_fn(*args, **kwargs)`` on the optimizer copies.
+        args: Positional arguments of ``step_fn``.
+        kwargs: Keyword arguments of ``step_fn``.
+        is_async: Return at once (the step runs while the next iteration does) instead of at its end.
+        mode: The model's step mode (what an asynchronous step does with its update).
+        done: The model's ``optim_updated``: cleared at launch, set when the step ends, failed or not.
+        reduce_host: The model's ``grad_sync.reduce_host``, called per unit (None: local training).
+        step_sync: The model's ``grad_sync.step_sync``, called around ``step_fn`` (None: not shared).
+    """
+
+    units: Units
+    step_fn: Callable[..., Any]
+    args: Tuple[Any, ...]
+    kwargs: Dict[str, Any]
+    is_async: bool
+    mode: StepMode
+    done: AnnotatedEvent
+    reduce_host: Optional[Callable[[List[nn.Parameter]], None]]
+    step_sync: Optional[StepSync]
 
 
 def launch(
-    units: Units,
-    step_fn: Callable[..., Any],
-    is_async: bool,
-    args: Tuple[Any, ...],
-    kwargs: Dict[str, Any],
-    done: AnnotatedEvent,
-    grad_sync: Optional[GradSync] = None,
+    model: HostModel, step_fn: Callable[..., Any], is_async: bool, args: Tuple[Any, ...], kwargs: Dict[str, Any]
 ) -> None:
-    """Queue one step on the optimizer thread (main thread; see the module docstring).
-
-    ``done`` (the model's ``optim_updated``) is cleared now and set when the step ends, failed or not.
-    The model's ``grad_sync`` (``roundpipe.runtime.grad_sync``): its ``reduce_host`` is called per unit on the
-    optimizer thread, its ``step_sync`` (if any) around ``step_fn``.
-    Without ``is_async`` this returns when the step has finished.
-    """
+    """Queue one step of ``model`` on the optimizer thread (main thread; see the module docstring), after
+    telling its ``grad_sync`` (``on_step_launch``). Without ``is_async`` this returns when the step has finished."""
+    sync = model.grad_sync
+    if sync is not None:
+        sync.on_step_launch()
+    units = model.optim_units()
     # The previous step must be done with these layers before this one clears their events: its
     # kernel sets them again (W&C).
     for attr, _ in units:
@@ -124,34 +161,29 @@ def launch(
         attr.param_copied.clear()
         attr.grad_copied.wait()
         attr.grad_copied.clear()
-    done.clear()
-    reduce_host = grad_sync.reduce_host if grad_sync is not None else None
-    step_sync: Optional[StepSync] = grad_sync.step_sync if grad_sync is not None else None
-    optim_thread.submit(_step_kernel, units, step_fn, is_async, args, kwargs, done, reduce_host, step_sync)
+    model.optim_updated.clear()
+    reduce_host, step_sync = (sync.reduce_host, sync.step_sync) if sync is not None else (None, None)
+    call = StepCall(
+        units, step_fn, args, kwargs, is_async, model.step_mode, model.optim_updated, reduce_host, step_sync
+    )
+    optim_thread.submit(_step_kernel, call)
     if not is_async:
         optim_thread.synchronize()
 
 
-def _step_kernel(
-    units: Units,
-    step_fn: Callable[..., Any],
-    is_async: bool,
-    args: Tuple[Any, ...],
-    kwargs: Dict[str, Any],
-    done: AnnotatedEvent,
-    reduce_host: Optional[Callable[[List[nn.Parameter]], None]],
-    step_sync: Optional[StepSync] = None,
-) -> None:
+def _step_kernel(call: StepCall) -> None:
     """Optimizer-thread body of a step (the protocol in the module docstring)."""
-    streamed = is_async and settings.streamed_steps()
+    units, step_fn, is_async, done = call.units, call.step_fn, call.is_async, call.done
+    reduce_host, step_sync = call.reduce_host, call.step_sync
+    streamed = is_async and call.mode.streamed
     try:
         with OptimizerCtx():
             if is_async and not streamed:
-                copy_params_to_model(units, use_staged=True)
+                copy_params_to_model(units, use_staged=True, downloads_into_weights=True)
             # Gradients in reverse layer order: the next backward starts from the last layer and
             # its downloads wait for these copies (``grad_copied``); the next forward needs only
             # the parameters, copied above in layer order.
-            stage_into_grad = is_async and not streamed and settings.stage_params_enabled()
+            staged = is_async and not streamed
             for attr, params in reversed(units):
                 # The gradient download of this layer must have landed before we read it.
                 attr.grad_download_started.wait()
@@ -159,16 +191,16 @@ def _step_kernel(
                 if reduce_host is not None:
                     reduce_host(params)
                 for p in params:
-                    copy_grad_to_optim(p, stage_into_grad)  # the buffer's role changes: host_buffers
+                    copy_grad_to_optim(p, staged, streamed)  # the buffer's role changes: host.buffers
                 # After the staging buffers are chosen: the next call's downloads may move weights there.
                 attr.grad_copied.set()
             publisher = Publisher(units) if streamed else None
-            stager = Stager(units) if is_async and not streamed and fused_staging(step_fn) else None
+            stager = Stager(units) if staged and fused_staging(step_fn, call.mode) else None
             if step_sync is not None:
-                step_sync.before_step_fn(units, is_async)
+                step_sync.before_step_fn(units, streamed)
             try:
                 with publisher.active() if publisher is not None else _stager_active(stager):
-                    step_fn(*args, **kwargs)
+                    step_fn(*call.args, **call.kwargs)
             except BaseException:
                 if step_sync is not None:
                     step_sync.abort()
@@ -207,7 +239,7 @@ def current_publisher() -> Optional["Publisher"]:
 
 
 def current_stager() -> Optional["Stager"]:
-    """The :class:`Stager` of the staged step whose ``step_fn`` runs on this thread (``RPP_FUSED_STAGING``)."""
+    """The :class:`Stager` of the staged step whose ``step_fn`` runs on this thread (``RPP_DEBUG_FUSED_STAGING``)."""
     return getattr(_active, "stager", None)
 
 
@@ -221,7 +253,7 @@ def _stager_active(stager: Optional["Stager"]) -> Iterator[None]:
 
 
 class Stager:
-    """``RPP_FUSED_STAGING``: an asynchronous staged step whose optimizer writes each parameter's new version,
+    """``RPP_DEBUG_FUSED_STAGING``: an asynchronous staged step whose optimizer writes each parameter's new version,
     rounded to the model's dtype, into the buffer ``stage_params`` would copy it to (``ParamBuffers.fused_target``)
     in its own pass: ``roundpipe.optim.Adam``'s kernel rounds each chunk while it is in cache, instead of a second
     pass over every fp32 copy after ``step_fn`` (about 30% of qwen3-1.7b's step on an H200, docs/benchmarks.md).
@@ -249,7 +281,7 @@ class Stager:
                 raise RuntimeError(
                     _FUSED + "a parameter is stepped a second time in one step function, from a gradient buffer its "
                     "first step filled with weights; step each parameter once per model.step(), or set "
-                    "RPP_FUSED_STAGING=0"
+                    "RPP_DEBUG_FUSED_STAGING=0"
                 )
             p = self.model_of.get(id(o))
             target = ParamBuffers.of(p).fused_target(p) if p is not None else None
@@ -271,7 +303,7 @@ class Stager:
                 raise RuntimeError(
                     _FUSED + "the step function kept its gradients after optimizer.step() (no optimizer.zero_grad()), "
                     "but the optimizer wrote the new weights into their buffer; call zero_grad() in the step "
-                    "function, or set RPP_FUSED_STAGING=0"
+                    "function, or set RPP_DEBUG_FUSED_STAGING=0"
                 )
 
     def written_buffers(self) -> Dict[int, torch.Tensor]:
@@ -370,36 +402,36 @@ class Publisher:
             self.done(k)
 
 
-def sync_params(units: Units, keep: bool = False) -> None:
+def sync_params(units: Units, mode: StepMode, keep: bool = False) -> None:
     """Make the model parameters the optimizer's current version now (main or optimizer thread): a
     staged version that is current is swapped in (the asynchronous step already converted it), else a
     copy; with ``keep``, the result is kept through the next publish (``settle_params``)."""
     run = _settle if keep else _publish_now
     if optim_thread.on_thread():
-        run(units)
+        run(units, mode)
         return
     for attr, _ in units:
         attr.param_copied.wait()
         attr.param_copied.clear()
-    optim_thread.submit(run, units)
+    optim_thread.submit(run, units, mode)
     optim_thread.synchronize()
 
 
-def settle_params(units: Units) -> None:
+def settle_params(units: Units, mode: StepMode) -> None:
     """Make every model parameter the optimizer's current version and keep it there through the next
     publish, after a call moved weights into the step's staging buffers and another call of the same
-    cycle is about to read them (``roundpipe.runtime.step_cycle.StepCycle``): without this, the weights a
+    cycle is about to read them (``roundpipe.host.step_cycle.StepCycle``): without this, the weights a
     download moved would be one version ahead of those it did not reach. Main thread; runs on the
     optimizer thread after the steps queued so far."""
-    sync_params(units, keep=True)
+    sync_params(units, mode, keep=True)
 
 
-def _publish_now(units: Units) -> None:
-    copy_params_to_model(units, use_staged=True)
+def _publish_now(units: Units, mode: StepMode) -> None:
+    copy_params_to_model(units, use_staged=True, downloads_into_weights=mode.staged)
 
 
-def _settle(units: Units) -> None:
-    _publish_now(units)
+def _settle(units: Units, mode: StepMode) -> None:
+    _publish_now(units, mode)
     for _, params in units:
         for p in params:
             bufs = ParamBuffers.of(p)
@@ -414,15 +446,21 @@ def wait_uploads(attr: LayerAttribute) -> None:
     attr.param_uploaded.synchronize()
 
 
-def copy_params_to_model(units: Units, use_staged: bool = False, written: AbstractSet[int] = frozenset()) -> None:
+def copy_params_to_model(
+    units: Units,
+    use_staged: bool = False,
+    written: AbstractSet[int] = frozenset(),
+    downloads_into_weights: bool = False,
+) -> None:
     """Make the model parameters the optimizer's current version, layer by layer (``param_copied``).
 
     With ``use_staged`` (the start of an asynchronous step) weights that are that version already are
-    left, and a staged version is swapped in (``host_buffers.ParamBuffers.publish``): the
+    left, and a staged version is swapped in (``host.buffers.ParamBuffers.publish``): the
     dtype-converting copy already ran while the devices were busy, and the next forward, which waits
     for ``param_copied`` layer by layer, does not wait for it. ``written``: ids of optimizer
     parameters whose values the optimizer has already written into the model (a streamed step's
-    fused conversion, after :func:`wait_uploads`): not copied again.
+    fused conversion, after :func:`wait_uploads`): not copied again. ``downloads_into_weights`` (staged
+    mode): the next downloads may take the weights' buffers, so weights left in place keep no spare.
     """
     for attr, params in units:
         # An upload in flight still reads the model parameters: wait until it has finished. After
@@ -431,39 +469,39 @@ def copy_params_to_model(units: Units, use_staged: bool = False, written: Abstra
         with torch.no_grad():
             for p in params:
                 bufs = ParamBuffers.of(p)
-                bufs.publish(p, use_staged, bufs.optim is not None and id(bufs.optim) in written)
+                written_here = bufs.optim is not None and id(bufs.optim) in written
+                bufs.publish(p, use_staged, written_here, downloads_into_weights)
         attr.param_copied.set()
 
 
 def stage_params(units: Units, written: Optional[Dict[int, torch.Tensor]] = None) -> None:
     """End of an asynchronous step: write the updated optimizer parameters into each parameter's
     staging buffer (model dtype, pinned like the parameter), published by the next step
-    (``host_buffers.ParamBuffers.stage``: the buffers rotate, so staging costs no extra host copy).
-    ``RPP_STAGE_PARAMS=0`` turns staging off (the next step copies the parameters when it starts).
+    (``host.buffers.ParamBuffers.stage``: the buffers rotate, so staging costs no extra host copy).
     No event: the running call's uploads read the weights, not the staging buffers. ``written``: the buffers
     the optimizer already wrote (:class:`Stager`), by ``id`` of the optimizer parameter: not copied again.
     """
-    stage = settings.stage_params_enabled()
     with torch.no_grad():
         for _, params in units:
             for p in params:
                 bufs = ParamBuffers.of(p)
                 done = written.get(id(bufs.optim)) if written and bufs.optim is not None else None
-                bufs.stage(p, stage, done)
+                bufs.stage(p, done)
 
 
 def release_grad_buffers(units: Units) -> None:
     """After a synchronous (or streamed) step: the gradient buffers the optimizer let go of, and any
-    staging buffer (obsolete now), become spares (``host_buffers.ParamBuffers.release_after_step``)."""
+    staging buffer (obsolete now), become spares (``host.buffers.ParamBuffers.release_after_step``)."""
     for _, params in units:
         for p in params:
             ParamBuffers.of(p).release_after_step()
 
 
-def copy_grad_to_optim(p: nn.Parameter, stage_into_grad: bool = False) -> None:
-    """Hand the model gradient to the optimizer copy (``host_buffers.ParamBuffers.hand_over``: the buffer
+def copy_grad_to_optim(p: nn.Parameter, stage_into_grad: bool = False, downloads_wait: bool = False) -> None:
+    """Hand the model gradient to the optimizer copy (``host.buffers.ParamBuffers.hand_over``: the buffer
     itself where the optimizer reads its dtype, see ``reads_low_precision_grad``, else a copy) and clear
-    it; ``stage_into_grad`` (a staged asynchronous step): the buffer is the next staging buffer."""
+    it; ``stage_into_grad`` (a staged asynchronous step): the buffer is the next staging buffer;
+    ``downloads_wait`` (a streamed one): a download that finds no spare waits for the step to release it."""
     optim = ParamAttribute.get(p).optim
     low_precision_ok = optim is not None and reads_low_precision_grad(optim)
-    ParamBuffers.of(p).hand_over(p, stage_into_grad, low_precision_ok)
+    ParamBuffers.of(p).hand_over(p, stage_into_grad, low_precision_ok, downloads_wait)

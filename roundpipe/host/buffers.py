@@ -3,7 +3,7 @@
 A trainable parameter has host buffers in the model dtype (pinned when pinning is on) that take turns
 in five roles. Only this module moves a buffer from one role to another; the device threads
 (``transfer``, ``tied_grads``), the main thread (``roundpipe``, ``step_cycle``) and the optimizer thread
-(``optim.step``) ask a :class:`ParamBuffers` for a buffer in a role and hand it back.
+(``step``) ask a :class:`ParamBuffers` for a buffer in a role and hand it back.
 
     WEIGHTS   ``param.data``: read by parameter uploads (device threads, parameter stream)
     GRAD      the download target, ``param.grad`` (tied weights: a share per layer, ``shares``): written by
@@ -13,7 +13,8 @@ in five roles. Only this module moves a buffer from one role to another; the dev
     STAGED    the optimizer's next version, written by an asynchronous step, published by the next one
     SPARE     nobody's: the next role takes it from there
 
-Life cycle of one unshared parameter under staged asynchronous steps (the default; arrows: the thread
+Life cycle of one unshared parameter under staged asynchronous steps (the default step mode,
+``step_mode.StepMode``; arrows: the thread
 that moves the buffer, then the fence that makes the move safe):
 
     SPARE --(1) device thread: download_target--> GRAD --(2) optimizer thread: hand_over--> HELD+STAGED
@@ -33,7 +34,7 @@ that moves the buffer, then the fence that makes the move safe):
      reads the old weights, which become the spare of (1); then the step sets ``param_copied``.
 
 Variants, each a different path through the same roles:
-- ``RPP_GRAD_INTO_MODEL`` (``step_cycle.StepCycle`` says which calls): (1) takes WEIGHTS itself and the
+- Staged mode, where ``step_cycle.StepCycle`` allows it: (1) takes WEIGHTS itself and the
   weights move into STAGED (``move_weights``, device thread, under the lock). Safe without a wait: the
   download follows the call's last upload of the layer on the same device (compute waited for the
   upload, the gradient stream for compute) and the step chose STAGED before ``grad_copied``; nothing
@@ -42,10 +43,9 @@ Variants, each a different path through the same roles:
   buffers (or keep them on the device, ``tied_grads``); the main thread folds them into the owner's
   (``fold_shares``) after the call; the owner's buffer then rotates like an unshared one.
 - Synchronous and streamed steps: no STAGED; HELD becomes SPARE after the step (``release_after_step``),
-  publish copies. ``RPP_STAGE_PARAMS=0``: HELD becomes SPARE at (3). With ``RPP_GRAD_BUFFERS=1`` (and in
-  streamed mode) a download that finds no spare waits on its device thread for the optimizer thread
-  (``_wait_for_release``, the one such wait): the step holding the buffer waits only for downloads of
-  earlier calls, so it finishes.
+  publish copies. In streamed mode a download that finds no spare waits on its device thread for the
+  optimizer thread (``_wait_for_release``, the one such wait) instead of making a second gradient buffer:
+  the step holding the buffer waits only for downloads of earlier calls, so it finishes.
 
 Locking: ``_LOCK`` guards the lists and fields that a device thread and the optimizer thread change at
 once (spares, HELD, STAGED and the weights' move). Everything else is ordered by the events above.
@@ -60,10 +60,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from roundpipe import settings
 from roundpipe.devices import backend
 from roundpipe.devices.memory import pinned_empty
-from roundpipe.runtime.attribute import ParamAttribute
+from roundpipe.host import optim_thread
+from roundpipe.host.attribute import ParamAttribute
 
 # Guards ``spare``, ``held``, ``staged`` and the weights' move: device threads take download buffers while
 # the optimizer thread gives buffers back and chooses staging buffers.
@@ -97,6 +97,8 @@ class ParamBuffers:
         share_buffers: Tied weights: reusable share buffers per layer (none of them HELD or STAGED).
         spare: SPARE buffers, with whether each is pinned.
         held: HELD: the buffer handed to the optimizer as its ``.grad``, until its ``zero_grad``.
+        downloads_wait: A download finding no spare waits for HELD's release (streamed mode's one
+            gradient buffer) instead of making another.
         staged: STAGED: the optimizer's next version in the model dtype (asynchronous steps).
         staged_valid: Whether ``staged`` (with ``in_place``: the weights) holds the optimizer's version.
         staged_of: The optimizer copy's version counter when ``staged`` was written from it: a publish
@@ -115,6 +117,7 @@ class ParamBuffers:
         self.share_buffers: Dict[int, List[torch.Tensor]] = {}
         self.spare: List[Tuple[torch.Tensor, bool]] = []
         self.held: Optional[torch.Tensor] = None
+        self.downloads_wait = False
         self.staged: Optional[torch.Tensor] = None
         self.staged_valid = False
         self.staged_of: Optional[int] = None
@@ -199,7 +202,7 @@ class ParamBuffers:
         """A host buffer for ``layer_id``'s download of ``dev_grad`` (device thread, in the layer's
         ``download_layer``): (1) of the diagram. The gradient still accumulating (the seed) is written in
         place; else, with ``into_weights``, the weights' buffer (``move_weights``); else a spare; else,
-        with ``RPP_GRAD_BUFFERS=1`` and no staging, the buffer the step in flight releases; else a new one.
+        in streamed mode, the buffer the step in flight releases; else a new one.
         Never a buffer the optimizer reads or writes: the backward fence waited for ``grad_copied``."""
         pinned = backend.pin_enabled()  # asynchronous downloads need pinned memory
         if self.attr.shared:
@@ -217,12 +220,7 @@ class ParamBuffers:
 
     def _spare_or_new(self, dev_grad: torch.Tensor, pinned: bool) -> torch.Tensor:
         buf = self.take_spare(dev_grad.shape, dev_grad.dtype, pinned)
-        if (
-            buf is None
-            and self.held is not None
-            and settings.grad_buffers_limit() == 1
-            and not settings.stage_params_enabled()
-        ):
+        if buf is None and self.held is not None and self.downloads_wait:
             self._wait_for_release()
             buf = self.take_spare(dev_grad.shape, dev_grad.dtype, pinned)
         if buf is None:
@@ -235,8 +233,6 @@ class ParamBuffers:
         so far have run (their ``zero_grad`` and ``stage_params`` / ``release_after_step`` make HELD a
         spare). No deadlock: those kernels wait only for downloads of earlier calls (the next step is
         queued after every job of this call, ``pipeline.guarded``)."""
-        from roundpipe.optim import thread as optim_thread  # (here: optim's package imports this module)
-
         optim_thread.synchronize()
 
     def _share_target(
@@ -281,7 +277,7 @@ class ParamBuffers:
         return share
 
     def move_weights(self, p: torch.Tensor, dtype: torch.dtype, pinned: bool) -> Optional[torch.Tensor]:
-        """WEIGHTS -> GRAD, STAGED -> WEIGHTS (``RPP_GRAD_INTO_MODEL``): return the old weights buffer for a
+        """WEIGHTS -> GRAD, STAGED -> WEIGHTS (staged mode): return the old weights buffer for a
         download of ``dtype``, or None when there is no staging buffer of the same kind (module docstring:
         why no wait is needed). The step staging into it makes the weights current (``staged_valid``)."""
         with _LOCK:
@@ -336,12 +332,15 @@ class ParamBuffers:
         return self.staged_of is None or self.optim is None or self.staged_of == self.optim._version
 
     # ---- GRAD -> HELD, STAGED, WEIGHTS: optimizer thread -----------------------------------------------------
-    def hand_over(self, p: nn.Parameter, stage_into_grad: bool, low_precision_ok: bool) -> None:
+    def hand_over(
+        self, p: nn.Parameter, stage_into_grad: bool, low_precision_ok: bool, downloads_wait: bool = False
+    ) -> None:
         """(2): add GRAD into the optimizer copy's gradient and clear ``p.grad`` (the optimizer's ``.grad``
         accumulates until its ``zero_grad``). In the optimizer's dtype (or bfloat16 it reads as fp32:
         ``low_precision_ok``) the buffer itself becomes HELD, no copy (fp32 masters: 4 bytes per
         parameter and 6 of memory traffic). ``stage_into_grad`` (a staged asynchronous step): it becomes
-        STAGED too, so a download of the next call may move the weights there before the step is done."""
+        STAGED too, so a download of the next call may move the weights there before the step is done.
+        ``downloads_wait`` (a streamed step): a download finding no spare waits for HELD's release."""
         optim, g = self.optim, p.grad
         if optim is None or g is None:
             return
@@ -351,6 +350,7 @@ class ParamBuffers:
                 if widened:
                     optim.grad_dtype = None  # let .grad be bfloat16 on this fp32 parameter
                 optim.grad = g
+                self.downloads_wait = downloads_wait  # (before ``held``: a device thread reads them in that order)
                 self.held = g  # released after the step (stage, release_after_step)
                 if self.attr.shared:
                     self._forget_share_buffer(g)  # a tied weight's buffer rotates from here like any other
@@ -415,11 +415,10 @@ class ParamBuffers:
             self.held = None
             return None if to_spare else held
 
-    def stage(self, p: torch.Tensor, enabled: bool = True, written: Optional[torch.Tensor] = None) -> None:
+    def stage(self, p: torch.Tensor, written: Optional[torch.Tensor] = None) -> None:
         """(3), the end of an asynchronous step: write the optimizer's version into STAGED (into the weights
         if a download moved them there: nothing reads them before the next publish), published by the
-        next step. The running call's uploads read WEIGHTS, not STAGED: no event needed. Not
-        ``enabled`` (``RPP_STAGE_PARAMS=0``): stages nothing, HELD becomes SPARE (the next step copies).
+        next step. The running call's uploads read WEIGHTS, not STAGED: no event needed.
         ``written``: the buffer the optimizer already wrote this version into (:meth:`fused_target`)."""
         optim = self.optim
         with _LOCK:
@@ -429,11 +428,7 @@ class ParamBuffers:
         freed = self.release_held()
         if same_storage(freed, target):
             freed = None
-        if not enabled or optim is None:
-            if not self.in_place:
-                if self.staged is not None:
-                    self.give_spare(self.staged)
-                self.staged = None  # staging turned off during a run: drop the buffer
+        if optim is None:
             if freed is not None:
                 self.give_spare(freed)
             return
@@ -473,12 +468,15 @@ class ParamBuffers:
         if optim is not None and g is not None and same_storage(g, buf):
             optim.grad = g.to(optim.dtype, copy=True)
 
-    def publish(self, p: torch.Tensor, use_staged: bool, written: bool = False) -> None:
+    def publish(
+        self, p: torch.Tensor, use_staged: bool, written: bool = False, downloads_into_weights: bool = False
+    ) -> None:
         """(4): make the weights the optimizer's current version, after ``wait_uploads`` (the caller's,
         per layer). ``use_staged`` (an asynchronous step's publish): weights already current
         (``in_place``) stay, a valid STAGED becomes WEIGHTS and the old weights SPARE; else a copy, which
         makes any staged version obsolete. ``written``: the optimizer wrote the weights itself (a
-        streamed step's fused conversion): no copy."""
+        streamed step's fused conversion): no copy. ``downloads_into_weights`` (staged mode): weights left in
+        place keep no spare, since the next downloads take their buffer."""
         optim = self.optim
         if optim is None:
             return
@@ -486,7 +484,7 @@ class ParamBuffers:
             # A publish leaves current weights; a copy after a synchronous step does not.
             if not (use_staged and self.weights_current(p)) and not written:
                 p.data.copy_(optim.data)
-            if use_staged and settings.grad_into_model_enabled():
+            if use_staged and downloads_into_weights:
                 self.trim_spare(keep=0)  # downloads take the weights' buffer: no spare needed
         elif use_staged and self.staged_valid and self.staged is not None and self._staged_current():
             old, p.data, self.staged = p.data, self.staged, None
@@ -509,7 +507,7 @@ class ParamBuffers:
         self.trim_spare()
 
     def fused_target(self, p: torch.Tensor) -> Optional[torch.Tensor]:
-        """The buffer :meth:`stage` will write, for an optimizer that writes it in its pass (``RPP_FUSED_STAGING``)."""
+        """The buffer :meth:`stage` will write, for an optimizer that writes it in its pass (fused staging)."""
         with _LOCK:
             target = p.data if self.in_place else self.staged
         return target if target is not None and target.shape == p.shape and target.dtype == p.dtype else None

@@ -1,22 +1,21 @@
 """A training cycle (the calls between two steps) seen from the main thread: host buffers and optimizer
 state built before the first step, in the background, and which calls' gradient downloads may take the
 weights' host buffers. The buffers themselves, their roles and every change of role belong to
-``roundpipe.runtime.host_buffers``; this module only decides, at a call's start, what that module is asked.
+``roundpipe.host.buffers``; this module only decides, at a call's start, what that module is asked.
 
 A model's first iterations would otherwise allocate on their critical path: the pinned spares that
-the first gradient downloads take (the rotation of ``roundpipe.runtime.host_buffers``), and
-the optimizer's zero moments (``roundpipe.optim.reserve``). :class:`HostBufferPrep` starts both at the
+the first gradient downloads take (the rotation of ``roundpipe.host.buffers``), and
+the optimizer's zero moments (``roundpipe.host.state_reserve``). :class:`HostBufferPrep` starts both at the
 model's first training call, while the devices run the first iteration, and its ``finish`` (the first
 ``step``, else the next training call) waits for them once: pinning holds the CUDA driver's lock, so a
 thread still pinning would stall the device threads' copies and launches at random points of the next
 iterations, and a first step still building its state would hold up the iteration after it.
 
 The first step has nothing to convert either: an optimizer copy starts as the weights' version
-(``RoundPipe._optim_param``), so its publish leaves the weights in place. It used to convert every
-optimizer copy into the weights while the next forward waited for them layer by layer: qwen3-1.7b on one
-H100, the first timed iteration after one warm-up took 1.19-1.41x the steady one, 0.97x when timing
-began after that step had ended (a buffer staged ahead in the background, tried before, was a third
-buffer and did not help).
+(``RoundPipe._optim_param``), so its publish leaves the weights in place. Converting every optimizer copy
+into the weights there, while the next forward waits for them layer by layer, makes the first timed
+iteration after one warm-up take 1.19-1.41x the steady one (qwen3-1.7b on one H100); a buffer staged
+ahead in the background instead would be a third buffer.
 
 :class:`StepCycle` decides which calls' gradient downloads may take the weights' host buffers.
 
@@ -40,35 +39,32 @@ import threading
 import time
 import warnings
 import weakref
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from roundpipe import settings
 from roundpipe.devices import device as device_mod
 from roundpipe.devices.memory import pinned_empty
-from roundpipe.optim import reserve as state_reserve
-from roundpipe.optim import step as optim_step
-from roundpipe.runtime.attribute import ParamAttribute
-from roundpipe.runtime.host_buffers import ParamBuffers
-from roundpipe.runtime.model_protocol import WrappedModel
+from roundpipe.host import state_reserve
+from roundpipe.host import step as host_step
+from roundpipe.host.attribute import ParamAttribute
+from roundpipe.host.buffers import ParamBuffers
+from roundpipe.host.protocol import HostModel
+from roundpipe.host.step_mode import StepMode
 
 
 def preallocate_host_buffers(params: Sequence[nn.Parameter], name: str) -> threading.Thread:
-    """Allocate, in a background thread, per trainable parameter the spares that the first gradient downloads take (the
-    first call's, and the second call's with ``RPP_GRAD_INTO_MODEL=0``), pinned and faulted in. A shared (tied)
-    parameter's owner layer rotates its buffers like any parameter; on several devices each other layer sharing it
-    downloads its own share (``host_buffers``): one spare more per such layer. (A tied embedding's buffers are a
-    model's largest: pinning one in the first step held the driver's lock for 0.3 s of the next iteration on
-    qwen3-1.7b.) A buffer the download needs before the thread reaches its parameter is allocated there as before
-    (an extra spare is trimmed after the step; with downloads into the weights none is made for a parameter whose
-    download came first); a failure to pin is left to that path, which reports it with advice. Not foreseen: a
-    sharer in its owner's stage on one device, and data parallel reducing on the devices (both download every
-    share): those buffers come in the first call."""
-    into_weights = settings.grad_into_model_enabled()
-    staged = settings.stage_params_enabled()
-    want = 1 if into_weights else (2 if staged else settings.grad_buffers_limit() - 1)
+    """Allocate, in a background thread, per trainable parameter the spare that its first gradient download
+    takes, pinned and faulted in: later downloads take the weights' buffer (staged mode) or the buffer the step
+    releases (streamed mode). A shared (tied) parameter's owner layer rotates its buffers like any parameter;
+    on several devices each other layer sharing it downloads its own share (``buffers``): one spare more per
+    such layer. (A tied embedding's buffers are a model's largest: pinning one in the first step held the
+    driver's lock for 0.3 s of the next iteration on qwen3-1.7b.) A buffer the download needs before the
+    thread reaches its parameter is allocated there (none is made here then for an unshared parameter); a
+    failure to pin is left to that path, which reports it with advice. Not foreseen: a sharer in its owner's
+    stage on one device, and data parallel reducing on the devices (both download every share): those
+    buffers come in the first call."""
     one_device = device_mod.get_num_devices() == 1  # a tied weight's shares are summed on the device then
 
     def run() -> None:
@@ -76,10 +72,10 @@ def preallocate_host_buffers(params: Sequence[nn.Parameter], name: str) -> threa
             if _exiting.is_set():
                 return
             attr, bufs = ParamAttribute.get(p), ParamBuffers.of(p)
-            if not p.requires_grad or (into_weights and p.grad is not None and not attr.shared):
+            if not p.requires_grad or (p.grad is not None and not attr.shared):
                 continue  # (a download that came first took a buffer of its own: one more would be surplus)
             sharers = 0 if one_device or not attr.shared else len(attr.layer_ids) - 1
-            for _ in range(bufs.spares_to_build(p, want, sharers)):
+            for _ in range(bufs.spares_to_build(p, 1, sharers)):
                 try:
                     buf = pinned_empty(p.shape, p.dtype)
                 except RuntimeError:
@@ -159,14 +155,14 @@ class HostBufferPrep:
 
 
 class StepCycle:
-    """Which training calls may download gradients into the weight buffers (``RPP_GRAD_INTO_MODEL``).
+    """Which training calls may download gradients into the weight buffers (staged mode).
 
     Staged asynchronous steps keep a weight's host versions in rotating buffers: the weights the running
     call reads, the gradient the step reads (into which it then stages the next version), and the
     download target of the running call's gradient. That third buffer is not needed when the running
     call is the last reader of the weights before the next step publishes: its backward job has uploaded
     a layer for the last time when it downloads the layer's gradient, so the download takes the weights'
-    buffer and the weights move to the buffer the step stages into (``host_buffers.ParamBuffers.move_weights``).
+    buffer and the weights move to the buffer the step stages into (``buffers.ParamBuffers.move_weights``).
     Nothing reads them there before the next step's publish, which the optimizer thread runs after the staging
     step, so a weight has two host copies in the model dtype instead of three, with the same staleness.
 
@@ -176,11 +172,13 @@ class StepCycle:
     training call before ``step``: gradient accumulation after single-call steps; or an evaluation
     forward) reads the newer version: ``begin_call`` then asks the model to wait for the step and publish
     every layer first (``resync``), and warns once for a training call. The next cycle learns the new
-    count. Life cycle: one per RoundPipe, used only by the main thread.
+    count. Life cycle: one per RoundPipe (its ``cycle``, made when it is built, with the background
+    preparation of its first step, ``prep``), used only by the main thread.
     """
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self.prep = HostBufferPrep()
         self.calls = 0  # training calls since the last step
         self.last_calls: Optional[int] = None  # training calls before the last step (None: no step yet)
         self.async_staged = False  # whether the last step was a staged asynchronous one
@@ -197,51 +195,46 @@ class StepCycle:
             warnings.warn(
                 f"model {self.name!r}: a second training call before step() after steps of one call each; it trains "
                 "on the weights of the step in flight (one step newer than the call before it), since the call "
-                "before moved the weights into the step's buffers (RPP_GRAD_INTO_MODEL). Keep the number of "
-                "calls per step fixed (the next steps adapt to it), or set RPP_GRAD_INTO_MODEL=0.",
+                "before moved the weights into the step's buffers. Keep the number of calls per step fixed (the "
+                "next steps adapt to it).",
                 stacklevel=4,  # the user's call (StepCycle.begin_call <- begin_call <- RoundPipe.forward*)
             )
-        into = (
-            train
-            and self.async_staged
-            and self.last_calls == 1
-            and self.calls == 0
-            and settings.grad_into_model_enabled()
-        )
+        into = train and self.async_staged and self.last_calls == 1 and self.calls == 0
         if train:
             self.calls += 1
         self.moved = into
         return into, resync
 
-    def on_step(self, is_async: bool) -> None:
-        """At ``step``: the cycle ends (its count is the next prediction)."""
+    def on_step(self, is_async: bool, mode: StepMode) -> None:
+        """At ``step`` (of ``mode``): the cycle ends (its count is the next prediction)."""
         self.last_calls, self.calls, self.moved = self.calls, 0, False
-        self.async_staged = is_async and settings.stage_params_enabled()
+        self.async_staged = is_async and mode.staged
 
     def on_sync(self) -> None:
         """The model's weights were made current (``sync_optim_param``): nothing to resync."""
         self.moved = False
 
 
-def step_cycle(model: WrappedModel) -> StepCycle:
-    """``model``'s step cycle (made at its first use)."""
-    return model.__dict__.setdefault("step_cycle", StepCycle(model.name))
+class CycledModel(HostModel, Protocol):
+    """A model with a step cycle (``RoundPipe``)."""
+
+    cycle: StepCycle
+    """Its calls between two steps, and the preparation of its first step."""
 
 
-def begin_call(model: WrappedModel, train: bool) -> bool:
+def begin_call(model: CycledModel, train: bool) -> bool:
     """Start a call of ``model``: a training call starts building the host buffers and optimizer state
     of the first steps (the first call) or waits for them (the next call, when no ``step`` did); then
     whether the call's gradient downloads may take the weights' buffers, after settling weights that
     an earlier call of the cycle moved (``StepCycle``)."""
     if torch.is_grad_enabled():
-        prep = model.__dict__.setdefault("host_buffers", HostBufferPrep())
+        prep = model.cycle.prep
         if prep.started:
             prep.finish()
         else:
-            prep.start(
-                [p for _, ps in model.optim_units() for p in ps if ParamAttribute.get(p).optim is not None], model.name
-            )
-    into_weights, resync = step_cycle(model).begin_call(train)
+            params = [p for _, ps in model.optim_units() for p in ps if ParamAttribute.get(p).optim is not None]
+            prep.start(params, model.name)
+    into_weights, resync = model.cycle.begin_call(train)
     if resync:
-        optim_step.settle_params(model.optim_units())
+        host_step.settle_params(model.optim_units(), model.step_mode)
     return into_weights
