@@ -15,12 +15,24 @@ from roundpipe.host import optim_thread, step_cycle
 from roundpipe.host import step as optim_step
 from roundpipe.host.attribute import LayerAttribute, ParamAttribute
 from roundpipe.host.buffers import ParamBuffers, fold_shared_grads
+from roundpipe.host.protocol import HostGradSync
 from roundpipe.host.step_mode import StepMode
-from roundpipe.runtime.grad_sync import GradSync
-from roundpipe.runtime.run_config import check_wrapper_arguments
 from roundpipe.utils import get_call_location
 
 _OWN_ATTRS = ("model", "original_model", "_rpp_initialized", "grad_sync")
+
+
+def check_wrapper_arguments(cls: str, model: Any, optim_dtype: Any) -> None:
+    """A RoundPipe wrapper's constructor arguments, checked where they are given rather than at the first
+    call or step (``optim_dtype="bf16"`` used to fail there as "Invalid device string")."""
+    if not isinstance(model, nn.Module):
+        got = f"{type(model).__name__} {model!r:.60}"
+        raise TypeError(f"{cls} wraps an nn.Module (an nn.Sequential streams its children as layers), not {got}")
+    if optim_dtype is not None and not (isinstance(optim_dtype, torch.dtype) and optim_dtype.is_floating_point):
+        raise TypeError(
+            f"{cls}: optim_dtype={optim_dtype!r} is not a floating-point torch.dtype; pass torch.float32, "
+            "torch.bfloat16 or torch.float16 (or None: each parameter's own dtype)"
+        )
 
 
 class RoundPipeBase(nn.Module):
@@ -48,7 +60,7 @@ class RoundPipeBase(nn.Module):
         self.step_mode = StepMode.resolve()  # the buffer policy of its steps, read once (a bad value fails here)
         self.cycle = step_cycle.StepCycle(self.name)  # its calls between two steps
         # Gradient synchronisation across processes (data parallel), or None: see roundpipe.runtime.grad_sync.
-        self.grad_sync: Optional[GradSync] = None
+        self.grad_sync: Optional[HostGradSync] = None
 
     # ---- attribute shimming ------------------------------------------------------------------------
     def _finish_init(self) -> None:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from roundpipe import settings
-from roundpipe.base import RoundPipeBase
+from roundpipe.base import RoundPipeBase, check_wrapper_arguments
 from roundpipe.devices.memory import PinMode, pin_module
 from roundpipe.devices.threads import raise_if_failed
 from roundpipe.host import step_cycle
@@ -19,9 +19,10 @@ from roundpipe.planning.plan import ModelExecutePlan, PlanCache, RunType
 from roundpipe.planning.timer import ModelTimer
 from roundpipe.runtime import pipeline, plan_choice
 from roundpipe.runtime.batch import Batch
+from roundpipe.runtime.grad_sync import GradSync
 from roundpipe.runtime.partial_grads import PartialGradStore
 from roundpipe.runtime.run import Run
-from roundpipe.runtime.run_config import ResolvedRunConfig, RoundPipeRunConfig, check_wrapper_arguments
+from roundpipe.runtime.run_config import ResolvedRunConfig, RoundPipeRunConfig, check_model_run_config
 from roundpipe.utils import GiB, get_call_location, get_model_active_size, get_model_compute_size, get_model_size
 
 
@@ -39,6 +40,8 @@ class RoundPipe(RoundPipeBase):
     """
 
     REPLAN_EVERY = 20
+    grad_sync: Optional[GradSync]
+    """Gradient synchronisation across processes (data parallel), or None: ``roundpipe.runtime.grad_sync``."""
 
     def __init__(
         self,
@@ -48,7 +51,8 @@ class RoundPipe(RoundPipeBase):
         model_run_config: RoundPipeRunConfig = RoundPipeRunConfig(),
         pin_model: PinMode = "alloc",
     ) -> None:
-        check_wrapper_arguments(type(self).__name__, model, optim_dtype, model_run_config)
+        check_wrapper_arguments(type(self).__name__, model, optim_dtype)
+        check_model_run_config(model_run_config)
         super().__init__(model, name if name is not None else get_call_location(1), optim_dtype)
         on_device = [
             n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type != "cpu"

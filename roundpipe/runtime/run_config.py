@@ -86,18 +86,9 @@ class RoundPipeRunConfig:
                 raise ValueError("execute_plan: expected a roundpipe.ModelExecutePlan")
 
 
-def check_wrapper_arguments(cls: str, model: Any, optim_dtype: Any, model_run_config: Any = None) -> None:
-    """A RoundPipe wrapper's constructor arguments, checked where they are given rather than at the first
-    call or step (``optim_dtype="bf16"`` used to fail there as "Invalid device string")."""
-    if not isinstance(model, torch.nn.Module):
-        got = f"{type(model).__name__} {model!r:.60}"
-        raise TypeError(f"{cls} wraps an nn.Module (an nn.Sequential streams its children as layers), not {got}")
-    if optim_dtype is not None and not (isinstance(optim_dtype, torch.dtype) and optim_dtype.is_floating_point):
-        raise TypeError(
-            f"{cls}: optim_dtype={optim_dtype!r} is not a floating-point torch.dtype; pass torch.float32, "
-            "torch.bfloat16 or torch.float16 (or None: each parameter's own dtype)"
-        )
-    if model_run_config is not None and not isinstance(model_run_config, RoundPipeRunConfig):
+def check_model_run_config(model_run_config: Any) -> None:
+    """A wrapper's ``model_run_config``, checked where it is given rather than at the first call."""
+    if not isinstance(model_run_config, RoundPipeRunConfig):
         kind = type(model_run_config).__name__
         raise ValueError(f"model_run_config must be a roundpipe.RoundPipeRunConfig, not {kind}")
 

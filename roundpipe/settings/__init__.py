@@ -7,7 +7,7 @@ values raise ``ValueError`` naming the variable and what it accepts. Nothing els
 and test modes that may change without notice); ``markdown_table()`` renders the user guide's table of
 the others, ``markdown_table(internal=True)`` the internal one. An ``RPP_*`` variable set in the
 environment that roundpipe does not know (a renamed or removed one, a typo) draws one warning at
-import, naming what to use instead (``roundpipe.retired_settings``).
+import, naming what to use instead (``roundpipe.settings.retired``).
 
     from roundpipe import settings
     settings.STEP_MODE.get()             # -> 'staged'
@@ -22,8 +22,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Generic, Iterator, List, Optional, Tuple, TypeVar
 
-from roundpipe import retired_settings
-from roundpipe.setting_parsers import (
+from roundpipe.settings import retired as retired_settings
+from roundpipe.settings.parsers import (
     boolean,
     choice,
     device_spec,
