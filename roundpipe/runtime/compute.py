@@ -20,6 +20,7 @@ the warm-up), and is timed as a whole (``IterTimer.time_group``).
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import TYPE_CHECKING, Any, ContextManager, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -207,15 +208,33 @@ def _unpack(flat: Leaves, meta: Any) -> Tuple[Leaves, Any, Saved]:
     return flat[:n_out], out_spec, saved
 
 
+@dataclasses.dataclass(frozen=True)
+class JobGroup:
+    """One job's layer group on its device, as the job uploaded it."""
+
+    run: Run
+    device: "DeviceManager"
+    layers: range
+    """The model's layers of the group."""
+    gpu_layers: List[torch.nn.Module]
+    """Their device copies, in order."""
+    ready: List[Any]
+    """Per-layer upload events, waited for on the first microbatch (a replay waits for all at once)."""
+    slots: Optional[List[graphs.LayerSlot]]
+    """The graph slots the layers sit in when the job runs as graphs, else None (eager)."""
+    parity: int
+    """Which of the device's two slot sets (a job's and the next one's alternate)."""
+
+
 class _GroupCompute:
     """What the forward and the backward of one job's layer group share: the group on its device, its
     per-layer upload events (``ready``, waited for on the first microbatch) and, for a graphed group,
     the graph key of a microbatch and the timing of a replay."""
 
-    def __init__(
-        self, run: Run, device: "DeviceManager", layers: range, gpu_layers: List[torch.nn.Module], ready: List[Any]
-    ) -> None:
-        self.run, self.device, self.layers, self.gpu_layers, self.ready = run, device, layers, gpu_layers, ready
+    def __init__(self, group: JobGroup) -> None:
+        self.run, self.device, self.layers = group.run, group.device, group.layers
+        self.gpu_layers, self.ready = group.gpu_layers, group.ready
+        self.graphed = group.slots is not None
         self.waited = False
         self.key_base: Tuple[Any, ...] = ()
 
@@ -249,20 +268,12 @@ class _GroupCompute:
 class GroupForward(_GroupCompute):
     """The forward of one job's layer group, per microbatch (no autograd graph).
 
-    ``graphed``: the layers sit in graph slots of ``parity``; the first replay waits for every layer's
-    upload (``ready``), the eager path waits layer by layer on its first microbatch."""
+    Graphed (the group in graph slots): the first replay waits for every layer's upload (``ready``); the
+    eager path waits layer by layer on its first microbatch."""
 
-    def __init__(
-        self,
-        run: Run,
-        device: "DeviceManager",
-        layers: range,
-        gpu_layers: List[torch.nn.Module],
-        ready: List[Any],
-        graphed: bool,
-        parity: int,
-    ) -> None:
-        super().__init__(run, device, layers, gpu_layers, ready)
+    def __init__(self, group: JobGroup) -> None:
+        super().__init__(group)
+        run, layers = group.run, group.layers
         tracker, cfg = run.tracker, run.cfg
         train = run.enable_grad
         # Backward stages starting inside the group (their input is kept for the recompute).
@@ -275,12 +286,11 @@ class GroupForward(_GroupCompute):
         self.save_rng = [
             save_rng and (by_layer or k == 0 or tracker.backward_need_input(i)) for k, i in enumerate(layers)
         ]
-        self.graphed = graphed
         self.current = layers.start
         self.ctx: Optional[MicrobatchState] = None
         self.m = 0
-        if graphed:
-            self.key_base = self._graph_key_base("fwd", parity, train, tuple(self.keep_input))
+        if self.graphed:
+            self.key_base = self._graph_key_base("fwd", group.parity, train, tuple(self.keep_input))
 
     def __call__(self, ctx: MicrobatchState, m: int, dev_leaves: Leaves, spec: Any) -> Tuple[Leaves, Any, Saved]:
         """Microbatch ``m``'s forward: (output leaves, output spec, the inputs of the backward stages that
@@ -394,21 +404,12 @@ class GroupBackward(_GroupCompute):
     added into its slot buffer), replayed or not, so the buffers hold one sum whatever ran; a
     parameter's buffer becomes its ``.grad`` once a gradient reaches it (``finish``)."""
 
-    def __init__(
-        self,
-        run: Run,
-        device: "DeviceManager",
-        layers: range,
-        gpu_layers: List[torch.nn.Module],
-        ready: List[Any],
-        slots: Optional[List[graphs.LayerSlot]],
-        parity: int,
-    ) -> None:
-        super().__init__(run, device, layers, gpu_layers, ready)
-        self.graphed = slots is not None
+    def __init__(self, group: JobGroup) -> None:
+        super().__init__(group)
+        slots, gpu_layers = group.slots, group.gpu_layers
         self.touched: set = set()
         if slots is not None:
-            self.key_base = self._graph_key_base("bwd", parity)
+            self.key_base = self._graph_key_base("bwd", group.parity)
             # Trainable parameters and their slot gradient buffers, in a fixed order (the slots' order).
             self.params: List[Tuple[torch.nn.Parameter, torch.Tensor]] = []
             for layer, slot in zip(gpu_layers, slots):

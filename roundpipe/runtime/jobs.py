@@ -29,6 +29,7 @@ from roundpipe.runtime.compute import (
     BackwardInputs,
     GroupBackward,
     GroupForward,
+    JobGroup,
     backward_by_layer,
     call_layer,
     grad_leaves,
@@ -284,7 +285,7 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
     # Per-layer upload events: the first microbatch starts on the first layer while the rest upload.
     ready: List[Any] = []
     gpu_layers = _upload_group(device, run, layers, with_grad=False, for_recompute=False, ready=ready, slots=slots)
-    compute = GroupForward(run, device, layers, gpu_layers, ready, graphed=slots is not None, parity=parity)
+    compute = GroupForward(JobGroup(run, device, layers, gpu_layers, ready, slots, parity))
     tiles = run.sequence.job_store(device, backward=False) if run.sequence is not None else None
     peer_handoff = run.peer_handoff
     saves_output = (
@@ -375,9 +376,8 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int, part: i
     gpu_layers = _upload_group(
         device, run, layers, with_grad=True, for_recompute=True, ready=ready, seed=part == 0, slots=slots
     )
-    by_stage = (
-        GroupBackward(run, device, layers, gpu_layers, ready, slots, parity) if cfg.recompute_grain == "stage" else None
-    )
+    group = JobGroup(run, device, layers, gpu_layers, ready, slots, parity)
+    by_stage = GroupBackward(group) if cfg.recompute_grain == "stage" else None
     first = True  # the first microbatch that computes waits for each layer; later ones find them there
     order = part_microbatches(part, run.fused_parts, batch.num_microbatch) if split else range(batch.num_microbatch)
     tiles = None
