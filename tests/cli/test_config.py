@@ -12,7 +12,8 @@ import yaml
 from helpers import ROOT
 
 from roundpipe.cli import main
-from roundpipe.cli.config import TASK_PROFILE, ConfigError, TrainConfig, parse_train_args
+from roundpipe.cli.config import TASK_PROFILE, ConfigError, TrainConfig
+from roundpipe.cli.config_flags import parse_train_args
 
 
 def write(path, text: str) -> str:

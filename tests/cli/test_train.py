@@ -13,7 +13,8 @@ import torch
 
 from roundpipe.cli import main
 from roundpipe.cli.checkpoint import load_tensors, load_torch, resolve_checkpoint
-from roundpipe.cli.config import merge, parse_train_args
+from roundpipe.cli.config import merge
+from roundpipe.cli.config_flags import parse_train_args
 from roundpipe.cli.export import export
 from roundpipe.cli.tasks import IGNORE_INDEX, byte_tokenizer
 from roundpipe.cli.train import Recipe, run
