@@ -75,6 +75,12 @@ class TrainConfig:
         "(auto: the model's own; float32 for 'tiny')",
         group="model",
     )
+    rope_scaling: Optional[str] = _f(
+        None,
+        "stretch the rotary positions past the model's limit: yarn:F, linear:F, dynamic:F, llama3:F or none "
+        "(default: the model's own config; docs/long-context.md)",
+        group="model",
+    )
     # data
     data: Optional[str] = _f(
         None, "training data: .txt, .jsonl or .parquet file (default: the built-in task)", group="data"
@@ -351,10 +357,22 @@ def validate(cfg: TrainConfig) -> None:
     else:
         check_data_file(cfg.data)
     check_model(cfg.model)
+    if cfg.rope_scaling is not None:
+        check_rope_scaling(cfg.rope_scaling)
     if cfg.lora_r == 0 and cfg.lora_alpha is not None:
         raise ConfigError(
             "lora_alpha is set but lora_r is 0 (full fine-tune)", "set --lora-r to enable LoRA, or drop lora_alpha"
         )
+
+
+def check_rope_scaling(spec: str) -> None:
+    """``spec`` is a rotary scaling (``yarn:4``); one line naming the accepted forms otherwise."""
+    from roundpipe.rope_scaling import SPEC_FORMS, parse_spec
+
+    try:
+        parse_spec(spec)
+    except ValueError:
+        raise ConfigError(f"rope_scaling={spec!r} is not a rotary scaling", f"use {SPEC_FORMS}") from None
 
 
 def check_data_file(path: str) -> None:
