@@ -190,7 +190,7 @@ def _saved_for_recompute() -> Optional[Tuple[Any, ...]]:
 
 #: Rotary variants whose tables depend on the sequence length alone (their ``inv_freq`` never changes in forward),
 #: so :class:`CausalLMPrefix` may keep them for the next microbatch of the same length.
-STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 #: The longest sequence whose rotary tables the prefix keeps (two ``tokens x head_dim`` tensors per device: 16 MiB
 #: for a head_dim of 128 in bf16); longer ones are computed per microbatch, as their compute dwarfs it.
 ROPE_CACHE_MAX_TOKENS = 32768

@@ -11,6 +11,7 @@ from typing import List
 import pytest
 import torch
 
+from roundpipe import flavors
 from roundpipe.cli import main, plan
 from roundpipe.cli.train import Recipe
 
@@ -26,20 +27,9 @@ def _restore_process_state(restore_process_state: None) -> None:
 
 def qwen3_8b_yarn_dir(root: str) -> str:
     """A Qwen3-8B-shaped config.json with YaRN x4 added as Qwen documents it (no weights: plan reads the config)."""
-    shape = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32)
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
-    return config_dir(
-        root,
-        "qwen3-8b",
-        model_type="qwen3",
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        max_position_embeddings=40960,
-        rope_theta=1_000_000.0,
-        rope_scaling=yarn,
-        **shape,
-    )
+    shape = flavors.QWEN3["qwen3-8b"].config_fields()
+    return config_dir(root, "qwen3-8b", model_type="qwen3", max_position_embeddings=40960, rope_scaling=yarn, **shape)
 
 
 def test_plan_past_the_limit(tmp_path, capsys) -> None:
