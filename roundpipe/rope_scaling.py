@@ -170,9 +170,10 @@ def with_rope_scaling(config: Any, spec: str) -> Any:
         config.original_max_position_embeddings = original
     _set(config, "rope_parameters", params)
     _set(config, "max_position_embeddings", limit)
-    if not isinstance(config, dict) and hasattr(config, "standardize_rope_params"):
-        config.standardize_rope_params()  # transformers' own normal form, checked as loading a config.json does
-        config.validate_rope()
+    if not isinstance(config, dict):  # transformers' own normal form, checked as loading a config.json does
+        for step in ("standardize_rope_params", "validate_rope"):
+            if callable(getattr(config, step, None)):
+                getattr(config, step)()
     return config
 
 
