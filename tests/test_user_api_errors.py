@@ -49,6 +49,11 @@ def test_constructor_arguments_are_checked_where_given() -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match=f"num_microbatch={bad!r}: expected a positive integer"):
             RoundPipeRunConfig(num_microbatch=bad)  # type: ignore[arg-type]
+    for field, bad in (("requires_grad", "no"), ("preserve_rng_state", 1)):
+        with pytest.raises(ValueError, match=f"{field}={bad!r}: expected True, False or None"):
+            RoundPipeRunConfig(**{field: bad})
+    with pytest.raises(ValueError, match="output_device='gpu': expected a torch.device or a device string"):
+        RoundPipeRunConfig(output_device="gpu")
     assert RoundPipe(layer, optim_dtype=torch.float32).optim_dtype == torch.float32  # the accepted values still work
     assert RoundPipe(nn.Linear(4, 4), optim_dtype=None).optim_dtype is None
 
