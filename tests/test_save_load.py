@@ -122,3 +122,34 @@ def test_bad_checkpoints_are_refused(tmp_path) -> None:
         f.write(b"\0\0\0\1")
     with pytest.raises(CheckpointError, match="corrupt: masters.safetensors does not match its sha256"):
         roundpipe.load(model, optimizer, path, scheduler=scheduler)
+
+
+def test_hugging_face_preset_with_tied_embeddings_resumes_exactly(tmp_path) -> None:
+    """A wrapped Hugging Face causal LM (tied input and output embeddings, rotary buffers) saves and
+    resumes as a plain layer list does."""
+    from cli.local_model import make_local_model, word_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    path = make_local_model(str(tmp_path / "model"), word_tokenizer(), tie=True, positions=64)
+    ids = torch.randint(0, 20, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def build_lm(seed: int):
+        torch.manual_seed(seed)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = roundpipe.wrap_model_to_roundpipe(hf, optim_dtype=torch.float32)
+        return model, roundpipe.optim.Adam(model.optim_parameters(), lr=1e-3)
+
+    def run(resume_at: int) -> List[float]:
+        model, optimizer = build_lm(0)
+        losses = []
+        for i in range(4):
+            if i == resume_at:
+                roundpipe.save(model, optimizer, str(tmp_path / "ckpt"))
+                model, optimizer = build_lm(1)
+                roundpipe.load(model, optimizer, str(tmp_path / "ckpt"))
+            losses.append(model.forward_backward(input_kwargs={"input_ids": ids, "labels": ids}).item())
+            model.step(lambda opt=optimizer: (opt.step(), opt.zero_grad()))
+        model.synchronize()
+        return losses
+
+    assert run(resume_at=2) == run(resume_at=-1)
