@@ -281,25 +281,33 @@ def load(model: RoundPipeBase, optimizer: Any, path: str, *, scheduler: Any = No
     masters = load_tensors(os.path.join(path, _MASTERS))
     own = _model_tensors(model)
     optim_own = dict(model.optim_named_parameters())
+    rest: Any = load_torch(os.path.join(path, _EXTRA))
     if set(saved) != set(own) or set(masters) != set(optim_own):
-        missing = sorted((set(own) - set(saved)) | (set(optim_own) - set(masters)))[:3]
-        unknown = sorted((set(saved) - set(own)) | (set(masters) - set(optim_own)))[:3]
+        lacks = sorted((set(own) - set(saved)) | (set(optim_own) - set(masters)))[:3]
+        extra_names = sorted((set(saved) - set(own)) | (set(masters) - set(optim_own)))[:3]
         raise CheckpointError(
-            f"checkpoint {path} was saved for another model (missing here: {missing}, not in this model: {unknown})",
+            f"checkpoint {path} was saved for another model (it lacks {lacks} of this one and holds {extra_names})",
             "build the model as the saved run did (same layers, same trainable parameters)",
         )
-    with torch.no_grad():
-        for name, t in own.items():
-            t.copy_(saved[name])
-        for name, m in optim_own.items():
-            m.copy_(masters[name])
-    optimizer.load_state_dict(load_torch(os.path.join(path, _OPTIMIZER)))
-    rest: Any = load_torch(os.path.join(path, _EXTRA))
+    files, ours = {**saved, **masters}, {**own, **optim_own}  # the two name spaces do not overlap
+    resized = [n for n in ours if files[n].shape != ours[n].shape]
+    if resized:
+        n = resized[0]
+        raise CheckpointError(
+            f"checkpoint {path} holds {n} as {tuple(files[n].shape)}, this model as {tuple(ours[n].shape)}",
+            "build the model with the sizes of the saved run",
+        )
     if (scheduler is None) != (rest["scheduler"] is None):
         raise CheckpointError(
             f"checkpoint {path} was saved {'without' if rest['scheduler'] is None else 'with'} a scheduler",
             "pass scheduler= to both roundpipe.save and roundpipe.load, or to neither",
         )
+    with torch.no_grad():  # nothing is changed until every check has passed
+        for name, t in own.items():
+            t.copy_(saved[name])
+        for name, m in optim_own.items():
+            m.copy_(masters[name])
+    optimizer.load_state_dict(load_torch(os.path.join(path, _OPTIMIZER)))
     if scheduler is not None:
         scheduler.load_state_dict(rest["scheduler"])
     set_rng_state(rest["rng"])

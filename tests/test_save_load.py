@@ -112,6 +112,10 @@ def test_bad_checkpoints_are_refused(tmp_path) -> None:
     other_opt = roundpipe.optim.Adam(other.optim_parameters(), lr=1e-2)
     with pytest.raises(CheckpointError, match="saved for another model"):
         roundpipe.load(other, other_opt, path)
+    wider = RoundPipe(nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)], nn.Linear(32, 5)))
+    wider_opt = roundpipe.optim.Adam(wider.optim_parameters(), lr=1e-2)
+    with pytest.raises(CheckpointError, match=r"holds param:4.weight as \(4, 32\), this model as \(5, 32\)"):
+        roundpipe.load(wider, wider_opt, path, scheduler=scheduler)
     with pytest.raises(TypeError, match="optimizer must be the optimizer built on model.optim_parameters"):
         roundpipe.save(model, object(), str(tmp_path / "x"))
     with pytest.raises(TypeError, match="model must be a RoundPipe"):
