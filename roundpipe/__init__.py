@@ -27,7 +27,9 @@ __all__ = [
     "doing_recompute",
     "get_num_devices",
     "get_recompute_data",
+    "load",
     "optim",
+    "save",
     "save_for_recompute",
     "wrap_model_to_roundpipe",
 ]
@@ -44,6 +46,8 @@ _LAZY = {
     "doing_recompute": "roundpipe.runtime.context",
     "get_num_devices": "roundpipe.devices.device",
     "get_recompute_data": "roundpipe.runtime.context",
+    "load": "roundpipe.checkpoint",
+    "save": "roundpipe.checkpoint",
     "save_for_recompute": "roundpipe.runtime.context",
     "wrap_model_to_roundpipe": "roundpipe.wrapper",
 }

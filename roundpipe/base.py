@@ -35,6 +35,23 @@ def check_wrapper_arguments(cls: str, model: Any, optim_dtype: Any) -> None:
         )
 
 
+def check_step_arguments(step_fn: Any, is_async: Any) -> None:
+    """``step``'s arguments, checked on the caller's thread: ``model.step(optimizer.step())`` passes the
+    result (None) instead of the function, and ``model.step(optimizer.step, optimizer.zero_grad)`` puts a
+    function where ``is_async`` goes."""
+    if not callable(step_fn):
+        got = "None (the result of a call)" if step_fn is None else f"a {type(step_fn).__name__}"
+        raise TypeError(
+            f"step: step_fn must be a function run on the optimizer thread, e.g. "
+            f"model.step(lambda: (optimizer.step(), optimizer.zero_grad())); got {got}"
+        )
+    if not isinstance(is_async, bool):
+        raise TypeError(
+            f"step: is_async is True or False, not {is_async!r:.60}; put several calls in one step_fn "
+            f"(lambda: (optimizer.step(), optimizer.zero_grad()))"
+        )
+
+
 class RoundPipeBase(nn.Module):
     """Attributes and methods common to RoundPipe and AutoRoundPipe: attribute shimming to the wrapped
     (and original) model, optimizer-side parameters and the asynchronous optimizer step.
@@ -237,6 +254,7 @@ class RoundPipeBase(nn.Module):
         ``roundpipe.optim.Adam``, after ``step_fn`` with other optimizers), so results equal
         ``is_async=False``, two host copies of the weights also with accumulation (``roundpipe.host.step``).
         """
+        check_step_arguments(step_fn, is_async)
         raise_if_failed(f"model {self.name!r} optimizer step")
         self._finish_host_buffers()
         for cycle in self._cycles():

@@ -26,6 +26,40 @@ from roundpipe.runtime.run_config import ResolvedRunConfig, RoundPipeRunConfig, 
 from roundpipe.utils import GiB, get_call_location, get_model_active_size, get_model_compute_size, get_model_size
 
 
+def check_run_config(run_config: Any, where: str) -> None:
+    """A call's run configuration is a ``RoundPipeRunConfig`` (a dict or a field's value is a common slip)."""
+    if not isinstance(run_config, RoundPipeRunConfig):
+        raise TypeError(
+            f"{where} takes a roundpipe.RoundPipeRunConfig, not {type(run_config).__name__} "
+            f"(e.g. RoundPipeRunConfig(num_microbatch=4))"
+        )
+
+
+def check_call_arguments(
+    input_args: Any, input_kwargs: Any, loss_fn: Any, return_outputs: Any, run_config: Any
+) -> None:
+    """``forward_backward``'s arguments, checked before any job runs: each mistake gets one line naming the
+    argument, instead of an error inside a layer or ``loss_fn`` on a device thread."""
+    if not isinstance(input_args, tuple):
+        raise TypeError(
+            f"forward_backward: input_args is the tuple of the first layer's positional arguments "
+            f"(input_args=(x,)), not a {type(input_args).__name__}"
+        )
+    if not isinstance(input_kwargs, dict):
+        raise TypeError(
+            f"forward_backward: input_kwargs is a dict of the first layer's keyword arguments, "
+            f"not a {type(input_kwargs).__name__}"
+        )
+    if not callable(loss_fn):
+        raise TypeError(
+            f"forward_backward: loss_fn must be a callable (outputs_m, label_m) -> loss of one microbatch, "
+            f"not a {type(loss_fn).__name__}"
+        )
+    if not isinstance(return_outputs, bool):
+        raise TypeError(f"forward_backward: return_outputs is True or False, not {return_outputs!r:.40}")
+    check_run_config(run_config, "forward_backward(run_config=...)")
+
+
 class RoundPipe(RoundPipeBase):
     """Wraps a module with RoundPipe's pipelined runtime.
 
@@ -155,6 +189,7 @@ class RoundPipe(RoundPipeBase):
         """Run the model over all microbatches; with gradients enabled the result is connected to
         autograd, and ``backward()`` on it runs the pipelined backward."""
 
+        check_run_config(roundpipe_run_config, "forward(roundpipe_run_config=...)")
         cfg = ResolvedRunConfig(roundpipe_run_config, self.model_run_config)
         if cfg.requires_grad and not torch.is_grad_enabled():
             raise RuntimeError(
@@ -203,8 +238,9 @@ class RoundPipe(RoundPipeBase):
 
         if not torch.is_grad_enabled():
             raise RuntimeError("forward_backward needs gradients enabled; it was called under torch.no_grad()")
-        if not isinstance(input_args, tuple):
-            input_args = (input_args,)
+        if isinstance(input_args, torch.Tensor):
+            input_args = (input_args,)  # one tensor: the first layer's one argument
+        check_call_arguments(input_args, input_kwargs, loss_fn, return_outputs, run_config)
         cfg = ResolvedRunConfig(run_config, self.model_run_config)
         self._check_optimizer_idle()
         into_weights = step_cycle.begin_call(self, True)

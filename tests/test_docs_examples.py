@@ -130,3 +130,28 @@ def test_page_runs_as_written(page: str, tmp_path) -> None:
     notices = [l for l in proc.stderr.splitlines() if "deprecat" in l.lower()]
     deprecated = [l for l in notices if l.startswith(("[transformers]", page))]
     assert deprecated == [], deprecated
+
+
+def test_trainer_example_imports_are_in_the_extra_it_names() -> None:
+    """docs/trainer.md's Trainer example says which extra to install; every package it imports is in that
+    extra or the core dependencies (``datasets`` included), and so is ``accelerate``, which
+    ``transformers.Trainer`` needs."""
+    import ast
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    page = open(os.path.join(ROOT, "docs", "trainer.md")).read()
+    extra = re.search(r"pip install -e '\.\[(\w+)\]'", page)
+    assert extra is not None, "docs/trainer.md names the extra to install"
+    names = lambda reqs: {re.split(r"[<>=\[ ;]", r, maxsplit=1)[0].lower() for r in reqs}
+    installed = names(project["dependencies"]) | names(project["optional-dependencies"][extra.group(1)])
+    example = page_blocks("docs/trainer.md")[0]
+    imported = set()
+    for node in ast.walk(ast.parse(example.source)):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module.split(".")[0])
+    assert "datasets" in imported
+    assert imported - {"roundpipe"} | {"accelerate"} <= installed, (imported, installed)

@@ -49,6 +49,11 @@ def test_constructor_arguments_are_checked_where_given() -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match=f"num_microbatch={bad!r}: expected a positive integer"):
             RoundPipeRunConfig(num_microbatch=bad)  # type: ignore[arg-type]
+    for field, bad in (("requires_grad", "no"), ("preserve_rng_state", 1)):
+        with pytest.raises(ValueError, match=f"{field}={bad!r}: expected True, False or None"):
+            RoundPipeRunConfig(**{field: bad})
+    with pytest.raises(ValueError, match="output_device='gpu': expected a torch.device or a device string"):
+        RoundPipeRunConfig(output_device="gpu")
     assert RoundPipe(layer, optim_dtype=torch.float32).optim_dtype == torch.float32  # the accepted values still work
     assert RoundPipe(nn.Linear(4, 4), optim_dtype=None).optim_dtype is None
 
@@ -178,3 +183,75 @@ def test_label_check_names_the_position_and_allows_ignored_and_first_labels() ->
     with pytest.raises(ValueError, match=r"shift_labels\[0, 0\] = -5 is not"):
         check_label_range(torch.tensor([[-5, 1]]), vocab_size=10, shifted=True, name="shift_labels")
     check_label_range(torch.tensor([[-7, 1]]), vocab_size=10, ignore_index=-7, shifted=True)
+
+
+def test_call_arguments_fail_before_any_job_with_one_line() -> None:
+    """A label batch of 5 for an input batch of 8 names both sizes (it used to fail inside ``loss_fn`` as
+    torch's broadcast error); each other mistaken argument names itself; no layer has run."""
+    settings.configure(devices="cpu:2")
+    model = RoundPipe(
+        nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), model_run_config=RoundPipeRunConfig(num_microbatch=2)
+    )
+    x, calls = torch.randn(8, 4), []  # loss_fn runs once per microbatch in a job: counted
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(out.shape[0])
+        return nn.functional.mse_loss(out, y)
+
+    cases = [
+        ({"label": torch.randn(5, 4)}, ValueError, "the label batch has 5 rows but the input batch has 8"),
+        ({"label": (torch.randn(5, 4), 3)}, ValueError, "label batch has 5 rows but the input batch has 8"),
+        ({"loss_fn": "mse"}, TypeError, "loss_fn must be a callable .* not a str"),
+        ({"input_args": [x]}, TypeError, r"input_args is the tuple .* \(input_args=\(x,\)\), not a list"),
+        ({"input_kwargs": [("x", x)]}, TypeError, "input_kwargs is a dict .* not a list"),
+        ({"return_outputs": "yes"}, TypeError, "return_outputs is True or False, not 'yes'"),
+        ({"run_config": {"num_microbatch": 2}}, TypeError, r"forward_backward\(run_config=...\) takes a roundpipe"),
+        ({"run_config": RoundPipeRunConfig(num_microbatch=9)}, ValueError, "num_microbatch=9 is larger than .* 8"),
+    ]
+    for change, kind, message in cases:
+        args = {"input_args": (x,), "label": torch.randn(8, 4), "loss_fn": loss_fn, **change}
+        with pytest.raises(kind, match=message):
+            model.forward_backward(**args)
+    with pytest.raises(TypeError, match=r"forward\(roundpipe_run_config=...\) takes a roundpipe.RoundPipeRunConfig"):
+        model(x, roundpipe_run_config=2)  # type: ignore[arg-type]
+    assert calls == []
+    loss = model.forward_backward(input_args=x, label=torch.randn(8, 4), loss_fn=loss_fn)  # one tensor: one argument
+    assert calls == [4, 4] and loss.dim() == 0  # the same model works: two microbatches
+
+
+def test_step_arguments_fail_on_the_callers_thread() -> None:
+    settings.configure(devices="cpu:1")
+    model = RoundPipe(nn.Sequential(nn.Linear(4, 4)), optim_dtype=torch.float32)
+    optimizer = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-3)
+    model.forward_backward(input_args=(torch.randn(2, 4),), loss_fn=lambda out, _: out.sum())
+    with pytest.raises(TypeError, match=r"step_fn must be a function .*; got None \(the result of a call\)"):
+        model.step(optimizer.step())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="step_fn must be a function .*; got a Adam"):
+        model.step(optimizer)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"is_async is True or False, not <bound method .*zero_grad"):
+        model.step(optimizer.step, optimizer.zero_grad)  # type: ignore[arg-type]
+    model.step(lambda: (optimizer.step(), optimizer.zero_grad()))  # the right call still works
+    model.synchronize()
+
+
+def test_labels_split_by_a_spec_or_a_callable_are_not_checked_against_the_inputs() -> None:
+    """A label whose rows differ from the inputs' is fine when the user splits it: two label rows per
+    input row, split by a callable or a spec tree, give the gradients of the plain model."""
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec
+
+    settings.configure(devices="cpu:2")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    ref = copy.deepcopy(net)
+    x, y = torch.randn(4, 4), torch.randn(8, 4)  # labels: two per row, in row order
+    loss_fn = lambda out, lab: nn.functional.mse_loss(out.repeat_interleave(2, dim=0), lab, reduction="sum")
+    loss_fn(ref(x), y).backward()
+    for split in (lambda label, n: list(torch.tensor_split(label, n)), (TensorChunkSpec(0),)):
+        model = RoundPipe(copy.deepcopy(net), model_run_config=RoundPipeRunConfig(num_microbatch=2, split_label=split))
+        model.forward_backward(
+            input_args=(x,),
+            label=(y,) if isinstance(split, tuple) else y,
+            loss_fn=((lambda out, lab: loss_fn(out, lab[0])) if isinstance(split, tuple) else loss_fn),
+        )
+        for p, q in zip(model.model.parameters(), ref.parameters()):
+            assert rel_err(p.grad, q.grad) < 1e-5

@@ -19,49 +19,19 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import torch
 
 from roundpipe import distributed as rdist
+from roundpipe.checkpoint import rng_state, set_rng_state
 from roundpipe.cli import checkpoint as ckpt
 from roundpipe.cli.config import ConfigError, TrainConfig, from_yaml_text, merge, to_yaml, with_absolute_paths
 from roundpipe.cli.optimizer import HostOptimizer
 from roundpipe.cli.pipeline import PipelineModel
 
 logger = logging.getLogger("roundpipe")
-
-
-def rng_state() -> Dict[str, Any]:
-    """This process's torch, Python, NumPy (and CUDA) RNG states, loadable with ``weights_only``."""
-    import numpy as np
-
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    numpy_state = (
-        kind,
-        torch.from_numpy(keys.astype(np.int64)),
-        int(pos),
-        int(has_gauss),
-        float(gauss),
-    )  # torch.load(weights_only)-safe
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_state}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: Dict[str, Any]) -> None:
-    """Restore what :func:`rng_state` returned."""
-    import numpy as np
-
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def weights_kind(source: Dict[str, str], lora: bool) -> str:

@@ -256,6 +256,7 @@ class Batch:
             n = packed_n  # microbatches of an upstream RoundPipe flow through one to one
         data = (tuple(args), dict(kwargs))
         split = run_config.split_input
+        bs: Optional[int] = None  # the input batch size, where the automatic split takes it
         if callable(split) and not _is_replicate(split):
             parts = _custom_split_parts(split(tuple(args), dict(kwargs), n))
             n = len(parts)
@@ -290,6 +291,8 @@ class Batch:
             self.flatten_specs.append(spec)
             # Data from an upstream RoundPipe may still be downloading: its events gate our uploads.
             self.forward_events.append([e for p in packed for e in p.transfer_event[m][0]])
+        if label is not None and split is None and run_config.split_label is None:
+            self._check_label_rows(label, bs)
         self.label_list: List[Any] = self._split_label(label, run_config, n)
         self.loss_list: List[Any] = [None] * n
         self.profiles: Dict[str, Any] = {}
@@ -306,6 +309,19 @@ class Batch:
                     f"taken is {bs} (the first tensor). Give every per-sample tensor the same dim 0, or pass "
                     f"RoundPipeRunConfig(split_input=...)"
                 )
+
+    @staticmethod
+    def _check_label_rows(label: Any, bs: Optional[int]) -> None:
+        """With both splits automatic, the label's batch (dim 0 of its first tensor) must be the inputs':
+        split to its own size, microbatch m's labels would belong to other rows, or fail in ``loss_fn``
+        as a broadcast error."""
+        rows = guess_split_spec(label)[1]
+        if bs is not None and rows is not None and rows != bs:
+            raise ValueError(
+                f"forward_backward: the label batch has {rows} rows but the input batch has {bs} (dim 0 of the "
+                f"first tensor of input_args/input_kwargs); give label one row per input row, or split it "
+                f"yourself with RoundPipeRunConfig(split_label=...)"
+            )
 
     @staticmethod
     def _split_label(label: Any, run_config: SplitConfig, n: int) -> List[Any]:

@@ -73,8 +73,18 @@ class RoundPipeRunConfig:
             from roundpipe.runtime.stage_codec import check_mode
 
             check_mode(self.stage_inputs)
+        for name in ("requires_grad", "preserve_rng_state"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r:.60}: expected True, False or None (inherit)")
         if self.output_device is not None:
-            self.output_device = torch.device(self.output_device)
+            try:
+                self.output_device = torch.device(self.output_device)
+            except (RuntimeError, TypeError):
+                raise ValueError(
+                    f"output_device={self.output_device!r:.60}: expected a torch.device or a device string "
+                    f"such as 'cpu' or 'cuda:0'"
+                ) from None
         from roundpipe.runtime.batch import check_spec_tree
 
         for name in ("split_input", "split_label", "merge_output"):
