@@ -3,9 +3,6 @@ optimizer objects repeats the uninterrupted loop bit for bit (asynchronous steps
 stepped on the optimizer thread), and a damaged or mismatched checkpoint is refused with one clear line."""
 
 import os
-
-os.environ.setdefault("RPP_DEVICES", "cpu:2")
-
 from typing import List, Tuple
 
 import pytest
@@ -17,6 +14,9 @@ from roundpipe import RoundPipe, RoundPipeRunConfig
 from roundpipe.checkpoint import CheckpointError
 
 STEPS = 6
+
+# Two CPU workers for every test here (the conftest fixture; never the process's environment).
+pytestmark = pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
 
 
 def build(
@@ -53,7 +53,7 @@ def weights(model: RoundPipe) -> List[torch.Tensor]:
     return [p.detach().clone() for p in model.model.parameters()]
 
 
-def test_resume_is_bitwise_exact(tmp_path) -> None:
+def test_resume_is_bitwise_exact(tmp_path, workers: str) -> None:
     data = batches()
     model, optimizer, scheduler = build()
     straight = train(model, optimizer, scheduler, data, 0, STEPS)
@@ -74,7 +74,7 @@ def test_resume_is_bitwise_exact(tmp_path) -> None:
         assert torch.equal(a, b)
 
 
-def test_bf16_weights_resume_exactly(tmp_path) -> None:
+def test_bf16_weights_resume_exactly(tmp_path, workers: str) -> None:
     """bf16 weights with fp32 masters: the bf16 weights in flight (one step behind) come back as saved."""
     data = [(x.bfloat16(), y) for x, y in batches()]
     loss_fn = lambda out, lab: nn.functional.mse_loss(out.float(), lab)
@@ -98,7 +98,7 @@ def test_bf16_weights_resume_exactly(tmp_path) -> None:
         assert torch.equal(a, b)
 
 
-def test_bad_checkpoints_are_refused(tmp_path) -> None:
+def test_bad_checkpoints_are_refused(tmp_path, workers: str) -> None:
     model, optimizer, scheduler = build()
     train(model, optimizer, scheduler, batches(), 0, 2)
     path = roundpipe.save(model, optimizer, str(tmp_path / "ckpt"), scheduler=scheduler)
@@ -128,7 +128,7 @@ def test_bad_checkpoints_are_refused(tmp_path) -> None:
         roundpipe.load(model, optimizer, path, scheduler=scheduler)
 
 
-def test_hugging_face_preset_with_tied_embeddings_resumes_exactly(tmp_path) -> None:
+def test_hugging_face_preset_with_tied_embeddings_resumes_exactly(tmp_path, workers: str) -> None:
     """A wrapped Hugging Face causal LM (tied input and output embeddings, rotary buffers) saves and
     resumes as a plain layer list does."""
     from cli.local_model import make_local_model, word_tokenizer
