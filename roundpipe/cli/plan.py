@@ -44,15 +44,16 @@ def _size(text: str) -> float:
 
 
 def builtin_names() -> List[str]:
-    """The built-in shapes: ``roundpipe train``'s architectures and the larger Qwen3 shapes."""
+    """The built-in architectures: those ``roundpipe train`` builds by name (``roundpipe.cli.model_names``)."""
     from roundpipe.cli.model_names import BUILTIN_MODELS
 
-    return list(BUILTIN_MODELS) + [n for n in estimate.ModelShape.BUILTIN if n not in BUILTIN_MODELS]
+    return list(BUILTIN_MODELS)
 
 
 def parser() -> argparse.ArgumentParser:
     raw = argparse.RawDescriptionHelpFormatter
-    p = _ArgumentParser(prog="roundpipe plan", description=__doc__, formatter_class=raw)
+    description = (__doc__ or "").replace("``", "")  # --help is plain text, not the docstring's markup
+    p = _ArgumentParser(prog="roundpipe plan", description=description, formatter_class=raw)
     shapes = ", ".join(builtin_names())
     p.add_argument("--model", required=True, help=f"a Hugging Face model directory or a built-in: {shapes}")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
