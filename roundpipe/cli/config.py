@@ -184,6 +184,16 @@ class TrainConfig:
         "devices, as RPP_DEVICES: cuda, cuda:0,2 or cpu:N (default: RPP_DEVICES, else all GPUs, else cpu:1)",
         group="run",
     )
+    gpu_memory: Optional[str] = _f(
+        None,
+        "memory per GPU, as in roundpipe plan: 24GiB, 24GB, 20000MiB (default: RPP_GPU_MEMORY, else the whole GPU)",
+        group="run",
+    )
+    host_memory: Optional[str] = _f(
+        None,
+        "host memory the run may use, as in roundpipe plan: 100GiB (default: RPP_HOST_MEMORY, else available less 5%)",
+        group="run",
+    )
     # output
     output_dir: str = _f("runs/roundpipe", "where metrics, plots and checkpoints go", group="run")
     log_every: int = _f(50, "print a log line every N steps", group="run")
@@ -462,6 +472,7 @@ def merge(file_keys: Dict[str, Any], flag_keys: Dict[str, Any]) -> TrainConfig:
 
 def validate(cfg: TrainConfig) -> None:
     """Checks that need no model or data; the rest happen when those are loaded."""
+    from roundpipe.cli.memory_caps import size_problem
     from roundpipe.cli.tasks import TASKS
 
     def positive(name: str, allow_none: bool = False) -> None:
@@ -519,6 +530,8 @@ def validate(cfg: TrainConfig) -> None:
     else:
         check_data_file(cfg.data)
     check_model(cfg.model)
+    if (problem := size_problem(cfg)) is not None:
+        raise ConfigError(*problem)
     if cfg.lora_r == 0 and cfg.lora_alpha is not None:
         raise ConfigError(
             "lora_alpha is set but lora_r is 0 (full fine-tune)", "set --lora-r to enable LoRA, or drop lora_alpha"
@@ -567,33 +580,8 @@ def check_model(model: str) -> None:
     raise ConfigError(f"model {model!r} is neither a local directory nor a built-in architecture{hint}", fix)
 
 
-def with_absolute_paths(cfg: TrainConfig) -> TrainConfig:
-    """``cfg`` with its relative paths (data, output_dir, resume, a model directory) made absolute, as a run
-    saves it: resuming from another working directory then finds the run's data and model."""
-    from roundpipe.cli.model_names import BUILTIN_MODELS
-
-    def absolute(path: Any) -> Any:
-        return path if path is None or path == "latest" else os.path.abspath(path)
-
-    model = cfg.model if cfg.model in BUILTIN_MODELS else absolute(cfg.model)
-    paths = dict(data=absolute(cfg.data), output_dir=absolute(cfg.output_dir), resume=absolute(cfg.resume), model=model)
-    return dataclasses.replace(cfg, **paths)
-
-
-def to_yaml(cfg: TrainConfig, saved: bool = False) -> str:
-    """The config as YAML (``config.yaml`` of runs and checkpoints, ``--print-config``). ``task`` is
-    left out when a data file replaces it, so the file can be passed to ``--config`` again. ``saved``: a
-    run's own copy, whose paths are absolute (:func:`with_absolute_paths`)."""
-    import yaml
-
-    values = (with_absolute_paths(cfg) if saved else cfg).to_dict()
-    if cfg.data is not None:
-        values.pop("task")
-    return yaml.safe_dump(values, sort_keys=False)
-
-
 def from_yaml_text(text: str) -> TrainConfig:
-    """A config saved by :func:`to_yaml` (checkpoints), without re-validating paths."""
+    """A config saved by ``roundpipe.cli.saved_config.to_yaml`` (checkpoints), without re-validating paths."""
     import yaml
 
     raw = yaml.safe_load(text) or {}

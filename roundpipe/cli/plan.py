@@ -22,6 +22,7 @@ import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 from roundpipe.cli.config import MASTER_ROUNDINGS, MASTERS, OPTIM_STATES, STAGE_INPUTS, ConfigError, normalize_dtype
+from roundpipe.cli.memory_caps import size_bytes
 from roundpipe.planning import estimate, memory_terms
 from roundpipe.utils import GiB
 
@@ -34,13 +35,11 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 
 def _size(text: str) -> float:
-    """``24GiB`` / ``24GB`` / ``24`` (GiB) -> bytes."""
-    from roundpipe.settings import parse_size_gib  # the parser of RPP_GPU_MEMORY: one place for sizes
-
+    """``24GiB`` / ``24GB`` / ``24`` (GiB) -> bytes, as ``roundpipe train`` reads the same flags."""
     try:
-        return parse_size_gib(text) * GiB
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 24GiB, 24GB or 20000MiB") from None
+        return size_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def builtin_names() -> List[str]:

@@ -27,9 +27,10 @@ import torch
 
 from roundpipe import distributed as rdist
 from roundpipe.cli import checkpoint as ckpt
-from roundpipe.cli.config import ConfigError, TrainConfig, from_yaml_text, merge, to_yaml, with_absolute_paths
+from roundpipe.cli.config import ConfigError, TrainConfig, from_yaml_text, merge
 from roundpipe.cli.optimizer import HostOptimizer
 from roundpipe.cli.pipeline import PipelineModel
+from roundpipe.cli.saved_config import to_yaml, with_absolute_paths
 
 logger = logging.getLogger("roundpipe")
 
@@ -162,6 +163,8 @@ def resume_config(cfg: TrainConfig, given: Dict[str, Any], path: Optional[str] =
             "save_every",
             "keep_checkpoints",
             "devices",
+            "gpu_memory",
+            "host_memory",
             "tensorboard",
         )
         and then.get(k) != getattr(now, k)
