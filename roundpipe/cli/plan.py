@@ -5,7 +5,9 @@
     roundpipe plan --model qwen3-8b --seq-len 4096 --optim-state int8 --master bfloat16
 
 Prints peak GPU memory (per GPU) and peak host memory of one step, the bytes each token costs, and
-the longest context that fits this machine (or the ``--gpu-memory`` / ``--host-memory`` given). The
+the longest context that fits this machine (or the ``--gpu-memory`` / ``--host-memory`` given). A step
+that does not fit is told which side is short and by how much, with the levers that would change it, each
+with its estimated effect (LoRA, compact optimizer state, int8 stage inputs, fewer tokens, more memory). The
 same numbers are ``roundpipe.planning.estimate.estimate(...)`` and ``roundpipe.planning.estimate.longest_context(...)``
 in Python. Exit status 0 when the step fits, 1 when it does not (text and ``--json`` alike), 2 with one
 line for bad input. A run ``roundpipe train`` refuses is refused here too: a sequence beyond a model
@@ -21,6 +23,7 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
+from roundpipe.cli import plan_levers
 from roundpipe.cli.config import MASTER_ROUNDINGS, MASTERS, OPTIM_STATES, STAGE_INPUTS, ConfigError, normalize_dtype
 from roundpipe.cli.memory_caps import size_bytes
 from roundpipe.planning import estimate, memory_terms
@@ -201,11 +204,8 @@ def _plan(args: argparse.Namespace) -> int:
         ),
         stage_inputs=args.stage_inputs,
     )
-    # As the planner does: one decoder layer per backward stage, or the fewest that let the stages'
-    # input checkpoints fit the host (fewer checkpoints, more activations per stage on the GPU).
-    candidates = [estimate.estimate(shape, args.seq_len, layers_per_stage=g, gpu_bytes=gpu, **kw) for g in range(1, 5)]
-    e = next((c for c in candidates if c.peak_gpu_bytes <= gpu and c.peak_host_bytes <= host), candidates[0])
-    fits = e.peak_gpu_bytes <= gpu and e.peak_host_bytes <= host
+    e, fits = plan_levers.best_estimate(shape, args.seq_len, gpu, host, kw)
+    levers = [] if fits else plan_levers.levers(args, shape, gpu, host, kw)
     if args.json:
         seq, fit = estimate.longest_context(shape, gpu, host, **kw)
         result = {
@@ -221,12 +221,18 @@ def _plan(args: argparse.Namespace) -> int:
             "longest_context_layers_per_stage": fit.layers_per_stage if fit else None,
             "gpu_memory": gpu,
             "host_memory": host,
+            "short": plan_levers.shortfall(e, gpu, host),
+            "levers": [lever.to_json() for lever in levers],
         }
         print(json.dumps(result))
         return 0 if fits else 1
     print(f"{args.model}: {shape.params() / 1e9:.2f}B parameters, {shape.layers} layers, hidden {shape.hidden}")
     print(e.describe())
-    print(f"this step {'fits' if fits else 'does NOT fit'} {estimate.budgets(gpu, host)}")
+    if fits:
+        print(f"this step fits {estimate.budgets(gpu, host)}")
+    else:
+        print(f"this step does NOT fit {estimate.budgets(gpu, host)}: {plan_levers.describe_short(e, gpu, host)}")
+        print("levers, each estimated alone:\n" + "\n".join(lever.describe(host) for lever in levers))
     print("\n".join(estimate.describe_fit(shape, gpu, host, **kw)))
     return 0 if fits else 1
 
