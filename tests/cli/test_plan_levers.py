@@ -5,11 +5,16 @@ and a lever said to fit does fit: ``plan`` with its flags added exits 0."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import shlex
 from typing import Any, Dict, List
 
 import pytest
+from helpers import ROOT
 
 from roundpipe.cli import plan
+from roundpipe.cli.config import build_parser
 from roundpipe.planning import estimate, memory_terms
 from roundpipe.utils import GiB
 
@@ -118,3 +123,44 @@ def test_a_full_fine_tune_is_offered_lora_and_the_levers_together(capsys) -> Non
     assert "--lora-r 16" in together["change"] and "--stage-inputs int8" in together["change"]
     again = planned(capsys, [*FULL, *together["argv"]])
     assert (again["fits"], again["peak_host_bytes"]) == (together["fits"], together["peak_host_bytes"])
+
+
+def recipe() -> str:
+    """docs/long-context.md's opening recipe section."""
+    with open(os.path.join(ROOT, "docs", "long-context.md")) as f:
+        text = f.read()
+    return text.split("## Recipe: plan, then train\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_long_context_recipe_prints_what_it_shows(capsys, monkeypatch) -> None:
+    """Each ``roundpipe plan`` of the recipe prints the output block under it; each ``roundpipe train`` after it
+    takes the plan's flags (the memory caps too); the measured rows are benchmarks.md's."""
+    monkeypatch.delenv("RPP_STAGE_INPUTS", raising=False)
+    blocks = re.findall(r"```(\w*)\n(.*?)```", recipe(), flags=re.S)
+    plans = 0
+    for i, (kind, body) in enumerate(blocks):
+        command = shlex.split(body.replace("\\\n", " "))
+        if kind != "bash" or command[:2] != ["roundpipe", "plan"]:
+            continue
+        plans += 1
+        status = plan.main(command[2:])
+        assert capsys.readouterr().out == blocks[i + 1][1], body
+        if status == 0:  # the train command under it runs with the same flags
+            train = shlex.split(blocks[i + 2][1].replace("\\\n", " "))
+            assert train[:2] == ["roundpipe", "train"]
+            ns = build_parser().parse_args(train[2:])
+            flags = dict(zip(command[2::2], command[3::2]))
+            for flag, value in flags.items():
+                if flag != "--model":
+                    assert str(getattr(ns, flag[2:].replace("-", "_"))) == value, (flag, train)
+    assert plans == 3
+    with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
+        bench = f.read()
+    rows = [line for line in recipe().splitlines() if line.startswith("| ") and "bench/long_context.py" in line]
+    assert len(rows) == 4
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        tokens, gpu, date, *figures, command = cells[1:]
+        same = [line for line in bench.splitlines() if command in line and f"| {tokens} | {gpu} | {date} |" in line]
+        assert len(same) == 1, row
+        assert all(f" {x} " in same[0].replace("*", "") for x in figures if x), (row, same[0])
