@@ -238,7 +238,7 @@ def test_a_roundpipe_has_what_the_model_protocol_declares() -> None:
 # The layers, lowest first. Each imports only the layers below it and its own folder (annotation-only
 # imports counted); everything else in the package (the wrapper, models, optim's math, distributed, the CLI,
 # the integrations, the kept paths) stands above them all and may import any of them.
-BASE = ("roundpipe.settings", "roundpipe.utils", "roundpipe.flavors")
+BASE = ("roundpipe.settings", "roundpipe.utils", "roundpipe.flavors", "roundpipe.rope_scaling")
 FOLDERS = ("roundpipe.devices", "roundpipe.host", "roundpipe.planning", "roundpipe.runtime")
 LAYERS = ("base",) + FOLDERS
 ABOVE = len(LAYERS)  # the rank of everything above the layers

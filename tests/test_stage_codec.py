@@ -305,7 +305,7 @@ def test_roundpipe_train_passes_the_choice_to_the_model() -> None:
     """``roundpipe train --stage-inputs fp8`` reaches the model's run configuration (unset: the setting)."""
     from test_models import tiny_model
 
-    from roundpipe.cli.config import parse_train_args
+    from roundpipe.cli.config_flags import parse_train_args
     from roundpipe.cli.pipeline import PipelineModel
 
     assert parse_train_args(["--stage-inputs", "fp8"]).cfg.stage_inputs == "fp8"

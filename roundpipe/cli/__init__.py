@@ -48,8 +48,8 @@ def _cli_logging() -> Iterator[None]:
 
 def train_main(argv: List[str]) -> int:
     """``roundpipe train``: parse, then train (or print the resolved config)."""
-    from roundpipe.cli.config import parse_train_args
-    from roundpipe.cli.saved_config import to_yaml
+    from roundpipe.cli.config import to_yaml
+    from roundpipe.cli.config_flags import parse_train_args
 
     args = parse_train_args(argv)  # before anything heavy is imported: --help and config errors answer at once
     if not args.print_config:

@@ -5,18 +5,17 @@ given: a from-scratch run wants other hyper-parameters than a fine-tune), the YA
 then command-line flags. Every key of :class:`TrainConfig` is both a YAML key and a flag
 (``lora_r`` <-> ``--lora-r``), so a run's ``config.yaml`` (written next to its checkpoints) reproduces it.
 
-User mistakes raise :class:`ConfigError`, which the CLI prints as one line and exit status 2.
+User mistakes raise :class:`ConfigError`, which the CLI prints as one line and exit status 2. The flags and
+the YAML file are read by :mod:`roundpipe.cli.config_flags`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
-import re
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 from roundpipe.settings import STAGE_INPUT_MODES as STAGE_INPUTS  # the stage-input modes (settings imports no torch)
 
@@ -74,6 +73,12 @@ class TrainConfig:
         "auto",
         "float32, bfloat16 or float16: the weights the devices compute with; optimizer masters stay fp32 "
         "(auto: the model's own; float32 for 'tiny')",
+        group="model",
+    )
+    rope_scaling: Optional[str] = _f(
+        None,
+        "stretch the rotary positions past the model's limit: yarn:F, linear:F, dynamic:F, llama3:F or none "
+        "(default: the model's own config; docs/long-context.md)",
         group="model",
     )
     # data
@@ -230,7 +235,7 @@ FIELDS: Dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(Tr
 _HINTS = typing.get_type_hints(TrainConfig)
 
 
-def _base_type(name: str) -> Any:
+def base_type(name: str) -> Any:
     """``int`` for ``Optional[int]``, ``list`` for ``List[str]``, etc."""
     hint = _HINTS[name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -247,7 +252,7 @@ def _item_type(name: str) -> Any:
 
 def _coerce(name: str, value: Any) -> Any:
     """Check and convert one YAML/flag value to the field's type."""
-    kind = _base_type(name)
+    kind = base_type(name)
     if value is None:
         if typing.get_origin(_HINTS[name]) is typing.Union:
             return None
@@ -274,173 +279,6 @@ def _coerce(name: str, value: Any) -> Any:
     except (TypeError, ValueError):
         expected = {bool: "true or false", list: "a list", int: "an integer", float: "a number"}.get(kind, "a string")
         raise ConfigError(f"{name}={value!r} is not {expected}", f"set {name} to {expected}") from None
-
-
-#: Names other trainers (Hugging Face Trainer, torchtune) use for our keys, for "did you mean".
-ALIASES = {
-    "learning_rate": "lr",
-    "max_steps": "steps",
-    "num_train_epochs": "epochs",
-    "num_epochs": "epochs",
-    "gradient_accumulation_steps": "grad_accum",
-    "per_device_train_batch_size": "batch_size",
-    "max_seq_length": "seq_len",
-    "max_seq_len": "seq_len",
-    "model_name_or_path": "model",
-    "warmup": "warmup_steps",
-    "lora_rank": "lora_r",
-    "target_modules": "lora_targets",
-    "max_grad_norm": "max_grad_norm",
-    "clip_grad_norm": "max_grad_norm",
-    "dataset": "data",
-    "output": "output_dir",
-    "resume_from_checkpoint": "resume",
-    "num_microbatch": "microbatches",
-}
-
-
-def _closest(name: str) -> str:
-    import difflib
-
-    candidates = {**{k: k for k in FIELDS}, **ALIASES}
-    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.75)
-    return f"did you mean '{candidates[match[0]]}'?" if match else "see 'roundpipe train --help' for the keys"
-
-
-def load_yaml(path: str) -> Dict[str, Any]:
-    """Keys of a YAML config file (flat mapping; ``-`` or ``_`` in keys both work)."""
-    import yaml
-
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file {path!r} not found", "pass an existing YAML file to --config")
-    try:
-        with open(path) as f:
-            raw = yaml.safe_load(f) or {}
-    except yaml.YAMLError as exc:
-        line = getattr(getattr(exc, "problem_mark", None), "line", None)
-        where = f" (line {line + 1})" if line is not None else ""
-        raise ConfigError(
-            f"config file {path!r} is not valid YAML{where}", "fix the syntax; keys are 'name: value' lines"
-        ) from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config file {path!r} is not a mapping", "write one 'key: value' per line")
-    out = {}
-    for key, value in raw.items():
-        name = str(key).replace("-", "_")
-        if name not in FIELDS:
-            raise ConfigError(f"unknown config key '{key}' in {path}", _closest(name))
-        out[name] = value
-    return out
-
-
-class _ArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage errors are a :class:`ConfigError` (one line, no usage dump)."""
-
-    def error(self, message: str) -> typing.NoReturn:
-        if message.startswith("unrecognized arguments: --"):
-            flag = message.split()[2]
-            hint = _closest(flag[2:].split("=")[0].replace("-", "_"))
-            if hint.startswith("did you mean"):
-                key = hint.split("'")[1]
-                raise ConfigError(f"unknown flag {flag}", f"did you mean --{key.replace('_', '-')}?")
-        raise ConfigError(message, f"see '{self.prog} --help'")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """Flags for every config key; defaults are SUPPRESSed so only flags given on the command line
-    override the YAML file."""
-    parser = _ArgumentParser(
-        prog="roundpipe train",
-        description=(
-            "Train or fine-tune a causal LM with RoundPipe (layers streamed to a pool of GPUs or CPU workers). "
-            "Without --data, the built-in task's profile changes some defaults "
-            f"({', '.join(f'{k}={v}' for k, v in TASK_PROFILE.items())}); "
-            "--print-config shows what a run will use."
-        ),
-        argument_default=argparse.SUPPRESS,
-    )
-    parser.add_argument("--config", metavar="FILE", help="YAML file with config keys (flags override it)")
-    parser.add_argument(
-        "--print-config",
-        action="store_true",
-        help="print the config a run would use (defaults resolved) as YAML and exit",
-    )
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="start over in an output_dir that holds an earlier run, deleting that run's files first (without it "
-        "such a directory is refused unless --resume)",
-    )
-    parser.add_argument("--version", action="version", version=f"roundpipe {version()}")
-    groups = {
-        "model": parser.add_argument_group("model"),
-        "data": parser.add_argument_group("data"),
-        "lora": parser.add_argument_group("LoRA"),
-        "optim": parser.add_argument_group("optimization"),
-        "run": parser.add_argument_group("run and output"),
-    }
-    for name, f in FIELDS.items():
-        flag = "--" + name.replace("_", "-")
-        meta = f.metadata
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        help_ = meta["help"] if "default" in meta["help"] or default is None else f"{meta['help']} (default: {default})"
-        help_ = help_.replace("%", "%%")
-        group = groups[meta["group"]]
-        kind = _base_type(name)
-        if kind is bool:
-            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_)
-        elif kind is list:
-            group.add_argument(flag, dest=name, nargs="+", metavar="X", help=help_)
-        elif name == "resume":
-            group.add_argument(flag, dest=name, nargs="?", const="latest", metavar="CKPT", help=help_)
-        else:
-            group.add_argument(flag, dest=name, metavar=name.upper(), help=help_)
-    return parser
-
-
-class TrainArgs(NamedTuple):
-    """What ``roundpipe train``'s command line asks for."""
-
-    cfg: TrainConfig
-    print_config: bool
-    given: Dict[str, Any]
-    """The keys set explicitly (YAML or flags): they override a checkpoint's config on resume."""
-    overwrite: bool
-
-
-#: A negative number, scientific notation included (argparse alone reads ``-1e-3`` as an option).
-_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
-
-
-def _join_negative_values(argv: Sequence[str]) -> List[str]:
-    """``--lr -1e-3`` -> ``--lr=-1e-3`` for flags that take one value, so that the value reaches
-    validation (``lr=-0.001 must be positive``) instead of failing as 'expected one argument'."""
-    out: List[str] = []
-    for arg in argv:
-        prev = out[-1] if out else ""
-        name = prev[2:].replace("-", "_")
-        if (
-            prev.startswith("--")
-            and "=" not in prev
-            and name in FIELDS
-            and _base_type(name) not in (bool, list)
-            and _NEGATIVE_NUMBER.match(arg)
-        ):
-            out[-1] = f"{prev}={arg}"
-        else:
-            out.append(arg)
-    return out
-
-
-def parse_train_args(argv: Sequence[str]) -> TrainArgs:
-    """The config from command-line arguments and the YAML file they name, and the flags that are
-    not config keys (see :class:`TrainArgs`)."""
-    ns = vars(build_parser().parse_args(_join_negative_values(argv)))
-    file_keys = load_yaml(ns.pop("config")) if "config" in ns else {}
-    print_config = bool(ns.pop("print_config", False))
-    overwrite = bool(ns.pop("overwrite", False))
-    given = {**file_keys, **ns}
-    return TrainArgs(merge(file_keys, ns), print_config, given, overwrite)
 
 
 def version() -> str:
@@ -530,12 +368,24 @@ def validate(cfg: TrainConfig) -> None:
     else:
         check_data_file(cfg.data)
     check_model(cfg.model)
+    if cfg.rope_scaling is not None:
+        check_rope_scaling(cfg.rope_scaling)
     if (problem := size_problem(cfg)) is not None:
         raise ConfigError(*problem)
     if cfg.lora_r == 0 and cfg.lora_alpha is not None:
         raise ConfigError(
             "lora_alpha is set but lora_r is 0 (full fine-tune)", "set --lora-r to enable LoRA, or drop lora_alpha"
         )
+
+
+def check_rope_scaling(spec: str) -> None:
+    """``spec`` is a rotary scaling (``yarn:4``); one line naming the accepted forms otherwise."""
+    from roundpipe.rope_scaling import SPEC_FORMS, parse_spec
+
+    try:
+        parse_spec(spec)
+    except ValueError:
+        raise ConfigError(f"rope_scaling={spec!r} is not a rotary scaling", f"use {SPEC_FORMS}") from None
 
 
 def check_data_file(path: str) -> None:
@@ -580,8 +430,33 @@ def check_model(model: str) -> None:
     raise ConfigError(f"model {model!r} is neither a local directory nor a built-in architecture{hint}", fix)
 
 
+def with_absolute_paths(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with its relative paths (data, output_dir, resume, a model directory) made absolute, as a run
+    saves it: resuming from another working directory then finds the run's data and model."""
+    from roundpipe.cli.model_names import BUILTIN_MODELS
+
+    def absolute(path: Any) -> Any:
+        return path if path is None or path == "latest" else os.path.abspath(path)
+
+    model = cfg.model if cfg.model in BUILTIN_MODELS else absolute(cfg.model)
+    paths = dict(data=absolute(cfg.data), output_dir=absolute(cfg.output_dir), resume=absolute(cfg.resume), model=model)
+    return dataclasses.replace(cfg, **paths)
+
+
+def to_yaml(cfg: TrainConfig, saved: bool = False) -> str:
+    """The config as YAML (``config.yaml`` of runs and checkpoints, ``--print-config``). ``task`` is
+    left out when a data file replaces it, so the file can be passed to ``--config`` again. ``saved``: a
+    run's own copy, whose paths are absolute (:func:`with_absolute_paths`)."""
+    import yaml
+
+    values = (with_absolute_paths(cfg) if saved else cfg).to_dict()
+    if cfg.data is not None:
+        values.pop("task")
+    return yaml.safe_dump(values, sort_keys=False)
+
+
 def from_yaml_text(text: str) -> TrainConfig:
-    """A config saved by ``roundpipe.cli.saved_config.to_yaml`` (checkpoints), without re-validating paths."""
+    """A config saved by :func:`to_yaml` (checkpoints), without re-validating paths."""
     import yaml
 
     raw = yaml.safe_load(text) or {}

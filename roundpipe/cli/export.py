@@ -57,15 +57,16 @@ def load_checkpoint_model(path: str) -> Any:
         source = json.load(f)
     dtype = TORCH_DTYPES[source["dtype"]]
     weights = ckpt.load_tensors(os.path.join(path, "model.safetensors"))
+    # the run's config (its rotary scaling included), also over a LoRA run's base directory
+    config = AutoConfig.from_pretrained(os.path.join(path, "hf"), local_files_only=True)
     if source["weights"] == "trainable":  # LoRA on a local model: frozen weights from the model directory
         if not os.path.isdir(source["path"]):
             raise ConfigError(
                 f"the base model directory {source['path']} of this LoRA checkpoint is gone",
                 "restore it there, then export again",
             )
-        model = AutoModelForCausalLM.from_pretrained(source["path"], dtype=dtype, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(source["path"], config=config, dtype=dtype, local_files_only=True)
     else:
-        config = AutoConfig.from_pretrained(os.path.join(path, "hf"), local_files_only=True)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if os.path.isdir(os.path.join(path, "lora")):
         from peft import LoraConfig

@@ -41,7 +41,8 @@ def model_source(cfg: TrainConfig) -> Dict[str, str]:
 
 
 def load_model_config(source: Dict[str, str]) -> Any:
-    """The model's ``PretrainedConfig`` (read before the weights, to check the run against it)."""
+    """The model's ``PretrainedConfig`` (read before the weights, to check the run against it; the weights load
+    with it, so what the run changes in it, such as ``--rope-scaling``, is the model's)."""
     if source["kind"] == "builtin":
         return builtin_config(source["name"])
     from transformers import AutoConfig
@@ -96,7 +97,9 @@ def build_model(source: Dict[str, str], model_config: Any, dtype: torch.dtype) -
     if source["kind"] == "builtin":
         return AutoModelForCausalLM.from_config(model_config, dtype=dtype)
     try:
-        return AutoModelForCausalLM.from_pretrained(source["path"], dtype=dtype, local_files_only=True)
+        return AutoModelForCausalLM.from_pretrained(
+            source["path"], config=model_config, dtype=dtype, local_files_only=True
+        )
     except (OSError, ValueError) as exc:
         raise ConfigError(
             f"cannot load the model in {source['path']} ({str(exc).splitlines()[0]})",

@@ -1,7 +1,7 @@
 """``roundpipe plan``: what a training run will need before it starts, from the model's dimensions.
 
     roundpipe plan --model qwen3-8b --seq-len 262144 --lora-r 16
-    roundpipe plan --model ~/models/Qwen3-8B --seq-len 131072 --gpu-memory 24GiB
+    roundpipe plan --model ~/models/Qwen3-8B --seq-len 131072 --rope-scaling yarn:4 --gpu-memory 24GiB
     roundpipe plan --model qwen3-8b --seq-len 4096 --optim-state int8 --master bfloat16
 
 Prints peak GPU memory (per GPU) and peak host memory of one step, the bytes each token costs, and
@@ -11,7 +11,8 @@ with its estimated effect (LoRA, compact optimizer state, int8 stage inputs, few
 same numbers are ``roundpipe.planning.estimate.estimate(...)`` and ``roundpipe.planning.estimate.longest_context(...)``
 in Python. Exit status 0 when the step fits, 1 when it does not (text and ``--json`` alike), 2 with one
 line for bad input. A run ``roundpipe train`` refuses is refused here too: a sequence beyond a model
-directory's ``max_position_embeddings``, more microbatches than sequences. Nothing heavy is imported but
+directory's position limit (``max_position_embeddings``, stretched by its rotary scaling or by
+``--rope-scaling``: :mod:`roundpipe.rope_scaling`), more microbatches than sequences. Nothing heavy is imported but
 torch, and torch only to read this machine's GPU size when ``--gpu-memory`` is not given.
 """
 
@@ -20,11 +21,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
+from roundpipe import rope_scaling
 from roundpipe.cli import plan_levers
-from roundpipe.cli.config import MASTER_ROUNDINGS, MASTERS, OPTIM_STATES, STAGE_INPUTS, ConfigError, normalize_dtype
+from roundpipe.cli.config import (
+    MASTER_ROUNDINGS,
+    MASTERS,
+    OPTIM_STATES,
+    STAGE_INPUTS,
+    ConfigError,
+    check_rope_scaling,
+    normalize_dtype,
+)
 from roundpipe.cli.memory_caps import size_bytes
 from roundpipe.planning import estimate, memory_terms
 from roundpipe.utils import GiB
@@ -54,13 +65,20 @@ def builtin_names() -> List[str]:
 
 def parser() -> argparse.ArgumentParser:
     raw = argparse.RawDescriptionHelpFormatter
-    description = (__doc__ or "").replace("``", "")  # --help is plain text, not the docstring's markup
+    # --help is plain text: the docstring without its reStructuredText markup (``x``, :mod:`x`)
+    description = re.sub(r":\w+:`~?([^`]+)`", r"\1", (__doc__ or "").replace("``", ""))
     p = _ArgumentParser(prog="roundpipe plan", description=description, formatter_class=raw)
     shapes = ", ".join(builtin_names())
     p.add_argument("--model", required=True, help=f"a Hugging Face model directory or a built-in: {shapes}")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument("--batch-size", type=int, default=1, help="sequences per step (default 1)")
     p.add_argument("--microbatches", type=int, default=1, help="microbatches per step, at most batch-size (default 1)")
+    p.add_argument(
+        "--rope-scaling",
+        default=None,
+        help="stretch the rotary positions past the model's limit: yarn:F, linear:F, dynamic:F, llama3:F or none "
+        "(as train)",
+    )
     p.add_argument("--lora-r", type=int, default=0, help="LoRA rank on all decoder projections (0: full fine-tune)")
     states, masters, roundings = (", ".join(c) for c in (OPTIM_STATES, MASTERS, MASTER_ROUNDINGS))
     p.add_argument("--optim-state", type=normalize_dtype, default="float32", help=f"Adam moments: {states} (as train)")
@@ -103,10 +121,10 @@ def _read_config(path: str) -> Dict[str, Any]:
 SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
-def model_shape(model: str) -> Tuple[estimate.ModelShape, Optional[int]]:
+def model_shape(model: str, rope: Optional[str] = None) -> Tuple[estimate.ModelShape, Optional[Dict[str, Any]]]:
     """The shape of a built-in name or of a model directory's config.json (no transformers import), and
-    the longest sequence the model takes (``max_position_embeddings`` of a directory; None for a
-    built-in shape, whose rotary tables ``roundpipe train`` extends as far as asked)."""
+    the config a sequence length is checked against (a directory's, with the ``rope`` scaling spec set; None
+    for a built-in shape, whose rotary tables ``roundpipe train`` extends as far as asked)."""
     from roundpipe.cli.model_names import BUILTIN_MODELS, did_you_mean
 
     if model in estimate.ModelShape.BUILTIN:
@@ -129,8 +147,9 @@ def model_shape(model: str) -> Tuple[estimate.ModelShape, Optional[int]]:
             f"{path} ({kind}) has no integer {', '.join(missing)}",
             "roundpipe plan estimates decoder-only LMs laid out like Llama / Qwen3 (those keys in config.json)",
         )
-    limit = config.get("max_position_embeddings")
-    return estimate.ModelShape.from_config(argparse.Namespace(**config)), limit if isinstance(limit, int) else None
+    if rope is not None:
+        rope_scaling.with_rope_scaling(config, rope)
+    return estimate.ModelShape.from_config(argparse.Namespace(**config)), config
 
 
 def machine_memory() -> Tuple[Optional[float], float]:
@@ -150,8 +169,9 @@ def machine_memory() -> Tuple[Optional[float], float]:
     return gpu, float(psutil.virtual_memory().total)
 
 
-def check(args: argparse.Namespace, limit: Optional[int]) -> None:
-    """What ``roundpipe train`` refuses, refused here with the same words."""
+def check(args: argparse.Namespace, config: Optional[Dict[str, Any]]) -> None:
+    """What ``roundpipe train`` refuses, refused here with the same words (``config``: the model directory's,
+    whose position limit the sequence must keep)."""
     for name in ("seq_len", "batch_size", "microbatches", "gpus", "sequence_tiles"):
         flag = "--" + name.replace("_", "-")
         if getattr(args, name) < 1:
@@ -171,9 +191,11 @@ def check(args: argparse.Namespace, limit: Optional[int]) -> None:
             f"--sequence-tiles={args.sequence_tiles} is more than the sequence's {args.seq_len} tokens",
             "lower --sequence-tiles",
         )
-    if limit is not None and args.seq_len > limit:
-        what = f"seq_len={args.seq_len} exceeds the model's limit (max_position_embeddings={limit})"
-        raise ConfigError(what, f"lower --seq-len to at most {limit}")
+    if config is not None:
+        try:
+            rope_scaling.check_length(config, args.seq_len)
+        except rope_scaling.SequenceTooLong as exc:
+            raise ConfigError(exc.what, exc.fix) from None
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -186,8 +208,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    shape, limit = model_shape(args.model)
-    check(args, limit)
+    if args.rope_scaling is not None:
+        check_rope_scaling(args.rope_scaling)
+    shape, config = model_shape(args.model, args.rope_scaling)
+    check(args, config)
     gpu, host = args.gpu_memory, args.host_memory
     if gpu is None or host is None:
         found_gpu, found_host = machine_memory()

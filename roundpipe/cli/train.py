@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Union
 import torch
 
 from roundpipe import distributed as rdist
-from roundpipe import settings
+from roundpipe import rope_scaling, settings
 from roundpipe.cli import checkpoint as ckpt
 from roundpipe.cli import parallel
 from roundpipe.cli.config import ConfigError, TrainConfig
@@ -146,6 +146,8 @@ class Recipe(TrainLoop):
         random.seed(cfg.seed)
         self.source = model_source(cfg)
         self.model_config = load_model_config(self.source)
+        if cfg.rope_scaling is not None:  # before the weights load with it, so checkpoints and exports carry it
+            rope_scaling.with_rope_scaling(self.model_config, cfg.rope_scaling)
         self.dtype = resolve_dtype(cfg, self.model_config)
         self.tokenizer = load_tokenizer(self.source, cfg)
         self.stream = self._data(self.model_config)
@@ -250,7 +252,7 @@ class Recipe(TrainLoop):
     def _data(self, model_config: Any) -> Union[TaskStream, "FileStream"]:
         """The batch stream; the sequence length is checked against the model before any tokenizing."""
         cfg = self.cfg
-        limit = getattr(model_config, "max_position_embeddings", None)
+        limit = rope_scaling.position_limit(model_config)
         if cfg.data is None:
             try:
                 task = task_for(cfg.task, cfg.seq_len)
@@ -261,14 +263,13 @@ class Recipe(TrainLoop):
             seq_len = task.seq_len
             if self.source.get("kind") == "builtin" and limit is not None and seq_len > limit:
                 # A built-in model is trained from scratch: its rotary tables reach as far as asked.
-                model_config.max_position_embeddings = limit = seq_len
+                model_config.max_position_embeddings = seq_len
         else:
             seq_len = cfg.seq_len or min(512, limit or 512)
-        if limit is not None and seq_len > limit:
-            raise ConfigError(
-                f"seq_len={seq_len} exceeds the model's limit (max_position_embeddings={limit})",
-                f"lower --seq-len to at most {limit}",
-            )
+        try:
+            rope_scaling.check_length(model_config, seq_len)
+        except rope_scaling.SequenceTooLong as exc:
+            raise ConfigError(exc.what, exc.fix) from None
         if cfg.data is None:
             return TaskStream(task, cfg.batch_size, cfg.seed)
         from roundpipe.cli.data import file_stream

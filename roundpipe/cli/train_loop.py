@@ -23,11 +23,10 @@ import torch
 from roundpipe import distributed as rdist
 from roundpipe import settings
 from roundpipe.cli import parallel
-from roundpipe.cli.config import ConfigError, TrainConfig
+from roundpipe.cli.config import ConfigError, TrainConfig, to_yaml
 from roundpipe.cli.metrics import MetricsWriter, format_duration, format_rate, progress_enabled, write_summary
 from roundpipe.cli.optimizer import HostOptimizer
 from roundpipe.cli.pipeline import PipelineModel
-from roundpipe.cli.saved_config import to_yaml
 from roundpipe.cli.tasks import TaskStream, exact_match, held_out_examples, task_for
 from roundpipe.cli.train_state import TrainResult
 

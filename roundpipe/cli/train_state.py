@@ -27,10 +27,9 @@ import torch
 
 from roundpipe import distributed as rdist
 from roundpipe.cli import checkpoint as ckpt
-from roundpipe.cli.config import ConfigError, TrainConfig, from_yaml_text, merge
+from roundpipe.cli.config import ConfigError, TrainConfig, from_yaml_text, merge, to_yaml, with_absolute_paths
 from roundpipe.cli.optimizer import HostOptimizer
 from roundpipe.cli.pipeline import PipelineModel
-from roundpipe.cli.saved_config import to_yaml, with_absolute_paths
 
 logger = logging.getLogger("roundpipe")
 

@@ -13,6 +13,9 @@ Attributes:
         ``MODEL_CLASS``), or ``wrap_model(model, **roundpipe_kwargs)`` returning a RoundPipe model.
         Model types not listed but laid out like Llama (``model.embed_tokens/layers/norm/rotary_emb`` +
         ``lm_head``) get the standard preset, with a warning that the family was not verified.
+    with_rope_scaling / position_limit: :mod:`roundpipe.rope_scaling`: set a rotary scaling on a config
+        (``with_rope_scaling(config, "yarn:4")`` before ``from_pretrained(..., config=config)``), and the
+        longest sequence a config takes, its scaling counted (what the wrapped model checks its inputs against).
     DISABLE_TORCH_COMPILE: Whether torch.compile is off for the fused kernels and the chunked loss; a
         live view of ``roundpipe.settings.DISABLE_TORCH_COMPILE`` (assigning it calls
         ``roundpipe.configure(compile=not value)``).
@@ -40,6 +43,7 @@ from roundpipe.models.registry import (
     resolve,
     table_family,
 )
+from roundpipe.rope_scaling import position_limit, with_rope_scaling
 
 
 def preset_wrapper(model: nn.Module) -> Callable[..., Any]:
@@ -102,9 +106,11 @@ __all__ = [
     "build_preset",
     "build_spec",
     "family_spec",
+    "position_limit",
     "preset_wrapper",
     "registered_module",
     "resolve",
     "table_family",
+    "with_rope_scaling",
     "wrap_model",
 ]

@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from roundpipe import rope_scaling
 from roundpipe.models import kernels, tiling
 from roundpipe.models.inputs import BATCH_ARGS, CausalLMInputs, takes_inputs
 from roundpipe.models.loss import (
@@ -189,7 +190,7 @@ def _saved_for_recompute() -> Optional[Tuple[Any, ...]]:
 
 #: Rotary variants whose tables depend on the sequence length alone (their ``inv_freq`` never changes in forward),
 #: so :class:`CausalLMPrefix` may keep them for the next microbatch of the same length.
-STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 #: The longest sequence whose rotary tables the prefix keeps (two ``tokens x head_dim`` tensors per device: 16 MiB
 #: for a head_dim of 128 in bf16); longer ones are computed per microbatch, as their compute dwarfs it.
 ROPE_CACHE_MAX_TOKENS = 32768
@@ -466,8 +467,12 @@ class CausalLMPreset:
         :data:`~roundpipe.models.inputs.BATCH_ARGS` that are set, and ``options`` for the others.
 
         ``return_logits`` defaults to True without labels and False with them: a training forward needs
-        the loss, and full logits are the largest tensor of the whole step.
+        the loss, and full logits are the largest tensor of the whole step. A sequence past the model's position
+        limit (:func:`roundpipe.rope_scaling.position_limit`) raises ``SequenceTooLong``, a ``ValueError``.
         """
+        tokens = inputs.input_ids if inputs.input_ids is not None else inputs.inputs_embeds
+        if tokens is not None and tokens.dim() >= 2:  # the whole sequence, before any tiles: past the rotary limit?
+            rope_scaling.check_length(self.model.config, int(tokens.shape[1]), python=True)
         has_labels = inputs.labels is not None or inputs.shift_labels is not None
         if has_labels:  # here, on the host: a bad label must not reach a loss kernel (check_label_range)
             vocab = self.model.get_output_embeddings().weight.shape[0]

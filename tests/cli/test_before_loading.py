@@ -15,7 +15,8 @@ import pytest
 import yaml
 from helpers import ROOT
 
-from roundpipe.cli.config import ConfigError, merge, parse_train_args
+from roundpipe.cli.config import ConfigError, merge
+from roundpipe.cli.config_flags import parse_train_args
 from roundpipe.cli.export import parse_export_args
 
 HEAVY = {"torch", "transformers", "numpy"}

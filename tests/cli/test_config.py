@@ -12,7 +12,8 @@ import yaml
 from helpers import ROOT
 
 from roundpipe.cli import main
-from roundpipe.cli.config import TASK_PROFILE, ConfigError, TrainConfig, parse_train_args
+from roundpipe.cli.config import TASK_PROFILE, ConfigError, TrainConfig
+from roundpipe.cli.config_flags import parse_train_args
 
 
 def write(path, text: str) -> str:
@@ -113,8 +114,8 @@ def test_console_script_no_traceback(tmp_path) -> None:
     assert proc.returncode == 2, proc.stderr
     lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
     assert lines == [
-        "roundpipe: error: seq_len=4096 exceeds the model's limit (max_position_embeddings=1024) — lower "
-        "--seq-len to at most 1024"
+        "roundpipe: error: seq_len=4096 exceeds the model's limit (max_position_embeddings=1024) — add "
+        "--rope-scaling yarn:4, or lower --seq-len to at most 1024"
     ], proc.stderr
 
 

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from roundpipe.cli import COMMANDS, USAGE, main, plan
-from roundpipe.cli.config import parse_train_args
+from roundpipe.cli.config_flags import parse_train_args
 from roundpipe.cli.model_names import BUILTIN_MODELS
 from roundpipe.planning import estimate
 

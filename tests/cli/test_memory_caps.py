@@ -11,7 +11,8 @@ import yaml
 
 from roundpipe import settings
 from roundpipe.cli import main, plan
-from roundpipe.cli.config import ConfigError, merge, parse_train_args
+from roundpipe.cli.config import ConfigError, merge
+from roundpipe.cli.config_flags import parse_train_args
 from roundpipe.cli.memory_caps import size_bytes
 from roundpipe.cli.train import Recipe, run
 from roundpipe.cli.train_state import resume_config

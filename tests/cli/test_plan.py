@@ -57,7 +57,8 @@ def test_refuses_what_train_refuses(tmp_path, capsys) -> None:
     # The words of roundpipe train's refusal (tests/cli/test_config.py).
     one_line(
         capsys, ["--model", model, "--seq-len", "4096", *BUDGET],
-        "seq_len=4096 exceeds the model's limit (max_position_embeddings=2048) — lower --seq-len to at most 2048",
+        "seq_len=4096 exceeds the model's limit (max_position_embeddings=2048) — add --rope-scaling yarn:2, or lower "
+        "--seq-len to at most 2048",
     )  # fmt: skip
     more = ["--batch-size", "2", "--microbatches", "4"]
     one_line(capsys, ["--model", model, "--seq-len", "64", *more], "batch_size=2 is smaller than microbatches=4")

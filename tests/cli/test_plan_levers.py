@@ -14,7 +14,7 @@ import pytest
 from helpers import ROOT
 
 from roundpipe.cli import plan
-from roundpipe.cli.config import build_parser
+from roundpipe.cli.config_flags import build_parser
 from roundpipe.planning import estimate, memory_terms
 from roundpipe.utils import GiB
 
@@ -125,6 +125,16 @@ def test_a_full_fine_tune_is_offered_lora_and_the_levers_together(capsys) -> Non
     assert (again["fits"], again["peak_host_bytes"]) == (together["fits"], together["peak_host_bytes"])
 
 
+def qwen3_8b_dir(path: Any) -> str:
+    """Qwen3-8B's config.json as released (40,960 positions), alone in a directory."""
+    from roundpipe.cli.model_names import BUILTIN_MODELS
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(dict(BUILTIN_MODELS["qwen3-8b"], model_type="qwen3", architectures=["Qwen3ForCausalLM"]), f)
+    return str(path)
+
+
 def recipe() -> str:
     """docs/long-context.md's opening recipe section."""
     with open(os.path.join(ROOT, "docs", "long-context.md")) as f:
@@ -132,7 +142,7 @@ def recipe() -> str:
     return text.split("## Recipe: plan, then train\n", 1)[1].split("\n## ", 1)[0]
 
 
-def test_the_long_context_recipe_prints_what_it_shows(capsys, monkeypatch) -> None:
+def test_the_long_context_recipe_prints_what_it_shows(capsys, monkeypatch, tmp_path) -> None:
     """Each ``roundpipe plan`` of the recipe prints the output block under it; each ``roundpipe train`` after it
     takes the plan's flags (the memory caps too); the measured rows are benchmarks.md's."""
     monkeypatch.delenv("RPP_STAGE_INPUTS", raising=False)
@@ -153,6 +163,11 @@ def test_the_long_context_recipe_prints_what_it_shows(capsys, monkeypatch) -> No
             for flag, value in flags.items():
                 if flag != "--model":
                     assert str(getattr(ns, flag[2:].replace("-", "_"))) == value, (flag, train)
+            # A Qwen3-8B directory (its config.json, without weights) with the train command's scaling: the same plan.
+            model = qwen3_8b_dir(tmp_path / os.path.basename(ns.model))
+            assert plan.main([*command[2:], "--model", model, "--rope-scaling", ns.rope_scaling]) == 0
+            shown = blocks[i + 1][1].split("\n", 1)[1]
+            assert capsys.readouterr().out.split("\n", 1)[1] == shown
     assert plans == 3
     with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
         bench = f.read()

@@ -13,7 +13,8 @@ import torch
 
 from roundpipe.cli import main
 from roundpipe.cli.checkpoint import load_tensors, load_torch, resolve_checkpoint
-from roundpipe.cli.config import merge, parse_train_args
+from roundpipe.cli.config import merge
+from roundpipe.cli.config_flags import parse_train_args
 from roundpipe.cli.export import export
 from roundpipe.cli.tasks import IGNORE_INDEX, byte_tokenizer
 from roundpipe.cli.train import Recipe, run
@@ -197,7 +198,8 @@ def test_model_errors_are_one_line(tmp_path, capsys) -> None:
         (["--model", str(tmp_path / "nope")], "is neither a local directory nor a built-in architecture"),
         (
             ["--model", model_dir, "--data", str(data), "--seq-len", "256"],
-            "seq_len=256 exceeds the model's limit (max_position_embeddings=128) — lower --seq-len to at most 128",
+            "seq_len=256 exceeds the model's limit (max_position_embeddings=128) — add --rope-scaling yarn:2, or lower "
+            "--seq-len to at most 128",
         ),
         (
             ["--model", model_dir, "--data", str(data), "--batch-size", "2", "--lora-r", "4", "--lora-targets", "x"],
