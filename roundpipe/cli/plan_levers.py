@@ -79,6 +79,8 @@ class Lever:
     """The GPU budget it is estimated under (changed by the ``--gpu-memory`` lever)."""
     note: str = ""
     """Why it is not available, or what else it implies."""
+    changed: Dict[str, Any] = field(default_factory=dict)
+    """The estimate's keywords it changes (``lora_rank=16``), for trying several at once."""
 
     def describe(self, host: float) -> str:
         if self.estimate is None:
@@ -114,7 +116,7 @@ def levers(args: argparse.Namespace, shape: ModelShape, gpu: float, host: float,
 
     def lever(change: str, argv: List[str], budget: float = gpu, note: str = "", **changed: Any) -> Lever:
         e, ok = best_estimate(shape, args.seq_len, budget, host, {**kw, **changed})
-        return Lever(change, argv, e, ok, budget, note)
+        return Lever(change, argv, e, ok, budget, note, changed)
 
     out: List[Lever] = []
     if not args.lora_r:
@@ -166,27 +168,10 @@ def together(
     args: argparse.Namespace, shape: ModelShape, gpu: float, host: float, kw: Dict[str, Any], chosen: List[Lever]
 ) -> Lever:
     """The run's levers at once, on this machine (``gpu`` and ``host``)."""
-    argv: List[str] = []
-    for lv in chosen:
-        argv += lv.argv
-    parsed = _flags(argv)
-    changed: Dict[str, Any] = {}
-    if "--lora-r" in parsed:
-        changed["lora_rank"] = int(parsed["--lora-r"])
-    if "--optim-state" in parsed:
-        changed["optimizer_bytes_per_param"] = memory_terms.optimizer_state_bytes(
-            "int8", "bfloat16", args.master_rounding
-        )
-    if "--stage-inputs" in parsed:
-        changed["stage_inputs"] = parsed["--stage-inputs"]
+    argv = [x for lv in chosen for x in lv.argv]
+    changed = {k: v for lv in chosen for k, v in lv.changed.items()}
     e, ok = best_estimate(shape, args.seq_len, gpu, host, {**kw, **changed})
-    flags = [f"{k} {v}" for k, v in parsed.items()]
-    return Lever("together: " + " ".join(flags), [x for kv in parsed.items() for x in kv], e, ok, gpu)
-
-
-def _flags(argv: List[str]) -> Dict[str, str]:
-    """``["--a", "1", "--b", "2"]`` -> ``{"--a": "1", "--b": "2"}`` (each lever gives its flags once)."""
-    return dict(zip(argv[::2], argv[1::2]))
+    return Lever("together: " + " ".join(argv), argv, e, ok, gpu, "", changed)
 
 
 __all__ = ["Lever", "best_estimate", "describe_short", "fits", "levers", "shortfall"]
