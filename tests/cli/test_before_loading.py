@@ -125,6 +125,7 @@ NO_MODEL_NEEDED = {
     "train, a bad flag value": (["-m", "roundpipe", "train", "--lr", "fast"], 2),
     "train, a bad memory cap": (["-m", "roundpipe", "train", "--gpu-memory", "lots"], 2),
     "train, an unknown model": (["-m", "roundpipe", "train", "--model", "qwen3-9b"], 2),
+    "train, --resume of nothing": (["-m", "roundpipe", "train", "--resume", "--output-dir", "no-run-here"], 2),
     "plan, an unknown model": (["-m", "roundpipe", "plan", "--model", "qwen3-9b", "--seq-len", "8"], 2),
     "plan, a bad flag value": (["-m", "roundpipe", "plan", "--model", "tiny", "--seq-len", "many"], 2),
 }
