@@ -2,10 +2,9 @@
 init), ``roundpipe plan`` and the memory estimate (``roundpipe.planning.estimate.ModelShape.builtin``), and the
 benchmarks (``bench/train_bench.py``'s ``WORKLOADS``) all read :data:`QWEN3`.
 
-The sizes are those of ``shared/bench/WORKLOADS.md`` (vocab 151936, head_dim 128), plus qwen3-32b, which
-the estimate and the benchmarks know but ``roundpipe train`` does not build by name. A flavor is the
-shape only: what else a config sets (rotary base, norm epsilon, position limit) stays with the one
-building it, as before.
+The sizes are those of ``shared/bench/WORKLOADS.md`` (vocab 151936, head_dim 128), plus qwen3-32b; ``plan``
+and ``train`` accept the same names (``roundpipe.cli.model_names``). A flavor is the shape only: what else a
+config sets (rotary base, norm epsilon, position limit) stays with the one building it.
 
 Data only, no torch: the CLI checks a model name before torch loads, which is why this table is not in
 ``roundpipe/models/`` (importing that package loads torch).
@@ -38,8 +37,6 @@ class Flavor:
     """``num_key_value_heads``."""
     tied: bool
     """``tie_word_embeddings``: the output head shares the embedding's weights."""
-    workload: bool = True
-    """A workload of ``shared/bench/WORKLOADS.md``: ``roundpipe train`` builds exactly these by name."""
     head_dim: int = QWEN3_HEAD_DIM
     """``head_dim``."""
     vocab: int = QWEN3_VOCAB
@@ -65,7 +62,7 @@ QWEN3: Dict[str, Flavor] = {
     "qwen3-4b": Flavor(2560, 9728, 36, 32, 8, tied=True),
     "qwen3-8b": Flavor(4096, 12288, 36, 32, 8, tied=False),
     "qwen3-14b": Flavor(5120, 17408, 40, 40, 8, tied=False),
-    "qwen3-32b": Flavor(5120, 25600, 64, 64, 8, tied=False, workload=False),
+    "qwen3-32b": Flavor(5120, 25600, 64, 64, 8, tied=False),
 }
 """Flavor name -> its sizes, smallest first."""
 

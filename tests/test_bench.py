@@ -302,13 +302,10 @@ def test_one_flavor_table_feeds_the_cli_the_estimate_and_the_benches() -> None:
         assert train_bench.workload_config(name, layers=2).num_hidden_layers == 2
         shape = estimate.ModelShape.builtin(name)
         assert (shape.hidden, shape.layers, shape.head_dim, shape.vocab) == (f.hidden, f.layers, 128, 151936)
-        if f.workload:
-            config = BUILTIN_MODELS[name]
-            assert (config["hidden_size"], config["num_key_value_heads"], config["tie_word_embeddings"]) == (
-                f.hidden,
-                f.kv_heads,
-                f.tied,
-            )
-        else:
-            assert name not in BUILTIN_MODELS  # qwen3-32b: the estimate and the benches only
-    assert set(BUILTIN_MODELS) == {"tiny"} | {n for n, f in flavors.QWEN3.items() if f.workload}
+        config = BUILTIN_MODELS[name]
+        assert (config["hidden_size"], config["num_key_value_heads"], config["tie_word_embeddings"]) == (
+            f.hidden,
+            f.kv_heads,
+            f.tied,
+        )
+    assert set(BUILTIN_MODELS) == {"tiny", *flavors.QWEN3}  # one list: plan and train take the same names

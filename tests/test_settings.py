@@ -216,21 +216,17 @@ def test_pool_settles_the_segments_handle_type_before_its_threads_allocate(monke
 
 
 def test_pool_size_before_cuda_starts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``RPP_DEVICES`` names the pool; without it NVML counts the visible GPUs; unknown when NVML fails."""
-    import torch
+    """``RPP_DEVICES`` names the pool; without it NVML counts the visible GPUs (without torch:
+    ``tests/test_gpu_count.py`` compares the count with torch's); unknown when NVML fails."""
+    from roundpipe.devices import gpu_count
 
     monkeypatch.setenv("RPP_DEVICES", "cuda:1,3")
     assert allocator.pool_gpus_from_environment() == 2
     monkeypatch.setenv("RPP_DEVICES", "cpu:4")
     assert allocator.pool_gpus_from_environment() == 0
     monkeypatch.setenv("RPP_DEVICES", "cuda")
-    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(gpu_count, "physical_gpus", lambda: 4)
     assert allocator.pool_gpus_from_environment() == 4
-    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: -1)
-    assert allocator.pool_gpus_from_environment() is None
-
-    def broken() -> int:
-        raise OSError("libnvidia-ml.so.1: cannot open shared object file")
-
-    monkeypatch.setattr(torch.cuda, "_device_count_nvml", broken)
+    monkeypatch.setattr(gpu_count, "physical_gpus", lambda: None)
     assert allocator.pool_gpus_from_environment() is None

@@ -189,6 +189,16 @@ class TrainConfig:
         "devices, as RPP_DEVICES: cuda, cuda:0,2 or cpu:N (default: RPP_DEVICES, else all GPUs, else cpu:1)",
         group="run",
     )
+    gpu_memory: Optional[str] = _f(
+        None,
+        "memory per GPU, as in roundpipe plan: 24GiB, 24GB, 20000MiB (default: RPP_GPU_MEMORY, else the whole GPU)",
+        group="run",
+    )
+    host_memory: Optional[str] = _f(
+        None,
+        "host memory the run may use, as in roundpipe plan: 100GiB (default: RPP_HOST_MEMORY, else available less 5%)",
+        group="run",
+    )
     # output
     output_dir: str = _f("runs/roundpipe", "where metrics, plots and checkpoints go", group="run")
     log_every: int = _f(50, "print a log line every N steps", group="run")
@@ -300,6 +310,7 @@ def merge(file_keys: Dict[str, Any], flag_keys: Dict[str, Any]) -> TrainConfig:
 
 def validate(cfg: TrainConfig) -> None:
     """Checks that need no model or data; the rest happen when those are loaded."""
+    from roundpipe.cli.memory_caps import size_problem
     from roundpipe.cli.tasks import TASKS
 
     def positive(name: str, allow_none: bool = False) -> None:
@@ -359,6 +370,8 @@ def validate(cfg: TrainConfig) -> None:
     check_model(cfg.model)
     if cfg.rope_scaling is not None:
         check_rope_scaling(cfg.rope_scaling)
+    if (problem := size_problem(cfg)) is not None:
+        raise ConfigError(*problem)
     if cfg.lora_r == 0 and cfg.lora_alpha is not None:
         raise ConfigError(
             "lora_alpha is set but lora_r is 0 (full fine-tune)", "set --lora-r to enable LoRA, or drop lora_alpha"

@@ -287,6 +287,8 @@ class FileStream:
             raise ConfigError(
                 "no token of the data is trained on (every label is masked)", "check that rows have responses or text"
             )
+        if batch_size > input_ids.shape[0]:
+            raise batch_too_large(batch_size, input_ids.shape[0], description)
         self.input_ids, self.labels = input_ids, labels
         self.batch_size = batch_size
         self.seed = seed
@@ -330,6 +332,16 @@ class FileStream:
         return self._description
 
 
+def batch_too_large(batch_size: int, rows: int, description: str) -> ConfigError:
+    """A batch of more rows than the data has: refused, as Hugging Face's Trainer never repeats a row within a
+    batch; here each row would be in every batch about ``batch_size / rows`` times."""
+    what = f"batch_size={batch_size} is more than the {rows} row(s) of the data"
+    if description:
+        what += f" ({description})"
+    what += f": every batch would hold each row {batch_size / rows:.1f} times on average"
+    return ConfigError(what, f"lower --batch-size to at most {rows}, or give more data (or a shorter --seq-len)")
+
+
 def file_stream(
     path: str, tokenizer: Any, seq_len: int, pack: bool, batch_size: int, seed: int, text_field: str = "text"
 ) -> FileStream:
@@ -350,6 +362,7 @@ def file_stream(
 
 __all__ = [
     "FileStream",
+    "batch_too_large",
     "chat_segments",
     "file_stream",
     "load_examples",

@@ -18,8 +18,8 @@ def _qwen3(flavor: flavors.Flavor) -> Dict[str, Any]:
     return dict(flavor.config_fields(), rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960)
 
 
-#: Built-in Qwen3 architectures (random init): the WORKLOADS.md sizes (``roundpipe.flavors``) plus ``tiny``
-#: for the default task.
+#: Built-in Qwen3 architectures (random init): every size of ``roundpipe.flavors`` plus ``tiny`` for the
+#: default task. ``roundpipe train`` builds them and ``roundpipe plan`` estimates them: one list for both.
 BUILTIN_MODELS: Dict[str, Dict[str, Any]] = {
     "tiny": dict(
         hidden_size=192,
@@ -33,7 +33,7 @@ BUILTIN_MODELS: Dict[str, Dict[str, Any]] = {
         rope_theta=10_000.0,
         tie_word_embeddings=True,
     ),
-    **{name: _qwen3(flavor) for name, flavor in flavors.QWEN3.items() if flavor.workload},
+    **{name: _qwen3(flavor) for name, flavor in flavors.QWEN3.items()},
 }
 
 

@@ -5,7 +5,9 @@
     roundpipe plan --model qwen3-8b --seq-len 4096 --optim-state int8 --master bfloat16
 
 Prints peak GPU memory (per GPU) and peak host memory of one step, the bytes each token costs, and
-the longest context that fits this machine (or the ``--gpu-memory`` / ``--host-memory`` given). The
+the longest context that fits this machine (or the ``--gpu-memory`` / ``--host-memory`` given). A step
+that does not fit is told which side is short and by how much, with the levers that would change it, each
+with its estimated effect (LoRA, compact optimizer state, int8 stage inputs, fewer tokens, more memory). The
 same numbers are ``roundpipe.planning.estimate.estimate(...)`` and ``roundpipe.planning.estimate.longest_context(...)``
 in Python. Exit status 0 when the step fits, 1 when it does not (text and ``--json`` alike), 2 with one
 line for bad input. A run ``roundpipe train`` refuses is refused here too: a sequence beyond a model
@@ -19,10 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 from roundpipe import rope_scaling
+from roundpipe.cli import plan_levers
 from roundpipe.cli.config import (
     MASTER_ROUNDINGS,
     MASTERS,
@@ -32,6 +36,7 @@ from roundpipe.cli.config import (
     check_rope_scaling,
     normalize_dtype,
 )
+from roundpipe.cli.memory_caps import size_bytes
 from roundpipe.planning import estimate, memory_terms
 from roundpipe.utils import GiB
 
@@ -44,25 +49,25 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 
 def _size(text: str) -> float:
-    """``24GiB`` / ``24GB`` / ``24`` (GiB) -> bytes."""
-    from roundpipe.settings import parse_size_gib  # the parser of RPP_GPU_MEMORY: one place for sizes
-
+    """``24GiB`` / ``24GB`` / ``24`` (GiB) -> bytes, as ``roundpipe train`` reads the same flags."""
     try:
-        return parse_size_gib(text) * GiB
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 24GiB, 24GB or 20000MiB") from None
+        return size_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def builtin_names() -> List[str]:
-    """The built-in shapes: ``roundpipe train``'s architectures and the larger Qwen3 shapes."""
+    """The built-in architectures: those ``roundpipe train`` builds by name (``roundpipe.cli.model_names``)."""
     from roundpipe.cli.model_names import BUILTIN_MODELS
 
-    return list(BUILTIN_MODELS) + [n for n in estimate.ModelShape.BUILTIN if n not in BUILTIN_MODELS]
+    return list(BUILTIN_MODELS)
 
 
 def parser() -> argparse.ArgumentParser:
     raw = argparse.RawDescriptionHelpFormatter
-    p = _ArgumentParser(prog="roundpipe plan", description=__doc__, formatter_class=raw)
+    # --help is plain text: the docstring without its reStructuredText markup (``x``, :mod:`x`)
+    description = re.sub(r":\w+:`~?([^`]+)`", r"\1", (__doc__ or "").replace("``", ""))
+    p = _ArgumentParser(prog="roundpipe plan", description=description, formatter_class=raw)
     shapes = ", ".join(builtin_names())
     p.add_argument("--model", required=True, help=f"a Hugging Face model directory or a built-in: {shapes}")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
@@ -223,11 +228,8 @@ def _plan(args: argparse.Namespace) -> int:
         ),
         stage_inputs=args.stage_inputs,
     )
-    # As the planner does: one decoder layer per backward stage, or the fewest that let the stages'
-    # input checkpoints fit the host (fewer checkpoints, more activations per stage on the GPU).
-    candidates = [estimate.estimate(shape, args.seq_len, layers_per_stage=g, gpu_bytes=gpu, **kw) for g in range(1, 5)]
-    e = next((c for c in candidates if c.peak_gpu_bytes <= gpu and c.peak_host_bytes <= host), candidates[0])
-    fits = e.peak_gpu_bytes <= gpu and e.peak_host_bytes <= host
+    e, fits = plan_levers.best_estimate(shape, args.seq_len, gpu, host, kw)
+    levers = [] if fits else plan_levers.levers(args, shape, gpu, host, kw)
     if args.json:
         seq, fit = estimate.longest_context(shape, gpu, host, **kw)
         result = {
@@ -243,12 +245,18 @@ def _plan(args: argparse.Namespace) -> int:
             "longest_context_layers_per_stage": fit.layers_per_stage if fit else None,
             "gpu_memory": gpu,
             "host_memory": host,
+            "short": plan_levers.shortfall(e, gpu, host),
+            "levers": [lever.to_json() for lever in levers],
         }
         print(json.dumps(result))
         return 0 if fits else 1
     print(f"{args.model}: {shape.params() / 1e9:.2f}B parameters, {shape.layers} layers, hidden {shape.hidden}")
     print(e.describe())
-    print(f"this step {'fits' if fits else 'does NOT fit'} {estimate.budgets(gpu, host)}")
+    if fits:
+        print(f"this step fits {estimate.budgets(gpu, host)}")
+    else:
+        print(f"this step does NOT fit {estimate.budgets(gpu, host)}: {plan_levers.describe_short(e, gpu, host)}")
+        print("levers, each estimated alone:\n" + "\n".join(lever.describe(host) for lever in levers))
     print("\n".join(estimate.describe_fit(shape, gpu, host, **kw)))
     return 0 if fits else 1
 

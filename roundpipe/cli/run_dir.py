@@ -67,11 +67,18 @@ def check_flags(cfg: TrainConfig, overwrite: bool) -> None:
 def check_before_loading(cfg: TrainConfig, overwrite: bool) -> None:
     """The checks of a run that need no model, made right after the flags are parsed, before torch and
     transformers load (a mistake answers in a fraction of a second): the flags, and the output
-    directory of a new run (:func:`check_output_dir`). A resumed run's directory is checked once its
-    checkpoint's config is read; so is every directory of a torchrun job, by rank 0 alone."""
+    directory of a new run (:func:`check_output_dir`), or that a resumed run has a checkpoint to resume
+    (found, not yet verified). A resumed run's directory is checked once its checkpoint's config is read; so
+    is every directory of a torchrun job, by rank 0 alone."""
     check_flags(cfg, overwrite)
-    if cfg.resume is None and int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        return
+    if cfg.resume is None:
         check_output_dir(cfg.output_dir, False, overwrite)
+    else:
+        from roundpipe.cli.checkpoint import resolve_checkpoint  # no torch: a missing checkpoint answers at once
+
+        resolve_checkpoint(cfg.resume, cfg.output_dir)
 
 
 def clear_earlier_run(output_dir: str) -> List[str]:

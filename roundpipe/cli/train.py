@@ -47,6 +47,7 @@ from roundpipe import rope_scaling, settings
 from roundpipe.cli import checkpoint as ckpt
 from roundpipe.cli import parallel
 from roundpipe.cli.config import ConfigError, TrainConfig
+from roundpipe.cli.memory_caps import CAPS, cap_problem, memory_caps
 from roundpipe.cli.model_loading import (
     apply_lora,
     build_model,
@@ -227,9 +228,12 @@ class Recipe(TrainLoop):
         if compile_ is None and not settings.DISABLE_TORCH_COMPILE.is_set():  # auto: compile for GPUs only
             compile_ = _uses_gpus(spec)
         try:
-            roundpipe.configure(devices=spec, compile=compile_)
+            # The caps first: the workers read them as they start (--gpu-memory wins over RPP_GPU_MEMORY).
+            roundpipe.configure(devices=spec, compile=compile_, **memory_caps(self.cfg))
             roundpipe.get_num_devices()  # starts the workers; reads RPP_DEVICES when --devices is not given
         except (ValueError, RuntimeError) as exc:
+            if str(exc).startswith(CAPS["gpu_memory"] + "="):
+                raise ConfigError(*cap_problem(self.cfg, exc)) from None
             where = f"--devices {spec}" if spec is not None else f"RPP_DEVICES={settings.DEVICES.get()}"
             if _uses_gpus(spec) and not torch.cuda.is_available():
                 raise ConfigError(

@@ -132,6 +132,8 @@ def resume_config(cfg: TrainConfig, given: Dict[str, Any], path: Optional[str] =
             "save_every",
             "keep_checkpoints",
             "devices",
+            "gpu_memory",
+            "host_memory",
             "tensorboard",
         )
         and then.get(k) != getattr(now, k)

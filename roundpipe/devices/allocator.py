@@ -1,8 +1,9 @@
 """The CUDA caching allocator's settings, which torch reads once, when CUDA starts: the variable
 ``import roundpipe`` sets (expandable segments, unless the user chose the allocator's settings) and whether
 expandable segments are asked for. Only the environment, roundpipe's settings and NVML's GPU count are read
-here, so ``import roundpipe`` can call :func:`prefer_expandable_segments` before anything starts CUDA;
-``graphs.allocator_allows`` may withdraw roundpipe's own choice later (:data:`EXPANDABLE_BY_ROUNDPIPE`).
+here, without importing torch, so ``import roundpipe`` can call :func:`prefer_expandable_segments` before anything
+starts CUDA (and the command line answers ``--help`` at once); ``graphs.allocator_allows`` may withdraw
+roundpipe's own choice later (:data:`EXPANDABLE_BY_ROUNDPIPE`).
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ first job (segments made before stay expandable); 2 GPUs graphed with them (docs
 
 def pool_gpus_from_environment() -> Optional[int]:
     """How many GPUs the pool will use, as far as the environment tells before CUDA starts: the ids in
-    ``RPP_DEVICES`` (``cuda:0,1``), else the visible GPUs as NVML counts them (it does not start CUDA;
-    ``CUDA_VISIBLE_DEVICES`` applies); None when unknown. ``roundpipe.configure(devices=...)`` later may
-    choose another pool: ``withdraw_own_expandable_segments`` covers that case."""
+    ``RPP_DEVICES`` (``cuda:0,1``), else the visible GPUs as NVML counts them without torch
+    (``roundpipe.devices.gpu_count``; ``CUDA_VISIBLE_DEVICES`` applies); None when unknown.
+    ``roundpipe.configure(devices=...)`` later may choose another pool: ``withdraw_own_expandable_segments``
+    covers that case."""
     from roundpipe import settings
 
     try:
@@ -47,14 +49,9 @@ def pool_gpus_from_environment() -> Optional[int]:
         return 0
     if kind == "cuda" and rest:
         return len([x for x in rest.split(",") if x.strip()])
-    import torch  # importing torch does not start CUDA
+    from roundpipe.devices.gpu_count import count_visible_gpus  # neither torch nor CUDA
 
-    count = getattr(torch.cuda, "_device_count_nvml", None)
-    try:
-        n = int(count()) if count is not None else -1
-    except Exception:  # noqa: BLE001 - NVML missing or failing: unknown, as on CPU-only hosts
-        n = -1
-    return n if n >= 0 else None
+    return count_visible_gpus()
 
 
 def prefer_expandable_segments() -> Optional[str]:

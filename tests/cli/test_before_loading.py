@@ -111,3 +111,52 @@ def test_short_dtype_names_are_aliases(tmp_path) -> None:
     assert parse_export_args(["ckpt", "out", "--dtype", "bf16"]).dtype == "bfloat16"
     with pytest.raises(ConfigError, match=r"dtype='bf8' is not supported — use one of auto, .* \(or bf16, fp32"):
         parse_train_args(["--dtype", "bf8"])
+
+
+#: What must answer without torch or transformers, with RPP_DEVICES unset (``import roundpipe`` then counts GPUs),
+#: and the exit status: the answers of the command line that need no model.
+NO_MODEL_NEEDED = {
+    "import roundpipe": (["-c", "import roundpipe"], 0),
+    "--help": (["-m", "roundpipe", "--help"], 0),
+    "--version": (["-m", "roundpipe", "--version"], 0),
+    "train --help": (["-m", "roundpipe", "train", "--help"], 0),
+    "plan --help": (["-m", "roundpipe", "plan", "--help"], 0),
+    "export --help": (["-m", "roundpipe", "export", "--help"], 0),
+    "train, a bad flag value": (["-m", "roundpipe", "train", "--lr", "fast"], 2),
+    "train, a bad memory cap": (["-m", "roundpipe", "train", "--gpu-memory", "lots"], 2),
+    "train, an unknown model": (["-m", "roundpipe", "train", "--model", "qwen3-9b"], 2),
+    "train, --resume of nothing": (["-m", "roundpipe", "train", "--resume", "--output-dir", "no-run-here"], 2),
+    "plan, an unknown model": (["-m", "roundpipe", "plan", "--model", "qwen3-9b", "--seq-len", "8"], 2),
+    "plan, a bad flag value": (["-m", "roundpipe", "plan", "--model", "tiny", "--seq-len", "many"], 2),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", list(NO_MODEL_NEEDED))
+def test_instant_answers_load_neither_torch_nor_transformers(tmp_path, case: str) -> None:
+    """``--help``, ``--version`` and configuration errors leave torch and transformers unimported, also when
+    no ``RPP_DEVICES`` says the pool (the GPU count comes from NVML or the environment). The time is printed,
+    not asserted: the module list is what decides it, a loaded machine's clock would not."""
+    args, status = NO_MODEL_NEEDED[case]
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RPP_DEVICES", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+    }
+    env["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+    report = "; import sys; print('HEAVY', sorted(m for m in %r if m in sys.modules))" % sorted(HEAVY)
+    if args[0] == "-c":
+        cmd = [sys.executable, "-c", args[1] + report]
+    else:  # run the command inside a wrapper that reports sys.modules when it exits, whatever its status
+        wrap = "import atexit, runpy, sys; sys.argv = ['roundpipe', *sys.argv[1:]]; "
+        wrap += "atexit.register(lambda: print('HEAVY', sorted(m for m in %r if m in sys.modules)))" % sorted(HEAVY)
+        wrap += "; runpy.run_module('roundpipe', run_name='__main__')"
+        cmd = [sys.executable, "-c", wrap, *args[2:]]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=60)
+    elapsed = time.monotonic() - start
+    print(f"{case}: {elapsed:.2f} s")
+    assert proc.returncode == status, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    if status == 2:
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("roundpipe: error: "), proc.stderr
+    heavy = [line for line in proc.stdout.splitlines() if line.startswith("HEAVY ")]
+    assert heavy == ["HEAVY []"], (heavy, proc.stderr[-2000:])

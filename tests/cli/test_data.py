@@ -172,6 +172,15 @@ def test_file_stream_covers_each_epoch_and_resumes() -> None:
     assert all(torch.equal(w, b.next_batch()[0]) for w in want)
 
 
+def test_a_batch_is_at_most_the_data() -> None:
+    """Every row of the data in one batch is the most a batch takes; one more would repeat a row in it."""
+    ids = torch.arange(3).view(3, 1)
+    whole = FileStream(ids, ids, batch_size=3, seed=0, description="")
+    assert sorted(whole.next_batch()[0].flatten().tolist()) == [0, 1, 2]
+    with pytest.raises(ConfigError, match=r"batch_size=4 is more than the 3 row\(s\) of the data: .* 1\.3 times"):
+        FileStream(ids, ids, batch_size=4, seed=0, description="")
+
+
 def test_parquet_rows(tmp_path) -> None:
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")

@@ -201,7 +201,10 @@ def test_model_errors_are_one_line(tmp_path, capsys) -> None:
             "seq_len=256 exceeds the model's limit (max_position_embeddings=128) — add --rope-scaling yarn:2, or lower "
             "--seq-len to at most 128",
         ),
-        (["--model", model_dir, "--data", str(data), "--lora-r", "4", "--lora-targets", "qkv_fused"], "LoRA:"),
+        (
+            ["--model", model_dir, "--data", str(data), "--batch-size", "2", "--lora-r", "4", "--lora-targets", "x"],
+            "LoRA:",
+        ),
         (
             ["--data", str(data), "--seq-len", "1000"],
             "the data has 501 tokens, fewer than one sequence of seq_len=1000",

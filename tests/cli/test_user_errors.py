@@ -113,6 +113,17 @@ def cuda_without_gpu(d: str) -> Tuple[List[str], List[str]]:
     ]
 
 
+def batch_larger_than_the_data(d: str) -> Tuple[List[str], List[str]]:
+    """Hugging Face's Trainer never repeats a row within a batch: a batch of 64 from 3 rows is refused, not
+    trained on the same rows 21 times over."""
+    path = write(os.path.join(d, "three.jsonl"), b"".join(b'{"text": "row %d"}\n' % i for i in range(3)))
+    return ["--data", path, "--no-pack", "--seq-len", "16", "--batch-size", "64"], [
+        "batch_size=64 is more than the 3 row(s) of the data (three.jsonl: 3 examples -> 3 rows x 16 tokens",
+        "every batch would hold each row 21.3 times on average",
+        "lower --batch-size to at most 3",
+    ]
+
+
 CASES: Dict[str, Callable[[str], Tuple[List[str], List[str]]]] = {
     f.__name__: f
     for f in (
@@ -125,6 +136,7 @@ CASES: Dict[str, Callable[[str], Tuple[List[str], List[str]]]] = {
         negative_lr,
         data_and_task,
         cuda_without_gpu,
+        batch_larger_than_the_data,
     )
 }
 
