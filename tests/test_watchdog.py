@@ -94,9 +94,9 @@ def test_an_input_gradient_never_handed_on_fails_within_the_watchdog(
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
 def test_a_slow_call_that_keeps_moving_is_not_cut_short(workers: str) -> None:
-    """A layer that takes 0.3 s per microbatch, forward and recompute, in a call of 4 microbatches (2.4 s
-    of sleep in all, well past the 1 s limit): every microbatch is progress, so the call runs through and
-    its gradients are plain PyTorch's."""
+    """A layer that takes 0.3 s per microbatch, in forward and again in recompute, in a call of 4 microbatches
+    (1.2 s of sleep in the forward alone, past the 1 s limit): every microbatch is progress, so the call runs
+    through and its gradients are plain PyTorch's."""
     model = _model(slow_s=0.3)
     ref = copy.deepcopy(model)
     rp = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=4, execute_plan=PLAN))
@@ -104,7 +104,7 @@ def test_a_slow_call_that_keeps_moving_is_not_cut_short(workers: str) -> None:
     with settings.overridden(watchdog_s=1.0):
         start = time.monotonic()
         _call(rp, x)
-        assert time.monotonic() - start > 2.4
+        assert time.monotonic() - start > 1.2
     ref[1].seconds = 0.0
     _ref_loss(ref, x).backward()
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):

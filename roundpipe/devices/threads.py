@@ -126,6 +126,14 @@ class RoundPipeStalled(RuntimeError):
     """A wait saw no RoundPipe thread make progress for the watchdog's time (``RPP_WATCHDOG_S``)."""
 
 
+def _describe(t: "RoundPipeThread") -> str:
+    """What ``t``'s job is doing ("" when it cannot say: the stall's message must not fail in its stead)."""
+    try:
+        return t.describe() if t.describe is not None else ""
+    except Exception:  # noqa: BLE001 - a job's state half torn down
+        return ""
+
+
 def _stalled(what: Callable[[], str], limit: float) -> RoundPipeStalled:
     """The error of a wait that made no progress for ``limit`` seconds: what this wait waits for, then every
     RoundPipe thread's job and wait; the first stall of a run also prints every thread's stack."""
@@ -133,7 +141,7 @@ def _stalled(what: Callable[[], str], limit: float) -> RoundPipeStalled:
     lines = []
     for t in roundpipe_threads:
         if t.is_alive() and (t.is_active or t.ident in _waiting):
-            doing = t.describe() if t.describe is not None else ""
+            doing = _describe(t)
             waits = _waiting.get(t.ident or -1)
             lines.append(
                 f"{t.name}" + (f" in {doing}" if doing else "") + (f" waits for {waits()}" if waits else " computes")
