@@ -287,18 +287,24 @@ def test_two_wrappers_of_one_model_order_its_running_statistics(workers: str) ->
     """Two RoundPipe wrappers of one model share its host buffers: each call's upload of BatchNorm's running
     statistics waits for the other wrapper's last download of them (``attribute.buffer_downloaded`` is kept on
     the buffer, not on a wrapper's layer). Alternating calls with the checks on: the statistics are plain
-    PyTorch's after the same calls."""
+    PyTorch's after the same calls (inference and training calls, both update them in training mode)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 5)).double()
     ref = copy.deepcopy(model)
     a = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=2))
     b = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=3))
     with settings.overridden(debug_stress_delay_s=STRESS_S, debug_check_streams="1"):
-        for k in range(6):
+        for k in range(8):
             x = torch.randn(12, 8, dtype=torch.float64)
             rp, n = (a, 2) if k % 2 == 0 else (b, 3)
-            rp.forward_backward(input_args=(x,), loss_fn=lambda o, _: o.pow(2).mean())
-            for part in torch.tensor_split(x, n):
-                ref(part).pow(2).mean().backward()
+            if k % 4 < 2:  # inference in training mode: nothing after the call waits for the buffers' download
+                with torch.no_grad():
+                    rp(x)
+                    for part in torch.tensor_split(x, n):
+                        ref(part)
+            else:
+                rp.forward_backward(input_args=(x,), loss_fn=lambda o, _: o.pow(2).mean())
+                for part in torch.tensor_split(x, n):
+                    ref(part).pow(2).mean().backward()
     for (name, buf), (_, want) in zip(model.named_buffers(), ref.named_buffers()):
         assert rel_err(buf, want) < 1e-10, (name, buf, want)

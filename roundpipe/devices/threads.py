@@ -105,7 +105,7 @@ def _check_abort() -> None:
 # Per waiting thread's ident: what it waits for, for the stall message (dict updates are atomic).
 _waiting: Dict[int, Callable[[], str]] = {}
 _stall_limit = WATCHDOG_FLOOR_S  # seconds without progress before a wait fails (0: never), ``set_stall_limit``
-_stall_source = "RPP_WATCHDOG_S=auto"
+_stall_source = ""
 _dump_lock = threading.Lock()
 _dumped_at = -1  # the progress count of the last stall whose stacks were printed (one dump per stall)
 
@@ -144,7 +144,7 @@ def _stalled(what: Callable[[], str], limit: float) -> RoundPipeStalled:
             doing = _describe(t)
             waits = _waiting.get(t.ident or -1)
             lines.append(
-                f"{t.name}" + (f" in {doing}" if doing else "") + (f" waits for {waits()}" if waits else " computes")
+                f"{t.name}" + (f" in {doing}" if doing else "") + (f", waits for {waits()}" if waits else ", computes")
             )
     main = _waiting.get(threading.main_thread().ident or -1)
     if main is not None:
@@ -210,11 +210,25 @@ def refresh_waits() -> None:
     _stress_limit = settings.DEBUG_STRESS_DELAY_S.get()
 
 
+def _reset_stall_limit() -> None:
+    """Until the next call resolves it: ``RPP_WATCHDOG_S`` when set, else the floor (a changed setting must
+    not leave the waits between calls with a limit the last call chose under the old one)."""
+    from roundpipe import settings
+
+    explicit = settings.WATCHDOG_S.get()
+    if explicit is None:
+        set_stall_limit(WATCHDOG_FLOOR_S, f"RPP_WATCHDOG_S=auto, at least {WATCHDOG_FLOOR_S:g} s")
+    else:
+        set_stall_limit(explicit, f"RPP_WATCHDOG_S={explicit:g}")
+
+
 def _watch_wait_settings() -> None:
     from roundpipe import settings
 
     settings.on_change(settings.DEBUG_STRESS_DELAY_S, refresh_waits)
+    settings.on_change(settings.WATCHDOG_S, _reset_stall_limit)
     refresh_waits()
+    _reset_stall_limit()
 
 
 def stress_limit() -> float:

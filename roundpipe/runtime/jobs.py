@@ -429,7 +429,7 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int, part: i
 def _at_job(run: Run, what: str, layers: range, m: int) -> str:
     """A job waiting for its microbatch's input (the group before it, or after it in backward)."""
     span = f"layers {layers.start}-{layers.stop - 1}" if len(layers) > 1 else run.layer_name(layers.start)
-    return f"model {run.model.name!r}: {what} job of {span}, waiting for microbatch {m}'s input"
+    return f"model {run.model.name!r}: {what} job of {span}, before microbatch {m}"
 
 
 def _at_fused(run: Run, what: str, i: int, m: int) -> str:
