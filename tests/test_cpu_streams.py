@@ -1,5 +1,5 @@
-"""CPU workers' streams checked for order (``roundpipe.devices.cpu_streams``), and the hand-over of a split fused
-job's gradients that never comes (``threads.wait_or_stall``).
+"""CPU workers' streams checked for order (``roundpipe.devices.cpu_streams``), two wrappers' shared buffers,
+and the hand-over of a split fused job's gradients that never comes (``threads.wait_or_stall``).
 
 On CPU workers stream work runs at once, so a dropped ``wait_event`` never gives a wrong result; with
 ``RPP_DEBUG_CHECK_STREAMS`` (on in the stress mode) the streams record what each op reads and writes and raise
@@ -10,12 +10,14 @@ unmutated passes with the checks on.
 
 from __future__ import annotations
 
+import copy
 import sys
 import time
 from typing import Callable, Iterator, List
 
 import pytest
 import torch
+from helpers import rel_err
 from torch import nn
 
 from roundpipe import RoundPipe, RoundPipeRunConfig, settings
@@ -260,7 +262,6 @@ def test_part_that_never_hands_over_fails_within_the_watchdog(
         real_publish(self, part, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(PartialGrads, "publish", publish)
-    threads._ensure_watchdog()  # decided before the override: no stack-dumping thread for later tests
     limit = 0.4
     with settings.overridden(debug_split_fused="1", watchdog_s=limit):
         rp = _split_model()
@@ -276,3 +277,34 @@ def test_part_that_never_hands_over_fails_within_the_watchdog(
     while any(t.is_alive() and t.is_active for t in threads.roundpipe_threads) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not [t.name for t in threads.roundpipe_threads if t.is_alive() and t.is_active]
+
+
+# ---- two wrappers of one model ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
+def test_two_wrappers_of_one_model_order_its_running_statistics(workers: str) -> None:
+    """Two RoundPipe wrappers of one model share its host buffers: each call's upload of BatchNorm's running
+    statistics waits for the other wrapper's last download of them (``attribute.buffer_downloaded`` is kept on
+    the buffer, not on a wrapper's layer). Alternating calls with the checks on: the statistics are plain
+    PyTorch's after the same calls (inference and training calls, both update them in training mode)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 5)).double()
+    ref = copy.deepcopy(model)
+    a = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    b = RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    with settings.overridden(debug_stress_delay_s=STRESS_S, debug_check_streams="1"):
+        for k in range(8):
+            x = torch.randn(12, 8, dtype=torch.float64)
+            rp, n = (a, 2) if k % 2 == 0 else (b, 3)
+            if k % 4 < 2:  # inference in training mode: nothing after the call waits for the buffers' download
+                with torch.no_grad():
+                    rp(x)
+                    for part in torch.tensor_split(x, n):
+                        ref(part)
+            else:
+                rp.forward_backward(input_args=(x,), loss_fn=lambda o, _: o.pow(2).mean())
+                for part in torch.tensor_split(x, n):
+                    ref(part).pow(2).mean().backward()
+    for (name, buf), (_, want) in zip(model.named_buffers(), ref.named_buffers()):
+        assert rel_err(buf, want) < 1e-10, (name, buf, want)

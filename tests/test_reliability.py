@@ -73,7 +73,9 @@ def test_ctrl_c_during_training_stops_cleanly() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_watchdog_dumps_thread_stacks_when_stuck() -> None:
+def test_watchdog_fails_a_stuck_call_and_dumps_thread_stacks() -> None:
+    """A layer stuck past ``RPP_WATCHDOG_S``: the call fails, naming the job and the layer that does not move,
+    and prints every thread's stack (the caller's wait trips it: the stuck thread is in user code)."""
     code = _script(
         """
         gate = threading.Event()
@@ -90,9 +92,9 @@ def test_watchdog_dumps_thread_stacks_when_stuck() -> None:
     res = subprocess.run(
         [sys.executable, "-c", code], env=_env(RPP_WATCHDOG_S="1"), capture_output=True, text=True, timeout=50
     )
-    assert res.returncode == 0, res.stderr
-    assert "finished" in res.stdout
+    assert res.returncode != 0 and "finished" not in res.stdout, res.stdout
     assert "roundpipe watchdog: no progress" in res.stderr
+    assert "RoundPipeStalled" in res.stderr and "forward of layer 1 (Stuck), microbatch 0" in res.stderr, res.stderr
     # The stuck worker's stack is in the dump, down to the layer's forward (line 6 of the script body).
     dump = res.stderr.split("--- roundpipe thread roundpipe-cpu-worker", 1)
     assert len(dump) == 2 and "in forward" in dump[1], res.stderr

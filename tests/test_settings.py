@@ -93,6 +93,7 @@ def test_no_module_reads_rpp_variables_from_the_environment() -> None:
         (settings.DEBUG_FUSED_STAGING, "off", "0", "maybe"),
         (settings.DEBUG_DEVICE_SAVED_GB, "1.5", 1.5, "-1"),
         (settings.WATCHDOG_S, "30", 30.0, "soon"),
+        (settings.WATCHDOG_S, "AUTO", None, "-1"),
         (settings.PROFILER, " NVTX ", "nvtx", "nsys"),
         (settings.OPTIM_THREADS, "4", 4, "0"),
         (settings.DEBUG_ADAM_IMPL, "CPP", "cpp", "fast"),

@@ -142,6 +142,7 @@ class DeviceManager:
         self.shutdown = False
         self.intra_op_threads = torch.get_num_threads()  # this (creating) thread's, for a CPU worker's compute
         self.controller_thread = RoundPipeThread(self.controller, name=f"roundpipe-{self.name}")
+        self.controller_thread.describe = self.describe_location  # the watchdog names the job and the layer
         self.controller_thread.start()
 
     def __repr__(self) -> str:

@@ -5,6 +5,12 @@ They wait in short slices and check a process-wide failure slot in between: when
 fails, every waiter wakes within ``POLL_S`` and raises ``RoundPipeAborted``, so no thread hangs on a
 peer that died. The caller's thread then re-raises the original exception (see ``raise_if_failed``).
 
+The same waits are the watchdog: a wait fails (``RoundPipeStalled``) once no RoundPipe thread has made
+progress (``note_progress``: a microbatch or an optimizer kernel done) for the limit each call resolves
+(``set_stall_limit``; ``RPP_WATCHDOG_S``, by default scaled from the planner's job times), naming what it
+waits for and every thread's job and layer, and printing their stacks; the failure then ends every other
+wait, so a hand-over that never comes fails the run instead of hanging it.
+
 Attributes:
     roundpipe_threads: All RoundPipe threads created so far.
     thread_exception_print_lock: Lock to prevent interleaved exception prints.
@@ -18,7 +24,7 @@ import threading
 import time
 import traceback
 from types import FrameType
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -74,15 +80,20 @@ def clear_failure() -> Optional[BaseException]:
     return exc
 
 
-_last_progress = time.monotonic()
-_progress = 0  # how many times a run moved forward (``wait_or_stall`` restarts its clock at each)
-_main_waits = 0
+_progress = 0  # how many times a run moved forward (each wait restarts its stall clock at a change)
+
+#: The default watchdog (``RPP_WATCHDOG_S=auto``, ``runtime.run.watchdog_limit``): a wait fails after this many
+#: seconds without progress, or ``WATCHDOG_JOBS`` times the slowest job the planner expects, whichever is longer.
+WATCHDOG_FLOOR_S = 600.0
+WATCHDOG_JOBS = 10.0
+#: The caller's waits (any thread but a worker's) fail this much later than a worker's: a worker that waits in
+#: the stalled job names the job, the layer and the event; the caller only knows the microbatch.
+CALLER_GRACE_S = 1.0
 
 
 def note_progress() -> None:
-    """Record that a run moved forward (a microbatch, job or optimizer kernel finished)."""
-    global _last_progress, _progress
-    _last_progress = time.monotonic()
+    """Record that a run moved forward (a microbatch or an optimizer kernel finished)."""
+    global _progress
     _progress += 1
 
 
@@ -91,62 +102,82 @@ def _check_abort() -> None:
         raise RoundPipeAborted("aborted: another RoundPipe thread failed") from None
 
 
-class _Waiting:
-    """Counts threads blocked in RoundPipe waits (the watchdog only fires while someone waits)."""
-
-    def __enter__(self) -> None:
-        global _main_waits
-        _main_waits += 1
-        _ensure_watchdog()
-
-    def __exit__(self, *exc: Any) -> None:
-        global _main_waits
-        _main_waits -= 1
+# Per waiting thread's ident: what it waits for, for the stall message (dict updates are atomic).
+_waiting: Dict[int, Callable[[], str]] = {}
+_stall_limit = WATCHDOG_FLOOR_S  # seconds without progress before a wait fails (0: never), ``set_stall_limit``
+_stall_source = ""
+_dump_lock = threading.Lock()
+_dumped_at = -1  # the progress count of the last stall whose stacks were printed (one dump per stall)
 
 
-_watchdog: Optional[threading.Thread] = None
+def set_stall_limit(seconds: float, source: str) -> None:
+    """The watchdog in force for the waits from now on (each RoundPipe call resolves it once, at its start: a
+    wait is too frequent a place to read settings). ``source`` says where it came from, for the message."""
+    global _stall_limit, _stall_source
+    _stall_limit, _stall_source = seconds, source
 
 
-def _ensure_watchdog() -> None:
-    """Start the watchdog thread once if ``RPP_WATCHDOG_S`` is set (off by default)."""
-    global _watchdog
-    if _watchdog is not None:
-        return
-    from roundpipe import settings
-
-    limit = settings.WATCHDOG_S.get()
-    if limit <= 0:
-        _watchdog = threading.current_thread()  # marks "checked, disabled"
-        return
-    _watchdog = threading.Thread(target=_watch, args=(limit,), name="roundpipe-watchdog", daemon=True)
-    _watchdog.start()
+def stall_limit() -> float:
+    """The watchdog in force (seconds without progress before a wait fails; 0: off)."""
+    return _stall_limit
 
 
-def _watch(limit: float) -> None:
-    """Dump every RoundPipe thread's stack when waits make no progress for ``limit`` seconds (again
-    every ``limit`` seconds while they still make none)."""
-    quiet_until = 0.0
-    while True:
-        time.sleep(min(1.0, limit / 4))
-        now = time.monotonic()
-        stalled = now - _last_progress
-        if _main_waits > 0 and stalled > limit and now >= quiet_until:
-            with thread_exception_print_lock:
-                print(
-                    f"roundpipe watchdog: no progress for {stalled:.0f} s (RPP_WATCHDOG_S={limit:g}); thread stacks:",
-                    file=sys.stderr,
-                )
-                print("--- main thread ---", file=sys.stderr)
-                print_trimmed_traceback(sys._current_frames().get(threading.main_thread().ident))
-            dump_all_active_threads()
-            quiet_until = now + limit  # not ``note_progress``: a stalled wait (``wait_or_stall``) must still fail
+class RoundPipeStalled(RuntimeError):
+    """A wait saw no RoundPipe thread make progress for the watchdog's time (``RPP_WATCHDOG_S``)."""
 
 
-def _poll(attempt: Callable[[float], bool], timeout: Optional[float]) -> bool:
+def _describe(t: "RoundPipeThread") -> str:
+    """What ``t``'s job is doing ("" when it cannot say: the stall's message must not fail in its stead)."""
+    try:
+        return t.describe() if t.describe is not None else ""
+    except Exception:  # noqa: BLE001 - a job's state half torn down
+        return ""
+
+
+def _stalled(what: Callable[[], str], limit: float) -> RoundPipeStalled:
+    """The error of a wait that made no progress for ``limit`` seconds: what this wait waits for, then every
+    RoundPipe thread's job and wait; the first stall of a run also prints every thread's stack."""
+    global _dumped_at
+    lines = []
+    for t in roundpipe_threads:
+        if t.is_alive() and (t.is_active or t.ident in _waiting):
+            doing = _describe(t)
+            waits = _waiting.get(t.ident or -1)
+            lines.append(
+                f"{t.name}" + (f" in {doing}" if doing else "") + (f", waits for {waits()}" if waits else ", computes")
+            )
+    main = _waiting.get(threading.main_thread().ident or -1)
+    if main is not None:
+        lines.append(f"the caller's thread waits for {main()}")
+    msg = (
+        f"waited for {what()}: no RoundPipe thread made progress for {limit:g} s ({_stall_source}; "
+        f"RPP_WATCHDOG_S sets it, 0 turns it off). Threads: " + "; ".join(lines)
+    )
+    with _dump_lock:
+        first = _dumped_at != _progress and _failure is None
+        _dumped_at = _progress
+    if first:
+        with thread_exception_print_lock:
+            print(f"roundpipe watchdog: no progress for {limit:g} s; {msg}\nthread stacks:", file=sys.stderr)
+            print("--- the caller's thread ---", file=sys.stderr)
+            print_trimmed_traceback(sys._current_frames().get(threading.main_thread().ident or -1))
+        dump_all_active_threads()
+    return RoundPipeStalled(msg)
+
+
+def _poll(attempt: Callable[[float], bool], timeout: Optional[float], what: Callable[[], str]) -> bool:
     """Call ``attempt(slice)`` (a blocking wait of at most ``slice`` seconds) until it succeeds or
-    ``timeout`` passes, checking between slices whether another RoundPipe thread failed."""
-    with _Waiting():
+    ``timeout`` passes, checking between slices whether another RoundPipe thread failed. A wait without a
+    timeout fails (``RoundPipeStalled``) once no RoundPipe thread has made progress for the watchdog's time:
+    the clock restarts at every progress, so a run that is slow but moving is not cut short."""
+    me = threading.current_thread()
+    limit = _stall_limit if timeout is None else 0.0
+    if limit > 0 and not isinstance(me, RoundPipeThread):
+        limit += CALLER_GRACE_S
+    _waiting[me.ident or -1] = what
+    try:
         remaining = timeout
+        seen, deadline = _progress, time.monotonic() + limit
         while True:
             _check_abort()
             step = POLL_S if remaining is None else min(POLL_S, remaining)
@@ -156,30 +187,48 @@ def _poll(attempt: Callable[[float], bool], timeout: Optional[float]) -> bool:
                 remaining -= step
                 if remaining <= 0:
                     return False
+            elif limit > 0:
+                now = time.monotonic()
+                if _progress != seen:
+                    seen, deadline = _progress, now + limit
+                elif now >= deadline:
+                    raise _stalled(what, limit)
+    finally:
+        _waiting.pop(me.ident or -1, None)
 
 
 _stress_rng = random.Random(0)
 _stress_limit = 0.0
-_stall_limit = 0.0  # RPP_WATCHDOG_S as ``wait_or_stall`` uses it (0: plain waits)
 
 
 def refresh_waits() -> None:
-    """Read ``RPP_DEBUG_STRESS_DELAY_S`` and ``RPP_WATCHDOG_S`` again (each RoundPipe call does, at its start,
-    and any ``configure`` of them). Waits use the values read last: a wait is too frequent a place to parse
-    the environment."""
-    global _stress_limit, _stall_limit
+    """Read ``RPP_DEBUG_STRESS_DELAY_S`` again (each RoundPipe call does, at its start, and any ``configure`` of
+    it). Waits use the value read last: a wait is too frequent a place to parse the environment."""
+    global _stress_limit
     from roundpipe import settings
 
     _stress_limit = settings.DEBUG_STRESS_DELAY_S.get()
-    _stall_limit = settings.WATCHDOG_S.get()
+
+
+def _reset_stall_limit() -> None:
+    """Until the next call resolves it: ``RPP_WATCHDOG_S`` when set, else the floor (a changed setting must
+    not leave the waits between calls with a limit the last call chose under the old one)."""
+    from roundpipe import settings
+
+    explicit = settings.WATCHDOG_S.get()
+    if explicit is None:
+        set_stall_limit(WATCHDOG_FLOOR_S, f"RPP_WATCHDOG_S=auto, at least {WATCHDOG_FLOOR_S:g} s")
+    else:
+        set_stall_limit(explicit, f"RPP_WATCHDOG_S={explicit:g}")
 
 
 def _watch_wait_settings() -> None:
     from roundpipe import settings
 
     settings.on_change(settings.DEBUG_STRESS_DELAY_S, refresh_waits)
-    settings.on_change(settings.WATCHDOG_S, refresh_waits)
+    settings.on_change(settings.WATCHDOG_S, _reset_stall_limit)
     refresh_waits()
+    _reset_stall_limit()
 
 
 def stress_limit() -> float:
@@ -197,7 +246,7 @@ def stress_delay() -> None:
 
 
 class AnnotatedEvent(threading.Event):
-    """Event whose waits are named (for stack dumps) and abort when a RoundPipe thread fails."""
+    """Event whose waits are named (for stack dumps and the watchdog) and abort when a RoundPipe thread fails."""
 
     def __init__(self, name: str = "", set: bool = False) -> None:  # noqa: A002 - mirrors Event.set
         super().__init__()
@@ -206,36 +255,24 @@ class AnnotatedEvent(threading.Event):
             self.set()
 
     def wait(self, timeout: Optional[float] = None) -> bool:
+        return self.wait_for(timeout, self._describe)
+
+    def wait_for(self, timeout: Optional[float], what: Callable[[], str]) -> bool:
+        """``wait``, with ``what()`` naming what the event stands for in a stall's message."""
         stress_delay()
         if self.is_set():
             return True
         with annotate(f"wait {self.name}"):  # a blocking wait shows on profiler timelines (RPP_PROFILER)
-            return _poll(super().wait, timeout)
+            return _poll(super().wait, timeout, what)
 
-
-class RoundPipeStalled(RuntimeError):
-    """A wait saw no RoundPipe thread make progress for ``RPP_WATCHDOG_S`` seconds (``wait_or_stall``)."""
+    def _describe(self) -> str:
+        return f"event {self.name}"
 
 
 def wait_or_stall(event: AnnotatedEvent, what: Callable[[], str]) -> None:
-    """``event.wait()`` for a peer thread's hand-over; with ``RPP_WATCHDOG_S`` > 0, raise
-    ``RoundPipeStalled`` (``what()`` says what never came) once no RoundPipe thread has made progress
-    (``note_progress``: a microbatch or optimizer kernel done) for that long, so a peer that will never
-    set the event fails the run instead of hanging it. The clock restarts at every progress: a run
-    that is slow but moving is not cut short. Without a watchdog it waits as ``event.wait()``."""
-    limit = _stall_limit
-    if limit <= 0:
-        event.wait()
-        return
-    seen, deadline = _progress, time.monotonic() + limit
-    while not event.wait(min(limit, 0.25)):
-        now = time.monotonic()
-        if _progress != seen:
-            seen, deadline = _progress, now + limit
-        elif now >= deadline:
-            raise RoundPipeStalled(
-                f"{what()}: no RoundPipe thread made progress for {limit:g} s (RPP_WATCHDOG_S) while waiting for it"
-            )
+    """``event.wait()`` for a peer thread's hand-over, ``what()`` saying what never came when the watchdog
+    fails the wait (every wait fails so; this one names the hand-over, not only the event)."""
+    event.wait_for(None, lambda: f"{what()} (event {event.name})")
 
 
 class AnnotatedSemaphore(threading.Semaphore):
@@ -252,7 +289,9 @@ class AnnotatedSemaphore(threading.Semaphore):
         if super().acquire(False):
             return True
         with annotate(f"wait {self.name}"):
-            return _poll(lambda step: super(AnnotatedSemaphore, self).acquire(True, step), timeout)
+            return _poll(
+                lambda step: super(AnnotatedSemaphore, self).acquire(True, step), timeout, lambda: f"slot {self.name}"
+            )
 
     __enter__ = acquire
 
@@ -262,12 +301,14 @@ class RoundPipeThread(threading.Thread):
 
     Attributes:
         is_active: Whether the thread currently executes user work (used by ``dump_all_active_threads``).
+        describe: What the thread's job is doing now (a device's job and layer), for the watchdog's message.
     """
 
     def __init__(self, target: Callable[[], Any], name: str, **kwargs: Any) -> None:
         super().__init__(target=self._run_target, name=name, daemon=True, **kwargs)
         self._user_target = target
         self.is_active = False
+        self.describe: Optional[Callable[[], str]] = None
         roundpipe_threads.append(self)
 
     def _run_target(self) -> None:

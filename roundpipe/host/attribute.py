@@ -39,7 +39,9 @@ class LayerAttribute:
         grad_copied: Set when the optimizer has finished reading this layer's gradients.
         grad_download_started: Set when the latest gradient download was issued and recorded.
         grad_downloaded: Device event: the latest gradient download has landed in host memory.
-        buffer_downloaded: Device event: the latest buffer download has landed in host memory.
+
+    A layer's buffers (e.g. BatchNorm's running statistics) keep their download event on the host buffer
+    itself (``buffer_downloaded``): two wrappers of one model share its buffers, not their layer attributes.
     """
 
     def __init__(self, layer_id: int, name: str = "") -> None:
@@ -50,9 +52,6 @@ class LayerAttribute:
         self.grad_copied = AnnotatedEvent(f"{name}.grad_copied", set=True)
         self.grad_download_started = AnnotatedEvent(f"{name}.grad_download_started", set=True)
         self.grad_downloaded: Event = CpuEvent()
-        # Device event: the latest forward's buffer download (e.g. BatchNorm running stats) has landed.
-        # Owned by the device thread that downloads; the next upload of the layer waits for it.
-        self.buffer_downloaded: Event = CpuEvent()
 
     def forward_fence(self, clear: bool = True) -> None:
         """Before a job uploads this layer: the optimizer's writes are done and the previous upload was issued."""
@@ -77,6 +76,29 @@ class LayerAttribute:
         """Mark nothing pending (after a failed run, so the next run's fences do not wait forever)."""
         self.param_upload_started.set()
         self.grad_download_started.set()
+
+
+_BUFFER_EVENT = "_roundpipe_downloaded"
+_LANDED: Event = CpuEvent()  # a buffer never downloaded into
+
+
+def buffer_downloaded(buffer: torch.Tensor) -> Event:
+    """Device event: the latest download into host ``buffer`` (a module's buffer, e.g. BatchNorm's running
+    statistics) has landed, whichever wrapper of the module issued it. Each upload of the buffer and each
+    host read of it waits for this event, so the next call (of any wrapper) reads what the previous wrote."""
+    return getattr(buffer, _BUFFER_EVENT, _LANDED)
+
+
+def note_buffer_download(buffer: torch.Tensor, event: Event) -> None:
+    """Record ``event`` as the latest download into host ``buffer`` (``buffer_downloaded``); only the device
+    thread of the job that downloads writes it."""
+    setattr(buffer, _BUFFER_EVENT, event)
+
+
+def layer_buffers_landed(layer: torch.nn.Module) -> None:
+    """Block until every download into ``layer``'s host buffers has landed (before the host reads them)."""
+    for b in layer.buffers():
+        buffer_downloaded(b).synchronize()
 
 
 class ParamAttribute:

@@ -338,6 +338,15 @@ class ModelTimer:
                 bwd = [(1 + self.BACKWARD_MULTIPLIER) * f for f in fwd]
             return source, fwd, bwd
 
+    def slowest_job_ms(self, groups: Sequence[range], num_microbatch: int) -> Optional[float]:
+        """The longest job of these layer groups that the estimates expect (ms: every microbatch's forward,
+        recompute and backward of each layer, an upper bound for any kind of job), or None before forward has
+        been measured (the estimates are then layer sizes, not times). The watchdog scales from it."""
+        source, fwd, bwd = self.get_estimate("train")
+        if source != "time":
+            return None
+        return max((sum(fwd[i] + bwd[i] for i in g) for g in groups), default=0.0) * num_microbatch
+
     def current(self, kind: TimeKind) -> List[float]:
         """Bias-corrected estimates of one kind; only meaningful at stage 2."""
         assert self.stage[kind] == 2, f"no measured {kind} times yet"

@@ -23,6 +23,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from roundpipe.devices import backend
+from roundpipe.host.attribute import layer_buffers_landed
 from roundpipe.planning.fused_split import part_microbatches, part_of
 from roundpipe.runtime import sequence, stage_codec
 from roundpipe.runtime.compute import (
@@ -277,8 +278,8 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
     if run.enable_grad:
         for i in layers:
             if any(True for _ in model.layers[i].buffers()):
-                # The previous forward's buffer download must land before we copy the host buffers.
-                model.layer_attrs[i].buffer_downloaded.synchronize()
+                # The previous forward's buffer download (of any wrapper) must land before we copy the host buffers.
+                layer_buffers_landed(model.layers[i])
                 run.saved_buffers[i] = snapshot_buffers(model.layers[i])
     clock = HostClock(device)
     parity, slots = _graph_slots(device, run, layers, backward=False)
@@ -296,6 +297,7 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
         )
     )
     for m in range(batch.num_microbatch):
+        device.where = (_at_job, (run, "forward", layers, m))  # what a stalled wait names (threads watchdog)
         tracker.forward_wait_for(layer_group_id, m)
         ctx = run.contexts[m]
         host_leaves, spec, events = batch.flatten_states[m], batch.flatten_specs[m], batch.forward_events[m]
@@ -385,6 +387,7 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int, part: i
         # The tiles of one sequence, last first: tile t's key and value gradients come from tiles t..T-1.
         order, tiles = range(batch.num_microbatch - 1, -1, -1), run.sequence.job_store(device, backward=True)
     for m in order:
+        device.where = (_at_job, (run, "backward", layers, m))
         tracker.backward_wait_for(layer_group_id, m)
         ctx = run.contexts[m]
         if all(g is None for g in ctx.grad_states) and ctx.grad_handoff is None:
@@ -421,6 +424,12 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int, part: i
     release_layers(gpu_layers, device, slots)
     device.job_done()
     clock.note(run, len(order), len(layers))
+
+
+def _at_job(run: Run, what: str, layers: range, m: int) -> str:
+    """A job waiting for its microbatch's input (the group before it, or after it in backward)."""
+    span = f"layers {layers.start}-{layers.stop - 1}" if len(layers) > 1 else run.layer_name(layers.start)
+    return f"model {run.model.name!r}: {what} job of {span}, before microbatch {m}"
 
 
 def _at_fused(run: Run, what: str, i: int, m: int) -> str:
@@ -467,6 +476,7 @@ def run_forward_backward(device: "DeviceManager", run: Run, part: int = 0) -> No
     gpu_layers = _upload_group(device, run, layers, with_grad=True, for_recompute=False, seed=part == 0)
     mine = part_microbatches(part, run.fused_parts, batch.num_microbatch)
     for m in mine:
+        device.where = (_at_job, (run, "fused forward-backward", layers, m))
         tracker.forward_wait_for(len(run.plan.fwd_plan), m)
         ctx = run.contexts[m]
         device.where = (_at_fused, (run, "fused forward-backward of", layers.start, m))

@@ -138,6 +138,20 @@ def _sequence_run(batch: Batch, run_type: RunType) -> Optional[SequenceRun]:
     return SequenceRun.from_lengths(lengths)
 
 
+def watchdog_limit(model: PipelinedModel, plan: ModelExecutePlan, num_microbatch: int) -> Tuple[float, str]:
+    """One call's watchdog (seconds without progress before a wait fails) and where it came from:
+    ``RPP_WATCHDOG_S`` when set, else ``WATCHDOG_JOBS`` x the slowest job the model's timings expect, at least
+    ``WATCHDOG_FLOOR_S`` (the floor alone until forward has been timed). Progress comes at every microbatch
+    of every job, so a long-context step of minutes per job on a slow card is far inside it."""
+    explicit = settings.WATCHDOG_S.get()
+    if explicit is not None:
+        return explicit, f"RPP_WATCHDOG_S={explicit:g}"
+    job_ms = model.model_timer.slowest_job_ms([*plan.fwd_plan, *plan.bwd_plan], num_microbatch)
+    jobs, floor = threads.WATCHDOG_JOBS, threads.WATCHDOG_FLOOR_S
+    limit = max(floor, jobs * (job_ms or 0.0) / 1000.0)
+    return limit, f"RPP_WATCHDOG_S=auto: {jobs:g} x the slowest job expected, at least {floor:g} s"
+
+
 class Run:
     """State of one RoundPipe call, shared by the main thread and the jobs it dispatches."""
 
@@ -151,7 +165,8 @@ class Run:
         loss_fn: Optional[Callable[[Any, Any], Any]] = None,
         return_outputs: bool = False,
     ) -> None:
-        threads.refresh_waits()  # RPP_DEBUG_STRESS_DELAY_S and RPP_WATCHDOG_S, read once per call (the waits use them)
+        threads.refresh_waits()  # RPP_DEBUG_STRESS_DELAY_S, read once per call (the waits use it)
+        threads.set_stall_limit(*watchdog_limit(model, plan, batch.num_microbatch))
         cpu_streams.refresh()  # RPP_DEBUG_CHECK_STREAMS (on in the stress mode): CPU streams check their order
         self.model = model
         self.cfg = run_config

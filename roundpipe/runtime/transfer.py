@@ -30,7 +30,7 @@ from torch import nn
 from roundpipe import settings
 from roundpipe.devices import backend
 from roundpipe.devices.backend import Event
-from roundpipe.host.attribute import LayerAttribute, ParamAttribute
+from roundpipe.host.attribute import LayerAttribute, ParamAttribute, buffer_downloaded, note_buffer_download
 from roundpipe.host.buffers import ParamBuffers
 from roundpipe.runtime.stage_codec import Packed, decode
 
@@ -326,7 +326,6 @@ def upload_layers(
     with torch.no_grad(), backend.use_stream(stream):
         seeds = seed_grads if seed_grads is not None else [True] * len(layers)
         for k, (layer, lid, attr, seed) in enumerate(zip(layers, layer_ids, layer_attrs, seeds)):
-            stream.wait_event(attr.buffer_downloaded)
             slot = slots[k] if slots is not None else None
             if slot is not None and slot.release is not None:
                 stream.wait_event(slot.release)
@@ -362,6 +361,7 @@ def upload_layers(
                     if b is None or id(b) in tensors:
                         continue
                     src = buffers.get(f"{id(host_mod)}.{name}", b) if buffers else b
+                    stream.wait_event(buffer_downloaded(b))  # the last forward's download, of any wrapper
                     tensors[id(b)] = _upload_param(src, device.device)
             attr.param_uploaded = backend.record_event(stream)
             if ready is not None:
@@ -401,9 +401,10 @@ def download_layer(
 ) -> None:
     """Issue copies of a layer's buffers and/or parameter gradients back to the host (no waiting).
 
-    Buffers are written into the host buffers in place (``buffer_downloaded`` marks completion; the
-    next upload of the layer waits for it). Gradients go to the host gradient slots, reusing the
-    buffer ``roundpipe.host.buffers`` gives; ``grad_downloaded`` is recorded and ``grad_download_started`` set.
+    Buffers are written into the host buffers in place (``attribute.buffer_downloaded`` of each marks
+    completion; the next upload of the buffer, by any wrapper of the module, waits for it). Gradients go to
+    the host gradient slots, reusing the buffer ``roundpipe.host.buffers`` gives; ``grad_downloaded`` is
+    recorded and ``grad_download_started`` set.
 
     ``tied`` (the call's ``TiedGrads``) sums the gradient shares of tied parameters into the owner
     layer's share before its download (``job_layers``: the layers of this job). ``reducer``
@@ -424,12 +425,16 @@ def download_layer(
             tied.fetch(cpu_layer, layer_id, job_layers, device)
         stream.wait_stream(device.compute_stream)
         if with_buffer and any(b is not None for m, _ in pairs for b in m._buffers.values()):
+            written = []
             for host_mod, dev_mod in pairs:
                 for name, b in host_mod._buffers.items():
                     db = dev_mod._buffers.get(name)
                     if b is not None and db is not None and db is not b:
                         b.copy_(db, non_blocking=True)
-            layer_attr.buffer_downloaded = backend.record_event(stream)
+                        written.append(b)
+            event = backend.record_event(stream)
+            for b in written:
+                note_buffer_download(b, event)
         if with_grad:
             hold: List[torch.Tensor] = []
             if parts is not None:

@@ -125,14 +125,14 @@ HOST_MEMORY_GIB: Setting[Optional[float]] = _register(
 )
 
 
-def _gib_or_auto(raw: str) -> Optional[float]:
+def _number_or_auto(raw: str) -> Optional[float]:
     return None if raw.lower() == "auto" else number(0.0)(raw)
 
 
 DEBUG_DEVICE_SAVED_GB: Setting[Optional[float]] = _register(
     Setting(
         "RPP_DEBUG_DEVICE_SAVED_GB",
-        _gib_or_auto,
+        _number_or_auto,
         None,
         "auto",
         "`auto` or a number of GiB >= 0",
@@ -228,15 +228,15 @@ DEBUG_GRAPHS: Setting[str] = _register(
         "(auto: on a pool of several GPUs; `1` on CPU workers runs a stand-in of the same data flow, for tests).",
     )
 )
-WATCHDOG_S: Setting[float] = _register(
+WATCHDOG_S: Setting[Optional[float]] = _register(
     Setting(
         "RPP_WATCHDOG_S",
-        number(0.0),
-        0.0,
-        "0 (off)",
-        "seconds >= 0",
-        "Print every RoundPipe thread's stack when waits make no progress for this long; a fused part's gradient "
-        "hand-over that long overdue fails the run.",
+        _number_or_auto,
+        None,
+        "auto: 10 x the slowest job the planner expects, at least 600",
+        "`auto` or seconds >= 0",
+        "A call whose threads all wait with no progress for this long fails, naming each thread's job, layer and "
+        "the event it waits for, and prints their stacks (0: waits never time out).",
     )
 )
 DEBUG_STRESS_DELAY_S: Setting[float] = _register(
