@@ -278,3 +278,18 @@ class SyncRecorder(TorchDispatchMode):
         if name in SYNC_OPS or bool_index:
             self.syncs.append(name)
         return func(*args, **(kwargs or {}))
+
+
+def kill_when_written(args: List[str], env: Dict[str, str], marker: str, timeout: float = 180) -> None:
+    """Run ``python ARGS`` and kill it with SIGKILL as soon as it creates file ``marker`` (a hook of the
+    script writes it where the kill should land); fails with the script's stderr if it exits first."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(marker):
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]  # type: ignore[union-attr]
+        assert time.monotonic() < deadline, f"{marker} not written within {timeout} s"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)

@@ -1,17 +1,22 @@
 """``roundpipe.save`` / ``roundpipe.load``: a Python loop saved halfway and resumed in fresh model and
 optimizer objects repeats the uninterrupted loop bit for bit (asynchronous steps, a learning-rate schedule
-stepped on the optimizer thread), and a damaged or mismatched checkpoint is refused with one clear line."""
+stepped on the optimizer thread), also after a process killed while it saved, and a damaged (truncated,
+corrupt) or mismatched checkpoint is refused with one clear line."""
 
 import os
+import textwrap
 from typing import List, Tuple
 
 import pytest
 import torch
+from helpers import ROOT, kill_when_written
 from torch import nn
 
 import roundpipe
 from roundpipe import RoundPipe, RoundPipeRunConfig
 from roundpipe.checkpoint import CheckpointError
+
+TESTS = os.path.join(ROOT, "tests")
 
 STEPS = 6
 
@@ -121,11 +126,18 @@ def test_bad_checkpoints_are_refused(tmp_path, workers: str) -> None:
     with pytest.raises(TypeError, match="model must be a RoundPipe"):
         roundpipe.save(nn.Linear(2, 2), optimizer, str(tmp_path / "x"))
 
+    before = weights(model)
+    with open(os.path.join(path, "optimizer.pt"), "r+b") as f:
+        f.truncate(os.path.getsize(f.name) // 2)  # a disk that filled up, a copy that stopped half-way
+    with pytest.raises(CheckpointError, match="corrupt: optimizer.pt does not match its sha256") as info:
+        roundpipe.load(model, optimizer, path, scheduler=scheduler)
+    assert info.value.fix == "save again, or load an earlier checkpoint"
     with open(os.path.join(path, "masters.safetensors"), "r+b") as f:
         f.seek(-4, os.SEEK_END)
         f.write(b"\0\0\0\1")
     with pytest.raises(CheckpointError, match="corrupt: masters.safetensors does not match its sha256"):
         roundpipe.load(model, optimizer, path, scheduler=scheduler)
+    assert all(torch.equal(a, b) for a, b in zip(weights(model), before))  # a refused load changes nothing
 
 
 def test_hugging_face_preset_with_tied_embeddings_resumes_exactly(tmp_path, workers: str) -> None:
@@ -157,3 +169,53 @@ def test_hugging_face_preset_with_tied_embeddings_resumes_exactly(tmp_path, work
         return losses
 
     assert run(resume_at=2) == run(resume_at=-1)
+
+
+KILLED_SAVE = textwrap.dedent(
+    """
+    import os, sys, time
+    import roundpipe
+    from roundpipe import checkpoint
+    from test_save_load import batches, build, train
+
+    path, marker = sys.argv[1:]
+    model, optimizer, scheduler = build()
+    data = batches()
+    train(model, optimizer, scheduler, data, 0, 2)
+    roundpipe.save(model, optimizer, path, scheduler=scheduler, step=2)
+    train(model, optimizer, scheduler, data, 2, 4)
+    real_save_torch = checkpoint.save_torch
+
+    def save_torch_then_hang(obj, file):
+        real_save_torch(obj, file)
+        with open(file, "r+b") as f:
+            f.truncate(os.path.getsize(file) // 2)  # the file half-written when the kill lands
+        open(marker, "w").close()
+        time.sleep(120)
+
+    checkpoint.save_torch = save_torch_then_hang
+    roundpipe.save(model, optimizer, path, scheduler=scheduler, step=4)
+    """
+)
+
+
+@pytest.mark.timeout(240)
+def test_sigkill_during_save_keeps_the_previous_checkpoint(tmp_path, workers: str) -> None:
+    """A process killed (SIGKILL) while ``roundpipe.save`` re-saves its checkpoint directory: ``roundpipe.load``
+    of the directory gives the previous save, and the run resumed from it repeats the uninterrupted one."""
+    path, marker = str(tmp_path / "ckpt"), str(tmp_path / "writing")
+    env = dict(os.environ, RPP_DEVICES=workers, RPP_PROGRESS="0", PYTHONPATH=ROOT + os.pathsep + TESTS)
+    kill_when_written(["-c", KILLED_SAVE, path, marker], env, marker)
+    assert os.path.isdir(path + ".tmp")  # the kill landed inside the second save's write
+
+    data = batches()
+    model, optimizer, scheduler = build()
+    straight = train(model, optimizer, scheduler, data, 0, STEPS)
+    final = weights(model)
+    model, optimizer, scheduler = build(seed=123)
+    assert roundpipe.load(model, optimizer, path, scheduler=scheduler) == {"step": 2}
+    resumed = train(model, optimizer, scheduler, data, 2, STEPS)
+    assert [l.item() for l in resumed] == [l.item() for l in straight[2:]]
+    assert all(torch.equal(a, b) for a, b in zip(weights(model), final))
+    roundpipe.save(model, optimizer, path, scheduler=scheduler, step=STEPS)  # the next save replaces the leftover
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "writing"]

@@ -69,7 +69,23 @@ def train_main(argv: List[str]) -> int:
         except KeyboardInterrupt:
             print(f"roundpipe: {rank_prefix()}interrupted", file=sys.stderr)
             return 130
+        except Exception as exc:
+            import torch  # loaded by the run
+
+            if not isinstance(exc, torch.OutOfMemoryError):
+                raise
+            print(f"roundpipe: error: {rank_prefix()}{out_of_memory_line(exc)}", file=sys.stderr)
+            return 1
     return 0
+
+
+def out_of_memory_line(exc: BaseException) -> str:
+    """A run's out-of-memory error in one line: where it happened and the flags that make the step fit."""
+    where = str(exc).split(" Fixes: ")[0].splitlines()[0] if str(exc) else type(exc).__name__
+    return (
+        f"{where} — lower --batch-size or raise --microbatches (smaller activations), or lower --gpu-memory "
+        "(RPP_GPU_MEMORY: smaller stages); --resume continues from the newest checkpoint (docs/resolve-oom.md)"
+    )
 
 
 def export_main(argv: List[str]) -> int:

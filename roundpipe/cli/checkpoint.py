@@ -137,6 +137,34 @@ def resolve_checkpoint(ref: str, output_dir: str, hint: str = RESUME_HINT) -> st
     raise ConfigError(f"{ref!r} does not exist" if not os.path.exists(ref) else f"no checkpoint found in {ref!r}", hint)
 
 
+def resolve_intact(ref: str, output_dir: str, warn: Callable[[str], None], hint: str = RESUME_HINT) -> str:
+    """The checkpoint a resume of ``ref`` takes (:func:`resolve_checkpoint`'s). Where ``ref`` names a
+    run (its output dir, or 'latest') rather than one checkpoint, a damaged newest checkpoint (truncated,
+    corrupt, incomplete) is reported through ``warn`` in one line that names it, and the newest intact one
+    before it is taken: a crash or a full disk should cost the steps since that one, not the run. A checkpoint
+    named explicitly is returned unverified (its damage is :func:`verify_checkpoint`'s error)."""
+    path = resolve_checkpoint(ref, output_dir, hint)
+    if ref != "latest" and os.path.abspath(path) == os.path.abspath(ref):
+        return path  # named explicitly: verify_checkpoint reports its damage as an error
+    damaged: List[CheckpointError] = []
+    others = [
+        p for p in reversed(list_checkpoints(os.path.dirname(path))) if os.path.abspath(p) != os.path.abspath(path)
+    ]
+    for candidate in [path, *others]:
+        try:
+            verify(candidate, cached=True)
+        except CheckpointError as e:
+            damaged.append(e)
+            continue
+        for e in damaged:
+            warn(f"{e.what}: resuming from {candidate} instead")
+        return candidate
+    raise ConfigError(
+        f"{damaged[0].what}, and no intact checkpoint is left before it",
+        "start the run again without --resume (with --overwrite)",
+    )
+
+
 def verify_checkpoint(path: str) -> Dict[str, object]:
     """The manifest of a checkpoint whose files are all present and intact (``roundpipe.checkpoint.verify``);
     ConfigError otherwise. A checkpoint verified once is not hashed again by this process (unless its
@@ -153,6 +181,7 @@ __all__ = [
     "load_tensors",
     "load_torch",
     "resolve_checkpoint",
+    "resolve_intact",
     "save_checkpoint",
     "save_tensors",
     "save_torch",

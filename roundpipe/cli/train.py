@@ -372,7 +372,7 @@ def run(
             # Rank 0 picks the checkpoint ('latest' could change under the others' feet); every rank
             # then reads it: it must exist at that path on every node (shared filesystem or a copy).
             path = parallel.on_main(
-                lambda: ckpt.resolve_checkpoint(ref, out_dir), "the choice of the checkpoint to resume from"
+                lambda: ckpt.resolve_intact(ref, out_dir, logger.warning), "the choice of the checkpoint to resume from"
             )
             cfg = parallel.everywhere(
                 lambda: resume_config(cfg, given or {}, path), f"the reading of checkpoint {path}"

@@ -228,9 +228,11 @@ class DeviceManager:
             )
         return (
             f"{stage}{free:.2f} GiB of device memory is free now. Fixes: more microbatches "
-            "(RoundPipeRunConfig(num_microbatch=...)) for smaller activations; smaller stages (a manual "
-            "execute_plan, or ModelExecutePlan.auto(..., model_memory_limit=<GB>)); recompute_grain='layer' "
-            "(one layer's autograd graph at a time); see docs/resolve-oom.md"
+            "(RoundPipeRunConfig(num_microbatch=...)) or a smaller batch (roundpipe train --batch-size) for "
+            "smaller activations; smaller stages (a manual execute_plan, or ModelExecutePlan.auto(..., "
+            "model_memory_limit=<GB>); a lower RPP_GPU_MEMORY, roundpipe train --gpu-memory, plans them); "
+            "recompute_grain='layer' (one layer's autograd graph at a time); the model stays usable for the next "
+            "call; see docs/resolve-oom.md"
         )
 
     def shutdown_controller(self) -> None:

@@ -147,3 +147,41 @@ def test_corrupt_or_partial_checkpoint_is_reported(tmp_path) -> None:
 def test_missing_checkpoint_is_a_user_error(tmp_path) -> None:
     with pytest.raises(ConfigError, match="no checkpoint found"):
         ckpt.resolve_checkpoint("latest", str(tmp_path))
+
+
+def test_resume_passes_over_a_damaged_newest_checkpoint(tmp_path) -> None:
+    """A truncated newest checkpoint is reported in one line naming it, and the newest intact one before it is
+    taken; named explicitly, it is an error; with none intact left, an error that says what to do."""
+    out = str(tmp_path)
+    first, second, third = (ckpt.save_checkpoint(out, step, writer(bytes([step]) * 100), keep=3) for step in (1, 2, 3))
+    with open(os.path.join(third, "weights.bin"), "r+b") as f:
+        f.truncate(50)
+    warnings: list = []
+    assert ckpt.resolve_intact("latest", out, warnings.append) == second
+    assert ckpt.resolve_intact(out, "elsewhere", warnings.append) == second
+    assert (
+        warnings
+        == [
+            f"checkpoint {third} is corrupt: weights.bin does not match its sha256 in manifest.json: "
+            f"resuming from {second} instead"
+        ]
+        * 2
+    )
+    assert ckpt.resolve_intact(third, out, warnings.append) == third  # named: its damage is an error of its own
+    with pytest.raises(ConfigError, match="corrupt: weights.bin"):
+        ckpt.verify_checkpoint(third)
+    assert ckpt.resolve_intact(first, out, warnings.append) == first and len(warnings) == 2
+
+    os.remove(os.path.join(second, ckpt.MANIFEST))  # an interrupted save: not listed at all
+    warnings.clear()
+    assert ckpt.resolve_intact("latest", out, warnings.append) == first
+    assert warnings == [
+        f"checkpoint {third} is corrupt: weights.bin does not match its sha256 in manifest.json: "
+        f"resuming from {first} instead"
+    ]
+    only = ckpt.save_checkpoint(str(tmp_path / "other"), 1, writer(b"x" * 100), keep=3)
+    with open(os.path.join(only, "sub", "state.txt"), "w") as f:
+        f.write("stale")
+    with pytest.raises(ConfigError, match="no intact checkpoint is left before it") as info:
+        ckpt.resolve_intact("latest", str(tmp_path / "other"), warnings.append)
+    assert info.value.fix == "start the run again without --resume (with --overwrite)"

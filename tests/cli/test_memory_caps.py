@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 import yaml
 
 from roundpipe import settings
@@ -79,3 +80,34 @@ def test_resume_keeps_the_caps(tmp_path, monkeypatch, caplog) -> None:
     caplog.clear()
     assert resume_config(args.cfg, args.given).host_memory == "64GiB"
     assert not [r for r in caplog.records if "resuming with changed" in r.getMessage()]
+
+
+def test_out_of_memory_is_one_line_and_a_smaller_batch_trains_in_the_same_process(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """A device out of memory mid-step (simulated: a training call of more than 4 rows raises as the
+    allocator would) ends the run with one line that names the flags to change; a run with a smaller
+    --batch-size then trains in the same process."""
+    from roundpipe.cli.pipeline import PipelineModel
+
+    real = PipelineModel.forward_backward
+    calls = {"n": 0}
+
+    def fits_4_rows(self, input_ids, *args, **kwargs):
+        calls["n"] += 1
+        if input_ids.shape[0] > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (simulated)")
+        return real(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(PipelineModel, "forward_backward", fits_4_rows)
+    args = ["train", "--steps", "2", "--devices", "cpu:1", "--eval-examples", "4", "--microbatches", "2"]
+    assert main([*args, "--output-dir", str(tmp_path / "big"), "--batch-size", "8"]) == 1
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("roundpipe: error:")]
+    assert lines == [
+        "roundpipe: error: CUDA out of memory. Tried to allocate 20.00 GiB (simulated) — lower --batch-size or raise "
+        "--microbatches (smaller activations), or lower --gpu-memory (RPP_GPU_MEMORY: smaller stages); --resume "
+        "continues from the newest checkpoint (docs/resolve-oom.md)"
+    ]
+    assert calls["n"] == 1  # the first step's call
+    assert main([*args, "--output-dir", str(tmp_path / "small"), "--batch-size", "4"]) == 0
+    assert calls["n"] > 1
