@@ -183,8 +183,8 @@ def test_resume_from_corrupt_checkpoint_is_one_line(tmp_path, capsys) -> None:
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         f"roundpipe: error: checkpoint {path} is corrupt: optim/master.safetensors does not match its sha256 "
-        "in manifest.json — delete it "
-        "and resume from an earlier checkpoint"
+        "in manifest.json, and no intact checkpoint is left before it — start the run again without --resume "
+        "(with --overwrite)"
     ]
 
 
