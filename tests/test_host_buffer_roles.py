@@ -15,6 +15,11 @@ workers, every wait delayed at random), in each buffer mode. Checked:
   follows the documented version rules: an asynchronous staged step leaves the next calls on the
   version before it; synchronous and streamed steps, ``synchronize()`` and a call after one that moved
   the weights into the step's buffers (``step_cycle.StepCycle``) read the newest.
+
+The random schedules reach ``stage()`` in a few of its states only, and a wrong role it wrote could pass them
+(a buffer both STAGED and SPARE does no harm until both roles are used at once): the cases at the end drive
+one parameter through each state of ``stage()`` by hand and compare every buffer's role, and the contents of
+STAGED and the weights, with the diagram's.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import copy
 import random
 import threading
 import time
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import pytest
 import torch
@@ -273,3 +278,202 @@ def test_the_state_machine_runs_every_transition(monkeypatch: pytest.MonkeyPatch
             settings.unconfigure(settings.DEVICES.name)
             device.reset_devices()
     assert called == set(names), set(names) - called
+
+
+# ---------------------------------------------------------------------------------------------------------
+# stage(), transition by transition: one parameter driven by hand in the step kernel's order
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _Walk:
+    """One float64 parameter and its optimizer copy (float64, or float32 ``optim_dtype``: its gradients are
+    copied), driven through the diagram of ``roundpipe.host.buffers`` by hand, in the order of the step
+    kernel (``roundpipe.host.step``): no threads, so each role after each transition is exact."""
+
+    def __init__(self, optim_dtype: torch.dtype = torch.float64) -> None:
+        from roundpipe.host.attribute import ParamAttribute
+
+        self.p = nn.Parameter(torch.arange(9.0, dtype=torch.float64).reshape(3, 3))
+        ParamAttribute.set(self.p, 0).optim = nn.Parameter(self.p.detach().to(optim_dtype).clone())
+        self.bufs = ParamBuffers.of(self.p)
+        self.optim = self.bufs.optim
+        self.w0 = self.p.data  # the first weights buffer
+
+    def download(self, value: float, into_weights: bool = False) -> torch.Tensor:
+        """(1): a call's gradient of the layer lands in the buffer the device thread is given."""
+        dev = torch.full((3, 3), value, dtype=torch.float64)
+        buf = self.bufs.download_target(self.p, 0, dev, into_weights)
+        buf.copy_(dev)
+        self.bufs.download_issued(self.p, 0, buf)
+        return buf
+
+    def begin_step(self, staged: bool = True) -> None:
+        """An asynchronous step (``staged``: publish the last one's version, hand the gradient over as the
+        next staging buffer) or a synchronous one (hand over only)."""
+        if staged:
+            self.bufs.publish(self.p, use_staged=True, downloads_into_weights=True)
+        self.bufs.hand_over(self.p, stage_into_grad=staged, low_precision_ok=False)
+
+    def optimizer(self, zero_grad: bool = True) -> torch.Tensor:
+        """The step function: SGD with lr 1 on the optimizer copy; returns the new version (model dtype)."""
+        with torch.no_grad():
+            if self.optim.grad is not None:
+                self.optim.sub_(self.optim.grad)
+            else:
+                self.optim.mul_(0.5)  # a step without a gradient still moves the weights (weight decay)
+        if zero_grad:
+            self.optim.grad = None
+        return self.optim.detach().to(torch.float64).clone()
+
+    def roles(self, **named: torch.Tensor) -> Dict[str, List[str]]:
+        """Each role's buffers, named by ``named`` (``name=buffer``; another buffer is ``new``)."""
+        out: Dict[str, List[str]] = {}
+        for role, t in self.bufs.roles(self.p):
+            name = next((n for n, b in named.items() if host_buffers.same_storage(t, b)), "new")
+            out.setdefault(role, []).append(name)
+        return {role: sorted(names) for role, names in out.items()}
+
+    def staged_buffer(self) -> torch.Tensor:
+        """The one STAGED buffer (the role table, not an attribute)."""
+        staged = [t for role, t in self.bufs.roles(self.p) if role == "STAGED"]
+        assert len(staged) == 1, f"STAGED buffers after stage(): {len(staged)}"
+        return staged[0]
+
+
+def _staged_version(w: _Walk, new: torch.Tensor, old: torch.Tensor) -> None:
+    """After ``stage()``: no buffer has two owners, STAGED holds the optimizer's new version and the weights,
+    which the running call's uploads still read, the one before."""
+    w.bufs.check_roles(w.p)
+    assert torch.equal(w.staged_buffer(), new)
+    assert torch.equal(w.p.data, old)
+
+
+def test_stage_writes_the_new_version_into_the_handed_over_gradient() -> None:
+    """(2) then (3): the gradient buffer the optimizer read becomes STAGED, the weights stay; the next publish
+    swaps it in and the old weights become the spare."""
+    w = _Walk()
+    old = w.p.detach().clone()
+    g1 = w.download(1.0)
+    w.begin_step()
+    assert w.roles(w0=w.w0, g1=g1) == {"WEIGHTS": ["w0"], "HELD": ["g1", "g1"], "STAGED": ["g1"]}
+    new = w.optimizer()
+    w.bufs.stage(w.p)
+    assert w.roles(w0=w.w0, g1=g1) == {"WEIGHTS": ["w0"], "STAGED": ["g1"]}
+    _staged_version(w, new, old)
+    w.bufs.publish(w.p, use_staged=True, downloads_into_weights=True)
+    assert w.roles(w0=w.w0, g1=g1) == {"WEIGHTS": ["g1"], "SPARE": ["w0"]}
+    assert torch.equal(w.p.data, new)
+
+
+def test_stage_writes_into_the_weights_a_download_moved_there() -> None:
+    """A download of the next call during the step moves the staging buffer into the weights (staged mode)
+    and takes the old weights: the step then writes its version into the weights, nothing is STAGED, and
+    the gradient that landed meanwhile stays GRAD."""
+    w = _Walk()
+    g1 = w.download(1.0)
+    w.begin_step()
+    g2 = w.download(2.0, into_weights=True)
+    assert host_buffers.same_storage(g2, w.w0) and host_buffers.same_storage(w.p.data, g1)
+    new = w.optimizer()
+    w.bufs.stage(w.p)
+    assert w.roles(w0=w.w0, g1=g1) == {"WEIGHTS": ["g1"], "GRAD": ["w0"]}
+    w.bufs.check_roles(w.p)
+    assert torch.equal(w.p.data, new) and torch.equal(g2, torch.full((3, 3), 2.0, dtype=torch.float64))
+
+
+def test_stage_leaves_a_download_that_landed_during_the_step() -> None:
+    """A download of the next call during the step that does not take the weights gets a buffer of its own;
+    the step stages into the gradient it read, not into that one."""
+    w = _Walk()
+    old = w.p.detach().clone()
+    g1 = w.download(1.0)
+    w.begin_step()
+    g2 = w.download(2.0)
+    new = w.optimizer()
+    w.bufs.stage(w.p)
+    assert w.roles(w0=w.w0, g1=g1, g2=g2) == {"WEIGHTS": ["w0"], "STAGED": ["g1"], "GRAD": ["g2"]}
+    _staged_version(w, new, old)
+    assert torch.equal(g2, torch.full((3, 3), 2.0, dtype=torch.float64))
+
+
+def test_stage_moves_a_gradient_the_optimizer_keeps_out_of_the_staging_buffer() -> None:
+    """An optimizer without ``zero_grad`` still reads the handed-over buffer as its ``.grad``: the step gives
+    that gradient a tensor of its own (HELD) before it writes the new version into the buffer (STAGED)."""
+    w = _Walk()
+    old = w.p.detach().clone()
+    g1 = w.download(1.0)
+    w.begin_step()
+    new = w.optimizer(zero_grad=False)
+    w.bufs.stage(w.p)
+    assert w.roles(w0=w.w0, g1=g1) == {"WEIGHTS": ["w0"], "HELD": ["new"], "STAGED": ["g1"]}
+    _staged_version(w, new, old)
+    assert torch.equal(w.optim.grad, torch.ones(3, 3, dtype=torch.float64))
+
+
+def test_stage_without_a_gradient_takes_the_spare() -> None:
+    """A step with no gradient handed over (nothing STAGED after the publish) stages into the spare the
+    publish left: the spare becomes STAGED, not both."""
+    w = _Walk()
+    g1 = w.download(1.0)
+    w.begin_step()
+    w.optimizer()
+    w.bufs.stage(w.p)
+    w.begin_step()
+    assert w.roles(w0=w.w0, g1=g1) == {"WEIGHTS": ["g1"], "SPARE": ["w0"]}
+    old = w.p.detach().clone()
+    new = w.optimizer()
+    w.bufs.stage(w.p)
+    assert w.roles(w0=w.w0, g1=g1) == {"WEIGHTS": ["g1"], "STAGED": ["w0"]}
+    _staged_version(w, new, old)
+
+
+def _after_a_synchronous_step_that_keeps_its_gradient(w: _Walk) -> torch.Tensor:
+    """A synchronous step whose optimizer keeps the handed-over buffer as its ``.grad`` (HELD after the step)."""
+    g1 = w.download(1.0)
+    w.begin_step(staged=False)
+    w.optimizer(zero_grad=False)
+    w.bufs.release_after_step()
+    w.bufs.publish(w.p, use_staged=False)
+    assert w.roles(w0=w.w0, g1=g1) == {"WEIGHTS": ["w0"], "HELD": ["g1", "g1"]}
+    return g1
+
+
+def test_stage_takes_the_buffer_the_optimizer_let_go_of() -> None:
+    """After a synchronous step that kept its gradient, an asynchronous step with no new gradient lets go of
+    it (``zero_grad``): that buffer becomes STAGED, and only STAGED."""
+    w = _Walk()
+    g1 = _after_a_synchronous_step_that_keeps_its_gradient(w)
+    w.begin_step()
+    old = w.p.detach().clone()
+    new = w.optimizer()
+    w.bufs.stage(w.p)
+    assert w.roles(w0=w.w0, g1=g1) == {"WEIGHTS": ["w0"], "STAGED": ["g1"]}
+    _staged_version(w, new, old)
+
+
+def test_stage_gives_the_released_gradient_back_as_a_spare() -> None:
+    """After a synchronous step that kept its gradient, a call's gradient is added into the optimizer's and
+    its buffer becomes STAGED; once the optimizer lets go, the kept buffer becomes the spare."""
+    w = _Walk()
+    g1 = _after_a_synchronous_step_that_keeps_its_gradient(w)
+    g2 = w.download(2.0)
+    w.begin_step()
+    old = w.p.detach().clone()
+    new = w.optimizer()
+    w.bufs.stage(w.p)
+    assert w.roles(w0=w.w0, g1=g1, g2=g2) == {"WEIGHTS": ["w0"], "STAGED": ["g2"], "SPARE": ["g1"]}
+    _staged_version(w, new, old)
+
+
+def test_stage_of_copied_gradients_writes_the_staging_buffer_only() -> None:
+    """A float32 optimizer copy: the gradient is copied into its dtype (its own HELD tensor) and the buffer
+    becomes STAGED at the hand-over; the step writes the new version there and lets go of the copy."""
+    w = _Walk(optim_dtype=torch.float32)
+    old = w.p.detach().clone()
+    g1 = w.download(1.0)
+    w.begin_step()
+    assert w.roles(w0=w.w0, g1=g1) == {"WEIGHTS": ["w0"], "HELD": ["new"], "STAGED": ["g1"]}
+    new = w.optimizer()
+    w.bufs.stage(w.p)
+    assert w.roles(w0=w.w0, g1=g1) == {"WEIGHTS": ["w0"], "STAGED": ["g1"]}
+    _staged_version(w, new, old)
