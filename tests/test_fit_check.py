@@ -3,11 +3,11 @@
 A backward stage's input waits on the host from the forward to the backward: the planner counts it
 against the host budget (``ActivationCosts.host_limit``, from ``RPP_HOST_MEMORY``). The fused stage of a
 ``forward_backward`` call is the exception: its forward and backward run in one job, so its input is
-handed over and consumed at once (``jobs.run_forward`` saves no copy of it), and counting it would plan
-fewer, larger stages, or refuse a call that fits. A ``train`` call's last stage keeps its input like any
-other. Each test puts the host limit between the checkpoint bytes with and without the fused stage's input,
-through both ways the planner decides: the time-balanced plan's fit check, and the search over plans under
-host pressure.
+handed over and consumed at once (``jobs.run_forward`` saves no copy of it for the backward), and
+counting it would give up the time-balanced plan for another, or refuse a call that fits. A ``train``
+call's last stage keeps its input like any other. Each test puts the host limit between the checkpoint
+bytes with and without the fused stage's input, through both ways the planner decides: the time-balanced
+plan's fit check, and the search over plans under host pressure.
 
 Four layers: 0 (the embedding), 1 and 2 (decoder layers), 3 (the head). A stage input at layer 1 or 2
 takes 1 GiB on the host, at the head 10 GiB.
