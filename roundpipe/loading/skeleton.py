@@ -100,25 +100,29 @@ def _build(config: Any, dtype: torch.dtype, lora: Optional[Any]) -> Skeleton:
                     f"LoRA: {str(exc).splitlines()[0]}; set target_modules to names of this model"
                 ) from None
         hf = model.get_base_model()
+    return Skeleton(model, hf, parts_of(hf))
+
+
+def parts_of(hf: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """(name prefix, module) of ``hf`` in module order: ``model``'s children with each decoder layer apart, then
+    the head; every parameter of ``hf`` in exactly one part."""
     inner = getattr(hf, "model", None)
     layers = getattr(inner, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise LoadError(f"{type(hf).__name__} has no model.layers list; load it with transformers and wrap it")
     parts: List[Tuple[str, nn.Module]] = []
-    seen = {id(layers)}
     for name, child in inner.named_children():  # embed_tokens, layers, norm, rotary_emb: the model's order
         if child is layers:
             parts.extend((f"model.layers.{i}.", layer) for i, layer in enumerate(layers))
         else:
             parts.append((f"model.{name}.", child))
-        seen.add(id(child))
     for name, child in hf.named_children():  # lm_head
         if child is not inner:
             parts.append((f"{name}.", child))
     own = [n for n, _ in inner.named_parameters(recurse=False)] + [n for n, _ in hf.named_parameters(recurse=False)]
     if own:
         raise LoadError(f"{type(hf).__name__} holds parameters outside its modules ({own[0]}); wrap it instead")
-    return Skeleton(model, hf, parts)
+    return parts
 
 
 def tied_names(hf: nn.Module) -> Dict[str, List[str]]:
@@ -147,4 +151,13 @@ def materialize_buffers(hf: nn.Module, module: nn.Module, prefix: str) -> None:
             raise LoadError(f"{prefix}{sub_name}: buffers {left} have no init; wrap the loaded model instead")
 
 
-__all__ = ["LORA_INITS", "Skeleton", "build_skeleton", "check_lora", "check_supported", "materialize_buffers"]
+__all__ = [
+    "LORA_INITS",
+    "Skeleton",
+    "build_skeleton",
+    "check_lora",
+    "check_supported",
+    "materialize_buffers",
+    "parts_of",
+    "tied_names",
+]

@@ -53,8 +53,8 @@ class ModelShape:
     tied: bool = False
     """Whether the output head shares the embedding's weights (``tie_word_embeddings``)."""
 
-    BUILTIN = flavors.QWEN3
-    """The shapes known by name: the Qwen3 flavors (``roundpipe.flavors``)."""
+    BUILTIN = flavors.BUILTIN
+    """The shapes known by name: the flavors of ``roundpipe.flavors`` (Qwen3, Llama-3.1)."""
 
     @classmethod
     def builtin(cls, name: str) -> "ModelShape":
