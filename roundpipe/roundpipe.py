@@ -14,6 +14,7 @@ from roundpipe.devices.memory import PinMode, pin_module
 from roundpipe.devices.threads import raise_if_failed
 from roundpipe.host import step_cycle
 from roundpipe.host.attribute import LayerAttribute, ParamAttribute
+from roundpipe.host.formats import check_base_format, quantize_base
 from roundpipe.planning import budget
 from roundpipe.planning.plan import ModelExecutePlan, PlanCache, RunType
 from roundpipe.planning.timer import ModelTimer
@@ -84,9 +85,11 @@ class RoundPipe(RoundPipeBase):
         name: Optional[str] = None,
         model_run_config: RoundPipeRunConfig = RoundPipeRunConfig(),
         pin_model: PinMode = "alloc",
+        base_format: str = "bf16",
     ) -> None:
         check_wrapper_arguments(type(self).__name__, model, optim_dtype)
         check_model_run_config(model_run_config)
+        check_base_format(base_format)
         super().__init__(model, name if name is not None else get_call_location(1), optim_dtype)
         on_device = [
             n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type != "cpu"
@@ -108,6 +111,9 @@ class RoundPipe(RoundPipeBase):
         self.layer_attrs = [LayerAttribute(i, f"{self.name}.layer{i}") for i in range(self.num_layers)]
         # Host buffers of the fused group's gradient parts on other devices (``partial_grads``).
         self.partial_grad_store: PartialGradStore = {}
+        # Frozen Linear weights packed before pinning (the packed bytes are what is pinned) and before the
+        # layer sizes are read (they count the packed bytes).
+        quantize_base(model, base_format)
         pin_module(model, pin_model)
         shared: Dict[int, nn.Parameter] = {}
         for i, layer in enumerate(layers):

@@ -1,0 +1,201 @@
+"""Frozen-weight formats: NF4 equal to torchao's, fp8/int8 within their rounding, the FrozenWeight's module
+plumbing, and LoRA gradients through RoundPipe over a packed base equal to PEFT's over the dequantized one."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
+
+import pytest
+import torch
+from helpers import with_lora
+from test_models import make_batch
+from torch import nn
+
+import roundpipe
+from roundpipe import models
+from roundpipe.host.formats import (
+    BASE_FORMATS,
+    FrozenWeight,
+    check_base_format,
+    frozen_weights,
+    host_nbytes,
+    quantize_frozen,
+)
+from roundpipe.models.configs import tiny_config
+from roundpipe.runtime.run_config import RoundPipeRunConfig
+
+PACKED = ["fp8", "int8", "nf4"]
+
+
+def _weight(shape=(128, 512), dtype=torch.bfloat16, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 0.05).to(dtype)
+
+
+def test_check_base_format() -> None:
+    assert [check_base_format(f) for f in BASE_FORMATS] == list(BASE_FORMATS)
+    with pytest.raises(ValueError, match="base_format='nf5'.*bf16, fp8, int8, nf4"):
+        check_base_format("nf5")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(128, 512), (256, 64 * 256)])
+def test_nf4_equals_torchao(shape, dtype) -> None:
+    nf4_tensor = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    w = _weight(shape, dtype)
+    ref = nf4_tensor.to_nf4(w, 64, 256)
+    fw = FrozenWeight.quantize(w, "nf4")
+    assert torch.equal(fw.packed["codes"], ref.quantized_data)
+    assert torch.equal(fw.packed["scales"], ref.quantized_scalers)
+    assert torch.equal(fw.packed["factors"], ref.quantization_factor)
+    assert torch.equal(fw.packed["mean"], ref.scaler_mean)
+    assert torch.equal(fw.packed["table"], ref.nf4)
+    assert torch.equal(fw.dequantize(), ref.get_original_weight())
+
+
+def test_nf4_unaligned_shape() -> None:
+    """Element counts off the 64 / 256 grid pad (zeros, after the scale mean): the same as torchao's on
+    the grid-aligned part, and within NF4 rounding everywhere."""
+    w = _weight((33, 40), torch.float32)
+    fw = FrozenWeight.quantize(w, "nf4")
+    out = fw.dequantize()
+    assert out.shape == w.shape and out.dtype == w.dtype
+    err = (out - w).abs().max()
+    assert err <= 0.2 * w.abs().max()  # the widest NF4 gap is 0.28 of a block's absmax
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_channel_formats_round_trip(fmt, dtype) -> None:
+    w = _weight(dtype=dtype)
+    w[3] = 0  # a zero row keeps scale 1
+    fw = FrozenWeight.quantize(w, fmt)
+    out = fw.dequantize()
+    assert out.dtype == dtype and out.shape == w.shape
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+    amax = w.double().abs().amax(dim=1, keepdim=True)
+    err = (out.double() - w.double()).abs()
+    if fmt == "int8":  # round to nearest: half a step of amax / 127 (plus the output dtype's rounding)
+        bound = amax / 127 / 2 + w.double().abs() * _eps(dtype)
+    else:  # e4m3 keeps 3 mantissa bits: relative error 2^-4, subnormals below 2^-6 of the scale step
+        bound = w.double().abs() * 2.0**-4 + amax / 448 * 2.0**-9 + w.double().abs() * _eps(dtype)
+    assert (err <= bound * 1.0001).all()
+    assert fw.packed["scale"].dtype == torch.float32
+    assert fw.packed["data"].dtype == (torch.int8 if fmt == "int8" else torch.float8_e4m3fn)
+
+
+def _eps(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).eps)
+
+
+@pytest.mark.parametrize("fmt", PACKED)
+def test_frozen_weight_as_parameter(fmt) -> None:
+    lin = nn.Linear(512, 128, bias=False, dtype=torch.bfloat16).requires_grad_(False)
+    w = lin.weight.detach().clone()
+    saved = quantize_frozen(lin, fmt)
+    p = lin.weight
+    assert isinstance(p, nn.Parameter) and isinstance(p, FrozenWeight) and not p.requires_grad
+    assert p.shape == (128, 512) and p.dtype == torch.bfloat16 and p.device.type == "cpu"
+    assert dict(lin.named_parameters()).keys() == {"weight"}
+    assert isinstance(p.data, FrozenWeight) and p.data.packed is p.packed  # .data, detach: aliases
+    assert p.detach().packed is p.packed
+    assert saved == w.numel() * 2 - host_nbytes(p) and host_nbytes(p) == p.host_nbytes()
+    assert host_nbytes(w) == w.numel() * 2
+    assert host_nbytes(p) < w.numel() * (2 if fmt != "nf4" else 0.6)
+    clone = copy.deepcopy(lin).weight
+    assert clone.packed is not p.packed and torch.equal(clone.dequantize(), p.dequantize())
+    with pytest.raises(NotImplementedError, match=r"\.dequantize\(\)"):
+        lin(torch.randn(2, 512, dtype=torch.bfloat16))
+    with pytest.raises(NotImplementedError, match=r"\.dequantize\(\)"):
+        p.copy_(w)
+
+
+def test_quantize_frozen_skips() -> None:
+    model = with_lora(models_tiny(torch.float32), ["q_proj", "down_proj"], seed=1)
+    before = {n: p for n, p in model.named_parameters()}
+    quantize_frozen(model, "int8")
+    packed = frozen_weights(model)
+    assert packed and all(n.endswith(".weight") and "lora_" not in n for n in packed)
+    assert any("q_proj.base_layer" in n for n in packed)  # PEFT's base layer
+    assert not any("embed" in n or "norm" in n or "lm_head" in n for n in packed)
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            assert p is before[n]  # adapters untouched
+    assert quantize_frozen(model, "bf16") == 0
+
+
+def test_no_frozen_linear_is_an_error() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))  # trainable: nothing to pack
+    with pytest.raises(ValueError, match="base_format='nf4'.*requires_grad=False"):
+        roundpipe.RoundPipe(model, base_format="nf4")
+    with pytest.raises(ValueError, match="base_format"):
+        roundpipe.wrap_model_to_roundpipe(model, base_format="q4")
+
+
+@pytest.mark.parametrize("fmt", PACKED)
+def test_random_is_packed_directly(fmt) -> None:
+    g = torch.Generator().manual_seed(0)
+    fw = FrozenWeight.random((256, 1024), fmt, generator=g)
+    w = fw.dequantize()
+    assert w.shape == (256, 1024) and w.dtype == torch.bfloat16
+    assert abs(float(w.float().std()) - 0.02) < 0.002 and torch.isfinite(w.float()).all()
+    g2 = torch.Generator().manual_seed(0)
+    assert torch.equal(FrozenWeight.random((256, 1024), fmt, generator=g2).dequantize(), w)
+
+
+def models_tiny(dtype: torch.dtype, seed: int = 0) -> nn.Module:
+    import transformers
+
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(tiny_config("qwen3")).to(dtype)
+
+
+def _dequantized_reference(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose FrozenWeights are plain tensors of their dequantized values."""
+    packed = frozen_weights(model)
+    weights = {n: p.dequantize() for n, p in packed.items()}
+    for n in packed:
+        mod_name, _, attr = n.rpartition(".")
+        model.get_submodule(mod_name)._parameters[attr] = None
+    ref = copy.deepcopy(model)
+    for n, w in weights.items():
+        mod_name, _, attr = n.rpartition(".")
+        ref.get_submodule(mod_name)._parameters[attr] = nn.Parameter(w, requires_grad=False)
+        model.get_submodule(mod_name)._parameters[attr] = packed[n]
+    return ref
+
+
+def _grads(model: nn.Module):
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize(
+    "workers,fmt,microbatches",
+    [("cpu:1", "nf4", 2), ("cpu:2", "int8", 3), ("cpu:3", "fp8", 1), ("cpu:2", "nf4", 3)],
+    indirect=["workers"],
+)
+def test_lora_grads_over_packed_base(workers, fmt, microbatches) -> None:
+    """float64 LoRA gradients through RoundPipe over a packed base equal PEFT's over the dequantized one."""
+    model = with_lora(models_tiny(torch.float64), ["q_proj", "v_proj", "down_proj", "gate_proj"], seed=1)
+    quantize_frozen(model, fmt)
+    ref = _dequantized_reference(model)
+    batch = make_batch(padding=True)
+    # Hugging Face's own loss casts the logits to float32; the reference takes its cross entropy in float64.
+    logits = ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    ref_loss = nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1), ignore_index=-100
+    )
+    ref_loss.backward()
+    ref_grads = _grads(ref)
+    rp = models.wrap_model(model, model_run_config=RoundPipeRunConfig(num_microbatch=microbatches), base_format=fmt)
+    loss = rp.train_step(**batch)
+    got = _grads(model)
+    assert got.keys() == ref_grads.keys() and all("lora_" in n for n in got)
+    assert loss.dtype == torch.float64 and abs(float(loss) - float(ref_loss)) < 1e-10
+    for n in ref_grads:
+        assert (got[n] - ref_grads[n]).abs().max() <= 1e-10 * ref_grads[n].abs().max(), n
