@@ -44,7 +44,7 @@ class PipelineModel:
                 optim_dtype=master_dtype,
                 name="train",
                 model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch, stage_inputs=stage_inputs),
-                **({"base_format": base_format} if base_format != "bf16" else {}),
+                base_format=base_format,
             )
         except NotImplementedError as exc:
             why = str(exc).splitlines()[0].split("; supported:")[0]  # the class and its model type: one short line
