@@ -2,8 +2,9 @@
 tensors on the host: read from a checkpoint or drawn at random, the frozen Linear weights stored in the base
 format, the LoRA adapters initialised as PEFT initialises them.
 
-Only the part being filled exists in the compute dtype: its frozen weights are quantized as they arrive,
-and the next part starts once they are. LoRA draws the same random numbers in the same order as
+Tensors are read one at a time, each file open only while one is read, and a frozen weight is in its format
+before the next is read: no more than one tensor of the checkpoint is ever in the compute dtype, besides the
+parts kept in it (embedding, norms, head). LoRA draws the same random numbers in the same order as
 ``peft.get_peft_model`` on a materialized model (each adapter's two ``nn.Linear`` constructors, then
 ``reset_lora_parameters``, in module order), so a seeded load gives PEFT's adapters bit for bit.
 """
@@ -100,7 +101,7 @@ class PartFiller:
                 if p is not None:
                     slots.append((prefix + (f"{sub_name}." if sub_name else "") + attr, sub, attr, p))
         base = [s for s in slots if not is_adapter(s[0])]
-        values = self._read(base) if self.files is not None else {}
+        keys = self._keys(base) if self.files is not None else {}
         randomized: List[nn.Module] = []
         for name, owner, attr, p in base:
             if name in self.loaded:  # the head tied to the embedding: the same tensor
@@ -108,7 +109,8 @@ class PartFiller:
                 continue
             quantize = self.quantizes(owner, attr, name, p)
             if self.files is not None:
-                t = values.pop(name)
+                # One tensor at a time: read, stored in its format, and only then the next one.
+                t = self._tensor(keys[name], p.shape)
                 value = frozen_value(t, self.base_format) if quantize else t
                 del t
             elif quantize:
@@ -128,8 +130,8 @@ class PartFiller:
         if left:
             raise LoadError(f"{prefix}{left[0]} was left unfilled by the loader; wrap the loaded model instead")
 
-    def _read(self, base: List[Tuple[str, nn.Module, str, nn.Parameter]]) -> Dict[str, torch.Tensor]:
-        """This part's base tensors from the checkpoint by skeleton name, shapes checked."""
+    def _keys(self, base: List[Tuple[str, nn.Module, str, nn.Parameter]]) -> Dict[str, str]:
+        """Skeleton name -> checkpoint key of this part's base tensors (all present, or an error naming the key)."""
         assert self.files is not None
         keys: Dict[str, str] = {}
         for name, _, _, _ in base:
@@ -137,28 +139,27 @@ class PartFiller:
                 continue
             key = checkpoint_name(name)
             if key not in self.files.where:  # a tied tensor is stored under one of its names
-                key = next(
-                    (checkpoint_name(o) for o in self.tied.get(name, []) if checkpoint_name(o) in self.files.where), key
-                )
+                others = [checkpoint_name(o) for o in self.tied.get(name, [])]
+                key = next((o for o in others if o in self.files.where), key)
             if key not in self.files.where:
                 raise LoadError(
                     f"the checkpoint in {self.files.path} has no tensor {key!r}, which {type(self.hf).__name__} needs; "
                     "pass the directory of a checkpoint of this model (its config.json and weights together)"
                 )
-            keys[key] = name
-        read = self.files.read(keys, self.dtype)
-        out: Dict[str, torch.Tensor] = {}
-        shapes = {name: p.shape for name, _, _, p in base}
-        for key, t in read.items():
-            name = keys[key]
-            if t.shape != shapes[name]:
-                raise LoadError(
-                    f"{key} in {self.files.file_of(key)} has shape {tuple(t.shape)}, but the model's config gives "
-                    f"{tuple(shapes[name])}; the config.json does not belong to these weights"
-                )
-            out[name] = t
-        self.used.update(keys)
-        return out
+            keys[name] = key
+        return keys
+
+    def _tensor(self, key: str, shape: torch.Size) -> torch.Tensor:
+        """Checkpoint tensor ``key`` in the compute dtype, its shape checked against the skeleton's."""
+        assert self.files is not None
+        t = self.files.read([key], self.dtype)[key]
+        if t.shape != shape:
+            raise LoadError(
+                f"{key} in {self.files.file_of(key)} has shape {tuple(t.shape)}, but the model's config gives "
+                f"{tuple(shape)}; the config.json does not belong to these weights"
+            )
+        self.used.add(key)
+        return t
 
     def _init_adapters(self, part: nn.Module) -> None:
         """PEFT's LoRA init of every adapter in ``part``, in module order (see the module docstring)."""
