@@ -53,6 +53,26 @@ def _fill(
     return skeleton.model
 
 
+#: What a hub download fetches: the config and the safetensors weights (the tokenizer is the caller's).
+HUB_FILES = ["*.json", "*.safetensors"]
+
+
+def local_dir(path: str) -> str:
+    """``path`` itself when it is a directory; a hub id (``org/name``) not present locally is downloaded into
+    the Hugging Face cache (config and safetensors only) and its snapshot directory returned."""
+    if os.path.isdir(path) or path.count("/") != 1 or path.startswith((".", "/", "~")):
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(path, allow_patterns=HUB_FILES)
+    except Exception as exc:  # offline, unknown id, gated model: one line, what to do
+        raise LoadError(
+            f"{path} is no local directory and its download failed ({type(exc).__name__}); download it with "
+            f"'hf download {path} --local-dir DIR' and pass DIR"
+        ) from None
+
+
 def load_pretrained(
     path: Union[str, os.PathLike],
     base_format: str = "bf16",
@@ -63,8 +83,8 @@ def load_pretrained(
     """The Hugging Face model of checkpoint directory ``path`` (inside PEFT with ``lora``), its weights on the
     host, frozen Linear weights in ``base_format``; not wrapped. ``config``: the model config to use instead of
     the directory's ``config.json`` (a run that changed its rotary scaling)."""
-    path = os.fspath(path)
     check_request(base_format, lora, dtype)
+    path = local_dir(os.fspath(path))
     files = CheckpointFiles(path)
     if config is None:
         from transformers import AutoConfig
@@ -98,7 +118,8 @@ def from_pretrained(
 
     Args:
         path: A Hugging Face model directory: ``config.json`` and safetensors weights, one
-            ``model.safetensors`` or shards with ``model.safetensors.index.json``.
+            ``model.safetensors`` or shards with ``model.safetensors.index.json``; a hub id (``org/name``)
+            that is no local directory is downloaded first (config and safetensors).
         base_format: How the frozen Linear weights are kept in host memory: ``"bf16"``, ``"fp8"``, ``"int8"``
             or ``"nf4"``; anything but bf16 needs ``lora``.
         lora: A ``peft.LoraConfig``: adapters initialised as ``get_peft_model`` does (seed with
@@ -109,6 +130,7 @@ def from_pretrained(
     import roundpipe
 
     model = load_pretrained(path, base_format, lora, dtype)
+    wrap_kwargs.setdefault("name", os.path.basename(os.path.normpath(os.fspath(path))))
     return roundpipe.wrap_model_to_roundpipe(model, use_sequential_preset=True, base_format=base_format, **wrap_kwargs)
 
 
@@ -124,7 +146,16 @@ def from_config(
     import roundpipe
 
     model = build_random(config, base_format, lora, dtype)
+    wrap_kwargs.setdefault("name", getattr(config, "model_type", "model"))
     return roundpipe.wrap_model_to_roundpipe(model, use_sequential_preset=True, base_format=base_format, **wrap_kwargs)
 
 
-__all__ = ["build_random", "check_request", "from_config", "from_pretrained", "load_pretrained"]
+__all__ = [
+    "HUB_FILES",
+    "build_random",
+    "check_request",
+    "from_config",
+    "from_pretrained",
+    "load_pretrained",
+    "local_dir",
+]
