@@ -87,3 +87,19 @@ def test_an_nf4_base_run_resumes_exactly_and_exports_merged(tmp_path) -> None:
     export(full.checkpoint, adapter, merge_lora=False)
     saved = load_tensors(os.path.join(adapter, "adapter_model.safetensors"))
     assert len(saved) == len(weights) and all("lora_" in k for k in saved)
+
+
+def test_a_builtin_over_an_int8_base_exports_what_it_computes(tmp_path) -> None:
+    """A built-in's random base is drawn from the run's seed, so export rebuilds the same one: the merged
+    export computes the trained model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = merge({}, dict(model="tiny", lora_r=4, base_format="int8", steps=2, batch_size=4, devices="cpu:1"))
+    cfg = merge({}, {**cfg.to_dict(), "output_dir": str(tmp_path / "run"), "log_every": 1000, "eval_examples": 0})
+    result = run(cfg, out=lambda m: None)
+    export(result.checkpoint, str(tmp_path / "merged"))
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), local_files_only=True).eval()
+    ids = torch.tensor([list(b"abcdef>")] * 2)
+    with torch.no_grad():
+        want, got = result.model.logits(ids), hf(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
