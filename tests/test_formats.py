@@ -199,3 +199,115 @@ def test_lora_grads_over_packed_base(workers, fmt, microbatches) -> None:
     assert loss.dtype == torch.float64 and abs(float(loss) - float(ref_loss)) < 1e-10
     for n in ref_grads:
         assert (got[n] - ref_grads[n]).abs().max() <= 1e-10 * ref_grads[n].abs().max(), n
+
+
+def _frozen_mlp(seed: int, dtype: torch.dtype = torch.float64) -> nn.Sequential:
+    """Blocks of a frozen 64 x 64 Linear (the base), tanh, and a trainable one: ``RoundPipe``'s own layers."""
+    torch.manual_seed(seed)
+    blocks = []
+    for _ in range(3):
+        base = nn.Linear(64, 64, bias=False).requires_grad_(False)
+        blocks.append(nn.Sequential(base, nn.Tanh(), nn.Linear(64, 64)))
+    return nn.Sequential(*blocks).to(dtype)
+
+
+@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
+def test_roundpipe_sequential_over_packed_base(workers) -> None:
+    model = _frozen_mlp(0)
+    quantize_frozen(model, "nf4")
+    ref = _dequantized_reference(model)
+    x, y = torch.randn(6, 64, dtype=torch.float64), torch.randn(6, 64, dtype=torch.float64)
+    nn.functional.mse_loss(ref(x), y).backward()
+    ref_grads = _grads(ref)
+    rp = roundpipe.RoundPipe(model, base_format="nf4", model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    assert rp.layer_size[0] * 2**30 == sum(host_nbytes(p) for p in model[0].parameters())
+    rp.forward_backward(input_args=(x,), label=y, loss_fn=lambda out, lab: nn.functional.mse_loss(out, lab) * 0.5)
+    got = _grads(model)
+    assert got.keys() == ref_grads.keys() and len(got) == 6
+    for n in ref_grads:  # mean over two microbatches of 3 rows, each halved: the full batch's mean
+        assert (got[n] - ref_grads[n]).abs().max() <= 1e-10 * ref_grads[n].abs().max(), n
+
+
+@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_save_load_packed_base(workers, fmt, tmp_path) -> None:
+    """``roundpipe.save`` keeps the packed base as it is held; ``load`` restores it (and the run) exactly,
+    into a model whose base was packed from other weights; another format is refused."""
+
+    def build(seed: int, base_format: str = fmt):
+        model = roundpipe.RoundPipe(_frozen_mlp(seed, torch.float32), optim_dtype=torch.float32,
+                                    base_format=base_format, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+        return model, roundpipe.optim.Adam(model.optim_parameters(), lr=1e-2)
+
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 64, generator=g), torch.randn(4, 64, generator=g)) for _ in range(4)]
+
+    def train(model, opt, part):
+        out = []
+        for x, y in part:
+            out.append(model.forward_backward(input_args=(x,), label=y, loss_fn=nn.functional.mse_loss))
+            model.step(lambda: (opt.step(), opt.zero_grad()))
+        model.synchronize()
+        return torch.stack(out)
+
+    model, opt = build(0)
+    train(model, opt, data[:2])
+    roundpipe.save(model, opt, str(tmp_path / "ck"))
+    after = train(model, opt, data[2:])
+    model2, opt2 = build(5)
+    roundpipe.load(model2, opt2, str(tmp_path / "ck"))
+    for (n, p), (_, q) in zip(frozen_weights(model.model).items(), frozen_weights(model2.model).items()):
+        assert all(torch.equal(p.packed[k], q.packed[k]) for k in p.packed), n
+    assert torch.equal(train(model2, opt2, data[2:]), after)
+    other, other_opt = build(0, "fp8" if fmt == "int8" else "int8")
+    with pytest.raises(roundpipe.checkpoint.CheckpointError, match="base_format"):
+        roundpipe.load(other, other_opt, str(tmp_path / "ck"))
+
+
+@pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
+@pytest.mark.parametrize("fmt", ["fp8", "nf4"])
+def test_graphed_jobs_dequantize_into_slots(workers, fmt) -> None:
+    """Graphed jobs (the CPU stand-in, ``RPP_DEBUG_GRAPHS``) dequantize the packed base into the layers'
+    slots: several training steps equal plain PyTorch over the dequantized weights, and the jobs replay."""
+    from roundpipe import ModelExecutePlan, settings
+    from roundpipe.devices import device as device_mod
+
+    model = _frozen_mlp(2)
+    quantize_frozen(model, fmt)
+    ref = _dequantized_reference(model)
+    plan = ModelExecutePlan([range(0, 2), range(2, 3)], [range(0, 1), range(1, 3)])
+    with settings.overridden(debug_graphs="1"):
+        rp = roundpipe.RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
+        opt = torch.optim.SGD(rp.optim_parameters(), lr=0.05)
+        opt_ref = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.05)
+        for seed in range(5):
+            torch.manual_seed(seed)
+            x, y = torch.randn(6, 64, dtype=torch.float64), torch.randn(6, 64, dtype=torch.float64)
+            loss = rp.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, t: ((o - t) ** 2).sum())
+            rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+            ref_loss = sum(((ref(a) - b) ** 2).sum() for a, b in zip(x.tensor_split(2), y.tensor_split(2)))
+            ref_loss.backward()
+            opt_ref.step()
+            opt_ref.zero_grad()
+            assert abs(loss.item() - ref_loss.item()) <= 1e-10 * abs(ref_loss.item())
+        rp.synchronize()
+    devs = device_mod.get_devices()
+    assert sum(d.graphs.replays for d in devs) > 0 and sum(len(d.graphs.refused) for d in devs) == 0
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        if p.requires_grad:
+            assert (p - q).abs().max() <= 1e-10 * q.abs().max(), n
+
+
+@pytest.mark.parametrize("fmt", PACKED)
+def test_dequantize_in_chunks(fmt, monkeypatch) -> None:
+    """A weight unpacked in several chunks (and into given storage, as a graph slot) equals one unpacked whole."""
+    from roundpipe.host.formats import codecs
+
+    fw = FrozenWeight.quantize(_weight((96, 640)), fmt)
+    whole = fw.dequantize()
+    monkeypatch.setattr(codecs, "DEQUANT_CHUNK", 64 * 7)
+    assert torch.equal(fw.dequantize(), whole)
+    slot = torch.empty(96, 640, dtype=torch.bfloat16)
+    assert fw.dequantize_into(fw.packed, slot) is slot and torch.equal(slot, whole)
+    wide = fw.dequantize(dtype=torch.float32)  # nf4 unpacks in the weight's dtype; fp8 / int8 in float32
+    assert wide.dtype == torch.float32 and torch.equal(wide.to(torch.bfloat16), whole)
