@@ -235,8 +235,12 @@ def test_save_load_packed_base(workers, fmt, tmp_path) -> None:
     into a model whose base was packed from other weights; another format is refused."""
 
     def build(seed: int, base_format: str = fmt):
-        model = roundpipe.RoundPipe(_frozen_mlp(seed, torch.float32), optim_dtype=torch.float32,
-                                    base_format=base_format, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+        model = roundpipe.RoundPipe(
+            _frozen_mlp(seed, torch.float32),
+            optim_dtype=torch.float32,
+            base_format=base_format,
+            model_run_config=RoundPipeRunConfig(num_microbatch=2),
+        )
         return model, roundpipe.optim.Adam(model.optim_parameters(), lr=1e-2)
 
     g = torch.Generator().manual_seed(1)

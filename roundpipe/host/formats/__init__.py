@@ -7,9 +7,11 @@ from roundpipe.host.formats.frozen import (
     BASE_FORMATS,
     FrozenWeight,
     check_base_format,
+    dequantize_transient_bytes,
     frozen_weights,
     get_format,
     host_nbytes,
+    module_device_bytes,
     quantize_base,
     quantize_frozen,
 )
@@ -19,9 +21,11 @@ __all__ = [
     "Format",
     "FrozenWeight",
     "check_base_format",
+    "dequantize_transient_bytes",
     "frozen_weights",
     "get_format",
     "host_nbytes",
+    "module_device_bytes",
     "quantize_base",
     "quantize_frozen",
 ]

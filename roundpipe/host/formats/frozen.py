@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from roundpipe.host.formats import codecs
 from roundpipe.host.formats.codecs import Format, Fp8Format, Int8Format, Packed
 from roundpipe.host.formats.nf4 import Nf4Format
 from roundpipe.utils import host_nbytes
@@ -224,3 +225,23 @@ def quantize_base(model: nn.Module, base_format: str) -> int:
             "base_format='bf16'"
         )
     return saved
+
+
+def dequantize_transient_bytes(t: torch.Tensor) -> int:
+    """Device bytes an upload of ``t`` holds besides its plain weight while it is unpacked: a FrozenWeight's
+    packed bytes and one chunk's intermediates (``codecs.DEQUANT_CHUNK`` elements: a float32 copy or an
+    int32 index, and the values); 0 for a plain tensor."""
+    if not isinstance(t, FrozenWeight):
+        return 0
+    return t.host_nbytes() + min(t.numel(), codecs.DEQUANT_CHUNK) * (4 + t.element_size())
+
+
+def module_device_bytes(module: nn.Module) -> int:
+    """Bytes ``module``'s parameters and buffers take on a device while it runs: the logical sizes (a
+    FrozenWeight arrives as a plain tensor of its dtype) plus the largest unpacking transient (the
+    transfer layer unpacks one weight at a time)."""
+    seen: Dict[int, torch.Tensor] = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        seen[id(t)] = t
+    logical = sum(t.numel() * t.element_size() for t in seen.values())
+    return logical + max((dequantize_transient_bytes(t) for t in seen.values()), default=0)
