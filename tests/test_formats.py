@@ -315,3 +315,70 @@ def test_dequantize_in_chunks(fmt, monkeypatch) -> None:
     assert fw.dequantize_into(fw.packed, slot) is slot and torch.equal(slot, whole)
     wide = fw.dequantize(dtype=torch.float32)  # nf4 unpacks in the weight's dtype; fp8 / int8 in float32
     assert wide.dtype == torch.float32 and torch.equal(wide.to(torch.bfloat16), whole)
+
+
+# ---- the estimate's terms ----------------------------------------------------------------------------------
+def test_frozen_terms_equal_the_packings() -> None:
+    """``planning.frozen_terms`` repeats the packings without torch: its byte counts are ``host_nbytes`` of
+    real packed weights (aligned and unaligned shapes), its format names and chunk the host layer's."""
+    from roundpipe.host.formats import codecs
+    from roundpipe.planning import frozen_terms
+
+    assert frozen_terms.BASE_FORMATS == BASE_FORMATS and frozen_terms.DEQUANT_CHUNK == codecs.DEQUANT_CHUNK
+    for rows, cols in [(128, 512), (33, 40), (96, 64 * 300)]:
+        for fmt in BASE_FORMATS:
+            w = _weight((rows, cols))
+            got = host_nbytes(w) if fmt == "bf16" else host_nbytes(FrozenWeight.quantize(w, fmt))
+            assert frozen_terms.packed_weight_bytes(rows, cols, fmt) == got, (rows, cols, fmt)
+    fw = FrozenWeight.random((4096, 1024), "nf4")
+    from roundpipe.host.formats import dequantize_transient_bytes
+
+    expect = frozen_terms.packed_weight_bytes(4096, 1024, "nf4") + 4096 * 1024 * 6
+    assert dequantize_transient_bytes(fw) == expect and dequantize_transient_bytes(torch.zeros(3)) == 0
+
+
+def test_estimate_of_a_packed_base() -> None:
+    """A 70B Llama shape (Llama-3.1-70B's dimensions), LoRA r16: the NF4 base cuts the host weights by the
+    projections' savings, uploads the packed bytes, and adds one weight's unpacking transient on the GPU."""
+    from roundpipe.planning import frozen_terms
+    from roundpipe.planning.estimate import ModelShape, estimate
+
+    shape = ModelShape(8192, 28672, 80, 64, 8, 128, 128256)
+    kw = dict(seq_len=4096, batch_size=8, lora_rank=16, microbatches=8, gpu_bytes=24 * 2**30)
+    plain, nf4 = estimate(shape, **kw), estimate(shape, base_format="nf4", **kw)
+    base = frozen_terms.frozen_base(shape, "nf4")
+    assert plain.host_parts["weights"] - nf4.host_parts["weights"] == 80 * base.saved_per_layer
+    assert base.layer_bf16_bytes / base.layer_host_bytes > 3.8  # 4 bits + scales: 3.88x smaller
+    assert nf4.peak_host_bytes < 100 * 2**30 < plain.peak_host_bytes
+    assert nf4.gpu_parts["unpacking"] == base.gpu_transient_bytes > 0
+    assert nf4.upload_bytes_per_layer == plain.upload_bytes_per_layer - base.saved_per_layer
+    assert 10 < nf4.dequantize_ms_per_layer < 20 and plain.dequantize_ms_per_layer == 0
+    assert "frozen base in nf4" in nf4.describe() and "frozen base" not in plain.describe()
+    with pytest.raises(ValueError, match="lora_rank"):
+        estimate(shape, 4096, base_format="nf4")
+    with pytest.raises(ValueError, match="base_format='q3'"):
+        estimate(shape, 4096, lora_rank=16, base_format="q3")
+
+
+def test_plan_cli_base_format(tmp_path, capsys) -> None:
+    import json
+
+    from roundpipe.cli import plan
+
+    d = tmp_path / "llama70"
+    d.mkdir()
+    config = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)
+    config.update(num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, model_type="llama")
+    (d / "config.json").write_text(json.dumps(config))
+    argv = ["--model", str(d), "--seq-len", "4096", "--batch-size", "8", "--microbatches", "8", "--lora-r", "16"]
+    argv += ["--gpu-memory", "24GiB", "--host-memory", "100GiB"]
+    assert plan.main(argv + ["--json"]) == 1  # bf16: the host is short
+    assert json.loads(capsys.readouterr().out)["short"]["host"] > 0
+    assert plan.main(argv + ["--base-format", "nf4", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["base_format"] == "nf4" and result["peak_host_bytes"] < 100 * 2**30
+    assert result["peak_gpu_bytes"] <= 24 * 2**30 and result["dequantize_ms_per_layer"] > 0
+    assert plan.main(argv + ["--base-format", "nf4"]) == 0
+    assert "frozen base in nf4" in capsys.readouterr().out
+    assert plan.main(argv[:-6] + argv[-4:] + ["--base-format", "int8"]) == 2  # no --lora-r
+    assert "--base-format int8 packs the frozen base of a LoRA run" in capsys.readouterr().err
