@@ -382,3 +382,39 @@ def test_plan_cli_base_format(tmp_path, capsys) -> None:
     assert "frozen base in nf4" in capsys.readouterr().out
     assert plan.main(argv[:-6] + argv[-4:] + ["--base-format", "int8"]) == 2  # no --lora-r
     assert "--base-format int8 packs the frozen base of a LoRA run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
+def test_wrap_by_size_over_packed_base(workers) -> None:
+    """``wrap_model_to_roundpipe(base_format=...)`` without a preset: packed once before the split (whose
+    sizes count the packed bytes), and the gradients still PEFT's over the dequantized base."""
+    model = with_lora(models_tiny(torch.float64), ["q_proj", "up_proj"], seed=1)
+    ref = copy.deepcopy(model)
+    modules = dict(model.named_modules())  # the wrapper keeps these objects (under other names)
+    layer_bytes = sum(p.numel() * 8 for p in model.base_model.model.model.layers[0].parameters())
+    rp = roundpipe.wrap_model_to_roundpipe(
+        model,
+        use_sequential_preset=False,
+        lower_threshold=layer_bytes // 4,
+        upper_threshold=layer_bytes // 2,
+        model_run_config=RoundPipeRunConfig(num_microbatch=2),
+        base_format="int8",
+    )
+    packed = {n: m.weight for n, m in modules.items() if isinstance(getattr(m, "weight", None), FrozenWeight)}
+    assert packed and isinstance(rp, roundpipe.AutoRoundPipe)
+    # Packed, a decoder layer's host bytes fall under the threshold its float64 bytes exceed: one RoundPipe each.
+    subs = [m for m in rp.model.modules() if isinstance(m, roundpipe.RoundPipe)]
+    assert sum(type(m.model).__name__ == "Qwen3DecoderLayer" for m in subs) == 3
+    for n, p in packed.items():
+        ref.get_submodule(n).weight.data = p.dequantize()
+    batch = make_batch(padding=True)
+    kw = {k: v for k, v in batch.items() if k != "labels"}
+    logits = ref(**kw).logits
+    logits.square().mean().backward()
+    ref_grads = _grads(ref)
+    rp(**kw).logits.square().mean().backward()
+    assert ref_grads and all("lora_" in n for n in ref_grads)
+    for n, g in ref_grads.items():
+        mod, _, attr = n.rpartition(".")
+        got = getattr(modules[mod], attr).grad
+        assert (got - g).abs().max() <= 1e-10 * g.abs().max(), n
