@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+from typing import Any
 
 os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
@@ -418,3 +419,58 @@ def test_wrap_by_size_over_packed_base(workers) -> None:
         mod, _, attr = n.rpartition(".")
         got = getattr(modules[mod], attr).grad
         assert (got - g).abs().max() <= 1e-10 * g.abs().max(), n
+
+
+def _bnb_4bit_model(path: Any, double_quant: bool) -> nn.Module:
+    """The tiny Qwen3 (float32) loaded from ``path`` by Hugging Face with ``BitsAndBytesConfig(load_in_4bit=True,
+    bnb_4bit_quant_type="nf4")`` (its decoder projections become bitsandbytes ``Linear4bit``), with PEFT LoRA
+    adapters over them (PEFT's bitsandbytes LoRA layers)."""
+    import transformers
+
+    models_tiny(torch.float32).save_pretrained(path)
+    config = transformers.BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_use_double_quant=double_quant,
+    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=config, device_map="cpu", dtype=torch.float32
+    )
+    return with_lora(model.train(), ["q_proj", "o_proj", "up_proj"], seed=1)
+
+
+@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_bitsandbytes_4bit_base_trains(workers, double_quant, tmp_path, monkeypatch) -> None:
+    """A PEFT model over a bitsandbytes 4-bit base wraps with its packing kept (the Params4bit bytes and
+    quantization state as they are) and its LoRA gradients equal PEFT's over bitsandbytes' own layers."""
+    pytest.importorskip("bitsandbytes")
+    model = _bnb_4bit_model(tmp_path, double_quant)
+    import bitsandbytes
+
+    data = {n: m.weight.data.clone() for n, m in model.named_modules() if type(m) is bitsandbytes.nn.Linear4bit}
+    assert len(data) == 3 * 7
+    batch = make_batch(padding=True)
+    out = model(**{k: v for k, v in batch.items() if v is not None})
+    out.loss.backward()
+    ref_loss, ref_grads = out.loss.detach(), _grads(model)
+    rp = models.wrap_model(model, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    packed = frozen_weights(model)
+    assert len(packed) == 21 and all(p.format.name == "bnb-nf4" for p in packed.values())
+    for n, d in data.items():  # the packed bytes kept as they are
+        assert torch.equal(model.get_submodule(n).weight.packed["data"], d)
+        assert ("absmax2" in model.get_submodule(n).weight.packed) == double_quant
+    loss = rp.train_step(**batch)
+    got = _grads(model)
+    assert got.keys() == ref_grads.keys() and all("lora_" in n for n in got)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    for n in ref_grads:
+        assert float((got[n] - ref_grads[n]).norm() / ref_grads[n].norm()) < 1e-5, n
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("no kernel for this device")
+
+    monkeypatch.setattr(bitsandbytes.functional, "dequantize_4bit", broken)
+    with pytest.raises(RuntimeError, match=r"^bitsandbytes cannot unpack .* pass base_format='nf4' instead$"):
+        next(iter(packed.values())).dequantize()

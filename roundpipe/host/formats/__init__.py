@@ -2,6 +2,7 @@
 uploaded as they are and dequantized on the device (see ``frozen.py`` for the tensor, ``codecs.py`` and
 ``nf4.py`` for the packings)."""
 
+from roundpipe.host.formats.bnb import adopt_bnb_4bit
 from roundpipe.host.formats.codecs import Format
 from roundpipe.host.formats.frozen import (
     BASE_FORMATS,
@@ -18,6 +19,7 @@ from roundpipe.host.formats.frozen import (
 
 __all__ = [
     "BASE_FORMATS",
+    "adopt_bnb_4bit",
     "Format",
     "FrozenWeight",
     "check_base_format",

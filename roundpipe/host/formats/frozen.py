@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from roundpipe.host.formats import codecs
+from roundpipe.host.formats.bnb import adopt_bnb_4bit
 from roundpipe.host.formats.codecs import Format, Fp8Format, Int8Format, Packed
 from roundpipe.host.formats.nf4 import Nf4Format
 from roundpipe.utils import host_nbytes
@@ -105,7 +106,7 @@ class FrozenWeight(torch.Tensor):
         return f"FrozenWeight(shape={tuple(self.shape)}, dtype={self.dtype}, format={self.format.name!r})"
 
     def __tensor_flatten__(self) -> Tuple[list, Dict[str, Any]]:
-        return sorted(self.packed), {"format": self.format.name, "shape": tuple(self.shape), "dtype": self.dtype}
+        return sorted(self.packed), {"format": self.format, "shape": tuple(self.shape), "dtype": self.dtype}
 
     def __getattr__(self, name: str) -> Any:
         # ``__tensor_flatten__``'s inner tensor names resolve to the packed tensors.
@@ -116,7 +117,7 @@ class FrozenWeight(torch.Tensor):
 
     @staticmethod
     def __tensor_unflatten__(inner: Dict[str, torch.Tensor], meta: Dict[str, Any], size: Any, stride: Any) -> Any:
-        return FrozenWeight(dict(inner), get_format(meta["format"]), meta["shape"], meta["dtype"])
+        return FrozenWeight(dict(inner), meta["format"], meta["shape"], meta["dtype"])
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Tuple = (), kwargs: Optional[Dict] = None) -> Any:
@@ -213,8 +214,11 @@ def frozen_weights(module: nn.Module) -> Dict[str, FrozenWeight]:
 
 def quantize_base(model: nn.Module, base_format: str) -> int:
     """``quantize_frozen`` for the wrappers' ``base_format=``: a packed format on a model with no frozen
-    ``nn.Linear`` weight (nothing to pack) is an error naming what to change. Returns the bytes saved."""
+    ``nn.Linear`` weight (nothing to pack) is an error naming what to change. Layers bitsandbytes quantized
+    (``Linear4bit``) are adopted with their packing first (``bnb.adopt_bnb_4bit``). Returns the bytes saved
+    by ``base_format``."""
     check_base_format(base_format)
+    adopt_bnb_4bit(model)  # a bitsandbytes 4-bit base is kept as bitsandbytes packed it, whatever base_format
     if base_format == "bf16":
         return 0
     saved = quantize_frozen(model, base_format)
