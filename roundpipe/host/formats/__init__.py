@@ -2,11 +2,11 @@
 uploaded as they are and dequantized on the device (see ``frozen.py`` for the tensor, ``codecs.py`` and
 ``nf4.py`` for the packings)."""
 
-from roundpipe.host.formats.bnb import adopt_bnb_4bit
 from roundpipe.host.formats.codecs import Format
 from roundpipe.host.formats.frozen import (
     BASE_FORMATS,
     FrozenWeight,
+    adopt_bnb_4bit,
     check_base_format,
     dequantize_transient_bytes,
     frozen_weights,

@@ -1,9 +1,9 @@
 """A base that Hugging Face quantized with bitsandbytes (``BitsAndBytesConfig(load_in_4bit=True)``), adopted as
-it is: each ``bitsandbytes.nn.Linear4bit`` becomes an ``nn.Linear`` whose weight is a FrozenWeight holding the
-``Params4bit`` bytes and the quantization state's tensors unchanged (no re-quantization), unpacked on the
-device by bitsandbytes' own ``dequantize_4bit``: the weight every microbatch uses is the one bitsandbytes'
-matmul would have used. bitsandbytes is imported only when such a weight is unpacked; where it cannot run
-there, the error is one line that says what to do instead.
+it is: ``frozen.adopt_bnb_4bit`` makes each ``bitsandbytes.nn.Linear4bit`` an ``nn.Linear`` whose weight is a
+FrozenWeight holding the ``Params4bit`` bytes and the quantization state's tensors unchanged (no
+re-quantization), unpacked on the device by bitsandbytes' own ``dequantize_4bit`` (``Bnb4bitFormat``): the
+weight every microbatch uses is the one bitsandbytes' matmul would have used. bitsandbytes is imported only
+when such a weight is unpacked; where it cannot run there, the error is one line that says what to do instead.
 """
 
 from __future__ import annotations
@@ -67,11 +67,12 @@ class Bnb4bitFormat(Format):
         return out
 
 
-def _is_linear4bit(mod: nn.Module) -> bool:
+def is_linear4bit(mod: nn.Module) -> bool:
+    """Whether ``mod`` is a bitsandbytes ``Linear4bit`` (told by its class, without importing bitsandbytes)."""
     return type(mod).__name__ == "Linear4bit" and type(mod).__module__.startswith("bitsandbytes")
 
 
-def _packed_of(weight: Any) -> Tuple[Packed, Bnb4bitFormat]:
+def bnb_packed(weight: Any) -> Tuple[Packed, Bnb4bitFormat]:
     """The ``Params4bit``'s bytes and quantization state as host tensors, and their format."""
     qs = weight.quant_state
     if qs is None or not getattr(weight, "bnb_quantized", True):
@@ -88,24 +89,3 @@ def _packed_of(weight: Any) -> Tuple[Packed, Bnb4bitFormat]:
         )
         blocksize2 = qs.state2.blocksize
     return packed, Bnb4bitFormat(qs.quant_type, qs.blocksize, qs.dtype, blocksize2)
-
-
-def adopt_bnb_4bit(module: nn.Module) -> int:
-    """Replace every bitsandbytes ``Linear4bit`` in ``module`` (PEFT's ``base_layer`` included) by an
-    ``nn.Linear`` of the same features whose weight is a FrozenWeight of its packed bytes, in the weight's
-    original dtype (the model's: bitsandbytes' ``compute_dtype``, float32 by default, would not match the
-    activations of a bf16 model); the bias stays. Returns how many were adopted."""
-    from roundpipe.host.formats.frozen import FrozenWeight
-
-    found = [(name, mod) for name, mod in module.named_modules() if _is_linear4bit(mod)]
-    for name, mod in found:
-        packed, fmt = _packed_of(mod.weight)
-        dtype = fmt.dtype
-        shape = mod.weight.quant_state.shape
-        lin = nn.Linear(int(shape[1]), int(shape[0]), bias=False, device="meta")
-        lin.weight = nn.Parameter(FrozenWeight(packed, fmt, tuple(shape), dtype), requires_grad=False)
-        lin.bias = mod.bias
-        lin.train(mod.training)
-        parent_name, _, attr = name.rpartition(".")
-        setattr(module.get_submodule(parent_name) if parent_name else module, attr, lin)
-    return len(found)

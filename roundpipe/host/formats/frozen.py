@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from roundpipe.host.formats import codecs
-from roundpipe.host.formats.bnb import adopt_bnb_4bit
+from roundpipe.host.formats.bnb import bnb_packed, is_linear4bit
 from roundpipe.host.formats.codecs import Format, Fp8Format, Int8Format, Packed
 from roundpipe.host.formats.nf4 import Nf4Format
 from roundpipe.utils import host_nbytes
@@ -210,6 +210,25 @@ def quantize_frozen(module: nn.Module, base_format: str, skip: Sequence[str] = (
 def frozen_weights(module: nn.Module) -> Dict[str, FrozenWeight]:
     """The FrozenWeight parameters of ``module`` by name."""
     return {n: p for n, p in module.named_parameters() if isinstance(p, FrozenWeight)}
+
+
+def adopt_bnb_4bit(module: nn.Module) -> int:
+    """Replace every bitsandbytes ``Linear4bit`` in ``module`` (PEFT's ``base_layer`` included) by an
+    ``nn.Linear`` of the same features whose weight is a FrozenWeight of its packed bytes, in the weight's
+    original dtype (the model's: bitsandbytes' ``compute_dtype``, float32 by default, would not match the
+    activations of a bf16 model); the bias stays. Returns how many were adopted."""
+    found = [(name, mod) for name, mod in module.named_modules() if is_linear4bit(mod)]
+    for name, mod in found:
+        packed, fmt = bnb_packed(mod.weight)
+        dtype = fmt.dtype
+        shape = mod.weight.quant_state.shape
+        lin = nn.Linear(int(shape[1]), int(shape[0]), bias=False, device="meta")
+        lin.weight = nn.Parameter(FrozenWeight(packed, fmt, tuple(shape), dtype), requires_grad=False)
+        lin.bias = mod.bias
+        lin.train(mod.training)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(parent_name) if parent_name else module, attr, lin)
+    return len(found)
 
 
 def quantize_base(model: nn.Module, base_format: str) -> int:
