@@ -67,6 +67,10 @@ class RoundPipe(RoundPipeBase):
     An ``nn.Sequential`` is split into its children (the layers); any other module is one layer. Layer 0
     is called as ``layer(*args, **kwargs)``; layer i > 0 as ``layer(output_of_layer_i_minus_1)``.
 
+    ``base_format`` (``roundpipe.host.formats.BASE_FORMATS``) stores the frozen ``nn.Linear`` weights packed in host
+    memory (``"fp8"``, ``"int8"``, ``"nf4"``; default ``"bf16"``: as they are); they are uploaded packed and
+    unpacked on the device. A model with no frozen ``nn.Linear`` weight and a packed format is an error.
+
     Attributes:
         model_run_config: Default run configuration of this model.
         layers: The layers.

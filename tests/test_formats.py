@@ -474,3 +474,15 @@ def test_bitsandbytes_4bit_base_trains(workers, double_quant, tmp_path, monkeypa
     monkeypatch.setattr(bitsandbytes.functional, "dequantize_4bit", broken)
     with pytest.raises(RuntimeError, match=r"^bitsandbytes cannot unpack .* pass base_format='nf4' instead$"):
         next(iter(packed.values())).dequantize()
+
+
+def test_flatten_round_trip() -> None:
+    """The tensor-subclass protocol (``__tensor_flatten__`` / ``__tensor_unflatten__``) names each packed part
+    apart from Tensor attributes (NF4's ``mean``, fp8's ``data``)."""
+    for fmt in PACKED:
+        fw = FrozenWeight.quantize(_weight(), fmt)
+        names, meta = fw.__tensor_flatten__()
+        inner = {n: getattr(fw, n) for n in names}
+        assert all(isinstance(t, torch.Tensor) and type(t) is torch.Tensor for t in inner.values())
+        back = FrozenWeight.__tensor_unflatten__(inner, meta, fw.shape, fw.stride())
+        assert torch.equal(back.dequantize(), fw.dequantize())

@@ -24,6 +24,7 @@ from roundpipe.host.formats.nf4 import Nf4Format
 from roundpipe.utils import host_nbytes
 
 BASE_FORMATS = ("bf16", "fp8", "int8", "nf4")
+_INNER = "packed_"  # prefix of the packed tensors' names in ``__tensor_flatten__``
 _FORMATS: Dict[str, Format] = {f.name: f for f in (Fp8Format(), Int8Format(), Nf4Format())}
 
 
@@ -106,18 +107,21 @@ class FrozenWeight(torch.Tensor):
         return f"FrozenWeight(shape={tuple(self.shape)}, dtype={self.dtype}, format={self.format.name!r})"
 
     def __tensor_flatten__(self) -> Tuple[list, Dict[str, Any]]:
-        return sorted(self.packed), {"format": self.format, "shape": tuple(self.shape), "dtype": self.dtype}
+        # Inner tensors named ``packed_<part>``: a part's own name may be a Tensor attribute (``mean``, ``data``).
+        names = [_INNER + k for k in sorted(self.packed)]
+        return names, {"format": self.format, "shape": tuple(self.shape), "dtype": self.dtype}
 
     def __getattr__(self, name: str) -> Any:
         # ``__tensor_flatten__``'s inner tensor names resolve to the packed tensors.
         packed = self.__dict__.get("packed")
-        if packed is not None and name in packed:
-            return packed[name]
+        if packed is not None and name.startswith(_INNER) and name[len(_INNER) :] in packed:
+            return packed[name[len(_INNER) :]]
         raise AttributeError(name)
 
     @staticmethod
     def __tensor_unflatten__(inner: Dict[str, torch.Tensor], meta: Dict[str, Any], size: Any, stride: Any) -> Any:
-        return FrozenWeight(dict(inner), meta["format"], meta["shape"], meta["dtype"])
+        packed = {k[len(_INNER) :]: v for k, v in inner.items()}
+        return FrozenWeight(packed, meta["format"], meta["shape"], meta["dtype"])
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Tuple = (), kwargs: Optional[Dict] = None) -> Any:
