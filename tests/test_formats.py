@@ -353,7 +353,7 @@ def test_estimate_of_a_packed_base() -> None:
     assert nf4.peak_host_bytes < 100 * 2**30 < plain.peak_host_bytes
     assert nf4.gpu_parts["unpacking"] == base.gpu_transient_bytes > 0
     assert nf4.upload_bytes_per_layer == plain.upload_bytes_per_layer - base.saved_per_layer
-    assert 10 < nf4.dequantize_ms_per_layer < 20 and plain.dequantize_ms_per_layer == 0
+    assert 5 < nf4.dequantize_ms_per_layer < 7 and plain.dequantize_ms_per_layer == 0  # 0.86B at 140e9/s
     assert "frozen base in nf4" in nf4.describe() and "frozen base" not in plain.describe()
     with pytest.raises(ValueError, match="lora_rank"):
         estimate(shape, 4096, base_format="nf4")

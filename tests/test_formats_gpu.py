@@ -113,9 +113,10 @@ def test_gpu_dequantize_time(fmt: str) -> None:
         ao_ms = _time_ms(ref.get_original_weight)
         assert torch.equal(ref.get_original_weight(), out)
         line += f"; torchao get_original_weight {ao_ms:.3f} ms"
+        assert ms < ao_ms, line  # measured 0.36 against 0.82 ms on an H200
     print(line)
-    # 50M parameters: a 4 TB/s memory reads ~0.1 GB and writes 0.1 GB in well under a millisecond.
-    assert ms < 2.0, line
+    # 50M parameters moving ~10-19 bytes each through a ~4 TB/s memory: well under a millisecond (0.36-0.41 ms).
+    assert ms < 1.0, line
 
 
 def test_gpu_bitsandbytes_4bit_base_within_bf16_rounding(tmp_path) -> None:

@@ -3,16 +3,14 @@ time, from the shapes alone: the host bytes of the seven projections of each dec
 per layer, the device transient of unpacking one weight, and the time to unpack a layer.
 
 The byte counts repeat ``roundpipe.host.formats``' packings (so the estimate imports no torch; a test keeps
-them equal to ``host_nbytes`` of real weights). The unpacking rates are assumptions, per format:
+them equal to ``host_nbytes`` of real weights). The unpacking rates are measured on an H200 (2026-12-02, torch
+2.11: the ops of ``roundpipe.host.formats`` on a 12288 x 4096 bf16 weight, mean of 50 after warm-up): nf4 0.36 ms
+(torchao's ``get_original_weight``: 0.82 ms, measured 2026-12-01), int8 0.39 ms, fp8 0.41 ms; 120e9 to 140e9
+parameters/s, memory bound (each moves ~10 to 19 bytes per parameter). Uploading that weight's NF4 codes
+(24 MiB, pinned) took 0.46 ms.
 
-* nf4: 61e9 parameters/s, the measured 0.82 ms of torchao's ``get_original_weight`` for a 12288 x 4096 weight
-  on an H200. RoundPipe's own dequantize (one byte-table lookup for both nibbles, one multiply) moves about
-  10 bytes per parameter through memory against torchao's ~30, so this rate errs on the slow side.
-* fp8 / int8: 160e9 parameters/s: memory bound at about 3 TB/s over the ~19 bytes per parameter they move
-  (the 1-byte code read, a float32 copy written and read, the product written and read, the bf16 result).
-
-The unpacking runs on the parameter upload stream with the upload, so it delays compute only where uploads
-already do (a step's compute per layer is ~6 ms at 16K tokens on a qwen3-8b layer against 0.8 ms here).
+The unpacking runs on the parameter upload stream after the upload, so it delays compute only where uploads
+already do (a qwen3-8b layer computes ~6 ms at 16K tokens against its ~1.4 ms of NF4 unpacking).
 """
 
 from __future__ import annotations
@@ -27,8 +25,12 @@ from roundpipe.planning.memory_terms import ModelShape
 BASE_FORMATS: Tuple[str, ...] = ("bf16", "fp8", "int8", "nf4")
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # ``roundpipe.host.formats.nf4``'s blocks
 DEQUANT_CHUNK = 1 << 24  # ``roundpipe.host.formats.codecs.DEQUANT_CHUNK``
-#: Assumed unpacking rates on an H200, parameters per second (see the module docstring).
-DEQUANTIZE_PARAMS_PER_S: Dict[str, float] = {"fp8": 160e9, "int8": 160e9, "nf4": 12288 * 4096 / 0.82e-3}
+#: Unpacking rates measured on an H200, parameters per second (see the module docstring).
+DEQUANTIZE_PARAMS_PER_S: Dict[str, float] = {
+    "fp8": 12288 * 4096 / 0.41e-3,
+    "int8": 12288 * 4096 / 0.39e-3,
+    "nf4": 12288 * 4096 / 0.36e-3,
+}
 
 
 def check(base_format: str) -> str:
