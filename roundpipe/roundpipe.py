@@ -14,7 +14,7 @@ from roundpipe.devices.memory import PinMode, pin_module
 from roundpipe.devices.threads import raise_if_failed
 from roundpipe.host import step_cycle
 from roundpipe.host.attribute import LayerAttribute, ParamAttribute
-from roundpipe.host.formats import check_base_format, quantize_base
+from roundpipe.host.formats import check_base_format, module_device_bytes, quantize_base
 from roundpipe.planning import budget
 from roundpipe.planning.plan import ModelExecutePlan, PlanCache, RunType
 from roundpipe.planning.timer import ModelTimer
@@ -66,6 +66,10 @@ class RoundPipe(RoundPipeBase):
 
     An ``nn.Sequential`` is split into its children (the layers); any other module is one layer. Layer 0
     is called as ``layer(*args, **kwargs)``; layer i > 0 as ``layer(output_of_layer_i_minus_1)``.
+
+    ``base_format`` (``roundpipe.host.formats.BASE_FORMATS``) stores the frozen ``nn.Linear`` weights packed in host
+    memory (``"fp8"``, ``"int8"``, ``"nf4"``; default ``"bf16"``: as they are); they are uploaded packed and
+    unpacked on the device. A model with no frozen ``nn.Linear`` weight and a packed format is an error.
 
     Attributes:
         model_run_config: Default run configuration of this model.
@@ -148,13 +152,14 @@ class RoundPipe(RoundPipeBase):
 
     # ---- plans ---------------------------------------------------------------------------------------
     def layer_device_bytes(self, run_type: RunType) -> List[float]:
-        """Bytes each layer occupies on a device while it runs: parameters and buffers, plus gradients
-        of trainable parameters when training. Computed once per run type (the layer list is fixed)."""
+        """Bytes each layer occupies on a device while it runs: parameters and buffers (a packed frozen weight
+        at its logical size, plus the transient of unpacking it: ``formats.module_device_bytes``), plus
+        gradients of trainable parameters when training. Computed once per run type (the layer list is fixed)."""
         key = "infer" if run_type == "infer" else "train"
         cache = self.__dict__.setdefault("_device_bytes", {})
         if key not in cache:
             cache[key] = [
-                float(get_model_size(l) + (get_model_active_size(l) if key == "train" else 0)) for l in self.layers
+                float(module_device_bytes(l) + (get_model_active_size(l) if key == "train" else 0)) for l in self.layers
             ]
         return cache[key]
 

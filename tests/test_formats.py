@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+from typing import Any
 
 os.environ.setdefault("RPP_DISABLE_TORCH_COMPILE", "1")
 
@@ -199,3 +200,289 @@ def test_lora_grads_over_packed_base(workers, fmt, microbatches) -> None:
     assert loss.dtype == torch.float64 and abs(float(loss) - float(ref_loss)) < 1e-10
     for n in ref_grads:
         assert (got[n] - ref_grads[n]).abs().max() <= 1e-10 * ref_grads[n].abs().max(), n
+
+
+def _frozen_mlp(seed: int, dtype: torch.dtype = torch.float64) -> nn.Sequential:
+    """Blocks of a frozen 64 x 64 Linear (the base), tanh, and a trainable one: ``RoundPipe``'s own layers."""
+    torch.manual_seed(seed)
+    blocks = []
+    for _ in range(3):
+        base = nn.Linear(64, 64, bias=False).requires_grad_(False)
+        blocks.append(nn.Sequential(base, nn.Tanh(), nn.Linear(64, 64)))
+    return nn.Sequential(*blocks).to(dtype)
+
+
+@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
+def test_roundpipe_sequential_over_packed_base(workers) -> None:
+    model = _frozen_mlp(0)
+    quantize_frozen(model, "nf4")
+    ref = _dequantized_reference(model)
+    x, y = torch.randn(6, 64, dtype=torch.float64), torch.randn(6, 64, dtype=torch.float64)
+    nn.functional.mse_loss(ref(x), y).backward()
+    ref_grads = _grads(ref)
+    rp = roundpipe.RoundPipe(model, base_format="nf4", model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    assert rp.layer_size[0] * 2**30 == sum(host_nbytes(p) for p in model[0].parameters())
+    rp.forward_backward(input_args=(x,), label=y, loss_fn=lambda out, lab: nn.functional.mse_loss(out, lab) * 0.5)
+    got = _grads(model)
+    assert got.keys() == ref_grads.keys() and len(got) == 6
+    for n in ref_grads:  # mean over two microbatches of 3 rows, each halved: the full batch's mean
+        assert (got[n] - ref_grads[n]).abs().max() <= 1e-10 * ref_grads[n].abs().max(), n
+
+
+@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_save_load_packed_base(workers, fmt, tmp_path) -> None:
+    """``roundpipe.save`` keeps the packed base as it is held; ``load`` restores it (and the run) exactly,
+    into a model whose base was packed from other weights; another format is refused."""
+
+    def build(seed: int, base_format: str = fmt):
+        model = roundpipe.RoundPipe(
+            _frozen_mlp(seed, torch.float32),
+            optim_dtype=torch.float32,
+            base_format=base_format,
+            model_run_config=RoundPipeRunConfig(num_microbatch=2),
+        )
+        return model, roundpipe.optim.Adam(model.optim_parameters(), lr=1e-2)
+
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 64, generator=g), torch.randn(4, 64, generator=g)) for _ in range(4)]
+
+    def train(model, opt, part):
+        out = []
+        for x, y in part:
+            out.append(model.forward_backward(input_args=(x,), label=y, loss_fn=nn.functional.mse_loss))
+            model.step(lambda: (opt.step(), opt.zero_grad()))
+        model.synchronize()
+        return torch.stack(out)
+
+    model, opt = build(0)
+    train(model, opt, data[:2])
+    roundpipe.save(model, opt, str(tmp_path / "ck"))
+    after = train(model, opt, data[2:])
+    model2, opt2 = build(5)
+    roundpipe.load(model2, opt2, str(tmp_path / "ck"))
+    for (n, p), (_, q) in zip(frozen_weights(model.model).items(), frozen_weights(model2.model).items()):
+        assert all(torch.equal(p.packed[k], q.packed[k]) for k in p.packed), n
+    assert torch.equal(train(model2, opt2, data[2:]), after)
+    other, other_opt = build(0, "fp8" if fmt == "int8" else "int8")
+    with pytest.raises(roundpipe.checkpoint.CheckpointError, match="base_format"):
+        roundpipe.load(other, other_opt, str(tmp_path / "ck"))
+
+
+@pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
+@pytest.mark.parametrize("fmt", ["fp8", "nf4"])
+def test_graphed_jobs_dequantize_into_slots(workers, fmt) -> None:
+    """Graphed jobs (the CPU stand-in, ``RPP_DEBUG_GRAPHS``) dequantize the packed base into the layers'
+    slots: several training steps equal plain PyTorch over the dequantized weights, and the jobs replay."""
+    from roundpipe import ModelExecutePlan, settings
+    from roundpipe.devices import device as device_mod
+
+    model = _frozen_mlp(2)
+    quantize_frozen(model, fmt)
+    ref = _dequantized_reference(model)
+    plan = ModelExecutePlan([range(0, 2), range(2, 3)], [range(0, 1), range(1, 3)])
+    with settings.overridden(debug_graphs="1"):
+        rp = roundpipe.RoundPipe(model, model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
+        opt = torch.optim.SGD(rp.optim_parameters(), lr=0.05)
+        opt_ref = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.05)
+        for seed in range(5):
+            torch.manual_seed(seed)
+            x, y = torch.randn(6, 64, dtype=torch.float64), torch.randn(6, 64, dtype=torch.float64)
+            loss = rp.forward_backward(input_args=(x,), label=y, loss_fn=lambda o, t: ((o - t) ** 2).sum())
+            rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+            ref_loss = sum(((ref(a) - b) ** 2).sum() for a, b in zip(x.tensor_split(2), y.tensor_split(2)))
+            ref_loss.backward()
+            opt_ref.step()
+            opt_ref.zero_grad()
+            assert abs(loss.item() - ref_loss.item()) <= 1e-10 * abs(ref_loss.item())
+        rp.synchronize()
+    devs = device_mod.get_devices()
+    assert sum(d.graphs.replays for d in devs) > 0 and sum(len(d.graphs.refused) for d in devs) == 0
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        if p.requires_grad:
+            assert (p - q).abs().max() <= 1e-10 * q.abs().max(), n
+
+
+@pytest.mark.parametrize("fmt", PACKED)
+def test_dequantize_in_chunks(fmt, monkeypatch) -> None:
+    """A weight unpacked in several chunks (and into given storage, as a graph slot) equals one unpacked whole."""
+    from roundpipe.host.formats import codecs
+
+    fw = FrozenWeight.quantize(_weight((96, 640)), fmt)
+    whole = fw.dequantize()
+    monkeypatch.setattr(codecs, "DEQUANT_CHUNK", 64 * 7)
+    assert torch.equal(fw.dequantize(), whole)
+    slot = torch.empty(96, 640, dtype=torch.bfloat16)
+    assert fw.dequantize_into(fw.packed, slot) is slot and torch.equal(slot, whole)
+    wide = fw.dequantize(dtype=torch.float32)  # nf4 unpacks in the weight's dtype; fp8 / int8 in float32
+    assert wide.dtype == torch.float32 and torch.equal(wide.to(torch.bfloat16), whole)
+
+
+# ---- the estimate's terms ----------------------------------------------------------------------------------
+def test_frozen_terms_equal_the_packings() -> None:
+    """``planning.frozen_terms`` repeats the packings without torch: its byte counts are ``host_nbytes`` of
+    real packed weights (aligned and unaligned shapes), its format names and chunk the host layer's."""
+    from roundpipe.host.formats import codecs
+    from roundpipe.planning import frozen_terms
+
+    assert frozen_terms.BASE_FORMATS == BASE_FORMATS and frozen_terms.DEQUANT_CHUNK == codecs.DEQUANT_CHUNK
+    for rows, cols in [(128, 512), (33, 40), (96, 64 * 300)]:
+        for fmt in BASE_FORMATS:
+            w = _weight((rows, cols))
+            got = host_nbytes(w) if fmt == "bf16" else host_nbytes(FrozenWeight.quantize(w, fmt))
+            assert frozen_terms.packed_weight_bytes(rows, cols, fmt) == got, (rows, cols, fmt)
+    fw = FrozenWeight.random((4096, 1024), "nf4")
+    from roundpipe.host.formats import dequantize_transient_bytes
+
+    expect = frozen_terms.packed_weight_bytes(4096, 1024, "nf4") + 4096 * 1024 * 6
+    assert dequantize_transient_bytes(fw) == expect and dequantize_transient_bytes(torch.zeros(3)) == 0
+
+
+def test_estimate_of_a_packed_base() -> None:
+    """A 70B Llama shape (Llama-3.1-70B's dimensions), LoRA r16: the NF4 base cuts the host weights by the
+    projections' savings, uploads the packed bytes, and adds one weight's unpacking transient on the GPU."""
+    from roundpipe.planning import frozen_terms
+    from roundpipe.planning.estimate import ModelShape, estimate
+
+    shape = ModelShape(8192, 28672, 80, 64, 8, 128, 128256)
+    kw = dict(seq_len=4096, batch_size=8, lora_rank=16, microbatches=8, gpu_bytes=24 * 2**30)
+    plain, nf4 = estimate(shape, **kw), estimate(shape, base_format="nf4", **kw)
+    base = frozen_terms.frozen_base(shape, "nf4")
+    assert plain.host_parts["weights"] - nf4.host_parts["weights"] == 80 * base.saved_per_layer
+    assert base.layer_bf16_bytes / base.layer_host_bytes > 3.8  # 4 bits + scales: 3.88x smaller
+    assert nf4.peak_host_bytes < 100 * 2**30 < plain.peak_host_bytes
+    assert nf4.gpu_parts["unpacking"] == base.gpu_transient_bytes > 0
+    assert nf4.upload_bytes_per_layer == plain.upload_bytes_per_layer - base.saved_per_layer
+    assert 5 < nf4.dequantize_ms_per_layer < 7 and plain.dequantize_ms_per_layer == 0  # 0.86B at 140e9/s
+    assert "frozen base in nf4" in nf4.describe() and "frozen base" not in plain.describe()
+    with pytest.raises(ValueError, match="lora_rank"):
+        estimate(shape, 4096, base_format="nf4")
+    with pytest.raises(ValueError, match="base_format='q3'"):
+        estimate(shape, 4096, lora_rank=16, base_format="q3")
+
+
+def test_plan_cli_base_format(tmp_path, capsys) -> None:
+    import json
+
+    from roundpipe.cli import plan
+
+    d = tmp_path / "llama70"
+    d.mkdir()
+    config = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)
+    config.update(num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, model_type="llama")
+    (d / "config.json").write_text(json.dumps(config))
+    argv = ["--model", str(d), "--seq-len", "4096", "--batch-size", "8", "--microbatches", "8", "--lora-r", "16"]
+    argv += ["--gpu-memory", "24GiB", "--host-memory", "100GiB"]
+    assert plan.main(argv + ["--json"]) == 1  # bf16: the host is short
+    assert json.loads(capsys.readouterr().out)["short"]["host"] > 0
+    assert plan.main(argv + ["--base-format", "nf4", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["base_format"] == "nf4" and result["peak_host_bytes"] < 100 * 2**30
+    assert result["peak_gpu_bytes"] <= 24 * 2**30 and result["dequantize_ms_per_layer"] > 0
+    assert plan.main(argv + ["--base-format", "nf4"]) == 0
+    assert "frozen base in nf4" in capsys.readouterr().out
+    assert plan.main(argv[:-6] + argv[-4:] + ["--base-format", "int8"]) == 2  # no --lora-r
+    assert "--base-format int8 packs the frozen base of a LoRA run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
+def test_wrap_by_size_over_packed_base(workers) -> None:
+    """``wrap_model_to_roundpipe(base_format=...)`` without a preset: packed once before the split (whose
+    sizes count the packed bytes), and the gradients still PEFT's over the dequantized base."""
+    model = with_lora(models_tiny(torch.float64), ["q_proj", "up_proj"], seed=1)
+    ref = copy.deepcopy(model)
+    modules = dict(model.named_modules())  # the wrapper keeps these objects (under other names)
+    layer_bytes = sum(p.numel() * 8 for p in model.base_model.model.model.layers[0].parameters())
+    rp = roundpipe.wrap_model_to_roundpipe(
+        model,
+        use_sequential_preset=False,
+        lower_threshold=layer_bytes // 4,
+        upper_threshold=layer_bytes // 2,
+        model_run_config=RoundPipeRunConfig(num_microbatch=2),
+        base_format="int8",
+    )
+    packed = {n: m.weight for n, m in modules.items() if isinstance(getattr(m, "weight", None), FrozenWeight)}
+    assert packed and isinstance(rp, roundpipe.AutoRoundPipe)
+    # Packed, a decoder layer's host bytes fall under the threshold its float64 bytes exceed: one RoundPipe each.
+    subs = [m for m in rp.model.modules() if isinstance(m, roundpipe.RoundPipe)]
+    assert sum(type(m.model).__name__ == "Qwen3DecoderLayer" for m in subs) == 3
+    for n, p in packed.items():
+        ref.get_submodule(n).weight.data = p.dequantize()
+    batch = make_batch(padding=True)
+    kw = {k: v for k, v in batch.items() if k != "labels"}
+    logits = ref(**kw).logits
+    logits.square().mean().backward()
+    ref_grads = _grads(ref)
+    rp(**kw).logits.square().mean().backward()
+    assert ref_grads and all("lora_" in n for n in ref_grads)
+    for n, g in ref_grads.items():
+        mod, _, attr = n.rpartition(".")
+        got = getattr(modules[mod], attr).grad
+        assert (got - g).abs().max() <= 1e-10 * g.abs().max(), n
+
+
+def _bnb_4bit_model(path: Any, double_quant: bool) -> nn.Module:
+    """The tiny Qwen3 (float32) loaded from ``path`` by Hugging Face with ``BitsAndBytesConfig(load_in_4bit=True,
+    bnb_4bit_quant_type="nf4")`` (its decoder projections become bitsandbytes ``Linear4bit``), with PEFT LoRA
+    adapters over them (PEFT's bitsandbytes LoRA layers)."""
+    import transformers
+
+    models_tiny(torch.float32).save_pretrained(path)
+    config = transformers.BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_use_double_quant=double_quant,
+    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=config, device_map="cpu", dtype=torch.float32
+    )
+    return with_lora(model.train(), ["q_proj", "o_proj", "up_proj"], seed=1)
+
+
+@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_bitsandbytes_4bit_base_trains(workers, double_quant, tmp_path, monkeypatch) -> None:
+    """A PEFT model over a bitsandbytes 4-bit base wraps with its packing kept (the Params4bit bytes and
+    quantization state as they are) and its LoRA gradients equal PEFT's over bitsandbytes' own layers."""
+    pytest.importorskip("bitsandbytes")
+    model = _bnb_4bit_model(tmp_path, double_quant)
+    import bitsandbytes
+
+    data = {n: m.weight.data.clone() for n, m in model.named_modules() if type(m) is bitsandbytes.nn.Linear4bit}
+    assert len(data) == 3 * 7
+    batch = make_batch(padding=True)
+    out = model(**{k: v for k, v in batch.items() if v is not None})
+    out.loss.backward()
+    ref_loss, ref_grads = out.loss.detach(), _grads(model)
+    rp = models.wrap_model(model, model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    packed = frozen_weights(model)
+    assert len(packed) == 21 and all(p.format.name == "bnb-nf4" for p in packed.values())
+    for n, d in data.items():  # the packed bytes kept as they are
+        assert torch.equal(model.get_submodule(n).weight.packed["data"], d)
+        assert ("absmax2" in model.get_submodule(n).weight.packed) == double_quant
+    loss = rp.train_step(**batch)
+    got = _grads(model)
+    assert got.keys() == ref_grads.keys() and all("lora_" in n for n in got)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    for n in ref_grads:
+        assert float((got[n] - ref_grads[n]).norm() / ref_grads[n].norm()) < 1e-5, n
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("no kernel for this device")
+
+    monkeypatch.setattr(bitsandbytes.functional, "dequantize_4bit", broken)
+    with pytest.raises(RuntimeError, match=r"^bitsandbytes cannot unpack .* pass base_format='nf4' instead$"):
+        next(iter(packed.values())).dequantize()
+
+
+def test_flatten_round_trip() -> None:
+    """The tensor-subclass protocol (``__tensor_flatten__`` / ``__tensor_unflatten__``) names each packed part
+    apart from Tensor attributes (NF4's ``mean``, fp8's ``data``)."""
+    for fmt in PACKED:
+        fw = FrozenWeight.quantize(_weight(), fmt)
+        names, meta = fw.__tensor_flatten__()
+        inner = {n: getattr(fw, n) for n in names}
+        assert all(isinstance(t, torch.Tensor) and type(t) is torch.Tensor for t in inner.values())
+        back = FrozenWeight.__tensor_unflatten__(inner, meta, fw.shape, fw.stride())
+        assert torch.equal(back.dequantize(), fw.dequantize())

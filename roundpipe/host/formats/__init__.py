@@ -6,22 +6,28 @@ from roundpipe.host.formats.codecs import Format
 from roundpipe.host.formats.frozen import (
     BASE_FORMATS,
     FrozenWeight,
+    adopt_bnb_4bit,
     check_base_format,
+    dequantize_transient_bytes,
     frozen_weights,
     get_format,
     host_nbytes,
+    module_device_bytes,
     quantize_base,
     quantize_frozen,
 )
 
 __all__ = [
     "BASE_FORMATS",
+    "adopt_bnb_4bit",
     "Format",
     "FrozenWeight",
     "check_base_format",
+    "dequantize_transient_bytes",
     "frozen_weights",
     "get_format",
     "host_nbytes",
+    "module_device_bytes",
     "quantize_base",
     "quantize_frozen",
 ]

@@ -11,7 +11,7 @@ per-output-channel formats (fp8 e4m3, int8) keep one fp32 scale per row; NF4 (QL
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -45,12 +45,14 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _finish(w: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor]) -> torch.Tensor:
-    """``w`` cast to ``dtype``, written into ``out`` when given (a graph slot's storage)."""
-    if out is None:
-        return w.to(dtype)
-    out.copy_(w)
-    return out
+#: Elements a dequantize unpacks at a time: its transients (a float32 copy of the chunk, an index) stay a
+#: few hundred MiB for the largest weights instead of several bytes per parameter of the whole weight.
+DEQUANT_CHUNK = 1 << 24
+
+
+def dequant_target(out: Optional[torch.Tensor], shape: Sequence[int], dtype: torch.dtype, device: Any) -> torch.Tensor:
+    """``out`` (a graph slot's storage) or a new tensor of ``shape`` / ``dtype`` on ``device``."""
+    return out if out is not None else torch.empty(tuple(shape), dtype=dtype, device=device)
 
 
 # Rows of random weights generated at a time (random() never holds more of the full-precision weight).
@@ -95,9 +97,13 @@ class ChannelFormat(Format):
     def dequantize(
         self, packed: Packed, shape: Sequence[int], dtype: torch.dtype, out: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
-        cdt = _compute_dtype(dtype)
-        w = packed["data"].to(cdt) * packed["scale"].to(cdt)[:, None]
-        return _finish(w.view(tuple(shape)), dtype, out)
+        data, scale = packed["data"], packed["scale"]
+        target = dequant_target(out, shape, dtype, data.device)
+        cdt = _compute_dtype(target.dtype)
+        rows = max(1, DEQUANT_CHUNK // max(1, data.shape[1]))
+        for a in range(0, data.shape[0], rows):  # a fixed loop: no data-dependent shapes, capturable
+            target[a : a + rows].copy_(data[a : a + rows].to(cdt) * scale[a : a + rows, None].to(cdt))
+        return target
 
 
 class Int8Format(ChannelFormat):

@@ -17,11 +17,14 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from roundpipe.host.formats import codecs
+from roundpipe.host.formats.bnb import bnb_packed, is_linear4bit
 from roundpipe.host.formats.codecs import Format, Fp8Format, Int8Format, Packed
 from roundpipe.host.formats.nf4 import Nf4Format
 from roundpipe.utils import host_nbytes
 
 BASE_FORMATS = ("bf16", "fp8", "int8", "nf4")
+_INNER = "packed_"  # prefix of the packed tensors' names in ``__tensor_flatten__``
 _FORMATS: Dict[str, Format] = {f.name: f for f in (Fp8Format(), Int8Format(), Nf4Format())}
 
 
@@ -104,18 +107,21 @@ class FrozenWeight(torch.Tensor):
         return f"FrozenWeight(shape={tuple(self.shape)}, dtype={self.dtype}, format={self.format.name!r})"
 
     def __tensor_flatten__(self) -> Tuple[list, Dict[str, Any]]:
-        return sorted(self.packed), {"format": self.format.name, "shape": tuple(self.shape), "dtype": self.dtype}
+        # Inner tensors named ``packed_<part>``: a part's own name may be a Tensor attribute (``mean``, ``data``).
+        names = [_INNER + k for k in sorted(self.packed)]
+        return names, {"format": self.format, "shape": tuple(self.shape), "dtype": self.dtype}
 
     def __getattr__(self, name: str) -> Any:
         # ``__tensor_flatten__``'s inner tensor names resolve to the packed tensors.
         packed = self.__dict__.get("packed")
-        if packed is not None and name in packed:
-            return packed[name]
+        if packed is not None and name.startswith(_INNER) and name[len(_INNER) :] in packed:
+            return packed[name[len(_INNER) :]]
         raise AttributeError(name)
 
     @staticmethod
     def __tensor_unflatten__(inner: Dict[str, torch.Tensor], meta: Dict[str, Any], size: Any, stride: Any) -> Any:
-        return FrozenWeight(dict(inner), get_format(meta["format"]), meta["shape"], meta["dtype"])
+        packed = {k[len(_INNER) :]: v for k, v in inner.items()}
+        return FrozenWeight(packed, meta["format"], meta["shape"], meta["dtype"])
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Tuple = (), kwargs: Optional[Dict] = None) -> Any:
@@ -210,10 +216,32 @@ def frozen_weights(module: nn.Module) -> Dict[str, FrozenWeight]:
     return {n: p for n, p in module.named_parameters() if isinstance(p, FrozenWeight)}
 
 
+def adopt_bnb_4bit(module: nn.Module) -> int:
+    """Replace every bitsandbytes ``Linear4bit`` in ``module`` (PEFT's ``base_layer`` included) by an
+    ``nn.Linear`` of the same features whose weight is a FrozenWeight of its packed bytes, in the weight's
+    original dtype (the model's: bitsandbytes' ``compute_dtype``, float32 by default, would not match the
+    activations of a bf16 model); the bias stays. Returns how many were adopted."""
+    found = [(name, mod) for name, mod in module.named_modules() if is_linear4bit(mod)]
+    for name, mod in found:
+        packed, fmt = bnb_packed(mod.weight)
+        dtype = fmt.dtype
+        shape = mod.weight.quant_state.shape
+        lin = nn.Linear(int(shape[1]), int(shape[0]), bias=False, device="meta")
+        lin.weight = nn.Parameter(FrozenWeight(packed, fmt, tuple(shape), dtype), requires_grad=False)
+        lin.bias = mod.bias
+        lin.train(mod.training)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(parent_name) if parent_name else module, attr, lin)
+    return len(found)
+
+
 def quantize_base(model: nn.Module, base_format: str) -> int:
     """``quantize_frozen`` for the wrappers' ``base_format=``: a packed format on a model with no frozen
-    ``nn.Linear`` weight (nothing to pack) is an error naming what to change. Returns the bytes saved."""
+    ``nn.Linear`` weight (nothing to pack) is an error naming what to change. Layers bitsandbytes quantized
+    (``Linear4bit``) are adopted with their packing first (``bnb.adopt_bnb_4bit``). Returns the bytes saved
+    by ``base_format``."""
     check_base_format(base_format)
+    adopt_bnb_4bit(model)  # a bitsandbytes 4-bit base is kept as bitsandbytes packed it, whatever base_format
     if base_format == "bf16":
         return 0
     saved = quantize_frozen(model, base_format)
@@ -224,3 +252,23 @@ def quantize_base(model: nn.Module, base_format: str) -> int:
             "base_format='bf16'"
         )
     return saved
+
+
+def dequantize_transient_bytes(t: torch.Tensor) -> int:
+    """Device bytes an upload of ``t`` holds besides its plain weight while it is unpacked: a FrozenWeight's
+    packed bytes and one chunk's intermediates (``codecs.DEQUANT_CHUNK`` elements: a float32 copy or an
+    int32 index, and the values); 0 for a plain tensor."""
+    if not isinstance(t, FrozenWeight):
+        return 0
+    return t.host_nbytes() + min(t.numel(), codecs.DEQUANT_CHUNK) * (4 + t.element_size())
+
+
+def module_device_bytes(module: nn.Module) -> int:
+    """Bytes ``module``'s parameters and buffers take on a device while it runs: the logical sizes (a
+    FrozenWeight arrives as a plain tensor of its dtype) plus the largest unpacking transient (the
+    transfer layer unpacks one weight at a time)."""
+    seen: Dict[int, torch.Tensor] = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        seen[id(t)] = t
+    logical = sum(t.numel() * t.element_size() for t in seen.values())
+    return logical + max((dequantize_transient_bytes(t) for t in seen.values()), default=0)

@@ -12,11 +12,13 @@ torchao is imported only when NF4 is used.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence, Tuple
 
 import torch
 
-from roundpipe.host.formats.codecs import Format, Packed, ceil_to
+from roundpipe.host.formats import codecs
+from roundpipe.host.formats.codecs import Format, Packed, ceil_to, dequant_target
 
 BLOCK = 64  # weights per absmax scale
 SCALER_BLOCK = 256  # scales per double-quantization factor
@@ -101,20 +103,21 @@ class Nf4Format(Format):
         codes, table = packed["codes"], packed["table"]
         wdt = table.dtype  # the dtype torchao's get_original_weight computes in
         n_blocks = codes.numel() * 2 // BLOCK
-        numel = 1
-        for s in shape:
-            numel *= int(s)
+        numel = math.prod(int(s) for s in shape)
         # pairs[b] = (table[b >> 4], table[b & 15]): both nibbles of byte b, in order   [256, 2]
         pairs = torch.stack([table[:, None].expand(16, 16), table[None, :].expand(16, 16)], dim=-1).reshape(256, 2)
-        values = pairs.index_select(0, codes.to(torch.int32)).view(n_blocks, BLOCK)  # [n_blocks, 64]
         scales = packed["scales"].view(-1, SCALER_BLOCK) / packed["factors"].unsqueeze(-1)
-        scales = scales.flatten().to(wdt) + packed["mean"]  # [n_blocks rounded up to 256]
-        scales = scales[:n_blocks, None]
-        if out is not None and dtype == wdt and numel == n_blocks * BLOCK and out.is_contiguous():
-            torch.mul(values, scales, out=out.view(n_blocks, BLOCK))
-            return out
-        w = (values * scales).view(-1)[:numel].view(tuple(shape))
-        if out is None:
-            return w.to(dtype)
-        out.copy_(w)
-        return out
+        scales = (scales.flatten().to(wdt) + packed["mean"])[:n_blocks, None]  # [n_blocks, 1]
+        target = dequant_target(out, shape, dtype, codes.device)
+        direct = numel == n_blocks * BLOCK and target.dtype == wdt and target.is_contiguous()
+        blocks = (
+            target.view(n_blocks, BLOCK) if direct else torch.empty((n_blocks, BLOCK), dtype=wdt, device=codes.device)
+        )
+        step = max(1, codecs.DEQUANT_CHUNK // BLOCK)
+        for a in range(0, n_blocks, step):  # a fixed loop: no data-dependent shapes, capturable
+            index = codes[a * BLOCK // 2 : (a + step) * BLOCK // 2].to(torch.int32)
+            values = pairs.index_select(0, index).view(-1, BLOCK)  # [blocks of the chunk, 64]
+            torch.mul(values, scales[a : a + step], out=blocks[a : a + step])
+        if not direct:
+            target.copy_(blocks.view(-1)[:numel].view(target.shape))
+        return target
