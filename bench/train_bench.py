@@ -30,9 +30,10 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from roundpipe import flavors, settings
+from roundpipe.cli.config import BASE_FORMATS  # the --base-format names, without torch
 
-WORKLOADS = ["tiny", *flavors.QWEN3]
-"""The bench workloads: the Qwen3 sizes of ``roundpipe.flavors``, and ``tiny`` for CPU smoke runs."""
+WORKLOADS = ["tiny", *flavors.BUILTIN]
+"""The bench workloads: the Qwen3 and Llama-3.1 sizes of ``roundpipe.flavors``, and ``tiny`` for CPU smoke runs."""
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -41,20 +42,25 @@ TINY_WORKLOAD = dict(tie_word_embeddings=True, max_position_embeddings=40960, at
 
 
 def workload_config(name: str, layers: int = 0, **overrides: Any) -> Any:
-    """The ``Qwen3Config`` of a workload; ``layers``: a slice with its width and this many decoder layers."""
-    from roundpipe.models.configs import flavor_config, tiny_config
+    """The config of a workload (``Qwen3Config``, ``LlamaConfig`` for the Llama-3.1 sizes); ``layers``: a slice
+    with its width and this many decoder layers."""
+    from roundpipe.cli.model_names import BUILTIN_MODELS
+    from roundpipe.models.configs import config_class, flavor_config, tiny_config
 
     if layers:
         overrides["num_hidden_layers"] = layers
     if name == "tiny":
         return tiny_config("qwen3", **{**TINY_WORKLOAD, **overrides})
-    return flavor_config(name, **overrides)
+    if flavors.BUILTIN[name].family == "qwen3":
+        return flavor_config(name, **overrides)
+    fields = dict(BUILTIN_MODELS[name], use_cache=False, attn_implementation="sdpa")  # the released rotary scaling
+    return config_class("llama")(**{**fields, **overrides})
 
 
 def build_model(name: str, device: str = "cpu", layers: int = 0, **overrides: Any) -> torch.nn.Module:
-    """A Qwen3 model of the workload's shape with random weights (matrices N(0, 0.02), norms 1), built in
+    """A model of the workload's shape with random weights (matrices N(0, 0.02), norms 1), built in
     bf16 (fp32 on a machine without a GPU) without a first fp32 copy, on ``device`` (``meta``: shapes only)."""
-    from transformers import Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     config = workload_config(name, layers, **overrides)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
@@ -62,7 +68,7 @@ def build_model(name: str, device: str = "cpu", layers: int = 0, **overrides: An
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = Qwen3ForCausalLM(config)
+            model = AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(default)
     if device == "meta":
@@ -73,6 +79,19 @@ def build_model(name: str, device: str = "cpu", layers: int = 0, **overrides: An
     model.model.rotary_emb = type(model.model.rotary_emb)(config=config).to(device)
     fill_random(model, seed=0)
     return model
+
+
+def build_base_format(args: argparse.Namespace, base_format: str) -> torch.nn.Module:
+    """The workload with LoRA (``--lora``) over random frozen weights drawn straight into ``base_format``
+    (``roundpipe.loading.build_random``: a 70B base in NF4 needs about 40 GB of host memory, never 140)."""
+    from peft import LoraConfig
+
+    from roundpipe.loading import build_random
+
+    torch.manual_seed(0)
+    lora = LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules=LORA_TARGETS)
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return build_random(workload_config(args.workload), base_format, lora, dtype)
 
 
 def fill_random(model: torch.nn.Module, seed: int, std: float = 0.02, chunk: int = 1 << 24) -> None:
@@ -236,25 +255,35 @@ def bench_roundpipe(
     args: argparse.Namespace, ids: torch.Tensor, n_params: int, plan: str = "auto", fused: Optional[bool] = None
 ) -> Row:
     """RoundPipe on every visible device: the workload wrapped, Adam on the host, ``plan`` (auto or fixed),
-    Hugging Face's kernels where ``fused`` is False."""
+    Hugging Face's kernels where ``fused`` is False, the frozen base of ``--lora`` in ``args.base_format`` (one)."""
+    base_format = args.base_format
     import roundpipe
     from roundpipe import RoundPipeRunConfig
 
     rss0 = host_rss()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    hf = build_model(args.workload, "cpu")
-    if args.master == "bfloat16":  # bf16 masters are the bf16 weights (on CPU workers the model is fp32)
-        hf = hf.to(torch.bfloat16)
-    if args.lora:
-        hf = add_lora(hf, args.lora)
+    t0 = time.perf_counter()
+    if args.lora and (base_format != "bf16" or args.workload in flavors.LLAMA3):
+        hf = build_base_format(args, base_format)
         n_params = sum(p.numel() for p in hf.parameters() if p.requires_grad)
+        print(f"built layer by layer, {base_format} base: {time.perf_counter() - t0:.1f} s", flush=True)
+    else:
+        hf = build_model(args.workload, "cpu")
+        if args.master == "bfloat16":  # bf16 masters are the bf16 weights (on CPU workers the model is fp32)
+            hf = hf.to(torch.bfloat16)
+        if args.lora:
+            hf = add_lora(hf, args.lora)
+            n_params = sum(p.numel() for p in hf.parameters() if p.requires_grad)
+    from roundpipe.utils import host_nbytes
+
+    base_bytes = sum(host_nbytes(p) for p in {id(p): p for p in hf.parameters() if not p.requires_grad}.values())
     n_mb = args.microbatches or 2 * roundpipe.get_num_devices()
     # --master bfloat16: the optimizer steps the bf16 weights themselves (no fp32 copy on the host).
     optim_dtype = None if args.master == "bfloat16" else torch.float32
     run_config = RoundPipeRunConfig(num_microbatch=n_mb)
     model = roundpipe.wrap_model_to_roundpipe(
-        hf, optim_dtype=optim_dtype, model_run_config=run_config, fused_kernels=fused
+        hf, optim_dtype=optim_dtype, model_run_config=run_config, fused_kernels=fused, base_format=base_format
     )
     if plan != "auto":
         model.model_run_config = RoundPipeRunConfig(
@@ -294,9 +323,12 @@ def bench_roundpipe(
     )
     if (args.optim_state, args.master) != ("float32", "float32"):
         what += f", Adam state {args.optim_state}, master {args.master}"
+    if args.lora:
+        what += f", base {base_format} {base_bytes / 1024**3:.3g} GiB on the host"
     kernels = ", fused kernels" if model.preset.fused_kernels else ", HF kernels"
+    base = f", {base_format} base" if args.lora else ""
     row = Row(
-        f"roundpipe ({roundpipe.get_num_devices()} device, {plan} plan{kernels})",
+        f"roundpipe ({roundpipe.get_num_devices()} device, {plan} plan{kernels}{base})",
         ids.numel() / (sum(times) / len(times)),
         peak,
         host / 1024**3,
@@ -357,11 +389,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--optim-state", default="float32", choices=["float32", "bfloat16", "int8"], help="Adam moments")
     p.add_argument("--master", default="float32", choices=["float32", "bfloat16"], help="bfloat16: the weights")
     p.add_argument("--master-rounding", default="stochastic", choices=["stochastic", "kahan", "nearest"])
+    p.add_argument(
+        "--base-format", default="bf16", help="--lora's frozen base: bf16, fp8, int8, nf4; bf16,nf4: side by side"
+    )
     return p.parse_args(argv)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
+    formats = args.base_format.split(",")
+    if set(formats) - set(BASE_FORMATS) or (formats != ["bf16"] and not args.lora):
+        raise SystemExit(f"--base-format: a comma list of {', '.join(BASE_FORMATS)}; any but bf16 needs --lora N")
     kinds = [k.strip() for k in args.baselines.split(",") if k.strip()]
     unknown = sorted(set(kinds) - set(BASELINES))
     if unknown:
@@ -373,7 +411,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     if torch.cuda.is_available():
         ids = ids.pin_memory()
     t_load = time.perf_counter()
-    rows = [bench_roundpipe(args, ids, n_params, plan=args.plan)]
+    if args.workload == "llama3.1-70b" and "bf16" in formats:
+        raise SystemExit(f"{args.workload}: {2 * n_params / 1024**3:.0f} GiB in bf16; use --base-format nf4")
+    each = [argparse.Namespace(**{**vars(args), "base_format": f}) for f in formats]  # one row per base format
+    rows = [bench_roundpipe(a, ids, n_params, plan=args.plan) for a in each]
+    args = each[0]  # the comparisons below: the first format
     print(f"roundpipe: model build + wrap + warm-up + timed iterations {time.perf_counter() - t_load:.1f} s")
     if args.compare_plans:
         rows.append(bench_roundpipe(args, ids, n_params, plan="layerwise"))
@@ -384,7 +426,10 @@ def main(argv: Optional[List[str]] = None) -> None:
             rows.append(bench_roundpipe(args, ids, n_params))
             rows[-1].system += " untiled (RPP_SEQ_TILE=0)"
     baselines: List[Row] = []
-    if torch.cuda.is_available() and not args.skip_baseline:
+    fits = not torch.cuda.is_available() or 2 * n_params <= torch.cuda.get_device_properties(0).total_memory
+    if not fits and not args.skip_baseline:
+        print(f"resident baselines skipped: {args.workload} in bf16 ({2 * n_params / 1024**3:.0f} GiB) exceeds the GPU")
+    elif torch.cuda.is_available() and not args.skip_baseline:
         # Liger patches the model classes for the rest of the process: its baselines run after the others.
         baselines = [bench_baseline(args, ids, kind) for kind in sorted(kinds, key=lambda k: k.startswith("liger"))]
     print_table(args, n_params, baselines + rows, baselines)

@@ -4,6 +4,8 @@ model = RoundPipe(nn.Sequential(...), optim_dtype=torch.float32)
 optimizer = roundpipe.optim.Adam(model.optim_parameters(), lr=1e-4)
 loss = model.forward_backward(input_args=(x,), label=y, loss_fn=loss_fn)
 model.step(lambda: (optimizer.step(), optimizer.zero_grad()))
+
+model = roundpipe.from_pretrained(model_dir, base_format="nf4", lora=peft.LoraConfig(r=16))  # layer by layer
 """
 
 import importlib
@@ -25,6 +27,8 @@ __all__ = [
     "RoundPipeRunConfig",
     "configure",
     "doing_recompute",
+    "from_config",
+    "from_pretrained",
     "get_num_devices",
     "get_recompute_data",
     "load",
@@ -44,6 +48,8 @@ _LAZY = {
     "RoundPipe": "roundpipe.roundpipe",
     "RoundPipeRunConfig": "roundpipe.runtime.run_config",
     "doing_recompute": "roundpipe.runtime.context",
+    "from_config": "roundpipe.loading.load",
+    "from_pretrained": "roundpipe.loading.load",
     "get_num_devices": "roundpipe.devices.device",
     "get_recompute_data": "roundpipe.runtime.context",
     "load": "roundpipe.checkpoint",

@@ -223,8 +223,16 @@ def set_rng_state(state: Dict[str, Any]) -> None:
 # ---- the Python loop's pair ------------------------------------------------------------------------
 def _model_tensors(model: RoundPipeBase) -> Dict[str, torch.Tensor]:
     """The wrapped model's parameters (as the devices compute with them: one step behind the masters after
-    an asynchronous step) and buffers, by name, each shared tensor once."""
-    out = {f"param:{n}": p.detach() for n, p in model.model.named_parameters()}
+    an asynchronous step) and buffers, by name, each shared tensor once. A frozen weight in a packed format
+    (``roundpipe.host.formats``) is saved as it is held, its packed tensors as ``packed:<name>/<part>``:
+    the checkpoint is as small as the host copy, and loading restores it bit for bit without a re-quantize."""
+    out: Dict[str, torch.Tensor] = {}
+    for n, p in model.model.named_parameters():
+        packed = p.__dict__.get("packed")
+        if isinstance(packed, dict):
+            out.update({f"packed:{n}/{k}": v for k, v in packed.items()})
+        else:
+            out[f"param:{n}"] = p.detach()
     out.update({f"buffer:{n}": b.detach() for n, b in model.model.named_buffers()})
     return out
 
@@ -287,7 +295,7 @@ def load(model: RoundPipeBase, optimizer: Any, path: str, *, scheduler: Any = No
         extra_names = sorted((set(saved) - set(own)) | (set(masters) - set(optim_own)))[:3]
         raise CheckpointError(
             f"checkpoint {path} was saved for another model (it lacks {lacks} of this one and holds {extra_names})",
-            "build the model as the saved run did (same layers, same trainable parameters)",
+            "build the model as the saved run did (same layers, same trainable parameters, same base_format)",
         )
     files, ours = {**saved, **masters}, {**own, **optim_own}  # the two name spaces do not overlap
     resized = [n for n in ours if files[n].shape != ours[n].shape]
@@ -296,6 +304,13 @@ def load(model: RoundPipeBase, optimizer: Any, path: str, *, scheduler: Any = No
         raise CheckpointError(
             f"checkpoint {path} holds {n} as {tuple(files[n].shape)}, this model as {tuple(ours[n].shape)}",
             "build the model with the sizes of the saved run",
+        )
+    recast = [n for n in ours if n.startswith("packed:") and files[n].dtype != ours[n].dtype]
+    if recast:  # fp8 and int8 share part names and shapes: the dtype tells them apart
+        n = recast[0]
+        raise CheckpointError(
+            f"checkpoint {path} holds the packed {n} as {files[n].dtype}, this model as {ours[n].dtype}",
+            "build the model with the base_format of the saved run",
         )
     if (scheduler is None) != (rest["scheduler"] is None):
         raise CheckpointError(

@@ -1,9 +1,10 @@
-"""The Qwen3 sizes RoundPipe knows by name, one table: ``roundpipe train --model qwen3-1.7b`` (random
+"""The model sizes RoundPipe knows by name, two tables: ``roundpipe train --model qwen3-1.7b`` (random
 init), ``roundpipe plan`` and the memory estimate (``roundpipe.planning.estimate.ModelShape.builtin``), and the
-benchmarks (``bench/train_bench.py``'s ``WORKLOADS``) all read :data:`QWEN3`.
+benchmarks (``bench/train_bench.py``'s ``WORKLOADS``) all read :data:`BUILTIN` (:data:`QWEN3` and :data:`LLAMA3`).
 
-The sizes are those of ``shared/bench/WORKLOADS.md`` (vocab 151936, head_dim 128), plus qwen3-32b; ``plan``
-and ``train`` accept the same names (``roundpipe.cli.model_names``). A flavor is the shape only: what else a
+The Qwen3 sizes are those of ``shared/bench/WORKLOADS.md`` (vocab 151936, head_dim 128), plus qwen3-32b; the
+Llama sizes are Llama-3.1's (vocab 128256, head_dim 128, untied); ``plan`` and ``train`` accept the same names
+(``roundpipe.cli.model_names``). A flavor is the shape only: what else a
 config sets (rotary base, norm epsilon, position limit) stays with the one building it.
 
 Data only, no torch: the CLI checks a model name before torch loads, which is why this table is not in
@@ -19,11 +20,13 @@ QWEN3_VOCAB = 151936
 """Vocabulary size of every Qwen3 flavor."""
 QWEN3_HEAD_DIM = 128
 """Width of one attention head of every Qwen3 flavor."""
+LLAMA3_VOCAB = 128256
+"""Vocabulary size of every Llama-3.1 flavor."""
 
 
 @dataclass(frozen=True)
 class Flavor:
-    """One size of the Qwen3 architecture (the ``Qwen3Config`` fields that differ between sizes)."""
+    """One size of an architecture (the config fields that differ between sizes)."""
 
     hidden: int
     """``hidden_size``."""
@@ -41,9 +44,12 @@ class Flavor:
     """``head_dim``."""
     vocab: int = QWEN3_VOCAB
     """``vocab_size``."""
+    family: str = "qwen3"
+    """The config's ``model_type``: ``qwen3`` (``Qwen3Config``) or ``llama`` (``LlamaConfig``)."""
 
     def config_fields(self) -> Dict[str, Any]:
-        """These sizes as ``Qwen3Config`` keyword arguments (what a builder adds to them is its own)."""
+        """These sizes as config keyword arguments, the same in ``Qwen3Config`` and ``LlamaConfig`` (what a builder
+        adds to them is its own)."""
         return dict(
             vocab_size=self.vocab,
             hidden_size=self.hidden,
@@ -66,4 +72,13 @@ QWEN3: Dict[str, Flavor] = {
 }
 """Flavor name -> its sizes, smallest first."""
 
-__all__ = ["QWEN3", "QWEN3_HEAD_DIM", "QWEN3_VOCAB", "Flavor"]
+LLAMA3: Dict[str, Flavor] = {
+    "llama3.1-8b": Flavor(4096, 14336, 32, 32, 8, tied=False, vocab=LLAMA3_VOCAB, family="llama"),
+    "llama3.1-70b": Flavor(8192, 28672, 80, 64, 8, tied=False, vocab=LLAMA3_VOCAB, family="llama"),
+}
+"""The Llama-3.1 sizes, smallest first."""
+
+BUILTIN: Dict[str, Flavor] = {**QWEN3, **LLAMA3}
+"""Every flavor by name: what ``plan``, ``train`` and the benchmarks accept."""
+
+__all__ = ["BUILTIN", "LLAMA3", "LLAMA3_VOCAB", "QWEN3", "QWEN3_HEAD_DIM", "QWEN3_VOCAB", "Flavor"]

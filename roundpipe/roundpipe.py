@@ -14,6 +14,7 @@ from roundpipe.devices.memory import PinMode, pin_module
 from roundpipe.devices.threads import raise_if_failed
 from roundpipe.host import step_cycle
 from roundpipe.host.attribute import LayerAttribute, ParamAttribute
+from roundpipe.host.formats import check_base_format, module_device_bytes, quantize_base
 from roundpipe.planning import budget
 from roundpipe.planning.plan import ModelExecutePlan, PlanCache, RunType
 from roundpipe.planning.timer import ModelTimer
@@ -66,6 +67,10 @@ class RoundPipe(RoundPipeBase):
     An ``nn.Sequential`` is split into its children (the layers); any other module is one layer. Layer 0
     is called as ``layer(*args, **kwargs)``; layer i > 0 as ``layer(output_of_layer_i_minus_1)``.
 
+    ``base_format`` (``roundpipe.host.formats.BASE_FORMATS``) stores the frozen ``nn.Linear`` weights packed in host
+    memory (``"fp8"``, ``"int8"``, ``"nf4"``; default ``"bf16"``: as they are); they are uploaded packed and
+    unpacked on the device. A model with no frozen ``nn.Linear`` weight and a packed format is an error.
+
     Attributes:
         model_run_config: Default run configuration of this model.
         layers: The layers.
@@ -84,9 +89,11 @@ class RoundPipe(RoundPipeBase):
         name: Optional[str] = None,
         model_run_config: RoundPipeRunConfig = RoundPipeRunConfig(),
         pin_model: PinMode = "alloc",
+        base_format: str = "bf16",
     ) -> None:
         check_wrapper_arguments(type(self).__name__, model, optim_dtype)
         check_model_run_config(model_run_config)
+        check_base_format(base_format)
         super().__init__(model, name if name is not None else get_call_location(1), optim_dtype)
         on_device = [
             n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type != "cpu"
@@ -108,6 +115,9 @@ class RoundPipe(RoundPipeBase):
         self.layer_attrs = [LayerAttribute(i, f"{self.name}.layer{i}") for i in range(self.num_layers)]
         # Host buffers of the fused group's gradient parts on other devices (``partial_grads``).
         self.partial_grad_store: PartialGradStore = {}
+        # Frozen Linear weights packed before pinning (the packed bytes are what is pinned) and before the
+        # layer sizes are read (they count the packed bytes).
+        quantize_base(model, base_format)
         pin_module(model, pin_model)
         shared: Dict[int, nn.Parameter] = {}
         for i, layer in enumerate(layers):
@@ -142,13 +152,14 @@ class RoundPipe(RoundPipeBase):
 
     # ---- plans ---------------------------------------------------------------------------------------
     def layer_device_bytes(self, run_type: RunType) -> List[float]:
-        """Bytes each layer occupies on a device while it runs: parameters and buffers, plus gradients
-        of trainable parameters when training. Computed once per run type (the layer list is fixed)."""
+        """Bytes each layer occupies on a device while it runs: parameters and buffers (a packed frozen weight
+        at its logical size, plus the transient of unpacking it: ``formats.module_device_bytes``), plus
+        gradients of trainable parameters when training. Computed once per run type (the layer list is fixed)."""
         key = "infer" if run_type == "infer" else "train"
         cache = self.__dict__.setdefault("_device_bytes", {})
         if key not in cache:
             cache[key] = [
-                float(get_model_size(l) + (get_model_active_size(l) if key == "train" else 0)) for l in self.layers
+                float(module_device_bytes(l) + (get_model_active_size(l) if key == "train" else 0)) for l in self.layers
             ]
         return cache[key]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch import nn
@@ -21,11 +21,21 @@ def get_call_location(depth: int) -> str:
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
+def host_nbytes(t: Any) -> int:
+    """Bytes a host tensor holds: the packed bytes of a frozen weight in a packed format
+    (``roundpipe.host.formats.FrozenWeight.host_nbytes``), ``numel * element_size`` otherwise."""
+    packed = getattr(t, "__dict__", {}).get("packed")
+    if isinstance(packed, dict):
+        return sum(v.numel() * v.element_size() for v in packed.values())
+    return t.numel() * t.element_size()
+
+
 def get_model_size(model: nn.Module, recurse: bool = True) -> int:
-    """Bytes of the parameters and buffers of ``model`` (each tensor counted once)."""
+    """Bytes of the parameters and buffers of ``model`` in host memory (each tensor counted once; a
+    packed frozen weight by its packed bytes)."""
     seen = {}
     for t in list(model.parameters(recurse)) + list(model.buffers(recurse)):
-        seen[id(t)] = t.numel() * t.element_size()
+        seen[id(t)] = host_nbytes(t)
     return sum(seen.values())
 
 

@@ -35,6 +35,7 @@ from typing import Any, Callable, Container, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from roundpipe.host.formats import quantize_base
 from roundpipe.roundpipe import AutoRoundPipe, RoundPipe, RoundPipeBase
 from roundpipe.runtime.run_config import RoundPipeRunConfig
 from roundpipe.utils import get_call_location, get_model_size
@@ -282,6 +283,7 @@ def wrap_model_to_roundpipe(
     override_config: Dict[nn.Module, RoundPipeRunConfig] = {},  # noqa: B006 - the spec's signature; never mutated
     model_run_config: RoundPipeRunConfig = RoundPipeRunConfig(),
     name: Optional[str] = None,
+    base_format: str = "bf16",
     **roundpipe_kwargs: Any,
 ) -> RoundPipeBase:
     """Wrap ``model`` into RoundPipe, with its sequential preset when one exists.
@@ -298,6 +300,10 @@ def wrap_model_to_roundpipe(
         override_config: Module -> run config for that module's RoundPipe.
         model_run_config: Default run config.
         name: Name of the root; default: the caller's file:line.
+        base_format: How frozen ``nn.Linear`` weights (a LoRA base) are stored in host memory:
+            ``roundpipe.host.formats.BASE_FORMATS`` (``"bf16"``: as they are; ``"fp8"``, ``"int8"``, ``"nf4"``:
+            packed, uploaded packed and dequantized on the device). Packed once, before the model is split,
+            so the split sizes count the packed bytes.
         **roundpipe_kwargs: Forwarded to RoundPipe (``optim_dtype``, ``pin_model``).
 
     Returns:
@@ -311,6 +317,7 @@ def wrap_model_to_roundpipe(
 
     if name is None:
         name = get_call_location(1)
+    quantize_base(model, base_format)
     if use_sequential_preset is not False:
         try:
             wrap = models.preset_wrapper(model)

@@ -102,6 +102,11 @@ GROUPS = {
                 + ["--compare-plans", "--compare-kernels"],
                 "| roundpipe (2 device, layerwise plan",
             ),
+            (  # LoRA over an NF4 base built layer by layer, beside a bf16 base
+                ["bench/train_bench.py", *TINY, "--batch", "4", "--warmup", "0", "--iters", "1", "--lora", "2"]
+                + ["--base-format", "nf4,bf16"],
+                "auto plan, HF kernels, nf4 base) |",
+            ),
             (["bench/user_script.py", *TINY, "--batch", "2", "--steps", "1", "--declared", "--step-phases"], "phases"),
         ],
     ),
@@ -294,7 +299,18 @@ def test_one_flavor_table_feeds_the_cli_the_estimate_and_the_benches() -> None:
 
     assert list(flavors.QWEN3) == ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"]
     assert flavors.QWEN3["qwen3-1.7b"] == flavors.Flavor(2048, 6144, 28, 16, 8, tied=True)  # WORKLOADS.md
-    assert train_bench.WORKLOADS == ["tiny", *flavors.QWEN3]
+    assert train_bench.WORKLOADS == ["tiny", *flavors.QWEN3, *flavors.LLAMA3]
+    c = train_bench.workload_config("llama3.1-70b")  # Llama-3.1-70B's shape
+    assert (type(c).__name__, c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (
+        "LlamaConfig",
+        8192,
+        28672,
+        80,
+    )
+    assert (c.num_attention_heads, c.num_key_value_heads, c.vocab_size, c.head_dim) == (64, 8, 128256, 128)
+    assert not c.tie_word_embeddings and c.rope_parameters["rope_type"] == "llama3"
+    shape = estimate.ModelShape.builtin("llama3.1-70b")
+    assert (shape.hidden, shape.layers, shape.vocab, shape.tied) == (8192, 80, 128256, False)
     for name, f in flavors.QWEN3.items():
         c = train_bench.workload_config(name)
         assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (f.hidden, f.intermediate, f.layers)
@@ -308,4 +324,4 @@ def test_one_flavor_table_feeds_the_cli_the_estimate_and_the_benches() -> None:
             f.kv_heads,
             f.tied,
         )
-    assert set(BUILTIN_MODELS) == {"tiny", *flavors.QWEN3}  # one list: plan and train take the same names
+    assert set(BUILTIN_MODELS) == {"tiny", *flavors.BUILTIN}  # one list: plan and train take the same names

@@ -33,6 +33,9 @@ PLANS = ("auto", "layerwise", "single")
 OPTIM_STATES = ("float32", "bfloat16", "int8")
 MASTERS = ("float32", "bfloat16")
 MASTER_ROUNDINGS = ("stochastic", "kahan", "nearest")
+#: How the frozen base weights are kept in host memory: ``roundpipe.host.formats.BASE_FORMATS``, named here
+#: without torch so that the flags are checked before it loads (tests/cli/test_base_format.py holds them equal).
+BASE_FORMATS = ("bf16", "fp8", "int8", "nf4")
 
 
 def normalize_dtype(value: str) -> str:
@@ -79,6 +82,12 @@ class TrainConfig:
         None,
         "stretch the rotary positions past the model's limit: yarn:F, linear:F, dynamic:F, llama3:F or none "
         "(default: the model's own config; docs/long-context.md)",
+        group="model",
+    )
+    base_format: str = _f(
+        "bf16",
+        "how the frozen base weights of a LoRA run are kept in host memory: bf16, fp8, int8 or nf4 (read layer by "
+        "layer into that format; anything but bf16 needs --lora-r)",
         group="model",
     )
     # data
@@ -311,6 +320,7 @@ def merge(file_keys: Dict[str, Any], flag_keys: Dict[str, Any]) -> TrainConfig:
 def validate(cfg: TrainConfig) -> None:
     """Checks that need no model or data; the rest happen when those are loaded."""
     from roundpipe.cli.memory_caps import size_problem
+    from roundpipe.cli.model_names import did_you_mean
     from roundpipe.cli.tasks import TASKS
 
     def positive(name: str, allow_none: bool = False) -> None:
@@ -372,6 +382,16 @@ def validate(cfg: TrainConfig) -> None:
         check_rope_scaling(cfg.rope_scaling)
     if (problem := size_problem(cfg)) is not None:
         raise ConfigError(*problem)
+    if cfg.base_format not in BASE_FORMATS:
+        hint = did_you_mean(cfg.base_format, BASE_FORMATS)
+        raise ConfigError(
+            f"base_format={cfg.base_format!r} is not a format{hint}", f"use one of {', '.join(BASE_FORMATS)}"
+        )
+    if cfg.base_format != "bf16" and cfg.lora_r == 0:
+        raise ConfigError(
+            f"base_format={cfg.base_format} stores the frozen base weights, but lora_r=0 trains every weight",
+            "add --lora-r 16 (LoRA adapters over the quantized base), or drop --base-format",
+        )
     if cfg.lora_r == 0 and cfg.lora_alpha is not None:
         raise ConfigError(
             "lora_alpha is set but lora_r is 0 (full fine-tune)", "set --lora-r to enable LoRA, or drop lora_alpha"

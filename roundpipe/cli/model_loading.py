@@ -1,8 +1,9 @@
 """Model loading for ``roundpipe train``: built-in architectures, local Hugging Face directories, the
-compute dtype, the tokenizer and LoRA.
+compute dtype, the tokenizer, LoRA and the base format.
 
-A model is either a built-in Qwen3 architecture (random init, byte-level tokenizer; no download) or a
-local directory written by ``save_pretrained`` (``local_files_only``: nothing is downloaded). Every
+A model is either a built-in Qwen3 or Llama-3.1 architecture (random init, byte-level tokenizer; no download)
+or a local directory written by ``save_pretrained`` (``local_files_only``: nothing is downloaded). A quantized
+base (``--base-format``) and the large built-ins are built layer by layer (``roundpipe.loading``). Every
 failure a user can fix is a :class:`ConfigError` naming the directory and what to do.
 """
 
@@ -11,33 +12,35 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
 
 from roundpipe.cli.config import ConfigError, TrainConfig, check_model
-from roundpipe.cli.model_names import BUILTIN_MODELS
+from roundpipe.cli.model_names import BUILTIN_MODELS, family_of
 from roundpipe.cli.tasks import EOS_ID, byte_tokenizer
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def builtin_config(name: str) -> Any:
-    """The ``Qwen3Config`` of built-in architecture ``name`` (byte-level vocabulary ids for EOS/pad)."""
-    from transformers import Qwen3Config
+    """The config of built-in architecture ``name`` (``Qwen3Config``, or ``LlamaConfig`` for the Llama-3.1
+    sizes), with the byte-level vocabulary's ids for EOS/pad."""
+    from roundpipe.models.configs import config_class
 
-    return Qwen3Config(
+    return config_class(family_of(name))(
         **BUILTIN_MODELS[name], use_cache=False, eos_token_id=EOS_ID, pad_token_id=EOS_ID + 1, bos_token_id=None
     )
 
 
 def model_source(cfg: TrainConfig) -> Dict[str, str]:
-    """Where the model comes from: ``{"kind": "builtin", "name"}`` or ``{"kind": "local", "path"}``."""
+    """Where the model comes from: ``{"kind": "builtin", "name", "seed"}`` (``seed``: what its random weights are
+    drawn from) or ``{"kind": "local", "path"}``; both with the ``base_format`` the frozen weights are kept in."""
     check_model(cfg.model)
     if cfg.model in BUILTIN_MODELS:
-        return {"kind": "builtin", "name": cfg.model}
-    return {"kind": "local", "path": os.path.abspath(cfg.model)}
+        return {"kind": "builtin", "name": cfg.model, "seed": str(cfg.seed), "base_format": cfg.base_format}
+    return {"kind": "local", "path": os.path.abspath(cfg.model), "base_format": cfg.base_format}
 
 
 def load_model_config(source: Dict[str, str]) -> Any:
@@ -90,21 +93,44 @@ def resolve_dtype(cfg: TrainConfig, model_config: Any) -> torch.dtype:
     return torch.bfloat16 if cfg.model in BUILTIN_MODELS else torch.float32
 
 
-def build_model(source: Dict[str, str], model_config: Any, dtype: torch.dtype) -> nn.Module:
-    """The Hugging Face causal LM (random init for built-ins; weights on the host)."""
+def layer_by_layer(source: Dict[str, str]) -> bool:
+    """Whether the model is built part by part (``roundpipe.loading``): a quantized base, or a built-in larger
+    than ``tiny`` (random weights without a whole-model copy). Otherwise transformers builds it whole."""
+    return source.get("base_format", "bf16") != "bf16" or (source["kind"] == "builtin" and source["name"] != "tiny")
+
+
+def build_model(source: Dict[str, str], model_config: Any, dtype: torch.dtype, lcfg: Optional[Any] = None) -> nn.Module:
+    """The Hugging Face causal LM (random init for built-ins; weights on the host), inside PEFT with LoRA
+    config ``lcfg``."""
+    if layer_by_layer(source):
+        from roundpipe.loading import LoadError, build_random, load_pretrained
+
+        fmt = source.get("base_format", "bf16")
+        try:
+            if source["kind"] == "local":
+                return load_pretrained(source["path"], fmt, lcfg, dtype, config=model_config)
+            # Drawn from the run's seed alone, so that a resume or an export rebuilds the same frozen base.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(int(source["seed"]))
+                return build_random(model_config, fmt, lcfg, dtype)
+        except LoadError as exc:
+            what, _, fix = str(exc).rpartition("; ")
+            raise ConfigError(what or fix, fix if what else "check --model and --base-format") from None
     from transformers import AutoModelForCausalLM
 
     if source["kind"] == "builtin":
-        return AutoModelForCausalLM.from_config(model_config, dtype=dtype)
-    try:
-        return AutoModelForCausalLM.from_pretrained(
-            source["path"], config=model_config, dtype=dtype, local_files_only=True
-        )
-    except (OSError, ValueError) as exc:
-        raise ConfigError(
-            f"cannot load the model in {source['path']} ({str(exc).splitlines()[0]})",
-            "pass a directory written by save_pretrained with its weights",
-        ) from None
+        model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                source["path"], config=model_config, dtype=dtype, local_files_only=True
+            )
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"cannot load the model in {source['path']} ({str(exc).splitlines()[0]})",
+                "pass a directory written by save_pretrained with its weights",
+            ) from None
+    return apply_lora(model, lcfg) if lcfg is not None else model
 
 
 #: Vocabulary files of Hugging Face tokenizers (fast, SentencePiece, BPE, WordPiece, tiktoken): a model
@@ -190,6 +216,7 @@ __all__ = [
     "build_model",
     "builtin_config",
     "config_error",
+    "layer_by_layer",
     "load_model_config",
     "load_tokenizer",
     "lora_config",

@@ -28,10 +28,11 @@ class PipelineModel:
         plan: str = "auto",
         master_dtype: Optional[torch.dtype] = torch.float32,
         stage_inputs: Optional[str] = None,
+        base_format: str = "bf16",
     ) -> None:
         """``master_dtype``: dtype of the optimizer's masters (None: the weights themselves, no copy);
         ``stage_inputs``: how backward-stage inputs are kept (``RoundPipeRunConfig.stage_inputs``; None: the
-        setting)."""
+        setting); ``base_format``: how the frozen weights are kept on the host (``wrap_model_to_roundpipe``)."""
         import roundpipe
         from roundpipe import ModelExecutePlan, RoundPipeRunConfig
 
@@ -43,6 +44,7 @@ class PipelineModel:
                 optim_dtype=master_dtype,
                 name="train",
                 model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch, stage_inputs=stage_inputs),
+                base_format=base_format,
             )
         except NotImplementedError as exc:
             why = str(exc).splitlines()[0].split("; supported:")[0]  # the class and its model type: one short line

@@ -3,9 +3,12 @@
     roundpipe plan --model qwen3-8b --seq-len 262144 --lora-r 16
     roundpipe plan --model ~/models/Qwen3-8B --seq-len 131072 --rope-scaling yarn:4 --gpu-memory 24GiB
     roundpipe plan --model qwen3-8b --seq-len 4096 --optim-state int8 --master bfloat16
+    roundpipe plan --model ~/models/Llama-3.1-70B --seq-len 4096 --batch-size 8 --lora-r 16 --base-format nf4
 
 Prints peak GPU memory (per GPU) and peak host memory of one step, the bytes each token costs, and
-the longest context that fits this machine (or the ``--gpu-memory`` / ``--host-memory`` given). A step
+the longest context that fits this machine (or the ``--gpu-memory`` / ``--host-memory`` given); with
+``--base-format`` fp8, int8 or nf4, the frozen base's host bytes, the bytes uploaded per layer and the time to
+unpack it on the GPU. A step
 that does not fit is told which side is short and by how much, with the levers that would change it, each
 with its estimated effect (LoRA, compact optimizer state, int8 stage inputs, fewer tokens, more memory). The
 same numbers are ``roundpipe.planning.estimate.estimate(...)`` and ``roundpipe.planning.estimate.longest_context(...)``
@@ -37,7 +40,7 @@ from roundpipe.cli.config import (
     normalize_dtype,
 )
 from roundpipe.cli.memory_caps import size_bytes
-from roundpipe.planning import estimate, memory_terms
+from roundpipe.planning import estimate, frozen_terms, memory_terms
 from roundpipe.utils import GiB
 
 
@@ -80,6 +83,12 @@ def parser() -> argparse.ArgumentParser:
         "(as train)",
     )
     p.add_argument("--lora-r", type=int, default=0, help="LoRA rank on all decoder projections (0: full fine-tune)")
+    p.add_argument(
+        "--base-format",
+        choices=frozen_terms.BASE_FORMATS,
+        default="bf16",
+        help="how a LoRA run's frozen projections are held in host memory and uploaded (as train; default bf16)",
+    )
     states, masters, roundings = (", ".join(c) for c in (OPTIM_STATES, MASTERS, MASTER_ROUNDINGS))
     p.add_argument("--optim-state", type=normalize_dtype, default="float32", help=f"Adam moments: {states} (as train)")
     p.add_argument("--master", type=normalize_dtype, default="float32", help=f"master weights: {masters} (as train)")
@@ -178,6 +187,11 @@ def check(args: argparse.Namespace, config: Optional[Dict[str, Any]]) -> None:
             raise ConfigError(f"{flag}={getattr(args, name)} must be positive", f"set {flag} to 1 or more")
     if args.lora_r < 0:
         raise ConfigError(f"--lora-r={args.lora_r} is negative", "set --lora-r to 0 (full fine-tune) or more")
+    if args.base_format != "bf16" and not args.lora_r:
+        raise ConfigError(
+            f"--base-format {args.base_format} packs the frozen base of a LoRA run, and this is a full fine-tune",
+            "give --lora-r, or leave --base-format at bf16",
+        )
     if args.microbatches > args.batch_size:
         raise ConfigError(
             f"batch_size={args.batch_size} is smaller than microbatches={args.microbatches}",
@@ -227,6 +241,7 @@ def _plan(args: argparse.Namespace) -> int:
             args.optim_state, args.master, args.master_rounding
         ),
         stage_inputs=args.stage_inputs,
+        base_format=args.base_format,
     )
     e, fits = plan_levers.best_estimate(shape, args.seq_len, gpu, host, kw)
     levers = [] if fits else plan_levers.levers(args, shape, gpu, host, kw)
@@ -241,6 +256,9 @@ def _plan(args: argparse.Namespace) -> int:
             "gpu_parts": e.gpu_parts,
             "host_parts": e.host_parts,
             "layers_per_stage": e.layers_per_stage,
+            "base_format": e.base_format,
+            "upload_bytes_per_layer": e.upload_bytes_per_layer,
+            "dequantize_ms_per_layer": e.dequantize_ms_per_layer,
             "longest_context": seq,
             "longest_context_layers_per_stage": fit.layers_per_stage if fit else None,
             "gpu_memory": gpu,

@@ -3,7 +3,7 @@ levers that would change it, each with the effect the estimate itself computes f
 
 A lever is one change to the command line: LoRA, compact optimizer state, int8 stage inputs, fewer tokens
 (the longest ``--seq-len`` that fits, from ``estimate.longest_context``), more GPU memory where the GPU is
-short. A quantized base is named as not available: neither the estimate nor ``roundpipe train`` has one.
+short, an NF4 frozen base (``--base-format nf4``, with LoRA) where the host is short.
 Each is estimated alone, as ``plan`` would with its flags added (the same choice of layers per backward
 stage); when none of the run's own levers fits alone, they are tried together.
 """
@@ -22,7 +22,7 @@ from roundpipe.utils import GiB
 MAX_LAYERS_PER_STAGE = 4
 """The backward stages ``plan`` tries, as the planner does: 1 to this many decoder layers each."""
 
-RUN_FLAGS = ("--lora-r", "--optim-state", "--stage-inputs")
+RUN_FLAGS = ("--lora-r", "--optim-state", "--stage-inputs", "--base-format")
 """The levers that change the run itself (not its tokens, nor the machine): tried together, on this machine,
 when none fits alone."""
 
@@ -125,11 +125,10 @@ def levers(args: argparse.Namespace, shape: ModelShape, gpu: float, host: float,
         compact = memory_terms.optimizer_state_bytes("int8", "bfloat16", args.master_rounding)
         argv = ["--optim-state", "int8", "--master", "bfloat16"]
         out.append(lever(" ".join(argv), argv, note="train needs --dtype bfloat16", optimizer_bytes_per_param=compact))
-    weights = best_estimate(shape, args.seq_len, gpu, host, kw)[0].host_parts["weights"] / GiB
-    note = (
-        f"not available yet (no flag of plan or train sets one); it would shrink the {weights:.1f} GiB of host weights"
-    )
-    out.append(Lever("a quantized base (4-bit weights)", note=note))
+    if kw.get("base_format", "bf16") != "nf4":  # a LoRA base in 4 bits: about a quarter of its host bytes
+        rank = args.lora_r or LORA_RANK
+        argv = ([] if args.lora_r else ["--lora-r", str(rank)]) + ["--base-format", "nf4"]
+        out.append(lever(" ".join(argv), argv, base_format="nf4", lora_rank=rank))
     if (args.stage_inputs or settings.STAGE_INPUTS.get()) != "int8":
         out.append(
             lever("--stage-inputs int8 (RPP_STAGE_INPUTS=int8)", ["--stage-inputs", "int8"], stage_inputs="int8")

@@ -49,7 +49,6 @@ from roundpipe.cli import parallel
 from roundpipe.cli.config import ConfigError, TrainConfig
 from roundpipe.cli.memory_caps import CAPS, cap_problem, memory_caps
 from roundpipe.cli.model_loading import (
-    apply_lora,
     build_model,
     load_model_config,
     load_tokenizer,
@@ -186,9 +185,7 @@ class Recipe(TrainLoop):
         """Model, data, optimizer and schedule: this process's work alone (no collectives)."""
         cfg = self.cfg
         self._plan()
-        hf_model = build_model(self.source, self.model_config, self.dtype)
-        if cfg.lora_r:
-            hf_model = apply_lora(hf_model, lora_config(cfg))
+        hf_model = build_model(self.source, self.model_config, self.dtype, lora_config(cfg) if cfg.lora_r else None)
         if cfg.master == "bfloat16" and self.dtype != torch.bfloat16:
             raise ConfigError(
                 f"master=bfloat16 steps the bf16 weights themselves, but this model trains in {self.dtype}",
@@ -200,6 +197,7 @@ class Recipe(TrainLoop):
             cfg.plan,
             master_dtype=None if cfg.master == "bfloat16" else torch.float32,
             stage_inputs=cfg.stage_inputs,
+            base_format=cfg.base_format,
         )
         if not self.model.trainable_named():
             raise ConfigError("the model has no trainable parameters", "check --lora-targets")

@@ -35,9 +35,11 @@ logger = logging.getLogger("roundpipe")
 
 
 def weights_kind(source: Dict[str, str], lora: bool) -> str:
-    """'trainable' when the frozen weights can be reloaded from the model directory (LoRA on a local
-    model): checkpoints then stay adapter-sized; 'full' otherwise."""
-    return "trainable" if lora and source["kind"] == "local" else "full"
+    """'trainable' when the frozen weights can be rebuilt from the source (LoRA on a local model, or over a
+    quantized base: a built-in's is drawn again from the run's seed): checkpoints then stay adapter-sized;
+    'full' otherwise."""
+    rebuilt = source["kind"] == "local" or source.get("base_format", "bf16") != "bf16"
+    return "trainable" if lora and rebuilt else "full"
 
 
 @dataclass

@@ -148,17 +148,36 @@ def pinned_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def _tensors(mod: nn.Module) -> Iterator[torch.Tensor]:
+    """``mod``'s parameters and buffers, each once; a frozen weight in a packed host format
+    (``roundpipe.host.formats.FrozenWeight``, which carries a ``packed`` dict) as its packed tensors."""
     seen = set()
     for t in list(mod.parameters()) + list(mod.buffers()):
         if id(t) not in seen:
             seen.add(id(t))
-            yield t
+            yield from _host_tensors(t)
+
+
+def _host_tensors(t: torch.Tensor) -> List[torch.Tensor]:
+    packed = t.__dict__.get("packed")
+    return list(packed.values()) if isinstance(packed, dict) else [t]
+
+
+def _pin_packed(mod: nn.Module) -> None:
+    """Pin the packed tensors of ``mod``'s frozen weights in place of their dict entries (every alias of
+    a FrozenWeight shares the dict, so each sees the pinned tensors)."""
+    for t in list(mod.parameters()) + list(mod.buffers()):
+        packed = t.__dict__.get("packed")
+        if isinstance(packed, dict):
+            for k, v in list(packed.items()):
+                if v.device.type == "cpu" and not v.is_pinned():
+                    packed[k] = pinned_copy(v)
 
 
 def pin_module_alloc(mod: nn.Module) -> None:
     """Move parameters and buffers of ``mod`` into pinned host allocations (tensor objects are kept)."""
-    for t in _tensors(mod):
-        if t.device.type == "cpu" and not t.is_pinned():
+    _pin_packed(mod)
+    for t in list(mod.parameters()) + list(mod.buffers()):
+        if "packed" not in t.__dict__ and t.device.type == "cpu" and not t.is_pinned():
             t.data = pinned_copy(t.data)
 
 

@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from roundpipe.planning import frozen_terms
 from roundpipe.planning.memory_terms import (
     GPU_OVERHEAD_BYTES,
     HOST_OVERHEAD_BYTES,
@@ -63,6 +64,11 @@ class Estimate:
     gpu_bytes_per_token: float = 0.0
     host_bytes_per_token: float = 0.0
     stage_inputs: str = "bf16"
+    base_format: str = "bf16"
+    upload_bytes_per_layer: float = 0.0
+    """Bytes one decoder layer's weights take from host to GPU at each upload (packed, as held)."""
+    dequantize_ms_per_layer: float = 0.0
+    """Time to unpack one decoder layer's packed base on the GPU (``frozen_terms``' assumed rates)."""
 
     @property
     def peak_gpu_bytes(self) -> float:
@@ -79,6 +85,13 @@ class Estimate:
             return ", ".join(f"{k} {v / GiB:.1f}" for k, v in d.items() if v >= 0.05 * GiB)
 
         mode = f"LoRA r={self.lora_rank}" if self.lora_rank else "full fine-tune"
+        base = []
+        if self.base_format != "bf16":
+            base = [
+                f"frozen base in {self.base_format}: {self.host_parts['weights'] / GiB:.1f} GiB of host weights; "
+                f"{self.upload_bytes_per_layer / 2**20:.0f} MiB uploaded and about "
+                f"{self.dequantize_ms_per_layer:.2f} ms of unpacking per decoder layer and upload"
+            ]
         return "\n".join(
             [
                 f"{mode}, {self.batch_size} x {self.seq_len:,} tokens, {self.microbatches} microbatch(es), "
@@ -89,6 +102,7 @@ class Estimate:
                 f"peak host {self.peak_host_bytes / GiB:6.1f} GiB  ({parts(self.host_parts)}); "
                 f"{self.host_bytes_per_token / 1024:.1f} KiB per token",
             ]
+            + base
         )
 
 
@@ -115,6 +129,7 @@ def estimate(
     gpu_bytes: Optional[float] = None,
     sequence_tiles: int = 1,
     stage_inputs: Optional[str] = None,
+    base_format: str = "bf16",
 ) -> Estimate:
     """The peak GPU and host memory of one training step (see the module docstring).
 
@@ -149,6 +164,9 @@ def estimate(
         stage_inputs: How the host keeps them: 'bf16' (``dtype_bytes`` per value), 'fp8' (1 byte and a
             float32 scale per 128 values) or 'int8' (1 byte and a float32 scale per 32 values); those on the
             GPU stay exact. None: ``RPP_STAGE_INPUTS``.
+        base_format: How a LoRA run's frozen projections are held on the host (``frozen_terms.BASE_FORMATS``):
+            packed ones take fewer host bytes and upload bytes, arrive on the GPU at the model dtype, and cost
+            one weight's unpacking transient there (``frozen_terms.frozen_base``).
     """
     if seq_len < 1 or batch_size < 1 or microbatches < 1 or layers_per_stage < 1 or devices < 1 or sequence_tiles < 1:
         raise ValueError(
@@ -156,6 +174,11 @@ def estimate(
         )
     if recompute_grain not in ("stage", "layer"):
         raise ValueError(f"recompute_grain={recompute_grain!r}: expected 'stage' or 'layer'")
+    frozen_terms.check(base_format)
+    if base_format != "bf16" and not lora_rank:
+        raise ValueError(
+            f"base_format={base_format!r} packs the frozen base of a LoRA run: give lora_rank, or base_format='bf16'"
+        )
     if tile is None or grad_buffers is None or stage_inputs is None:
         from roundpipe import settings
         from roundpipe.host.step_mode import StepMode
@@ -210,6 +233,9 @@ def estimate(
         gpu = {"weights": float(weights), "activations": float(stage), "runtime": float(GPU_OVERHEAD_BYTES)}
     else:
         gpu = {"weights": float(head_w), "activations": float(head), "runtime": float(GPU_OVERHEAD_BYTES)}
+    base = frozen_terms.frozen_base(shape, base_format, b)
+    if base.gpu_transient_bytes:  # one packed weight being unpacked beside the plain copies
+        gpu["unpacking"] = float(base.gpu_transient_bytes)
 
     # ---- host --------------------------------------------------------------------------------------
     n = shape.params()
@@ -225,6 +251,7 @@ def estimate(
     room = 0.0
     if devices == 1 and gpu_bytes is not None:  # a layer's weights and gradients (PEFT's adapters in fp32)
         layer_dev = layer_w + (8 * shape.lora_params(lora_rank) if lora_rank else trainable_layer * b)
+        layer_dev += base.gpu_transient_bytes  # as the runtime's layer bytes count it (formats.module_device_bytes)
         kv, prefix = sequence_kv(1) - sequence_kv(0), sequence_kv(0)
         step = runtime_step_bytes(shape, t, tile, tiled, b, lora_rank, lora_extra, g, layer_dev, kv, prefix)
         # Where this estimate's count of the step is the larger, the inputs fill only what it leaves.
@@ -236,7 +263,7 @@ def estimate(
     parts = 1 if tiled_sequence else max(1, min(devices, microbatches))
     fused_trainable = shape.lora_params(lora_rank) if lora_rank else shape.layer_params() + shape.vocab * h
     host = {
-        "weights": float(n * b),
+        "weights": float(n * b - shape.layers * base.saved_per_layer),
         "optimizer": float(
             trainable * (optimizer_bytes_per_param + grad_buffers * b) + (parts - 1) * fused_trainable * b
         ),
@@ -248,6 +275,8 @@ def estimate(
         host["keys/values"] = float(2 * shape.layers * (pinned_block(per_tensor) if pinned else per_tensor))
     per_token_gpu = gpu["activations"] / t
     per_token_host = checkpoints / total_tokens
+    adapters = 4 * shape.lora_params(lora_rank) if lora_rank else 0  # PEFT's float32 adapters
+    upload = layer_w - base.saved_per_layer + adapters
     return Estimate(
         seq_len,
         batch_size,
@@ -259,6 +288,9 @@ def estimate(
         per_token_gpu,
         per_token_host,
         stage_inputs,
+        base_format,
+        float(upload),
+        base.dequantize_ms,
     )
 
 

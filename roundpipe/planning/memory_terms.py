@@ -53,8 +53,8 @@ class ModelShape:
     tied: bool = False
     """Whether the output head shares the embedding's weights (``tie_word_embeddings``)."""
 
-    BUILTIN = flavors.QWEN3
-    """The shapes known by name: the Qwen3 flavors (``roundpipe.flavors``)."""
+    BUILTIN = flavors.BUILTIN
+    """The shapes known by name: the flavors of ``roundpipe.flavors`` (Qwen3, Llama-3.1)."""
 
     @classmethod
     def builtin(cls, name: str) -> "ModelShape":
@@ -96,9 +96,9 @@ class ModelShape:
         attn = self.hidden * self.q_dim + 2 * self.hidden * self.kv_dim + self.q_dim * self.hidden
         return attn + 3 * self.hidden * self.intermediate + 2 * self.hidden + 2 * self.head_dim
 
-    def lora_params(self, rank: int) -> int:
-        """LoRA parameters of one decoder layer with adapters on all seven projections."""
-        shapes = [
+    def projections(self) -> List[Tuple[int, int]]:
+        """(in, out) features of a decoder layer's seven projections: q, k, v, o, gate, up, down."""
+        return [
             (self.hidden, self.q_dim),
             (self.hidden, self.kv_dim),
             (self.hidden, self.kv_dim),
@@ -107,7 +107,10 @@ class ModelShape:
             (self.hidden, self.intermediate),
             (self.intermediate, self.hidden),
         ]
-        return sum(rank * (a + b) for a, b in shapes)
+
+    def lora_params(self, rank: int) -> int:
+        """LoRA parameters of one decoder layer with adapters on all seven projections."""
+        return sum(rank * (a + b) for a, b in self.projections())
 
     def params(self) -> int:
         """All parameters (embedding, layers, final norm, output head unless tied)."""

@@ -32,6 +32,7 @@ from roundpipe.devices import backend
 from roundpipe.devices.backend import Event
 from roundpipe.host.attribute import LayerAttribute, ParamAttribute, buffer_downloaded, note_buffer_download
 from roundpipe.host.buffers import ParamBuffers
+from roundpipe.host.formats import FrozenWeight
 from roundpipe.runtime.stage_codec import Packed, decode
 
 chunked_upload = True
@@ -154,7 +155,10 @@ def _upload_param(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``to_device`` for parameters, buffers and gradient seeds: sliced above ``CHUNK_UPLOAD_SIZE`` on
     CUDA (see ``chunked_upload``). The destination is allocated on the current (parameter upload) stream
     like ``.to()`` would; the pinned source's blocks are kept by the caching host allocator until the
-    copies that read them have run."""
+    copies that read them have run. A frozen weight in a packed format (``FrozenWeight``) comes back as a
+    plain tensor of its logical dtype (``_upload_frozen``)."""
+    if isinstance(t, FrozenWeight):
+        return _upload_frozen(t, device)
     if not (device.type == "cuda" and t.device.type == "cpu" and _sliced(t, t)):
         return to_device(t, device)
     src = t.detach() if t.is_pinned() else _pinned_copy(t)
@@ -163,9 +167,32 @@ def _upload_param(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return out
 
 
+def _upload_frozen(t: FrozenWeight, device: torch.device, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Upload a FrozenWeight's packed tensors as they are and dequantize them on ``device`` (into ``out``,
+    a graph slot's storage, when given): the layer's device copy then holds a plain weight that every
+    microbatch of the job reads, unpacked once per upload of the group.
+
+    Stream order: everything runs on the current stream (the parameter upload stream): the packed
+    copies (pinned, non_blocking, sliced like other large parameters), then the dequantize kernels,
+    which the stream orders after them. The packed device tensors are allocated on that stream, so the
+    caching allocator reuses their blocks only for work queued on it after the dequantize. The compute
+    stream waits for the layer's ``param_uploaded`` event (recorded after this) before reading the weight.
+    On a CPU worker the host packed tensors are dequantized directly (a new tensor, as a copy would be)."""
+    if device.type == "cpu":
+        return t.dequantize() if out is None else t.dequantize_into(t.packed, out)
+    packed = {k: _upload_param(v, device) for k, v in t.packed.items()}
+    if out is None:
+        return t.format.dequantize(packed, t.shape, t.dtype)
+    return t.dequantize_into(packed, out)
+
+
 def _upload_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``_upload_param`` into existing device storage (a graph slot): the same copies, sliced above
-    ``CHUNK_UPLOAD_SIZE``, from pinned memory (a pageable source is staged through the pinned cache)."""
+    ``CHUNK_UPLOAD_SIZE``, from pinned memory (a pageable source is staged through the pinned cache); a
+    FrozenWeight is dequantized into the slot (``_upload_frozen``)."""
+    if isinstance(src, FrozenWeight):
+        _upload_frozen(src, dst.device, out=dst)
+        return
     if dst.device.type != "cuda":
         dst.copy_(src)
         return

@@ -69,7 +69,10 @@ def test_host_short_names_the_side_and_the_levers(capsys) -> None:
     for change, e in expect.items():
         lever = levers[change]
         assert (lever["peak_gpu_bytes"], lever["peak_host_bytes"]) == (e.peak_gpu_bytes, e.peak_host_bytes), change
-    assert not levers["a quantized base"]["available"] and "not available yet" in levers["a quantized base"]["note"]
+    nf4 = direct(131072, gpu, host, base_format="nf4")
+    lever = levers["--base-format nf4"]
+    assert (lever["peak_gpu_bytes"], lever["peak_host_bytes"]) == (nf4.peak_gpu_bytes, nf4.peak_host_bytes)
+    assert nf4.host_parts["weights"] < e.host_parts["weights"] / 2
     assert "--lora-r 16" not in levers  # already LoRA: not offered again
     assert levers[f"--seq-len {seq}"]["fits"] and 0 < seq < 131072
     assert levers["--host-memory 55GiB"]["fits"]

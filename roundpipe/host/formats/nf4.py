@@ -1,0 +1,123 @@
+"""NF4 as QLoRA defines it: 4-bit codes of the normal-float table in blocks of 64, the blocks' absmax
+scales double-quantized (int8 per block of 256 scales, one factor per such block, minus their mean).
+
+The codes and scales are torchao's (``to_nf4(w, 64, 256)``: ``NF4Tensor.convert_to_norm_float_weight``
+does the codes), and ``dequantize`` reproduces ``NF4Tensor.get_original_weight`` bit for bit with plain
+torch ops that a CUDA graph can capture: one 256-entry table lookup per packed byte (both nibbles at once,
+two bytes of index per weight instead of the sixteen of two ``long`` lookups) and one multiply by the
+block scales. Weights whose element count is not a multiple of 64 are zero-padded to one; scales not a
+multiple of 256 are padded after the mean is taken, so they quantize as torchao would the unpadded ones.
+torchao is imported only when NF4 is used.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from roundpipe.host.formats import codecs
+from roundpipe.host.formats.codecs import Format, Packed, ceil_to, dequant_target
+
+BLOCK = 64  # weights per absmax scale
+SCALER_BLOCK = 256  # scales per double-quantization factor
+
+
+def _torchao_nf4() -> type:
+    try:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
+    except ImportError as e:  # pragma: no cover - torchao is a dependency of the train and hf extras
+        raise ImportError(f"base_format='nf4' needs torchao (pip install 'roundpipe[train]'): {e}") from e
+    return NF4Tensor
+
+
+def nf4_table(dtype: torch.dtype) -> torch.Tensor:
+    """The 16 NF4 levels (torchao's and QLoRA's table) in ``dtype``: [16]."""
+    levels = [-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0]
+    levels += [0.0796, 0.1609, 0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0]
+    return torch.tensor(levels, dtype=dtype)
+
+
+def _double_quantize(scalers: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torchao's ``double_quantize_scalers`` on block absmaxes ``scalers`` [n_blocks]: int8 codes
+    [n_blocks rounded up to 256], one factor per 256 [n_scaler_blocks], the mean []."""
+    mean = scalers.mean()
+    centred = scalers - mean
+    pad = ceil_to(centred.numel(), SCALER_BLOCK) - centred.numel()
+    if pad:
+        centred = torch.cat([centred, centred.new_zeros(pad)])
+    n = centred.numel() // SCALER_BLOCK
+    blocks = centred.view(n, SCALER_BLOCK)
+    absmax = blocks.abs().max(dim=1).values.unsqueeze(-1).expand(n, SCALER_BLOCK)
+    factor = 256 / (2 * absmax)
+    codes = (blocks * factor).round().clamp(-128, 127)
+    return codes.flatten().to(torch.int8), factor[:, 0].contiguous(), mean
+
+
+class Nf4Format(Format):
+    """Packed: ``codes`` uint8 [ceil(numel / 64) * 32] (two 4-bit codes a byte, the first in the high
+    nibble), ``scales`` int8 [n_blocks rounded up to 256], ``factors`` [n_blocks / 256] and ``mean`` []
+    in the weight's dtype, ``table`` [16] the levels in that dtype (uploaded with the rest, so a
+    dequantize on the device copies nothing from Python)."""
+
+    name = "nf4"
+
+    def quantize(self, w: torch.Tensor) -> Packed:  # w: [out, in] (any shape; flattened)
+        nf4 = _torchao_nf4()
+        flat = w.detach().contiguous().flatten()
+        pad = ceil_to(flat.numel(), BLOCK) - flat.numel()
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        n_blocks = flat.numel() // BLOCK
+        table = nf4_table(flat.dtype)
+        with torch.no_grad():
+            codes = nf4.convert_to_norm_float_weight(flat, n_blocks, BLOCK, table)
+            scales, factors, mean = _double_quantize(flat.view(n_blocks, BLOCK).abs().max(dim=1).values)
+        return {"codes": codes, "scales": scales, "factors": factors, "mean": mean, "table": table}
+
+    def random(
+        self, shape: Tuple[int, int], dtype: torch.dtype, std: float, generator: Optional[torch.Generator]
+    ) -> Packed:
+        """Uniform codes (NF4's levels are normal quantiles, so a Gaussian weight's codes are near
+        uniform) and block scales within 10% of the one that gives standard deviation ``std``."""
+        numel = int(shape[0]) * int(shape[1])
+        n_blocks = ceil_to(numel, BLOCK) // BLOCK
+        table = nf4_table(dtype)
+        scale = std / float(table.double().pow(2).mean().sqrt())
+        codes = torch.randint(0, 256, (n_blocks * BLOCK // 2,), dtype=torch.uint8, generator=generator)
+        scales = torch.randint(-128, 128, (ceil_to(n_blocks, SCALER_BLOCK),), dtype=torch.int8, generator=generator)
+        n_factors = ceil_to(n_blocks, SCALER_BLOCK) // SCALER_BLOCK
+        factors = torch.full((n_factors,), 128 / (0.1 * scale), dtype=dtype)
+        return {
+            "codes": codes,
+            "scales": scales,
+            "factors": factors,
+            "mean": torch.tensor(scale, dtype=dtype),
+            "table": table,
+        }
+
+    def dequantize(
+        self, packed: Packed, shape: Sequence[int], dtype: torch.dtype, out: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        codes, table = packed["codes"], packed["table"]
+        wdt = table.dtype  # the dtype torchao's get_original_weight computes in
+        n_blocks = codes.numel() * 2 // BLOCK
+        numel = math.prod(int(s) for s in shape)
+        # pairs[b] = (table[b >> 4], table[b & 15]): both nibbles of byte b, in order   [256, 2]
+        pairs = torch.stack([table[:, None].expand(16, 16), table[None, :].expand(16, 16)], dim=-1).reshape(256, 2)
+        scales = packed["scales"].view(-1, SCALER_BLOCK) / packed["factors"].unsqueeze(-1)
+        scales = (scales.flatten().to(wdt) + packed["mean"])[:n_blocks, None]  # [n_blocks, 1]
+        target = dequant_target(out, shape, dtype, codes.device)
+        direct = numel == n_blocks * BLOCK and target.dtype == wdt and target.is_contiguous()
+        blocks = (
+            target.view(n_blocks, BLOCK) if direct else torch.empty((n_blocks, BLOCK), dtype=wdt, device=codes.device)
+        )
+        step = max(1, codecs.DEQUANT_CHUNK // BLOCK)
+        for a in range(0, n_blocks, step):  # a fixed loop: no data-dependent shapes, capturable
+            index = codes[a * BLOCK // 2 : (a + step) * BLOCK // 2].to(torch.int32)
+            values = pairs.index_select(0, index).view(-1, BLOCK)  # [blocks of the chunk, 64]
+            torch.mul(values, scales[a : a + step], out=blocks[a : a + step])
+        if not direct:
+            target.copy_(blocks.view(-1)[:numel].view(target.shape))
+        return target
