@@ -1,13 +1,13 @@
 """NF4 as QLoRA defines it: 4-bit codes of the normal-float table in blocks of 64, the blocks' absmax
 scales double-quantized (int8 per block of 256 scales, one factor per such block, minus their mean).
 
-The codes and scales are torchao's (``to_nf4(w, 64, 256)``: ``NF4Tensor.convert_to_norm_float_weight``
-does the codes), and ``dequantize`` reproduces ``NF4Tensor.get_original_weight`` bit for bit with plain
-torch ops that a CUDA graph can capture: one 256-entry table lookup per packed byte (both nibbles at once,
-two bytes of index per weight instead of the sixteen of two ``long`` lookups) and one multiply by the
-block scales. Weights whose element count is not a multiple of 64 are zero-padded to one; scales not a
-multiple of 256 are padded after the mean is taken, so they quantize as torchao would the unpadded ones.
-torchao is imported only when NF4 is used.
+The codes and scales are torchao's (``to_nf4(w, 64, 256)``; ``nearest_codes`` picks each code from two
+candidate levels instead of sixteen, a few times faster), and ``dequantize`` reproduces torchao's
+``NF4Tensor.get_original_weight`` bit for bit with plain torch ops that a CUDA graph can capture: one 256-entry
+table lookup per packed byte (both nibbles at once, two bytes of index per weight instead of the sixteen of two
+``long`` lookups) and one multiply by the block scales. Weights whose element count is not a multiple of 64 are
+zero-padded to one; scales not a multiple of 256 are padded after the mean is taken, so they quantize as torchao
+would the unpadded ones. torchao itself is not imported (the tests compare against it).
 """
 
 from __future__ import annotations
@@ -24,19 +24,39 @@ BLOCK = 64  # weights per absmax scale
 SCALER_BLOCK = 256  # scales per double-quantization factor
 
 
-def _torchao_nf4() -> type:
-    try:
-        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
-    except ImportError as e:  # pragma: no cover - torchao is a dependency of the train and hf extras
-        raise ImportError(f"base_format='nf4' needs torchao (pip install 'roundpipe[train]'): {e}") from e
-    return NF4Tensor
-
-
 def nf4_table(dtype: torch.dtype) -> torch.Tensor:
     """The 16 NF4 levels (torchao's and QLoRA's table) in ``dtype``: [16]."""
     levels = [-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0]
     levels += [0.0796, 0.1609, 0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0]
     return torch.tensor(levels, dtype=dtype)
+
+
+def nearest_codes(scaled: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The NF4 codes of ``scaled`` (values in [-1, 1], flattened, even length), two a byte, high nibble first:
+    the level nearest each value as torchao's ``quantize_tensor_nearest`` picks it (distances rounded to the
+    values' dtype, the lower level on a tie), found among three levels (the nearest by ``bucketize`` on the
+    midpoints, and its neighbours) instead of all sixteen: the same codes in a fraction of the time. Rounding a
+    distance keeps its order, so only the levels on either side of the nearest can tie with it."""
+    # Midpoints exact: float32 holds those of 16-bit levels (one more bit), float64 those of float32 ones.
+    exact = torch.float32 if table.dtype in (torch.bfloat16, torch.float16) else torch.float64
+    mids = (table[1:].to(exact) + table[:-1].to(exact)) / 2  # [15]
+    out = torch.empty(scaled.numel() // 2, dtype=torch.uint8, device=scaled.device)
+    step = _QUANT_CHUNK
+    for a in range(0, scaled.numel(), step):
+        v = scaled[a : a + step]
+        mid = torch.bucketize(v.to(exact), mids)  # the level whose midpoint interval holds the value
+        code = (mid - 1).clamp_(0, 15)
+        best = (v - table[code]).abs()
+        for c in (mid, (mid + 1).clamp_(max=15)):  # a strictly nearer level wins; a tie keeps the lower one
+            d = (v - table[c]).abs()
+            nearer = d < best
+            code, best = torch.where(nearer, c, code), torch.where(nearer, d, best)
+        code = code.to(torch.uint8)
+        out[a // 2 : (a + step) // 2] = code[::2] << 4 | code[1::2]
+    return out
+
+
+_QUANT_CHUNK = 1 << 22  # values quantized at a time (int64 and float64 intermediates of this many)
 
 
 def _double_quantize(scalers: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -64,7 +84,6 @@ class Nf4Format(Format):
     name = "nf4"
 
     def quantize(self, w: torch.Tensor) -> Packed:  # w: [out, in] (any shape; flattened)
-        nf4 = _torchao_nf4()
         flat = w.detach().contiguous().flatten()
         pad = ceil_to(flat.numel(), BLOCK) - flat.numel()
         if pad:
@@ -72,8 +91,9 @@ class Nf4Format(Format):
         n_blocks = flat.numel() // BLOCK
         table = nf4_table(flat.dtype)
         with torch.no_grad():
-            codes = nf4.convert_to_norm_float_weight(flat, n_blocks, BLOCK, table)
-            scales, factors, mean = _double_quantize(flat.view(n_blocks, BLOCK).abs().max(dim=1).values)
+            absmax = flat.view(n_blocks, BLOCK).abs().max(dim=1).values
+            codes = nearest_codes((flat.view(n_blocks, BLOCK) / absmax[:, None]).flatten(), table)
+            scales, factors, mean = _double_quantize(absmax)
         return {"codes": codes, "scales": scales, "factors": factors, "mean": mean, "table": table}
 
     def random(
