@@ -112,6 +112,10 @@ def test_frozen_weight_as_parameter(fmt) -> None:
         lin(torch.randn(2, 512, dtype=torch.bfloat16))
     with pytest.raises(NotImplementedError, match=r"\.dequantize\(\)"):
         p.copy_(w)
+    other, parts = FrozenWeight.quantize(_weight((128, 512), seed=3), fmt), dict(p.packed)
+    with torch.no_grad():
+        p.copy_(other)  # in place, packed into packed (load_state_dict of a packed state)
+    assert torch.equal(p.dequantize(), other.dequantize()) and all(p.packed[k] is v for k, v in parts.items())
 
 
 def test_quantize_frozen_skips() -> None:

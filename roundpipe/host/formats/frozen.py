@@ -163,7 +163,10 @@ def _h_clone(func: Any, args: Tuple, kwargs: Dict) -> Any:
 
 def _h_copy(func: Any, args: Tuple, kwargs: Dict) -> Any:
     dst, src = args[0], args[1]
-    if not (isinstance(src, FrozenWeight) and src.format is dst.format and src.shape == dst.shape):
+    same = (
+        isinstance(src, FrozenWeight) and src.format.name == dst.format.name and src.packed.keys() == dst.packed.keys()
+    )
+    if not (same and src.shape == dst.shape):
         raise NotImplementedError(
             f"FrozenWeight.copy_: the source must be a FrozenWeight of format {dst.format.name!r} and shape "
             f"{tuple(dst.shape)}; quantize it first (FrozenWeight.quantize), or call .dequantize() for a plain tensor"
