@@ -492,7 +492,7 @@ def test_flatten_round_trip() -> None:
         assert torch.equal(back.dequantize(), fw.dequantize())
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 def test_nf4_codes_on_and_near_the_midpoints(dtype) -> None:
     """Values on, and one step either side of, every midpoint between NF4 levels (where the nearest level is a
     tie or a rounding away): the codes still equal torchao's."""
@@ -511,3 +511,16 @@ def test_nf4_codes_on_and_near_the_midpoints(dtype) -> None:
     fw = FrozenWeight.quantize(w, "nf4")
     assert torch.equal(fw.packed["codes"], ref.quantized_data)
     assert torch.equal(fw.dequantize(), ref.get_original_weight())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_nf4_codes_of_every_16bit_value(dtype) -> None:
+    """Every finite 16-bit value in [-1, 1] (what a block's scaled values are) gets torchao's code."""
+    nf4_tensor = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    from roundpipe.host.formats.nf4 import nearest_codes, nf4_table
+
+    values = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(dtype)
+    values = values[torch.isfinite(values) & (values.abs() <= 1)]
+    values = values[: values.numel() // 2 * 2]
+    ref = nf4_tensor.NF4Tensor.quantize_tensor_nearest(values, nf4_table(dtype)).to(torch.uint8)
+    assert torch.equal(nearest_codes(values, nf4_table(dtype)), ref[::2] << 4 | ref[1::2])
