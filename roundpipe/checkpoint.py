@@ -226,10 +226,12 @@ def _model_tensors(model: RoundPipeBase) -> Dict[str, torch.Tensor]:
     an asynchronous step) and buffers, by name, each shared tensor once. A frozen weight in a packed format
     (``roundpipe.host.formats``) is saved as it is held, its packed tensors as ``packed:<name>/<part>``:
     the checkpoint is as small as the host copy, and loading restores it bit for bit without a re-quantize."""
+    from roundpipe.utils import packed_parts
+
     out: Dict[str, torch.Tensor] = {}
     for n, p in model.model.named_parameters():
-        packed = p.__dict__.get("packed")
-        if isinstance(packed, dict):
+        packed = packed_parts(p)
+        if packed is not None:
             out.update({f"packed:{n}/{k}": v for k, v in packed.items()})
         else:
             out[f"param:{n}"] = p.detach()

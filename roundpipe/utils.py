@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 if TYPE_CHECKING:
     from torch import nn
@@ -21,11 +21,18 @@ def get_call_location(depth: int) -> str:
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
+def packed_parts(t: Any) -> Optional[Dict[str, Any]]:
+    """The packed host tensors of a frozen weight in a packed format (``roundpipe.host.formats.FrozenWeight``,
+    told by its ``packed`` dict, so the layers below the host one need not import it), else None."""
+    packed = getattr(t, "__dict__", {}).get("packed")
+    return packed if isinstance(packed, dict) else None
+
+
 def host_nbytes(t: Any) -> int:
     """Bytes a host tensor holds: the packed bytes of a frozen weight in a packed format
     (``roundpipe.host.formats.FrozenWeight.host_nbytes``), ``numel * element_size`` otherwise."""
-    packed = getattr(t, "__dict__", {}).get("packed")
-    if isinstance(packed, dict):
+    packed = packed_parts(t)
+    if packed is not None:
         return sum(v.numel() * v.element_size() for v in packed.values())
     return t.numel() * t.element_size()
 

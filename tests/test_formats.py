@@ -112,6 +112,10 @@ def test_frozen_weight_as_parameter(fmt) -> None:
         lin(torch.randn(2, 512, dtype=torch.bfloat16))
     with pytest.raises(NotImplementedError, match=r"\.dequantize\(\)"):
         p.copy_(w)
+    other, parts = FrozenWeight.quantize(_weight((128, 512), seed=3), fmt), dict(p.packed)
+    with torch.no_grad():
+        p.copy_(other)  # in place, packed into packed (load_state_dict of a packed state)
+    assert torch.equal(p.dequantize(), other.dequantize()) and all(p.packed[k] is v for k, v in parts.items())
 
 
 def test_quantize_frozen_skips() -> None:
@@ -486,3 +490,37 @@ def test_flatten_round_trip() -> None:
         assert all(isinstance(t, torch.Tensor) and type(t) is torch.Tensor for t in inner.values())
         back = FrozenWeight.__tensor_unflatten__(inner, meta, fw.shape, fw.stride())
         assert torch.equal(back.dequantize(), fw.dequantize())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_nf4_codes_on_and_near_the_midpoints(dtype) -> None:
+    """Values on, and one step either side of, every midpoint between NF4 levels (where the nearest level is a
+    tie or a rounding away): the codes still equal torchao's."""
+    nf4_tensor = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    from roundpipe.host.formats.nf4 import nf4_table
+
+    table = nf4_table(dtype)
+    mids = ((table[1:] + table[:-1]) / 2).to(dtype)
+    near = torch.cat([mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1)])
+    values = torch.cat([near, -near, table])
+    values = torch.cat([values, torch.zeros(-values.numel() % 63, dtype=dtype)]).view(-1, 63)
+    blocks = torch.cat([values, torch.ones(values.shape[0], 1, dtype=dtype)], dim=1)  # absmax 1: scaled as given
+    w = blocks.repeat(256 // blocks.shape[0] + 1, 1)[:256]  # [256 blocks, 64]
+    w = (w * 2.0 ** torch.arange(-4, 4, dtype=dtype).repeat(32)[:, None]).reshape(64, 256)  # exact block scales
+    ref = nf4_tensor.to_nf4(w, 64, 256)
+    fw = FrozenWeight.quantize(w, "nf4")
+    assert torch.equal(fw.packed["codes"], ref.quantized_data)
+    assert torch.equal(fw.dequantize(), ref.get_original_weight())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_nf4_codes_of_every_16bit_value(dtype) -> None:
+    """Every finite 16-bit value in [-1, 1] (what a block's scaled values are) gets torchao's code."""
+    nf4_tensor = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    from roundpipe.host.formats.nf4 import nearest_codes, nf4_table
+
+    values = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(dtype)
+    values = values[torch.isfinite(values) & (values.abs() <= 1)]
+    values = values[: values.numel() // 2 * 2]
+    ref = nf4_tensor.NF4Tensor.quantize_tensor_nearest(values, nf4_table(dtype)).to(torch.uint8)
+    assert torch.equal(nearest_codes(values, nf4_table(dtype)), ref[::2] << 4 | ref[1::2])

@@ -153,3 +153,17 @@ def test_gpu_bitsandbytes_4bit_base_within_bf16_rounding(tmp_path) -> None:
     assert got.keys() == exact.keys() == bnb_grads.keys()
     for n in exact:
         assert _rel(got[n], exact[n]) <= 2 * _rel(bnb_grads[n], exact[n]) + 1e-3, n
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "fp8", "int8"])
+def test_gpu_quantize_equals_host_quantize(fmt: str) -> None:
+    """A weight packed on the GPU (a loader's fast path) gives the host's packed bytes, back on the host; NF4's
+    scale mean is a reduction, summed in another order there, so its double-quantized scales may differ by a step."""
+    w = (torch.randn(1024, 4096) * 0.02).to(torch.bfloat16)
+    on_gpu, on_host = FrozenWeight.quantize(w.cuda(), fmt), FrozenWeight.quantize(w, fmt)
+    assert all(t.device.type == "cpu" for t in on_gpu.packed.values())
+    exact = ["codes", "table"] if fmt == "nf4" else list(on_host.packed)
+    for k in exact:
+        assert torch.equal(on_gpu.packed[k], on_host.packed[k]), k
+    err = (on_gpu.dequantize().float() - on_host.dequantize().float()).abs().max()
+    assert err <= (0.0 if fmt != "nf4" else 0.02 * float(w.float().abs().max())), err

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from roundpipe.devices import backend
+from roundpipe.utils import packed_parts
 
 PinMode = Literal["alloc", "register", "off"]
 
@@ -158,16 +159,16 @@ def _tensors(mod: nn.Module) -> Iterator[torch.Tensor]:
 
 
 def _host_tensors(t: torch.Tensor) -> List[torch.Tensor]:
-    packed = t.__dict__.get("packed")
-    return list(packed.values()) if isinstance(packed, dict) else [t]
+    packed = packed_parts(t)
+    return list(packed.values()) if packed is not None else [t]
 
 
 def _pin_packed(mod: nn.Module) -> None:
     """Pin the packed tensors of ``mod``'s frozen weights in place of their dict entries (every alias of
     a FrozenWeight shares the dict, so each sees the pinned tensors)."""
     for t in list(mod.parameters()) + list(mod.buffers()):
-        packed = t.__dict__.get("packed")
-        if isinstance(packed, dict):
+        packed = packed_parts(t)
+        if packed is not None:
             for k, v in list(packed.items()):
                 if v.device.type == "cpu" and not v.is_pinned():
                     packed[k] = pinned_copy(v)
@@ -177,7 +178,7 @@ def pin_module_alloc(mod: nn.Module) -> None:
     """Move parameters and buffers of ``mod`` into pinned host allocations (tensor objects are kept)."""
     _pin_packed(mod)
     for t in list(mod.parameters()) + list(mod.buffers()):
-        if "packed" not in t.__dict__ and t.device.type == "cpu" and not t.is_pinned():
+        if packed_parts(t) is None and t.device.type == "cpu" and not t.is_pinned():
             t.data = pinned_copy(t.data)
 
 

@@ -62,13 +62,16 @@ class FrozenWeight(torch.Tensor):
 
     @classmethod
     def quantize(cls, w: torch.Tensor, fmt: str) -> "FrozenWeight":
-        """``w`` [out, in] (float64, fp32 or bf16, on the host) packed in format ``fmt``; logical dtype ``w.dtype``."""
+        """``w`` [out, in] (float64, fp32 or bf16) packed in format ``fmt``; logical dtype ``w.dtype``. The packing
+        runs where ``w`` is (a GPU packs a large weight in milliseconds, the host in seconds) and the packed
+        tensors come back to the host."""
         if w.dim() != 2:
             raise ValueError(f"FrozenWeight.quantize: expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
         if not w.is_floating_point():
             raise ValueError(f"FrozenWeight.quantize: expected a floating-point weight, got {w.dtype}")
         f = get_format(fmt)
-        return cls(f.quantize(w.detach().cpu()), f, w.shape, w.dtype)
+        packed = {k: v.cpu() for k, v in f.quantize(w.detach()).items()}
+        return cls(packed, f, w.shape, w.dtype)
 
     @classmethod
     def random(
@@ -160,7 +163,10 @@ def _h_clone(func: Any, args: Tuple, kwargs: Dict) -> Any:
 
 def _h_copy(func: Any, args: Tuple, kwargs: Dict) -> Any:
     dst, src = args[0], args[1]
-    if not (isinstance(src, FrozenWeight) and src.format is dst.format and src.shape == dst.shape):
+    same = (
+        isinstance(src, FrozenWeight) and src.format.name == dst.format.name and src.packed.keys() == dst.packed.keys()
+    )
+    if not (same and src.shape == dst.shape):
         raise NotImplementedError(
             f"FrozenWeight.copy_: the source must be a FrozenWeight of format {dst.format.name!r} and shape "
             f"{tuple(dst.shape)}; quantize it first (FrozenWeight.quantize), or call .dequantize() for a plain tensor"
