@@ -27,6 +27,10 @@ commands:
 'roundpipe <command> --help' describes each command's options; 'roundpipe --version' prints the version."""
 
 
+_IMPORT_NOISE = ("torchao", "torch.utils._pytree")
+"""Loggers whose warnings at import time are not the command's business (``_cli_logging``)."""
+
+
 @contextlib.contextmanager
 def _cli_logging() -> Iterator[None]:
     """Print the ``roundpipe`` logger's INFO and above as ``roundpipe: LEVEL: ...`` on stderr while
@@ -38,12 +42,22 @@ def _cli_logging() -> Iterator[None]:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
+    # transformers imports torchao when it is installed, and that import logs warnings: one per optional C++
+    # kernel library built for another torch version (mxfp8 and others), and torch's pytree deprecation notes
+    # for the enums torchao registers. roundpipe uses none of them; the lines would bury the command's own
+    # one-line errors. Errors still show.
+    quiet = [logging.getLogger(name) for name in _IMPORT_NOISE]
+    quiet_levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.ERROR)
     try:
         yield
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old[0])
         logger.propagate = old[1]
+        for q, level in zip(quiet, quiet_levels):
+            q.setLevel(level)
 
 
 def train_main(argv: List[str]) -> int:
