@@ -151,6 +151,22 @@ def test_projection_rejects_what_it_would_not_reproduce() -> None:
     assert lora.projection(merged) is None
 
 
+def test_whole_layer_with_adapters_is_planned_module_by_module(spy: Dict[str, int]) -> None:
+    """A fused layer with fusable adapters runs as the whole-layer op (``runs_whole_layer``) and reports its
+    adapters (``has_adapters``: the memory plan counts such a layer module by module); without adapters
+    or with dropout in training, neither."""
+    model = add_lora(tiny_model("llama").double(), ["q_proj", "v_proj"], 8)
+    layer = model.get_base_model().model.layers[0]
+    kernels.fuse_layer(layer)
+    assert kernels.runs_whole_layer(layer) and lora.has_adapters(layer)
+    plain = tiny_model("llama").model.layers[0]
+    kernels.fuse_layer(plain)
+    assert kernels.runs_whole_layer(plain) and not lora.has_adapters(plain)
+    dropout = add_lora(tiny_model("llama"), ["q_proj"], 8, dropout=0.1).get_base_model().model.layers[0]
+    kernels.fuse_layer(dropout)
+    assert not kernels.runs_whole_layer(dropout) and not lora.has_adapters(dropout)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Whole models through RoundPipe
 # ---------------------------------------------------------------------------------------------------------

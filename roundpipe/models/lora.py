@@ -113,6 +113,11 @@ def projection(module: nn.Module) -> Optional[Projection]:
     return LoraWeights(m.base_layer.weight, m.lora_A[name].weight, m.lora_B[name].weight, float(m.scaling[name]))
 
 
+def has_adapters(layer: nn.Module) -> bool:
+    """Whether a projection in ``layer`` runs as the fused LoRA linear."""
+    return any(isinstance(projection(m), LoraWeights) for m in layer.modules())
+
+
 def projection_modules(module: nn.Module) -> Tuple[nn.Module, ...]:
     """``module`` and, for a PEFT LoRA layer, the submodules its forward would call (whose hooks the
     fused op would skip)."""
@@ -183,4 +188,4 @@ class _LoraLinear(torch.autograd.Function):
         return dx, dw, da, db, None
 
 
-__all__ = ["LoraWeights", "Projection", "linear", "projection", "projection_modules"]
+__all__ = ["LoraWeights", "Projection", "has_adapters", "linear", "projection", "projection_modules"]
