@@ -108,6 +108,7 @@ def test_fused_linear_matches_peft_module(r: int, rslora: bool, dtype: torch.dty
     to rounding in float64, within bf16 rounding with a bf16 base (PEFT rounds its low-rank product and
     the scaling separately; the fused linear rounds the sum once)."""
     module = _projection(r, rslora, dtype, adapter)
+    module.base_layer.weight.requires_grad_(r == 64)  # a trained base weight: its gradient too
     proj = lora.projection(module)
     assert isinstance(proj, lora.LoraWeights) and proj.a.shape == (r, 48)
     assert proj.scaling == module.scaling["default"] == (2 * r + 3) / (r**0.5 if rslora else r)
@@ -119,11 +120,17 @@ def test_fused_linear_matches_peft_module(r: int, rslora: bool, dtype: torch.dty
         y = fn(xt)
         y.backward(dy)
         a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
-        results.append({"y": y.detach(), "dx": xt.grad, "dA": a.grad, "dB": b.grad})
+        w = module.base_layer.weight
+        results.append({"y": y.detach(), "dx": xt.grad, "dA": a.grad, "dB": b.grad, "dW": w.grad})
         assert y.dtype == dtype and xt.grad.dtype == dtype and a.grad.dtype == adapter
-        a.grad = b.grad = None
+        assert (w.grad is not None) == (r == 64)
+        a.grad = b.grad = w.grad = None
     tol = TOL if dtype == torch.float64 else 2**-7
-    assert_close(results[1], results[0], tol)
+    assert_close(
+        {k: v for k, v in results[1].items() if v is not None},
+        {k: v for k, v in results[0].items() if v is not None},
+        tol,
+    )
 
 
 def test_projection_rejects_what_it_would_not_reproduce() -> None:

@@ -89,7 +89,7 @@ def _active_adapter(module: nn.Module) -> Optional[str]:
         return None
     if not _dropout_off(m.lora_dropout[name]) or getattr(m, "fan_in_fan_out", False):
         return None
-    adapter, dtype = a.weight.dtype, base.weight.dtype
+    adapter, dtype = a.weight.dtype, getattr(base.weight, "dtype", None)  # a host-side packed weight: its own
     if b.weight.dtype != adapter or dtype not in _FUSED_ADAPTER_DTYPES.get(adapter, ()):
         return None
     if adapter != dtype and not getattr(m, "cast_input_dtype_enabled", True):
