@@ -240,7 +240,7 @@ FALLBACKS = ["mask", "hook", "backward hook", "lora", "dropout", "kwargs", "bias
 @pytest.mark.parametrize("case", FALLBACKS)
 def test_whole_layer_falls_back_to_modules(eager: None, op_calls: Dict[str, int], case: str) -> None:
     """Calls the one op would not compute as Hugging Face does run the fused modules instead: a mask, a
-    forward or backward hook on a submodule (it still fires), PEFT adapters, attention dropout in
+    forward or backward hook on a submodule (it still fires), PEFT DoRA adapters, attention dropout in
     training, extra keyword arguments, projection biases, another attention implementation."""
     config = {"attention_bias": True} if case == "bias" else {"attention_dropout": 0.5} if case == "dropout" else {}
     hf, pos, x = _decoder_layer("llama" if case == "bias" else "qwen3", torch.float64, **config)
@@ -258,7 +258,8 @@ def test_whole_layer_falls_back_to_modules(eager: None, op_calls: Dict[str, int]
         fused.self_attn.o_proj.register_full_backward_hook(lambda m, gi, go: fired.append(1))
     elif case == "lora":
         peft = pytest.importorskip("peft")
-        cfg = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], init_lora_weights=False)
+        # DoRA: an adapter the fused LoRA linear does not cover (tests/test_fused_lora.py: those it does)
+        cfg = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], init_lora_weights=False, use_dora=True)
         hf, fused = peft.get_peft_model(hf, cfg), peft.get_peft_model(fused, copy.deepcopy(cfg))
         fused.load_state_dict(hf.state_dict())
     elif case == "dropout":  # eval: no dropout, the one op; training: HF's own dropout path

@@ -16,6 +16,9 @@ Fused ops (each the same math, in the same order, as Hugging Face's code):
 * :func:`decoder_layer` -- the whole decoder layer as one op (:func:`pre_attention`, sdpa,
   :func:`post_attention`), for the calls RoundPipe's training makes.
 
+A projection among the weights is a plain weight or a PEFT LoRA projection's base weight and adapter,
+which run as one fused LoRA linear (:func:`roundpipe.models.lora.linear`).
+
 Each op runs compiled (``torch.compile``, one fused Triton kernel forward and a few backward; inductor
 is told to round intermediates to bf16/fp16 where eager does, ``emulate_precision_casts``) unless
 compilation is off (``RPP_DISABLE_TORCH_COMPILE=1``) or failed; the eager version then runs, which is
@@ -43,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from roundpipe import settings
+from roundpipe.models.lora import linear
 
 logger = logging.getLogger("roundpipe")
 
@@ -130,14 +134,17 @@ def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None, :, :].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
 
 
-PreWeights = Tuple[Optional[torch.Tensor], ...]
+PreWeights = Tuple[Any, ...]
 """The weights before attention: input norm ``[hidden]``, q / k / v projections ``[heads * head_dim,
-hidden]``, ``q_norm`` / ``k_norm`` ``[head_dim]`` (None without q/k norms: Llama)."""
-PostWeights = Tuple[torch.Tensor, ...]
+hidden]``, ``q_norm`` / ``k_norm`` ``[head_dim]`` (None without q/k norms: Llama). Each projection is a
+:data:`roundpipe.models.lora.Projection`: a weight, or a LoRA projection's base weight and adapter."""
+PostWeights = Tuple[Any, ...]
 """The weights after attention: o projection ``[hidden, heads * head_dim]``, post-attention norm
-``[hidden]``, gate / up projections ``[intermediate, hidden]``, down projection ``[hidden, intermediate]``."""
-LayerWeights = Tuple[Optional[torch.Tensor], ...]
-"""A whole layer's: :data:`PreWeights` then :data:`PostWeights` (11 tensors)."""
+``[hidden]``, gate / up projections ``[intermediate, hidden]``, down projection ``[hidden, intermediate]``
+(the projections as in :data:`PreWeights`)."""
+LayerWeights = Tuple[Any, ...]
+"""A whole layer's: :data:`PreWeights` then :data:`PostWeights` (11 entries), built in one place:
+``roundpipe.models.kernels.pre_attention_weights`` / ``post_attention_weights``."""
 PreEps = Tuple[float, float, float]
 """The epsilons of the input norm, ``q_norm`` and ``k_norm`` (the last two unused without q/k norms)."""
 LayerEps = Tuple[float, float, float, float]
@@ -161,9 +168,9 @@ def pre_attention(
     eps1, q_eps, k_eps = eps
     b, s = x.shape[0], x.shape[1]
     h = norm(x, ln1_w, eps1)
-    q = F.linear(h, q_w).view(b, s, -1, head_dim)
-    k = F.linear(h, k_w).view(b, s, -1, head_dim)
-    v = F.linear(h, v_w).view(b, s, -1, head_dim)
+    q = linear(h, q_w).view(b, s, -1, head_dim)
+    k = linear(h, k_w).view(b, s, -1, head_dim)
+    v = linear(h, v_w).view(b, s, -1, head_dim)
     if qn_w is not None:
         q, k = qk_norm_rope(q, k, qn_w, kn_w, q_eps, k_eps, cos, sin, norm)
     else:
@@ -181,9 +188,9 @@ def post_attention(
     """``y = x + o_proj(a); y + down(silu(gate(norm(y))) * up(norm(y)))``: ``[batch, seq, hidden]``.
     Position-wise: the tiled path applies it per tile of tokens."""
     o_w, ln2_w, gate_w, up_w, down_w = weights
-    y = x + F.linear(a, o_w)
+    y = x + linear(a, o_w)
     h = norm(y, ln2_w, eps)
-    return y + F.linear(swiglu(F.linear(h, gate_w), F.linear(h, up_w)), down_w)
+    return y + linear(swiglu(linear(h, gate_w), linear(h, up_w)), down_w)
 
 
 def decoder_layer(

@@ -10,7 +10,8 @@ is swapped for a subclass whose ``forward`` calls the fused op. Nothing in trans
 plain Hugging Face model in the same process is unaffected, and :func:`unfuse_layer` restores the
 original classes. A whole decoder layer runs as one op (``fused_ops.decoder_layer``) for the calls
 RoundPipe's training makes (causal attention, no mask, cache, dropout or hooks; other calls run the
-per-module ops): one Python call and one autograd node instead of about twenty.
+per-module ops): one Python call and one autograd node instead of about twenty. PEFT LoRA projections
+that the fused LoRA linear reproduces (:mod:`roundpipe.models.lora`) run inside that op too.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from roundpipe import settings
-from roundpipe.models import families
+from roundpipe.models import families, lora
 from roundpipe.models.fused_ops import (
     DECODER_LAYER,
     OPS,
@@ -37,6 +38,8 @@ from roundpipe.models.fused_ops import (
     SWIGLU,
     FusedOp,
     LayerWeights,
+    PostWeights,
+    PreWeights,
     compile_enabled,
     decoder_layer,
     post_attention,
@@ -191,8 +194,8 @@ def has_hooks(modules: Iterable[nn.Module]) -> bool:
 class _DecoderLayerForward:
     """``forward`` of a fused ``Qwen3DecoderLayer`` / ``LlamaDecoderLayer``: the whole layer as one fused
     op (:data:`DECODER_LAYER`) when the call is what RoundPipe's training runs - causal attention without
-    mask, cache or dropout, plain bias-free projections, sdpa, no hooks on the submodules -, else
-    Hugging Face's forward over the fused submodules. One op per layer matters on several GPUs, where
+    mask, cache or dropout, bias-free projections (plain or fusable LoRA), sdpa, no hooks on the
+    submodules -, else Hugging Face's forward over the fused submodules. One op per layer matters on several GPUs, where
     the device threads share one interpreter lock and the Python issued per layer bounds the speed."""
 
     self_attn: nn.Module
@@ -204,8 +207,7 @@ class _DecoderLayerForward:
         """The layer's weights in :func:`decoder_layer`'s order, or None when the whole-layer op does not
         compute what Hugging Face's forward would."""
         attn, mlp = self.self_attn, self.mlp
-        norms = (self.input_layernorm, self.post_attention_layernorm)
-        if not (is_fused(attn) and is_fused(mlp) and all(is_fused(n) for n in norms)):
+        if not (is_fused(attn) and is_fused(mlp)):
             return None
         if (
             (attn.training and attn.attention_dropout > 0)
@@ -213,16 +215,15 @@ class _DecoderLayerForward:
             or not getattr(attn, "is_causal", True)
         ):
             return None
-        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        if any(type(m) is not nn.Linear or m.bias is not None for m in linears):
-            return None  # PEFT adapters, biases, quantized layers: the submodules' own forwards
-        qk = (attn.q_norm, attn.k_norm) if attn._rpp_qk_norm else ()
-        if has_hooks((*norms, attn, mlp, *linears, *qk)):
+        pre, post = pre_attention_weights(self), post_attention_weights(self)
+        if pre is None or post is None:
             return None
-        qn_w, kn_w = (attn.q_norm.weight, attn.k_norm.weight) if qk else (None, None)
-        q, k, v, o = (m.weight for m in linears[:4])
-        mlp_weights = (m.weight for m in linears[4:])
-        return (self.input_layernorm.weight, q, k, v, qn_w, kn_w, o, self.post_attention_layernorm.weight, *mlp_weights)
+        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        qk = (attn.q_norm, attn.k_norm) if attn._rpp_qk_norm else ()
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        if has_hooks((*norms, attn, mlp, *(m for p in linears for m in lora.projection_modules(p)), *qk)):
+            return None
+        return pre + post
 
     def forward(
         self,
@@ -271,6 +272,37 @@ class _DecoderLayerForward:
             groups,
             groups > 1 and _sdpa_uses_gqa(attn.head_dim),
         )
+
+
+def pre_attention_weights(layer: nn.Module) -> Optional[PreWeights]:
+    """The weights :func:`pre_attention` takes for ``layer`` (input norm, q / k / v projections, q / k
+    norms), or None when it would not compute what the modules do (norms not fused, a projection neither a
+    bias-free ``nn.Linear`` nor a fusable LoRA one: :func:`roundpipe.models.lora.projection`). The one
+    place these tuples are built: the whole-layer op and the sequence tiles read them from here."""
+    lay: Any = layer
+    attn: Any = lay.self_attn
+    qk = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else ()
+    if not all(is_fused(n) for n in (lay.input_layernorm, *qk)):
+        return None
+    projs = tuple(lora.projection(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+    if any(p is None for p in projs):
+        return None
+    qn_w, kn_w = (qk[0].weight, qk[1].weight) if qk else (None, None)
+    return (lay.input_layernorm.weight, *projs, qn_w, kn_w)
+
+
+def post_attention_weights(layer: nn.Module) -> Optional[PostWeights]:
+    """The weights :func:`post_attention` takes for ``layer`` (o projection, post-attention norm, gate / up /
+    down projections), or None as :func:`pre_attention_weights` (and for an MLP that is not fused: SwiGLU)."""
+    lay: Any = layer
+    mlp: Any = lay.mlp
+    if not (is_fused(lay.post_attention_layernorm) and is_fused(mlp)):
+        return None
+    o = lora.projection(lay.self_attn.o_proj)
+    gate_up_down = tuple(lora.projection(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    if o is None or any(p is None for p in gate_up_down):
+        return None
+    return (o, lay.post_attention_layernorm.weight, *gate_up_down)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -337,8 +369,8 @@ def is_fused(module: nn.Module) -> bool:
 
 
 def runs_whole_layer(layer: nn.Module) -> bool:
-    """Whether ``layer`` runs as the whole-layer op in RoundPipe's training calls (fused, plain
-    projections, sdpa, no hooks): the activation estimate of such a layer differs from one run module by
+    """Whether ``layer`` runs as the whole-layer op in RoundPipe's training calls (fused, plain or fusable
+    LoRA projections, sdpa, no hooks): the activation estimate of such a layer differs from one run module by
     module (``roundpipe.planning.memory_terms.decoder_layer_bytes``)."""
     weights = getattr(layer, "_whole_layer_weights", None)
     return is_fused(layer) and callable(weights) and weights() is not None
@@ -454,7 +486,9 @@ __all__ = [
     "has_hooks",
     "is_fused",
     "post_attention",
+    "post_attention_weights",
     "pre_attention",
+    "pre_attention_weights",
     "qk_norm_rope",
     "reset",
     "resolve",

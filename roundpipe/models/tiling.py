@@ -20,7 +20,8 @@ over tiles (returned to autograd like any input's). Per tile they call the Huggi
 PEFT adapters, the fused kernels (:mod:`roundpipe.models.kernels`) and any activation function work;
 with fused kernels and plain projections each part is one compiled op instead: the two halves of the
 fused decoder layer's math (``fused_ops.pre_attention`` and ``fused_ops.post_attention``, which
-``fused_ops.decoder_layer`` joins with attention for a whole untiled layer), applied per tile.
+``fused_ops.decoder_layer`` joins with attention for a whole untiled layer), applied per tile, PEFT LoRA
+projections among them as the same fused LoRA linear (:mod:`roundpipe.models.lora`).
 
 RoundPipe recomputes a layer right before its backward (the forward pass keeps no graph), so the
 recompute avoids work the tiles would repeat:
@@ -74,19 +75,6 @@ def _dropout_active(modules: Sequence[nn.Module]) -> bool:
     return any(isinstance(d, _DROPOUTS) and d.training and d.p > 0 for m in modules for d in m.modules())
 
 
-def _plain(modules: Sequence[nn.Module]) -> bool:
-    """Fused kernels on for these modules and every projection a bias-free ``nn.Linear`` (no adapter):
-    the compiled parts (:data:`PRE_ATTENTION`, :data:`POST_ATTENTION`, the decoder layer's own math
-    applied to one tile) compute what the modules would."""
-    for m in modules:
-        if isinstance(m, nn.Linear):
-            if type(m) is not nn.Linear or m.bias is not None:
-                return False
-        elif not kernels.is_fused(m):
-            return False
-    return True
-
-
 # ---------------------------------------------------------------------------------------------------------
 # One layer's tiled computation
 # ---------------------------------------------------------------------------------------------------------
@@ -108,31 +96,21 @@ class _LayerTiles:
         self.post_modules: Tuple[nn.Module, ...] = (attn.o_proj, lay.post_attention_layernorm, lay.mlp)
         self.pre_dropout = _dropout_active(self.pre_modules)
         self.post_dropout = _dropout_active(self.post_modules)
-        ln1, ln2, mlp = lay.input_layernorm, lay.post_attention_layernorm, lay.mlp
-        self.pre_op: Optional[Tuple[Any, ...]] = None  # (weights, eps) of the compiled part, when it applies
-        if _plain(self.pre_modules):
+        ln1, ln2 = lay.input_layernorm, lay.post_attention_layernorm
+        # (weights, eps) of the compiled parts, when they apply (plain or fused LoRA projections)
+        self.pre_op: Optional[Tuple[Any, ...]] = None
+        pre = kernels.pre_attention_weights(lay)
+        if pre is not None:
             qn, kn = (attn.q_norm, attn.k_norm) if self.qk_norm else (None, None)
-            self.pre_op = (
-                (
-                    ln1.weight,
-                    attn.q_proj.weight,
-                    attn.k_proj.weight,
-                    attn.v_proj.weight,
-                    qn.weight if qn is not None else None,
-                    kn.weight if kn is not None else None,
-                ),
-                (
-                    ln1.variance_epsilon,
-                    qn.variance_epsilon if qn is not None else 0.0,
-                    kn.variance_epsilon if kn is not None else 0.0,
-                ),
+            eps = (
+                ln1.variance_epsilon,
+                *((qn.variance_epsilon, kn.variance_epsilon) if qn is not None else (0.0, 0.0)),
             )
+            self.pre_op = (pre, eps)
         self.post_op: Optional[Tuple[Any, ...]] = None
-        if _plain((attn.o_proj, ln2, mlp, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
-            self.post_op = (
-                (attn.o_proj.weight, ln2.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight),
-                ln2.variance_epsilon,
-            )
+        post = kernels.post_attention_weights(lay)
+        if post is not None:
+            self.post_op = (post, ln2.variance_epsilon)
 
     # ---- per tile ----
 
