@@ -27,6 +27,8 @@ from roundpipe.devices.threads import RoundPipeWorkerError
 from roundpipe.planning.plan import ModelExecutePlan
 from roundpipe.runtime.partial_grads import PartialGrads
 
+pytestmark = pytest.mark.stream_checks  # run with RPP_DEBUG_CHECK_STREAMS=1 (tests/conftest.py)
+
 STRESS_S = 0.001
 
 
@@ -89,9 +91,9 @@ def _bn_inference() -> Callable[[], None]:
 
 
 def test_checks_follow_the_stress_mode_and_the_setting() -> None:
-    with settings.overridden(debug_stress_delay_s=0.0):
+    with settings.overridden(debug_check_streams="auto", debug_stress_delay_s=0.0):
         assert not cpu_streams.enabled()
-    with settings.overridden(debug_stress_delay_s=STRESS_S):
+    with settings.overridden(debug_check_streams="auto", debug_stress_delay_s=STRESS_S):
         assert cpu_streams.enabled()
         with settings.overridden(debug_check_streams="0"):
             assert not cpu_streams.enabled()
