@@ -136,4 +136,4 @@ def test_asynchronous_steps_pass_the_host_checks(workers: str) -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).double()
     before = cpu_streams.host_ops_checked()
     _train(model, is_async=True)
-    assert cpu_streams.host_ops_checked() > before + 50
+    assert cpu_streams.host_ops_checked() > before + 20  # each step's copies and SGD on two layers
