@@ -263,7 +263,10 @@ def test_kept_keys_and_values_uploaded_before_their_download_fails(
     # wait of the backward (its input's upload) happens to cover them.
     plan = ModelExecutePlan([range(0, 2), range(2, 5)], [range(0, 2), range(2, 5)])
     rp = models.wrap_model(model, model_run_config=RoundPipeRunConfig(sequence_tiles=3, execute_plan=plan))
-    with pytest.raises(RoundPipeWorkerError, match="StreamOrderError") as info:
+    with (
+        settings.overridden(debug_check_streams="1"),
+        pytest.raises(RoundPipeWorkerError, match="StreamOrderError") as info,
+    ):
         rp.train_step(input_ids=ids, labels=ids)
     assert dropped
     msg = str(info.value)

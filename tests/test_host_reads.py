@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from typing import Iterator
 
 import pytest
 import torch
@@ -25,6 +26,14 @@ from roundpipe.runtime import transfer
 pytestmark = pytest.mark.stream_checks
 
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _checked() -> Iterator[None]:
+    """Every test here needs the checks, whatever runs it (the marker turns them on too)."""
+    with settings.overridden(debug_check_streams="1"):
+        assert cpu_streams.enabled()
+        yield
 
 
 def test_a_host_read_needs_its_own_synchronize() -> None:

@@ -38,8 +38,6 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 from test_models import grads, make_batch, tiny_model  # noqa: E402
 
-pytestmark = pytest.mark.stream_checks  # run with RPP_DEBUG_CHECK_STREAMS=1 (tests/conftest.py)
-
 TOL = 1e-10  # fp64: tiling changes only which rows a matmul computes at once
 
 
