@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
+from roundpipe.devices.cpu_streams import host_checked
 from roundpipe.devices.threads import AnnotatedEvent, raise_if_failed
 from roundpipe.host import optim_thread, step_cycle
 from roundpipe.host import step as optim_step
@@ -237,6 +238,7 @@ class RoundPipeBase(nn.Module):
         units of the optimizer step protocol (``roundpipe.host.step``)."""
         raise NotImplementedError
 
+    @host_checked
     def step(self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any) -> None:
         """Run ``step_fn(*args, **kwargs)`` (e.g. ``optimizer.step(); optimizer.zero_grad()``) on the
         optimizer thread, on the optimizer copies (``optim_parameters()``).

@@ -10,6 +10,7 @@ from torch import nn
 
 from roundpipe import settings
 from roundpipe.base import RoundPipeBase, check_wrapper_arguments
+from roundpipe.devices.cpu_streams import host_checked
 from roundpipe.devices.memory import PinMode, pin_module
 from roundpipe.devices.threads import raise_if_failed
 from roundpipe.host import step_cycle
@@ -194,6 +195,7 @@ class RoundPipe(RoundPipeBase):
             return True
         return any(isinstance(t, torch.Tensor) and t.requires_grad for leaves in batch.flatten_states for t in leaves)
 
+    @host_checked
     def forward(
         self, *args: Any, roundpipe_run_config: RoundPipeRunConfig = RoundPipeRunConfig(), **kwargs: Any
     ) -> Any:
@@ -231,6 +233,7 @@ class RoundPipe(RoundPipeBase):
             batch.flatten_states[m] = [next(outs) if isinstance(t, torch.Tensor) else t for t in leaves]
         return batch.dump(cfg)
 
+    @host_checked
     def forward_backward(
         self,
         input_args: Tuple[Any, ...] = (),
@@ -336,6 +339,7 @@ class AutoRoundPipe(RoundPipeBase):
     def _cycles(self) -> List[step_cycle.StepCycle]:
         return [c for sub in self._submodels() for c in sub._cycles()]
 
+    @host_checked
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped model; host-side parameters are fenced against an asynchronous step first."""
         attr = self._host_attr

@@ -29,6 +29,19 @@ def _isolate_settings() -> Iterator[None]:
     settings.restore(saved)  # re-creates the device pool if RPP_DEVICES changed
 
 
+@pytest.fixture(autouse=True)
+def _stream_checks(request: pytest.FixtureRequest, _isolate_settings: None) -> Iterator[None]:
+    """Tests marked ``stream_checks`` (the concurrency-heavy files) run with ``RPP_DEBUG_CHECK_STREAMS=1``:
+    every access of a CPU worker's stream, and of the host threads inside RoundPipe calls, is checked for
+    order (``roundpipe.devices.cpu_streams``), so a missing wait fails here as it would corrupt data on a GPU.
+    Once, with the checks: the suite does not run them twice."""
+    if request.node.get_closest_marker("stream_checks") is None:
+        yield
+        return
+    with settings.overridden(debug_check_streams="1"):
+        yield
+
+
 @pytest.fixture
 def workers(request: pytest.FixtureRequest) -> Iterator[str]:
     """Parametrize indirectly with an RPP_DEVICES value; yields the torch device type under test."""

@@ -16,6 +16,8 @@ from roundpipe.devices.threads import RoundPipeWorkerError
 from roundpipe.runtime.batch import RoundPipePackedData
 from roundpipe.runtime.run_config import ResolvedRunConfig
 
+pytestmark = pytest.mark.stream_checks  # run with RPP_DEBUG_CHECK_STREAMS=1 (tests/conftest.py)
+
 
 def make_model(dtype: torch.dtype, dropout: float = 0.3) -> nn.Sequential:
     return nn.Sequential(

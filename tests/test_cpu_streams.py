@@ -27,6 +27,8 @@ from roundpipe.devices.threads import RoundPipeWorkerError
 from roundpipe.planning.plan import ModelExecutePlan
 from roundpipe.runtime.partial_grads import PartialGrads
 
+pytestmark = pytest.mark.stream_checks  # run with RPP_DEBUG_CHECK_STREAMS=1 (tests/conftest.py)
+
 STRESS_S = 0.001
 
 
@@ -89,9 +91,9 @@ def _bn_inference() -> Callable[[], None]:
 
 
 def test_checks_follow_the_stress_mode_and_the_setting() -> None:
-    with settings.overridden(debug_stress_delay_s=0.0):
+    with settings.overridden(debug_check_streams="auto", debug_stress_delay_s=0.0):
         assert not cpu_streams.enabled()
-    with settings.overridden(debug_stress_delay_s=STRESS_S):
+    with settings.overridden(debug_check_streams="auto", debug_stress_delay_s=STRESS_S):
         assert cpu_streams.enabled()
         with settings.overridden(debug_check_streams="0"):
             assert not cpu_streams.enabled()
@@ -237,6 +239,39 @@ def test_dropped_transfer_wait_fails(
     assert dropped
     msg = str(info.value)
     assert reader in msg and writer_event in msg and "never waited" in msg, msg
+
+
+@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
+def test_kept_keys_and_values_uploaded_before_their_download_fails(
+    workers: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mutant: a sequence-tiled backward job uploads a layer's kept keys and values without waiting for the
+    forward's download of them (``sequence.TileKV.layer``). Unchecked, a CPU download would hand the upload the
+    forward's own tensor; the download's copy (real while checking) shows the missing wait: the upload on the
+    compute stream reads what a download stream wrote. The same run unmutated passes (tests/test_sequence.py,
+    also with these checks)."""
+    transformers = pytest.importorskip("transformers")
+    from roundpipe import models
+    from roundpipe.models import configs
+
+    dropped = _drop_waits(monkeypatch, "roundpipe.runtime.sequence", "layer")
+    torch.manual_seed(0)
+    config = configs.tiny_config("qwen3", attn_implementation="sdpa")
+    model = transformers.AutoModelForCausalLM.from_config(config).double()
+    ids = torch.randint(1, config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    # Stages of several layers: a stage's kept keys and values are downloaded after its outputs, so no other
+    # wait of the backward (its input's upload) happens to cover them.
+    plan = ModelExecutePlan([range(0, 2), range(2, 5)], [range(0, 2), range(2, 5)])
+    rp = models.wrap_model(model, model_run_config=RoundPipeRunConfig(sequence_tiles=3, execute_plan=plan))
+    with (
+        settings.overridden(debug_check_streams="1"),
+        pytest.raises(RoundPipeWorkerError, match="StreamOrderError") as info,
+    ):
+        rp.train_step(input_ids=ids, labels=ids)
+    assert dropped
+    msg = str(info.value)
+    assert "compute_stream reads" in msg and "downstream wrote" in msg and "sequence.py" in msg, msg
+    assert "transfer._copy_after_compute" in msg and "never waited" in msg, msg
 
 
 # ---- a fused part that never hands its gradients over ----------------------------------------------

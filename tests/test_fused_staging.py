@@ -20,6 +20,8 @@ from roundpipe.host import step as optim_step
 from roundpipe.host.step_mode import StepMode
 from roundpipe.optim import Adam, step_fn_zeroes_grads
 
+pytestmark = pytest.mark.stream_checks  # run with RPP_DEBUG_CHECK_STREAMS=1 (tests/conftest.py)
+
 
 @pytest.fixture
 def kernel() -> None:

@@ -23,6 +23,8 @@ from roundpipe.host.step_mode import StepMode
 from roundpipe.optim import Adam
 from roundpipe.planning.plan import ModelExecutePlan
 
+pytestmark = pytest.mark.stream_checks  # run with RPP_DEBUG_CHECK_STREAMS=1 (tests/conftest.py)
+
 
 def _model(tied: bool = False) -> nn.Module:
     torch.manual_seed(0)

@@ -24,6 +24,8 @@ from roundpipe.devices import allocator
 from roundpipe.devices import device as device_mod
 from roundpipe.runtime.context import save_for_recompute
 
+pytestmark = pytest.mark.stream_checks  # run with RPP_DEBUG_CHECK_STREAMS=1 (tests/conftest.py)
+
 TOL = 1e-10
 
 

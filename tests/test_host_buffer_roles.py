@@ -40,6 +40,8 @@ from roundpipe.host import buffers as host_buffers
 from roundpipe.host.buffers import ParamBuffers, RoleError
 from roundpipe.planning.plan import ModelExecutePlan
 
+pytestmark = pytest.mark.stream_checks  # run with RPP_DEBUG_CHECK_STREAMS=1 (tests/conftest.py)
+
 STRESS_S = 0.002
 MODES = {  # buffer mode -> environment
     "moved": {"RPP_STEP_MODE": "staged"},  # the default: downloads may take the weights' buffers

@@ -14,6 +14,8 @@ from roundpipe import RoundPipe, RoundPipeRunConfig
 from roundpipe.host.buffers import ParamBuffers
 from roundpipe.optim import Adam
 
+pytestmark = pytest.mark.stream_checks  # run with RPP_DEBUG_CHECK_STREAMS=1 (tests/conftest.py)
+
 
 def _model() -> nn.Sequential:
     torch.manual_seed(0)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytestmark = pytest.mark.stream_checks  # run with RPP_DEBUG_CHECK_STREAMS=1 (tests/conftest.py)
+
 
 def test_one_process_leaves_cores_to_its_issuing_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Alone on its host, the optimizer thread takes each GPU's share of torch's thread count less four

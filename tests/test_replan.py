@@ -12,6 +12,8 @@ from torch import nn
 
 from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 
+pytestmark = pytest.mark.stream_checks  # run with RPP_DEBUG_CHECK_STREAMS=1 (tests/conftest.py)
+
 
 def _model() -> RoundPipe:
     torch.manual_seed(0)

@@ -29,6 +29,8 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 from test_models import VOCAB, grads  # noqa: E402
 
+pytestmark = pytest.mark.stream_checks  # run with RPP_DEBUG_CHECK_STREAMS=1 (tests/conftest.py)
+
 TOL = 1e-10
 HF_TOL = 1e-6  # fp64 against Hugging Face itself: its RMSNorms round through fp32 (as in test_tiling)
 

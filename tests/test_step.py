@@ -14,6 +14,8 @@ from torch import nn
 from roundpipe import AutoRoundPipe, RoundPipe, RoundPipeRunConfig
 from roundpipe.host.step import OptimizerCtx
 
+pytestmark = pytest.mark.stream_checks  # run with RPP_DEBUG_CHECK_STREAMS=1 (tests/conftest.py)
+
 
 def make_model() -> nn.Sequential:
     torch.manual_seed(0)

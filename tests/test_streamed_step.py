@@ -16,6 +16,8 @@ from roundpipe import RoundPipe, RoundPipeRunConfig, settings
 from roundpipe.host import step as step_protocol
 from roundpipe.host.buffers import ParamBuffers
 
+pytestmark = pytest.mark.stream_checks  # run with RPP_DEBUG_CHECK_STREAMS=1 (tests/conftest.py)
+
 
 @pytest.fixture(autouse=True)
 def _streamed() -> None:

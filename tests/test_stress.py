@@ -19,6 +19,8 @@ from test_core import TOL, check_grads, make_model, reference_run
 
 from roundpipe import RoundPipe, RoundPipeRunConfig, settings
 
+pytestmark = pytest.mark.stream_checks  # run with RPP_DEBUG_CHECK_STREAMS=1 (tests/conftest.py)
+
 STRESS_S = 0.002
 STRESS_WORKERS = ["cpu:2", "cpu:3"]
 

@@ -5,6 +5,8 @@ import threading
 import pytest
 import torch
 
+pytestmark = pytest.mark.stream_checks  # run with RPP_DEBUG_CHECK_STREAMS=1 (tests/conftest.py)
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex64])
 @pytest.mark.parametrize("numel,chunk_bytes", [(1000, 64), (1000, 4000), (1001, 8), (7, 1), (0, 16)])

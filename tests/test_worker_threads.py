@@ -15,6 +15,8 @@ from torch import nn
 
 from roundpipe import RoundPipe, RoundPipeRunConfig, settings
 
+pytestmark = pytest.mark.stream_checks  # run with RPP_DEBUG_CHECK_STREAMS=1 (tests/conftest.py)
+
 
 def _native_threads() -> Set[int]:
     return {int(t) for t in os.listdir("/proc/self/task")}

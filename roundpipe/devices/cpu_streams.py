@@ -18,10 +18,35 @@ an op that CUDA could run before the work it depends on raises ``StreamOrderErro
   completion); otherwise the op raises, naming both streams, the tensor, both ops and the first event
   recorded after the access that the stream did not wait for.
 
-Ops issued outside ``use_stream`` (host code: the main and optimizer threads) are neither recorded nor
-checked: on CUDA they are no stream work either. Records live on the storages (``UntypedStorage`` keeps
-Python attributes for its lifetime), so they go with the memory; an epoch number, advanced whenever
-checking turns on, ignores those of an earlier checked period. One lock guards clocks and records.
+* Host threads: code that runs on the host (the optimizer thread's kernels, the main thread inside a
+  RoundPipe call) does so inside ``host_checks``, a per-thread dispatch mode. A host op that reads a storage
+  whose last stream write this thread has not synchronized itself (``synchronize`` / ``query`` of an event
+  or stream recorded after it, by this thread), or writes one that a stream wrote or read before the host
+  saw that work complete (by any thread), raises, naming the host thread, its op, the stream, the
+  stream's op and the event it should have synchronized. A read counts only the reader's own
+  synchronisations: the protocol (``roundpipe.host.attribute``) has each consumer of a download
+  synchronize its event (the optimizer thread a layer's ``grad_downloaded``, the main thread its outputs'),
+  so a fence that another thread happens to pass earlier never stands in for a missing one
+  (synchronizing a completed event costs nothing on a GPU). A write is safe once the streams' earlier
+  accesses have ended, whoever saw them end: host buffers change hands between threads (their roles,
+  ``roundpipe.host.buffers``), and the thread that fenced the uploads reading a buffer is not always the
+  one that refills it.
+  Host ops are not recorded for the streams: a stream op issued after a host write follows it in time
+  (the issuing thread saw the host's work through a thread event), as on CUDA.
+
+Ops issued elsewhere (outside both) are neither recorded nor checked. Records live on the storages
+(``UntypedStorage`` keeps Python attributes for its lifetime), so they go with the memory; an epoch number,
+advanced whenever checking turns on, ignores those of an earlier checked period. One lock guards clocks
+and records.
+
+Copies are real while checking (``roundpipe.runtime.transfer``: a CPU download, peer copy or host scalar
+copies into a new tensor on its stream, as an upload always does), so host copies and device tensors are
+distinct storages exactly as on a GPU and every hand-over between streams has a copy to order.
+
+A tensor subclass that holds no data (``torch.nn.attention.bias.CausalBias``: its shape only) cannot be
+made under a dispatch mode (torch binds the empty tensor it allocates to a plain ``Tensor`` first), so it
+is made through ``unrecorded``: it reads and writes no data, so there is nothing to check; the ops that
+later use it are recorded as usual.
 
 Layers compiled with ``torch.compile`` run eagerly while checking (dynamo does not trace under a
 dispatch mode): the same results, other kernels.
@@ -34,14 +59,16 @@ never recorded is complete, as on CUDA. Checking off: every method returns at on
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
 import sys
 import threading
 import traceback
 import weakref
-from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Deque, Dict, Iterator, List, Optional, Tuple, TypeVar
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
 
 from roundpipe import settings
 
@@ -50,8 +77,10 @@ _epoch = 0
 _lock = threading.Lock()
 _tls = threading.local()  # .stack: the CpuStreams made current by use_stream in this thread
 _ops_checked = 0  # ops seen while checking (tests assert the checks ran)
+_host_ops = 0  # of those, host ops (``host_checks``)
 _recorded = 0  # events recorded while checking: their order, for error messages
 _streams: "weakref.WeakSet[CpuStream]" = weakref.WeakSet()
+T = TypeVar("T")
 
 # Ops that only read their inputs' metadata (shape, dtype), never their data.
 _META_OPS = {
@@ -68,12 +97,14 @@ _META_OPS = {
     "aten::rand_like",
     "aten::randn_like",
     "aten::_has_compatible_shallow_copy_type",
+    "aten::is_pinned",
+    "aten::is_same_size",
 }
 
 
 class StreamOrderError(RuntimeError):
-    """An op on a CPU worker's stream touches data that CUDA could still be writing or reading on
-    another stream: a ``wait_event`` / ``wait_stream`` (or host synchronisation) is missing."""
+    """An op on a CPU worker's stream, or a checked host op, touches data that CUDA could still be writing
+    or reading on another stream: a ``wait_event`` / ``wait_stream`` (or host synchronisation) is missing."""
 
 
 class CpuStream:
@@ -163,9 +194,22 @@ class CpuEvent:
 
 
 def _complete(snap: Dict[CpuStream, int]) -> None:
+    """The calling thread saw the work of ``snap`` end: for the streams (``done``) and for its own host
+    checks (``_seen``)."""
+    seen = _seen()
     for s, p in snap.items():
         if p > s.done:
             s.done = p
+        if p > seen.get(s, 0):
+            seen[s] = p
+
+
+def _seen() -> "weakref.WeakKeyDictionary[CpuStream, int]":
+    """Per stream, the position up to which this thread has synchronized its work itself."""
+    seen = getattr(_tls, "seen", None)
+    if seen is None:
+        seen = _tls.seen = weakref.WeakKeyDictionary()
+    return seen
 
 
 def enabled() -> bool:
@@ -176,6 +220,11 @@ def enabled() -> bool:
 def ops_checked() -> int:
     """How many ops the checks have seen in this process (tests use it to show the checks ran)."""
     return _ops_checked
+
+
+def host_ops_checked() -> int:
+    """How many of those were host ops (``host_checks``)."""
+    return _host_ops
 
 
 def refresh() -> bool:
@@ -234,17 +283,17 @@ def _describe(t: torch.Tensor) -> str:
     return f"a {dtype}{list(t.shape)} tensor (storage of {t.untyped_storage().nbytes()} bytes)"
 
 
-def _missing_event(other: CpuStream, pos: int) -> str:
+def _missing_event(other: CpuStream, pos: int, host: bool = False) -> str:
     """The first event recorded after ``other``'s op ``pos`` (on any stream ordered after it): the one a
-    wait was missing for."""
+    wait (``host``: a host synchronisation) was missing for."""
     found = [(seq, s, p, site) for s in list(_streams) for seq, p, site, snap in s.events if snap.get(other, 0) >= pos]
     if not found:
         return f"no event was recorded after it (on {other.name} or a stream waiting for it)"
     _, s, p, site = min(found, key=lambda f: f[0])
-    return (
-        f"the stream never waited for the event recorded after it on {s.name} (at its op #{p}, in {site}), "
-        "nor did the host synchronize that event"
-    )
+    where = f"the event recorded after it on {s.name} (at its op #{p}, in {site})"
+    if host:
+        return f"the host never synchronized {where}"
+    return f"the stream never waited for {where}, nor did the host synchronize that event"
 
 
 def _fail(
@@ -254,6 +303,55 @@ def _fail(
         f"{stream.name} {verb} {_describe(t)} with {op} (its op #{stream.pos}, at {_caller()}) that {other.name} "
         f"{overb} with {oop} (its op #{opos}), without being ordered after that: {_missing_event(other, opos)}"
     )
+
+
+def _host_fail(t: torch.Tensor, op: str, verb: str, other: CpuStream, opos: int, overb: str, oop: str) -> None:
+    raise StreamOrderError(
+        f"host thread {threading.current_thread().name!r} {verb} {_describe(t)} with {op} (at {_caller()}) that "
+        f"{other.name} {overb} with {oop} (its op #{opos}), before the host saw that work complete: "
+        f"{_missing_event(other, opos, host=True)}"
+    )
+
+
+def _peek(t: torch.Tensor) -> Optional[_Access]:
+    """The streams' record of ``t``'s storage in this epoch, if any (host ops make none)."""
+    try:
+        rec = getattr(t.untyped_storage(), "_rpp_access", None)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return rec if rec is not None and rec.epoch == _epoch else None
+
+
+def _host_op(func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+    """Check a host op against the streams' last accesses of what it reads and writes (module docstring).
+    A checked host write leaves the storage to the host: no stream access is pending on it any more."""
+    global _ops_checked, _host_ops
+    name, writes, _, meta = _op_info(func)
+    if meta:
+        return
+    written: List[torch.Tensor] = []
+    for i, arg_name in writes:
+        written.extend(_tensors(args[i] if i < len(args) else kwargs.get(arg_name)))
+    skip = {id(t) for t in written}
+    seen = _seen()
+    with _lock:
+        _ops_checked += 1
+        _host_ops += 1
+        for x in (*args, *kwargs.values()):
+            for t in _tensors(x):
+                rec = None if id(t) in skip else _peek(t)
+                if rec is not None and rec.writer is not None and seen.get(rec.writer, 0) < rec.wpos:
+                    _host_fail(t, name, "reads", rec.writer, rec.wpos, "wrote", rec.wop)
+        for t in written:
+            rec = _peek(t)
+            if rec is None:
+                continue
+            if rec.writer is not None and rec.writer.done < rec.wpos:
+                _host_fail(t, name, "writes", rec.writer, rec.wpos, "wrote", rec.wop)
+            for reader, (rpos, rop) in rec.readers.items():
+                if reader.done < rpos:
+                    _host_fail(t, name, "writes", reader, rpos, "read", rop)
+            rec.writer, rec.readers = None, {}
 
 
 def _access(t: torch.Tensor) -> Optional[_Access]:
@@ -386,6 +484,74 @@ def use(stream: CpuStream) -> Optional[_StreamContext]:
     return _StreamContext(stream) if _enabled else None
 
 
+class _HostRecorder(TorchDispatchMode):
+    """Sees every op of a host thread inside ``host_checks`` and checks it (``_host_op``); ops issued
+    while a stream is current in the thread are the stream's (``_Recorder``, above this mode)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if _enabled and not getattr(_tls, "stack", None):
+            _host_op(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+class _HostContext:
+    """``host_checks`` while checking: this thread's ops are checked as host ops until the block ends."""
+
+    def __init__(self) -> None:
+        self.mode = _HostRecorder()
+
+    def __enter__(self) -> None:
+        _tls.host = True
+        self.mode.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.mode.__exit__(*exc)
+        _tls.host = False
+
+
+_NULL = contextlib.nullcontext()  # reusable: nullcontext keeps no state between uses
+
+
+def host_checks() -> ContextManager[Any]:
+    """The block in which this thread's ops are checked as host ops (module docstring): a host thread's
+    work that may read what the streams wrote (an optimizer kernel, the main thread's part of a RoundPipe
+    call). A no-op (one flag read) while checking is off, or inside such a block already."""
+    if not _enabled or getattr(_tls, "host", False):
+        return _NULL
+    return _HostContext()
+
+
+def host_checked(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn`` with its body inside ``host_checks``: the main thread's part of a RoundPipe call (its
+    forward, backward, step), which reads the downloads the devices made."""
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> T:
+        with host_checks():
+            return fn(*args, **kwargs)
+
+    return checked
+
+
+def unrecorded(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` outside this thread's checking modes: for the constructor of a tensor subclass that
+    holds no data (module docstring), which torch cannot run under a dispatch mode. Checking off, or
+    no mode of ours current: ``fn(*args)`` as it is."""
+    if not isinstance(_get_current_dispatch_mode(), (_Recorder, _HostRecorder)):
+        return fn(*args)
+    with _pop_mode_temporarily():
+        return unrecorded(fn, *args)
+
+
+def current_event() -> Optional[CpuEvent]:
+    """An event recorded now on this thread's current CPU stream (after the ops issued on it so far),
+    or None while checking is off or outside ``use_stream``: what a host reader of those ops'
+    results synchronizes (``transfer.HostScalar``)."""
+    stack = getattr(_tls, "stack", None)
+    return stack[-1].record_event() if _enabled and stack else None
+
+
 def _watch_settings() -> None:
     settings.on_change(settings.DEBUG_CHECK_STREAMS, refresh)
     settings.on_change(settings.DEBUG_STRESS_DELAY_S, refresh)
@@ -394,4 +560,17 @@ def _watch_settings() -> None:
 
 _watch_settings()
 
-__all__ = ["CpuEvent", "CpuStream", "StreamOrderError", "enabled", "ops_checked", "refresh", "use"]
+__all__ = [
+    "CpuEvent",
+    "CpuStream",
+    "StreamOrderError",
+    "current_event",
+    "enabled",
+    "host_checked",
+    "host_checks",
+    "host_ops_checked",
+    "ops_checked",
+    "refresh",
+    "unrecorded",
+    "use",
+]

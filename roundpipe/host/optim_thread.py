@@ -4,6 +4,8 @@
 another, so work queued by one ``model.step`` is ordered after the previous step's. The main thread
 waits for all queued work with ``synchronize()``. A kernel that raises is recorded in the
 RoundPipe failure slot (see ``threads``), and the next ``synchronize`` or RoundPipe call raises it.
+While the CPU streams check their order (``cpu_streams.host_checks``), each kernel's ops are checked as host
+reads and writes of what the device streams wrote or read.
 
 Attributes:
     kernel_queue: Queue of optimizer kernel tasks.
@@ -23,6 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from roundpipe import settings
+from roundpipe.devices import cpu_streams
 from roundpipe.devices.threads import OptimizerStepError, RoundPipeThread, note_progress, report_failure
 
 KernelQueueType = "queue.Queue[Tuple[Callable, Tuple, Dict[str, Any]]]"
@@ -169,7 +172,10 @@ def controller() -> None:
             fn, args, kwargs = item
             _thread.is_active = True
             try:
-                fn(*args, **kwargs)
+                # While the CPU streams check their order, the kernel's host reads and writes are checked
+                # against the streams' work (a gradient read before its download was synchronized).
+                with cpu_streams.host_checks():
+                    fn(*args, **kwargs)
             except BaseException as exc:  # noqa: BLE001 - surfaced in the caller's thread
                 err = OptimizerStepError(f"optimizer step failed in {getattr(fn, '__qualname__', fn)!r}: {exc!r}")
                 err.__cause__ = exc

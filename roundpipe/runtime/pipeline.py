@@ -15,6 +15,7 @@ import torch
 
 from roundpipe.devices import device as device_mod
 from roundpipe.devices import profile
+from roundpipe.devices.cpu_streams import host_checked
 from roundpipe.devices.dispatch import dispatcher
 from roundpipe.devices.threads import RoundPipeAborted, current_failure, raise_if_failed, report_failure
 from roundpipe.runtime.jobs import run_backward, run_forward, run_forward_backward
@@ -136,10 +137,17 @@ def dispatch_fused(run: Run) -> None:
 
 def finish_backward(run: Run) -> None:
     """After all backward jobs: wait for the gradient downloads (one fence) and fold shared-parameter
-    gradient shares into ``param.grad``."""
+    gradient shares into ``param.grad``; then wait for the input gradients' downloads."""
     for i in range(run.model.num_layers):
         run.model.layer_attrs[i].grad_downloaded.synchronize()
     run.model.reduce_shared_grads()
+    # The input gradients go to the caller's graph as host tensors, with no event: the caller (autograd
+    # accumulating ``x.grad``, an upstream RoundPipe's upload) reads them at once. Their downloads (the
+    # first group's, on ``downstream``) are ordered after none of the events above (those are on the
+    # gradient stream), so wait for them here; they were issued with the last microbatch's backward.
+    for ctx in run.contexts:
+        for ev in ctx.grad_events:
+            ev.synchronize()
 
 
 class RoundPipeBatchedBackward(torch.autograd.Function):
@@ -162,6 +170,7 @@ class RoundPipeBatchedBackward(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
+    @host_checked
     def backward(  # type: ignore[override]
         ctx: Any, *grad_outputs: Optional[torch.Tensor]
     ) -> Tuple[Optional[torch.Tensor], ...]:

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from roundpipe import settings
+from roundpipe.devices import cpu_streams
 from roundpipe.runtime import tile_attention
 from roundpipe.runtime.transfer import async_d2h, to_device
 
@@ -258,7 +259,8 @@ def attend(
     groups = q.shape[1] // keys.shape[1]
     if groups > 1:
         keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-    mask = causal_lower_right(n, s + n) if s > 0 else None
+    # A data-less tensor subclass, made outside the stream checks' dispatch mode (``cpu_streams.unrecorded``).
+    mask = cpu_streams.unrecorded(causal_lower_right, n, s + n) if s > 0 else None
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None, scale=scaling)
     return out.transpose(1, 2)
 

@@ -10,7 +10,10 @@ Which host buffer a gradient download writes (and whether it must wait for the o
 is ``roundpipe.host.buffers``' decision.
 
 On CPU workers uploads copy too (so layers that modify inputs or parameters in place never touch the
-host copies saved for recompute or written by the optimizer thread) and downloads detach.
+host copies saved for recompute or written by the optimizer thread) and downloads detach; while the CPU
+streams check their order (``cpu_streams.enabled()``) downloads, peer copies and host scalars copy into new
+tensors on their stream as well, so that host copies and device tensors are distinct storages exactly as
+on a GPU and each hand-over has a copy the checks order (unchecked, a download costs no copy).
 
 Attributes:
     chunked_upload: Whether large parameters (and gradient seeds) upload, and large parameter
@@ -28,7 +31,7 @@ import torch
 from torch import nn
 
 from roundpipe import settings
-from roundpipe.devices import backend
+from roundpipe.devices import backend, cpu_streams
 from roundpipe.devices.backend import Event
 from roundpipe.host.attribute import LayerAttribute, ParamAttribute, buffer_downloaded, note_buffer_download
 from roundpipe.host.buffers import ParamBuffers
@@ -88,6 +91,11 @@ class HostScalar:
                 self.event.record(stream)
             if stream is not current:
                 src.record_stream(stream)  # ``t``'s device block is reused only after this copy
+        elif cpu_streams.enabled():
+            # A real copy, on the current stream, and its event: the host reads it only after
+            # synchronizing that event (``item``), which the checks verify as they would on a GPU.
+            self.host = t.detach().clone()
+            self.event = cpu_streams.current_event()
         else:
             self.host = t.detach()
 
@@ -254,7 +262,8 @@ def _copy_after_compute(
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
     if t.device.type == "cpu":
-        return t.detach()
+        # Checking: a copy on the download stream (a GPU's download never aliases the device tensor).
+        return t.detach().clone() if cpu_streams.enabled() else t.detach()
     h = backend.empty_host_like(t)
     h.copy_(t, non_blocking=True)
     return h
@@ -291,9 +300,17 @@ def peer_copy(src: Any, dst: Any, tensors: Iterable[Any]) -> Tuple[List[Any], Li
     ``dst``'s default-stream pool, which only these copies use, and ``dst`` frees them through its memory
     manager after its compute and download streams are done with them, so a block is reused only after
     its last reader. The sources stay alive until the copy has read them. CPU workers share one memory:
-    the tensors pass as they are."""
-    out, done = _copy_after_compute(src, list(tensors), lambda t: t.to(dst.device, non_blocking=True))
+    the tensors pass as they are (copied while the CPU streams check their order, as on GPUs)."""
+    out, done = _copy_after_compute(src, list(tensors), _peer_copier(dst))
     return out, [done]
+
+
+def _peer_copier(dst: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """How ``peer_copy`` copies one tensor to ``dst``'s device: ``.to`` (a no-op between CPU workers,
+    a real copy while the checks run)."""
+    if dst.device.type == "cpu" and cpu_streams.enabled():
+        return lambda t: t.detach().clone() if t.device.type == "cpu" else t.to(dst.device)
+    return lambda t: t.to(dst.device, non_blocking=True)
 
 
 def _device_copy(mod: nn.Module, tensors: Dict[int, torch.Tensor], memo: Dict[int, nn.Module]) -> nn.Module:

@@ -257,7 +257,9 @@ DEBUG_CHECK_STREAMS: Setting[str] = _register(
         "auto",
         "`auto`, `1` or `0`",
         "Test mode: CPU workers' streams record what each op reads and writes and raise when an op is not ordered "
-        "after another stream's access to the same data (auto: in the stress mode).",
+        "after another stream's access to the same data; host threads (the optimizer thread, the main thread in a "
+        "RoundPipe call) raise on reading data whose stream write they did not synchronize; CPU downloads copy "
+        "(auto: in the stress mode).",
     )
 )
 PROFILER: Setting[Optional[str]] = _register(
