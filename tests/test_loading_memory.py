@@ -6,11 +6,8 @@ over the resident set just before the load must stay within it plus two bf16 lay
 first (transformers' load, then packing) peaks 26 MB above that start here, this loader 11 MB, against the
 19 MB allowed (5.8 MB of model and two layers). The
 model is three layers of 6.5 MB in bf16 (width 512), so the layers, not the allocator, make the difference.
-torchao quantizes NF4 in chunks of ``CHUNK_SIZE`` elements and holds 72 bytes per element of a chunk while it
-does (a 16-way comparison): 72 MB at its default, a fixed buffer larger than these layers though not than a
-70B model's (3.4 GB for two). The child lowers it to 32K elements, which changes no byte of the result
-(chunks are elementwise). About 10 s on 2 idle cores, 20-30 s on busy ones: the child's imports (transformers,
-peft, torchao: a fresh process, so that its peak is the load's), then NF4 packing.
+About 10 s on 2 idle cores, 20-30 s on busy ones: the child's imports (transformers, peft: a fresh process,
+so that its peak is the load's), then NF4 packing.
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ CHILD = r"""
 import json, sys
 import torch
 from peft import LoraConfig
-from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
 from roundpipe.loading import load_pretrained
 from roundpipe.utils import host_nbytes
 
@@ -36,9 +32,8 @@ def status(field):
     with open("/proc/self/status") as f:
         return [int(line.split()[1]) * 1024 for line in f if line.startswith(field)][0]
 
-nf4_tensor.CHUNK_SIZE = 1 << 15
 lora = lambda: LoraConfig(r=4, target_modules="all-linear")
-load_pretrained(sys.argv[2], "nf4", lora())  # first calls (model classes, torchao, safetensors) on a tiny copy
+load_pretrained(sys.argv[2], "nf4", lora())  # first calls (model classes, safetensors) on a tiny copy
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # the peak resident set starts again from the current one
 before = status("VmRSS")
