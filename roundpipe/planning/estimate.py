@@ -38,6 +38,7 @@ from roundpipe.planning.memory_terms import (
     checkpoint_bytes_per_token,
     decoder_layer_bytes,
     device_saved_room,
+    fused_lora_bytes_per_token,
     head_activation_bytes,
     job_io_bytes,
     lora_bytes_per_token,
@@ -132,6 +133,7 @@ def estimate(
     sequence_tiles: int = 1,
     stage_inputs: Optional[str] = None,
     base_format: str = "bf16",
+    fused_lora: bool = False,
 ) -> Estimate:
     """The peak GPU and host memory of one training step (see the module docstring).
 
@@ -169,6 +171,10 @@ def estimate(
         base_format: How a LoRA run's frozen projections are held on the host (``frozen_terms.BASE_FORMATS``):
             packed ones take fewer host bytes and upload bytes, arrive on the GPU at the model dtype, and cost
             one weight's unpacking transient there (``frozen_terms.frozen_base``).
+        fused_lora: Whether a tiled layer's LoRA projections run as the fused LoRA linear inside the fused ops (GPUs
+            with Triton, ``RPP_DEBUG_FUSED_KERNELS``): their adapters keep the layer's own inputs and the rank-r
+            products (:func:`memory_terms.fused_lora_bytes_per_token`) instead of PEFT's fp32 copies. False counts
+            PEFT's modules, as the GPU peaks on record were measured.
     """
     if seq_len < 1 or batch_size < 1 or microbatches < 1 or layers_per_stage < 1 or devices < 1 or sequence_tiles < 1:
         raise ValueError(
@@ -210,7 +216,10 @@ def estimate(
     # A LoRA model runs its layers module by module (PEFT's adapters), with fp32 adapters (PEFT's default).
     lora_extra = lora_bytes_per_token(shape, lora_rank, b) if lora_rank else 0.0
     lora_pre = lora_pre_attention_bytes_per_token(shape, lora_rank, b) if lora_rank else 0.0
-    kept, peak = decoder_layer_bytes(shape, t, tile, tiled, b, not lora_rank, lora_extra, lora_pre)
+    tiled_extra, tiled_pre = lora_extra, lora_pre
+    if fused_lora and lora_rank and tiled:
+        tiled_extra, tiled_pre = fused_lora_bytes_per_token(shape, lora_rank, b)
+    kept, peak = decoder_layer_bytes(shape, t, tile, tiled, b, not lora_rank, tiled_extra, tiled_pre)
     io = job_io_bytes(shape, t, b)  # the stage input, output gradient, neighbours' in flight, side tensors
     side = t * side_bytes_per_token(shape, b)
     others = (g - 1) * (kept if recompute_grain == "stage" else t * h * b)

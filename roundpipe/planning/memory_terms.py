@@ -231,6 +231,18 @@ def lora_bytes_per_token(shape: ModelShape, rank: int, e: int = 2, adapter_bytes
     return float(inputs + 7 * rank * adapter_bytes)
 
 
+def fused_lora_bytes_per_token(shape: ModelShape, rank: int, e: int = 2, adapter_bytes: int = 4) -> Tuple[float, float]:
+    """(all seven, the q / k / v share) of what LoRA adapters save per token inside the fused layer ops (the fused
+    LoRA linear, ``roundpipe.models.lora``; GPUs with Triton): each projection's input in the layer's dtype, the
+    one tensor its projections share (the normed attention input, the normed MLP input, the down projection's
+    input; the o projection's is the attention output the tiled part keeps anyway), and each adapter's rank-``r``
+    product ``x A^T`` in the adapters' dtype; no fp32 copy (the backward casts again). The counterpart of
+    :func:`lora_bytes_per_token` and :func:`lora_pre_attention_bytes_per_token`, for the tiled terms."""
+    h, i = shape.hidden, shape.intermediate
+    pre = e * h + 3 * rank * adapter_bytes
+    return float(pre + e * (h + i) + 4 * rank * adapter_bytes), float(pre)
+
+
 #: ``stage_codec.BLOCKS``, values per float32 scale of each compact stage-input format (copied so that the
 #: estimate imports no torch; a test keeps the two equal).
 STAGE_CODEC_BLOCKS = {"fp8": 128, "int8": 32}
