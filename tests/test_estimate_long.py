@@ -190,41 +190,6 @@ def test_gpu_peak_of_a_tiled_70b_layer_at_65k_tokens(fused: bool) -> None:
     assert abs(measured - peak) / peak < 0.10, (measured / GiB, peak / GiB)
 
 
-def _fused_pre_graph_saved_bytes(lora: bool, seq: int, tile: int) -> int:
-    """Bytes a fused bf16 Llama layer's tiled recompute (below ``PRE_TILES_IN_RECOMPUTE`` tiles: the pre-attention
-    graph at full length) saves besides its input and the rotary tables; frozen base, fp32 adapters with ``lora``."""
-    from test_tiling import _inputs, _make_layer
-
-    from roundpipe import settings
-    from roundpipe.models import kernels, tiling
-    from roundpipe.runtime.context import RecomputeCtx
-
-    base, layer = _make_layer("llama", lora=lora)
-    base = base.to(torch.bfloat16)
-    for name, p in base.named_parameters():
-        p.requires_grad_("lora_" in name)
-        if "lora_" in name:
-            p.data = p.data.float()
-    kernels.fuse_layer(layer)
-    x, mask, pos, (cos, sin) = _inputs(base, 1, seq, padding=False)
-    x = x.detach().to(torch.bfloat16).requires_grad_(True)
-    pe = (cos.to(torch.bfloat16), sin.to(torch.bfloat16))
-    storages: Dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with (
-        settings.overridden(seq_tile=tile),
-        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-        RecomputeCtx(None),
-    ):
-        assert tiling.maybe_tiled_forward(layer, x, mask, pos, pe) is not None, "the layer did not tile"
-    skip = {t.untyped_storage().data_ptr() for t in (x, *pe, *layer.parameters())}
-    return sum(v for k, v in storages.items() if k not in skip)
-
-
 def test_fused_lora_terms_are_what_the_fused_ops_save() -> None:
     """With the fused kernels (their eager path, which saves what the compiled ops do for the fused LoRA linear) the
     adapters add to a tiled layer only the layer's own inputs and the rank-r products: per MLP tile and in the
@@ -240,9 +205,10 @@ def test_fused_lora_terms_are_what_the_fused_ops_save() -> None:
     peft = memory_terms.lora_bytes_per_token(shape, 4) - memory_terms.lora_pre_attention_bytes_per_token(shape, 4)
     assert measured < 0.5 * peft
     seq = 512  # 8 tiles
-    measured_pre = (
-        _fused_pre_graph_saved_bytes(True, seq, tile) - _fused_pre_graph_saved_bytes(False, seq, tile)
-    ) / seq
+    from test_budget import _tiled_recompute_saved_bytes
+
+    saved = [_tiled_recompute_saved_bytes(lo, seq, tile, "llama", fused=True, frozen=True)[0] for lo in (True, False)]
+    measured_pre = (saved[0] - saved[1]) / seq
     assert abs(pre - measured_pre) / measured_pre < 0.15, (pre, measured_pre)
 
 
