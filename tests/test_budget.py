@@ -144,21 +144,28 @@ def test_decoder_layer_estimate_matches_the_saved_tensors_of_a_tiled_layer() -> 
     assert abs(measured - expected) / measured < 0.15, (measured, expected)
 
 
-def _tiled_recompute_saved_bytes(lora: bool, seq: int, tile: int) -> Tuple[int, float, float, Any]:
-    """(bytes a bf16 Qwen3 layer's tiled recompute saves for its backward besides its input and the rotary
+def _tiled_recompute_saved_bytes(
+    lora: bool, seq: int, tile: int, family: str = "qwen3", fused: bool = False, frozen: bool = False
+) -> Tuple[int, float, float, Any]:
+    """(bytes a bf16 ``family`` layer's tiled recompute saves for its backward besides its input and the rotary
     tables, the layer's extra bytes per token, their pre-attention part, its shape); adapters in fp32 as
-    PEFT's default upcast leaves them."""
+    PEFT's default upcast leaves them; ``fused``: with the fused kernels (their eager path); ``frozen``: every
+    parameter but the adapters frozen."""
     from test_tiling import _inputs, _make_layer
 
-    from roundpipe.models import tiling
+    from roundpipe.models import kernels, tiling
     from roundpipe.models.causal_lm import _module_extra_per_token, _pre_attention_extra_per_token
     from roundpipe.runtime.context import RecomputeCtx
 
-    base, layer = _make_layer("qwen3", lora=lora)
+    base, layer = _make_layer(family, lora=lora)
     base = base.to(torch.bfloat16)
     for name, p in base.named_parameters():
         if "lora_" in name:
             p.data = p.data.float()
+        elif frozen:
+            p.requires_grad_(False)
+    if fused:
+        kernels.fuse_layer(layer)
     x, mask, pos, (cos, sin) = _inputs(base, 1, seq, padding=False)
     x = x.detach().to(torch.bfloat16).requires_grad_(True)
     pe = (cos.to(torch.bfloat16), sin.to(torch.bfloat16))

@@ -6,11 +6,12 @@
     roundpipe plan --model ~/models/Llama-3.1-70B --seq-len 4096 --batch-size 8 --lora-r 16 --base-format nf4
 
 Prints peak GPU memory (per GPU) and peak host memory of one step, the bytes each token costs, and
-the longest context that fits this machine (or the ``--gpu-memory`` / ``--host-memory`` given); with
-``--base-format`` fp8, int8 or nf4, the frozen base's host bytes, the bytes uploaded per layer and the time to
-unpack it on the GPU. A step
-that does not fit is told which side is short and by how much, with the levers that would change it, each
-with its estimated effect (LoRA, compact optimizer state, int8 stage inputs, fewer tokens, more memory). The
+the longest context that fits this machine (or the ``--gpu-memory`` / ``--host-memory`` given), searched over
+the sequence tile (``RPP_SEQ_TILE``) and its halvings unless ``--seq-tile`` fixes it; with ``--base-format``
+fp8, int8 or nf4, the frozen base's host bytes, the bytes uploaded per layer and the time to unpack it on the
+GPU. A step that does not fit is told which side is short and by how much, with the levers that would change
+it, each with its estimated effect (LoRA, compact optimizer state, int8 stage inputs, a shorter sequence tile,
+fewer tokens, more memory). The
 same numbers are ``roundpipe.planning.estimate.estimate(...)`` and ``roundpipe.planning.estimate.longest_context(...)``
 in Python. Exit status 0 when the step fits, 1 when it does not (text and ``--json`` alike), 2 with one
 line for bad input. A run ``roundpipe train`` refuses is refused here too: a sequence beyond a model
@@ -108,6 +109,13 @@ def parser() -> argparse.ArgumentParser:
         default=1,
         help="tiles of each sequence that flow over the GPUs as microbatches (RoundPipeRunConfig(sequence_tiles=))",
     )
+    p.add_argument(
+        "--seq-tile",
+        type=int,
+        default=None,
+        help="tokens per sequence tile of the decoder layers, as RPP_SEQ_TILE sets it for train (0: off; default: "
+        "RPP_SEQ_TILE; the longest context is then searched over it and its halvings)",
+    )
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     return p
 
@@ -185,6 +193,8 @@ def check(args: argparse.Namespace, config: Optional[Dict[str, Any]]) -> None:
         flag = "--" + name.replace("_", "-")
         if getattr(args, name) < 1:
             raise ConfigError(f"{flag}={getattr(args, name)} must be positive", f"set {flag} to 1 or more")
+    if args.seq_tile is not None and args.seq_tile < 0:
+        raise ConfigError(f"--seq-tile={args.seq_tile} is negative", "set --seq-tile to 0 (tiles off) or more")
     if args.lora_r < 0:
         raise ConfigError(f"--lora-r={args.lora_r} is negative", "set --lora-r to 0 (full fine-tune) or more")
     if args.base_format != "bf16" and not args.lora_r:
@@ -243,10 +253,14 @@ def _plan(args: argparse.Namespace) -> int:
         stage_inputs=args.stage_inputs,
         base_format=args.base_format,
     )
+    if args.seq_tile is not None:
+        kw["tile"] = args.seq_tile
+    # The longest context: over the tile given, else over the setting's and its halvings.
+    tiles = [args.seq_tile] if args.seq_tile is not None else estimate.tile_choices()
     e, fits = plan_levers.best_estimate(shape, args.seq_len, gpu, host, kw)
     levers = [] if fits else plan_levers.levers(args, shape, gpu, host, kw)
     if args.json:
-        seq, fit = estimate.longest_context(shape, gpu, host, **kw)
+        seq, fit = estimate.longest_context(shape, gpu, host, tiles=tiles, **kw)
         result = {
             "fits": fits,
             "peak_gpu_bytes": e.peak_gpu_bytes,
@@ -261,6 +275,8 @@ def _plan(args: argparse.Namespace) -> int:
             "dequantize_ms_per_layer": e.dequantize_ms_per_layer,
             "longest_context": seq,
             "longest_context_layers_per_stage": fit.layers_per_stage if fit else None,
+            "longest_context_seq_tile": fit.tile if fit else None,
+            "seq_tile": e.tile,
             "gpu_memory": gpu,
             "host_memory": host,
             "short": plan_levers.shortfall(e, gpu, host),
@@ -275,7 +291,7 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         print(f"this step does NOT fit {estimate.budgets(gpu, host)}: {plan_levers.describe_short(e, gpu, host)}")
         print("levers, each estimated alone:\n" + "\n".join(lever.describe(host) for lever in levers))
-    print("\n".join(estimate.describe_fit(shape, gpu, host, **kw)))
+    print("\n".join(estimate.describe_fit(shape, gpu, host, tiles=tiles, **kw)))
     return 0 if fits else 1
 
 

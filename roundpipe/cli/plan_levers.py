@@ -1,7 +1,8 @@
 """What ``roundpipe plan`` says when a step does not fit: which side is short and by how much, and the
 levers that would change it, each with the effect the estimate itself computes for it (never a fixed text).
 
-A lever is one change to the command line: LoRA, compact optimizer state, int8 stage inputs, fewer tokens
+A lever is one change to the command line: LoRA, compact optimizer state, int8 stage inputs, a shorter sequence
+tile (``--seq-tile``, ``RPP_SEQ_TILE`` for train) where the GPU is short, fewer tokens
 (the longest ``--seq-len`` that fits, from ``estimate.longest_context``), more GPU memory where the GPU is
 short, an NF4 frozen base (``--base-format nf4``, with LoRA) where the host is short.
 Each is estimated alone, as ``plan`` would with its flags added (the same choice of layers per backward
@@ -22,7 +23,7 @@ from roundpipe.utils import GiB
 MAX_LAYERS_PER_STAGE = 4
 """The backward stages ``plan`` tries, as the planner does: 1 to this many decoder layers each."""
 
-RUN_FLAGS = ("--lora-r", "--optim-state", "--stage-inputs", "--base-format")
+RUN_FLAGS = ("--lora-r", "--optim-state", "--stage-inputs", "--base-format", "--seq-tile")
 """The levers that change the run itself (not its tokens, nor the machine): tried together, on this machine,
 when none fits alone."""
 
@@ -133,6 +134,15 @@ def levers(args: argparse.Namespace, shape: ModelShape, gpu: float, host: float,
         out.append(
             lever("--stage-inputs int8 (RPP_STAGE_INPUTS=int8)", ["--stage-inputs", "int8"], stage_inputs="int8")
         )
+    now, _ = best_estimate(shape, args.seq_len, gpu, host, kw)
+    if now.peak_gpu_bytes > gpu and now.tile:  # the largest shorter tile that fits, else the shortest
+        tiled: Optional[Lever] = None
+        for t in estimate.tile_choices(now.tile)[1:]:
+            tiled = lever(f"--seq-tile {t} (RPP_SEQ_TILE={t})", ["--seq-tile", str(t)], tile=t)
+            if tiled.fits:
+                break
+        if tiled is not None and tiled.estimate is not None and tiled.estimate.peak_gpu_bytes < now.peak_gpu_bytes:
+            out.append(tiled)
     seq, fit = estimate.longest_context(shape, gpu, host, max_layers_per_stage=MAX_LAYERS_PER_STAGE, **kw)
     if fit is not None and seq < args.seq_len:
         out.append(Lever(f"--seq-len {seq}", ["--seq-len", str(seq)], fit, True, gpu, "the longest that fits"))

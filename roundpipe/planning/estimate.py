@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from roundpipe.planning import frozen_terms
 from roundpipe.planning.memory_terms import (
@@ -38,6 +38,7 @@ from roundpipe.planning.memory_terms import (
     checkpoint_bytes_per_token,
     decoder_layer_bytes,
     device_saved_room,
+    fused_lora_bytes_per_token,
     head_activation_bytes,
     job_io_bytes,
     lora_bytes_per_token,
@@ -69,6 +70,8 @@ class Estimate:
     """Bytes one decoder layer's weights take from host to GPU at each upload (packed, as held)."""
     dequantize_ms_per_layer: float = 0.0
     """Time to unpack one decoder layer's packed base on the GPU (``frozen_terms``' assumed rates)."""
+    tile: int = 0
+    """Tokens per sequence tile of the decoder layers (``RPP_SEQ_TILE``) the estimate counts (0: off)."""
 
     @property
     def peak_gpu_bytes(self) -> float:
@@ -130,6 +133,7 @@ def estimate(
     sequence_tiles: int = 1,
     stage_inputs: Optional[str] = None,
     base_format: str = "bf16",
+    fused_lora: bool = False,
 ) -> Estimate:
     """The peak GPU and host memory of one training step (see the module docstring).
 
@@ -167,6 +171,10 @@ def estimate(
         base_format: How a LoRA run's frozen projections are held on the host (``frozen_terms.BASE_FORMATS``):
             packed ones take fewer host bytes and upload bytes, arrive on the GPU at the model dtype, and cost
             one weight's unpacking transient there (``frozen_terms.frozen_base``).
+        fused_lora: Whether a tiled layer's LoRA projections run as the fused LoRA linear inside the fused ops (GPUs
+            with Triton, ``RPP_DEBUG_FUSED_KERNELS``): their adapters keep the layer's own inputs and the rank-r
+            products (:func:`memory_terms.fused_lora_bytes_per_token`) instead of PEFT's fp32 copies. False counts
+            PEFT's modules, as the GPU peaks on record were measured.
     """
     if seq_len < 1 or batch_size < 1 or microbatches < 1 or layers_per_stage < 1 or devices < 1 or sequence_tiles < 1:
         raise ValueError(
@@ -208,7 +216,10 @@ def estimate(
     # A LoRA model runs its layers module by module (PEFT's adapters), with fp32 adapters (PEFT's default).
     lora_extra = lora_bytes_per_token(shape, lora_rank, b) if lora_rank else 0.0
     lora_pre = lora_pre_attention_bytes_per_token(shape, lora_rank, b) if lora_rank else 0.0
-    kept, peak = decoder_layer_bytes(shape, t, tile, tiled, b, not lora_rank, lora_extra, lora_pre)
+    tiled_extra, tiled_pre = lora_extra, lora_pre
+    if fused_lora and lora_rank and tiled:
+        tiled_extra, tiled_pre = fused_lora_bytes_per_token(shape, lora_rank, b)
+    kept, peak = decoder_layer_bytes(shape, t, tile, tiled, b, not lora_rank, tiled_extra, tiled_pre)
     io = job_io_bytes(shape, t, b)  # the stage input, output gradient, neighbours' in flight, side tensors
     side = t * side_bytes_per_token(shape, b)
     others = (g - 1) * (kept if recompute_grain == "stage" else t * h * b)
@@ -291,6 +302,7 @@ def estimate(
         base_format,
         float(upload),
         base.dequantize_ms,
+        int(tile),
     )
 
 
@@ -301,29 +313,60 @@ def longest_context(
     batch_size: int = 1,
     lora_rank: int = 0,
     max_layers_per_stage: int = 4,
+    tiles: Optional[Sequence[int]] = None,
     **kwargs: Any,
 ) -> Tuple[int, Optional[Estimate]]:
     """The longest sequence (a multiple of 1024) whose step fits ``gpu_bytes`` per GPU and ``host_bytes``,
-    over backward stages of 1 to ``max_layers_per_stage`` decoder layers; with the estimate that fits."""
+    over backward stages of 1 to ``max_layers_per_stage`` decoder layers and over the sequence tiles ``tiles``
+    (``RPP_SEQ_TILE`` values; None: only ``kwargs['tile']``, else the setting); with the estimate that fits. Of
+    equal lengths the larger tile wins (fewer, larger GEMMs), then the fewer layers per stage."""
+    if tiles is None:
+        tiles = [kwargs.pop("tile", None)]
+    else:
+        kwargs.pop("tile", None)
     best: Tuple[int, Optional[Estimate]] = (0, None)
-    for g in range(1, max_layers_per_stage + 1):
+    for tile in sorted(tiles, key=lambda t: -(t or 0)):
+        for g in range(1, max_layers_per_stage + 1):
 
-        def fits(seq: int, g: int = g) -> Optional[Estimate]:
-            e = estimate(shape, seq, batch_size, lora_rank, layers_per_stage=g, gpu_bytes=gpu_bytes, **kwargs)
-            return e if e.peak_gpu_bytes <= gpu_bytes and e.peak_host_bytes <= host_bytes else None
+            def fits(seq: int, g: int = g, tile: Optional[int] = tile) -> Optional[Estimate]:
+                e = estimate(
+                    shape, seq, batch_size, lora_rank, layers_per_stage=g, gpu_bytes=gpu_bytes, tile=tile, **kwargs
+                )
+                return e if e.peak_gpu_bytes <= gpu_bytes and e.peak_host_bytes <= host_bytes else None
 
-        lo, hi = 0, 1 << 10
-        while fits(hi * 1024) is not None and hi < (1 << 14):
-            lo, hi = hi, hi * 2
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fits(mid * 1024) is not None:
-                lo = mid
-            else:
-                hi = mid
-        if lo * 1024 > best[0]:
-            best = (lo * 1024, fits(lo * 1024))
+            lo, hi = 0, 1 << 10
+            while fits(hi * 1024) is not None and hi < (1 << 14):
+                lo, hi = hi, hi * 2
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if fits(mid * 1024) is not None:
+                    lo = mid
+                else:
+                    hi = mid
+            if lo * 1024 > best[0]:
+                best = (lo * 1024, fits(lo * 1024))
     return best
+
+
+#: The smallest sequence tile ``roundpipe plan`` proposes: below it a tile's GEMMs are short of a GPU's rate.
+MIN_TILE = 2048
+
+
+def tile_choices(tile: Optional[int] = None) -> List[int]:
+    """The sequence tiles ``roundpipe plan`` tries (``RPP_SEQ_TILE`` values): ``tile`` (None: the setting) and its
+    halvings down to ``MIN_TILE``. A smaller tile holds fewer tokens of a wide MLP at once (a 70B layer's
+    intermediate tensors are 28,672 wide) and, from ``PRE_TILES_IN_RECOMPUTE`` tiles, recomputes the pre-attention
+    graph per tile instead of keeping it at full length; it costs more, smaller GEMMs."""
+    if tile is None:
+        from roundpipe import settings
+
+        tile = settings.SEQ_TILE.get()
+    if not tile:
+        return [0]
+    out = [tile]
+    while out[-1] // 2 >= MIN_TILE:
+        out.append(out[-1] // 2)
+    return out
 
 
 def describe_fit(shape: ModelShape, gpu_bytes: float, host_bytes: float, **kwargs: Any) -> List[str]:
@@ -331,7 +374,7 @@ def describe_fit(shape: ModelShape, gpu_bytes: float, host_bytes: float, **kwarg
     seq, e = longest_context(shape, gpu_bytes, host_bytes, **kwargs)
     if e is None:
         return [f"no sequence of 1,024 tokens or more fits {budgets(gpu_bytes, host_bytes)}"]
-    return [
-        f"longest context that fits {budgets(gpu_bytes, host_bytes)}: {seq:,} tokens "
-        f"({e.layers_per_stage} decoder layer(s) per backward stage)"
-    ]
+    how = f"{e.layers_per_stage} decoder layer(s) per backward stage"
+    if kwargs.get("tiles") is not None and e.tile != max(kwargs["tiles"]):
+        how += f", RPP_SEQ_TILE={e.tile}"
+    return [f"longest context that fits {budgets(gpu_bytes, host_bytes)}: {seq:,} tokens ({how})"]

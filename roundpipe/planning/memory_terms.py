@@ -150,9 +150,14 @@ def decoder_layer_bytes(
     compiled op's graph, as the runtime's own plan does). That graph's
     backward then holds the gradients of the same tensors beside it. Measured on one H200 (qwen3-8b
     LoRA r=16, 131,072 tokens, a memory snapshot of the step): the adapters' three copies were 6.0 GiB of
-    the 22.4 GiB peak, which the estimate had not counted.
+    the 22.4 GiB peak, which the estimate had not counted. Each MLP tile's graph holds the same of the o / gate /
+    up / down adapters for one tile (``extra_per_token - pre_extra_per_token``): at a 16,384-token tile of a
+    70B layer (intermediate 28,672) 3.3 GiB, 0.6x the tile's own tensors.
     """
     n, h, q, k, i, a = tokens, shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.heads
+    # What a post-attention tile's graph saves for the o / MLP projections' adapters (PEFT's fp32 casts of their
+    # inputs, the lora_A outputs); None counts the compiled op's graph, as the runtime plans by.
+    post_extra = 0.0 if whole_layer or pre_extra_per_token is None else extra_per_token - pre_extra_per_token
     attention = n * (e * (h + 4 * q + 4 * k) + 4 * q + 2 * e * q + 8 * a)
     kept = n * (e * (h + 2 * q + 2 * k) + 4 * a)
     if not tiled and not whole_layer:
@@ -164,7 +169,7 @@ def decoder_layer_bytes(
     if not tiled:
         full = n * e * (3 * i + 2 * h + q + k)
         return float(kept + full), float(attention + full)
-    mlp_tile = n * (e * (h + 3 * q + 2 * k) + 4 * a) + min(tile, n) * e * (5 * i + 4 * h)
+    mlp_tile = mlp_tile_bytes(shape, n, tile, e, post_extra)
     if math.ceil(n / tile) >= PRE_TILES_IN_RECOMPUTE:
         return float(kept), float(max(attention, mlp_tile))
     if whole_layer or pre_extra_per_token is None:
@@ -174,6 +179,16 @@ def decoder_layer_bytes(
     else:
         pre = n * (pre_extra_per_token + e * (q + 2 * k))
     return float(kept + pre), float(max(attention, mlp_tile) + pre)
+
+
+def mlp_tile_bytes(shape: ModelShape, tokens: int, tile: int, e: int = 2, post_extra_per_token: float = 0.0) -> float:
+    """GPU bytes of a tiled layer's backward while it back-propagates one post-attention tile: the full-length
+    tensors the attention's backward still needs (the input, q, k, v, its output and that output's gradient) and
+    one tile's graph of the o projection, the norm and the MLP with its gradients; ``post_extra_per_token``: what
+    the o / gate / up / down projections' adapters save per token of the tile (see :func:`decoder_layer_bytes`)."""
+    h, q, k, i, a = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.heads
+    full = tokens * (e * (h + 3 * q + 2 * k) + 4 * a)
+    return float(full + min(tile, tokens) * (e * (5 * i + 4 * h) + post_extra_per_token))
 
 
 #: ``tiling.PRE_TILES_IN_RECOMPUTE`` (copied so that the estimate imports no torch; a test keeps the two equal).
@@ -214,6 +229,18 @@ def lora_bytes_per_token(shape: ModelShape, rank: int, e: int = 2, adapter_bytes
     h, q, i = shape.hidden, shape.q_dim, shape.intermediate
     inputs = adapter_bytes * (5 * h + q + i) if adapter_bytes != e else projection_inputs_per_token(shape, e)
     return float(inputs + 7 * rank * adapter_bytes)
+
+
+def fused_lora_bytes_per_token(shape: ModelShape, rank: int, e: int = 2, adapter_bytes: int = 4) -> Tuple[float, float]:
+    """(all seven, the q / k / v share) of what LoRA adapters save per token inside the fused layer ops (the fused
+    LoRA linear, ``roundpipe.models.lora``; GPUs with Triton): each projection's input in the layer's dtype, the
+    one tensor its projections share (the normed attention input, the normed MLP input, the down projection's
+    input; the o projection's is the attention output the tiled part keeps anyway), and each adapter's rank-``r``
+    product ``x A^T`` in the adapters' dtype; no fp32 copy (the backward casts again). The counterpart of
+    :func:`lora_bytes_per_token` and :func:`lora_pre_attention_bytes_per_token`, for the tiled terms."""
+    h, i = shape.hidden, shape.intermediate
+    pre = e * h + 3 * rank * adapter_bytes
+    return float(pre + e * (h + i) + 4 * rank * adapter_bytes), float(pre)
 
 
 #: ``stage_codec.BLOCKS``, values per float32 scale of each compact stage-input format (copied so that the
