@@ -11,6 +11,9 @@ c10d rendezvous) on ``tests/dist_scripts/dp_train.py`` with one CPU worker per r
 * resume from a checkpoint with 2 ranks repeats the uninterrupted run bit for bit;
 * a rank that dies or stalls makes the other fail with an error naming the rank and the collective,
   within the collective timeout (no hang).
+
+Every test runs with the stream checks (``stream_checks``), the ranks included: a rank's optimizer thread that
+reduces, clips or steps a gradient before synchronizing its download fails here (~1 s more for the file).
 """
 
 from __future__ import annotations
