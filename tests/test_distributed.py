@@ -11,6 +11,9 @@ c10d rendezvous) on ``tests/dist_scripts/dp_train.py`` with one CPU worker per r
 * resume from a checkpoint with 2 ranks repeats the uninterrupted run bit for bit;
 * a rank that dies or stalls makes the other fail with an error naming the rank and the collective,
   within the collective timeout (no hang).
+
+Every test runs with the stream checks (``stream_checks``), the ranks included: a rank's optimizer thread that
+reduces, clips or steps a gradient before synchronizing its download fails here (~1 s more for the file).
 """
 
 from __future__ import annotations
@@ -30,17 +33,22 @@ from helpers import small_mlp, train_small_mlp
 from torch import nn
 
 from roundpipe import distributed as rdist
+from roundpipe import settings
 from roundpipe.runtime.grad_sync import GradSync
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "dist_scripts", "dp_train.py")
 EXACT = 1e-6
 
+pytestmark = pytest.mark.stream_checks
+
 
 def torchrun(args: List[str], tmp_path: Any, script: str = SCRIPT, **kwargs: Any) -> subprocess.CompletedProcess:
     """:func:`helpers.torchrun` of ``script`` (the data-parallel script by default); one CPU worker and one
-    thread per rank."""
-    return helpers.torchrun(script, args, tmp_path, **kwargs)
+    thread per rank. The ranks check their streams and host threads as this process does (this file is
+    marked ``stream_checks``): the reductions, the clipping and the asynchronous steps of every rank run checked."""
+    env = {settings.DEBUG_CHECK_STREAMS.name: settings.DEBUG_CHECK_STREAMS.get(), **(kwargs.pop("env", None) or {})}
+    return helpers.torchrun(script, args, tmp_path, env=env, **kwargs)
 
 
 def train(tmp_path: Any, *args: str) -> Dict[str, Any]:

@@ -146,3 +146,23 @@ def test_asynchronous_steps_pass_the_host_checks(workers: str) -> None:
     before = cpu_streams.host_ops_checked()
     _train(model, is_async=True)
     assert cpu_streams.host_ops_checked() > before + 20  # each step's copies and SGD on two layers
+
+
+def test_a_host_read_error_says_how_far_the_thread_synchronized() -> None:
+    """The error tells a stale synchronize (this thread saw the writer up to an earlier op) from a missing one
+    (op #0) and from a stream of another device pool that shares the writer's name."""
+    a = CpuStream(CPU, "twin-grad-stream")
+    with backend.use_stream(a):
+        first = torch.ones(4)  # op 1
+    early = a.record_event()
+    with backend.use_stream(a):
+        first.mul_(2)  # op 2: written after the event this thread synchronizes
+    early.synchronize()
+    with cpu_streams.host_checks(), pytest.raises(StreamOrderError) as info:
+        first.sum()
+    assert "this thread synchronized twin-grad-stream up to its op #1, the host up to #1 (of 2)" in str(info.value)
+    assert "other live stream" not in str(info.value)
+    twin = CpuStream(CPU, "twin-grad-stream")  # a second pool's stream of the same name
+    with cpu_streams.host_checks(), pytest.raises(StreamOrderError, match="1 other live stream.s. have that name"):
+        first.sum()
+    del twin

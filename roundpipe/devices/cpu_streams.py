@@ -309,7 +309,18 @@ def _host_fail(t: torch.Tensor, op: str, verb: str, other: CpuStream, opos: int,
     raise StreamOrderError(
         f"host thread {threading.current_thread().name!r} {verb} {_describe(t)} with {op} (at {_caller()}) that "
         f"{other.name} {overb} with {oop} (its op #{opos}), before the host saw that work complete: "
-        f"{_missing_event(other, opos, host=True)}"
+        f"{_missing_event(other, opos, host=True)}; {_host_view(other)}"
+    )
+
+
+def _host_view(other: CpuStream) -> str:
+    """How far this thread and the host have seen ``other``'s work end, and whether another live stream has
+    its name: what tells a stale or missing synchronize from one of a stream of another device pool."""
+    twins = sum(1 for s in list(_streams) if s.name == other.name and s is not other)
+    same = f"; {twins} other live stream(s) have that name (another device pool)" if twins else ""
+    return (
+        f"this thread synchronized {other.name} up to its op #{_seen().get(other, 0)}, the host up to "
+        f"#{other.done} (of {other.pos}){same}"
     )
 
 
