@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from roundpipe import flavors, settings
-from roundpipe.cli.config import BASE_FORMATS  # the --base-format names, without torch
+from roundpipe.utils import BASE_FORMATS  # the --base-format names, without torch
 
 WORKLOADS = ["tiny", *flavors.BUILTIN]
 """The bench workloads: the Qwen3 and Llama-3.1 sizes of ``roundpipe.flavors``, and ``tiny`` for CPU smoke runs."""

@@ -14,6 +14,10 @@ if TYPE_CHECKING:
 #: Bytes in a GiB, as a float (sizes are divided by it for messages and budgets).
 GiB = float(1 << 30)
 
+#: How frozen base weights can be kept in host memory (``roundpipe.host.formats``): named here, without torch,
+#: so that the CLI checks its flags before torch loads.
+BASE_FORMATS = ("bf16", "fp8", "int8", "nf4")
+
 
 def get_call_location(depth: int) -> str:
     """The caller ``depth`` frames up, as 'filename:lineno' (default names of models)."""

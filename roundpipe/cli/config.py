@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from roundpipe.settings import STAGE_INPUT_MODES as STAGE_INPUTS  # the stage-input modes (settings imports no torch)
+from roundpipe.utils import BASE_FORMATS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: Short names of the dtypes, accepted wherever a dtype is (``--dtype bf16`` is ``--dtype bfloat16``).
@@ -33,9 +34,6 @@ PLANS = ("auto", "layerwise", "single")
 OPTIM_STATES = ("float32", "bfloat16", "int8")
 MASTERS = ("float32", "bfloat16")
 MASTER_ROUNDINGS = ("stochastic", "kahan", "nearest")
-#: How the frozen base weights are kept in host memory: ``roundpipe.host.formats.BASE_FORMATS``, named here
-#: without torch so that the flags are checked before it loads (tests/cli/test_base_format.py holds them equal).
-BASE_FORMATS = ("bf16", "fp8", "int8", "nf4")
 
 
 def normalize_dtype(value: str) -> str:

@@ -41,8 +41,8 @@ from roundpipe.cli.config import (
     normalize_dtype,
 )
 from roundpipe.cli.memory_caps import size_bytes
-from roundpipe.planning import estimate, frozen_terms, memory_terms
-from roundpipe.utils import GiB
+from roundpipe.planning import estimate, memory_terms
+from roundpipe.utils import BASE_FORMATS, GiB
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -86,7 +86,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-r", type=int, default=0, help="LoRA rank on all decoder projections (0: full fine-tune)")
     p.add_argument(
         "--base-format",
-        choices=frozen_terms.BASE_FORMATS,
+        choices=BASE_FORMATS,
         default="bf16",
         help="how a LoRA run's frozen projections are held in host memory and uploaded (as train; default bf16)",
     )

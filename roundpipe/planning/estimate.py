@@ -168,7 +168,7 @@ def estimate(
         stage_inputs: How the host keeps them: 'bf16' (``dtype_bytes`` per value), 'fp8' (1 byte and a
             float32 scale per 128 values) or 'int8' (1 byte and a float32 scale per 32 values); those on the
             GPU stay exact. None: ``RPP_STAGE_INPUTS``.
-        base_format: How a LoRA run's frozen projections are held on the host (``frozen_terms.BASE_FORMATS``):
+        base_format: How a LoRA run's frozen projections are held on the host (``roundpipe.utils.BASE_FORMATS``):
             packed ones take fewer host bytes and upload bytes, arrive on the GPU at the model dtype, and cost
             one weight's unpacking transient there (``frozen_terms.frozen_base``).
         fused_lora: Whether a tiled layer's LoRA projections run as the fused LoRA linear inside the fused ops (GPUs

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict
 
 from roundpipe.planning.memory_terms import ModelShape
+from roundpipe.utils import BASE_FORMATS
 
-#: ``roundpipe.host.formats.BASE_FORMATS`` (copied: no torch here; a test keeps them equal).
-BASE_FORMATS: Tuple[str, ...] = ("bf16", "fp8", "int8", "nf4")
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # ``roundpipe.host.formats.nf4``'s blocks
 DEQUANT_CHUNK = 1 << 24  # ``roundpipe.host.formats.codecs.DEQUANT_CHUNK``
 #: Unpacking rates measured on an H200, parameters per second (see the module docstring).

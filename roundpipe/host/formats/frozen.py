@@ -21,9 +21,8 @@ from roundpipe.host.formats import codecs
 from roundpipe.host.formats.bnb import bnb_packed, is_linear4bit
 from roundpipe.host.formats.codecs import Format, Fp8Format, Int8Format, Packed
 from roundpipe.host.formats.nf4 import Nf4Format
-from roundpipe.utils import host_nbytes
+from roundpipe.utils import BASE_FORMATS, host_nbytes
 
-BASE_FORMATS = ("bf16", "fp8", "int8", "nf4")
 _INNER = "packed_"  # prefix of the packed tensors' names in ``__tensor_flatten__``
 _FORMATS: Dict[str, Format] = {f.name: f for f in (Fp8Format(), Int8Format(), Nf4Format())}
 
