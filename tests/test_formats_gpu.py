@@ -60,7 +60,9 @@ def test_gpu_lora_over_packed_base_within_bf16_rounding(fmt: str, graphs: str) -
     model = _model(torch.bfloat16)
     quantize_frozen(model, fmt)
     ref = _dequantized_reference(model)
-    batch = make_batch(padding=True, batch=4, seq=64)
+    # No padding: on a GPU, the reference's fully masked (left-padded) query rows come out of SDPA as NaN, and
+    # Hugging Face's loss carries 0 * NaN into every gradient. Padding is covered on CPU workers.
+    batch = make_batch(padding=False, batch=4, seq=64)
     exact = _reference_grads(copy.deepcopy(ref), batch, torch.float32)
     bf16 = _reference_grads(ref, batch, torch.bfloat16)
     with settings.overridden(debug_graphs=graphs):
@@ -139,7 +141,7 @@ def test_gpu_bitsandbytes_4bit_base_within_bf16_rounding(tmp_path) -> None:
         )
         return with_lora(model.train(), LORA_PROJECTIONS, seed=1)
 
-    batch = make_batch(padding=True, batch=4, seq=64)
+    batch = make_batch(padding=False, batch=4, seq=64)
     peft_bnb = load()
     out = peft_bnb(**{k: v.cuda() for k, v in batch.items() if v is not None})
     out.loss.backward()

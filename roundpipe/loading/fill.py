@@ -50,12 +50,14 @@ def frozen_value(t: torch.Tensor, base_format: str) -> torch.Tensor:
 
 
 def random_frozen(shape: torch.Size, base_format: str, dtype: torch.dtype, std: float) -> torch.Tensor:
-    """A random frozen Linear weight N(0, std) built straight into ``base_format`` (no bf16 copy)."""
+    """A random frozen Linear weight N(0, std) built straight into ``base_format`` (no bf16 copy). Drawn on the
+    first GPU where there is one: one host thread draws a 70B model's bytes in minutes, a GPU in seconds."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     if base_format == "bf16":
-        return torch.empty(shape, dtype=dtype).normal_(0.0, std)
+        return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std).cpu()
     from roundpipe.host.formats import FrozenWeight
 
-    return FrozenWeight.random(tuple(shape), base_format, dtype=dtype, std=std)
+    return FrozenWeight.random(tuple(shape), base_format, dtype=dtype, std=std, device=device)
 
 
 class PartFiller:

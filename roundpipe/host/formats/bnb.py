@@ -28,7 +28,9 @@ class Bnb4bitFormat(Format):
     def quantize(self, w: torch.Tensor) -> Packed:
         raise NotImplementedError("bitsandbytes weights are adopted as they are (adopt_bnb_4bit), not quantized here")
 
-    def random(self, shape: Tuple[int, int], dtype: torch.dtype, std: float, generator: Any) -> Packed:
+    def random(
+        self, shape: Tuple[int, int], dtype: torch.dtype, std: float, generator: Any, device: Any = "cpu"
+    ) -> Packed:
         raise NotImplementedError("random weights are built in base_format 'nf4', not in bitsandbytes' packing")
 
     def dequantize(

@@ -2,10 +2,10 @@
 
 A format is a small object with four operations on a dict of packed tensors ("packed"): ``quantize`` a
 plain weight, ``random`` (packed built directly, never the full-precision weight: a 70B random base
-fits its packed size), ``dequantize`` (plain torch ops, no host synchronisation and no data-dependent
-shapes, so it runs inside a captured CUDA graph or on a parameter upload stream) and ``nbytes``. The
-per-output-channel formats (fp8 e4m3, int8) keep one fp32 scale per row; NF4 (QLoRA's) lives in
-``nf4.py``.
+fits its packed size; drawn on a given device, since a GPU draws in seconds what one host thread draws in
+minutes), ``dequantize`` (plain torch ops, no host synchronisation and no data-dependent shapes, so it
+runs inside a captured CUDA graph or on a parameter upload stream) and ``nbytes``. The per-output-channel
+formats (fp8 e4m3, int8) keep one fp32 scale per row; NF4 (QLoRA's) lives in ``nf4.py``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,12 @@ class Format:
         raise NotImplementedError
 
     def random(
-        self, shape: Tuple[int, int], dtype: torch.dtype, std: float, generator: Optional[torch.Generator]
+        self,
+        shape: Tuple[int, int],
+        dtype: torch.dtype,
+        std: float,
+        generator: Optional[torch.Generator],
+        device: Any = "cpu",
     ) -> Packed:
         raise NotImplementedError
 
@@ -77,19 +82,28 @@ class ChannelFormat(Format):
         cdt = _compute_dtype(w.dtype)
         wc = w.detach().to(cdt)
         amax = wc.abs().amax(dim=1)
-        scale = torch.where(amax > 0, amax / self.qmax, torch.ones_like(amax)).to(torch.float32)
+        # A tensor divisor, not a Python scalar: a CUDA kernel turns division by a scalar into a multiply by its
+        # reciprocal, which rounds differently, and a weight packed on a GPU must give the host's bytes.
+        scale = torch.where(amax > 0, amax / torch.full_like(amax, self.qmax), torch.ones_like(amax)).to(torch.float32)
         data = self._encode(wc / scale.to(cdt)[:, None])
         return {"data": data.contiguous(), "scale": scale.contiguous()}
 
     def random(
-        self, shape: Tuple[int, int], dtype: torch.dtype, std: float, generator: Optional[torch.Generator]
+        self,
+        shape: Tuple[int, int],
+        dtype: torch.dtype,
+        std: float,
+        generator: Optional[torch.Generator],
+        device: Any = "cpu",
     ) -> Packed:
         rows, cols = shape
-        data = torch.empty(shape, dtype=self.storage_dtype)
-        scale = torch.empty(rows, dtype=torch.float32)
+        data = torch.empty(shape, dtype=self.storage_dtype, device=device)
+        scale = torch.empty(rows, dtype=torch.float32, device=device)
         step = max(1, _RANDOM_CHUNK_ELEMENTS // max(1, cols))
         for a in range(0, rows, step):  # per-row scales: quantizing rows in chunks is exact
-            chunk = torch.randn((min(step, rows - a), cols), generator=generator, dtype=torch.float32) * std
+            chunk = (
+                torch.randn((min(step, rows - a), cols), generator=generator, dtype=torch.float32, device=device) * std
+            )
             part = self.quantize(chunk)
             data[a : a + step], scale[a : a + step] = part["data"], part["scale"]
         return {"data": data, "scale": scale}

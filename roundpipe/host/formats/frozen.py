@@ -80,13 +80,18 @@ class FrozenWeight(torch.Tensor):
         dtype: torch.dtype = torch.bfloat16,
         std: float = 0.02,
         generator: Optional[torch.Generator] = None,
+        device: Any = "cpu",
     ) -> "FrozenWeight":
         """A random weight of ``shape`` [out, in] (standard deviation about ``std``) built packed: host
-        memory never holds it in ``dtype``, so a large model's random base costs only its packed bytes."""
+        memory never holds it in ``dtype``, so a large model's random base costs only its packed bytes. The
+        numbers are drawn on ``device`` (``generator``'s, when given) and the packed tensors come to the host."""
         if len(shape) != 2:
             raise ValueError(f"FrozenWeight.random: expected a 2-D shape [out, in], got {tuple(shape)}")
         f = get_format(fmt)
-        return cls(f.random((int(shape[0]), int(shape[1])), dtype, std, generator), f, shape, dtype)
+        if generator is not None:
+            device = generator.device
+        packed = f.random((int(shape[0]), int(shape[1])), dtype, std, generator, device=device)
+        return cls({k: v.cpu() for k, v in packed.items()}, f, shape, dtype)
 
     def dequantize(self, device: Optional[Any] = None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The plain weight [out, in] in ``dtype`` (default: the logical one) on ``device`` (default cpu);

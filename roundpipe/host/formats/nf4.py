@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
@@ -116,7 +116,12 @@ class Nf4Format(Format):
         return {"codes": codes, "scales": scales, "factors": factors, "mean": mean, "table": table}
 
     def random(
-        self, shape: Tuple[int, int], dtype: torch.dtype, std: float, generator: Optional[torch.Generator]
+        self,
+        shape: Tuple[int, int],
+        dtype: torch.dtype,
+        std: float,
+        generator: Optional[torch.Generator],
+        device: Any = "cpu",
     ) -> Packed:
         """Uniform codes (NF4's levels are normal quantiles, so a Gaussian weight's codes are near
         uniform) and block scales within 10% of the one that gives standard deviation ``std``."""
@@ -124,8 +129,10 @@ class Nf4Format(Format):
         n_blocks = ceil_to(numel, BLOCK) // BLOCK
         table = nf4_table(dtype)
         scale = std / float(table.double().pow(2).mean().sqrt())
-        codes = torch.randint(0, 256, (n_blocks * BLOCK // 2,), dtype=torch.uint8, generator=generator)
-        scales = torch.randint(-128, 128, (ceil_to(n_blocks, SCALER_BLOCK),), dtype=torch.int8, generator=generator)
+        codes = torch.randint(0, 256, (n_blocks * BLOCK // 2,), dtype=torch.uint8, generator=generator, device=device)
+        scales = torch.randint(
+            -128, 128, (ceil_to(n_blocks, SCALER_BLOCK),), dtype=torch.int8, generator=generator, device=device
+        )
         n_factors = ceil_to(n_blocks, SCALER_BLOCK) // SCALER_BLOCK
         factors = torch.full((n_factors,), 128 / (0.1 * scale), dtype=dtype)
         return {
