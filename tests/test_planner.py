@@ -426,3 +426,39 @@ def test_a_merged_stage_counts_its_weights_against_the_activation_budget():
         )
     assert err.value.host_needed == 20 * G
     assert err.value.gpu_needed == 5 * G  # the two-layer stages: 3 GiB of activations + 2 GiB of weights
+
+
+def test_forward_groups_keep_their_weights_within_the_room_the_backward_leaves():
+    """Forward groups are cut by time, and a group of several layers (with the next one, prefetched) holds
+    twice its weights beyond the largest layer, which the GPU budget does not reserve. Under budgeted
+    activations that excess must fit what the largest backward stage and the device-kept stage inputs leave
+    (``forward_weight_cap``): with little room every forward group is one layer; with room, cheap forward
+    layers still group by time. Six 1 GiB layers, forward 1 and backward 6 time units each, 'fused'."""
+    from roundpipe.planning.planner import DEVICE_SAVED_SHARE, ActivationCosts, forward_weight_cap
+
+    G = float(1 << 30)
+    n = 6
+    sizes = [int(G)] * n
+
+    def plan(gpu_limit: float):
+        a = ActivationCosts([0.5 * G] * n, [2 * G] * n, [G] * n, gpu_limit, 100 * G)
+        fwd, bwd = plan_stages(
+            "fused",
+            [1.0] * n,
+            [6.0] * n,
+            sizes,
+            min_stages=1,
+            upper_threshold=1.1,
+            memory_limit_bytes=100 * G,
+            activations=a,
+        )
+        return a, fwd, bwd
+
+    a, fwd, bwd = plan(2.5 * G)  # one layer's backward peak (2 GiB) nearly fills it
+    assert [len(r) for r in fwd] == [1] * len(fwd), fwd
+    worst = max(a.stage_bytes(r.start, r.stop, sizes) for r in bwd)
+    for r in fwd:
+        assert 2 * (len(r) - 1) * G <= (1 - DEVICE_SAVED_SHARE) * (a.gpu_limit - worst) + 1
+    assert forward_weight_cap(a, sizes, bwd, 50 * G) < 2 * G
+    _, fwd, _ = plan(60 * G)  # room: the time cap groups the forward
+    assert max(len(r) for r in fwd) > 1, fwd

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
 from roundpipe.devices import backend, device
-from roundpipe.planning.planner import ActivationCosts, ActivationMemoryError, fits_budgets
+from roundpipe.planning.planner import DEVICE_SAVED_SHARE, ActivationCosts, ActivationMemoryError, fits_budgets
 from roundpipe.utils import GiB
 
 logger = logging.getLogger("roundpipe")
@@ -46,11 +46,6 @@ def gpu_budget(layer_bytes: List[float]) -> float:
     weights of two stages of the largest layer (the running and the prefetched one)."""
     capacity = float(device.get_min_capacity())
     return max(0.0, capacity * (1 - GPU_MARGIN_FRACTION) - GPU_MARGIN_BYTES - 2 * max(layer_bytes, default=0.0))
-
-
-#: Share of the device memory a single-device plan leaves free that backward-stage inputs take by
-#: default (``RPP_DEBUG_DEVICE_SAVED_GB=auto``); the rest absorbs what the activation model does not count.
-DEVICE_SAVED_SHARE = 0.75
 
 
 def device_saved_room(

@@ -21,6 +21,7 @@ possible, then spreads the remaining time evenly.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import warnings
@@ -47,6 +48,12 @@ class _Problem:
     upper_threshold: float
     mem_cap: float
     """Device bytes of one stage's weights (half the weight budget: the prefetched stage is resident too)."""
+    fwd_cap: Optional[float] = None
+    """The forward groups' cap where it is lower (``forward_weight_cap``, under budgeted activations)."""
+
+    @property
+    def fwd_mem_cap(self) -> float:
+        return self.mem_cap if self.fwd_cap is None else min(self.mem_cap, self.fwd_cap)
 
 
 class PlanMemoryError(ValueError):
@@ -93,6 +100,27 @@ class ActivationCosts:
         kept = sum(self.kept[start:stop])
         excess = stage_weight_excess(float(sum(sizes[start:stop])), float(max(sizes))) if sizes else 0.0
         return kept + max(self.peak[i] - self.kept[i] for i in range(start, stop)) + excess
+
+
+#: Share of the device memory a single-device plan leaves free that backward-stage inputs take by default
+#: (``budget.device_saved_room``); the rest absorbs what the activation model does not count, and the forward
+#: groups' weights beyond one layer (``forward_weight_cap``).
+DEVICE_SAVED_SHARE = 0.75
+
+
+def forward_weight_cap(a: ActivationCosts, sizes: Sequence[float], bwd_plan: Sequence[range], mem_cap: float) -> float:
+    """Device bytes of one forward group's weights when activations are budgeted.
+
+    ``budget.gpu_budget`` leaves out two of the largest layer: a forward group of several layers, and the next
+    one prefetched while it runs, hold twice its weights beyond that. During the forward the device also holds
+    the stage inputs kept there (at most ``DEVICE_SAVED_SHARE`` of the budget the largest backward stage
+    leaves) and one layer's forward transients (no more than that stage's activations), so the excess is safe
+    within the rest of that room. Without this cap a re-plan from measured timings grouped a 70B model's
+    forward in threes under a 24 GiB cap (5.4 GiB of weights a group; out of memory in the second step)."""
+    largest = float(max(sizes, default=0.0))
+    worst = max((a.stage_bytes(r.start, r.stop, sizes) for r in bwd_plan), default=0.0)
+    slack = (1.0 - DEVICE_SAVED_SHARE) * max(0.0, a.gpu_limit - worst)
+    return min(mem_cap, largest + slack / 2.0)
 
 
 def stage_weight_excess(stage_weights: float, largest_layer: float) -> float:
@@ -193,7 +221,9 @@ def plan_stages(
         _check_activations(activations, n)
         plain = _plain_training_plan(problem)
         if fits_budgets(plain[1], activations, run_type == "fused", layer_bytes):
-            return plain
+            # The same backward plan, its forward groups re-cut under the room its stages leave.
+            cap = forward_weight_cap(activations, layer_bytes, plain[1], mem_cap)
+            return _plain_training_plan(dataclasses.replace(problem, fwd_cap=cap))
         return _plan_with_activations(problem, activations)
     return _plain_training_plan(problem)
 
@@ -203,7 +233,7 @@ def _settled_forward(p: _Problem, bwd_plan: List[range]) -> Optional[Tuple[List[
     its own times; a 'fused' plan whose fused group starts at layer 0 has no forward groups. None: the
     forward groups of a 'fused' plan, which the caller cuts in front of its fused group."""
     if p.run_type == "train":
-        return _partition(p.fwd_times, p.layer_bytes, p.min_stages, p.upper_threshold, p.mem_cap), bwd_plan
+        return _partition(p.fwd_times, p.layer_bytes, p.min_stages, p.upper_threshold, p.fwd_mem_cap), bwd_plan
     if bwd_plan[-1].start == 0:
         return [], bwd_plan
     return None
@@ -250,7 +280,12 @@ def _plain_training_plan(p: _Problem) -> Tuple[List[range], List[range]]:
     # (``_partition`` caps at upper_threshold x slowest; a backward group's time is a cap as it is.)
     slowest = max([max(fwd_times[:fused_start])] + ([statistics.median(body) / upper_threshold] if body else []))
     fwd_plan = _partition(
-        fwd_times[:fused_start], layer_bytes[:fused_start], min_stages - 1, upper_threshold, mem_cap, slowest=slowest
+        fwd_times[:fused_start],
+        layer_bytes[:fused_start],
+        min_stages - 1,
+        upper_threshold,
+        p.fwd_mem_cap,
+        slowest=slowest,
     )
     return fwd_plan, bwd_plan
 
@@ -289,11 +324,12 @@ def _plan_with_activations(p: _Problem, a: ActivationCosts) -> Tuple[List[range]
     if any(a.peak[i] > a.gpu_limit for i in range(n)):
         raise _activation_error("a layer alone does not fit", a, n)
     bwd = _activation_partition(p.layer_bytes, p.mem_cap, a, n, p.run_type == "fused")
+    p = dataclasses.replace(p, fwd_cap=forward_weight_cap(a, p.layer_bytes, bwd, p.mem_cap))
     settled = _settled_forward(p, bwd)
     if settled is not None:
         return settled
     start = bwd[-1].start
-    fwd = _partition(p.fwd_times[:start], p.layer_bytes[:start], p.min_stages - 1, p.upper_threshold, p.mem_cap)
+    fwd = _partition(p.fwd_times[:start], p.layer_bytes[:start], p.min_stages - 1, p.upper_threshold, p.fwd_mem_cap)
     return fwd, bwd
 
 
