@@ -306,14 +306,10 @@ def bench_roundpipe(
         model.step(lambda: (opt.step(), opt.zero_grad()), is_async=not args.sync_step)
 
     def progress(i: int, t: float) -> None:
-        # Long runs report as they go (flushed), so a run cut short by a time limit still leaves numbers:
-        # every tenth of many iterations, and every iteration that takes seconds (a 70B or long-context step).
-        if (args.iters >= 20 and (i + 1) % 10 == 0) or t >= 5.0:
-            peak = torch.cuda.max_memory_allocated() / 1024**3 if torch.cuda.is_available() else float("nan")
-            print(
-                f"iteration {i + 1}: {t:.3f} s, host RSS {host_rss() / 1024**3:.2f} GiB, peak GPU {peak:.1f} GiB",
-                flush=True,
-            )
+        if (args.iters >= 20 and (i + 1) % 10 == 0) or t >= 5.0:  # long runs report as they go (flushed)
+            mem = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else float("nan")
+            msg = f"iteration {i + 1}: {t:.3f} s, host RSS {host_rss() / 2**30:.2f} GiB, GPU {mem / 2**30:.1f} GiB"
+            print(msg, flush=True)
 
     times = timed(step, args.warmup, args.iters, cuda_sync, progress)
     note = busy_fraction(step, args.trace) + "; " if args.profile and torch.cuda.is_available() else ""
