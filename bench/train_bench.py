@@ -4,8 +4,7 @@ shared/bench/WORKLOADS.md, in one process, side by side.
 Random init, bf16 weights. RoundPipe keeps fp32 master weights and Adam state on the host and steps
 asynchronously; the baselines keep everything on one GPU with per-layer gradient checkpointing and fused
 AdamW, with Hugging Face's kernels (eager) or Liger's. Prints one row per system: tokens/s, TFLOP/s
-(6 x params x tokens), peak GPU GiB, host memory, ratio to each baseline. ``--lora`` trains LoRA adapters
-instead (RoundPipe rows only).
+(6 x params x tokens), peak GPU GiB, host memory, ratio to each baseline. ``--lora N``: LoRA (PEFT's, resident).
 
 This module is also the benchmarks' shared part: the workloads, the model builder, LoRA, the timing loop.
 
@@ -267,7 +266,8 @@ def bench_roundpipe(
     if args.lora and (base_format != "bf16" or args.workload in flavors.LLAMA3):
         hf = build_base_format(args, base_format)
         n_params = sum(p.numel() for p in hf.parameters() if p.requires_grad)
-        print(f"built layer by layer, {base_format} base: {time.perf_counter() - t0:.1f} s", flush=True)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB: the build's peak, the base's bytes
+        print(f"built layer by layer, {base_format} base: {time.perf_counter() - t0:.1f} s, peak RSS {peak:.1f} GiB")
     else:
         hf = build_model(args.workload, "cpu")
         if args.master == "bfloat16":  # bf16 masters are the bf16 weights (on CPU workers the model is fp32)
