@@ -28,12 +28,10 @@ import warnings
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+from roundpipe.planning.partition import REL_TOL as _REL_TOL
+from roundpipe.planning.partition import partition, prefix
 from roundpipe.planning.simulate import RunType
 from roundpipe.utils import GiB
-
-# Relative slack for comparing sums of floats against a bound, so that rounding in prefix sums never
-# turns an allowed group (say, exactly 1.1 x the slowest layer) into a forbidden one.
-_REL_TOL = 1e-9
 
 
 @dataclass(frozen=True)
@@ -214,7 +212,7 @@ def plan_stages(
 
     min_stages = max(1, int(min_stages))
     if run_type == "infer":
-        return _partition(fwd_times, layer_bytes, min_stages, upper_threshold, mem_cap), []
+        return partition(fwd_times, layer_bytes, min_stages, upper_threshold, mem_cap), []
 
     problem = _Problem(run_type, fwd_times, bwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
     if activations is not None:
@@ -233,7 +231,7 @@ def _settled_forward(p: _Problem, bwd_plan: List[range]) -> Optional[Tuple[List[
     its own times; a 'fused' plan whose fused group starts at layer 0 has no forward groups. None: the
     forward groups of a 'fused' plan, which the caller cuts in front of its fused group."""
     if p.run_type == "train":
-        return _partition(p.fwd_times, p.layer_bytes, p.min_stages, p.upper_threshold, p.fwd_mem_cap), bwd_plan
+        return partition(p.fwd_times, p.layer_bytes, p.min_stages, p.upper_threshold, p.fwd_mem_cap), bwd_plan
     if bwd_plan[-1].start == 0:
         return [], bwd_plan
     return None
@@ -243,7 +241,7 @@ def _plain_training_plan(p: _Problem) -> Tuple[List[range], List[range]]:
     """The time-balanced training plan under the weight cap (activations not budgeted)."""
     fwd_times, bwd_times, layer_bytes = p.fwd_times, p.bwd_times, p.layer_bytes
     min_stages, upper_threshold, mem_cap = p.min_stages, p.upper_threshold, p.mem_cap
-    bwd_plan = _partition(bwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
+    bwd_plan = partition(bwd_times, layer_bytes, min_stages, upper_threshold, mem_cap)
     settled = _settled_forward(p, bwd_plan)
     if settled is not None:
         return settled
@@ -258,7 +256,7 @@ def _plain_training_plan(p: _Problem) -> Tuple[List[range], List[range]]:
     # enough to pair layers, and two plans of one command on one machine ran 1.105 s with one layer per
     # group and 1.267 s with pairs. A layer above the cap still forms a group of its own.
     body_bwd = bwd_times[:fused_start]
-    bwd_plan = _partition(
+    bwd_plan = partition(
         body_bwd,
         layer_bytes[:fused_start],
         min_stages - 1,
@@ -277,9 +275,9 @@ def _plain_training_plan(p: _Problem) -> Tuple[List[range], List[range]]:
     # forward runs inside the fused job, and capping by it would let forward groups grow to many layers
     # for nothing but device memory (two groups are resident at once).
     body = [math.fsum(bwd_times[i] for i in r) for r in bwd_plan[:-1]]
-    # (``_partition`` caps at upper_threshold x slowest; a backward group's time is a cap as it is.)
+    # (``partition`` caps at upper_threshold x slowest; a backward group's time is a cap as it is.)
     slowest = max([max(fwd_times[:fused_start])] + ([statistics.median(body) / upper_threshold] if body else []))
-    fwd_plan = _partition(
+    fwd_plan = partition(
         fwd_times[:fused_start],
         layer_bytes[:fused_start],
         min_stages - 1,
@@ -329,7 +327,7 @@ def _plan_with_activations(p: _Problem, a: ActivationCosts) -> Tuple[List[range]
     if settled is not None:
         return settled
     start = bwd[-1].start
-    fwd = _partition(p.fwd_times[:start], p.layer_bytes[:start], p.min_stages - 1, p.upper_threshold, p.fwd_mem_cap)
+    fwd = partition(p.fwd_times[:start], p.layer_bytes[:start], p.min_stages - 1, p.upper_threshold, p.fwd_mem_cap)
     return fwd, bwd
 
 
@@ -351,8 +349,8 @@ def _activation_partition(
     whose checkpoints fit the host budget, as many groups as possible (smaller stages keep less on the
     device): a dynamic program over (groups, end) of the fewest checkpoint bytes, exact for contiguous
     groups. Raises ``ActivationMemoryError`` when no such plan exists."""
-    s_prefix = _prefix(sizes)
-    k_prefix = _prefix(a.kept)
+    s_prefix = prefix(sizes)
+    k_prefix = prefix(a.kept)
     extra = [float(a.peak[i]) - float(a.kept[i]) for i in range(n)]
     gpu_lim = a.gpu_limit * (1 + _REL_TOL)
     w_lim = mem_cap * (1 + _REL_TOL)
@@ -441,113 +439,6 @@ def validate_plan(fwd_plan: Sequence[range], bwd_plan: Sequence[range], num_laye
 
 # ---------------------------------------------------------------------------------------------------------
 # Partitioning
-
-
-def _partition(
-    times: Sequence[float],
-    sizes: Sequence[float],
-    min_groups: int,
-    upper_threshold: float,
-    mem_cap: float,
-    slowest: Optional[float] = None,
-) -> List[range]:
-    """Cut ``len(times)`` layers into the fewest contiguous groups within the time cap (``upper_threshold``
-    x ``slowest``, by default the slowest of these layers) and the memory cap, but at least ``min_groups``
-    where the layer count allows; among those, make the slowest group as fast as possible."""
-    n = len(times)
-    t_prefix = _prefix(times)
-    m_prefix = _prefix(sizes)
-    slowest = max(times) if slowest is None else slowest
-    time_cap = upper_threshold * slowest
-
-    k = max(_min_groups(t_prefix, m_prefix, time_cap, mem_cap), min(min_groups, n))
-
-    # Smallest bottleneck T that still allows k groups: bisection on T, since "the greedy packing under T
-    # needs at most k groups" is monotone in T. The cap itself is feasible by the choice of k.
-    lo = max(max(times), t_prefix[n] / k)
-    hi = min(time_cap, t_prefix[n])  # no group exceeds the total, so this bound changes nothing
-    if _min_groups(t_prefix, m_prefix, lo, mem_cap) <= k:
-        hi = lo
-    else:
-        for _ in range(100):
-            if hi - lo <= _REL_TOL * hi:
-                break
-            mid = (lo + hi) / 2
-            if _min_groups(t_prefix, m_prefix, mid, mem_cap) <= k:
-                hi = mid
-            else:
-                lo = mid
-    return _balanced_cut(t_prefix, m_prefix, k, hi, mem_cap)
-
-
-def _balanced_cut(t_prefix: List[float], m_prefix: List[float], k: int, time_cap: float, mem_cap: float) -> List[range]:
-    """Cut into exactly k groups under the caps, each group's time as close as possible to an even share
-    of the time left, so the slack under the bottleneck is spread instead of piling up at the end.
-    Requires that k groups are feasible under the caps and ``k <= n``."""
-    n = len(t_prefix) - 1
-    reach = _reach(t_prefix, m_prefix, time_cap, mem_cap)
-    # groups_from[i]: fewest groups that can hold layers [i, n) (greedy packing is optimal for this).
-    groups_from = [0] * (n + 1)
-    for i in range(n - 1, -1, -1):
-        groups_from[i] = 1 + groups_from[reach[i]]
-
-    plan: List[range] = []
-    start = 0
-    for g in range(k):
-        left = k - g
-        if left == 1:
-            plan.append(range(start, n))
-            break
-        # Any end in [first, last] keeps the rest feasible: the group fits the caps (end <= reach),
-        # the rest needs at most left - 1 groups, and leaves at least one layer per remaining group.
-        last = min(reach[start], n - (left - 1))
-        first = start + 1
-        while groups_from[first] > left - 1:
-            first += 1
-        target = t_prefix[start] + (t_prefix[n] - t_prefix[start]) / left
-        even = start + (n - start) / left  # tie-break (e.g. all times 0): an even share of the layers
-        end = min(range(first, last + 1), key=lambda e: (abs(t_prefix[e] - target), abs(e - even), e))
-        plan.append(range(start, end))
-        start = end
-    return plan
-
-
-def _min_groups(t_prefix: List[float], m_prefix: List[float], time_cap: float, mem_cap: float) -> int:
-    """Fewest contiguous groups within the caps, by greedy packing (optimal for contiguous groups)."""
-    reach = _reach(t_prefix, m_prefix, time_cap, mem_cap)
-    n = len(t_prefix) - 1
-    count, i = 0, 0
-    while i < n:
-        i = reach[i]
-        count += 1
-    return count
-
-
-def _reach(t_prefix: List[float], m_prefix: List[float], time_cap: float, mem_cap: float) -> List[int]:
-    """reach[i]: the largest end such that layers [i, end) fit both caps (always > i: a single layer fits
-    because time_cap >= the slowest layer and layer sizes were checked). Two pointers, O(n)."""
-    n = len(t_prefix) - 1
-    t_lim = time_cap * (1 + _REL_TOL)
-    m_lim = mem_cap * (1 + _REL_TOL)
-    reach = [0] * n
-    end = 0
-    for i in range(n):
-        end = max(end, i + 1)
-        while end < n and t_prefix[end + 1] - t_prefix[i] <= t_lim and m_prefix[end + 1] - m_prefix[i] <= m_lim:
-            end += 1
-        reach[i] = end
-    return reach
-
-
-def _prefix(values: Sequence[float]) -> List[float]:
-    out = [0.0]
-    for v in values:
-        out.append(out[-1] + float(v))
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Checks and messages
 
 
 def _check_costs(name: str, values: Sequence[float], n: int) -> None:
