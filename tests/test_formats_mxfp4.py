@@ -188,3 +188,92 @@ def test_gpu_dequantize_equals_the_host() -> None:
         assert torch.equal(fw.dequantize(device="cuda", dtype=dtype).cpu(), fw.dequantize(dtype=dtype))
     on_gpu = FrozenWeight.quantize(w.cuda(), "mxfp4", transposed=True)
     assert all(torch.equal(on_gpu.packed[k], fw.packed[k]) for k in fw.packed)
+
+
+# ---- 3-D weights of the other formats, and a GPT-OSS model ---------------------------------------------------
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "nf4"])
+def test_3d_weights_of_the_other_formats(fmt) -> None:
+    """The other formats pack an expert weight [experts, a, b] as its rows flattened [experts * a, b]: the same
+    values as the 2-D packing of that matrix, unpacked into a 3-D slot."""
+    w = _weight((3, 32, 64), torch.bfloat16)
+    fw = FrozenWeight.quantize(w, fmt)
+    flat = FrozenWeight.quantize(w.reshape(96, 64), fmt)
+    assert fw.shape == w.shape and torch.equal(fw.dequantize(), flat.dequantize().view(3, 32, 64))
+    slot = torch.empty(3, 32, 64, dtype=torch.bfloat16)
+    assert fw.dequantize_into(fw.packed, slot) is slot and torch.equal(slot, fw.dequantize())
+    r = FrozenWeight.random((3, 32, 64), fmt, generator=torch.Generator().manual_seed(0)).dequantize()
+    assert r.shape == (3, 32, 64) and abs(float(r.float().std()) - 0.02) < 0.003
+
+
+def _gpt_oss(dtype: torch.dtype, seed: int = 0):
+    import transformers
+
+    from roundpipe.models.configs import tiny_config
+
+    torch.manual_seed(seed)
+    # eager experts: grouped_mm has no float64
+    return transformers.AutoModelForCausalLM.from_config(tiny_config("gpt_oss"), experts_implementation="eager").to(
+        dtype
+    )
+
+
+def test_quantize_frozen_packs_the_experts_as_shipped() -> None:
+    """``mxfp4`` on GPT-OSS packs what the release ships in MXFP4: each layer's ``gate_up_proj`` and
+    ``down_proj`` (transposed layout); their biases, the router, attention, embeddings and head keep their tensors.
+    ``targets`` packs the attention too; another format packs the Linears as before."""
+    from helpers import with_lora
+
+    from roundpipe.host.formats import default_targets, frozen_weights, quantize_frozen
+
+    model = with_lora(_gpt_oss(torch.float32), ["q_proj", "v_proj"], seed=1)
+    assert default_targets(model, "mxfp4") == ("experts",) and default_targets(model, "nf4") == ("linear",)
+    experts = model.base_model.model.model.layers[0].mlp.experts
+    dense = experts.gate_up_proj.detach().clone()
+    saved = quantize_frozen(model, "mxfp4")
+    packed = frozen_weights(model)
+    assert sorted({n.rsplit(".", 1)[-1] for n in packed}) == ["down_proj", "gate_up_proj"] and len(packed) == 6
+    assert all(p.format.transposed and p.format.name == "mxfp4" for p in packed.values())
+    assert not isinstance(experts.gate_up_proj_bias, FrozenWeight)
+    assert experts.gate_up_proj.shape == dense.shape == (4, 32, 128)
+    assert saved == sum(p.numel() * 4 - host_nbytes(p) for p in packed.values())
+    err = (experts.gate_up_proj.dequantize() - dense).abs().max()
+    assert err <= dense.abs().max() / 2  # MXFP4's worst case: half the block's binade
+    more = with_lora(_gpt_oss(torch.float32), ["q_proj"], seed=1)
+    quantize_frozen(more, "mxfp4", targets=("linear", "experts"))
+    assert any("k_proj" in n for n in frozen_weights(more)) and any(
+        "q_proj.base_layer" in n for n in frozen_weights(more)
+    )
+    with pytest.raises(ValueError, match="targets='attention'"):
+        quantize_frozen(more, "mxfp4", targets=("attention",))
+
+
+@pytest.mark.parametrize("workers,microbatches", [("cpu:2", 2), ("cpu:1", 3)], indirect=["workers"])
+def test_lora_grads_over_mxfp4_experts(workers, microbatches) -> None:
+    """float64 LoRA gradients (on the attention projections) through RoundPipe on a tiny GPT-OSS whose experts
+    are MXFP4 (``wrap_model(base_format="mxfp4")``) equal PEFT's over the dequantized experts, to 1e-10."""
+    from helpers import with_lora
+    from test_formats import _dequantized_reference, _grads
+    from test_models import make_batch
+
+    from roundpipe import models
+    from roundpipe.host.formats import frozen_weights, quantize_frozen
+    from roundpipe.runtime.run_config import RoundPipeRunConfig
+
+    model = with_lora(_gpt_oss(torch.float64), ["q_proj", "k_proj", "v_proj", "o_proj"], seed=1)
+    quantize_frozen(model, "mxfp4")
+    ref = _dequantized_reference(model)
+    batch = make_batch(padding=True)
+    logits = ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    ref_loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), batch["labels"][:, 1:].reshape(-1), ignore_index=-100
+    )
+    ref_loss.backward()
+    ref_grads = _grads(ref)
+    rp = models.wrap_model(model, model_run_config=RoundPipeRunConfig(num_microbatch=microbatches), base_format="mxfp4")
+    assert len(frozen_weights(model)) == 6
+    loss = rp.train_step(**batch)
+    got = _grads(model)
+    assert got.keys() == ref_grads.keys() and all("lora_" in n for n in got) and len(got) == 3 * 4 * 2
+    assert loss.dtype == torch.float64 and abs(float(loss) - ref_loss.item()) < 1e-10
+    for n in ref_grads:
+        assert (got[n] - ref_grads[n]).abs().max() <= 1e-10 * ref_grads[n].abs().max(), n
