@@ -277,3 +277,71 @@ def test_lora_grads_over_mxfp4_experts(workers, microbatches) -> None:
     assert loss.dtype == torch.float64 and abs(float(loss) - ref_loss.item()) < 1e-10
     for n in ref_grads:
         assert (got[n] - ref_grads[n]).abs().max() <= 1e-10 * ref_grads[n].abs().max(), n
+
+
+# ---- the loader: a random build, and a checkpoint as GPT-OSS ships it ----------------------------------------
+def test_random_build_packs_the_experts_directly() -> None:
+    """``build_random`` of a GPT-OSS config under mxfp4: the experts drawn packed (N(0, initializer_range), no
+    bf16 copy), their biases zero and the router and sinks by the model's init, LoRA on attention as PEFT's."""
+    from peft import LoraConfig
+
+    from roundpipe.host.formats import frozen_weights
+    from roundpipe.loading import build_random
+    from roundpipe.models.configs import tiny_config
+
+    config = tiny_config("gpt_oss")
+    model = build_random(config, "mxfp4", LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), torch.float32)
+    assert not [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    packed = frozen_weights(model)
+    assert len(packed) == 6 and all(p.format.name == "mxfp4" and p.format.transposed for p in packed.values())
+    layer = model.get_base_model().model.layers[0]
+    w = layer.mlp.experts.gate_up_proj.dequantize()
+    assert w.shape == (4, 32, 128) and 0.8 * 0.1 < float(w.std()) < 1.2 * 0.1
+    assert not layer.mlp.experts.gate_up_proj_bias.any() and layer.mlp.router.weight.std() > 0
+    assert layer.self_attn.sinks.std() > 0 and not isinstance(layer.self_attn.q_proj.base_layer.weight, FrozenWeight)
+
+
+def _write_mxfp4_checkpoint(path) -> tuple:
+    """A tiny GPT-OSS saved by transformers, its experts rewritten as the release stores them (``*_blocks``,
+    ``*_scales``); returns the plain model and the blocks and scales by parameter name."""
+    from safetensors.torch import load_file, save_file
+
+    model = _gpt_oss(torch.float32)
+    model.save_pretrained(path)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    stored = {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        fw = FrozenWeight.quantize(tensors.pop(name), "mxfp4", transposed=True)
+        tensors[name + "_blocks"], tensors[name + "_scales"] = fw.packed["blocks"], fw.packed["scales"]
+        stored[name] = (fw.packed["blocks"], fw.packed["scales"])
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return model, stored
+
+
+def test_a_shipped_mxfp4_checkpoint_loads_as_its_bytes(tmp_path) -> None:
+    """Under mxfp4 the loader keeps a GPT-OSS checkpoint's expert blocks and scales as they are (no
+    re-quantization); under bf16 it dequantizes them as transformers does. RoundPipe's logits over the MXFP4 load
+    equal the plain load's Hugging Face logits."""
+    from peft import LoraConfig
+
+    import roundpipe
+    from roundpipe.host.formats import frozen_weights
+    from roundpipe.loading import load_pretrained
+
+    model, stored = _write_mxfp4_checkpoint(str(tmp_path))
+    lora = LoraConfig(r=4, target_modules=["q_proj"])
+    packed = load_pretrained(str(tmp_path), "mxfp4", lora, torch.float32)
+    got = {n.replace("base_model.model.", ""): p for n, p in frozen_weights(packed).items()}
+    assert got.keys() == stored.keys()
+    for n, (blocks, scales) in stored.items():
+        assert torch.equal(got[n].packed["blocks"], blocks) and torch.equal(got[n].packed["scales"], scales)
+    plain = load_pretrained(str(tmp_path), "bf16", None, torch.float32)
+    params = dict(plain.named_parameters())
+    for n, (blocks, scales) in stored.items():
+        assert torch.equal(params[n], _transformers_dequantize(blocks, scales, torch.float32))
+    assert torch.equal(params["model.layers.1.self_attn.q_proj.weight"], model.model.layers[1].self_attn.q_proj.weight)
+    ids = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = plain(input_ids=ids).logits
+        out = roundpipe.wrap_model_to_roundpipe(packed, base_format="mxfp4")(input_ids=ids).logits
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
