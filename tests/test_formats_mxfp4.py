@@ -153,7 +153,9 @@ def test_dequantize_in_chunks_and_into_a_slot(monkeypatch) -> None:
 
     fw = FrozenWeight.quantize(_weight((4, 64, 96), torch.bfloat16), "mxfp4", transposed=True)
     whole = fw.dequantize()
-    monkeypatch.setattr(codecs, "DEQUANT_CHUNK", 64 * 5)
+    monkeypatch.setattr(codecs, "DEQUANT_CHUNK", 64 * 5)  # 5 rows of an expert at a time
+    assert torch.equal(fw.dequantize(), whole)
+    monkeypatch.setattr(codecs, "DEQUANT_CHUNK", 64 * 96 * 3)  # 3 experts at a time, then the last one
     assert torch.equal(fw.dequantize(), whole)
     slot = torch.empty(4, 64, 96, dtype=torch.bfloat16)
     assert fw.dequantize_into(fw.packed, slot) is slot and torch.equal(slot, whole)

@@ -153,13 +153,17 @@ class Mxfp4Format(Format):
         view = target.view(-1, *target.shape[-2:])
         if self.transposed:
             view = view.transpose(-1, -2)
-        step = max(1, codecs.DEQUANT_CHUNK // max(1, groups * BLOCK))
-        for e in range(flat_blocks.shape[0]):  # fixed loops: no data-dependent shapes, capturable
+        matrices = flat_blocks.shape[0]
+        step = max(1, codecs.DEQUANT_CHUNK // max(1, groups * BLOCK))  # rows a chunk unpacks
+        per = max(1, step // rows)  # whole matrices a chunk unpacks (several small experts at once: fewer kernels)
+        step = rows if per > 1 else step
+        for e in range(0, matrices, per):  # fixed loops: no data-dependent shapes, capturable
             for a in range(0, rows, step):
-                index = flat_blocks[e, a : a + step].to(torch.int32).flatten()
+                index = flat_blocks[e : e + per, a : a + step].to(torch.int32).flatten()
                 values = pairs.index_select(0, index).view(-1, groups, BLOCK)  # [chunk rows, groups, 32]
-                values.mul_(scale_values(flat_scales[e, a : a + step], cdt)[..., None])
-                view[e, a : a + step].copy_(values.view(-1, groups * BLOCK)[:, :cols])
+                values.mul_(scale_values(flat_scales[e : e + per, a : a + step], cdt).view(-1, groups, 1))
+                n = min(per, matrices - e)
+                view[e : e + per, a : a + step].copy_(values.view(n, -1, groups * BLOCK)[..., :cols])
         return target
 
 
