@@ -135,6 +135,19 @@ def test_adopted_checkpoint_bytes_equal_transformers(dtype) -> None:
         adopt_mxfp4(blocks[..., :8], scales)
 
 
+def test_requantizing_dequantized_mxfp4_is_exact() -> None:
+    """A model transformers loaded with its MXFP4 experts dequantized, packed again under mxfp4, holds the same
+    values: every E2M1 value times a power of two is one again under the spec's scale rule (a block whose largest
+    value is under 4 gets a smaller scale, and its values double into the set)."""
+    g = torch.Generator().manual_seed(1)
+    blocks = torch.randint(0, 256, (2, 16, 3, 16), generator=g, dtype=torch.uint8)
+    blocks[0, :4, 0] &= 0x33  # blocks whose values stay within 1.5
+    scales = torch.randint(110, 140, (2, 16, 3), generator=g, dtype=torch.uint8)
+    plain = _transformers_dequantize(blocks, scales, torch.bfloat16)
+    again = FrozenWeight.quantize(plain, "mxfp4", transposed=True)
+    assert torch.equal(again.dequantize(), plain)
+
+
 def test_quantized_experts_round_trip_through_transformers() -> None:
     """A transposed 3-D weight [experts, in, out] (GPT-OSS's ``gate_up_proj``) quantized here packs in the
     checkpoint's layout: transformers' dequantize of its bytes is ours, and ours equals the 2-D packing of each
@@ -249,10 +262,15 @@ def test_quantize_frozen_packs_the_experts_as_shipped() -> None:
         quantize_frozen(more, "mxfp4", targets=("attention",))
 
 
-@pytest.mark.parametrize("workers,microbatches", [("cpu:2", 2), ("cpu:1", 3)], indirect=["workers"])
+@pytest.mark.parametrize(
+    "workers,microbatches",
+    [("cpu:2", 2), ("cpu:1", 3), pytest.param("cuda:1", 2, marks=pytest.mark.gpu)],
+    indirect=["workers"],
+)
 def test_lora_grads_over_mxfp4_experts(workers, microbatches) -> None:
     """float64 LoRA gradients (on the attention projections) through RoundPipe on a tiny GPT-OSS whose experts
-    are MXFP4 (``wrap_model(base_format="mxfp4")``) equal PEFT's over the dequantized experts, to 1e-10."""
+    are MXFP4 (``wrap_model(base_format="mxfp4")``) equal PEFT's over the dequantized experts, to 1e-10 (on a GPU
+    too: the packed experts uploaded and unpacked there)."""
     from helpers import with_lora
     from test_formats import _dequantized_reference, _grads
     from test_models import make_batch
