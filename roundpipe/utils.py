@@ -16,7 +16,7 @@ GiB = float(1 << 30)
 
 #: How frozen base weights can be kept in host memory (``roundpipe.host.formats``): named here, without torch,
 #: so that the CLI checks its flags before torch loads.
-BASE_FORMATS = ("bf16", "fp8", "int8", "nf4")
+BASE_FORMATS = ("bf16", "fp8", "int8", "nf4", "mxfp4")
 
 
 def get_call_location(depth: int) -> str:

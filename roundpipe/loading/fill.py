@@ -1,6 +1,9 @@
 """Fill one part of a meta-device skeleton (the embedding, a decoder layer, the norm, the head) with real
-tensors on the host: read from a checkpoint or drawn at random, the frozen Linear weights stored in the base
-format, the LoRA adapters initialised as PEFT initialises them.
+tensors on the host: read from a checkpoint or drawn at random, the frozen weights the base format packs (its
+``default_targets``: the Linear weights, or for mxfp4 on a mixture of experts the expert weights) stored in it,
+the LoRA adapters initialised as PEFT initialises them. An expert weight the checkpoint holds as MXFP4
+(GPT-OSS's ``<name>_blocks`` and ``<name>_scales``) is kept as those bytes under mxfp4 (no re-quantization) and
+dequantized as transformers does otherwise.
 
 Tensors are read one at a time, each file open only while one is read, and a frozen weight is in its format
 before the next is read: no more than one tensor of the checkpoint is ever in the compute dtype, besides the
@@ -40,24 +43,31 @@ def adapter_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
-def frozen_value(t: torch.Tensor, base_format: str) -> torch.Tensor:
-    """A frozen Linear weight as host storage in ``base_format`` (bf16: the tensor itself)."""
+#: Suffixes of an MXFP4 expert weight's two tensors in a GPT-OSS checkpoint.
+MXFP4_PARTS = ("_blocks", "_scales")
+
+
+def frozen_value(t: torch.Tensor, base_format: str, transposed: bool = False) -> torch.Tensor:
+    """A frozen weight as host storage in ``base_format`` (bf16: the tensor itself); ``transposed``: an expert
+    weight [experts, in, out] (``FrozenWeight.quantize``)."""
     if base_format == "bf16":
         return t
     from roundpipe.host.formats import FrozenWeight
 
-    return FrozenWeight.quantize(t, base_format)
+    return FrozenWeight.quantize(t, base_format, transposed=transposed)
 
 
-def random_frozen(shape: torch.Size, base_format: str, dtype: torch.dtype, std: float) -> torch.Tensor:
-    """A random frozen Linear weight N(0, std) built straight into ``base_format`` (no bf16 copy). Drawn on the
+def random_frozen(
+    shape: torch.Size, base_format: str, dtype: torch.dtype, std: float, transposed: bool = False
+) -> torch.Tensor:
+    """A random frozen weight N(0, std) built straight into ``base_format`` (no bf16 copy). Drawn on the
     first GPU where there is one: one host thread draws a 70B model's bytes in minutes, a GPU in seconds."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if base_format == "bf16":
         return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std).cpu()
     from roundpipe.host.formats import FrozenWeight
 
-    return FrozenWeight.random(tuple(shape), base_format, dtype=dtype, std=std, device=device)
+    return FrozenWeight.random(tuple(shape), base_format, dtype=dtype, std=std, device=device, transposed=transposed)
 
 
 class PartFiller:
@@ -87,11 +97,21 @@ class PartFiller:
         self.used: set = set()  # checkpoint keys read
         config = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
         self.std = float(getattr(config, "initializer_range", None) or 0.02)
+        from roundpipe.host.formats import default_targets
 
-    def quantizes(self, owner: nn.Module, attr: str, name: str, param: nn.Parameter) -> bool:
-        """Whether ``name`` is a frozen Linear weight that goes into the base format."""
-        top = name.split(".")[0]
-        return isinstance(owner, nn.Linear) and attr == "weight" and not param.requires_grad and top not in self.skip
+        self.targets = ("linear",) if base_format == "bf16" else default_targets(hf, base_format)
+
+    def layout(self, owner: nn.Module, attr: str, name: str, param: nn.Parameter) -> Optional[bool]:
+        """None unless ``name`` is a frozen weight that goes into the base format; then whether it is stored
+        transposed (an expert weight [experts, in, out]; a Linear weight is not)."""
+        from roundpipe.host.formats import expert_layout
+
+        if param.requires_grad or name.split(".")[0] in self.skip:
+            return None
+        if isinstance(owner, nn.Linear) and attr == "weight":
+            return False if "linear" in self.targets else None
+        transposed = expert_layout(owner, attr)
+        return transposed if transposed is not None and "experts" in self.targets else None
 
     def fill(self, prefix: str, part: nn.Module) -> None:
         """Give every parameter and buffer of ``part`` (named ``prefix``...) real host storage."""
@@ -109,18 +129,24 @@ class PartFiller:
             if name in self.loaded:  # the head tied to the embedding: the same tensor
                 owner._parameters[attr] = self.loaded[name]
                 continue
-            quantize = self.quantizes(owner, attr, name, p)
-            if self.files is not None:
+            transposed = self.layout(owner, attr, name, p)
+            if self.files is not None and keys[name].endswith(MXFP4_PARTS[0]):
+                value = self._mxfp4_tensor(keys[name], p, transposed)
+            elif self.files is not None:
                 # One tensor at a time: read, stored in its format, and only then the next one.
                 t = self._tensor(keys[name], p.shape)
-                value = frozen_value(t, self.base_format) if quantize else t
+                value = frozen_value(t, self.base_format, bool(transposed)) if transposed is not None else t
                 del t
-            elif quantize:
-                value = random_frozen(p.shape, self.base_format, p.dtype, self.std)
+            elif transposed is not None:
+                value = random_frozen(p.shape, self.base_format, p.dtype, self.std, transposed)
             else:
                 value = torch.empty(p.shape, dtype=p.dtype)
                 randomized.append(owner)
             new = nn.Parameter(value, requires_grad=p.requires_grad)
+            if self.files is None and transposed is not None:
+                # drawn already: the owner's init (for its other tensors, a bias) leaves it alone, as transformers'
+                # init skips a tensor so flagged (a packed one has no in-place init)
+                new._is_hf_initialized = True
             owner._parameters[attr] = new
             for other in self.tied.get(name, []):
                 self.loaded[other] = new
@@ -140,6 +166,8 @@ class PartFiller:
             if name in self.loaded:
                 continue
             key = checkpoint_name(name)
+            if key not in self.files.where and all(key + part in self.files.where for part in MXFP4_PARTS):
+                key += MXFP4_PARTS[0]  # an MXFP4 expert weight (GPT-OSS): its blocks, the scales beside them
             if key not in self.files.where:  # a tied tensor is stored under one of its names
                 others = [checkpoint_name(o) for o in self.tied.get(name, [])]
                 key = next((o for o in others if o in self.files.where), key)
@@ -162,6 +190,29 @@ class PartFiller:
             )
         self.used.add(key)
         return t
+
+    def _mxfp4_tensor(self, key: str, p: nn.Parameter, transposed: Optional[bool]) -> torch.Tensor:
+        """The expert weight stored as MXFP4 blocks (``key``) and scales: those bytes as they are under mxfp4,
+        else dequantized to the compute dtype (transformers' values) and stored in the base format."""
+        from roundpipe.host.formats import adopt_mxfp4
+
+        assert self.files is not None
+        scales_key = key[: -len(MXFP4_PARTS[0])] + MXFP4_PARTS[1]
+        parts = self.files.read([key, scales_key], None)
+        self.used.update((key, scales_key))
+        try:
+            fw = adopt_mxfp4(parts[key], parts[scales_key], self.dtype)
+        except ValueError as exc:
+            raise LoadError(f"{key} in {self.files.file_of(key)}: {exc}") from None
+        if fw.shape != p.shape:
+            raise LoadError(
+                f"{key} in {self.files.file_of(key)} holds an MXFP4 weight of shape {tuple(fw.shape)}, but the "
+                f"model's config gives {tuple(p.shape)}; the config.json does not belong to these weights"
+            )
+        if self.base_format == "mxfp4" and transposed:
+            return fw
+        plain = fw.dequantize(dtype=self.dtype)
+        return frozen_value(plain, self.base_format, bool(transposed)) if transposed is not None else plain
 
     def _init_adapters(self, part: nn.Module) -> None:
         """PEFT's LoRA init of every adapter in ``part``, in module order (see the module docstring)."""

@@ -1,6 +1,6 @@
 """Build a Hugging Face causal LM straight into host storage, one part at a time: from a checkpoint
 directory (``from_pretrained``) or with random weights (``from_config``), its frozen base in a base format
-(bf16, fp8, int8, nf4) and its LoRA adapters from a ``peft.LoraConfig``.
+(bf16, fp8, int8, nf4, mxfp4) and its LoRA adapters from a ``peft.LoraConfig``.
 
 The model is first a skeleton on the meta device (no weight allocated), LoRA applied to it; then the
 embedding, each decoder layer, the final norm and the head are filled in order (:mod:`roundpipe.loading.fill`),
@@ -120,8 +120,9 @@ def from_pretrained(
         path: A Hugging Face model directory: ``config.json`` and safetensors weights, one
             ``model.safetensors`` or shards with ``model.safetensors.index.json``; a hub id (``org/name``)
             that is no local directory is downloaded first (config and safetensors).
-        base_format: How the frozen Linear weights are kept in host memory: ``"bf16"``, ``"fp8"``, ``"int8"``
-            or ``"nf4"``; anything but bf16 needs ``lora``.
+        base_format: How the frozen Linear weights are kept in host memory: ``"bf16"``, ``"fp8"``, ``"int8"``,
+            ``"nf4"`` or ``"mxfp4"`` (on GPT-OSS: the experts, kept as the checkpoint's MXFP4 bytes); anything but
+            bf16 needs ``lora``.
         lora: A ``peft.LoraConfig``: adapters initialised as ``get_peft_model`` does (seed with
             ``torch.manual_seed`` for PEFT's exact numbers); None trains every weight.
         dtype: The compute dtype (the embedding, norms, head and the dequantized base).

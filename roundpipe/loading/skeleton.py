@@ -34,13 +34,20 @@ class Skeleton:
     the head. Every parameter of ``hf`` belongs to exactly one part."""
 
 
+#: Mixtures of experts whose checkpoints store each layer's experts under the module's own names (GPT-OSS: fused
+#: 3-D tensors, or their MXFP4 blocks and scales), so they load as they are; other ones store a tensor per expert,
+#: which transformers fuses at load.
+LOADABLE_MOE = ("gpt_oss",)
+
+
 def check_supported(config: Any) -> None:
-    """A dense decoder-only family of ``roundpipe.models`` (the layout the loader walks); one line otherwise."""
+    """A dense decoder-only family of ``roundpipe.models`` (the layout the loader walks) or one of
+    ``LOADABLE_MOE``; one line otherwise."""
     from roundpipe.models.families import family_of
 
     model_type = getattr(config, "model_type", None)
     family = family_of(model_type)
-    if family is None or family.moe or family.incompatible:
+    if family is None or (family.moe and model_type not in LOADABLE_MOE) or family.incompatible:
         why = "a mixture of experts" if family is not None and family.moe else "not a dense family roundpipe presets"
         raise LoadError(
             f"model type {model_type!r} is {why}, so it cannot be loaded layer by layer; load it with "

@@ -29,7 +29,10 @@ DEQUANTIZE_PARAMS_PER_S: Dict[str, float] = {
     "fp8": 12288 * 4096 / 0.41e-3,
     "int8": 12288 * 4096 / 0.39e-3,
     "nf4": 12288 * 4096 / 0.36e-3,
+    # not measured: assumed nf4's (the same ops per byte: one table lookup of both elements, one multiply)
+    "mxfp4": 12288 * 4096 / 0.36e-3,
 }
+MXFP4_BLOCK = 32  # ``roundpipe.host.formats.mxfp4``'s blocks
 
 
 def check(base_format: str) -> str:
@@ -41,13 +44,16 @@ def check(base_format: str) -> str:
 def packed_weight_bytes(rows: int, cols: int, base_format: str, e: int = 2) -> int:
     """Host bytes of a frozen ``rows`` x ``cols`` weight (``e`` bytes per element in the model dtype) stored in
     ``base_format``: fp8 / int8 a byte per element and a float32 scale per row; nf4 half a byte per element
-    (blocks of 64), an int8 scale per block (padded to 256), a factor per 256 scales, the mean, the 16 levels."""
+    (blocks of 64), an int8 scale per block (padded to 256), a factor per 256 scales, the mean, the 16 levels;
+    mxfp4 half a byte per element and a byte per 32 inputs, the 16 levels."""
     check(base_format)
     n = rows * cols
     if base_format == "bf16":
         return n * e
     if base_format in ("fp8", "int8"):
         return n + 4 * rows
+    if base_format == "mxfp4":  # 16 bytes of elements and a 1-byte scale per 32 inputs, the 16 float32 levels
+        return rows * math.ceil(cols / MXFP4_BLOCK) * (MXFP4_BLOCK // 2 + 1) + 16 * 4
     blocks = math.ceil(n / NF4_BLOCK)
     scales = math.ceil(blocks / NF4_SCALER_BLOCK) * NF4_SCALER_BLOCK
     return blocks * NF4_BLOCK // 2 + scales + (scales // NF4_SCALER_BLOCK) * e + e + 16 * e

@@ -1,14 +1,17 @@
-"""Frozen-weight formats in host memory (bf16, fp8 e4m3, int8, NF4): a frozen parameter's host bytes,
-uploaded as they are and dequantized on the device (see ``frozen.py`` for the tensor, ``codecs.py`` and
-``nf4.py`` for the packings)."""
+"""Frozen-weight formats in host memory (bf16, fp8 e4m3, int8, NF4, MXFP4): a frozen parameter's host bytes,
+uploaded as they are and dequantized on the device (see ``frozen.py`` for the tensor, ``codecs.py``, ``nf4.py``
+and ``mxfp4.py`` for the packings)."""
 
 from roundpipe.host.formats.codecs import Format
 from roundpipe.host.formats.frozen import (
     BASE_FORMATS,
     FrozenWeight,
     adopt_bnb_4bit,
+    adopt_mxfp4,
     check_base_format,
+    default_targets,
     dequantize_transient_bytes,
+    expert_layout,
     frozen_weights,
     get_format,
     host_nbytes,
@@ -20,10 +23,13 @@ from roundpipe.host.formats.frozen import (
 __all__ = [
     "BASE_FORMATS",
     "adopt_bnb_4bit",
+    "adopt_mxfp4",
     "Format",
     "FrozenWeight",
     "check_base_format",
+    "default_targets",
     "dequantize_transient_bytes",
+    "expert_layout",
     "frozen_weights",
     "get_format",
     "host_nbytes",

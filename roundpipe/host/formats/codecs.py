@@ -113,10 +113,11 @@ class ChannelFormat(Format):
     ) -> torch.Tensor:
         data, scale = packed["data"], packed["scale"]
         target = dequant_target(out, shape, dtype, data.device)
+        rows_view = target.view(data.shape)  # a 3-D weight (experts) is packed as its rows flattened
         cdt = _compute_dtype(target.dtype)
         rows = max(1, DEQUANT_CHUNK // max(1, data.shape[1]))
         for a in range(0, data.shape[0], rows):  # a fixed loop: no data-dependent shapes, capturable
-            target[a : a + rows].copy_(data[a : a + rows].to(cdt) * scale[a : a + rows, None].to(cdt))
+            rows_view[a : a + rows].copy_(data[a : a + rows].to(cdt) * scale[a : a + rows, None].to(cdt))
         return target
 
 

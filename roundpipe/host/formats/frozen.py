@@ -12,7 +12,8 @@ parameter's packed tensors in place is seen through every alias.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+import math
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -20,11 +21,12 @@ from torch import nn
 from roundpipe.host.formats import codecs
 from roundpipe.host.formats.bnb import bnb_packed, is_linear4bit
 from roundpipe.host.formats.codecs import Format, Fp8Format, Int8Format, Packed
+from roundpipe.host.formats.mxfp4 import E2M1_VALUES, MXFP4, MXFP4_TRANSPOSED, Mxfp4Format
 from roundpipe.host.formats.nf4 import Nf4Format
 from roundpipe.utils import BASE_FORMATS, host_nbytes
 
 _INNER = "packed_"  # prefix of the packed tensors' names in ``__tensor_flatten__``
-_FORMATS: Dict[str, Format] = {f.name: f for f in (Fp8Format(), Int8Format(), Nf4Format())}
+_FORMATS: Dict[str, Format] = {f.name: f for f in (Fp8Format(), Int8Format(), Nf4Format(), MXFP4)}
 
 
 def check_base_format(name: str) -> str:
@@ -34,12 +36,25 @@ def check_base_format(name: str) -> str:
     return name
 
 
-def get_format(name: str) -> Format:
-    """The format object of a packed ``base_format`` (not ``bf16``, which is a plain tensor)."""
+def get_format(name: str, transposed: bool = False) -> Format:
+    """The format object of a packed ``base_format`` (not ``bf16``, which is a plain tensor). ``transposed``: the
+    weights are [..., in, out] (GPT-OSS's experts), which only mxfp4's packing (blocks along the inputs) tells apart."""
     check_base_format(name)
     if name == "bf16":
         raise ValueError("base_format='bf16' keeps frozen weights as plain tensors: there is no packed format")
+    if name == "mxfp4":
+        return MXFP4_TRANSPOSED if transposed else MXFP4
     return _FORMATS[name]
+
+
+def packing_shape(fmt: Format, shape: Sequence[int]) -> Tuple[int, ...]:
+    """The shape ``fmt`` packs a weight of logical ``shape`` as: mxfp4 its own (blocks per matrix); the other
+    formats a 2-D [rows, last dim] (per-row scales of the flattened rows; NF4's blocks of the flattened tensor),
+    which for a 2-D weight is its shape."""
+    shape = tuple(int(s) for s in shape)
+    if isinstance(fmt, Mxfp4Format) or len(shape) == 2:
+        return shape
+    return (math.prod(shape[:-1]), shape[-1])
 
 
 class FrozenWeight(torch.Tensor):
@@ -60,47 +75,54 @@ class FrozenWeight(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
-    def quantize(cls, w: torch.Tensor, fmt: str) -> "FrozenWeight":
-        """``w`` [out, in] (float64, fp32 or bf16) packed in format ``fmt``; logical dtype ``w.dtype``. The packing
-        runs where ``w`` is (a GPU packs a large weight in milliseconds, the host in seconds) and the packed
+    def quantize(cls, w: torch.Tensor, fmt: str, transposed: bool = False) -> "FrozenWeight":
+        """``w`` [out, in], or [experts, out, in] (float64, fp32 or bf16) packed in format ``fmt``; logical dtype
+        ``w.dtype``. ``transposed``: ``w`` is [..., in, out] (GPT-OSS's expert weights; see ``get_format``). The
+        packing runs where ``w`` is (a GPU packs a large weight in milliseconds, the host in seconds) and the packed
         tensors come back to the host."""
-        if w.dim() != 2:
-            raise ValueError(f"FrozenWeight.quantize: expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
+        if w.dim() not in (2, 3):
+            raise ValueError(
+                f"FrozenWeight.quantize: expected a 2-D weight [out, in] or a 3-D [experts, out, in], got shape "
+                f"{tuple(w.shape)}"
+            )
         if not w.is_floating_point():
             raise ValueError(f"FrozenWeight.quantize: expected a floating-point weight, got {w.dtype}")
-        f = get_format(fmt)
-        packed = {k: v.cpu() for k, v in f.quantize(w.detach()).items()}
+        f = get_format(fmt, transposed)
+        packed = {k: v.cpu() for k, v in f.quantize(w.detach().reshape(packing_shape(f, w.shape))).items()}
         return cls(packed, f, w.shape, w.dtype)
 
     @classmethod
     def random(
         cls,
-        shape: Tuple[int, int],
+        shape: Tuple[int, ...],
         fmt: str,
         dtype: torch.dtype = torch.bfloat16,
         std: float = 0.02,
         generator: Optional[torch.Generator] = None,
         device: Any = "cpu",
+        transposed: bool = False,
     ) -> "FrozenWeight":
-        """A random weight of ``shape`` [out, in] (standard deviation about ``std``) built packed: host
-        memory never holds it in ``dtype``, so a large model's random base costs only its packed bytes. The
-        numbers are drawn on ``device`` (``generator``'s, when given) and the packed tensors come to the host."""
-        if len(shape) != 2:
-            raise ValueError(f"FrozenWeight.random: expected a 2-D shape [out, in], got {tuple(shape)}")
-        f = get_format(fmt)
+        """A random weight of ``shape`` [out, in] or [experts, out, in] ([..., in, out] when ``transposed``;
+        standard deviation about ``std``) built packed: host memory never holds it in ``dtype``, so a large model's
+        random base costs only its packed bytes. The numbers are drawn on ``device`` (``generator``'s, when given)
+        and the packed tensors come to the host."""
+        if len(shape) not in (2, 3):
+            raise ValueError(f"FrozenWeight.random: expected a 2-D shape [out, in] or a 3-D one, got {tuple(shape)}")
+        f = get_format(fmt, transposed)
         if generator is not None:
             device = generator.device
-        packed = f.random((int(shape[0]), int(shape[1])), dtype, std, generator, device=device)
+        packed = f.random(packing_shape(f, shape), dtype, std, generator, device=device)
         return cls({k: v.cpu() for k, v in packed.items()}, f, shape, dtype)
 
     def dequantize(self, device: Optional[Any] = None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """The plain weight [out, in] in ``dtype`` (default: the logical one) on ``device`` (default cpu);
-        the packed tensors are copied there first, so the unpacking runs on that device."""
+        """The plain weight (its logical shape) in ``dtype`` (default: the logical one) on ``device`` (default
+        cpu); the packed tensors are copied there first, so the unpacking runs on that device."""
         packed = self.packed if device is None else {k: v.to(device) for k, v in self.packed.items()}
         return self.format.dequantize(packed, self.shape, dtype or self.dtype)
 
     def dequantize_into(self, packed: Packed, out: torch.Tensor) -> torch.Tensor:
-        """Unpack ``packed`` (these tensors, already on ``out``'s device) into ``out`` [out, in] (a graph slot)."""
+        """Unpack ``packed`` (these tensors, already on ``out``'s device) into ``out`` (a graph slot of the logical
+        shape)."""
         return self.format.dequantize(packed, self.shape, out.dtype, out=out)
 
     def host_nbytes(self) -> int:
@@ -168,7 +190,10 @@ def _h_clone(func: Any, args: Tuple, kwargs: Dict) -> Any:
 def _h_copy(func: Any, args: Tuple, kwargs: Dict) -> Any:
     dst, src = args[0], args[1]
     same = (
-        isinstance(src, FrozenWeight) and src.format.name == dst.format.name and src.packed.keys() == dst.packed.keys()
+        isinstance(src, FrozenWeight)
+        and src.format.name == dst.format.name
+        and getattr(src.format, "transposed", None) == getattr(dst.format, "transposed", None)
+        and src.packed.keys() == dst.packed.keys()
     )
     if not (same and src.shape == dst.shape):
         raise NotImplementedError(
@@ -195,29 +220,78 @@ def _skipped(name: str, skip: Sequence[str]) -> bool:
     return any(s in parts or name == s or name.endswith("." + s) for s in skip)
 
 
-def quantize_frozen(module: nn.Module, base_format: str, skip: Sequence[str] = ("lm_head",)) -> int:
-    """Replace, in place, each frozen (``requires_grad`` False) 2-D weight of an ``nn.Linear`` in ``module``
-    (PEFT's ``base_layer`` included) by a FrozenWeight in ``base_format``; returns the host bytes saved.
-    Embeddings, norms, trainable weights and modules named in ``skip`` keep their tensors; a weight shared
-    by several Linears is packed once. ``bf16`` changes nothing."""
+#: Parameters of an experts module (transformers' experts interface) that are expert weights [experts, ., .].
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj", "up_proj")
+
+
+def expert_layout(mod: nn.Module, attr: str) -> Optional[bool]:
+    """Whether ``mod.attr`` is stored transposed ([experts, in, out], GPT-OSS) if it is a 3-D expert weight of an
+    experts module (transformers' experts interface sets ``is_transposed`` on it); None if it is no expert weight."""
+    transposed = getattr(mod, "is_transposed", None)
+    if attr not in EXPERT_WEIGHTS or not isinstance(transposed, bool):
+        return None
+    p = mod._parameters.get(attr)
+    return transposed if p is not None and p.dim() == 3 else None
+
+
+def _frozen_expert_weights(module: nn.Module) -> Iterator[Tuple[str, nn.Module, str, bool]]:
+    for name, mod in module.named_modules():
+        for attr in EXPERT_WEIGHTS:
+            transposed = expert_layout(mod, attr)
+            if transposed is not None and not mod._parameters[attr].requires_grad:
+                yield name, mod, attr, transposed
+
+
+def default_targets(module: nn.Module, base_format: str) -> Tuple[str, ...]:
+    """What ``base_format`` packs by default: ``("linear",)``, the frozen ``nn.Linear`` weights; for ``mxfp4`` on a
+    model with frozen expert weights ``("experts",)``, as GPT-OSS ships (experts in MXFP4; attention, router,
+    embeddings and head in the model dtype)."""
+    if base_format == "mxfp4" and next(_frozen_expert_weights(module), None) is not None:
+        return ("experts",)
+    return ("linear",)
+
+
+def quantize_frozen(
+    module: nn.Module,
+    base_format: str,
+    skip: Sequence[str] = ("lm_head",),
+    targets: Optional[Sequence[str]] = None,
+) -> int:
+    """Replace, in place, each frozen (``requires_grad`` False) weight of ``targets`` in ``module`` by a FrozenWeight
+    in ``base_format``; returns the host bytes saved. ``targets`` (default ``default_targets``): ``"linear"``, the
+    2-D weight of each ``nn.Linear`` (PEFT's ``base_layer`` included); ``"experts"``, the 3-D expert weights of
+    each experts module (``EXPERT_WEIGHTS``; their biases and the router stay). Embeddings, norms, trainable
+    weights and modules named in ``skip`` keep their tensors; a weight shared by several modules is packed once.
+    ``bf16`` changes nothing."""
     check_base_format(base_format)
     if base_format == "bf16":
         return 0
+    targets = tuple(default_targets(module, base_format) if targets is None else targets)
+    unknown = [t for t in targets if t not in ("linear", "experts")]
+    if unknown:
+        raise ValueError(f"quantize_frozen: targets={unknown[0]!r}: expected 'linear' or 'experts'")
+    slots = []
+    if "linear" in targets:
+        for name, mod in module.named_modules():
+            w = mod._parameters.get("weight") if isinstance(mod, nn.Linear) else None
+            if w is not None and not w.requires_grad and w.dim() == 2 and not _skipped(name, skip):
+                slots.append((name, mod, "weight", False))
+    if "experts" in targets:
+        slots += [s for s in _frozen_expert_weights(module) if not _skipped(s[0], skip)]
     done: Dict[int, nn.Parameter] = {}
     saved = 0
-    for name, mod in module.named_modules():
-        if not isinstance(mod, nn.Linear) or _skipped(name, skip):
-            continue
-        w = mod._parameters.get("weight")
-        if w is None or w.requires_grad or w.dim() != 2 or isinstance(w.data, FrozenWeight):
+    for name, mod, attr, transposed in slots:
+        w = mod._parameters[attr]
+        if isinstance(w.data, FrozenWeight):
             continue
         if w.device.type == "meta":
-            raise ValueError(f"quantize_frozen: {name}.weight is on the meta device; load its values first")
+            raise ValueError(f"quantize_frozen: {name}.{attr} is on the meta device; load its values first")
         if id(w) not in done:
             with torch.no_grad():
-                done[id(w)] = nn.Parameter(FrozenWeight.quantize(w.detach(), base_format), requires_grad=False)
+                fw = FrozenWeight.quantize(w.detach(), base_format, transposed=transposed)
+                done[id(w)] = nn.Parameter(fw, requires_grad=False)
             saved += w.numel() * w.element_size() - host_nbytes(done[id(w)])
-        mod._parameters["weight"] = done[id(w)]
+        mod._parameters[attr] = done[id(w)]
     return saved
 
 
@@ -245,6 +319,28 @@ def adopt_bnb_4bit(module: nn.Module) -> int:
     return len(found)
 
 
+def adopt_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> FrozenWeight:
+    """A GPT-OSS checkpoint's expert weight as it ships, without re-quantizing: ``blocks`` uint8 [experts, out,
+    in / 32, 16] and ``scales`` uint8 [experts, out, in / 32] (its ``*_blocks`` / ``*_scales``) as a FrozenWeight of
+    the parameter's logical shape [experts, in, out] and ``dtype``, which dequantizes to transformers'
+    ``convert_moe_packed_tensors(blocks, scales)``."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"adopt_mxfp4: expected uint8 blocks and scales, got {blocks.dtype} and {scales.dtype}")
+    if blocks.dim() != 4 or blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ValueError(
+            f"adopt_mxfp4: blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} are no MXFP4 expert weight "
+            "(blocks [experts, out, in / 32, 16], scales [experts, out, in / 32])"
+        )
+    experts, rows, groups, _ = blocks.shape
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    packed = {
+        "blocks": blocks.detach().cpu().contiguous(),
+        "scales": scales.detach().cpu().contiguous(),
+        "table": table,
+    }
+    return FrozenWeight(packed, MXFP4_TRANSPOSED, (experts, groups * 32, rows), dtype)
+
+
 def quantize_base(model: nn.Module, base_format: str) -> int:
     """``quantize_frozen`` for the wrappers' ``base_format=``: a packed format on a model with no frozen
     ``nn.Linear`` weight (nothing to pack) is an error naming what to change. Layers bitsandbytes quantized
@@ -257,8 +353,8 @@ def quantize_base(model: nn.Module, base_format: str) -> int:
     saved = quantize_frozen(model, base_format)
     if not frozen_weights(model):
         raise ValueError(
-            f"base_format={base_format!r}: the model has no frozen nn.Linear weight to store packed (only weights "
-            "with requires_grad=False are packed: freeze the base, e.g. with a PEFT LoRA model), or pass "
+            f"base_format={base_format!r}: the model has no frozen nn.Linear or expert weight to store packed (only "
+            "weights with requires_grad=False are packed: freeze the base, e.g. with a PEFT LoRA model), or pass "
             "base_format='bf16'"
         )
     return saved
