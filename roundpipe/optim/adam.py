@@ -116,6 +116,21 @@ class Adam(Optimizer):
             appears at its first step). False, or without RoundPipe: allocate them in the first step,
             as torch does.
 
+    Mixture-of-experts and subnormal options (docs/optimizer.md, "Experts without tokens"):
+
+    Args:
+        skip_zero_grad: step a parameter whose gradient is exactly zero everywhere (an expert that no
+            token reached) as if it had no gradient: like torch for a parameter whose ``.grad`` is None,
+            its moments, weight and step count stay as they are. This is not Adam's result: with a zero
+            gradient Adam still decays both moments and moves the weight by ``lr * m_hat / (sqrt(v_hat) +
+            eps)``, which is not zero while ``m`` is not. Default False (Adam's result). A param group
+            may set its own ``"skip_zero_grad"`` (e.g. the experts' group only). Costs one read of each
+            such gradient to test it.
+        flush_denormals: the C++ kernel takes subnormal floats (below 1.2e-38) as zero (x86 FTZ/DAZ,
+            for its own threads and only while it runs). Moments that decay under zero gradients pass
+            through that range, where each operation is 15-25x slower; default True. The torch path is
+            torch's and never flushes.
+
     Raises:
         ValueError: bad hyperparameters, an unknown compact option, or parameters the chosen master does
             not take (``master="bfloat16"`` needs bf16 parameters; a compact ``state_dtype`` with
@@ -143,6 +158,8 @@ class Adam(Optimizer):
         block_size: int = 256,
         seed: int = 0,
         preallocate_state: bool = True,
+        skip_zero_grad: bool = False,
+        flush_denormals: bool = True,
     ) -> None:
         # Same validation as torch.optim.Adam, minus its foreach/fused/capturable combinations: those
         # flags select torch implementations that this optimizer does not use.
@@ -180,6 +197,8 @@ class Adam(Optimizer):
             "decoupled_weight_decay": decoupled_weight_decay,
         }
         # Not in the param groups: a default optimizer's state dict stays torch.optim.Adam's.
+        self.skip_zero_grad = bool(skip_zero_grad)
+        self.flush_denormals = bool(flush_denormals)
         self.compact_config = compact.make_config(state_dtype, master, master_rounding, block_size, seed)
         # Set before the base constructor: it calls add_param_group, which starts the builders.
         self._reserve: Optional[StateReserve] = StateReserve("adam") if preallocate_state else None
@@ -314,12 +333,16 @@ class Adam(Optimizer):
     def _with_grads(
         self, group: Dict[str, Any], params: List[Tensor]
     ) -> Iterator[Tuple[Tensor, Tensor, Dict[str, Any]]]:
-        """``(param, grad, state)`` of each of ``params`` that has a gradient, its state created at its
-        first step (taken from the reserve when one was built)."""
+        """``(param, grad, state)`` of each of ``params`` that has a gradient (with ``skip_zero_grad``: one
+        that is not zero everywhere), its state created at its first step (taken from the reserve when one
+        was built)."""
+        skip_zero = bool(group.get("skip_zero_grad", getattr(self, "skip_zero_grad", False)))
         for p in params:
             g = p.grad
             if g is None:
                 continue
+            if skip_zero and not g.is_sparse and not bool(g.any()):
+                continue  # as if p had no gradient (torch skips a None .grad the same way)
             if g.is_sparse:
                 raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
             state = self.state[p]
@@ -353,7 +376,7 @@ class Adam(Optimizer):
             else:
                 batch.add_output(outs.get(id(p)) if outs else None)
         if batch is not None and kernel is not None and batch.params:
-            batch.run(kernel, group)
+            batch.run(kernel, group, getattr(self, "flush_denormals", True))
         if rest.params:
             torch_step(group, *rest.lists())
         return batch.written if batch is not None else []
