@@ -10,34 +10,21 @@ import platform
 from typing import List, Optional
 
 import pytest
+import test_adam
 import torch
 from torch import nn
 
 from roundpipe import settings
 from roundpipe.optim import Adam
-from roundpipe.optim import build as optim_builder
 from roundpipe.optim.adam import _adam_kernel
 from roundpipe.optim.fp32_step import KernelBatch
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 KW = dict(lr=1e-2, weight_decay=0.01, decoupled_weight_decay=True)
 EXPERTS = 4
-
-
-def _kernel_available() -> bool:
-    try:
-        optim_builder.get_optim_function("adam")
-        return True
-    except optim_builder.OptimBuildError:
-        return False
-
-
-@pytest.fixture(params=["cpp", "torch"])
-def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "cpp" and not _kernel_available():
-        pytest.skip("no C++ compiler: the C++ kernel cannot be built")
-    monkeypatch.setenv(settings.DEBUG_ADAM_IMPL.name, request.param)
-    return request.param
+# test_adam's kernel check and its fixture (each test twice: the C++ kernel and the torch path).
+_kernel_available = test_adam._kernel_available
+impl = test_adam.impl
 
 
 def expert_params(seed: int = 0) -> List[nn.Parameter]:
