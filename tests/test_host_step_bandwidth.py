@@ -28,10 +28,10 @@ impl = test_adam.impl
 
 
 def expert_params(seed: int = 0) -> List[nn.Parameter]:
-    """A router and four experts' weights (one tensor each; 40K elements: the multi-threaded path)."""
+    """A router and four experts' weights, one tensor each."""
     g = torch.Generator().manual_seed(seed)
     return [nn.Parameter(torch.randn(8, 16, generator=g))] + [
-        nn.Parameter(torch.randn(200, 200, generator=g)) for _ in range(EXPERTS)
+        nn.Parameter(torch.randn(64, 96, generator=g)) for _ in range(EXPERTS)
     ]
 
 
