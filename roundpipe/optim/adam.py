@@ -8,8 +8,9 @@ host step must run at memory speed. ``Adam`` has the signature, the state and th
 Two implementations, chosen per step with ``RPP_DEBUG_ADAM_IMPL``:
 
 * ``cpp`` (``auto`` picks it when it builds): ``csrc/adam.cpp``, one pass over memory per parameter and
-  one parallel region per parameter group (the per-tensor overhead of many small tensors disappears).
-  Used for contiguous fp32 and complex64 tensors on the CPU; other tensors go the torch way.
+  one parallel region per parameter group (the per-tensor overhead of many small tensors disappears), one
+  division and one square root per element, subnormals flushed (``flush_denormals``). Used for contiguous
+  fp32 and complex64 tensors on the CPU; other tensors go the torch way.
 * ``torch``: torch's fused CPU kernel (``torch._fused_adam_`` / ``torch._fused_adamw_``, one pass too),
   and torch's single-tensor reference where the fused kernel does not apply.
 
@@ -20,6 +21,9 @@ compatibility and stored in the param groups, but do not change the host impleme
 Opt-in compact state (``state_dtype``, ``master``, ``master_rounding``, ``block_size``, ``seed``): bf16 or
 blockwise-int8 moments and bf16 master weights, stepped by ``roundpipe.optim.compact`` (its own C++
 kernel ``csrc/compact_adam.cpp``, same ``RPP_DEBUG_ADAM_IMPL`` choice). The defaults keep the path above.
+
+Opt-in ``skip_zero_grad`` (mixtures of experts): a parameter whose gradient is zero everywhere is left out of
+the step as torch leaves out one whose ``.grad`` is None; not Adam's result (see ``Adam``).
 """
 
 from __future__ import annotations
