@@ -168,3 +168,28 @@ def test_bf16_copy_written_in_the_loop() -> None:
     ref = p.to(torch.bfloat16)
     assert torch.equal(out.isnan(), ref.isnan())  # a NaN's bits depend on torch's conversion path
     assert torch.equal(out[1:].view(torch.int16), ref[1:].view(torch.int16))
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="FTZ/DAZ are x86 modes")
+def test_compact_kernel_flushes_subnormal_moments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compact kernel (bf16 moments) flushes subnormal moments too; the weights still equal the torch
+    fallback's, which keeps them, to the tolerance."""
+    if not _kernel_available():
+        pytest.skip("no C++ compiler: the C++ kernel cannot be built")
+    n = 1 << 17
+    g0 = torch.randn(n)
+    results = {}
+    for which in ("cpp", "torch"):
+        monkeypatch.setenv(settings.DEBUG_ADAM_IMPL.name, which)
+        p = nn.Parameter(torch.ones(n))
+        p.grad_dtype = None  # a bf16 gradient of an fp32 master, as the runtime hands it
+        opt = Adam([p], state_dtype="bfloat16", **KW)
+        p.grad = g0.to(torch.bfloat16)
+        opt.step()
+        opt.state[p]["exp_avg"].copy_((g0 * 1e-40).to(torch.bfloat16))  # subnormal bf16 moments
+        p.grad = torch.zeros(n, dtype=torch.bfloat16)
+        opt.step()
+        results[which] = (p.detach(), opt.state[p]["exp_avg"])
+    torch.testing.assert_close(results["cpp"][0], results["torch"][0], **TOL)
+    assert torch.count_nonzero(results["cpp"][1]).item() == 0
+    assert (results["torch"][1] != 0).float().mean().item() > 0.5

@@ -55,7 +55,7 @@ if platform.machine().lower() in ("x86_64", "amd64"):
     _CXXFLAGS.append("-mprefer-vector-width=512")
 _BUILD_TIMEOUT_S = 300
 # Per library: what its rpp_abi_version() must return (bumped with each signature change).
-_ABI_VERSION = {"adam": 4, "compact_adam": 3}
+_ABI_VERSION = {"adam": 4, "compact_adam": 4}
 
 # C signatures of the exported functions: (symbol, restype, argtypes).
 _SIGNATURES = {
@@ -76,8 +76,13 @@ _SIGNATURES = {
         ctypes.c_int32,
         # n_tensors; params, grads, exp_avgs, exp_avg_sqs, exp_avg_scales, exp_avg_sq_scales, kahan_comps,
         # steps, grad_kinds, numels, param_ids (arrays); lr, beta1, beta2, eps, weight_decay; maximize,
-        # decoupled, state_kind, master_kind, block_size, num_threads; seed
-        [ctypes.c_int64] + [ctypes.c_void_p] * 11 + [ctypes.c_double] * 5 + [ctypes.c_int32] * 6 + [ctypes.c_int64],
+        # decoupled, state_kind, master_kind, block_size, num_threads; seed; flush_denormals
+        [ctypes.c_int64]
+        + [ctypes.c_void_p] * 11
+        + [ctypes.c_double] * 5
+        + [ctypes.c_int32] * 6
+        + [ctypes.c_int64]
+        + [ctypes.c_int32],
     ),
 }
 

@@ -23,11 +23,8 @@
 // loop then stores each updated parameter there too, rounded to nearest even as torch's copy_ does
 // (2 more bytes per parameter, no second pass over the fp32 parameters).
 //
-// Subnormal floats: with flush_denormals each thread of the step sets the x86 flush-to-zero and
-// denormals-are-zero modes for the duration of its loop (restored after). Adam moments of a parameter
-// whose gradient stays zero (an expert no token reached) decay by beta1 per step into the subnormal
-// range, where every operation on them takes a microcode assist: 15-25x slower per element measured on
-// a Xeon. Flushed, such values (below 1.2e-38) count as zero; nothing else changes.
+// Subnormal floats: with flush_denormals each thread of the step runs its loop with them taken as zero
+// (flush_denormals.h: moments that decay under zero gradients would otherwise cost 15-25x per element).
 
 #include <algorithm>
 #include <cmath>
@@ -39,10 +36,7 @@
 #include <omp.h>
 #endif
 
-#if defined(__SSE__) || defined(__x86_64__)
-#include <xmmintrin.h>
-#define RPP_HAVE_MXCSR 1
-#endif
+#include "flush_denormals.h"
 
 namespace {
 
@@ -178,35 +172,6 @@ RangeFn pick(int grad_kind, bool amsgrad, bool maximize, int wd, bool small_weig
   return pick_flags<float>(amsgrad, maximize, wd, small_weight, out);
 }
 
-// Flush-to-zero and denormals-are-zero on this thread while in scope (x86; elsewhere a no-op).
-class FlushDenormals {
- public:
-  explicit FlushDenormals(bool on) {
-#ifdef RPP_HAVE_MXCSR
-    on_ = on;
-    if (on_) {
-      saved_ = _mm_getcsr();
-      _mm_setcsr(saved_ | 0x8040u);  // FTZ (bit 15) | DAZ (bit 6)
-    }
-#else
-    (void)on;
-#endif
-  }
-  ~FlushDenormals() {
-#ifdef RPP_HAVE_MXCSR
-    if (on_) _mm_setcsr(saved_);
-#endif
-  }
-  FlushDenormals(const FlushDenormals&) = delete;
-  FlushDenormals& operator=(const FlushDenormals&) = delete;
-
- private:
-#ifdef RPP_HAVE_MXCSR
-  bool on_ = false;
-  unsigned int saved_ = 0;
-#endif
-};
-
 }  // namespace
 
 extern "C" {
@@ -265,7 +230,7 @@ int32_t rpp_adam_f32(int64_t n_tensors, const uint64_t* params, const uint64_t* 
 #pragma omp parallel num_threads(num_threads) if (parallel)
   {
     // The floating-point mode is per thread: each member of the team sets (and restores) its own.
-    const FlushDenormals ftz(flush_denormals != 0);
+    const rpp::FlushDenormals ftz(flush_denormals != 0);
     // Static schedule: equal-sized items in address order, so each thread streams one contiguous run.
 #pragma omp for schedule(static)
     for (int64_t k = 0; k < n_items; ++k) {
