@@ -145,13 +145,18 @@ GROUPS = {
     "host optimizer": (
         1,
         [
-            (["bench/adam_bench.py", "--sizes", "1M", "--layouts", "lora", "--repeats", "2", "--threads", "1"], "lora"),
             (
-                ["bench/adam_bench.py", "--mode", "compact", "--sizes", "4M", "--repeats", "1", "--threads", "1"],
-                "| int8 state, bf16 master Kahan |",
+                ["bench/host_step_bench.py", "--mode", "impls", "--sizes", "1M", "--layouts", "lora", "--repeats", "2"]
+                + ["--threads", "1"],
+                "lora",
             ),
             (
-                ["bench/adam_bench.py", "--mode", "staging", "--sizes", "13M", "--repeats", "2", "--threads", "1"],
+                ["bench/host_step_bench.py", "--params", "256K", "--layers", "2", "--copy-mib", "16", "--repeats", "1"]
+                + ["--threads", "1"],
+                "| one tensor per expert | 206 |",
+            ),
+            (
+                ["bench/host_step_bench.py", "--mode", "staging", "--sizes", "13M", "--repeats", "2", "--threads", "1"],
                 "| Adam pass, bf16 write fused",
             ),
             (

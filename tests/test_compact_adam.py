@@ -345,6 +345,7 @@ def test_cpp_and_torch_fallback_agree_on_extreme_values(
             master_rounding=rounding,
             block_size=64,
             seed=3,
+            flush_denormals=False,  # the torch fallback keeps subnormals
         )
         g = torch.Generator().manual_seed(8)
         for _ in range(3):

@@ -8,8 +8,9 @@ host step must run at memory speed. ``Adam`` has the signature, the state and th
 Two implementations, chosen per step with ``RPP_DEBUG_ADAM_IMPL``:
 
 * ``cpp`` (``auto`` picks it when it builds): ``csrc/adam.cpp``, one pass over memory per parameter and
-  one parallel region per parameter group (the per-tensor overhead of many small tensors disappears).
-  Used for contiguous fp32 and complex64 tensors on the CPU; other tensors go the torch way.
+  one parallel region per parameter group (the per-tensor overhead of many small tensors disappears), one
+  division and one square root per element, subnormals flushed (``flush_denormals``). Used for contiguous
+  fp32 and complex64 tensors on the CPU; other tensors go the torch way.
 * ``torch``: torch's fused CPU kernel (``torch._fused_adam_`` / ``torch._fused_adamw_``, one pass too),
   and torch's single-tensor reference where the fused kernel does not apply.
 
@@ -20,6 +21,9 @@ compatibility and stored in the param groups, but do not change the host impleme
 Opt-in compact state (``state_dtype``, ``master``, ``master_rounding``, ``block_size``, ``seed``): bf16 or
 blockwise-int8 moments and bf16 master weights, stepped by ``roundpipe.optim.compact`` (its own C++
 kernel ``csrc/compact_adam.cpp``, same ``RPP_DEBUG_ADAM_IMPL`` choice). The defaults keep the path above.
+
+Opt-in ``skip_zero_grad`` (mixtures of experts): a parameter whose gradient is zero everywhere is left out of
+the step as torch leaves out one whose ``.grad`` is None; not Adam's result (see ``Adam``).
 """
 
 from __future__ import annotations
@@ -116,6 +120,21 @@ class Adam(Optimizer):
             appears at its first step). False, or without RoundPipe: allocate them in the first step,
             as torch does.
 
+    Mixture-of-experts and subnormal options (docs/optimizer.md, "Experts without tokens"):
+
+    Args:
+        skip_zero_grad: step a parameter whose gradient is exactly zero everywhere (an expert that no
+            token reached) as if it had no gradient: like torch for a parameter whose ``.grad`` is None,
+            its moments, weight and step count stay as they are. This is not Adam's result: with a zero
+            gradient Adam still decays both moments and moves the weight by ``lr * m_hat / (sqrt(v_hat) +
+            eps)``, which is not zero while ``m`` is not. Default False (Adam's result). A param group
+            may set its own ``"skip_zero_grad"`` (e.g. the experts' group only). Costs one read of each
+            such gradient to test it.
+        flush_denormals: the C++ kernels (fp32 and compact) take subnormal floats (below 1.2e-38) as zero
+            (x86 FTZ/DAZ, for their own threads and only while they run). Moments that decay under zero
+            gradients pass through that range, where each operation is 15-45x slower; default True. The
+            torch paths never flush.
+
     Raises:
         ValueError: bad hyperparameters, an unknown compact option, or parameters the chosen master does
             not take (``master="bfloat16"`` needs bf16 parameters; a compact ``state_dtype`` with
@@ -143,6 +162,8 @@ class Adam(Optimizer):
         block_size: int = 256,
         seed: int = 0,
         preallocate_state: bool = True,
+        skip_zero_grad: bool = False,
+        flush_denormals: bool = True,
     ) -> None:
         # Same validation as torch.optim.Adam, minus its foreach/fused/capturable combinations: those
         # flags select torch implementations that this optimizer does not use.
@@ -180,6 +201,8 @@ class Adam(Optimizer):
             "decoupled_weight_decay": decoupled_weight_decay,
         }
         # Not in the param groups: a default optimizer's state dict stays torch.optim.Adam's.
+        self.skip_zero_grad = bool(skip_zero_grad)
+        self.flush_denormals = bool(flush_denormals)
         self.compact_config = compact.make_config(state_dtype, master, master_rounding, block_size, seed)
         # Set before the base constructor: it calls add_param_group, which starts the builders.
         self._reserve: Optional[StateReserve] = StateReserve("adam") if preallocate_state else None
@@ -314,12 +337,16 @@ class Adam(Optimizer):
     def _with_grads(
         self, group: Dict[str, Any], params: List[Tensor]
     ) -> Iterator[Tuple[Tensor, Tensor, Dict[str, Any]]]:
-        """``(param, grad, state)`` of each of ``params`` that has a gradient, its state created at its
-        first step (taken from the reserve when one was built)."""
+        """``(param, grad, state)`` of each of ``params`` that has a gradient (with ``skip_zero_grad``: one
+        that is not zero everywhere), its state created at its first step (taken from the reserve when one
+        was built)."""
+        skip_zero = bool(group.get("skip_zero_grad", getattr(self, "skip_zero_grad", False)))
         for p in params:
             g = p.grad
             if g is None:
                 continue
+            if skip_zero and not g.is_sparse and not bool(g.any()):
+                continue  # as if p had no gradient (torch skips a None .grad the same way)
             if g.is_sparse:
                 raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
             state = self.state[p]
@@ -353,7 +380,7 @@ class Adam(Optimizer):
             else:
                 batch.add_output(outs.get(id(p)) if outs else None)
         if batch is not None and kernel is not None and batch.params:
-            batch.run(kernel, group)
+            batch.run(kernel, group, getattr(self, "flush_denormals", True))
         if rest.params:
             torch_step(group, *rest.lists())
         return batch.written if batch is not None else []
@@ -370,7 +397,7 @@ class Adam(Optimizer):
             if batch is None or not batch.add(pid, p, g, state):
                 rest.append((pid, p, g, state))
         if batch is not None and kernel is not None and len(batch):
-            batch.run(kernel, group)
+            batch.run(kernel, group, getattr(self, "flush_denormals", True))
         if rest:
             compact.torch_step(cfg, group, rest)
 

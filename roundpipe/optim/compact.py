@@ -328,8 +328,9 @@ class CompactKernelBatch:
     def __len__(self) -> int:
         return len(self.numels)
 
-    def run(self, kernel: Callable[..., int], group: Dict[str, Any]) -> None:
-        """One kernel call for the batch."""
+    def run(self, kernel: Callable[..., int], group: Dict[str, Any], flush_denormals: bool = True) -> None:
+        """One kernel call for the batch; ``flush_denormals``: subnormals count as zero (``csrc/flush_denormals.h``;
+        ``torch_step`` keeps them, so the two agree bit for bit only where no value is subnormal)."""
         kernel(
             len(self),
             *(a.buffer_info()[0] for a in self.ptrs),
@@ -342,5 +343,6 @@ class CompactKernelBatch:
             self.cfg.block_size,
             torch.get_num_threads(),
             self.cfg.seed,
+            int(bool(flush_denormals)),
         )
         torch.autograd.graph.increment_version(self.touched)

@@ -114,8 +114,9 @@ class KernelBatch(TensorLists):
         self.numels.append(p.numel() * 2 if dt is _C64 else p.numel())
         return True
 
-    def run(self, kernel: Callable[..., int], group: Dict[str, Any]) -> None:
-        """One kernel call for the whole batch. The arrays and tensors stay referenced by ``self``."""
+    def run(self, kernel: Callable[..., int], group: Dict[str, Any], flush_denormals: bool = True) -> None:
+        """One kernel call for the whole batch. The arrays and tensors stay referenced by ``self``.
+        ``flush_denormals``: subnormal values count as zero in the step (``csrc/adam.cpp``'s header)."""
         p, g, m, v, vmax, step = (a.buffer_info()[0] if len(a) else None for a in self.ptrs)
         kernel(
             len(self.params),
@@ -130,6 +131,7 @@ class KernelBatch(TensorLists):
             *kernel_hyperparams(group, amsgrad=True),
             torch.get_num_threads(),
             self.outs.buffer_info()[0] if any(self.outs) else None,
+            int(bool(flush_denormals)),
         )
         # Writes through raw pointers bypass autograd's version counters; bump them as in-place ops
         # would, so a graph that saved one of these tensors still fails loudly instead of going stale.

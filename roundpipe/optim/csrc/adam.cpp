@@ -1,4 +1,4 @@
-// Host Adam/AdamW step for fp32 tensors: one pass over memory per parameter.
+// Host Adam/AdamW step for fp32 tensors: one pass over memory per parameter, at memory bandwidth.
 //
 // Built on first use by roundpipe/optim/build.py (plain C ABI, loaded with ctypes: no torch headers,
 // so the build takes about a second instead of the ~30 s a torch extension needs). The Python caller
@@ -12,14 +12,19 @@
 //   m  = lerp(m, g, 1 - beta1)
 //   v  = v * beta2 + (1 - beta2) * g * g
 //   vmax = max(vmax, v)                         (amsgrad; the denominator uses vmax)
-//   p  = p + (-lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
+//   p  = p + (-lr / bc1) * m / (sqrt(v) * (1 / sqrt(bc2)) + eps)
+// (torch divides a tensor by a Python scalar as a multiply by the scalar's float reciprocal, so one
+// division per element remains, beside one square root: the core's divider is the compute bound.)
 // It reads p, g, m, v (and vmax) once and writes p, m, v (and vmax) once: 28 bytes per parameter,
 // the memory-traffic floor of Adam in fp32. A gradient may also be bfloat16 (RoundPipe's host gradient
 // buffers, read in place instead of copied to fp32 first: 26 bytes per parameter, and no fp32 gradient
 // copy in memory); it is widened to float exactly, so the result equals stepping with grad.float().
-// A tensor may also name a bfloat16 output (RoundPipe's model weights in a streamed step): each work
-// item then writes its updated parameters there too, rounded to nearest even as torch's copy_ does,
-// while they are still in cache, instead of a second pass over the fp32 parameters later.
+// A tensor may also name a bfloat16 output (RoundPipe's model weights in a streamed step): the same
+// loop then stores each updated parameter there too, rounded to nearest even as torch's copy_ does
+// (2 more bytes per parameter, no second pass over the fp32 parameters).
+//
+// Subnormal floats: with flush_denormals each thread of the step runs its loop with them taken as zero
+// (flush_denormals.h: moments that decay under zero gradients would otherwise cost 15-25x per element).
 
 #include <algorithm>
 #include <cmath>
@@ -30,6 +35,8 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+
+#include "flush_denormals.h"
 
 namespace {
 
@@ -44,7 +51,7 @@ enum WeightDecay { kNone = 0, kCoupled = 1, kDecoupled = 2 };
 
 struct TensorScalars {
   float neg_step_size;  // -lr / (1 - beta1^step)
-  float bc2_sqrt;       // sqrt(1 - beta2^step)
+  float inv_bc2_sqrt;   // 1 / float(sqrt(1 - beta2^step)), as torch's tensor / scalar computes it
 };
 
 struct Hyper {
@@ -74,10 +81,31 @@ inline float load_grad(const uint16_t* g, int64_t i) {
   return out;
 }
 
-template <typename G, bool kAmsgrad, bool kMaximize, int kWd, bool kSmallWeight>
-void adam_range(float* __restrict p, const void* __restrict g_raw, float* __restrict m, float* __restrict v,
-                float* __restrict vmax, int64_t begin, int64_t end, const Hyper h, const TensorScalars s) {
-  const G* __restrict g_in = static_cast<const G*>(g_raw);
+// fp32 -> bfloat16, round to nearest even (c10::BFloat16's conversion; NaN -> 0x7FC0).
+inline uint16_t to_bf16(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof(b));
+  const uint32_t r = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+  return x != x ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(r);
+}
+
+struct Ptrs {
+  float* p;
+  const void* g;
+  float* m;
+  float* v;
+  float* vmax;
+  uint16_t* out;  // bf16 copy of the updated parameters, or null
+};
+
+template <typename G, bool kAmsgrad, bool kMaximize, int kWd, bool kSmallWeight, bool kOut>
+void adam_range(const Ptrs t, int64_t begin, int64_t end, const Hyper h, const TensorScalars s) {
+  float* __restrict p = t.p;
+  const G* __restrict g_in = static_cast<const G*>(t.g);
+  float* __restrict m = t.m;
+  float* __restrict v = t.v;
+  float* __restrict vmax = t.vmax;
+  uint16_t* __restrict out = t.out;
 #pragma omp simd
   for (int64_t i = begin; i < end; ++i) {
     const float g_raw_i = load_grad(g_in, i);
@@ -97,50 +125,51 @@ void adam_range(float* __restrict p, const void* __restrict g_raw, float* __rest
       vd = std::max(vmax[i], vi);
       vmax[i] = vd;
     }
-    const float denom = std::sqrt(vd) / s.bc2_sqrt + h.eps;
-    p[i] = param + s.neg_step_size * mi / denom;
+    const float denom = std::sqrt(vd) * s.inv_bc2_sqrt + h.eps;
+    const float pi = param + s.neg_step_size * mi / denom;
+    p[i] = pi;
+    if (kOut) out[i] = to_bf16(pi);
   }
 }
 
-using RangeFn = void (*)(float*, const void*, float*, float*, float*, int64_t, int64_t, Hyper, TensorScalars);
+using RangeFn = void (*)(Ptrs, int64_t, int64_t, Hyper, TensorScalars);
 
-// fp32 -> bfloat16, round to nearest even (c10::BFloat16's conversion; NaN -> 0x7FC0).
-void to_bf16(const float* __restrict p, uint16_t* __restrict out, int64_t begin, int64_t end) {
-#pragma omp simd
-  for (int64_t i = begin; i < end; ++i) {
-    uint32_t b;
-    std::memcpy(&b, &p[i], sizeof(b));
-    const uint32_t r = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
-    out[i] = p[i] != p[i] ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(r);
-  }
+// One function per combination of flags, so the loop carries no branch: [grad kind][bf16 output].
+template <typename G, bool kAmsgrad, bool kMaximize, int kWd, bool kSmallWeight>
+RangeFn pick_out(bool out) {
+  return out ? &adam_range<G, kAmsgrad, kMaximize, kWd, kSmallWeight, true>
+             : &adam_range<G, kAmsgrad, kMaximize, kWd, kSmallWeight, false>;
 }
 
 template <typename G, bool kAmsgrad, bool kMaximize, int kWd>
-RangeFn pick_lerp(bool small_weight) {
-  return small_weight ? &adam_range<G, kAmsgrad, kMaximize, kWd, true> : &adam_range<G, kAmsgrad, kMaximize, kWd, false>;
+RangeFn pick_lerp(bool small_weight, bool out) {
+  return small_weight ? pick_out<G, kAmsgrad, kMaximize, kWd, true>(out)
+                      : pick_out<G, kAmsgrad, kMaximize, kWd, false>(out);
 }
 
 template <typename G, bool kAmsgrad, bool kMaximize>
-RangeFn pick_wd(int wd, bool small_weight) {
+RangeFn pick_wd(int wd, bool small_weight, bool out) {
   switch (wd) {
     case kCoupled:
-      return pick_lerp<G, kAmsgrad, kMaximize, kCoupled>(small_weight);
+      return pick_lerp<G, kAmsgrad, kMaximize, kCoupled>(small_weight, out);
     case kDecoupled:
-      return pick_lerp<G, kAmsgrad, kMaximize, kDecoupled>(small_weight);
+      return pick_lerp<G, kAmsgrad, kMaximize, kDecoupled>(small_weight, out);
     default:
-      return pick_lerp<G, kAmsgrad, kMaximize, kNone>(small_weight);
+      return pick_lerp<G, kAmsgrad, kMaximize, kNone>(small_weight, out);
   }
 }
 
 template <typename G>
-RangeFn pick_flags(bool amsgrad, bool maximize, int wd, bool small_weight) {
-  if (amsgrad) return maximize ? pick_wd<G, true, true>(wd, small_weight) : pick_wd<G, true, false>(wd, small_weight);
-  return maximize ? pick_wd<G, false, true>(wd, small_weight) : pick_wd<G, false, false>(wd, small_weight);
+RangeFn pick_flags(bool amsgrad, bool maximize, int wd, bool small_weight, bool out) {
+  if (amsgrad) {
+    return maximize ? pick_wd<G, true, true>(wd, small_weight, out) : pick_wd<G, true, false>(wd, small_weight, out);
+  }
+  return maximize ? pick_wd<G, false, true>(wd, small_weight, out) : pick_wd<G, false, false>(wd, small_weight, out);
 }
 
-RangeFn pick(int grad_kind, bool amsgrad, bool maximize, int wd, bool small_weight) {
-  if (grad_kind == kGradBF16) return pick_flags<uint16_t>(amsgrad, maximize, wd, small_weight);
-  return pick_flags<float>(amsgrad, maximize, wd, small_weight);
+RangeFn pick(int grad_kind, bool amsgrad, bool maximize, int wd, bool small_weight, bool out) {
+  if (grad_kind == kGradBF16) return pick_flags<uint16_t>(amsgrad, maximize, wd, small_weight, out);
+  return pick_flags<float>(amsgrad, maximize, wd, small_weight, out);
 }
 
 }  // namespace
@@ -148,7 +177,7 @@ RangeFn pick(int grad_kind, bool amsgrad, bool maximize, int wd, bool small_weig
 extern "C" {
 
 // Bumped whenever the signature below changes; optim/build.py refuses a library of another version.
-int32_t rpp_abi_version() { return 3; }
+int32_t rpp_abi_version() { return 4; }
 
 // One Adam step over n_tensors fp32 tensors of one parameter group.
 //   params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs: data pointers (max_* read only if amsgrad)
@@ -157,12 +186,13 @@ int32_t rpp_abi_version() { return 3; }
 //   numels: float elements per tensor (2x the element count for complex64)
 //   bf16_outs: per tensor, 0 or a bfloat16 buffer of numels elements that receives the updated
 //     parameters (fp32 tensors only); may be null (no outputs)
+//   flush_denormals: run the loops with subnormal inputs and results taken as zero (see the header)
 // Returns 0.
 int32_t rpp_adam_f32(int64_t n_tensors, const uint64_t* params, const uint64_t* grads, const int32_t* grad_kinds,
                      const uint64_t* exp_avgs, const uint64_t* exp_avg_sqs, const uint64_t* max_exp_avg_sqs,
                      const uint64_t* steps, const int64_t* numels, double lr, double beta1, double beta2, double eps,
                      double weight_decay, int32_t amsgrad, int32_t maximize, int32_t decoupled, int32_t num_threads,
-                     const uint64_t* bf16_outs) {
+                     const uint64_t* bf16_outs, int32_t flush_denormals) {
   // Scalars are computed in double and rounded to float once, as the Python expressions in
   // torch.optim.Adam are before the float kernels see them.
   Hyper h;
@@ -175,8 +205,10 @@ int32_t rpp_adam_f32(int64_t n_tensors, const uint64_t* params, const uint64_t* 
   h.decay = static_cast<float>(1.0 - lr * weight_decay);
   const int wd = weight_decay == 0.0 ? kNone : (decoupled ? kDecoupled : kCoupled);
   const bool small_weight = std::abs(h.lerp_weight) < 0.5f;
-  const RangeFn fns[2] = {pick(kGradF32, amsgrad != 0, maximize != 0, wd, small_weight),
-                          pick(kGradBF16, amsgrad != 0, maximize != 0, wd, small_weight)};
+  RangeFn fns[2][2];  // [bf16 gradient][bf16 output]
+  for (int gk = 0; gk < 2; ++gk) {
+    for (int o = 0; o < 2; ++o) fns[gk][o] = pick(gk, amsgrad != 0, maximize != 0, wd, small_weight, o != 0);
+  }
 
   std::vector<TensorScalars> scalars(static_cast<size_t>(n_tensors));
   std::vector<WorkItem> items;
@@ -188,24 +220,27 @@ int32_t rpp_adam_f32(int64_t n_tensors, const uint64_t* params, const uint64_t* 
     const double bc1 = 1.0 - std::pow(beta1, st);
     const double bc2 = 1.0 - std::pow(beta2, st);
     scalars[t].neg_step_size = static_cast<float>(-(lr / bc1));
-    scalars[t].bc2_sqrt = static_cast<float>(std::pow(bc2, 0.5));
+    scalars[t].inv_bc2_sqrt = 1.0f / static_cast<float>(std::pow(bc2, 0.5));
     for (int64_t b = 0; b < numels[t]; b += kChunk) items.push_back({t, b, std::min(numels[t], b + kChunk)});
     total += numels[t];
   }
 
   const int64_t n_items = static_cast<int64_t>(items.size());
   const bool parallel = num_threads > 1 && total >= kParallelThreshold;
-  // Static schedule: equal-sized items in address order, so each thread streams one contiguous run.
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
-  for (int64_t k = 0; k < n_items; ++k) {
-    const WorkItem& w = items[k];
-    const int64_t t = w.tensor;
-    float* vmax = amsgrad ? reinterpret_cast<float*>(max_exp_avg_sqs[t]) : nullptr;
-    fns[grad_kinds[t] == kGradBF16 ? 1 : 0](reinterpret_cast<float*>(params[t]), reinterpret_cast<const void*>(grads[t]),
-       reinterpret_cast<float*>(exp_avgs[t]), reinterpret_cast<float*>(exp_avg_sqs[t]), vmax, w.begin, w.end, h,
-       scalars[t]);
-    if (bf16_outs != nullptr && bf16_outs[t] != 0) {
-      to_bf16(reinterpret_cast<const float*>(params[t]), reinterpret_cast<uint16_t*>(bf16_outs[t]), w.begin, w.end);
+#pragma omp parallel num_threads(num_threads) if (parallel)
+  {
+    // The floating-point mode is per thread: each member of the team sets (and restores) its own.
+    const rpp::FlushDenormals ftz(flush_denormals != 0);
+    // Static schedule: equal-sized items in address order, so each thread streams one contiguous run.
+#pragma omp for schedule(static)
+    for (int64_t k = 0; k < n_items; ++k) {
+      const WorkItem& w = items[k];
+      const int64_t t = w.tensor;
+      uint16_t* out = bf16_outs != nullptr ? reinterpret_cast<uint16_t*>(bf16_outs[t]) : nullptr;
+      const Ptrs ptrs{reinterpret_cast<float*>(params[t]), reinterpret_cast<const void*>(grads[t]),
+                      reinterpret_cast<float*>(exp_avgs[t]), reinterpret_cast<float*>(exp_avg_sqs[t]),
+                      amsgrad ? reinterpret_cast<float*>(max_exp_avg_sqs[t]) : nullptr, out};
+      fns[grad_kinds[t] == kGradBF16 ? 1 : 0][out != nullptr ? 1 : 0](ptrs, w.begin, w.end, h, scalars[t]);
     }
   }
   return 0;

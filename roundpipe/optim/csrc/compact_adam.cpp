@@ -38,6 +38,8 @@
 #include <immintrin.h>
 #endif
 
+#include "flush_denormals.h"
+
 namespace {
 
 constexpr int64_t kChunk = int64_t{1} << 15;
@@ -310,14 +312,15 @@ RangeFn pick(int s, int m, int g) {
 
 extern "C" {
 
-// Same ABI version as adam.cpp (optim/build.py checks one number for all its libraries).
-int32_t rpp_abi_version() { return 3; }
+// Bumped whenever the signature below changes; optim/build.py refuses a library of another version.
+int32_t rpp_abi_version() { return 4; }
 
 // One compact Adam step over the n_tensors tensors of one parameter group.
 //   params: fp32 (master_kind 0) or bf16 data; grads: fp32 or bf16 per grad_kinds (0 / 1)
 //   exp_avgs, exp_avg_sqs: fp32 / bf16 (p's numel) or int8 / uint8 codes; *_scales: fp32 per block
 //   (int8 only); kahan_comps: bf16 (master_kind 3 only); steps: float32 counters, incremented here
 //   param_ids: each tensor's position in the optimizer (stochastic-rounding stream)
+//   flush_denormals: run the loops with subnormal inputs and results taken as zero (flush_denormals.h)
 // Returns 0.
 int32_t rpp_compact_adam(int64_t n_tensors, const uint64_t* params, const uint64_t* grads, const uint64_t* exp_avgs,
                          const uint64_t* exp_avg_sqs, const uint64_t* exp_avg_scales,
@@ -325,7 +328,7 @@ int32_t rpp_compact_adam(int64_t n_tensors, const uint64_t* params, const uint64
                          const int32_t* grad_kinds, const int64_t* numels, const int64_t* param_ids, double lr,
                          double beta1, double beta2, double eps, double weight_decay, int32_t maximize,
                          int32_t decoupled, int32_t state_kind, int32_t master_kind, int32_t block_size,
-                         int32_t num_threads, int64_t seed) {
+                         int32_t num_threads, int64_t seed, int32_t flush_denormals) {
   Hyper h;
   h.lerp_weight = static_cast<float>(1.0 - beta1);
   h.beta2 = static_cast<float>(beta2);
@@ -363,11 +366,15 @@ int32_t rpp_compact_adam(int64_t n_tensors, const uint64_t* params, const uint64
   }
   const int64_t n_items = static_cast<int64_t>(items.size());
   const bool parallel = num_threads > 1 && total >= kParallelThreshold;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
-  for (int64_t k = 0; k < n_items; ++k) {
-    const WorkItem& w = items[k];
-    const Tensor& t = ts[w.tensor];
-    fns[t.grad_kind == kGradBF16 ? 1 : 0](t, h, w.begin, w.end);
+#pragma omp parallel num_threads(num_threads) if (parallel)
+  {
+    const rpp::FlushDenormals ftz(flush_denormals != 0);  // per thread: each member sets its own mode
+#pragma omp for schedule(static)
+    for (int64_t k = 0; k < n_items; ++k) {
+      const WorkItem& w = items[k];
+      const Tensor& t = ts[w.tensor];
+      fns[t.grad_kind == kGradBF16 ? 1 : 0](t, h, w.begin, w.end);
+    }
   }
   return 0;
 }
