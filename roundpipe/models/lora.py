@@ -44,18 +44,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from roundpipe.models import fp8
+
+
+class Fp8Base(NamedTuple):
+    """A frozen base weight kept as fp8 on the device (``fp8=True``): its GEMMs read these bytes
+    (:mod:`roundpipe.models.fp8`)."""
+
+    data: torch.Tensor  # [out, in] float8_e4m3fn
+    scale: torch.Tensor  # [out] float32: row ``o`` of the weight is ``data[o] * scale[o]``
+
 
 class LoraWeights(NamedTuple):
     """What the fused ops take for a LoRA projection (all parameters of the PEFT module, not copies)."""
 
-    weight: torch.Tensor  # [out, in]: the frozen base weight
+    weight: Union[torch.Tensor, Fp8Base]  # [out, in]: the frozen base weight
     a: torch.Tensor  # [r, in]: lora_A
     b: torch.Tensor  # [out, r]: lora_B
     scaling: float  # alpha / r, or alpha / sqrt(r) with rslora (PEFT's ``scaling[adapter]``)
 
 
-Projection = Union[torch.Tensor, LoraWeights]
-"""A projection as the fused ops take it: a plain weight ``[out, in]`` or :class:`LoraWeights`."""
+Projection = Union[torch.Tensor, Fp8Base, LoraWeights]
+"""A projection as the fused ops take it: a plain weight ``[out, in]``, a frozen fp8 one (:class:`Fp8Base`)
+or :class:`LoraWeights`."""
 
 _FUSED_ADAPTER_DTYPES = {
     torch.float32: (torch.float32, torch.bfloat16, torch.float16),
@@ -102,7 +113,7 @@ def projection(module: nn.Module) -> Optional[Projection]:
     ``Linear``'s :class:`LoraWeights`, or None (biases, quantized or other layers, adapters the fused
     linear would not reproduce: the caller keeps the module's own forward)."""
     if type(module) is nn.Linear:
-        return module.weight if module.bias is None else None
+        return _base(module.weight) if module.bias is None else None
     cls = _lora_linear_class()
     if cls is None or type(module) is not cls:
         return None
@@ -110,7 +121,12 @@ def projection(module: nn.Module) -> Optional[Projection]:
     if name is None:
         return None
     m: Any = module
-    return LoraWeights(m.base_layer.weight, m.lora_A[name].weight, m.lora_B[name].weight, float(m.scaling[name]))
+    return LoraWeights(_base(m.base_layer.weight), m.lora_A[name].weight, m.lora_B[name].weight, float(m.scaling[name]))
+
+
+def _base(weight: torch.Tensor) -> Union[torch.Tensor, Fp8Base]:  # weight: [out, in]
+    """A projection's weight as the fused ops take it: its fp8 bytes for a device :class:`fp8.Fp8Weight`."""
+    return Fp8Base(weight.data_fp8, weight.scale) if isinstance(weight, fp8.Fp8Weight) else weight
 
 
 def has_adapters(layer: nn.Module) -> bool:
@@ -128,19 +144,23 @@ def linear(
     x: torch.Tensor,  # [..., in]
     proj: Projection,
 ) -> torch.Tensor:
-    """``x`` through a projection: ``F.linear`` for a plain weight, the fused LoRA linear otherwise
-    (``[..., out]``)."""
+    """``x`` through a projection: ``F.linear`` for a plain weight, FP8 GEMMs for a frozen fp8 one, the
+    fused LoRA linear otherwise (``[..., out]``)."""
+    if isinstance(proj, Fp8Base):
+        return fp8.linear(x, proj.data, proj.scale)
     if not isinstance(proj, LoraWeights):
         return F.linear(x, proj)
+    weight, w_scale = (proj.weight.data, proj.weight.scale) if isinstance(proj.weight, Fp8Base) else (proj.weight, None)
     if torch.is_autocast_enabled(x.device.type):
         # Autocast picks each GEMM's dtype, which the Function's backward would not see: PEFT's ops.
-        base = F.linear(x, proj.weight)
+        base = F.linear(x, weight) if w_scale is None else fp8.linear(x, weight, w_scale)
         return (base + F.linear(F.linear(x.to(proj.a.dtype), proj.a), proj.b) * proj.scaling).to(base.dtype)
-    return _LoraLinear.apply(x, proj.weight, proj.a, proj.b, proj.scaling)
+    return _LoraLinear.apply(x, weight, proj.a, proj.b, proj.scaling, w_scale)
 
 
 class _LoraLinear(torch.autograd.Function):
-    """``y = x W^T + s (x A^T) B^T`` with the backward above (module header)."""
+    """``y = x W^T + s (x A^T) B^T`` with the backward above (module header); with ``w_scale`` the base is
+    frozen fp8 (``W = weight * w_scale[:, None]``) and its two GEMMs are FP8 ones (:mod:`roundpipe.models.fp8`)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -150,21 +170,25 @@ class _LoraLinear(torch.autograd.Function):
         a: torch.Tensor,  # [r, in]
         b: torch.Tensor,  # [out, r]
         scaling: float,
+        w_scale: Optional[torch.Tensor] = None,  # [out] float32, for an fp8 ``weight``
     ) -> torch.Tensor:
-        base = F.linear(x, weight)  # [..., out] in the input's dtype
+        if w_scale is None:
+            base = F.linear(x, weight)  # [..., out] in the input's dtype
+        else:
+            base = fp8.forward_mm(x.reshape(-1, x.shape[-1]), weight, w_scale).view(*x.shape[:-1], weight.shape[0])
         xa = F.linear(x.to(a.dtype), a)  # [..., r] in the adapter's dtype
         flat, xa2 = base.reshape(-1, base.shape[-1]), xa.reshape(-1, xa.shape[-1])
         if a.dtype == base.dtype:
             y = flat.addmm_(xa2, b.t(), alpha=scaling)
         else:  # PEFT: the sum in the wider dtype, rounded to the base's
             y = torch.addmm(flat.to(a.dtype), xa2, b.t(), alpha=scaling).to(base.dtype)
-        ctx.save_for_backward(x, weight, a, b, xa)
+        ctx.save_for_backward(x, weight, a, b, xa, w_scale)
         ctx.scaling = scaling
         return y.view(base.shape)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
-        x, weight, a, b, xa = ctx.saved_tensors
+        x, weight, a, b, xa, w_scale = ctx.saved_tensors
         s = ctx.scaling
         need_x, need_w, need_a, need_b = ctx.needs_input_grad[:4]
         x2, xa2 = x.reshape(-1, x.shape[-1]), xa.reshape(-1, xa.shape[-1])
@@ -173,7 +197,7 @@ class _LoraLinear(torch.autograd.Function):
         u = (dyl @ b).mul_(s)  # [tokens, r]
         dx = dw = da = db = None
         if need_x:
-            dx = dy2 @ weight  # [tokens, in]
+            dx = dy2 @ weight if w_scale is None else fp8.grad_input_mm(dy2, weight, w_scale)  # [tokens, in]
             if a.dtype == dx.dtype:
                 dx.addmm_(u, a)
             else:
@@ -185,7 +209,7 @@ class _LoraLinear(torch.autograd.Function):
             da = u.t() @ x2.to(a.dtype)  # [r, in]
         if need_b:
             db = (dyl.t() @ xa2).mul_(s)  # [out, r]
-        return dx, dw, da, db, None
+        return dx, dw, da, db, None, None
 
 
-__all__ = ["LoraWeights", "Projection", "has_adapters", "linear", "projection", "projection_modules"]
+__all__ = ["Fp8Base", "LoraWeights", "Projection", "has_adapters", "linear", "projection", "projection_modules"]
