@@ -24,6 +24,9 @@ saving as the compiled one, and what the backward keeps is decided here, not by 
   accumulated into the base GEMM's output), ``dA = u^T x``, ``dB = s dy^T (x A^T)``, and ``dW = dy^T x``
   only when the base weight trains.
 
+A frozen base kept as fp8 on the device (``fp8=True`` over ``base_format="fp8"``) is a :class:`Fp8Base`: the
+base GEMM and the input-gradient GEMM are then FP8 ones (:mod:`roundpipe.models.fp8`), the adapter path as above.
+
 Inside the compiled fused ops dynamo traces the Function (forward and backward) into the layer's graph.
 Under autocast (which picks each GEMM's dtype) the adapter runs as PEFT's ops, unfused.
 
