@@ -241,27 +241,43 @@ def test_sequence_tiles_over_fp8_base(
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("workers", ["cpu:2"], indirect=True)
-def test_full_fine_tune_equals_torchao(workers: str) -> None:
-    """A full fine-tune with fp8=True equals the model converted by torchao's ``convert_to_float8_training``
-    (decoder projections only) run unsplit on CPU: loss and every gradient (float32; one microbatch, since
-    tensorwise scales are taken over the whole tensor)."""
+@pytest.mark.parametrize("workers, fused", [("cpu:2", True), ("cpu:3", False)], indirect=["workers"])
+def test_full_fine_tune_equals_torchao(
+    workers: str,
+    fused: bool,
+    op_calls: Dict[str, int],  # noqa: F811 -- the fixture
+) -> None:
+    """A full fine-tune with fp8=True equals, bit for bit, the model converted by torchao's
+    ``convert_to_float8_training`` (decoder projections only) run unsplit on CPU: the logits and every gradient
+    from a fixed gradient of the logits (float32; one microbatch, since tensorwise scales are taken over the
+    whole tensor), with the layers run as the whole-layer op (its eager path is Hugging Face's ops in their
+    order) and module by module. A loss would not do: its float32 rounding differs in the last bits between
+    the chunked loss and Hugging Face's, and the e5m2 casts of the gradients turn that into a few flips."""
     from torchao.float8 import convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
     model = tiny_model("qwen3")
     ref = copy.deepcopy(model)
     convert_to_float8_training(ref, module_filter_fn=lambda m, fqn: ".layers." in f".{fqn}")
-    batch = make_batch(padding=False)
-    ref_loss, ref_grads = reference_step(ref, batch)
-    rp = models.wrap_model(model, model_run_config=RoundPipeRunConfig(num_microbatch=1, fp8=True), fused_kernels=False)
+    ids = make_batch(padding=False)["input_ids"]
+    ref_logits = ref(input_ids=ids).logits
+    seed = torch.randn(ref_logits.shape, generator=torch.Generator().manual_seed(3))
+    ref_logits.backward(seed)
+    ref_grads = grads(ref)
+    settings.configure(compile=False)
+    rp = models.wrap_model(model, model_run_config=RoundPipeRunConfig(num_microbatch=1, fp8=True), fused_kernels=fused)
     converted = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
     assert converted == {n for n, m in ref.named_modules() if isinstance(m, Float8Linear)}
     assert len(converted) == 7 * model.config.num_hidden_layers and "lm_head" not in converted
     assert type(model.lm_head) is nn.Linear and type(model.model.embed_tokens) is nn.Embedding
-    loss = rp.train_step(**batch)
-    assert rel_err(loss, ref_loss) < 1e-6
-    assert_close(grads(model), ref_grads, 1e-5)
+    out = rp(input_ids=ids)
+    out.logits.backward(seed)
+    assert (op_calls.get("decoder_layer", 0) > 0) == fused
+    got = grads(model)
+    assert torch.equal(out.logits, ref_logits) and got.keys() == ref_grads.keys() and got
+    assert all(torch.equal(got[n], ref_grads[n]) for n in got), [
+        n for n in got if not torch.equal(got[n], ref_grads[n])
+    ]
 
 
 def test_trained_filter_keeps_head_router_and_adapters() -> None:
@@ -361,3 +377,38 @@ def test_gpu_fp8_base_within_fp8_tolerance_of_bf16() -> None:
     assert rel_err(got[0].float().cpu(), yc.float()) < 2**-7 and rel_err(got[1].float().cpu(), dxc.float()) < 2**-7
     for g_, ref in zip(got, bf16):
         assert rel_err(g_.float(), ref.float()) < 0.08  # e4m3's 3 mantissa bits: ~2^-4 per element, averaged
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("workers", ["cuda:0"], indirect=True)
+@pytest.mark.parametrize("lora_base", [True, False], ids=["lora over an fp8 base", "full fine-tune"])
+def test_gpu_model_fp8_within_tolerance_of_bf16(workers: str, lora_base: bool) -> None:
+    """A bf16 tiny Qwen3 through RoundPipe on the GPU, fp8=True against the same model without it (for LoRA the
+    same fp8 base, unpacked to bf16 GEMMs): the loss within 2%, every gradient within fp8 tolerance (e4m3's
+    rounding, about 4% RMS per GEMM operand, compounding over three layers forward and backward); the fused
+    whole-layer op compiled with the FP8 GEMMs inside it."""
+    from roundpipe.models import kernels
+
+    settings.configure(compile=True)
+    kernels.reset()
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+    def build(use_fp8: bool) -> Tuple[nn.Module, Any]:
+        model = tiny_model("qwen3", 0).to(torch.bfloat16)
+        model = add_lora(model, targets, 8) if lora_base else model
+        kw: Dict[str, Any] = {"base_format": "fp8"} if lora_base else {}
+        run = RoundPipeRunConfig(num_microbatch=2)
+        return model, models.wrap_model(model, model_run_config=run, fp8=use_fp8, **kw)
+
+    batch = make_batch(padding=False, batch=4, seq=64)
+    (plain_model, plain), (fp8_model, with_fp8) = build(False), build(True)
+    want = float(plain.train_step(**batch))
+    want_grads = grads(plain_model)
+    got = float(with_fp8.train_step(**batch))
+    got_grads = grads(fp8_model)
+    assert abs(got - want) <= 0.02 * abs(want)
+    assert got_grads.keys() == want_grads.keys() and got_grads
+    for name in want_grads:
+        assert rel_err(got_grads[name], want_grads[name]) < 0.25, name
+    if lora_base:
+        assert not kernels.DECODER_LAYER.failed

@@ -161,6 +161,21 @@ def linear(
     return _Fp8Linear.apply(x, data, scale)
 
 
+def float8_trained_linear(
+    x: torch.Tensor,  # [..., in]
+    weight: torch.Tensor,  # [out, in]
+    mm_config: Any,
+    config: Any,
+) -> torch.Tensor:
+    """``x`` through a trained projection under torchao's float8 recipe (``[..., out]``): what a bias-free
+    ``Float8Linear``'s forward computes, as a function of tensors (so the fused layer ops can take it)."""
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+    if torch.is_autocast_enabled():
+        x = x.to(torch.get_autocast_gpu_dtype())  # Float8Linear's own rule under autocast
+    return matmul_with_hp_or_float8_args.apply(x, weight.t(), mm_config, config)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # A frozen fp8 base kept packed on the device
 # ---------------------------------------------------------------------------------------------------------
@@ -235,10 +250,15 @@ def _frozen_linear_weights(model: nn.Module) -> Dict[int, Tuple[str, torch.Tenso
     return found
 
 
+def _gemm_shape(w: torch.Tensor) -> bool:  # w: [out, in]
+    """Whether ``torch._scaled_mm`` takes ``w``'s features (multiples of 16 both)."""
+    return w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0
+
+
 def enable_fp8_base(model: nn.Module) -> int:
-    """Make every frozen fp8 ``nn.Linear`` weight of ``model`` compute from its packed bytes
-    (:class:`Fp8ComputeFormat`); returns how many. A frozen weight kept in another format cannot: an error
-    names ``base_format``."""
+    """Make every frozen fp8 decoder-layer ``nn.Linear`` weight of ``model`` (features multiples of 16, not a
+    router) compute from its packed bytes (:class:`Fp8ComputeFormat`); returns how many. A frozen weight kept in
+    another format cannot: an error names ``base_format``."""
     count = 0
     for name, w in _frozen_linear_weights(model).values():
         if "layers." not in f".{name}" or name.endswith("lm_head") or _router(name):
@@ -250,8 +270,9 @@ def enable_fp8_base(model: nn.Module) -> int:
                 "it stored as fp8 with scales fixed at load: pass base_format='fp8' (--base-format fp8), or remove "
                 "fp8=True"
             )
-        w.format = FP8_COMPUTE
-        count += 1
+        if _gemm_shape(w):  # otherwise unpacked on the device as without fp8
+            w.format = FP8_COMPUTE
+            count += 1
     return count
 
 
@@ -270,7 +291,7 @@ def trained_filter(module: nn.Module, fqn: str) -> bool:
         return False
     if any(part.startswith("lora_") for part in fqn.split(".")):
         return False
-    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+    return _gemm_shape(module.weight)
 
 
 def convert_trained(model: nn.Module) -> int:
@@ -316,6 +337,7 @@ __all__ = [
     "convert_trained",
     "emulated_scaled_mm",
     "enable_fp8_base",
+    "float8_trained_linear",
     "forward_mm",
     "grad_input_mm",
     "linear",

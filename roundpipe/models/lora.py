@@ -26,6 +26,8 @@ saving as the compiled one, and what the backward keeps is decided here, not by 
 
 A frozen base kept as fp8 on the device (``fp8=True`` over ``base_format="fp8"``) is a :class:`Fp8Base`: the
 base GEMM and the input-gradient GEMM are then FP8 ones (:mod:`roundpipe.models.fp8`), the adapter path as above.
+A trained projection that ``fp8=True`` made a torchao ``Float8Linear`` is a :class:`Float8Trained`, computed
+as that module computes it, so its layer still runs as one fused op.
 
 Inside the compiled fused ops dynamo traces the Function (forward and backward) into the layer's graph.
 Under autocast (which picks each GEMM's dtype) the adapter runs as PEFT's ops, unfused.
@@ -58,6 +60,15 @@ class Fp8Base(NamedTuple):
     scale: torch.Tensor  # [out] float32: row ``o`` of the weight is ``data[o] * scale[o]``
 
 
+class Float8Trained(NamedTuple):
+    """A trained projection under torchao's float8 training recipe (a ``Float8Linear``, ``fp8=True``): its
+    weight and recipe, which :func:`linear` applies as the module's forward does."""
+
+    weight: torch.Tensor  # [out, in]: the trained weight, in the model's dtype
+    mm_config: Any  # torchao's LinearMMConfig
+    config: Any  # torchao's Float8LinearConfig
+
+
 class LoraWeights(NamedTuple):
     """What the fused ops take for a LoRA projection (all parameters of the PEFT module, not copies)."""
 
@@ -67,9 +78,9 @@ class LoraWeights(NamedTuple):
     scaling: float  # alpha / r, or alpha / sqrt(r) with rslora (PEFT's ``scaling[adapter]``)
 
 
-Projection = Union[torch.Tensor, Fp8Base, LoraWeights]
-"""A projection as the fused ops take it: a plain weight ``[out, in]``, a frozen fp8 one (:class:`Fp8Base`)
-or :class:`LoraWeights`."""
+Projection = Union[torch.Tensor, Fp8Base, Float8Trained, LoraWeights]
+"""A projection as the fused ops take it: a plain weight ``[out, in]``, a frozen fp8 one (:class:`Fp8Base`),
+a trained one under torchao's float8 recipe (:class:`Float8Trained`) or :class:`LoraWeights`."""
 
 _FUSED_ADAPTER_DTYPES = {
     torch.float32: (torch.float32, torch.bfloat16, torch.float16),
@@ -84,6 +95,12 @@ def _lora_linear_class() -> Optional[type]:
     """PEFT's LoRA ``Linear``, when PEFT is loaded (no module can be one otherwise)."""
     layer = sys.modules.get("peft.tuners.lora.layer")
     return getattr(layer, "Linear", None) if layer is not None else None
+
+
+def _float8_linear_class() -> Optional[type]:
+    """torchao's ``Float8Linear``, when torchao's float8 training is loaded (``fp8=True`` loads it)."""
+    module = sys.modules.get("torchao.float8.float8_linear")
+    return getattr(module, "Float8Linear", None) if module is not None else None
 
 
 def _dropout_off(dropout: nn.Module) -> bool:
@@ -117,6 +134,10 @@ def projection(module: nn.Module) -> Optional[Projection]:
     linear would not reproduce: the caller keeps the module's own forward)."""
     if type(module) is nn.Linear:
         return _base(module.weight) if module.bias is None else None
+    float8 = _float8_linear_class()
+    if float8 is not None and type(module) is float8:
+        m8: Any = module
+        return Float8Trained(m8.weight, m8.linear_mm_config, m8.config) if m8.bias is None else None
     cls = _lora_linear_class()
     if cls is None or type(module) is not cls:
         return None
@@ -151,6 +172,8 @@ def linear(
     fused LoRA linear otherwise (``[..., out]``)."""
     if isinstance(proj, Fp8Base):
         return fp8.linear(x, proj.data, proj.scale)
+    if isinstance(proj, Float8Trained):
+        return fp8.float8_trained_linear(x, proj.weight, proj.mm_config, proj.config)
     if not isinstance(proj, LoraWeights):
         return F.linear(x, proj)
     weight, w_scale = (proj.weight.data, proj.weight.scale) if isinstance(proj.weight, Fp8Base) else (proj.weight, None)
@@ -215,4 +238,13 @@ class _LoraLinear(torch.autograd.Function):
         return dx, dw, da, db, None, None
 
 
-__all__ = ["Fp8Base", "LoraWeights", "Projection", "has_adapters", "linear", "projection", "projection_modules"]
+__all__ = [
+    "Float8Trained",
+    "Fp8Base",
+    "LoraWeights",
+    "Projection",
+    "has_adapters",
+    "linear",
+    "projection",
+    "projection_modules",
+]
