@@ -24,6 +24,7 @@ import torch
 from helpers import rel_err
 from torch import nn
 
+import roundpipe
 from roundpipe import models, settings
 from roundpipe.host.formats import FrozenWeight, quantize_frozen
 from roundpipe.models import fp8, lora
@@ -221,14 +222,9 @@ def test_sequence_tiles_over_fp8_base(
     model, ref = fp8_base_pair(["q_proj", "v_proj", "down_proj"])
     batch = make_batch(padding=False, batch=2, seq=24)
     ref_loss, ref_grads = reference_step(ref, batch)
-    with settings.overridden(seq_tile=8):
-        rp = models.wrap_model(
-            model,
-            model_run_config=RoundPipeRunConfig(num_microbatch=2),
-            base_format="fp8",
-            fp8=True,
-            fused_kernels=True,
-        )
+    with settings.overridden(seq_tile=8):  # through the top-level wrapper this time
+        run = RoundPipeRunConfig(num_microbatch=2, fp8=True)
+        rp = roundpipe.wrap_model_to_roundpipe(model, model_run_config=run, base_format="fp8", fused_kernels=True)
         loss = rp.train_step(**batch)
     assert op_calls.get("pre_attention", 0) > 0 and op_calls.get("post_attention", 0) > 0
     assert fp8_calls["forward"] > 0 and fp8_calls["grad_input"] > 0
@@ -410,5 +406,4 @@ def test_gpu_model_fp8_within_tolerance_of_bf16(workers: str, lora_base: bool) -
     assert got_grads.keys() == want_grads.keys() and got_grads
     for name in want_grads:
         assert rel_err(got_grads[name], want_grads[name]) < 0.25, name
-    if lora_base:
-        assert not kernels.DECODER_LAYER.failed
+    assert not kernels.DECODER_LAYER.failed
