@@ -129,7 +129,8 @@ def _active_adapter(module: nn.Module) -> Optional[str]:
 
 
 def projection(module: nn.Module) -> Optional[Projection]:
-    """``module`` as the fused ops take it: a bias-free ``nn.Linear``'s weight, a fusable PEFT LoRA
+    """``module`` as the fused ops take it: a bias-free ``nn.Linear``'s weight (:class:`Fp8Base` for a frozen
+    fp8 one on the device), a bias-free torchao ``Float8Linear``'s :class:`Float8Trained`, a fusable PEFT LoRA
     ``Linear``'s :class:`LoraWeights`, or None (biases, quantized or other layers, adapters the fused
     linear would not reproduce: the caller keeps the module's own forward)."""
     if type(module) is nn.Linear:
