@@ -286,6 +286,22 @@ def test_trained_filter_keeps_head_router_and_adapters() -> None:
     assert not fp8.trained_filter(frozen, "model.layers.0.mlp.up_proj")
 
 
+def test_moe_converts_only_the_attention_projections() -> None:
+    """In an MoE model the router and the experts (fused expert tensors, not ``nn.Linear``s) stay as they were;
+    the attention projections take torchao's recipe."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from roundpipe.models.configs import tiny_config
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"))
+    routers = {n: type(m) for n, m in model.named_modules() if n.endswith("mlp.gate")}
+    fp8.prepare(model, True)
+    converted = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+    assert converted == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert routers and {n: type(model.get_submodule(n)) for n in routers} == routers
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Errors
 # ---------------------------------------------------------------------------------------------------------
