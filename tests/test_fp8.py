@@ -146,6 +146,17 @@ def test_emulation_equals_cpu_scaled_mm() -> None:
         assert torch.equal(fp8.emulated_scaled_mm(a, b.t(), sa, sb, out_dtype), want)
 
 
+def test_scales_after_a_unit_scaled_gemm() -> None:
+    """The fallback of GPUs without rowwise ``torch._scaled_mm`` (unit scales, the row scales after it) gives
+    the rowwise result to float32 rounding (checked with ``torch._scaled_mm`` on CPU)."""
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(48, 64, generator=g).to(E4M3)
+    b = torch.randn(32, 64, generator=g).to(E4M3)
+    sa, sb = torch.rand(48, 1, generator=g) + 0.5, torch.rand(1, 32, generator=g) + 0.5
+    want = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+    assert rel_err(fp8.scaled_after_mm(a, b.t(), sa, sb, torch.float32), want) < 1e-6
+
+
 def test_quantize_rows() -> None:
     """Per-row scales ``amax / 448``; the largest value of a row maps to 448; a zero row stays zero."""
     x = torch.randn(5, 40, dtype=torch.float64)

@@ -39,6 +39,12 @@ QUANT_DTYPE = torch.float8_e4m3fn
 AMAX_EPS = 1e-12
 #: Compute capability from which CUDA GPUs have FP8 GEMMs (Ada 8.9, Hopper 9.0 and later).
 MIN_CAPABILITY = (8, 9)
+#: Whether ``torch._scaled_mm`` takes rowwise scales on this machine's GPUs (set by :func:`check_hardware`):
+#: PyTorch's rowwise kernels are built for Hopper and datacenter Blackwell (majors 9 and 10). Elsewhere the
+#: GEMM runs with unit scales into float32 and the row scales are applied after it: the same products and
+#: sums, scaled in the same float32 epilogue, for one more pass over the output.
+ROWWISE_GPU = True
+_ROWWISE_MAJORS = (9, 10)
 
 
 def check_capabilities(capabilities: Sequence[Tuple[int, int]]) -> None:
@@ -52,9 +58,13 @@ def check_capabilities(capabilities: Sequence[Tuple[int, int]]) -> None:
 
 
 def check_hardware() -> None:
-    """:func:`check_capabilities` of every visible CUDA GPU (nothing to check on CPU workers)."""
+    """:func:`check_capabilities` of every visible CUDA GPU (nothing to check on CPU workers); sets
+    :data:`ROWWISE_GPU` from them."""
+    global ROWWISE_GPU
     if torch.cuda.is_available():
-        check_capabilities([torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())])
+        caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+        check_capabilities(caps)
+        ROWWISE_GPU = all(cap[0] in _ROWWISE_MAJORS for cap in caps)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -100,10 +110,27 @@ def scaled_mm(
     scale_b: torch.Tensor,  # [1, n] float32
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``(a * scale_a) @ (b * scale_b)`` [m, n]: ``torch._scaled_mm`` on a GPU, emulated elsewhere."""
-    if a.device.type == "cuda":
+    """``(a * scale_a) @ (b * scale_b)`` [m, n]: ``torch._scaled_mm`` on a GPU (rowwise scales into bf16, or
+    :func:`scaled_after_mm` where :data:`ROWWISE_GPU` is off or the output is not bf16: PyTorch's rowwise kernels
+    write bf16 only), emulated elsewhere."""
+    if a.device.type != "cuda":
+        return emulated_scaled_mm(a, b, scale_a, scale_b, out_dtype)
+    if ROWWISE_GPU and out_dtype == torch.bfloat16:
         return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
-    return emulated_scaled_mm(a, b, scale_a, scale_b, out_dtype)
+    return scaled_after_mm(a, b, scale_a, scale_b, out_dtype)
+
+
+def scaled_after_mm(
+    a: torch.Tensor,  # [m, k] fp8, row-major
+    b: torch.Tensor,  # [k, n] fp8, column-major on a GPU
+    scale_a: torch.Tensor,  # [m, 1] float32
+    scale_b: torch.Tensor,  # [1, n] float32
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The rowwise GEMM from a tensorwise one: ``torch._scaled_mm`` with unit scales into float32, then the
+    row and column scales (``[m, n]``)."""
+    one = torch.ones((), dtype=torch.float32, device=a.device)
+    return (torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32) * scale_a * scale_b).to(out_dtype)
 
 
 def forward_mm(
@@ -343,6 +370,7 @@ __all__ = [
     "linear",
     "prepare",
     "quantize_rows",
+    "scaled_after_mm",
     "scaled_mm",
     "trained_filter",
     "wants_fp8",
