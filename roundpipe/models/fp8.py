@@ -111,26 +111,23 @@ def scaled_mm(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """``(a * scale_a) @ (b * scale_b)`` [m, n]: ``torch._scaled_mm`` on a GPU (rowwise scales into bf16, or
-    :func:`scaled_after_mm` where :data:`ROWWISE_GPU` is off or the output is not bf16: PyTorch's rowwise kernels
-    write bf16 only), emulated elsewhere."""
+    :func:`unit_scaled_mm` times the scales where :data:`ROWWISE_GPU` is off or the output is not bf16:
+    PyTorch's rowwise kernels write bf16 only), emulated elsewhere."""
     if a.device.type != "cuda":
         return emulated_scaled_mm(a, b, scale_a, scale_b, out_dtype)
     if ROWWISE_GPU and out_dtype == torch.bfloat16:
         return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
-    return scaled_after_mm(a, b, scale_a, scale_b, out_dtype)
+    return (unit_scaled_mm(a, b) * scale_a * scale_b).to(out_dtype)
 
 
-def scaled_after_mm(
+def unit_scaled_mm(
     a: torch.Tensor,  # [m, k] fp8, row-major
     b: torch.Tensor,  # [k, n] fp8, column-major on a GPU
-    scale_a: torch.Tensor,  # [m, 1] float32
-    scale_b: torch.Tensor,  # [1, n] float32
-    out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The rowwise GEMM from a tensorwise one: ``torch._scaled_mm`` with unit scales into float32, then the
-    row and column scales (``[m, n]``)."""
+    """``a @ b`` in float32 ([m, n]): ``torch._scaled_mm`` with unit tensorwise scales, which every FP8 GPU
+    runs; the rowwise scales are then applied by the caller (the fallback of :func:`scaled_mm`)."""
     one = torch.ones((), dtype=torch.float32, device=a.device)
-    return (torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32) * scale_a * scale_b).to(out_dtype)
+    return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
 
 
 def forward_mm(
@@ -370,8 +367,8 @@ __all__ = [
     "linear",
     "prepare",
     "quantize_rows",
-    "scaled_after_mm",
     "scaled_mm",
     "trained_filter",
+    "unit_scaled_mm",
     "wants_fp8",
 ]
