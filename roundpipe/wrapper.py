@@ -284,6 +284,7 @@ def wrap_model_to_roundpipe(
     model_run_config: RoundPipeRunConfig = RoundPipeRunConfig(),
     name: Optional[str] = None,
     base_format: str = "bf16",
+    fp8: Optional[bool] = None,
     **roundpipe_kwargs: Any,
 ) -> RoundPipeBase:
     """Wrap ``model`` into RoundPipe, with its sequential preset when one exists.
@@ -304,6 +305,9 @@ def wrap_model_to_roundpipe(
             ``roundpipe.host.formats.BASE_FORMATS`` (``"bf16"``: as they are; ``"fp8"``, ``"int8"``, ``"nf4"``:
             packed, uploaded packed and dequantized on the device). Packed once, before the model is split,
             so the split sizes count the packed bytes.
+        fp8: FP8 GEMMs in the decoder layers' projections (``roundpipe.models.fp8``): over a frozen base
+            stored with ``base_format="fp8"``, and torchao's float8 training recipe for trained ones. Default:
+            ``model_run_config.fp8`` (False).
         **roundpipe_kwargs: Forwarded to RoundPipe (``optim_dtype``, ``pin_model``).
 
     Returns:
@@ -318,6 +322,12 @@ def wrap_model_to_roundpipe(
     if name is None:
         name = get_call_location(1)
     quantize_base(model, base_format)
+    from roundpipe.models import fp8 as fp8_gemms
+
+    use_fp8 = fp8_gemms.wants_fp8(fp8, model_run_config)
+    fp8_gemms.prepare(model, use_fp8)
+    if use_fp8 and not model_run_config.fp8:
+        model_run_config = dataclasses.replace(model_run_config, fp8=True)
     if use_sequential_preset is not False:
         try:
             wrap = models.preset_wrapper(model)

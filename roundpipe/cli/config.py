@@ -88,6 +88,12 @@ class TrainConfig:
         "layer into that format; anything but bf16 needs --lora-r)",
         group="model",
     )
+    fp8: bool = _f(
+        False,
+        "FP8 GEMMs in the decoder layers' projections (GPUs of compute capability 8.9+): over a base kept with "
+        "--base-format fp8 (LoRA), or torchao's float8 recipe for a full fine-tune (docs/training.md)",
+        group="model",
+    )
     # data
     data: Optional[str] = _f(
         None, "training data: .txt, .jsonl or .parquet file (default: the built-in task)", group="data"
@@ -389,6 +395,11 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"base_format={cfg.base_format} stores the frozen base weights, but lora_r=0 trains every weight",
             "add --lora-r 16 (LoRA adapters over the quantized base), or drop --base-format",
+        )
+    if cfg.fp8 and cfg.lora_r and cfg.base_format != "fp8":
+        raise ConfigError(
+            f"--fp8 with LoRA computes from a frozen base kept as fp8, and this base is kept as {cfg.base_format}",
+            "add --base-format fp8, or drop --fp8",
         )
     if cfg.lora_r == 0 and cfg.lora_alpha is not None:
         raise ConfigError(

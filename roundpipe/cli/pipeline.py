@@ -29,10 +29,12 @@ class PipelineModel:
         master_dtype: Optional[torch.dtype] = torch.float32,
         stage_inputs: Optional[str] = None,
         base_format: str = "bf16",
+        fp8: bool = False,
     ) -> None:
         """``master_dtype``: dtype of the optimizer's masters (None: the weights themselves, no copy);
         ``stage_inputs``: how backward-stage inputs are kept (``RoundPipeRunConfig.stage_inputs``; None: the
-        setting); ``base_format``: how the frozen weights are kept on the host (``wrap_model_to_roundpipe``)."""
+        setting); ``base_format``: how the frozen weights are kept on the host (``wrap_model_to_roundpipe``);
+        ``fp8``: FP8 GEMMs in the decoder layers (``roundpipe.models.fp8``)."""
         import roundpipe
         from roundpipe import ModelExecutePlan, RoundPipeRunConfig
 
@@ -45,6 +47,7 @@ class PipelineModel:
                 name="train",
                 model_run_config=RoundPipeRunConfig(num_microbatch=num_microbatch, stage_inputs=stage_inputs),
                 base_format=base_format,
+                fp8=fp8,
             )
         except NotImplementedError as exc:
             why = str(exc).splitlines()[0].split("; supported:")[0]  # the class and its model type: one short line

@@ -185,6 +185,13 @@ class Recipe(TrainLoop):
         """Model, data, optimizer and schedule: this process's work alone (no collectives)."""
         cfg = self.cfg
         self._plan()
+        if cfg.fp8:
+            from roundpipe.models import fp8
+
+            try:
+                fp8.check_hardware()
+            except ValueError as exc:
+                raise ConfigError(str(exc).split(";")[0], "drop --fp8 to train in bf16") from None
         hf_model = build_model(self.source, self.model_config, self.dtype, lora_config(cfg) if cfg.lora_r else None)
         if cfg.master == "bfloat16" and self.dtype != torch.bfloat16:
             raise ConfigError(
@@ -198,6 +205,7 @@ class Recipe(TrainLoop):
             master_dtype=None if cfg.master == "bfloat16" else torch.float32,
             stage_inputs=cfg.stage_inputs,
             base_format=cfg.base_format,
+            fp8=cfg.fp8,
         )
         if not self.model.trainable_named():
             raise ConfigError("the model has no trainable parameters", "check --lora-targets")

@@ -23,10 +23,11 @@ Attributes:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from torch import nn
 
@@ -65,11 +66,14 @@ def preset_wrapper(model: nn.Module) -> Callable[..., Any]:
     return functools.partial(RoundPipeForCausalLM, model, preset)
 
 
-def wrap_model(model: nn.Module, **roundpipe_kwargs: Any) -> Any:
+def wrap_model(model: nn.Module, fp8: Optional[bool] = None, **roundpipe_kwargs: Any) -> Any:
     """Wrap a supported model with its sequential preset.
 
     Args:
         model: A Hugging Face ``*ForCausalLM``, or a PEFT model around one.
+        fp8: FP8 GEMMs in the decoder layers' projections (:mod:`roundpipe.models.fp8`; default:
+            ``model_run_config.fp8``). The frozen base is packed first (``base_format``, which must be
+            ``"fp8"`` for a LoRA model), then the layers are converted.
         **roundpipe_kwargs: Forwarded to :class:`~roundpipe.models.causal_lm.RoundPipeForCausalLM`
             (``optim_dtype``, ``name``, ``model_run_config``, ``pin_model``, ``fused_kernels``), or to
             the ``wrap_model`` of a third-party preset module registered for the model.
@@ -80,6 +84,16 @@ def wrap_model(model: nn.Module, **roundpipe_kwargs: Any) -> Any:
     Raises:
         NotImplementedError: The model type is not supported, or the class does not match its type's preset.
     """
+    from roundpipe.models import fp8 as fp8_gemms
+
+    config = roundpipe_kwargs.get("model_run_config")
+    if fp8_gemms.wants_fp8(fp8, config):
+        from roundpipe.host.formats import quantize_base
+        from roundpipe.runtime.run_config import RoundPipeRunConfig
+
+        quantize_base(model, roundpipe_kwargs.get("base_format", "bf16"))  # packed weights are not packed again
+        fp8_gemms.prepare(model, True)
+        roundpipe_kwargs["model_run_config"] = dataclasses.replace(config or RoundPipeRunConfig(), fp8=True)
     return preset_wrapper(model)(**roundpipe_kwargs)
 
 

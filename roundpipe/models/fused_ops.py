@@ -17,7 +17,9 @@ Fused ops (each the same math, in the same order, as Hugging Face's code):
   :func:`post_attention`), for the calls RoundPipe's training makes.
 
 A projection among the weights is a plain weight or a PEFT LoRA projection's base weight and adapter,
-which run as one fused LoRA linear (:func:`roundpipe.models.lora.linear`).
+which run as one fused LoRA linear (:func:`roundpipe.models.lora.linear`); with ``fp8=True`` a base weight
+may be a frozen fp8 one and a plain projection torchao's float8 recipe, both FP8 GEMMs
+(:mod:`roundpipe.models.fp8`).
 
 Each op runs compiled (``torch.compile``, one fused Triton kernel forward and a few backward; inductor
 is told to round intermediates to bf16/fp16 where eager does, ``emulate_precision_casts``) unless

@@ -277,8 +277,9 @@ class _DecoderLayerForward:
 def pre_attention_weights(layer: nn.Module) -> Optional[PreWeights]:
     """The weights :func:`pre_attention` takes for ``layer`` (input norm, q / k / v projections, q / k
     norms), or None when it would not compute what the modules do (norms not fused, a projection neither a
-    bias-free ``nn.Linear`` nor a fusable LoRA one: :func:`roundpipe.models.lora.projection`). The one
-    place these tuples are built: the whole-layer op and the sequence tiles read them from here."""
+    bias-free ``nn.Linear`` (or torchao ``Float8Linear``) nor a fusable LoRA one:
+    :func:`roundpipe.models.lora.projection`). The one place these tuples are built: the whole-layer op and
+    the sequence tiles read them from here."""
     lay: Any = layer
     attn: Any = lay.self_attn
     qk = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else ()

@@ -24,6 +24,11 @@ saving as the compiled one, and what the backward keeps is decided here, not by 
   accumulated into the base GEMM's output), ``dA = u^T x``, ``dB = s dy^T (x A^T)``, and ``dW = dy^T x``
   only when the base weight trains.
 
+A frozen base kept as fp8 on the device (``fp8=True`` over ``base_format="fp8"``) is a :class:`Fp8Base`: the
+base GEMM and the input-gradient GEMM are then FP8 ones (:mod:`roundpipe.models.fp8`), the adapter path as above.
+A trained projection that ``fp8=True`` made a torchao ``Float8Linear`` is a :class:`Float8Trained`, computed
+as that module computes it, so its layer still runs as one fused op.
+
 Inside the compiled fused ops dynamo traces the Function (forward and backward) into the layer's graph.
 Under autocast (which picks each GEMM's dtype) the adapter runs as PEFT's ops, unfused.
 
@@ -44,18 +49,38 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from roundpipe.models import fp8
+
+
+class Fp8Base(NamedTuple):
+    """A frozen base weight kept as fp8 on the device (``fp8=True``): its GEMMs read these bytes
+    (:mod:`roundpipe.models.fp8`)."""
+
+    data: torch.Tensor  # [out, in] float8_e4m3fn
+    scale: torch.Tensor  # [out] float32: row ``o`` of the weight is ``data[o] * scale[o]``
+
+
+class Float8Trained(NamedTuple):
+    """A trained projection under torchao's float8 training recipe (a ``Float8Linear``, ``fp8=True``): its
+    weight and recipe, which :func:`linear` applies as the module's forward does."""
+
+    weight: torch.Tensor  # [out, in]: the trained weight, in the model's dtype
+    mm_config: Any  # torchao's LinearMMConfig
+    config: Any  # torchao's Float8LinearConfig
+
 
 class LoraWeights(NamedTuple):
     """What the fused ops take for a LoRA projection (all parameters of the PEFT module, not copies)."""
 
-    weight: torch.Tensor  # [out, in]: the frozen base weight
+    weight: Union[torch.Tensor, Fp8Base]  # [out, in]: the frozen base weight
     a: torch.Tensor  # [r, in]: lora_A
     b: torch.Tensor  # [out, r]: lora_B
     scaling: float  # alpha / r, or alpha / sqrt(r) with rslora (PEFT's ``scaling[adapter]``)
 
 
-Projection = Union[torch.Tensor, LoraWeights]
-"""A projection as the fused ops take it: a plain weight ``[out, in]`` or :class:`LoraWeights`."""
+Projection = Union[torch.Tensor, Fp8Base, Float8Trained, LoraWeights]
+"""A projection as the fused ops take it: a plain weight ``[out, in]``, a frozen fp8 one (:class:`Fp8Base`),
+a trained one under torchao's float8 recipe (:class:`Float8Trained`) or :class:`LoraWeights`."""
 
 _FUSED_ADAPTER_DTYPES = {
     torch.float32: (torch.float32, torch.bfloat16, torch.float16),
@@ -70,6 +95,12 @@ def _lora_linear_class() -> Optional[type]:
     """PEFT's LoRA ``Linear``, when PEFT is loaded (no module can be one otherwise)."""
     layer = sys.modules.get("peft.tuners.lora.layer")
     return getattr(layer, "Linear", None) if layer is not None else None
+
+
+def _float8_linear_class() -> Optional[type]:
+    """torchao's ``Float8Linear``, when torchao's float8 training is loaded (``fp8=True`` loads it)."""
+    module = sys.modules.get("torchao.float8.float8_linear")
+    return getattr(module, "Float8Linear", None) if module is not None else None
 
 
 def _dropout_off(dropout: nn.Module) -> bool:
@@ -98,11 +129,16 @@ def _active_adapter(module: nn.Module) -> Optional[str]:
 
 
 def projection(module: nn.Module) -> Optional[Projection]:
-    """``module`` as the fused ops take it: a bias-free ``nn.Linear``'s weight, a fusable PEFT LoRA
+    """``module`` as the fused ops take it: a bias-free ``nn.Linear``'s weight (:class:`Fp8Base` for a frozen
+    fp8 one on the device), a bias-free torchao ``Float8Linear``'s :class:`Float8Trained`, a fusable PEFT LoRA
     ``Linear``'s :class:`LoraWeights`, or None (biases, quantized or other layers, adapters the fused
     linear would not reproduce: the caller keeps the module's own forward)."""
     if type(module) is nn.Linear:
-        return module.weight if module.bias is None else None
+        return _base(module.weight) if module.bias is None else None
+    float8 = _float8_linear_class()
+    if float8 is not None and type(module) is float8:
+        m8: Any = module
+        return Float8Trained(m8.weight, m8.linear_mm_config, m8.config) if m8.bias is None else None
     cls = _lora_linear_class()
     if cls is None or type(module) is not cls:
         return None
@@ -110,7 +146,12 @@ def projection(module: nn.Module) -> Optional[Projection]:
     if name is None:
         return None
     m: Any = module
-    return LoraWeights(m.base_layer.weight, m.lora_A[name].weight, m.lora_B[name].weight, float(m.scaling[name]))
+    return LoraWeights(_base(m.base_layer.weight), m.lora_A[name].weight, m.lora_B[name].weight, float(m.scaling[name]))
+
+
+def _base(weight: torch.Tensor) -> Union[torch.Tensor, Fp8Base]:  # weight: [out, in]
+    """A projection's weight as the fused ops take it: its fp8 bytes for a device :class:`fp8.Fp8Weight`."""
+    return Fp8Base(weight.data_fp8, weight.scale) if isinstance(weight, fp8.Fp8Weight) else weight
 
 
 def has_adapters(layer: nn.Module) -> bool:
@@ -128,19 +169,25 @@ def linear(
     x: torch.Tensor,  # [..., in]
     proj: Projection,
 ) -> torch.Tensor:
-    """``x`` through a projection: ``F.linear`` for a plain weight, the fused LoRA linear otherwise
-    (``[..., out]``)."""
+    """``x`` through a projection: ``F.linear`` for a plain weight, FP8 GEMMs for a frozen fp8 one, the
+    fused LoRA linear otherwise (``[..., out]``)."""
+    if isinstance(proj, Fp8Base):
+        return fp8.linear(x, proj.data, proj.scale)
+    if isinstance(proj, Float8Trained):
+        return fp8.float8_trained_linear(x, proj.weight, proj.mm_config, proj.config)
     if not isinstance(proj, LoraWeights):
         return F.linear(x, proj)
+    weight, w_scale = (proj.weight.data, proj.weight.scale) if isinstance(proj.weight, Fp8Base) else (proj.weight, None)
     if torch.is_autocast_enabled(x.device.type):
         # Autocast picks each GEMM's dtype, which the Function's backward would not see: PEFT's ops.
-        base = F.linear(x, proj.weight)
+        base = F.linear(x, weight) if w_scale is None else fp8.linear(x, weight, w_scale)
         return (base + F.linear(F.linear(x.to(proj.a.dtype), proj.a), proj.b) * proj.scaling).to(base.dtype)
-    return _LoraLinear.apply(x, proj.weight, proj.a, proj.b, proj.scaling)
+    return _LoraLinear.apply(x, weight, proj.a, proj.b, proj.scaling, w_scale)
 
 
 class _LoraLinear(torch.autograd.Function):
-    """``y = x W^T + s (x A^T) B^T`` with the backward above (module header)."""
+    """``y = x W^T + s (x A^T) B^T`` with the backward above (module header); with ``w_scale`` the base is
+    frozen fp8 (``W = weight * w_scale[:, None]``) and its two GEMMs are FP8 ones (:mod:`roundpipe.models.fp8`)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -150,21 +197,25 @@ class _LoraLinear(torch.autograd.Function):
         a: torch.Tensor,  # [r, in]
         b: torch.Tensor,  # [out, r]
         scaling: float,
+        w_scale: Optional[torch.Tensor] = None,  # [out] float32, for an fp8 ``weight``
     ) -> torch.Tensor:
-        base = F.linear(x, weight)  # [..., out] in the input's dtype
+        if w_scale is None:
+            base = F.linear(x, weight)  # [..., out] in the input's dtype
+        else:
+            base = fp8.forward_mm(x.reshape(-1, x.shape[-1]), weight, w_scale).view(*x.shape[:-1], weight.shape[0])
         xa = F.linear(x.to(a.dtype), a)  # [..., r] in the adapter's dtype
         flat, xa2 = base.reshape(-1, base.shape[-1]), xa.reshape(-1, xa.shape[-1])
         if a.dtype == base.dtype:
             y = flat.addmm_(xa2, b.t(), alpha=scaling)
         else:  # PEFT: the sum in the wider dtype, rounded to the base's
             y = torch.addmm(flat.to(a.dtype), xa2, b.t(), alpha=scaling).to(base.dtype)
-        ctx.save_for_backward(x, weight, a, b, xa)
+        ctx.save_for_backward(x, weight, a, b, xa, w_scale)
         ctx.scaling = scaling
         return y.view(base.shape)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
-        x, weight, a, b, xa = ctx.saved_tensors
+        x, weight, a, b, xa, w_scale = ctx.saved_tensors
         s = ctx.scaling
         need_x, need_w, need_a, need_b = ctx.needs_input_grad[:4]
         x2, xa2 = x.reshape(-1, x.shape[-1]), xa.reshape(-1, xa.shape[-1])
@@ -173,7 +224,7 @@ class _LoraLinear(torch.autograd.Function):
         u = (dyl @ b).mul_(s)  # [tokens, r]
         dx = dw = da = db = None
         if need_x:
-            dx = dy2 @ weight  # [tokens, in]
+            dx = dy2 @ weight if w_scale is None else fp8.grad_input_mm(dy2, weight, w_scale)  # [tokens, in]
             if a.dtype == dx.dtype:
                 dx.addmm_(u, a)
             else:
@@ -185,7 +236,16 @@ class _LoraLinear(torch.autograd.Function):
             da = u.t() @ x2.to(a.dtype)  # [r, in]
         if need_b:
             db = (dyl.t() @ xa2).mul_(s)  # [out, r]
-        return dx, dw, da, db, None
+        return dx, dw, da, db, None, None
 
 
-__all__ = ["LoraWeights", "Projection", "has_adapters", "linear", "projection", "projection_modules"]
+__all__ = [
+    "Float8Trained",
+    "Fp8Base",
+    "LoraWeights",
+    "Projection",
+    "has_adapters",
+    "linear",
+    "projection",
+    "projection_modules",
+]

@@ -44,6 +44,10 @@ class RoundPipeRunConfig:
             layers produce them), 'fp8' (a float32 scale per 128 values) or 'int8' (one per 32 values, a fifth of
             fp8's rounding error; both about half the host memory; the backward recomputes from the
             rounded values: ``roundpipe.runtime.stage_codec``). Default: ``RPP_STAGE_INPUTS`` (else 'bf16').
+        fp8: Run the decoder layers' projections as FP8 GEMMs (``roundpipe.models.fp8``): a frozen base stored
+            as fp8 computes from its bytes, trained projections take torchao's float8 recipe. Read when the
+            model is wrapped (``wrap_model_to_roundpipe``, ``roundpipe.models.wrap_model``), which converts
+            the layers: a call cannot change it. Default: False.
     """
 
     requires_grad: Optional[bool] = None
@@ -57,6 +61,7 @@ class RoundPipeRunConfig:
     execute_plan: Any = None
     sequence_tiles: Optional[int] = None
     stage_inputs: Optional[StageInputs] = None
+    fp8: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.recompute_grain is not None and self.recompute_grain not in _RECOMPUTE_GRAINS:
@@ -73,7 +78,7 @@ class RoundPipeRunConfig:
             from roundpipe.runtime.stage_codec import check_mode
 
             check_mode(self.stage_inputs)
-        for name in ("requires_grad", "preserve_rng_state"):
+        for name in ("requires_grad", "preserve_rng_state", "fp8"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r:.60}: expected True, False or None (inherit)")
@@ -111,6 +116,12 @@ class ResolvedRunConfig:
         from roundpipe import settings
         from roundpipe.devices.device import get_num_devices
 
+        if function_run_config.fp8 is not None and bool(function_run_config.fp8) != bool(model_run_config.fp8):
+            raise ValueError(
+                f"fp8={function_run_config.fp8} in a call's run config: fp8 is chosen when the model is wrapped "
+                "(fp8=True, or model_run_config=RoundPipeRunConfig(fp8=True)), which converts its layers; leave it "
+                "out of the call"
+            )
         for f in fields(RoundPipeRunConfig):
             val = getattr(function_run_config, f.name)
             if val is None:
@@ -128,6 +139,7 @@ class ResolvedRunConfig:
         self.merge_output: Any = True if self.merge_output is None else self.merge_output
         self.stage_inputs: StageInputs = self.stage_inputs or settings.STAGE_INPUTS.get()  # type: ignore
         self.sequence_tiles: int = self.sequence_tiles or 1
+        self.fp8: bool = bool(self.fp8)
         self.split_input: Optional[Callable[..., Any]]
         self.split_label: Optional[Callable[..., Any]]
 

@@ -185,12 +185,15 @@ def _upload_frozen(t: FrozenWeight, device: torch.device, out: Optional[torch.Te
     which the stream orders after them. The packed device tensors are allocated on that stream, so the
     caching allocator reuses their blocks only for work queued on it after the dequantize. The compute
     stream waits for the layer's ``param_uploaded`` event (recorded after this) before reading the weight.
-    On a CPU worker the host packed tensors are dequantized directly (a new tensor, as a copy would be)."""
+    On a CPU worker the host packed tensors are dequantized directly (a new tensor, as a copy would be).
+    Without ``out`` the format says what the device copy holds (``Format.device_weight``: the dequantized
+    weight, or for a base whose GEMMs read fp8 bytes, those bytes as they were uploaded)."""
     if device.type == "cpu":
-        return t.dequantize() if out is None else t.dequantize_into(t.packed, out)
-    packed = {k: _upload_param(v, device) for k, v in t.packed.items()}
+        packed = t.packed
+    else:
+        packed = {k: _upload_param(v, device) for k, v in t.packed.items()}
     if out is None:
-        return t.format.dequantize(packed, t.shape, t.dtype)
+        return t.format.device_weight(packed, t.shape, t.dtype)
     return t.dequantize_into(packed, out)
 
 

@@ -41,6 +41,11 @@ class Format:
     ) -> torch.Tensor:
         raise NotImplementedError
 
+    def device_weight(self, packed: Packed, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """What a layer's device copy holds for a weight uploaded as ``packed`` (on that device): the plain
+        weight, dequantized; a format whose GEMMs read the packed bytes returns a tensor holding them."""
+        return self.dequantize(packed, shape, dtype)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
 
