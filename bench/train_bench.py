@@ -15,7 +15,6 @@ This module is also the benchmarks' shared part: the workloads, the model builde
 from __future__ import annotations
 
 import argparse
-import bisect
 import gc
 import os
 import re
@@ -24,9 +23,10 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+from benchlib.gaps import busy_fraction, cuda_sync, split_gaps  # noqa: F401 (the other scripts import them here)
 
 from roundpipe import flavors, settings
 from roundpipe.utils import BASE_FORMATS  # the --base-format names, without torch
@@ -139,12 +139,6 @@ def timed(
         if progress is not None:
             progress(i, times[-1])
     return times[warmup:]
-
-
-def cuda_sync() -> None:
-    """Wait for every GPU (RoundPipe spreads work over all visible devices)."""
-    for d in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
-        torch.cuda.synchronize(d)
 
 
 def thread_cpu_seconds() -> Dict[str, float]:
@@ -283,7 +277,12 @@ def bench_roundpipe(
     optim_dtype = None if args.master == "bfloat16" else torch.float32
     run_config = RoundPipeRunConfig(num_microbatch=n_mb)
     model = roundpipe.wrap_model_to_roundpipe(
-        hf, optim_dtype=optim_dtype, model_run_config=run_config, fused_kernels=fused, base_format=base_format
+        hf,
+        optim_dtype=optim_dtype,
+        model_run_config=run_config,
+        fused_kernels=fused,
+        base_format=base_format,
+        fp8=getattr(args, "fp8_on", False) or None,
     )
     if plan != "auto":
         model.model_run_config = RoundPipeRunConfig(
@@ -327,7 +326,7 @@ def bench_roundpipe(
     if args.lora:
         what += f", base {base_format} {base_bytes / 1024**3:.3g} GiB on the host"
     kernels = ", fused kernels" if model.preset.fused_kernels else ", HF kernels"
-    base = f", {base_format} base" if args.lora else ""
+    base = (f", {base_format} base" if args.lora else "") + (", fp8 GEMMs" if getattr(args, "fp8_on", False) else "")
     row = Row(
         f"roundpipe ({roundpipe.get_num_devices()} device, {plan} plan{kernels}{base})",
         ids.numel() / (sum(times) / len(times)),
@@ -393,6 +392,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument(
         "--base-format", default="bf16", help="--lora's frozen base: bf16, fp8, int8, nf4; bf16,nf4: side by side"
     )
+    p.add_argument(
+        "--fp8",
+        default="off",
+        choices=["off", "on", "both"],
+        help="roundpipe's FP8 GEMMs (fp8=True); both: side by side",
+    )
     return p.parse_args(argv)
 
 
@@ -414,7 +419,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     t_load = time.perf_counter()
     if args.workload == "llama3.1-70b" and "bf16" in formats:
         raise SystemExit(f"{args.workload}: {2 * n_params / 1024**3:.0f} GiB in bf16; use --base-format nf4")
-    each = [argparse.Namespace(**{**vars(args), "base_format": f}) for f in formats]  # one row per base format
+    fp8s = {"off": [False], "on": [True], "both": [False, True]}[args.fp8]  # one row per base format and fp8
+    each = [argparse.Namespace(**{**vars(args), "base_format": f, "fp8_on": x}) for f in formats for x in fp8s]
     rows = [bench_roundpipe(a, ids, n_params, plan=args.plan) for a in each]
     args = each[0]  # the comparisons below: the first format
     print(f"roundpipe: model build + wrap + warm-up + timed iterations {time.perf_counter() - t_load:.1f} s")
@@ -434,166 +440,6 @@ def main(argv: Optional[List[str]] = None) -> None:
         # Liger patches the model classes for the rest of the process: its baselines run after the others.
         baselines = [bench_baseline(args, ids, kind) for kind in sorted(kinds, key=lambda k: k.startswith("liger"))]
     print_table(args, n_params, baselines + rows, baselines)
-
-
-# Each GPU's busy time and idle gaps in a profiled iteration, split into gaps between layer groups and gaps
-# inside one. RoundPipe marks each job (one layer group over all microbatches) on its device thread with a
-# profiler range when RPP_PROFILER=torch. In a chrome trace of a torch.profiler run that records CPU and CUDA
-# activity on all threads, each kernel carries the correlation id of the runtime call that launched it, and
-# that call lies on the launching thread's timeline, inside the job's range; kernels that autograd's worker
-# thread launches during a job's backward get the job running on the GPU's device thread at that moment. So
-# every idle gap on a GPU (no kernel running; copies are not compute) falls between two jobs or inside one:
-# the first kind is time a GPU waits because one group ended and the next was not ready.
-
-JOB_PREFIX = "roundpipe model "
-_LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
-
-
-@dataclass
-class DeviceGaps:
-    """One GPU's kernel time and idle gaps in microseconds, from its first kernel to its last.
-
-    A gap counts as between groups when the kernels on either side belong to different jobs, or when
-    either kernel could not be given a job (so the split never flatters the planner)."""
-
-    device: int
-    busy_us: float
-    span_us: float
-    between_us: float
-    within_us: float
-    between_count: int
-    within_count: int
-    kernels: int
-    unattributed: int
-    head_us: Optional[float] = None  # with a window: idle from its start to the first kernel
-    tail_us: Optional[float] = None  # and from the last kernel to its end
-
-    def describe(self, wall_us: float) -> str:
-        """One line: busy share and the two kinds of idle time as shares of ``wall_us`` (the iteration); the
-        idle time as one where no kernel could be given a job (no ``RPP_PROFILER=torch``)."""
-        idle = self.between_us + self.within_us
-        if self.unattributed == self.kernels:
-            split = f"idle {idle / 1e3:.1f} ms ({idle / wall_us:.1%}, {self.between_count + self.within_count} gaps)"
-        else:
-            split = (
-                f"idle between layer groups {self.between_us / 1e3:.1f} ms ({self.between_us / wall_us:.1%}, "
-                f"{self.between_count} gaps), inside groups {self.within_us / 1e3:.1f} ms "
-                f"({self.within_us / wall_us:.1%}, {self.within_count} gaps); "
-                f"{self.kernels - self.unattributed}/{self.kernels} kernels attributed to a job"
-            )
-        edges = (
-            ""
-            if self.head_us is None or self.tail_us is None
-            else f"; idle before the first kernel {self.head_us / 1e3:.1f} ms ({self.head_us / wall_us:.1%}), "
-            f"after the last {self.tail_us / 1e3:.1f} ms ({self.tail_us / wall_us:.1%})"
-        )
-        return f"GPU {self.device}: busy {self.busy_us / wall_us:.1%} of the iteration; {split}{edges}"
-
-
-def split_gaps(events: Iterable[Dict[str, Any]], job_prefix: str = JOB_PREFIX, window: str = "") -> List[DeviceGaps]:
-    """Per GPU, busy time and idle gaps between / inside jobs, from chrome-trace events (``traceEvents``).
-
-    ``window`` names a host range around the profiled iteration (a ``record_function``): then the idle
-    time from its start to each GPU's first kernel and from the last kernel to its end is reported too
-    (the trace puts host and GPU events on one clock)."""
-    span: Optional[Tuple[float, float]] = None
-    jobs: Dict[Any, List[Tuple[float, float, str]]] = {}
-    launches: Dict[int, Tuple[Any, float]] = {}
-    kernels: Dict[int, List[Tuple[float, float, int]]] = {}
-    for e in events:
-        if e.get("ph") != "X":
-            continue
-        cat = e.get("cat", "")
-        args = e.get("args") or {}
-        if cat == "user_annotation" and window and e.get("name") == window:
-            span = (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
-        elif cat == "user_annotation" and str(e.get("name", "")).startswith(job_prefix):
-            jobs.setdefault(e.get("tid"), []).append(
-                (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["name"])
-            )
-        elif cat in _LAUNCH_CATEGORIES and "correlation" in args:
-            launches[int(args["correlation"])] = (e.get("tid"), float(e["ts"]))
-        elif cat == "kernel":
-            dev = int(args.get("device", 0))
-            kernels.setdefault(dev, []).append(
-                (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), int(args.get("correlation", -1)))
-            )
-    for ranges in jobs.values():
-        ranges.sort()
-    starts = {tid: [r[0] for r in ranges] for tid, ranges in jobs.items()}
-
-    def job_at(tid: Any, ts: float) -> Optional[str]:
-        if tid not in jobs:
-            return None
-        i = bisect.bisect_right(starts[tid], ts) - 1
-        return jobs[tid][i][2] if i >= 0 and jobs[tid][i][1] >= ts else None
-
-    out = []
-    for dev, ks in sorted(kernels.items()):
-        ks.sort()
-        launch_of = [launches.get(c) for _, _, c in ks]
-        owners = [job_at(*launch) if launch is not None else None for launch in launch_of]
-        # Backward kernels are launched by autograd's worker thread for the GPU while the device thread
-        # waits inside its job; give such a kernel the job running at its launch time on the device
-        # threads that launched this GPU's other kernels (only where exactly one such job runs).
-        job_tids = {launch[0] for launch, owner in zip(launch_of, owners) if owner is not None and launch is not None}
-        for i, (launch, owner) in enumerate(zip(launch_of, owners)):
-            if owner is None and launch is not None:
-                found = {job for job in (job_at(tid, launch[1]) for tid in job_tids) if job is not None}
-                if len(found) == 1:
-                    owners[i] = found.pop()
-        between = within = 0.0
-        n_between = n_within = 0
-        busy, end, last_owner = ks[0][1] - ks[0][0], ks[0][1], owners[0]
-        for (start, stop, _), owner in zip(ks[1:], owners[1:]):
-            if start > end:  # idle from ``end`` to ``start``
-                if owner is not None and owner == last_owner:
-                    within, n_within = within + start - end, n_within + 1
-                else:
-                    between, n_between = between + start - end, n_between + 1
-                busy, end, last_owner = busy + stop - start, stop, owner
-            elif stop > end:
-                busy, end, last_owner = busy + stop - end, stop, owner
-        head, tail = (ks[0][0] - span[0], span[1] - end) if span is not None else (None, None)
-        out.append(
-            DeviceGaps(
-                dev, busy, end - ks[0][0], between, within, n_between, n_within, len(ks), owners.count(None), head, tail
-            )
-        )
-    return out
-
-
-ITERATION = "train_bench iteration"
-"""The profiler range around the profiled iteration."""
-
-
-def busy_fraction(step: Callable[[], None], trace: str = "") -> str:
-    """Profile one more ``step``: print each GPU's busy share and idle gaps (between and inside layer groups
-    with ``RPP_PROFILER=torch``, which costs some host time); write the chrome trace to ``trace`` if set."""
-    import json
-    import tempfile
-
-    from roundpipe.devices import profile
-
-    by_group = profile.PROFILER_TYPE == "torch"
-    acts = [torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
-    config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True) if by_group else None
-    with torch.profiler.profile(activities=acts, experimental_config=config) as prof:
-        t0 = time.perf_counter()
-        with torch.profiler.record_function(ITERATION):
-            step()
-            cuda_sync()
-        wall = (time.perf_counter() - t0) * 1e6
-    path = trace or os.path.join(tempfile.mkdtemp(), "trace.json")
-    prof.export_chrome_trace(path)
-    opener = __import__("gzip").open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        devices = split_gaps(json.load(f)["traceEvents"], window=ITERATION)
-    if not trace:
-        os.remove(path)
-    for d in devices:
-        print(d.describe(wall))
-    return f"GPU busy {'/'.join(f'{d.busy_us / wall:.0%}' for d in devices)} of {wall / 1e3:.0f} ms"
 
 
 if __name__ == "__main__":
