@@ -4,6 +4,7 @@ what fits the room the plan leaves, and ``roundpipe plan`` says what keeping wou
 
 from __future__ import annotations
 
+import json
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
@@ -114,22 +115,24 @@ def _costs(n: int) -> ActivationCosts:
 
 
 def test_decide_fits_the_room() -> None:
-    """Each kept stage costs its layers and, per microbatch, its layers' kept bytes, plus its input: the
-    planner keeps what fits, best saving per byte first, and cuts the forward to match."""
+    """Each kept stage costs its layers and, per microbatch, its layers' kept bytes: the planner keeps what
+    fits the room the backward-stage inputs leave, best saving per byte first, and cuts the forward to match."""
     plan = ModelExecutePlan([range(0, 3), range(3, 6)], [range(0, 2), range(2, 4), range(4, 6), range(6, 8)])
     a, sizes, fwd = _costs(8), [10.0] * 8, [1.0, 1.0, 5.0, 5.0, 1.0, 1.0, 1.0, 1.0]
     stage = keep.stage_cost(a, range(2, 4), sizes, 3)
-    assert stage == 3 * 200.0 + 20.0 + 20.0
+    assert stage == 3 * 200.0 + 20.0
+    inputs = 40.0  # the inputs of stages 2-3 and 4-5 (the first is the model's, the fused one's is handed over)
 
     def decide(room: float, mode: str = "auto", devices: int = 1, run_type: str = "fused") -> ModelExecutePlan:
         return keep.decide(plan, run_type, devices, False, 3, sizes, fwd, True, a, room, True, mode)  # type: ignore[arg-type]
 
     assert decide(0.0).keep == () and decide(0.0).fwd_plan == plan.fwd_plan
-    one = decide(stage)
+    assert decide(stage).keep == ()  # the inputs come first
+    one = decide(inputs + stage)
     assert one.keep == (range(2, 4),) and one.keep_bytes == stage and one.keep_saves_ms == 3 * 10.0
     assert one.fwd_plan == [range(0, 2), range(2, 4), range(4, 6)]
     one.check_valid(8, "fused")
-    two = decide(2 * stage + 1)
+    two = decide(inputs + 2 * stage + 1)
     assert two.keep == (range(0, 2), range(2, 4)) and two.keep_bytes <= 2 * stage + 1
     assert decide(1e9).keep == (range(0, 2), range(2, 4), range(4, 6))  # never the fused last stage
     assert decide(1e9, mode="0").keep == ()
@@ -163,3 +166,26 @@ def test_kept_stages_on_one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
                 _assert_same(recompute, kept)
     finally:
         torch.use_deterministic_algorithms(deterministic)
+
+
+def _plan(argv: List[str], capsys: pytest.CaptureFixture) -> str:
+    from roundpipe.cli import plan as plan_cli
+
+    plan_cli.main(argv)
+    return capsys.readouterr().out
+
+
+def test_roundpipe_plan_prints_what_keeping_takes_and_saves(capsys: pytest.CaptureFixture) -> None:
+    """One GPU with room keeps stages within it (a line says so); a small GPU keeps none; two GPUs never keep."""
+    step = ["--model", "qwen3-1.7b", "--seq-len", "4096", "--batch-size", "8", "--microbatches", "8"]
+    host = ["--host-memory", "500GiB"]
+    big = json.loads(_plan([*step, *host, "--gpu-memory", "141GiB", "--json"], capsys))["keep"]
+    assert big["candidates"] == 28 and 0 < big["stages"] <= 28
+    assert 0 < big["gpu_bytes"] <= big["room"] and big["saved_flops"] > 0 and 0 < big["share"] <= 0.25
+    text = _plan([*step, *host, "--gpu-memory", "141GiB"], capsys)
+    assert f"keep activations: {big['stages']} of 28 backward stages" in text and "TFLOP a step" in text
+    small = json.loads(_plan([*step, *host, "--gpu-memory", "8GiB", "--json"], capsys))["keep"]
+    assert small["stages"] == 0 and small["stage_bytes"] > small["room"]
+    assert "keep activations" not in _plan([*step, *host, "--gpu-memory", "8GiB"], capsys)
+    two = json.loads(_plan([*step, *host, "--gpu-memory", "141GiB", "--gpus", "2", "--json"], capsys))["keep"]
+    assert two["candidates"] == two["stages"] == 0

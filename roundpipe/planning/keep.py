@@ -11,13 +11,14 @@ in one job and recomputes nothing already).
 
 What a kept stage costs on its device, from its forward to its backward (bytes): its layers (weights and
 gradients), and for every microbatch in flight its whole activation footprint: what each layer's
-recompute would have kept (``ActivationCosts.kept``) and the stage's input. What it saves: the stage's
-recompute, its layers' forward time for every microbatch. ``RPP_DEBUG_KEEP_ACTIVATIONS`` chooses: ``auto``
-keeps, best saving per byte first, the stages that fit the room the plan leaves on a GPU (the room
-backward-stage inputs are kept in, ``budget.device_saved_room``; what keeping takes is no longer
-theirs); ``1`` every stage where it is valid, room or not; ``0`` none. ``auto`` keeps nothing on CPU
-workers: their room is the host's available memory, which the host's own budget (checkpoints, optimizer
-state) counts already, and there is no upload to save.
+recompute would have kept (``ActivationCosts.kept``) and the stage's input (which it no longer keeps
+elsewhere). What it saves: the stage's recompute, its layers' forward time for every microbatch.
+``RPP_DEBUG_KEEP_ACTIVATIONS`` chooses: ``auto`` keeps, best saving per byte first, the stages that fit the
+room the plan leaves on a GPU (``budget.device_saved_room``) once every backward-stage input has its place
+there: the inputs kept on the device save host memory, so keeping never sends one back to the host, and with
+no room beyond them nothing changes; ``1`` every stage where it is valid, room or not; ``0`` none. ``auto``
+keeps nothing on CPU workers: their room is the host's available memory, which the host's own budget
+(checkpoints, optimizer state) counts already, and there is no upload to save.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import List, Optional, Sequence
 
 from roundpipe import settings
 from roundpipe.planning.plan import ModelExecutePlan, RunType
-from roundpipe.planning.planner import ActivationCosts
+from roundpipe.planning.planner import ActivationCosts, checkpoint_bytes
 
 
 def keepable(plan: ModelExecutePlan, run_type: RunType, devices: int, tiled: bool) -> List[range]:
@@ -38,10 +39,10 @@ def keepable(plan: ModelExecutePlan, run_type: RunType, devices: int, tiled: boo
 
 
 def stage_cost(a: ActivationCosts, stage: range, layer_bytes: Sequence[float], num_microbatch: int) -> float:
-    """Device bytes keeping ``stage`` costs: its layers' bytes, and per microbatch what its layers'
-    recomputes keep plus its input (``checkpoint`` counts every microbatch)."""
+    """Device bytes keeping ``stage`` costs beyond its input's place in the room (``decide``): its layers'
+    bytes, and per microbatch what its layers' recomputes keep."""
     kept = sum(float(a.kept[i]) for i in stage)
-    return num_microbatch * kept + float(a.checkpoint[stage.start]) + sum(float(layer_bytes[i]) for i in stage)
+    return num_microbatch * kept + sum(float(layer_bytes[i]) for i in stage)
 
 
 def choose(
@@ -99,10 +100,11 @@ def decide(
 ) -> ModelExecutePlan:
     """``plan`` with the stages to keep marked (``ModelExecutePlan.keep``) and its forward cut to match,
     under ``mode`` (``RPP_DEBUG_KEEP_ACTIVATIONS`` when None; see the module docstring). ``costs`` (None: the
-    model reports no activations, and ``auto`` keeps nothing) sizes each stage; ``room`` is what ``auto``
-    may spend; ``fwd_times`` (milliseconds per microbatch when ``timed``, else proportional) rank the
-    stages and give the recompute time saved; ``gpu``: the pool is GPUs (``auto`` keeps nothing on CPU
-    workers). A stage ``plan`` marks by hand is kept where valid."""
+    model reports no activations, and ``auto`` keeps nothing) sizes each stage; ``room`` is the device
+    room, of which ``auto`` spends what the backward-stage inputs leave; ``fwd_times`` (milliseconds per
+    microbatch when ``timed``, else proportional) rank the stages and give the recompute time saved;
+    ``gpu``: the pool is GPUs (``auto`` keeps nothing on CPU workers). A stage ``plan`` marks by hand is
+    kept where valid."""
     mode = settings.DEBUG_KEEP_ACTIVATIONS.get() if mode is None else mode
     valid = keepable(plan, run_type, devices, tiled)
     if mode == "0" or not valid:
@@ -112,7 +114,8 @@ def decide(
     elif plan.keep:
         keep = [r for r in valid if r in plan.keep]
     elif costs is not None and gpu:
-        keep = choose(valid, costs, layer_bytes, fwd_times, num_microbatch, room)
+        inputs = checkpoint_bytes(plan.bwd_plan, costs, run_type == "fused")
+        keep = choose(valid, costs, layer_bytes, fwd_times, num_microbatch, room - inputs)
     else:
         keep = []
     nbytes = sum(stage_cost(costs, r, layer_bytes, num_microbatch) for r in keep) if costs is not None else 0.0
