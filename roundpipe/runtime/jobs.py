@@ -4,7 +4,9 @@ One job is one layer group over all microbatches of the call, run by one device'
 upload the group's parameters (parameter stream), then per microbatch wait for the previous group's
 result (``ModelTracker``), upload the activation (activation stream), compute, download the result
 (download stream). Training forwards run without an autograd graph and keep only each backward stage's
-input on the host; backward jobs recompute the stage from it and back-propagate. What a microbatch
+input on the host; backward jobs recompute the stage from it and back-propagate. A kept stage
+(``ModelExecutePlan.keep``, one device) instead keeps its forward's graph and layers on the device, and its
+backward back-propagates through them (``roundpipe.runtime.kept``). What a microbatch
 computes, eagerly or as one replay of a CUDA graph, is ``roundpipe.runtime.compute``; this module moves the
 data around it. The main thread hands jobs to devices in ``roundpipe.runtime.pipeline``.
 
