@@ -70,6 +70,8 @@ class ModelExecutePlan:
             return "[" + ", ".join(f"{r.start}-{r.stop - 1}" if len(r) > 1 else f"{r.start}" for r in plan) + "]"
 
         kept = f", keep={fmt(list(self.keep))}" if self.keep else ""
+        if self.keep and (self.keep_bytes or self.keep_saves_ms):
+            kept += f" ({self.keep_bytes / GiB:.2f} GiB, {self.keep_saves_ms:.0f} ms of recompute saved a call)"
         return (
             f"ModelExecutePlan(fwd={fmt(self.fwd_plan)} ({len(self.fwd_plan)} groups), bwd={fmt(self.bwd_plan)} "
             f"({len(self.bwd_plan)} groups){kept})"

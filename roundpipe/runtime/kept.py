@@ -7,8 +7,10 @@ uploads the stage's layers with their gradients (seeded from the host, as a back
 to the stage's backward job instead of releasing them; the backward job uploads nothing and downloads the
 gradients as any backward job does. Both jobs run on the call's one device (``planning.keep.keepable``), and on
 its compute stream: the backward's first use of a graph is ordered after the forward that built it by that
-stream alone, with no event between them. The graph holds the forward job's device layers, which is why those
-are the ones the backward accumulates into.
+stream alone, with no event between them. The layers' uploads and gradient seeds (parameter stream) are waited
+for layer by layer on the forward's first microbatch (``transfer.wait_layer``), so the backward's accumulation
+into the seeds and the gradient downloads (gradient stream, after the compute stream) follow them too. The
+graph holds the forward job's device layers, which is why those are the ones the backward accumulates into.
 
 Per microbatch the graph is (the stage input's leaves, made to require grad as a recompute's are; the stage
 output's leaves). The forward hands on the output detached (a leaf that passed through unchanged as the input
