@@ -31,12 +31,14 @@ def _train(
     microbatches: int = 3,
     lora: bool = False,
     plan: Optional[ModelExecutePlan] = None,
+    dropout: float = 0.0,
 ) -> Tuple[torch.Tensor, Grads, List[Tuple[range, int]]]:
-    """One forward_backward of a tiny Qwen3 (LoRA on every projection with ``lora``) under
-    ``RPP_DEBUG_KEEP_ACTIVATIONS=mode``: the loss, the gradients, and the (stage, microbatch) pairs that ran
-    through a kept graph."""
+    """One forward_backward of a tiny Qwen3 (LoRA on every projection with ``lora``; attention dropout
+    ``dropout``) under ``RPP_DEBUG_KEEP_ACTIVATIONS=mode``: the loss, the gradients, and the (stage,
+    microbatch) pairs that ran through a kept graph."""
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(configs.tiny_config("qwen3")).float()
+    config = configs.tiny_config("qwen3", attention_dropout=dropout)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().train()
     if lora:
         model = with_lora(model, LORA_PROJECTIONS, seed=1)
     kept: List[Tuple[range, int]] = []
@@ -86,6 +88,19 @@ def test_a_kept_stage_across_forward_groups(workers: str, monkeypatch: pytest.Mo
     recompute = _train("0", monkeypatch, plan=plan, microbatches=2)
     kept = _train("auto", monkeypatch, plan=plan, microbatches=2)
     assert sorted({r for r, _ in kept[2]}, key=lambda r: r.start) == [range(1, 3)]
+    _assert_same(recompute, kept)
+
+
+@pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
+@pytest.mark.parametrize("grain", ["stage", "layer"])
+def test_kept_dropout_draws_the_forward_masks(workers: str, grain: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With dropout the kept forward is the one draw of each mask (the recompute replays it from saved RNG
+    states): the same loss and gradients, for a plan whose forward groups are the backward stages already
+    (cutting the forward anew would change the order, and so the masks, of each layer's draws)."""
+    plan = ModelExecutePlan([range(0, 2), range(2, 4)], [range(0, 2), range(2, 4), range(4, 5)])
+    recompute = _train("0", monkeypatch, grain, plan=plan, dropout=0.3)
+    kept = _train("1", monkeypatch, grain, plan=plan, dropout=0.3)
+    assert {r for r, _ in kept[2]} == {range(0, 2), range(2, 4)}
     _assert_same(recompute, kept)
 
 
