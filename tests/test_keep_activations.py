@@ -155,6 +155,23 @@ def test_decide_fits_the_room() -> None:
     assert decide(0.0, mode="1").keep == (range(0, 2), range(2, 4), range(4, 6))
     assert decide(1e9, devices=2).keep == () and decide(1e9, mode="1", run_type="train").keep == ()
     assert keep.decide(plan, "fused", 1, False, 3, sizes, fwd, True, None, 1e9, True, "auto").keep == ()  # no profile
+    hand = ModelExecutePlan(plan.fwd_plan, plan.bwd_plan, keep=[range(2, 4)])
+    assert keep.decide(hand, "fused", 1, False, 3, sizes, fwd, True, a, 0.0, True, "auto").keep == (range(2, 4),)
+    with pytest.raises(ValueError, match="not a backward stage"):
+        keep.decide(
+            ModelExecutePlan(plan.fwd_plan, plan.bwd_plan, keep=[range(1, 4)]),
+            "fused",
+            1,
+            False,
+            3,
+            sizes,
+            fwd,
+            True,
+            a,
+            0.0,
+            True,
+            "auto",
+        )
     assert keep.decide(plan, "fused", 1, False, 3, sizes, fwd, True, a, 1e9, False, "auto").keep == ()  # CPU workers
 
 

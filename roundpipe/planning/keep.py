@@ -106,6 +106,12 @@ def decide(
     ``gpu``: the pool is GPUs (``auto`` keeps nothing on CPU workers). A stage ``plan`` marks by hand is
     kept where valid."""
     mode = settings.DEBUG_KEEP_ACTIVATIONS.get() if mode is None else mode
+    for r in plan.keep:
+        if r not in plan.bwd_plan:
+            raise ValueError(
+                f"ModelExecutePlan keep={list(plan.keep)}: {r} is not a backward stage of the plan "
+                f"(bwd_plan={plan.bwd_plan}); list backward stages to keep"
+            )
     valid = keepable(plan, run_type, devices, tiled)
     if mode == "0" or not valid:
         keep: List[range] = []
