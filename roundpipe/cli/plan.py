@@ -9,9 +9,10 @@ Prints peak GPU memory (per GPU) and peak host memory of one step, the bytes eac
 the longest context that fits this machine (or the ``--gpu-memory`` / ``--host-memory`` given), searched over
 the sequence tile (``RPP_SEQ_TILE``) and its halvings unless ``--seq-tile`` fixes it; with ``--base-format``
 fp8, int8 or nf4, the frozen base's host bytes, the bytes uploaded per layer and the time to unpack it on the
-GPU. A step that does not fit is told which side is short and by how much, with the levers that would change
-it, each with its estimated effect (LoRA, compact optimizer state, int8 stage inputs, a shorter sequence tile,
-fewer tokens, more memory). The
+GPU; the backward stages whose activations the GPU's room keeps for the backward (no recompute), the bytes
+they take and the recompute they save. A step that does not fit is told which side is short and by how much,
+with the levers that would change it, each with its estimated effect (LoRA, compact optimizer state, int8 stage
+inputs, a shorter sequence tile, fewer tokens, more memory). The
 same numbers are ``roundpipe.planning.estimate.estimate(...)`` and ``roundpipe.planning.estimate.longest_context(...)``
 in Python. Exit status 0 when the step fits, 1 when it does not (text and ``--json`` alike), 2 with one
 line for bad input. A run ``roundpipe train`` refuses is refused here too: a sequence beyond a model
@@ -41,7 +42,7 @@ from roundpipe.cli.config import (
     normalize_dtype,
 )
 from roundpipe.cli.memory_caps import size_bytes
-from roundpipe.planning import estimate, memory_terms
+from roundpipe.planning import estimate, keep_estimate, memory_terms
 from roundpipe.utils import BASE_FORMATS, GiB
 
 
@@ -259,6 +260,7 @@ def _plan(args: argparse.Namespace) -> int:
     tiles = [args.seq_tile] if args.seq_tile is not None else estimate.tile_choices()
     e, fits = plan_levers.best_estimate(shape, args.seq_len, gpu, host, kw)
     levers = [] if fits else plan_levers.levers(args, shape, gpu, host, kw)
+    kept = keep_estimate.keep_estimate(shape, e, args.gpus, args.sequence_tiles)
     if args.json:
         seq, fit = estimate.longest_context(shape, gpu, host, tiles=tiles, **kw)
         result = {
@@ -281,11 +283,14 @@ def _plan(args: argparse.Namespace) -> int:
             "host_memory": host,
             "short": plan_levers.shortfall(e, gpu, host),
             "levers": [lever.to_json() for lever in levers],
+            "keep": kept.to_json(),
         }
         print(json.dumps(result))
         return 0 if fits else 1
     print(f"{args.model}: {shape.params() / 1e9:.2f}B parameters, {shape.layers} layers, hidden {shape.hidden}")
     print(e.describe())
+    if kept.stages:  # the choice when keeping happens (the JSON says why not otherwise)
+        print(kept.describe())
     if fits:
         print(f"this step fits {estimate.budgets(gpu, host)}")
     else:

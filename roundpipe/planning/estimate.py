@@ -72,6 +72,9 @@ class Estimate:
     """Time to unpack one decoder layer's packed base on the GPU (``frozen_terms``' assumed rates)."""
     tile: int = 0
     """Tokens per sequence tile of the decoder layers (``RPP_SEQ_TILE``) the estimate counts (0: off)."""
+    device_room: float = 0.0
+    """GPU bytes a one-GPU step may keep on the device beyond its peak: saved inputs, or kept stages
+    (``roundpipe.planning.keep_estimate``); 0 with several GPUs or no ``gpu_bytes``."""
 
     @property
     def peak_gpu_bytes(self) -> float:
@@ -303,6 +306,7 @@ def estimate(
         float(upload),
         base.dequantize_ms,
         int(tile),
+        room,
     )
 
 

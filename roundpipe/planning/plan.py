@@ -7,7 +7,7 @@ algorithms that choose one (``auto``) and check one (``check_valid``).
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, List, Optional, Protocol, Tuple, Union
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 from roundpipe.devices import device
 from roundpipe.devices.dispatch import dispatcher
@@ -45,25 +45,43 @@ class ModelExecutePlan:
     Attributes:
         fwd_plan: Layer ranges executed during forward.
         bwd_plan: Layer ranges executed during backward (empty for inference).
+        keep: Backward stages whose forward keeps its autograd graph on the device for the backward, which
+            then recomputes nothing (``roundpipe.planning.keep``); each is also one forward group.
+        keep_bytes: Device bytes the kept stages take from the forward to the backward (0 when unknown).
+        keep_saves_ms: Recompute time the kept stages save per call (milliseconds; 0 when not timed yet).
     """
 
-    def __init__(self, fwd_plan: Optional[List[range]] = None, bwd_plan: Optional[List[range]] = None) -> None:
+    def __init__(
+        self,
+        fwd_plan: Optional[List[range]] = None,
+        bwd_plan: Optional[List[range]] = None,
+        keep: Sequence[range] = (),
+        keep_bytes: float = 0.0,
+        keep_saves_ms: float = 0.0,
+    ) -> None:
         self.fwd_plan: List[range] = list(fwd_plan or [])
         self.bwd_plan: List[range] = list(bwd_plan or [])
+        self.keep: Tuple[range, ...] = tuple(keep)
+        self.keep_bytes = float(keep_bytes)
+        self.keep_saves_ms = float(keep_saves_ms)
 
     def __repr__(self) -> str:
         def fmt(plan: List[range]) -> str:
             return "[" + ", ".join(f"{r.start}-{r.stop - 1}" if len(r) > 1 else f"{r.start}" for r in plan) + "]"
 
+        kept = f", keep={fmt(list(self.keep))}" if self.keep else ""
+        if self.keep and (self.keep_bytes or self.keep_saves_ms):
+            kept += f" ({self.keep_bytes / GiB:.2f} GiB, {self.keep_saves_ms:.0f} ms of recompute saved a call)"
         return (
             f"ModelExecutePlan(fwd={fmt(self.fwd_plan)} ({len(self.fwd_plan)} groups), bwd={fmt(self.bwd_plan)} "
-            f"({len(self.bwd_plan)} groups))"
+            f"({len(self.bwd_plan)} groups){kept})"
         )
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, ModelExecutePlan) and (self.fwd_plan, self.bwd_plan) == (
+        return isinstance(other, ModelExecutePlan) and (self.fwd_plan, self.bwd_plan, self.keep) == (
             other.fwd_plan,
             other.bwd_plan,
+            other.keep,
         )
 
     @classmethod
@@ -78,6 +96,7 @@ class ModelExecutePlan:
         """This plan adapted to ``run_type`` (forward coverage differs between 'train' and 'fused')."""
         if run_type == "infer" or not self.bwd_plan:
             return ModelExecutePlan(self.fwd_plan, [] if run_type == "infer" else self.bwd_plan)
+        keep = [r for r in self.keep if run_type != "fused" or r != self.bwd_plan[-1]]
         fused_start = self.bwd_plan[-1].start
         fwd: List[range] = []
         for r in self.fwd_plan:
@@ -89,11 +108,17 @@ class ModelExecutePlan:
         if run_type == "train" and (not fwd or fwd[-1].stop < num_layers):
             start = fwd[-1].stop if fwd else 0
             fwd.append(range(start, num_layers))
-        return ModelExecutePlan(fwd, self.bwd_plan)
+        return ModelExecutePlan(fwd, self.bwd_plan, keep, self.keep_bytes, self.keep_saves_ms)
 
     def check_valid(self, num_layers: int, run_type: RunType) -> None:
         """Raise ``ValueError`` naming the offending layers unless the plans cover every layer once, in order."""
         validate_plan(self.fwd_plan, self.bwd_plan, num_layers, run_type)
+        for r in self.keep:
+            if r not in self.bwd_plan or r not in self.fwd_plan:
+                raise ValueError(
+                    f"keep: {r} must be both a backward stage and a forward group of the plan (a kept stage's "
+                    "forward job holds its graph whole); planning.keep.refine_forward cuts the forward to match"
+                )
 
     @classmethod
     def auto(

@@ -4,7 +4,9 @@ One job is one layer group over all microbatches of the call, run by one device'
 upload the group's parameters (parameter stream), then per microbatch wait for the previous group's
 result (``ModelTracker``), upload the activation (activation stream), compute, download the result
 (download stream). Training forwards run without an autograd graph and keep only each backward stage's
-input on the host; backward jobs recompute the stage from it and back-propagate. What a microbatch
+input on the host; backward jobs recompute the stage from it and back-propagate. A kept stage
+(``ModelExecutePlan.keep``, one device) instead keeps its forward's graph and layers on the device, and its
+backward back-propagates through them (``roundpipe.runtime.kept``). What a microbatch
 computes, eagerly or as one replay of a CUDA graph, is ``roundpipe.runtime.compute``; this module moves the
 data around it. The main thread hands jobs to devices in ``roundpipe.runtime.pipeline``.
 
@@ -38,6 +40,7 @@ from roundpipe.runtime.compute import (
     input_grads,
     wrap,
 )
+from roundpipe.runtime.kept import KeptForward, drop_kept, kept_backward
 from roundpipe.runtime.run import Leaves, MicrobatchState, Run
 from roundpipe.runtime.transfer import (
     async_d2h,
@@ -275,23 +278,30 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
     """
     model, batch, tracker = run.model, run.batch, run.tracker
     layers = run.plan.fwd_plan[layer_group_id]
-    if run.enable_grad:
+    # A kept stage (``roundpipe.runtime.kept``): its layers upload with gradients, compute with autograd and stay
+    # on the device for its backward job; no recompute, so no buffer snapshot, RNG state or saved input.
+    kept = run.enable_grad and layers in run.plan.keep
+    if run.enable_grad and not kept:
         for i in layers:
             if any(True for _ in model.layers[i].buffers()):
                 # The previous forward's buffer download (of any wrapper) must land before we copy the host buffers.
                 layer_buffers_landed(model.layers[i])
                 run.saved_buffers[i] = snapshot_buffers(model.layers[i])
     clock = HostClock(device)
-    parity, slots = _graph_slots(device, run, layers, backward=False)
+    parity, slots = (device.graphs.begin_job(), None) if kept else _graph_slots(device, run, layers, backward=False)
     # Per-layer upload events: the first microbatch starts on the first layer while the rest upload.
     ready: List[Any] = []
-    gpu_layers = _upload_group(device, run, layers, with_grad=False, for_recompute=False, ready=ready, slots=slots)
-    compute = GroupForward(JobGroup(run, device, layers, gpu_layers, ready, slots, parity))
+    gpu_layers = _upload_group(device, run, layers, with_grad=kept, for_recompute=False, ready=ready, slots=slots)
+    if kept:
+        compute: Any = KeptForward(run, device, layers, gpu_layers, ready)
+    else:
+        compute = GroupForward(JobGroup(run, device, layers, gpu_layers, ready, slots, parity))
     tiles = run.sequence.job_store(device, backward=False) if run.sequence is not None else None
     peer_handoff = run.peer_handoff
     saves_output = (
         run.enable_grad
         and tracker.backward_need_input(layers.stop)
+        and not any(r.start == layers.stop for r in run.plan.keep)  # a kept stage's graph holds its input
         and not (
             run.run_type == "fused" and layers.stop == run.plan.bwd_plan[-1].start  # the fused job saves nothing
         )
@@ -303,7 +313,7 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
         host_leaves, spec, events = batch.flatten_states[m], batch.flatten_specs[m], batch.forward_events[m]
         dev_leaves = _take_activation(device, run, m)
         device.compute_stream.wait_stream(device.upstream)
-        if run.enable_grad and tracker.backward_need_input(layers.start):
+        if run.enable_grad and tracker.backward_need_input(layers.start) and not kept:
             if layers.start in run.kept_inputs[m]:
                 ctx.device_inputs[layers.start] = (dev_leaves, spec)  # the previous job kept no host copy
             elif layers.start not in ctx.flatten_inputs:  # the previous job kept a compact one (stage_codec)
@@ -354,7 +364,10 @@ def run_forward(device: "DeviceManager", run: Run, layer_group_id: int) -> None:
         tiles.finish(keep=run.enable_grad)
     for i, layer in zip(layers, gpu_layers):
         download_layer(model.layers[i], layer, i, model.layer_attrs[i], device, with_buffer=True, with_grad=False)
-    release_layers(gpu_layers, device, slots)
+    if kept:
+        run.kept_layers[layers.start] = gpu_layers  # the stage's backward job downloads and releases them
+    else:
+        release_layers(gpu_layers, device, slots)
     device.job_done()
     clock.note(run, batch.num_microbatch, len(layers))
 
@@ -370,16 +383,21 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int, part: i
     batch, tracker, cfg = run.batch, run.tracker, run.cfg
     layers = run.plan.bwd_plan[layer_group_id]
     split = layer_group_id == len(run.plan.bwd_plan) - 1 and run.fused_parts > 1
+    kept = layers in run.plan.keep  # its forward left its layers and graphs here (``roundpipe.runtime.kept``)
     clock = HostClock(device)
-    parity, slots = _graph_slots(device, run, layers, backward=True) if not split else (device.graphs.begin_job(), None)
+    eager = split or kept
+    parity, slots = _graph_slots(device, run, layers, backward=True) if not eager else (device.graphs.begin_job(), None)
     # Per-layer upload events: the first recompute starts on the first layer while the rest upload
     # (the backward itself runs after the recompute has waited for every layer).
     ready: List[Any] = []
-    gpu_layers = _upload_group(
-        device, run, layers, with_grad=True, for_recompute=True, ready=ready, seed=part == 0, slots=slots
-    )
+    if kept:
+        gpu_layers = run.kept_layers.pop(layers.start)  # uploaded by the forward, which waited for them
+    else:
+        gpu_layers = _upload_group(
+            device, run, layers, with_grad=True, for_recompute=True, ready=ready, seed=part == 0, slots=slots
+        )
     group = JobGroup(run, device, layers, gpu_layers, ready, slots, parity)
-    by_stage = GroupBackward(group) if cfg.recompute_grain == "stage" else None
+    by_stage = GroupBackward(group) if cfg.recompute_grain == "stage" and not kept else None
     first = True  # the first microbatch that computes waits for each layer; later ones find them there
     order = part_microbatches(part, run.fused_parts, batch.num_microbatch) if split else range(batch.num_microbatch)
     tiles = None
@@ -391,7 +409,19 @@ def run_backward(device: "DeviceManager", run: Run, layer_group_id: int, part: i
         tracker.backward_wait_for(layer_group_id, m)
         ctx = run.contexts[m]
         if all(g is None for g in ctx.grad_states) and ctx.grad_handoff is None:
-            ctx.grad_states, ctx.grad_events = [None] * run.drop_stage_input(ctx, layers.start), []
+            n_in = drop_kept(run, layers, m) if kept else run.drop_stage_input(ctx, layers.start)
+            ctx.grad_states, ctx.grad_events = [None] * n_in, []
+            tracker.backward_notify(layer_group_id, m)
+            continue
+        if kept:
+            dev_grads = _take_grads(device, ctx)
+            device.compute_stream.wait_stream(device.upstream)  # the output gradients' upload, if any
+            with _on_compute(device, run), clock:
+                in_grads = kept_backward(run, device, layers, m, dev_grads)
+            first = False
+            _give_grads(device, run, ctx, layer_group_id, in_grads)
+            device.mem_manager.free((dev_grads, in_grads), device.compute_stream, device.downstream)
+            del dev_grads, in_grads
             tracker.backward_notify(layer_group_id, m)
             continue
         dev_in, spec = run.take_stage_input(ctx, layers.start, device)

@@ -73,13 +73,19 @@ def _assign(run: Run, jobs: Sequence[Tuple[str, int]]) -> List[Tuple[str, int, "
 def _launch(run: Run, jobs: List[Tuple[str, int, "DeviceManager"]]) -> None:
     """Fence each job's layers (attribute.py protocol), then hand the job to its device."""
     attrs = run.model.layer_attrs
+    kept = run.plan.keep if run.enable_grad else ()
     for kind, gid, dev in jobs:
         if kind == "f":
             for i in run.plan.fwd_plan[gid]:
-                attrs[i].forward_fence()
+                # A kept stage's forward uploads its gradients too (seeded from the host) and is its layers'
+                # only upload of the call: it takes the backward's fence (the optimizer done reading them).
+                if run.plan.fwd_plan[gid] in kept:
+                    attrs[i].backward_fence()
+                else:
+                    attrs[i].forward_fence()
             dev.launch(run_forward, run, gid, label=_job_label(run, "forward", run.plan.fwd_plan[gid]))
         elif kind == "b":
-            for i in run.plan.bwd_plan[gid]:
+            for i in run.plan.bwd_plan[gid] if run.plan.bwd_plan[gid] not in kept else ():  # fenced at forward
                 attrs[i].backward_fence()
             dev.launch(run_backward, run, gid, label=_job_label(run, "backward", run.plan.bwd_plan[gid]))
         elif kind == "bp":  # part gid > 0 of the last backward group: part 0 ("b") fenced its layers
@@ -127,7 +133,13 @@ def dispatch_backward(run: Run) -> None:
 
 def dispatch_fused(run: Run) -> None:
     """forward_backward: forward groups, the fused last group (in ``run.fused_parts`` parts, on
-    consecutive devices), then the other backward groups."""
+    consecutive devices), then the other backward groups. A kept stage's backward must run where its
+    forward ran (its graph and layers are there): the planner keeps only on a pool of one device."""
+    if run.plan.keep and device_mod.get_num_devices() != 1:
+        raise RuntimeError(
+            f"model {run.model.name!r}: the plan keeps stages {list(run.plan.keep)} on a pool of "
+            f"{device_mod.get_num_devices()} devices; a kept stage needs one device (or RPP_DEBUG_KEEP_ACTIVATIONS=0)"
+        )
     n_bwd = len(run.plan.bwd_plan)
     fused = [("fb", part) for part in range(run.fused_parts)]
     jobs = [("f", g) for g in range(len(run.plan.fwd_plan))] + fused + [("b", b) for b in range(n_bwd - 2, -1, -1)]

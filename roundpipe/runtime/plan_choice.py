@@ -14,9 +14,10 @@ from typing import Optional
 
 from roundpipe.devices import backend, threads
 from roundpipe.devices import device as device_mod
-from roundpipe.planning import budget
+from roundpipe.planning import budget, keep
 from roundpipe.planning import plan as plan_mod
 from roundpipe.planning.plan import ModelExecutePlan, PlanKey, RunType
+from roundpipe.planning.planner import validate_plan
 from roundpipe.planning.simulate import HostCosts
 from roundpipe.runtime.batch import Batch
 from roundpipe.runtime.model_protocol import PipelinedModel
@@ -42,13 +43,15 @@ def local_plan(
 ) -> ModelExecutePlan:
     """This process's plan for a call (see the module docstring). The call's microbatch count is the
     batch's (``Batch.num_microbatch``); without a batch, the count the config asks for."""
+    num_microbatch = batch.num_microbatch if batch is not None else cfg.num_microbatch
+    profile = call_profile(model, batch, cfg.recompute_grain) if batch is not None and run_type != "infer" else None
     if cfg.execute_plan is not None:
         plan = cfg.execute_plan.for_run_type(run_type, model.num_layers)
+        validate_plan(plan.fwd_plan, plan.bwd_plan, model.num_layers, run_type)
+        plan = with_kept(model, plan, run_type, batch, num_microbatch, profile)
         plan.check_valid(model.num_layers, run_type)
         return plan
-    num_microbatch = batch.num_microbatch if batch is not None else cfg.num_microbatch
     cache = model.plan_cache
-    profile = call_profile(model, batch, cfg.recompute_grain) if batch is not None and run_type != "infer" else None
     key: PlanKey = (run_type, 1 << max(0, profile.tokens - 1).bit_length()) if profile is not None else (run_type, 0)
     if profile is not None:
         if cache.last_activation_key not in (None, key):
@@ -79,7 +82,31 @@ def local_plan(
         ):
             plan = cached[0]
         cache.plans[key] = (plan, version)
-    return cache.plans[key][0]
+    return with_kept(model, cache.plans[key][0], run_type, batch, num_microbatch, profile)
+
+
+def with_kept(
+    model: PipelinedModel,
+    plan: ModelExecutePlan,
+    run_type: RunType,
+    batch: Optional[Batch],
+    num_microbatch: int,
+    profile: Optional[budget.ActivationProfile],
+) -> ModelExecutePlan:
+    """``plan`` with the backward stages that keep their forward's graph marked (``planning.keep.decide``,
+    ``RPP_DEBUG_KEEP_ACTIVATIONS``), within the device room the plan leaves (``budget.device_saved_room``)."""
+    tiled = batch is not None and batch.sequence_tiles > 1
+    devices = device_mod.get_num_devices()
+    if not plan.keep and not keep.keepable(plan, run_type, devices, tiled):
+        return plan
+    layer_bytes = model.layer_device_bytes(run_type)
+    costs = budget.costs(profile, budget.gpu_budget(layer_bytes), 0.0) if profile is not None else None
+    room = budget.device_saved_room(profile, layer_bytes, plan.bwd_plan)
+    source, fwd_t, _ = model.model_timer.get_estimate(run_type)
+    gpu = all(backend.is_cuda(d.device) for d in device_mod.get_devices())
+    return keep.decide(
+        plan, run_type, devices, tiled, num_microbatch, layer_bytes, fwd_t, source == "time", costs, room, gpu
+    )
 
 
 def replan_pays(

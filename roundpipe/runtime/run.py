@@ -235,6 +235,10 @@ class Run:
         self.device_saved_room = self.device_saved_left  # what the call started with (logged at ``release``)
         # Gradient shares of tied parameters, summed into the owner layer's share on its device.
         self.tied = TiedGrads(model.layer_attrs, device_mod.get_num_devices() == 1) if self.enable_grad else None
+        # Kept stages (``roundpipe.runtime.kept``): per (stage start, microbatch) the graph its forward left on the
+        # device, (input leaves, output leaves); per stage start its device layers, from its forward to its backward.
+        self.kept_graphs: Dict[Tuple[int, int], Tuple[Leaves, Leaves]] = {}
+        self.kept_layers: Dict[int, List[torch.nn.Module]] = {}
         # Per microbatch: group boundaries whose output the producing job left on the device for the
         # next job to keep as its saved stage input (no host copy was made).
         self.kept_inputs: List[Set[int]] = [set() for _ in range(batch.num_microbatch)]
@@ -260,7 +264,8 @@ class Run:
         if self.run_type != "fused":
             return 0
         profile = call_profile(self.model, self.batch, self.cfg.recompute_grain)
-        return int(budget.device_saved_room(profile, self.model.layer_device_bytes(self.run_type), self.plan.bwd_plan))
+        room = budget.device_saved_room(profile, self.model.layer_device_bytes(self.run_type), self.plan.bwd_plan)
+        return int(max(0.0, room - self.plan.keep_bytes))  # what kept stages take is not the saved inputs' room
 
     def keep_on_device(self, leaves: Leaves) -> bool:
         """Reserve room to keep a backward-stage input on the device (instead of a host copy); the
@@ -305,6 +310,7 @@ class Run:
                 sorted({len(r) for r in self.plan.bwd_plan}),
             )
         self.sequence = None
+        self.kept_graphs, self.kept_layers = {}, {}
         self.contexts = []
         self.input_leaves = []
         self.saved_buffers = {}

@@ -140,6 +140,19 @@ DEBUG_DEVICE_SAVED_GB: Setting[Optional[float]] = _register(
         "device memory its plan leaves free, in forward_backward calls of models that report their activations).",
     )
 )
+DEBUG_KEEP_ACTIVATIONS: Setting[str] = _register(
+    Setting(
+        "RPP_DEBUG_KEEP_ACTIVATIONS",
+        tristate,
+        "auto",
+        "auto",
+        "`auto`, `1` or `0`",
+        "Backward stages whose forward keeps its autograd graph on the device, so that the backward needs no "
+        "recompute (forward_backward calls on one device): auto, those the planner fits in the room the plan leaves "
+        "on a GPU; `1`, every stage it can keep (the last, fused one needs none), room or not, CPU workers too; "
+        "`0`, none.",
+    )
+)
 #: How backward-stage inputs may be kept (``roundpipe.runtime.stage_codec``): the one list of the modes, read
 #: by the codec, the CLI and this setting (``RoundPipeRunConfig.stage_inputs``' type repeats it; a test checks).
 STAGE_INPUT_MODES: Tuple[str, ...] = ("bf16", "fp8", "int8")
