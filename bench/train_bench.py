@@ -19,6 +19,7 @@ import gc
 import os
 import re
 import resource
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,10 +27,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-from benchlib.gaps import busy_fraction, cuda_sync, split_gaps  # noqa: F401 (the other scripts import them here)
 
-from roundpipe import flavors, settings
-from roundpipe.utils import BASE_FORMATS  # the --base-format names, without torch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib.gaps import busy_fraction, cuda_sync, split_gaps  # noqa: E402, F401 (the other scripts import them here)
+
+from roundpipe import flavors, settings  # noqa: E402
+from roundpipe.utils import BASE_FORMATS  # noqa: E402  (the --base-format names, without torch)
 
 WORKLOADS = ["tiny", *flavors.BUILTIN]
 """The bench workloads: the Qwen3 and Llama-3.1 sizes of ``roundpipe.flavors``, and ``tiny`` for CPU smoke runs."""
