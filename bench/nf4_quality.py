@@ -21,7 +21,7 @@ every batch is fresh, so they are held-out losses); then the ratio nf4 / bf16 of
 
 ``--threads 1`` on 2 cores: each CPU worker computes on one core (they take the process's thread count), and
 the pretraining's small matrices gain nothing from a second thread. ``tests/test_nf4_quality.py`` runs a
-shortened version against the same 2% bound.
+shortened version against a tighter bound (0.5%) that a wrong base (NF4 scales off by 1.25x) fails.
 """
 
 from __future__ import annotations

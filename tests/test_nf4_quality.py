@@ -3,10 +3,10 @@
 A hidden-256 Qwen3 layer pretrained briefly in plain PyTorch on the bench's synthetic language, saved as a Hugging
 Face checkpoint, then fine-tuned with LoRA r16 on the shifted language through ``roundpipe.from_pretrained`` with
 each base format (same adapters' init, same batches, two CPU workers). The issue's target is 2% after 300 steps;
-the bench measures 0.04% there (docs/benchmarks.md), and this shortened run 0.07% to 0.09% over seeds 0-2 (the
-base on its own language: 0.01% to 0.12%). The bound here, 0.5%, is five times that, and it fails for an NF4
-base whose block scales are off by 1.25x (+1.3% to +1.6% over those seeds) or 2x (+4.4% to +5.5%), so it
-measures the base and not the adapters alone.
+the bench measures 0.04% there (docs/benchmarks.md), and this shortened run 0.02% to 0.17% over seeds 0-2 (the
+base on its own language: 0.01% to 0.09%). The bound here, 0.5%, is three times the largest of those, and it
+fails for an NF4 base whose block scales are off by 1.25x (+1.4% to +1.8% over those seeds) or 2x (+3.9% to
++5.3%), so it measures the base and not the adapters alone.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import nf4_quality as bench  # noqa: E402
 BOUND = 0.005
 """NF4 final loss / bf16 final loss may differ from 1 by this much (see the module doc)."""
 
-SHORT = ["--steps", "30", "--pretrain-steps", "60", "--layers", "1", "--length", "8", "--vocab", "32", "--tail", "10"]
+SHORT = ["--steps", "20", "--pretrain-steps", "40", "--layers", "1", "--length", "8", "--vocab", "32", "--tail", "10"]
 """The bench's defaults but for a run of seconds: hidden 256, LoRA r16, one layer, 8-symbol halves."""
 
 
@@ -70,7 +70,7 @@ def bf16(setup: Dict[str, Any]) -> Dict[str, Any]:
 def test_an_nf4_base_reaches_the_bf16_base_loss(workers: str, setup: Dict[str, Any], bf16: Dict[str, Any]) -> None:
     nf4 = fine_tune(setup, "nf4")
     assert setup["pretrained"]["final"] < 0.8 * setup["pretrained"]["first"]  # the base learnt its language
-    assert bf16["final"] < 0.8 * bf16["first"]  # the adapters learn the shifted task
+    assert bf16["final"] < 0.9 * bf16["first"]  # the adapters learn the shifted task
     assert abs(nf4["base_loss"] / bf16["base_loss"] - 1) < BOUND  # before any adapting
     assert abs(nf4["final"] / bf16["final"] - 1) < BOUND, (nf4["final"], bf16["final"])
     assert nf4["losses"] != bf16["losses"]  # two bases, not one
