@@ -213,7 +213,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the whole result (every loss) as JSON")
     p.add_argument("--progress", action="store_true", help="a line on stderr every 50 steps")
-    p.add_argument("--threads", type=int, default=None, help="torch threads of the main process (a shared machine: 1)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of the process; each CPU worker computes with this many (2 cores, cpu:2: 1)",
+    )
     return p
 
 
