@@ -58,8 +58,8 @@ def run_group(argvs: List[List[str]], workers: int = 1) -> List[str]:
 
 
 def test_bench_stays_small() -> None:
-    """At most ten scripts, each within the line limit."""
-    assert len(SCRIPTS) <= 10, SCRIPTS
+    """At most eleven scripts, each within the line limit."""
+    assert len(SCRIPTS) <= 11, SCRIPTS
     for name in SCRIPTS:
         with open(os.path.join(BENCH, name)) as f:
             assert sum(1 for _ in f) <= 600, name

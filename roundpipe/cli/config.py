@@ -196,6 +196,12 @@ class TrainConfig:
         "compiling takes longer than it saves)",
         group="run",
     )
+    seq_tile: Optional[int] = _f(
+        None,
+        "tokens per sequence tile of the decoder layers, as RPP_SEQ_TILE and roundpipe plan --seq-tile (0: off; a "
+        "shorter tile needs less GPU memory at long context; default: RPP_SEQ_TILE, else 16384)",
+        group="run",
+    )
     # devices
     devices: Optional[str] = _f(
         None,
@@ -339,6 +345,8 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("save_every", "weight_decay", "max_grad_norm", "lora_r", "lora_dropout", "eval_examples"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name}={getattr(cfg, name)} is negative", f"set {name} to 0 or more")
+    if cfg.seq_tile is not None and cfg.seq_tile < 0:
+        raise ConfigError(f"seq_tile={cfg.seq_tile} is negative", "set --seq-tile to 0 (tiles off) or more")
     if cfg.warmup_steps is not None and cfg.warmup_steps < 0:
         raise ConfigError(f"warmup_steps={cfg.warmup_steps} is negative", "set warmup_steps to 0 or more")
     if not 0 <= cfg.min_lr_ratio <= 1:

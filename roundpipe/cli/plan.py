@@ -114,8 +114,8 @@ def parser() -> argparse.ArgumentParser:
         "--seq-tile",
         type=int,
         default=None,
-        help="tokens per sequence tile of the decoder layers, as RPP_SEQ_TILE sets it for train (0: off; default: "
-        "RPP_SEQ_TILE; the longest context is then searched over it and its halvings)",
+        help="tokens per sequence tile of the decoder layers, as train --seq-tile (RPP_SEQ_TILE) sets it (0: off; "
+        "default: RPP_SEQ_TILE; the longest context is then searched over it and its halvings)",
     )
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     return p

@@ -2,7 +2,7 @@
 levers that would change it, each with the effect the estimate itself computes for it (never a fixed text).
 
 A lever is one change to the command line: LoRA, compact optimizer state, int8 stage inputs, a shorter sequence
-tile (``--seq-tile``, ``RPP_SEQ_TILE`` for train) where the GPU is short, fewer tokens
+tile (``--seq-tile`` in plan and train, or ``RPP_SEQ_TILE``) where the GPU is short, fewer tokens
 (the longest ``--seq-len`` that fits, from ``estimate.longest_context``), more GPU memory where the GPU is
 short, an NF4 frozen base (``--base-format nf4``, with LoRA) where the host is short.
 Each is estimated alone, as ``plan`` would with its flags added (the same choice of layers per backward

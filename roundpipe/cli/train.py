@@ -236,6 +236,8 @@ class Recipe(TrainLoop):
         try:
             # The caps first: the workers read them as they start (--gpu-memory wins over RPP_GPU_MEMORY).
             roundpipe.configure(devices=spec, compile=compile_, **memory_caps(self.cfg))
+            if self.cfg.seq_tile is not None:  # --seq-tile wins over RPP_SEQ_TILE, as the caps do
+                roundpipe.configure(seq_tile=self.cfg.seq_tile)
             roundpipe.get_num_devices()  # starts the workers; reads RPP_DEVICES when --devices is not given
         except (ValueError, RuntimeError) as exc:
             if str(exc).startswith(CAPS["gpu_memory"] + "="):
