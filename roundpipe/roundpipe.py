@@ -68,9 +68,9 @@ class RoundPipe(RoundPipeBase):
     An ``nn.Sequential`` is split into its children (the layers); any other module is one layer. Layer 0
     is called as ``layer(*args, **kwargs)``; layer i > 0 as ``layer(output_of_layer_i_minus_1)``.
 
-    ``base_format`` (``roundpipe.host.formats.BASE_FORMATS``) stores the frozen ``nn.Linear`` weights packed in host
-    memory (``"fp8"``, ``"int8"``, ``"nf4"``; default ``"bf16"``: as they are); they are uploaded packed and
-    unpacked on the device. A model with no frozen ``nn.Linear`` weight and a packed format is an error.
+    ``base_format`` (``roundpipe.host.formats.BASE_FORMATS``) stores the frozen ``nn.Linear`` and expert weights
+    packed in host memory (``"fp8"``, ``"int8"``, ``"nf4"``, ``"mxfp4"``; default ``"bf16"``: as they are); they are
+    uploaded packed and unpacked on the device. A packed format with no frozen weight to pack is an error.
 
     Attributes:
         model_run_config: Default run configuration of this model.
@@ -119,6 +119,13 @@ class RoundPipe(RoundPipeBase):
         # Frozen Linear weights packed before pinning (the packed bytes are what is pinned) and before the
         # layer sizes are read (they count the packed bytes).
         quantize_base(model, base_format)
+        if model_run_config.fp8:
+            # The wrappers convert the whole model before splitting it; a RoundPipe built directly converts its own
+            # layers here, so RoundPipeRunConfig(fp8=True) never runs them in bf16 without a word.
+            from roundpipe.models import fp8 as fp8_gemms
+
+            if fp8_gemms.unconverted(model):
+                fp8_gemms.prepare(model, True)
         pin_module(model, pin_model)
         shared: Dict[int, nn.Parameter] = {}
         for i, layer in enumerate(layers):

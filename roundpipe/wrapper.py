@@ -301,9 +301,10 @@ def wrap_model_to_roundpipe(
         override_config: Module -> run config for that module's RoundPipe.
         model_run_config: Default run config.
         name: Name of the root; default: the caller's file:line.
-        base_format: How frozen ``nn.Linear`` weights (a LoRA base) are stored in host memory:
-            ``roundpipe.host.formats.BASE_FORMATS`` (``"bf16"``: as they are; ``"fp8"``, ``"int8"``, ``"nf4"``:
-            packed, uploaded packed and dequantized on the device). Packed once, before the model is split,
+        base_format: How frozen ``nn.Linear`` weights (a LoRA base) and frozen expert weights are stored in host
+            memory: ``roundpipe.host.formats.BASE_FORMATS`` (``"bf16"``: as they are; ``"fp8"``, ``"int8"``,
+            ``"nf4"``, ``"mxfp4"``: packed, uploaded packed and dequantized on the device; ``"mxfp4"`` packs a
+            mixture of experts' experts only, as GPT-OSS ships). Packed once, before the model is split,
             so the split sizes count the packed bytes.
         fp8: FP8 GEMMs in the decoder layers' projections (``roundpipe.models.fp8``): over a frozen base
             stored with ``base_format="fp8"``, and torchao's float8 training recipe for trained ones. Default:

@@ -352,6 +352,27 @@ def test_fp8_is_chosen_at_wrap_time(workers: str) -> None:
         rp(**batch, roundpipe_run_config=RoundPipeRunConfig(fp8=True))
 
 
+@pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
+def test_a_roundpipe_built_directly_converts_its_layers(workers: str) -> None:
+    """``RoundPipe(model, model_run_config=RoundPipeRunConfig(fp8=True))`` converts the decoder layers'
+    projections as the wrappers do, instead of running them in bf16 without a word; over a frozen base kept
+    in bf16 it is the wrappers' error, naming ``base_format``."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    def converted(m: nn.Module) -> int:
+        return sum(isinstance(x, Float8Linear) for x in m.modules())
+
+    wrapped = tiny_model("qwen3")
+    models.wrap_model(wrapped, fp8=True)
+    model = tiny_model("qwen3")
+    assert fp8.unconverted(model) and converted(model) == 0
+    roundpipe.RoundPipe(model, model_run_config=RoundPipeRunConfig(fp8=True))
+    assert not fp8.unconverted(model)
+    assert converted(model) == converted(wrapped) > 0
+    with pytest.raises(ValueError, match="base_format='fp8'"):
+        roundpipe.RoundPipe(add_lora(tiny_model("qwen3"), ["q_proj"], 8), model_run_config=RoundPipeRunConfig(fp8=True))
+
+
 def test_cli_fp8_flag(tmp_path: Any) -> None:
     """``--fp8`` is a train flag; with LoRA it needs ``--base-format fp8``."""
     from roundpipe.cli.config import ConfigError

@@ -23,7 +23,7 @@ Hopper) has no FP8 GEMM: ``fp8=True`` there is an error naming the flag.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -328,6 +328,19 @@ def convert_trained(model: nn.Module) -> int:
     return sum(1 for m in model.modules() if isinstance(m, Float8Linear))
 
 
+def unconverted(model: nn.Module) -> List[str]:
+    """Names of the decoder-layer projections of ``model`` that :func:`prepare` would convert (or refuse) and
+    that are not converted: trained ``nn.Linear``s of :func:`trained_filter`, and frozen weights not yet
+    computing from fp8 bytes."""
+    names = [fqn for fqn, m in model.named_modules() if trained_filter(m, fqn)]
+    for name, w in _frozen_linear_weights(model).values():
+        if "layers." not in f".{name}" or name.endswith("lm_head") or _router(name) or not _gemm_shape(w):
+            continue
+        if not (isinstance(w, FrozenWeight) and w.format is FP8_COMPUTE):
+            names.append(name)
+    return names
+
+
 def prepare(model: nn.Module, enabled: bool) -> None:
     """Set ``model`` up for ``fp8=True`` (at wrap time, before it is split): frozen fp8 bases compute from
     their bytes (:func:`enable_fp8_base`), trained projections become torchao ``Float8Linear``s
@@ -366,6 +379,7 @@ __all__ = [
     "grad_input_mm",
     "linear",
     "prepare",
+    "unconverted",
     "quantize_rows",
     "scaled_mm",
     "trained_filter",
