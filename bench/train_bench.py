@@ -34,8 +34,30 @@ from benchlib.gaps import busy_fraction, cuda_sync, split_gaps  # noqa: E402, F4
 from roundpipe import flavors, settings  # noqa: E402
 from roundpipe.utils import BASE_FORMATS  # noqa: E402  (the --base-format names, without torch)
 
-WORKLOADS = ["tiny", *flavors.BUILTIN]
-"""The bench workloads: the Qwen3 and Llama-3.1 sizes of ``roundpipe.flavors``, and ``tiny`` for CPU smoke runs."""
+MOE_WORKLOADS: Dict[str, Tuple[str, Dict[str, Any]]] = {
+    "qwen3-30b-a3b": (
+        "qwen3_moe",
+        dict(
+            vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+            num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+            num_experts_per_tok=8, tie_word_embeddings=False,
+        ),
+    ),
+    "gpt-oss-20b": (
+        "gpt_oss",
+        dict(
+            vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+            num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+            sliding_window=128, tie_word_embeddings=False,
+        ),
+    ),
+}  # fmt: skip
+"""The mixture-of-experts shapes (their published configs, random weights): family and config fields;
+``--layers N`` takes a slice of the first N layers, ``--experts`` transformers' experts implementation."""
+
+WORKLOADS = ["tiny", "tiny-moe", *flavors.BUILTIN, *MOE_WORKLOADS]
+"""The bench workloads: the Qwen3 and Llama-3.1 sizes of ``roundpipe.flavors``, the mixtures of experts, and
+``tiny`` / ``tiny-moe`` for CPU smoke runs."""
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -53,10 +75,31 @@ def workload_config(name: str, layers: int = 0, **overrides: Any) -> Any:
         overrides["num_hidden_layers"] = layers
     if name == "tiny":
         return tiny_config("qwen3", **{**TINY_WORKLOAD, **overrides})
+    if name == "tiny-moe":
+        return tiny_config("qwen3_moe", **{**TINY_WORKLOAD, **overrides})
+    if name in MOE_WORKLOADS:
+        family, fields = MOE_WORKLOADS[name]
+        fields = dict(fields, max_position_embeddings=131072, use_cache=False)
+        if family != "gpt_oss":  # GPT-OSS's attention sinks have no sdpa path in transformers: its default
+            fields["attn_implementation"] = "sdpa"
+        return config_class(family)(**{**fields, **overrides})
     if flavors.BUILTIN[name].family == "qwen3":
         return flavor_config(name, **overrides)
     fields = dict(BUILTIN_MODELS[name], use_cache=False, attn_implementation="sdpa")  # the released rotary scaling
     return config_class("llama")(**{**fields, **overrides})
+
+
+def family(name: str) -> str:
+    """The ``model_type`` of a workload."""
+    if name in ("tiny", "tiny-moe"):
+        return "qwen3_moe" if name == "tiny-moe" else "qwen3"
+    return MOE_WORKLOADS[name][0] if name in MOE_WORKLOADS else flavors.BUILTIN[name].family
+
+
+def model_args(args: argparse.Namespace) -> Dict[str, Any]:
+    """``build_model`` / ``workload_config`` arguments of ``--layers`` and ``--experts``."""
+    experts = {"experts_implementation": args.experts} if getattr(args, "experts", None) else {}
+    return dict(layers=getattr(args, "layers", 0), **experts)
 
 
 def build_model(name: str, device: str = "cpu", layers: int = 0, **overrides: Any) -> torch.nn.Module:
@@ -93,7 +136,7 @@ def build_base_format(args: argparse.Namespace, base_format: str) -> torch.nn.Mo
     torch.manual_seed(0)
     lora = LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules=LORA_TARGETS)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    return build_random(workload_config(args.workload), base_format, lora, dtype)
+    return build_random(workload_config(args.workload, **model_args(args)), base_format, lora, dtype)
 
 
 def fill_random(model: torch.nn.Module, seed: int, std: float = 0.02, chunk: int = 1 << 24) -> None:
@@ -185,16 +228,19 @@ def bench_baseline(args: argparse.Namespace, ids: torch.Tensor, kind: str = "eag
     name = "gpu-resident HF baseline" + (" + Liger" if liger else "") + ("" if checkpointing else ", no checkpointing")
     name += f", PEFT LoRA r{args.lora}" if args.lora else ""
     if liger:
+        patch = f"apply_liger_kernel_to_{family(args.workload)}"  # Liger's patch of this model family
         try:
-            from liger_kernel.transformers import apply_liger_kernel_to_qwen3
+            import liger_kernel.transformers as liger_kernels
         except ImportError:
             return Row(name, float("nan"), float("nan"), float("nan"), "liger-kernel is not installed")
-        apply_liger_kernel_to_qwen3()
+        if not hasattr(liger_kernels, patch):
+            return Row(name, float("nan"), float("nan"), float("nan"), f"liger-kernel has no {patch}")
+        getattr(liger_kernels, patch)()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model = opt = None
     try:
-        model = build_model(args.workload, "cuda")
+        model = build_model(args.workload, "cuda", **model_args(args))
         if checkpointing:
             model.gradient_checkpointing_enable()
         if args.lora:
@@ -266,7 +312,7 @@ def bench_roundpipe(
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB: the build's peak, the base's bytes
         print(f"built layer by layer, {base_format} base: {time.perf_counter() - t0:.1f} s, peak RSS {peak:.1f} GiB")
     else:
-        hf = build_model(args.workload, "cpu")
+        hf = build_model(args.workload, "cpu", **model_args(args))
         if args.master == "bfloat16":  # bf16 masters are the bf16 weights (on CPU workers the model is fp32)
             hf = hf.to(torch.bfloat16)
         if args.lora:
@@ -395,6 +441,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument(
         "--base-format", default="bf16", help="--lora's frozen base: bf16, fp8, int8, nf4; bf16,nf4: side by side"
     )
+    p.add_argument("--layers", type=int, default=0, help="a slice: the first N decoder layers at full width")
+    p.add_argument("--experts", choices=["grouped_mm", "batched_mm", "eager"], help="transformers' MoE experts")
     p.add_argument(
         "--fp8",
         default="off",
@@ -413,7 +461,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     unknown = sorted(set(kinds) - set(BASELINES))
     if unknown:
         raise SystemExit(f"--baselines: unknown {unknown}; choose from {', '.join(BASELINES)}")
-    probe = build_model(args.workload, "meta")
+    probe = build_model(args.workload, "meta", **model_args(args))
     n_params = sum(t.numel() for t in {id(t): t for t in probe.parameters()}.values())
     ids = torch.randint(0, probe.config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     del probe

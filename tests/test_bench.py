@@ -107,6 +107,11 @@ GROUPS = {
                 + ["--base-format", "nf4,bf16"],
                 "auto plan, HF kernels, nf4 base) |",
             ),
+            (  # a mixture of experts, transformers' eager experts
+                ["bench/train_bench.py", "--workload", "tiny-moe", "--seq", "32", "--batch", "4", "--warmup", "0"]
+                + ["--iters", "1", "--layers", "1", "--experts", "eager", "--fp8", "both"],
+                "auto plan, HF kernels, fp8 GEMMs) |",
+            ),
             (["bench/user_script.py", *TINY, "--batch", "2", "--steps", "1", "--declared", "--step-phases"], "phases"),
         ],
     ),
@@ -304,7 +309,11 @@ def test_one_flavor_table_feeds_the_cli_the_estimate_and_the_benches() -> None:
 
     assert list(flavors.QWEN3) == ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"]
     assert flavors.QWEN3["qwen3-1.7b"] == flavors.Flavor(2048, 6144, 28, 16, 8, tied=True)  # WORKLOADS.md
-    assert train_bench.WORKLOADS == ["tiny", *flavors.QWEN3, *flavors.LLAMA3]
+    assert train_bench.WORKLOADS == ["tiny", "tiny-moe", *flavors.QWEN3, *flavors.LLAMA3, *train_bench.MOE_WORKLOADS]
+    c = train_bench.workload_config("qwen3-30b-a3b")  # Qwen3-30B-A3B's shape; its 6-layer slice: 4.36B parameters
+    assert (c.num_hidden_layers, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (48, 128, 8, 768)
+    sliced = train_bench.build_model("qwen3-30b-a3b", "meta", layers=6)
+    assert round(sum(p.numel() for p in sliced.parameters()) / 1e9, 2) == 4.36
     c = train_bench.workload_config("llama3.1-70b")  # Llama-3.1-70B's shape
     assert (type(c).__name__, c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (
         "LlamaConfig",
