@@ -25,7 +25,14 @@ from roundpipe.runtime.grad_sync import GradSync
 from roundpipe.runtime.partial_grads import PartialGradStore
 from roundpipe.runtime.run import Run
 from roundpipe.runtime.run_config import ResolvedRunConfig, RoundPipeRunConfig, check_model_run_config
-from roundpipe.utils import GiB, get_call_location, get_model_active_size, get_model_compute_size, get_model_size
+from roundpipe.utils import (
+    FP8_PREPARED,
+    GiB,
+    get_call_location,
+    get_model_active_size,
+    get_model_compute_size,
+    get_model_size,
+)
 
 
 def check_run_config(run_config: Any, where: str) -> None:
@@ -119,13 +126,15 @@ class RoundPipe(RoundPipeBase):
         # Frozen Linear weights packed before pinning (the packed bytes are what is pinned) and before the
         # layer sizes are read (they count the packed bytes).
         quantize_base(model, base_format)
-        if model_run_config.fp8:
-            # The wrappers convert the whole model before splitting it; a RoundPipe built directly converts its own
-            # layers here, so RoundPipeRunConfig(fp8=True) never runs them in bf16 without a word.
-            from roundpipe.models import fp8 as fp8_gemms
-
-            if fp8_gemms.unconverted(model):
-                fp8_gemms.prepare(model, True)
+        if model_run_config.fp8 and not any(getattr(m, FP8_PREPARED, False) for m in model.modules()):
+            # The wrappers convert the whole model before they split it; a RoundPipe built directly would run its
+            # layers in bf16 without a word.
+            raise ValueError(
+                "RoundPipeRunConfig(fp8=True): this model's layers are not converted for FP8 GEMMs, and a RoundPipe "
+                "built directly does not convert them: wrap it with roundpipe.wrap_model_to_roundpipe(model, fp8=True) "
+                "or roundpipe.models.wrap_model(model, fp8=True), or call roundpipe.models.fp8.prepare(model, True) "
+                "first; or remove fp8=True"
+            )
         pin_module(model, pin_model)
         shared: Dict[int, nn.Parameter] = {}
         for i, layer in enumerate(layers):

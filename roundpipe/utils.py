@@ -73,3 +73,8 @@ def get_model_active_size(model: nn.Module, recurse: bool = True) -> int:
     """Bytes of the parameters of ``model`` that require grad."""
     seen = {id(p): p.numel() * p.element_size() for p in model.parameters(recurse) if p.requires_grad}
     return sum(seen.values())
+
+
+#: Set to True on every module of a model that ``roundpipe.models.fp8.prepare`` converted for FP8 GEMMs: a
+#: ``RoundPipe`` under ``RoundPipeRunConfig(fp8=True)`` checks it (the conversion lives above it, with the models).
+FP8_PREPARED = "_roundpipe_fp8_prepared"

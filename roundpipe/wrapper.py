@@ -262,14 +262,14 @@ def wrap_loss_function(
     ):
         return False
     config = dataclasses.replace(model_run_config, merge_output=merge_causal_lm_loss)
+    loss = CausalLMLossSums(ForCausalLMLoss)
+    if config.fp8:  # part of a model set up for FP8 GEMMs (the loss itself stays in its dtype)
+        from roundpipe.models.fp8 import mark_prepared
+
+        mark_prepared(loss)
     # Through the property's setter: a plain attribute write of a module would register a submodule
     # named ``loss_function`` that the property (a class attribute) hides.
-    prop.fset(
-        model,
-        RoundPipe(
-            CausalLMLossSums(ForCausalLMLoss), model_run_config=config, name=f"{name}.loss_function", **roundpipe_kwargs
-        ),
-    )
+    prop.fset(model, RoundPipe(loss, model_run_config=config, name=f"{name}.loss_function", **roundpipe_kwargs))
     model.register_forward_pre_hook(_check_labels_first, with_kwargs=True)
     return True
 

@@ -31,6 +31,7 @@ from torch import nn
 
 from roundpipe.host.formats import FrozenWeight
 from roundpipe.host.formats.codecs import Fp8Format, Packed
+from roundpipe.utils import FP8_PREPARED
 
 #: The fp8 dtype of activations and gradients: e4m3 with a scale per row (torchao's rowwise recipe casts the
 #: output gradient to e4m3 too: a scale per row gives it the range e5m2 would buy with two mantissa bits).
@@ -354,6 +355,14 @@ def prepare(model: nn.Module, enabled: bool) -> None:
             "fp8=True: the model has no decoder-layer nn.Linear to run in FP8 (a frozen base stored with "
             "base_format='fp8', or trained projections with features a multiple of 16); remove fp8=True"
         )
+    mark_prepared(model)
+
+
+def mark_prepared(module: nn.Module) -> None:
+    """Mark ``module`` and everything in it as set up for ``fp8=True`` (``roundpipe.utils.FP8_PREPARED``, which a
+    ``RoundPipe`` under ``RoundPipeRunConfig(fp8=True)`` checks); the wrappers also mark what they add (the loss)."""
+    for m in module.modules():
+        setattr(m, FP8_PREPARED, True)
 
 
 def wants_fp8(fp8: Optional[bool], model_run_config: Any) -> bool:
@@ -378,6 +387,7 @@ __all__ = [
     "forward_mm",
     "grad_input_mm",
     "linear",
+    "mark_prepared",
     "prepare",
     "unconverted",
     "quantize_rows",

@@ -46,8 +46,9 @@ class RoundPipeRunConfig:
             rounded values: ``roundpipe.runtime.stage_codec``). Default: ``RPP_STAGE_INPUTS`` (else 'bf16').
         fp8: Run the decoder layers' projections as FP8 GEMMs (``roundpipe.models.fp8``): a frozen base stored
             as fp8 computes from its bytes, trained projections take torchao's float8 recipe. Read when the
-            model is wrapped (``wrap_model_to_roundpipe``, ``roundpipe.models.wrap_model``, or a ``RoundPipe``
-            built with this config), which converts the layers: a call cannot change it. Default: False.
+            model is wrapped (``wrap_model_to_roundpipe``, ``roundpipe.models.wrap_model``), which converts the
+            layers (a ``RoundPipe`` built directly with it needs ``roundpipe.models.fp8.prepare`` first): a call
+            cannot change it. Default: False.
     """
 
     requires_grad: Optional[bool] = None
