@@ -22,8 +22,9 @@ Opt-in compact state (``state_dtype``, ``master``, ``master_rounding``, ``block_
 blockwise-int8 moments and bf16 master weights, stepped by ``roundpipe.optim.compact`` (its own C++
 kernel ``csrc/compact_adam.cpp``, same ``RPP_DEBUG_ADAM_IMPL`` choice). The defaults keep the path above.
 
-Opt-in ``skip_zero_grad`` (mixtures of experts): a parameter whose gradient is zero everywhere is left out of
-the step as torch leaves out one whose ``.grad`` is None; not Adam's result (see ``Adam``).
+Opt-in ``skip_zero_grad`` (mixtures of experts): a parameter whose gradient is zero everywhere, or an expert (slice
+along dim 0 of a 3-d parameter) whose gradient slice is, is left out of the step as torch leaves out a parameter
+whose ``.grad`` is None; not Adam's result (see ``Adam``).
 """
 
 from __future__ import annotations
@@ -129,7 +130,15 @@ class Adam(Optimizer):
             gradient Adam still decays both moments and moves the weight by ``lr * m_hat / (sqrt(v_hat) +
             eps)``, which is not zero while ``m`` is not. Default False (Adam's result). A param group
             may set its own ``"skip_zero_grad"`` (e.g. the experts' group only). Costs one read of each
-            such gradient to test it.
+            such gradient to test it. A 3-d parameter with the fp32 state (a layer's experts in one tensor
+            [E, ...]) is skipped per expert: expert ``e`` (slice ``[e]``) with an all-zero gradient slice
+            keeps its weight and moments, the others step with bias correction from their own counts, as
+            if each expert were a separate parameter. Those counts are ``state["expert_step"]`` (shape
+            [E], from the first step that leaves an expert out); ``state["step"]`` then counts the steps in
+            which any expert stepped. torch.optim.Adam loads such a state but ignores ``expert_step`` (it
+            would bias-correct every expert with ``step``). Such a parameter is stepped as E slices (the
+            C++ kernel still, one batch per group), and its bf16 model weights are copied after the step
+            instead of written in it. With a compact state, 3-d parameters keep the whole-tensor rule.
         flush_denormals: the C++ kernels (fp32 and compact) take subnormal floats (below 1.2e-38) as zero
             (x86 FTZ/DAZ, for their own threads and only while they run). Moments that decay under zero
             gradients pass through that range, where each operation is 15-45x slower; default True. The
@@ -336,26 +345,39 @@ class Adam(Optimizer):
 
     def _with_grads(
         self, group: Dict[str, Any], params: List[Tensor]
-    ) -> Iterator[Tuple[Tensor, Tensor, Dict[str, Any]]]:
-        """``(param, grad, state)`` of each of ``params`` that has a gradient (with ``skip_zero_grad``: one
-        that is not zero everywhere), its state created at its first step (taken from the reserve when one
-        was built)."""
+    ) -> Iterator[Tuple[Tensor, Tensor, Dict[str, Any], Optional[List[int]]]]:
+        """``(param, grad, state, experts)`` of each of ``params`` that has a gradient (with ``skip_zero_grad``:
+        one that is not zero everywhere), its state created at its first step (taken from the reserve when one
+        was built). ``experts``: None to step the tensor whole, else the indices along dim 0 of the experts of a
+        3-d fp32-state parameter to step one by one (see ``skip_zero_grad``)."""
         skip_zero = bool(group.get("skip_zero_grad", getattr(self, "skip_zero_grad", False)))
+        compact_on = self.compact_config.enabled
         for p in params:
             g = p.grad
             if g is None:
                 continue
-            if skip_zero and not g.is_sparse and not bool(g.any()):
-                continue  # as if p had no gradient (torch skips a None .grad the same way)
+            experts: Optional[List[int]] = None
+            if skip_zero and not g.is_sparse:
+                if g.dim() == 3 and not compact_on and g.numel() > 0:
+                    # One read of the gradient: which experts (slices along dim 0) got a token.
+                    experts = g.reshape(g.shape[0], -1).any(1).nonzero().flatten().tolist()
+                    if not experts:
+                        continue  # no expert got a token: as if p had no gradient
+                elif not bool(g.any()):
+                    continue  # as if p had no gradient (torch skips a None .grad the same way)
             if g.is_sparse:
                 raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
             state = self.state[p]
             if len(state) == 0:
-                if self.compact_config.enabled:
+                if compact_on:
                     state.update(self._take_reserved(p) or compact.init_state(self.compact_config, p))
                 else:
                     state = self._init_state(p, group)
-            yield p, g, state
+            if experts is not None and len(experts) == g.shape[0] and "expert_step" not in state:
+                experts = None  # every expert stepped every time so far: one step count, the whole tensor
+            elif experts is None and "expert_step" in state:
+                experts = list(range(g.shape[0]))  # per-expert counts from an earlier step: keep them
+            yield p, g, state, experts
 
     def _fp32_params(
         self,
@@ -372,9 +394,12 @@ class Adam(Optimizer):
         rest = TensorLists()
         # One pass over the parameters: lazy state, then each to the kernel batch if it can take it,
         # else to torch. This loop is the per-tensor cost of a step; keep it lean.
-        for p, g, state in self._with_grads(group, params):
+        for p, g, state, experts in self._with_grads(group, params):
             m, v, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
             vmax = state["max_exp_avg_sq"] if amsgrad else None
+            if experts is not None:
+                _add_experts(experts, p, g, state, vmax, batch, rest)
+                continue
             if batch is None or not batch.add(p, g, m, v, vmax, step):
                 rest.add(p, g, m, v, vmax, step)
             else:
@@ -392,7 +417,7 @@ class Adam(Optimizer):
         cfg = self.compact_config
         batch = compact.CompactKernelBatch(cfg) if kernel is not None else None
         rest: List[Tuple[int, Tensor, Tensor, Dict[str, Tensor]]] = []
-        for p, g, state in self._with_grads(group, params):
+        for p, g, state, _ in self._with_grads(group, params):
             pid = pids[id(p)]
             if batch is None or not batch.add(pid, p, g, state):
                 rest.append((pid, p, g, state))
@@ -422,6 +447,7 @@ class Adam(Optimizer):
         is_compact = saved_cfg is not None or any("exp_avg_scale" in s for s in state_dict["state"].values())
         if not self.compact_config.enabled and not is_compact:
             super().load_state_dict(state_dict)
+            _restore_expert_steps(self, state_dict)
             return
         super().load_state_dict({"state": state_dict["state"], "param_groups": state_dict["param_groups"]})
         # torch cast every floating state tensor to its parameter's dtype: redo each state from the saved one.
@@ -453,3 +479,42 @@ def _zero_moments(p: Tensor, amsgrad: bool) -> Dict[str, Tensor]:
     if amsgrad:
         state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     return state
+
+
+def _add_experts(
+    experts: List[int],
+    p: Tensor,
+    g: Tensor,
+    state: Dict[str, Any],
+    vmax: Optional[Tensor],
+    batch: Optional[KernelBatch],
+    rest: TensorLists,
+) -> None:
+    """Queue the slices ``[e]`` of a 3-d parameter (``p``, ``g``, the moments: [E, ...]) for ``e`` in
+    ``experts``, each with its own step count ``state["expert_step"][e]`` (shape [E], created from the
+    tensor's ``step`` the first time an expert is left out). ``state["step"]`` counts the steps in which
+    any expert stepped. The model weights of such a parameter are copied after the step, not written in it."""
+    es = state.get("expert_step")
+    step = state["step"]
+    if es is None:
+        es = state["expert_step"] = torch.full((p.shape[0],), float(step), dtype=step.dtype, device=step.device)
+    step.add_(1)
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    for e in experts:
+        pe, ge, me, ve, vme, se = p[e], g[e], m[e], v[e], None if vmax is None else vmax[e], es[e]
+        if batch is None or not batch.add(pe, ge, me, ve, vme, se):
+            rest.add(pe, ge, me, ve, vme, se)
+        else:
+            batch.add_output(None)
+
+
+def _restore_expert_steps(opt: Adam, state_dict: Dict[str, Any]) -> None:
+    """torch's load casts every state tensor but ``step`` to its parameter's dtype: give each loaded
+    ``expert_step`` back the dtype of its ``step``."""
+    saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for sid, p in zip(saved_ids, params):
+        saved = state_dict["state"].get(sid) or {}
+        if "expert_step" in saved:
+            step = opt.state[p]["step"]
+            opt.state[p]["expert_step"] = saved["expert_step"].to(dtype=step.dtype, device=step.device)
