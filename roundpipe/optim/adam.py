@@ -259,6 +259,8 @@ class Adam(Optimizer):
     def __setstate__(self, state: Dict[str, Any]) -> None:
         """Restore pickled or older state: fill group keys missing from it, make ``step`` a tensor."""
         super().__setstate__(state)
+        self.__dict__.setdefault("skip_zero_grad", False)  # an optimizer pickled before these options
+        self.__dict__.setdefault("flush_denormals", True)
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
@@ -350,7 +352,7 @@ class Adam(Optimizer):
         one that is not zero everywhere), its state created at its first step (taken from the reserve when one
         was built). ``experts``: None to step the tensor whole, else the indices along dim 0 of the experts of a
         3-d fp32-state parameter to step one by one (see ``skip_zero_grad``)."""
-        skip_zero = bool(group.get("skip_zero_grad", getattr(self, "skip_zero_grad", False)))
+        skip_zero = bool(group.get("skip_zero_grad", self.skip_zero_grad))
         compact_on = self.compact_config.enabled
         for p in params:
             g = p.grad
@@ -405,7 +407,7 @@ class Adam(Optimizer):
             else:
                 batch.add_output(outs.get(id(p)) if outs else None)
         if batch is not None and kernel is not None and batch.params:
-            batch.run(kernel, group, getattr(self, "flush_denormals", True))
+            batch.run(kernel, group, self.flush_denormals)
         if rest.params:
             torch_step(group, *rest.lists())
         return batch.written if batch is not None else []
@@ -422,7 +424,7 @@ class Adam(Optimizer):
             if batch is None or not batch.add(pid, p, g, state):
                 rest.append((pid, p, g, state))
         if batch is not None and kernel is not None and len(batch):
-            batch.run(kernel, group, getattr(self, "flush_denormals", True))
+            batch.run(kernel, group, self.flush_denormals)
         if rest:
             compact.torch_step(cfg, group, rest)
 
