@@ -321,9 +321,18 @@ def trained_filter(module: nn.Module, fqn: str) -> bool:
 
 def convert_trained(model: nn.Module) -> int:
     """torchao's float8 training recipe (``Float8Linear``, dynamic tensorwise scaling) on the decoder layers'
-    trained ``nn.Linear``s of ``model``, in place (:func:`trained_filter`); returns how many."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    from torchao.float8.float8_linear import Float8Linear
+    trained ``nn.Linear``s of ``model``, in place (:func:`trained_filter`); returns how many. torchao is imported
+    only where there is one to convert: a LoRA over an fp8 base needs none."""
+    if not any(trained_filter(m, fqn) for fqn, m in model.named_modules()):
+        return 0
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8.float8_linear import Float8Linear
+    except ImportError as e:
+        raise ImportError(
+            f"fp8=True over trained weights (a full fine-tune) uses torchao's float8 training, which does not import "
+            f"here ({e}): install torchao for this torch (pip install torchao), or remove fp8=True"
+        ) from e
 
     convert_to_float8_training(model, module_filter_fn=trained_filter, config=Float8LinearConfig())
     return sum(1 for m in model.modules() if isinstance(m, Float8Linear))
