@@ -1,4 +1,4 @@
-"""Does LoRA over an NF4 base reach the loss it reaches over the bf16 base? A small real task, on CPU workers.
+"""Do the compact training paths reach the loss of the plain one? A small real task, on CPU workers.
 
 A small Qwen3 model (hidden 256 by default: NF4 error on a hidden-64 toy is harsher than on a large model) is
 pretrained in plain PyTorch on a synthetic language, then saved as a Hugging Face checkpoint directory
@@ -9,19 +9,30 @@ base learns the chain's statistics and to copy through ``f`` over a distance of 
 has a zero loss floor (the chain's entropy, the noise's), so a few percent of loss is a real difference.
 
 The fine-tuning task is a shifted one: half of the chain's rows drawn again and ``f`` composed with a
-rotation of the symbols. LoRA (r ``--lora-r``, every projection) learns it through ``roundpipe.from_pretrained``
-twice, the base read as ``bf16`` and as ``nf4``, same adapters' init, same batches, same steps (bf16 compute,
-RoundPipe's host Adam). Printed per base: the loss of the base on its own language (NF4's damage to what was
-learnt), the first fine-tuning loss, the final loss (the mean of the last ``--tail`` steps' training losses;
-every batch is fresh, so they are held-out losses); then the ratio nf4 / bf16 of the final losses. Measured
-(2026-12-02, two CPU workers, 318 s): bf16 1.6156, nf4 1.6150, ratio 0.9996 (docs/benchmarks.md).
+rotation of the symbols. It is learnt through ``roundpipe.from_pretrained`` twice, same init, same batches, same
+steps (bf16 compute, RoundPipe's host Adam), the two runs of ``--compare``:
 
-    RPP_DEVICES=cpu:2 python bench/nf4_quality.py --threads 1    # 300 steps: the measured row
-    RPP_DEVICES=cpu:2 python bench/nf4_quality.py --threads 1 --steps 60 --pretrain-steps 200 --layers 1
+* ``base`` (the default): LoRA (r ``--lora-r``, every projection) over the base read as ``bf16`` and as ``nf4``.
+* ``fp8``: a full fine-tune (every weight trained) in bf16 and with ``fp8=True``: the decoder layers'
+  projections as torchao's ``Float8Linear`` (dynamic tensorwise e4m3 casts of input, weight and output
+  gradient). CPU workers have no FP8 GEMMs: torchao's casts run as on a GPU and ``torch._scaled_mm`` computes
+  over the fp8 values on CPU, so the rounding is FP8's; only the speed is not.
+
+Printed per run: the loss of the model before training on its own language (the damage of NF4, or of the FP8
+casts, to what was learnt), the first fine-tuning loss, the final loss (the mean of the last ``--tail`` steps'
+training losses; every batch is fresh, so they are held-out losses); then the ratio of the final losses, second
+run over first. Measured on two CPU workers, 2026-12-02 (docs/benchmarks.md):
+
+* ``base``: bf16 1.6156, nf4 1.6150, ratio 0.9996 (318 s);
+* ``fp8``: bf16 1.5961, fp8 1.5959, ratio 0.9999 (297 s: pretraining 53, bf16 78, fp8 164; emulated casts).
+
+    RPP_DEVICES=cpu:2 python bench/quality.py --threads 1                  # 300 steps: the measured rows
+    RPP_DEVICES=cpu:2 python bench/quality.py --threads 1 --compare fp8
+    RPP_DEVICES=cpu:2 python bench/quality.py --threads 1 --steps 60 --pretrain-steps 200 --layers 1
 
 ``--threads 1`` on 2 cores: each CPU worker computes on one core (they take the process's thread count), and
-the pretraining's small matrices gain nothing from a second thread. ``tests/test_nf4_quality.py`` runs a
-shortened version against a tighter bound (0.5%) that a wrong base (NF4 scales off by 1.25x) fails.
+the pretraining's small matrices gain nothing from a second thread. ``tests/test_quality.py`` runs shortened
+versions against tighter bounds that a wrong path fails (NF4 scales off by 1.25x, fp8 weight scales off by 2x).
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -139,20 +150,38 @@ def pretrain(path: str, lang: Language, args: argparse.Namespace) -> List[float]
     return losses
 
 
-def fine_tune(
-    path: str, lang: Language, pre_lang: Language, base_format: str, args: argparse.Namespace
-) -> Dict[str, Any]:
-    """LoRA on every projection of checkpoint ``path`` read with ``base_format``, trained on ``lang`` through
-    RoundPipe (bf16 compute, host Adam): the training loss per step, and the loss of the base (the adapters
-    start at zero) on its own language ``pre_lang`` before training. The adapters' init and the batches depend
-    on ``args.seed`` alone, so two formats see the same of both."""
+@dataclass(frozen=True)
+class Run:
+    """One side of a comparison: how the pretrained checkpoint is read and trained."""
+
+    name: str  # the row's label
+    base_format: str  # how frozen weights are kept in host memory (a LoRA base)
+    lora: bool  # LoRA on every projection (else every weight is trained)
+    fp8: bool  # FP8 GEMMs in the decoder layers' projections
+
+
+COMPARES: Dict[str, Tuple[Run, Run]] = {
+    "base": (Run("bf16", "bf16", True, False), Run("nf4", "nf4", True, False)),
+    "fp8": (Run("bf16", "bf16", False, False), Run("fp8", "bf16", False, True)),
+}
+"""``--compare``: the reference run, then the run measured against it."""
+
+
+def fine_tune(path: str, lang: Language, pre_lang: Language, run: Run, args: argparse.Namespace) -> Dict[str, Any]:
+    """Checkpoint ``path`` read and trained as ``run`` says (LoRA on every projection over a base kept as
+    ``run.base_format``, or a full fine-tune; FP8 GEMMs or not) on ``lang`` through RoundPipe (bf16 compute,
+    host Adam): the training loss per step, and the loss of the model before training (LoRA's adapters start at
+    zero) on its own language ``pre_lang``. The adapters' init and the batches depend on ``args.seed`` alone, so
+    two runs see the same of both."""
     from peft import LoraConfig
 
     import roundpipe
 
-    lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules="all-linear", lora_dropout=0.0)
+    lora = None
+    if run.lora:
+        lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules="all-linear", lora_dropout=0.0)
     torch.manual_seed(args.seed)
-    model = roundpipe.from_pretrained(path, base_format=base_format, lora=lora, dtype=torch.bfloat16)
+    model = roundpipe.from_pretrained(path, base_format=run.base_format, lora=lora, dtype=torch.bfloat16, fp8=run.fp8)
     adam = roundpipe.optim.Adam(model.optim_parameters(), lr=args.lr)
     g = torch.Generator().manual_seed(args.seed + 300)
     with torch.no_grad():
@@ -165,9 +194,10 @@ def fine_tune(
         losses.append(float(model.train_step(input_ids=ids, labels=ids)))
         model.step(lambda: (adam.step(), adam.zero_grad()))
         if args.progress and len(losses) % 50 == 0:
-            print(f"{base_format} step {len(losses)}: loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
+            print(f"{run.name} step {len(losses)}: loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
     model.synchronize()
-    return {"base_loss": base_loss, "losses": losses}
+    float8 = sum(type(m).__name__ == "Float8Linear" for m in model.modules())  # torchao's recipe, fp8=True
+    return {"base_loss": base_loss, "losses": losses, "float8_linears": float8}
 
 
 def summarize(run: Dict[str, Any], tail: int) -> Dict[str, Any]:
@@ -178,27 +208,34 @@ def summarize(run: Dict[str, Any], tail: int) -> Dict[str, Any]:
     return {**run, "first": losses[0], "mean": sum(losses) / len(losses), "final": sum(last) / len(last)}
 
 
-def compare(args: argparse.Namespace, formats: Sequence[str] = ("bf16", "nf4")) -> Dict[str, Any]:
-    """Pretrain, then fine-tune once per base format in ``formats``: the losses and a summary."""
+def compare(args: argparse.Namespace) -> Dict[str, Any]:
+    """Pretrain, then fine-tune once per run of ``COMPARES[args.compare]``: the losses, a summary per run
+    (keyed by its name) and the ratio of the second run's final loss to the first's."""
     pre_lang = pretrain_language(args.vocab, args.length, args.noise, args.seed)
     lang = shifted_language(pre_lang, args.seed)
     out: Dict[str, Any] = {"args": vars(args)}
+    runs = COMPARES[args.compare]
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         pre = pretrain(tmp, pre_lang, args)
         out["pretrain"] = {**summarize({"losses": pre}, args.tail), "seconds": round(time.perf_counter() - t0, 1)}
-        for fmt in formats:
+        for run in runs:
             t0 = time.perf_counter()
-            out[fmt] = summarize(fine_tune(tmp, lang, pre_lang, fmt, args), args.tail)
-            out[fmt]["seconds"] = round(time.perf_counter() - t0, 1)
-    if "bf16" in out and "nf4" in out:
-        out["ratio"] = out["nf4"]["final"] / out["bf16"]["final"]
+            out[run.name] = summarize(fine_tune(tmp, lang, pre_lang, run, args), args.tail)
+            out[run.name]["seconds"] = round(time.perf_counter() - t0, 1)
+    out["ratio"] = out[runs[1].name]["final"] / out[runs[0].name]["final"]
     return out
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=300, help="fine-tuning steps per base format")
+    p.add_argument(
+        "--compare",
+        choices=sorted(COMPARES),
+        default="base",
+        help="base: LoRA over the base read as bf16 and as nf4; fp8: a full fine-tune in bf16 and with fp8=True",
+    )
+    p.add_argument("--steps", type=int, default=300, help="fine-tuning steps per run")
     p.add_argument("--pretrain-steps", type=int, default=400, help="plain PyTorch steps of the base")
     p.add_argument("--hidden", type=int, default=256, help="hidden size (head dim 64, intermediate 2x)")
     p.add_argument("--layers", type=int, default=2)
@@ -232,12 +269,18 @@ def main(argv: Optional[List[str]] = None) -> None:
         return
     pre = out["pretrain"]
     print(f"pretrain: {args.pretrain_steps} steps, loss {pre['first']:.4f} -> {pre['final']:.4f} ({pre['seconds']} s)")
-    print(f"| base | base on its own task | first loss | final loss (last {args.tail} of {args.steps}) | seconds |")
+    label = {"base": "base", "fp8": "GEMMs (full fine-tune)"}[args.compare]
+    print(
+        f"| {label} | before, on its own task | first loss | final loss (last {args.tail} of {args.steps}) | seconds |"
+    )
     print("|---|---|---|---|---|")
-    for fmt in ("bf16", "nf4"):
-        r = out[fmt]
-        print(f"| {fmt} | {r['base_loss']:.4f} | {r['first']:.4f} | {r['final']:.4f} | {r['seconds']} |")
-    print(f"nf4 / bf16 final loss: {out['ratio']:.4f}")
+    runs = COMPARES[args.compare]
+    for run in runs:
+        r = out[run.name]
+        print(f"| {run.name} | {r['base_loss']:.4f} | {r['first']:.4f} | {r['final']:.4f} | {r['seconds']} |")
+    print(f"{runs[1].name} / {runs[0].name} final loss: {out['ratio']:.4f}")
+    if args.compare == "fp8":
+        print(f"fp8: {out['fp8']['float8_linears']} decoder projections as torchao Float8Linear (bf16: 0)")
 
 
 if __name__ == "__main__":
