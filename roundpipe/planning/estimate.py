@@ -15,6 +15,9 @@ The model of memory follows what the runtime keeps (see docs/resolve-oom.md):
   a time; and the backward's own transients: the output gradient, the attention backward's gradients
   and fp32 accumulator, the input gradient); and the head (final norm and the chunked loss).
 
+With FP8 GEMMs (``fp8``: ``roundpipe.planning.fp8_estimate``) a frozen fp8 base's layers stay on the GPU as
+uploaded (not unpacked), trained weights in the model dtype, and one weight's fp8 copies are counted besides.
+
 Sizes are counted exactly from the shapes (the terms: ``roundpipe.planning.memory_terms``); two constants,
 fitted to measured peaks, cover what shapes do not tell (CUDA context and allocator slack; the interpreter and
 libraries); ``bench/long_context.py`` prints estimate and measurement side by side.
@@ -99,7 +102,7 @@ class Estimate:
         if self.base_format != "bf16" and self.fp8 is not None and not self.fp8.dequantize_ms:
             base = [
                 f"frozen base in {self.base_format}: {self.host_parts['weights'] / GiB:.1f} GiB of host weights; "
-                f"{self.upload_bytes_per_layer / 2**20:.0f} MiB uploaded per decoder layer and upload, no unpacking"
+                f"{fp8_estimate.mib(self.upload_bytes_per_layer)} uploaded per decoder layer and upload, no unpacking"
             ]
         elif self.base_format != "bf16":
             base = [

@@ -90,10 +90,10 @@ class Fp8Terms:
         )
         return (
             f"FP8 GEMMs (--fp8): {which} of each of the {self.layers} decoder layers, {how}; "
-            f"{_mib(self.device_layer_bytes)} of weights per decoder layer on the GPU, "
-            f"{_mib(self.cast_bytes)} of fp8 weight copies\n"
-            f"  in bf16: {UNCHANGED}{other}; FP8's GEMM speed is not in this estimate (memory only: the runtime's "
-            "planner times the layers on the device)"
+            f"{mib(self.device_layer_bytes)} of weights per decoder layer on the GPU, "
+            f"{mib(self.cast_bytes)} of fp8 weight copies\n"
+            f"  in bf16: {UNCHANGED}{other}; not in this estimate: FP8's GEMM speed (the runtime's planner times "
+            "the layers on the device) and the activations' fp8 casts"
         )
 
     def to_json(self) -> Dict[str, Any]:
@@ -138,7 +138,7 @@ def fp8_terms(shape: ModelShape, lora_rank: int, base_format: str, e: int = 2) -
     )
 
 
-def _mib(nbytes: float) -> str:
+def mib(nbytes: float) -> str:
     """``"184 MiB"``, ``"0.59 MiB"``: two decimals below 10 MiB."""
     return f"{nbytes / 2**20:.{0 if nbytes >= 10 * 2**20 else 2}f} MiB"
 

@@ -277,7 +277,7 @@ def test_fp8_names_the_choice(capsys) -> None:
     assert plan.main(TINY + FP8_BASE + ["--fp8"]) == 0
     out = capsys.readouterr().out
     assert "FP8 GEMMs (--fp8): all 7 projections of each of the 2 decoder layers, over the frozen base's" in out
-    assert "in bf16: the embedding, the LM head, the norms" in out and "GEMM speed is not in this estimate" in out
+    assert "in bf16: the embedding, the LM head, the norms" in out and "not in this estimate: FP8's GEMM speed" in out
     assert plan.main(TINY + FP8_BASE) == 0 and "FP8 GEMMs" not in capsys.readouterr().out
 
 
