@@ -307,3 +307,29 @@ def test_fp8_refused_where_train_refuses_it(tmp_path, capsys, monkeypatch: pytes
     shape = dict(hidden_size=40, intermediate_size=72, num_hidden_layers=2, num_attention_heads=5, vocab_size=64)
     odd = config_dir(tmp_path, "odd", **shape)  # 40 wide: no projection's features are multiples of 16
     one_line(capsys, ["--model", odd, *TINY[2:], "--fp8"], "no decoder-layer projection to run in FP8")
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_base_layer_allocates_the_estimated_bytes() -> None:
+    """On a GPU, a decoder layer over an fp8 base converted for FP8 GEMMs, uploaded as the runtime uploads its
+    parameters, holds the estimate's device bytes: its fp8 bytes, scales and norms, nothing dequantized beside them
+    (``memory_allocated`` counts each tensor in the caching allocator's 512-byte blocks)."""
+    import torch
+
+    from roundpipe.host.formats import quantize_frozen
+    from roundpipe.models import fp8
+    from roundpipe.runtime import transfer
+
+    model, config = _tiny_bf16(8, lora=True)
+    quantize_frozen(model, "fp8")
+    fp8.enable_fp8_base(model)
+    layer = model.base_model.model.model.layers[0]
+    expect = estimate.estimate(estimate.ModelShape.from_config(config), 16, lora_rank=8, base_format="fp8", fp8=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    copies = [transfer._upload_param(p, torch.device("cuda")) for n, p in layer.named_parameters() if "lora_" not in n]
+    torch.cuda.synchronize()
+    used = torch.cuda.memory_allocated() - before
+    tensors = [t for c in copies for t in ((c.data_fp8, c.scale) if isinstance(c, fp8.Fp8Weight) else (c,))]
+    assert sum(t.nbytes for t in tensors) == expect.device_bytes_per_layer
+    assert used == sum(-(-t.nbytes // 512) * 512 for t in tensors)
