@@ -15,7 +15,7 @@ import dataclasses
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from roundpipe.settings import STAGE_INPUT_MODES as STAGE_INPUTS  # the stage-input modes (settings imports no torch)
 from roundpipe.utils import BASE_FORMATS
@@ -404,15 +404,23 @@ def validate(cfg: TrainConfig) -> None:
             f"base_format={cfg.base_format} stores the frozen base weights, but lora_r=0 trains every weight",
             "add --lora-r 16 (LoRA adapters over the quantized base), or drop --base-format",
         )
-    if cfg.fp8 and cfg.lora_r and cfg.base_format != "fp8":
-        raise ConfigError(
-            f"--fp8 with LoRA computes from a frozen base kept as fp8, and this base is kept as {cfg.base_format}",
-            "add --base-format fp8, or drop --fp8",
-        )
+    if (problem := fp8_problem(cfg.fp8, cfg.lora_r, cfg.base_format)) is not None:
+        raise ConfigError(*problem)
     if cfg.lora_r == 0 and cfg.lora_alpha is not None:
         raise ConfigError(
             "lora_alpha is set but lora_r is 0 (full fine-tune)", "set --lora-r to enable LoRA, or drop lora_alpha"
         )
+
+
+def fp8_problem(fp8: bool, lora_r: int, base_format: str) -> Optional[Tuple[str, str]]:
+    """(what, fix) where ``--fp8`` cannot run with this LoRA rank and base format, else None: ``roundpipe train``
+    and ``roundpipe plan`` refuse the same runs in the same words."""
+    if fp8 and lora_r and base_format != "fp8":
+        return (
+            f"--fp8 with LoRA computes from a frozen base kept as fp8, and this base is kept as {base_format}",
+            "add --base-format fp8, or drop --fp8",
+        )
+    return None
 
 
 def check_rope_scaling(spec: str) -> None:

@@ -87,6 +87,28 @@ class _ArgumentParser(argparse.ArgumentParser):
         raise ConfigError(message, f"see '{self.prog} --help'")
 
 
+def add_config_flag(group: Any, name: str, **kw: Any) -> None:
+    """Add config key ``name``'s flag to ``group`` (a parser or an argument group) as ``roundpipe train`` has it:
+    its spelling, action and help, one definition for train and the commands that take the same flag
+    (``roundpipe plan --fp8``). ``kw`` goes to ``add_argument`` (a ``default``, where the parser does not
+    suppress its defaults as train's does)."""
+    f = FIELDS[name]
+    flag = "--" + name.replace("_", "-")
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    help_ = f.metadata["help"]
+    help_ = help_ if "default" in help_ or default is None else f"{help_} (default: {default})"
+    kw["help"] = help_.replace("%", "%%")
+    kind = base_type(name)
+    if kind is bool:
+        group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, **kw)
+    elif kind is list:
+        group.add_argument(flag, dest=name, nargs="+", metavar="X", **kw)
+    elif name == "resume":
+        group.add_argument(flag, dest=name, nargs="?", const="latest", metavar="CKPT", **kw)
+    else:
+        group.add_argument(flag, dest=name, metavar=name.upper(), **kw)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Flags for every config key; defaults are SUPPRESSed so only flags given on the command line
     override the YAML file."""
@@ -121,21 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         "run": parser.add_argument_group("run and output"),
     }
     for name, f in FIELDS.items():
-        flag = "--" + name.replace("_", "-")
-        meta = f.metadata
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        help_ = meta["help"] if "default" in meta["help"] or default is None else f"{meta['help']} (default: {default})"
-        help_ = help_.replace("%", "%%")
-        group = groups[meta["group"]]
-        kind = base_type(name)
-        if kind is bool:
-            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_)
-        elif kind is list:
-            group.add_argument(flag, dest=name, nargs="+", metavar="X", help=help_)
-        elif name == "resume":
-            group.add_argument(flag, dest=name, nargs="?", const="latest", metavar="CKPT", help=help_)
-        else:
-            group.add_argument(flag, dest=name, metavar=name.upper(), help=help_)
+        add_config_flag(groups[f.metadata["group"]], name)
     return parser
 
 

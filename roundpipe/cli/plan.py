@@ -4,12 +4,15 @@
     roundpipe plan --model ~/models/Qwen3-8B --seq-len 131072 --rope-scaling yarn:4 --gpu-memory 24GiB
     roundpipe plan --model qwen3-8b --seq-len 4096 --optim-state int8 --master bfloat16
     roundpipe plan --model ~/models/Llama-3.1-70B --seq-len 4096 --batch-size 8 --lora-r 16 --base-format nf4
+    roundpipe plan --model qwen3-8b --seq-len 4096 --batch-size 8 --lora-r 16 --base-format fp8 --fp8
 
 Prints peak GPU memory (per GPU) and peak host memory of one step, the bytes each token costs, and
 the longest context that fits this machine (or the ``--gpu-memory`` / ``--host-memory`` given), searched over
 the sequence tile (``RPP_SEQ_TILE``) and its halvings unless ``--seq-tile`` fixes it; with ``--base-format``
 fp8, int8 or nf4, the frozen base's host bytes, the bytes uploaded per layer and the time to unpack it on the
-GPU; the backward stages whose activations the GPU's room keeps for the backward (no recompute), the bytes
+GPU; with ``--fp8``, which projections run as FP8 GEMMs and which stay in bf16, a layer's weights on the GPU (a
+frozen fp8 base's bytes, not unpacked) and the weights' fp8 copies (FP8's GEMM speed is not estimated); the
+backward stages whose activations the GPU's room keeps for the backward (no recompute), the bytes
 they take and the recompute they save. A step that does not fit is told which side is short and by how much,
 with the levers that would change it, each with its estimated effect (LoRA, compact optimizer state, int8 stage
 inputs, a shorter sequence tile, fewer tokens, more memory). The
@@ -17,8 +20,10 @@ same numbers are ``roundpipe.planning.estimate.estimate(...)`` and ``roundpipe.p
 in Python. Exit status 0 when the step fits, 1 when it does not (text and ``--json`` alike), 2 with one
 line for bad input. A run ``roundpipe train`` refuses is refused here too: a sequence beyond a model
 directory's position limit (``max_position_embeddings``, stretched by its rotary scaling or by
-``--rope-scaling``: :mod:`roundpipe.rope_scaling`), more microbatches than sequences. Nothing heavy is imported but
-torch, and torch only to read this machine's GPU size when ``--gpu-memory`` is not given.
+``--rope-scaling``: :mod:`roundpipe.rope_scaling`), more microbatches than sequences, ``--fp8`` with LoRA over a
+base not kept as fp8, or (planning for this machine's GPUs) on a GPU without FP8 GEMMs. Nothing heavy is imported
+but torch, and torch only to read this machine's GPU size when ``--gpu-memory`` is not given (and with ``--fp8``
+its compute capability, checked by ``roundpipe.models.fp8``).
 """
 
 from __future__ import annotations
@@ -39,10 +44,12 @@ from roundpipe.cli.config import (
     STAGE_INPUTS,
     ConfigError,
     check_rope_scaling,
+    fp8_problem,
     normalize_dtype,
 )
+from roundpipe.cli.config_flags import add_config_flag
 from roundpipe.cli.memory_caps import size_bytes
-from roundpipe.planning import estimate, keep_estimate, memory_terms
+from roundpipe.planning import estimate, fp8_estimate, keep_estimate, memory_terms
 from roundpipe.utils import BASE_FORMATS, GiB
 
 
@@ -91,6 +98,7 @@ def parser() -> argparse.ArgumentParser:
         default="bf16",
         help="how a LoRA run's frozen projections are held in host memory and uploaded (as train; default bf16)",
     )
+    add_config_flag(p, "fp8", default=False)  # train's flag, as train has it
     states, masters, roundings = (", ".join(c) for c in (OPTIM_STATES, MASTERS, MASTER_ROUNDINGS))
     p.add_argument("--optim-state", type=normalize_dtype, default="float32", help=f"Adam moments: {states} (as train)")
     p.add_argument("--master", type=normalize_dtype, default="float32", help=f"master weights: {masters} (as train)")
@@ -187,6 +195,27 @@ def machine_memory() -> Tuple[Optional[float], float]:
     return gpu, float(psutil.virtual_memory().total)
 
 
+def check_fp8_gpus() -> None:
+    """``--fp8`` on this machine's GPUs, refused where ``roundpipe train`` refuses it, in the runtime's words
+    (``roundpipe.models.fp8.check_capabilities``: FP8 GEMMs need compute capability 8.9). Nothing to check
+    without CUDA: CPU workers run the same casts emulated."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "x") == "":
+        return
+    try:
+        import torch
+    except ImportError:
+        return
+    if not torch.cuda.is_available():
+        return
+    from roundpipe.models import fp8
+
+    try:
+        fp8.check_capabilities([torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())])
+    except ValueError as exc:
+        fix = "drop --fp8 to train in bf16, or give --gpu-memory to plan for another machine's GPUs"
+        raise ConfigError(str(exc).split(";")[0], fix) from None
+
+
 def check(args: argparse.Namespace, config: Optional[Dict[str, Any]]) -> None:
     """What ``roundpipe train`` refuses, refused here with the same words (``config``: the model directory's,
     whose position limit the sequence must keep)."""
@@ -203,6 +232,8 @@ def check(args: argparse.Namespace, config: Optional[Dict[str, Any]]) -> None:
             f"--base-format {args.base_format} packs the frozen base of a LoRA run, and this is a full fine-tune",
             "give --lora-r, or leave --base-format at bf16",
         )
+    if (problem := fp8_problem(args.fp8, args.lora_r, args.base_format)) is not None:
+        raise ConfigError(*problem)
     if args.microbatches > args.batch_size:
         raise ConfigError(
             f"batch_size={args.batch_size} is smaller than microbatches={args.microbatches}",
@@ -237,6 +268,13 @@ def _plan(args: argparse.Namespace) -> int:
         check_rope_scaling(args.rope_scaling)
     shape, config = model_shape(args.model, args.rope_scaling)
     check(args, config)
+    if args.fp8:
+        try:
+            fp8_estimate.fp8_terms(shape, args.lora_r, args.base_format)
+        except ValueError as exc:
+            raise ConfigError(*str(exc).split("; ", 1)) from None
+        if args.gpu_memory is None:  # planning for this machine's GPUs
+            check_fp8_gpus()
     gpu, host = args.gpu_memory, args.host_memory
     if gpu is None or host is None:
         found_gpu, found_host = machine_memory()
@@ -253,6 +291,7 @@ def _plan(args: argparse.Namespace) -> int:
         ),
         stage_inputs=args.stage_inputs,
         base_format=args.base_format,
+        fp8=args.fp8,
     )
     if args.seq_tile is not None:
         kw["tile"] = args.seq_tile
@@ -275,6 +314,8 @@ def _plan(args: argparse.Namespace) -> int:
             "base_format": e.base_format,
             "upload_bytes_per_layer": e.upload_bytes_per_layer,
             "dequantize_ms_per_layer": e.dequantize_ms_per_layer,
+            "device_bytes_per_layer": e.device_bytes_per_layer,
+            "fp8": e.fp8.to_json() if e.fp8 is not None else None,
             "longest_context": seq,
             "longest_context_layers_per_stage": fit.layers_per_stage if fit else None,
             "longest_context_seq_tile": fit.tile if fit else None,

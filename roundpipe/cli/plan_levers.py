@@ -120,8 +120,11 @@ def levers(args: argparse.Namespace, shape: ModelShape, gpu: float, host: float,
         return Lever(change, argv, e, ok, budget, note, changed)
 
     out: List[Lever] = []
-    if not args.lora_r:
-        out.append(lever(f"--lora-r {LORA_RANK}", ["--lora-r", str(LORA_RANK)], lora_rank=LORA_RANK))
+    fp8 = bool(kw.get("fp8"))
+    if not args.lora_r:  # with --fp8, LoRA computes from a base kept as fp8
+        argv = ["--lora-r", str(LORA_RANK)] + (["--base-format", "fp8"] if fp8 else [])
+        more = {"base_format": "fp8"} if fp8 else {}
+        out.append(lever(" ".join(argv), argv, lora_rank=LORA_RANK, **more))
     if (args.optim_state, args.master) != ("int8", "bfloat16"):
         compact = memory_terms.optimizer_state_bytes("int8", "bfloat16", args.master_rounding)
         argv = ["--optim-state", "int8", "--master", "bfloat16"]
@@ -129,7 +132,8 @@ def levers(args: argparse.Namespace, shape: ModelShape, gpu: float, host: float,
     if kw.get("base_format", "bf16") != "nf4":  # a LoRA base in 4 bits: about a quarter of its host bytes
         rank = args.lora_r or LORA_RANK
         argv = ([] if args.lora_r else ["--lora-r", str(rank)]) + ["--base-format", "nf4"]
-        out.append(lever(" ".join(argv), argv, base_format="nf4", lora_rank=rank))
+        argv += ["--no-fp8"] if fp8 else []  # FP8 GEMMs read a base kept as fp8
+        out.append(lever(" ".join(argv), argv, base_format="nf4", lora_rank=rank, fp8=False))
     if (args.stage_inputs or settings.STAGE_INPUTS.get()) != "int8":
         out.append(
             lever("--stage-inputs int8 (RPP_STAGE_INPUTS=int8)", ["--stage-inputs", "int8"], stage_inputs="int8")

@@ -15,6 +15,9 @@ The model of memory follows what the runtime keeps (see docs/resolve-oom.md):
   a time; and the backward's own transients: the output gradient, the attention backward's gradients
   and fp32 accumulator, the input gradient); and the head (final norm and the chunked loss).
 
+With FP8 GEMMs (``fp8``: ``roundpipe.planning.fp8_estimate``) a frozen fp8 base's layers stay on the GPU as
+uploaded (not unpacked), trained weights in the model dtype, and one weight's fp8 copies are counted besides.
+
 Sizes are counted exactly from the shapes (the terms: ``roundpipe.planning.memory_terms``); two constants,
 fitted to measured peaks, cover what shapes do not tell (CUDA context and allocator slack; the interpreter and
 libraries); ``bench/long_context.py`` prints estimate and measurement side by side.
@@ -30,7 +33,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from roundpipe.planning import frozen_terms
+from roundpipe.planning import fp8_estimate, frozen_terms
 from roundpipe.planning.memory_terms import (
     GPU_OVERHEAD_BYTES,
     HOST_OVERHEAD_BYTES,
@@ -75,6 +78,10 @@ class Estimate:
     device_room: float = 0.0
     """GPU bytes a one-GPU step may keep on the device beyond its peak: saved inputs, or kept stages
     (``roundpipe.planning.keep_estimate``); 0 with several GPUs or no ``gpu_bytes``."""
+    device_bytes_per_layer: float = 0.0
+    """Bytes one decoder layer's weights take on the GPU once uploaded (plain, or an fp8 base's bytes under FP8)."""
+    fp8: Optional[fp8_estimate.Fp8Terms] = None
+    """What FP8 GEMMs change per decoder layer (``fp8=True``; None: off)."""
 
     @property
     def peak_gpu_bytes(self) -> float:
@@ -92,7 +99,12 @@ class Estimate:
 
         mode = f"LoRA r={self.lora_rank}" if self.lora_rank else "full fine-tune"
         base = []
-        if self.base_format != "bf16":
+        if self.base_format != "bf16" and self.fp8 is not None and not self.fp8.dequantize_ms:
+            base = [
+                f"frozen base in {self.base_format}: {self.host_parts['weights'] / GiB:.1f} GiB of host weights; "
+                f"{fp8_estimate.mib(self.upload_bytes_per_layer)} uploaded per decoder layer and upload, no unpacking"
+            ]
+        elif self.base_format != "bf16":
             base = [
                 f"frozen base in {self.base_format}: {self.host_parts['weights'] / GiB:.1f} GiB of host weights; "
                 f"{self.upload_bytes_per_layer / 2**20:.0f} MiB uploaded and about "
@@ -109,6 +121,7 @@ class Estimate:
                 f"{self.host_bytes_per_token / 1024:.1f} KiB per token",
             ]
             + base
+            + ([self.fp8.describe()] if self.fp8 is not None else [])
         )
 
 
@@ -137,6 +150,7 @@ def estimate(
     stage_inputs: Optional[str] = None,
     base_format: str = "bf16",
     fused_lora: bool = False,
+    fp8: bool = False,
 ) -> Estimate:
     """The peak GPU and host memory of one training step (see the module docstring).
 
@@ -178,6 +192,10 @@ def estimate(
             with Triton, ``RPP_DEBUG_FUSED_KERNELS``): their adapters keep the layer's own inputs and the rank-r
             products (:func:`memory_terms.fused_lora_bytes_per_token`) instead of PEFT's fp32 copies. False counts
             PEFT's modules, as the GPU peaks on record were measured.
+        fp8: FP8 GEMMs in the decoder layers' projections (``fp8=True``, :mod:`fp8_estimate`): over a frozen base
+            stored as fp8 (``lora_rank`` needs ``base_format='fp8'``) a layer's device weights are its uploaded
+            bytes and it is not unpacked; trained weights stay in the model dtype. Either way the weights' fp8
+            copies are counted ("fp8 casts"); FP8's GEMM speed is not (this estimates memory).
     """
     if seq_len < 1 or batch_size < 1 or microbatches < 1 or layers_per_stage < 1 or devices < 1 or sequence_tiles < 1:
         raise ValueError(
@@ -186,6 +204,8 @@ def estimate(
     if recompute_grain not in ("stage", "layer"):
         raise ValueError(f"recompute_grain={recompute_grain!r}: expected 'stage' or 'layer'")
     frozen_terms.check(base_format)
+    if fp8:
+        fp8_estimate.check(lora_rank, base_format)
     if base_format != "bf16" and not lora_rank:
         raise ValueError(
             f"base_format={base_format!r} packs the frozen base of a LoRA run: give lora_rank, or base_format='bf16'"
@@ -213,9 +233,11 @@ def estimate(
 
     # ---- GPU ----------------------------------------------------------------------------------------
     layer_w = shape.layer_params() * b
+    fp8_layer = fp8_estimate.fp8_terms(shape, lora_rank, base_format, b) if fp8 else None
+    device_w = fp8_layer.device_layer_bytes if fp8_layer is not None else layer_w  # a layer's weights, uploaded
     trainable_layer = shape.lora_params(lora_rank) if lora_rank else shape.layer_params()
     g = layers_per_stage
-    weights = 2 * g * layer_w + g * trainable_layer * b  # the stage and the prefetched one; gradients
+    weights = 2 * g * device_w + g * trainable_layer * b  # the stage and the prefetched one; gradients
     # A LoRA model runs its layers module by module (PEFT's adapters), with fp32 adapters (PEFT's default).
     lora_extra = lora_bytes_per_token(shape, lora_rank, b) if lora_rank else 0.0
     lora_pre = lora_pre_attention_bytes_per_token(shape, lora_rank, b) if lora_rank else 0.0
@@ -242,14 +264,17 @@ def estimate(
     # The fused last stage: the head (final norm, chunked loss) with, at long context, the last decoder
     # layer (the head is fast there, so the planner's time cap groups them): that layer's kept bytes.
     head = head_activation_bytes(shape, t, b) + kept + io + sequence_kv(1)
-    head_w += layer_w
+    head_w += device_w
     if stage + weights >= head + head_w:
         gpu = {"weights": float(weights), "activations": float(stage), "runtime": float(GPU_OVERHEAD_BYTES)}
     else:
         gpu = {"weights": float(head_w), "activations": float(head), "runtime": float(GPU_OVERHEAD_BYTES)}
     base = frozen_terms.frozen_base(shape, base_format, b)
-    if base.gpu_transient_bytes:  # one packed weight being unpacked beside the plain copies
-        gpu["unpacking"] = float(base.gpu_transient_bytes)
+    unpacking = base.gpu_transient_bytes if fp8_layer is None else fp8_layer.unpacking_bytes
+    if unpacking:  # one packed weight being unpacked beside the plain copies
+        gpu["unpacking"] = float(unpacking)
+    if fp8_layer is not None and fp8_layer.cast_bytes:  # one weight's fp8 copies beside its GEMM
+        gpu["fp8 casts"] = float(fp8_layer.cast_bytes)
 
     # ---- host --------------------------------------------------------------------------------------
     n = shape.params()
@@ -265,7 +290,9 @@ def estimate(
     room = 0.0
     if devices == 1 and gpu_bytes is not None:  # a layer's weights and gradients (PEFT's adapters in fp32)
         layer_dev = layer_w + (8 * shape.lora_params(lora_rank) if lora_rank else trainable_layer * b)
-        layer_dev += base.gpu_transient_bytes  # as the runtime's layer bytes count it (formats.module_device_bytes)
+        # As the runtime's layer bytes count it (formats.module_device_bytes), which counts a base computing from its
+        # fp8 bytes (fp8=True) at its dequantized size with an unpacking transient too.
+        layer_dev += base.gpu_transient_bytes
         kv, prefix = sequence_kv(1) - sequence_kv(0), sequence_kv(0)
         step = runtime_step_bytes(shape, t, tile, tiled, b, lora_rank, lora_extra, g, layer_dev, kv, prefix)
         # Where this estimate's count of the step is the larger, the inputs fill only what it leaves.
@@ -304,9 +331,11 @@ def estimate(
         stage_inputs,
         base_format,
         float(upload),
-        base.dequantize_ms,
+        base.dequantize_ms if fp8_layer is None else fp8_layer.dequantize_ms,
         int(tile),
         room,
+        float(device_w),
+        fp8_layer,
     )
 
 

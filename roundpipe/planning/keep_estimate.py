@@ -90,7 +90,8 @@ def keep_estimate(
     extra = lora_bytes_per_token(shape, lora, b) if lora else 0.0
     pre = lora_pre_attention_bytes_per_token(shape, lora, b) if lora else 0.0
     kept, _ = decoder_layer_bytes(shape, t, e.tile, tiled, b, not lora, extra, pre)
-    layer_dev = shape.layer_params() * b + (8 * shape.lora_params(lora) if lora else shape.layer_params() * b)
+    # A layer's weights as uploaded (an fp8 base's bytes under FP8 GEMMs) and its gradients (PEFT's fp32 adapters)
+    layer_dev = e.device_bytes_per_layer + (8 * shape.lora_params(lora) if lora else shape.layer_params() * b)
     stage_bytes = e.microbatches * g * kept + g * layer_dev  # its input has its place as a saved input
     saved_inputs = e.gpu_parts.get("saved inputs", 0.0)
     room = max(0.0, e.device_room - saved_inputs)

@@ -1,14 +1,17 @@
 """``roundpipe plan`` as a new user meets it: it refuses what ``roundpipe train`` refuses (a sequence
 beyond the model's ``max_position_embeddings``, more microbatches than sequences), estimates the compact
 optimizer state with train's flags, shows one host figure, exits alike in text and ``--json``, and
-answers a config it cannot read (GPT-2's, broken JSON) with one line."""
+answers a config it cannot read (GPT-2's, broken JSON) with one line. ``--fp8`` (train's flag): the estimate's
+bytes of a layer on the GPU, its upload and its fp8 weight copies against the runtime's own (the formats'
+device copies, the projections ``roundpipe.models.fp8`` converts in tiny bf16 models), what it prints, and the
+runs it refuses in train's words."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import pytest
 
@@ -149,3 +152,184 @@ def test_a_config_it_cannot_read_is_one_line(tmp_path) -> None:
             lines = [l for l in proc.stderr.splitlines() if l.strip()]
             assert proc.returncode == 2 and proc.stdout == "" and len(lines) == 1, proc.stderr
             assert lines[0].startswith("roundpipe: error: ") and fragment in lines[0], lines[0]
+
+
+# ---- --fp8: the estimate against the runtime's own bytes, what it prints, what it refuses ----------------------
+
+
+def _device_bytes(layer: Any) -> Tuple[int, int, Dict[str, int]]:
+    """(bytes of ``layer``'s weights as the upload leaves them on a device, the largest fp8 weight's bytes, the host
+    bytes of each parameter): a frozen weight's device copy is its format's ``device_weight`` of its packed tensors
+    (``fp8.Fp8Weight``, those bytes, under FP8 GEMMs); PEFT's adapters are left out of the first."""
+    import torch
+
+    from roundpipe.host.formats import FrozenWeight
+    from roundpipe.models import fp8
+
+    total, largest, host = 0, 0, {}
+    for name, p in layer.named_parameters():
+        host[name] = p.host_nbytes() if isinstance(p, FrozenWeight) else p.numel() * p.element_size()
+        if "lora_" in name:
+            continue
+        dev: torch.Tensor = p.format.device_weight(p.packed, p.shape, p.dtype) if isinstance(p, FrozenWeight) else p
+        if isinstance(dev, fp8.Fp8Weight):
+            total += dev.data_fp8.nbytes + dev.scale.nbytes
+            largest = max(largest, dev.data_fp8.nbytes)
+        else:
+            total += dev.numel() * dev.element_size()
+    return total, largest, host
+
+
+def _tiny_bf16(head_dim: int, lora: bool) -> Tuple[Any, Any]:
+    """A tiny bf16 Qwen3 of ``head_dim`` (4: k and v of 8 features, which FP8 GEMMs do not take), with PEFT LoRA
+    r=8 on all seven projections; and its config."""
+    import torch
+
+    from roundpipe.models.configs import tiny_config
+
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    config = tiny_config("qwen3", head_dim=head_dim)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    return (peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=PROJECTIONS)) if lora else model), config
+
+
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.mark.parametrize("head_dim", [8, 4], ids=["all seven", "k and v of 8 features"])
+def test_fp8_over_an_fp8_base_counts_the_runtimes_bytes(head_dim: int) -> None:
+    """LoRA over a frozen fp8 base: with ``fp8`` the estimate's decoder layer on the GPU is what the upload leaves
+    there once ``fp8.enable_fp8_base`` converted it (the fp8 bytes and scales of the projections it converts, the
+    others dequantized), the same upload, the fp8 casts the largest converted weight's bytes (the column-major
+    copy of the input-gradient GEMM), and the unpacking of what stays packed."""
+    from roundpipe.host.formats import FrozenWeight, dequantize_transient_bytes, quantize_frozen
+    from roundpipe.models import fp8
+
+    model, config = _tiny_bf16(head_dim, lora=True)
+    quantize_frozen(model, "fp8")
+    layer = model.base_model.model.model.layers[0]
+    shape = estimate.ModelShape.from_config(config)
+    kw: Dict[str, Any] = dict(seq_len=16, lora_rank=8, base_format="fp8", tile=0)
+    plain, fast = estimate.estimate(shape, **kw), estimate.estimate(shape, fp8=True, **kw)
+    before, _, host = _device_bytes(layer)
+    assert plain.device_bytes_per_layer == before and plain.fp8 is None  # dequantized: the logical bytes
+    assert fp8.enable_fp8_base(model) > 0
+    after, largest, _ = _device_bytes(layer)
+    assert fast.device_bytes_per_layer == after < before
+    assert fast.upload_bytes_per_layer == plain.upload_bytes_per_layer == sum(host.values())
+    assert fast.fp8 is not None and fast.gpu_parts["fp8 casts"] == fast.fp8.cast_bytes == largest
+    frozen = {n: p for n, p in layer.named_parameters() if isinstance(p, FrozenWeight)}
+    converted = {n.split(".")[1] for n, p in frozen.items() if p.format is fp8.FP8_COMPUTE}  # self_attn.q_proj...
+    assert (
+        set(fast.fp8.fp8_projections) == converted and set(fast.fp8.other_projections) == set(PROJECTIONS) - converted
+    )
+    packed = [dequantize_transient_bytes(p) for p in frozen.values() if p.format is not fp8.FP8_COMPUTE]
+    assert fast.gpu_parts.get("unpacking", 0) == max(packed, default=0) == fast.fp8.unpacking_bytes
+    assert (fast.dequantize_ms_per_layer > 0) == bool(packed) and plain.dequantize_ms_per_layer > 0
+    assert fast.peak_host_bytes == plain.peak_host_bytes and fast.peak_gpu_bytes < plain.peak_gpu_bytes
+
+
+def test_fp8_of_a_full_fine_tune_counts_the_runtimes_bytes() -> None:
+    """Trained weights: the projections torchao's recipe converts (``fp8.prepare``) keep their weights in bf16, so
+    a layer's device and upload bytes are those without ``fp8``; the fp8 casts are two e4m3 copies of the largest
+    converted weight (its cast and the column-major copy torchao makes for the input-gradient GEMM)."""
+    import torch
+
+    from roundpipe.models import fp8
+
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_linear import Float8Linear
+
+    model, config = _tiny_bf16(4, lora=False)
+    fp8.prepare(model, True)
+    layer = model.model.layers[0]
+    shape = estimate.ModelShape.from_config(config)
+    plain, fast = estimate.estimate(shape, 16, tile=0), estimate.estimate(shape, 16, tile=0, fp8=True)
+    assert fast.device_bytes_per_layer == plain.device_bytes_per_layer == _device_bytes(layer)[0]
+    assert fast.upload_bytes_per_layer == plain.upload_bytes_per_layer and fast.peak_host_bytes == plain.peak_host_bytes
+    converted = {n.rsplit(".", 1)[-1]: m for n, m in layer.named_modules() if isinstance(m, Float8Linear)}
+    assert fast.fp8 is not None and set(fast.fp8.fp8_projections) == set(converted)
+    assert set(converted) == set(PROJECTIONS) - {"k_proj", "v_proj"}
+    e4m3 = torch.empty((), dtype=torch.float8_e4m3fn).element_size()
+    assert fast.gpu_parts["fp8 casts"] == 2 * max(m.weight.numel() for m in converted.values()) * e4m3
+    assert fast.peak_gpu_bytes == plain.peak_gpu_bytes + fast.gpu_parts["fp8 casts"]
+
+
+TINY = ["--model", "tiny", "--seq-len", "256", "--gpu-memory", "8GiB", "--host-memory", "16GiB"]
+FP8_BASE = ["--lora-r", "8", "--base-format", "fp8"]
+
+
+def test_fp8_names_the_choice(capsys) -> None:
+    """``--fp8`` names the projections in FP8, what stays in bf16 and that FP8's speed is not estimated; over a
+    frozen fp8 base a layer takes fewer GPU bytes and the same upload, a full fine-tune the same bytes."""
+    results = {}
+    for name, extra in {"base": FP8_BASE, "fp8": FP8_BASE + ["--fp8"], "full": [], "full fp8": ["--fp8"]}.items():
+        assert plan.main(TINY + extra + ["--json"]) == 0
+        results[name] = json.loads(capsys.readouterr().out)
+    base, fast, full, full_fast = results["base"], results["fp8"], results["full"], results["full fp8"]
+    assert base["fp8"] is None and fast["fp8"]["recipe"] == "frozen fp8 base"
+    assert fast["device_bytes_per_layer"] < base["device_bytes_per_layer"] and fast["dequantize_ms_per_layer"] == 0
+    assert fast["upload_bytes_per_layer"] == base["upload_bytes_per_layer"]
+    assert full_fast["fp8"]["recipe"] == "torchao float8" and not full_fast["fp8"]["gemm_speed_estimated"]
+    assert full_fast["device_bytes_per_layer"] == full["device_bytes_per_layer"]
+    assert plan.main(TINY + FP8_BASE + ["--fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "FP8 GEMMs (--fp8): all 7 projections of each of the 2 decoder layers, over the frozen base's" in out
+    assert "in bf16: the embedding, the LM head, the norms" in out and "not in this estimate: FP8's GEMM speed" in out
+    assert plan.main(TINY + FP8_BASE) == 0 and "FP8 GEMMs" not in capsys.readouterr().out
+
+
+def test_fp8_refused_where_train_refuses_it(tmp_path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In train's words: LoRA over a base not kept as fp8; this machine's GPU without FP8 GEMMs (not a
+    ``--gpu-memory`` one's); and a model with no projection FP8 GEMMs take."""
+    import torch
+
+    from roundpipe.cli.config import ConfigError, fp8_problem
+    from roundpipe.cli.config_flags import parse_train_args
+    from roundpipe.models import fp8
+
+    what = fp8_problem(True, 8, "nf4")
+    assert what is not None
+    one_line(capsys, TINY + ["--lora-r", "8", "--base-format", "nf4", "--fp8"], what[0], what[1])
+    with pytest.raises(ConfigError, match=what[0]):
+        parse_train_args(["--fp8", "--lora-r", "8", "--base-format", "nf4", "--output-dir", str(tmp_path / "run")])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: (8, 0))
+    with pytest.raises(ValueError) as no_fp8:
+        fp8.check_capabilities([(8, 0)])
+    one_line(capsys, TINY[:4] + ["--host-memory", "16GiB", "--fp8"], str(no_fp8.value).split(";")[0])
+    assert plan.main(TINY + ["--fp8"]) == 0  # planning for another machine's GPUs
+    capsys.readouterr()
+    monkeypatch.undo()
+    shape = dict(hidden_size=40, intermediate_size=72, num_hidden_layers=2, num_attention_heads=5, vocab_size=64)
+    odd = config_dir(tmp_path, "odd", **shape)  # 40 wide: no projection's features are multiples of 16
+    one_line(capsys, ["--model", odd, *TINY[2:], "--fp8"], "no decoder-layer projection to run in FP8")
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_base_layer_allocates_the_estimated_bytes() -> None:
+    """On a GPU, a decoder layer over an fp8 base converted for FP8 GEMMs, uploaded as the runtime uploads its
+    parameters, holds the estimate's device bytes: its fp8 bytes, scales and norms, nothing dequantized beside them
+    (``memory_allocated`` counts each tensor in the caching allocator's 512-byte blocks)."""
+    import torch
+
+    from roundpipe.host.formats import quantize_frozen
+    from roundpipe.models import fp8
+    from roundpipe.runtime import transfer
+
+    model, config = _tiny_bf16(8, lora=True)
+    quantize_frozen(model, "fp8")
+    fp8.enable_fp8_base(model)
+    layer = model.base_model.model.model.layers[0]
+    expect = estimate.estimate(estimate.ModelShape.from_config(config), 16, lora_rank=8, base_format="fp8", fp8=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    copies = [transfer._upload_param(p, torch.device("cuda")) for n, p in layer.named_parameters() if "lora_" not in n]
+    torch.cuda.synchronize()
+    used = torch.cuda.memory_allocated() - before
+    tensors = [t for c in copies for t in ((c.data_fp8, c.scale) if isinstance(c, fp8.Fp8Weight) else (c,))]
+    assert sum(t.nbytes for t in tensors) == expect.device_bytes_per_layer
+    assert used == sum(-(-t.nbytes // 512) * 512 for t in tensors)

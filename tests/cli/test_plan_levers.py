@@ -91,14 +91,24 @@ def test_host_short_names_the_side_and_the_levers(capsys) -> None:
     )
 
 
-@pytest.mark.parametrize("argv", [HOST_SHORT, GPU_SHORT, FULL], ids=["host short", "GPU short", "full fine-tune"])
+FP8 = ["--base-format", "fp8", "--fp8"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [HOST_SHORT, GPU_SHORT, FULL, HOST_SHORT + FP8, FULL + ["--fp8"]],
+    ids=["host short", "GPU short", "full fine-tune", "host short, fp8", "full fine-tune, fp8"],
+)
 def test_a_lever_said_to_fit_fits(capsys, argv: List[str]) -> None:
-    """Each lever's flags added to the command: ``plan`` then says what the lever said (its numbers too)."""
+    """Each lever's flags added to the command: ``plan`` then says what the lever said (its numbers too). With
+    ``--fp8`` a lever to LoRA keeps the base fp8 (``--base-format fp8``), one to NF4 drops FP8 (``--no-fp8``)."""
     result = planned(capsys, argv)
     assert result["levers"] and not result["fits"]
     for lever in result["levers"]:
         if not lever["available"] or lever["change"].startswith("together"):
             continue
+        if "--fp8" in argv and "--base-format" in lever["argv"]:
+            assert (lever["argv"][-1] == "--no-fp8") if "nf4" in lever["argv"] else ("fp8" in lever["argv"]), lever
         again = planned(capsys, [*argv, *lever["argv"]])  # a later flag wins in argparse
         assert again["fits"] == lever["fits"], lever
         assert (again["peak_gpu_bytes"], again["peak_host_bytes"]) == (
