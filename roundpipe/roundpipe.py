@@ -170,7 +170,8 @@ class RoundPipe(RoundPipeBase):
     # ---- plans ---------------------------------------------------------------------------------------
     def layer_device_bytes(self, run_type: RunType) -> List[float]:
         """Bytes each layer occupies on a device while it runs: parameters and buffers (a packed frozen weight
-        at its logical size, plus the transient of unpacking it: ``formats.module_device_bytes``), plus
+        at its device copy's size, its logical one once unpacked, plus the transient of unpacking it; one computing
+        from its fp8 bytes at those bytes: ``formats.module_device_bytes``), plus
         gradients of trainable parameters when training. Computed once per run type (the layer list is fixed)."""
         key = "infer" if run_type == "infer" else "train"
         cache = self.__dict__.setdefault("_device_bytes", {})

@@ -12,7 +12,9 @@ What a graph needs, and who provides it:
   device alternate parity, and ``DeviceManager.throttle_prefetch`` keeps at most two jobs' weights
   resident, so a job reuses the slots of the job two before it. Its parameter stream first waits for
   that job's ``release`` event (recorded on the gradient stream after the job's gradient downloads,
-  which follow its compute): the new weights never overwrite ones still being read.
+  which follow its compute): the new weights never overwrite ones still being read. A weight whose
+  device copy is not one plain tensor (a frozen fp8 base under FP8 GEMMs, its bytes and row scales)
+  gets a slot tensor per part (``layer_signature``'s ``parts``), so the graph reads what an eager job does.
 * Fixed addresses for the inputs: every tensor input is copied into the graph's static inputs before
   each replay (on the compute stream, which has waited for the uploads). Outputs are cloned out of the
   graph's static outputs, so a result may live on (a hand-over, a download in flight) while the next
@@ -116,9 +118,17 @@ def allocator_allows(pool_size: int) -> bool:
     return False
 
 
-def layer_signature(layer: nn.Module) -> Optional[Tuple[Any, ...]]:
-    """The storage a layer's slot needs: its class and its parameters' shapes and dtypes, or None when
-    the layer cannot use a slot (buffers, which forward may update; a parameter shared with another
+#: The tensors a parameter's device copy holds when it is not one plain tensor of its shape and dtype (a frozen
+#: weight whose GEMMs read its packed bytes): each one's (name, shape, dtype).
+Parts = Tuple[Tuple[str, Tuple[int, ...], torch.dtype], ...]
+
+
+def layer_signature(
+    layer: nn.Module, parts: Optional[Callable[[torch.Tensor], Optional[Parts]]] = None
+) -> Optional[Tuple[Any, ...]]:
+    """The storage a layer's slot needs: its class and, per parameter, its shape, dtype and ``parts(p)`` (the
+    tensors its device copy holds instead of one plain tensor of that shape, or None: a plain one), or None
+    when the layer cannot use a slot (buffers, which forward may update; a parameter shared with another
     module of the layer)."""
     if any(True for _ in layer.buffers()):
         return None
@@ -131,7 +141,7 @@ def layer_signature(layer: nn.Module) -> Optional[Tuple[Any, ...]]:
             if id(p) in seen:
                 return None
             seen.add(id(p))
-            shapes.append((tuple(p.shape), p.dtype))
+            shapes.append((tuple(p.shape), p.dtype, parts(p) if parts is not None else None))
     return (type(layer).__name__, tuple(shapes))
 
 
@@ -139,21 +149,30 @@ class LayerSlot:
     """Device storage for one layer's parameters and their gradients, at fixed addresses.
 
     Attributes:
-        params: One tensor per parameter, in ``layer.modules()`` order.
+        params: One tensor per parameter, in ``layer.modules()`` order; None for a parameter held as parts.
+        packed: Per parameter, the tensors of its parts by name (``layer_signature``), or None for a plain one.
         grads: Their gradient buffers, made on first use in training.
         release: Event after which the last job using the slot no longer reads or writes it (None: never
             used); the next upload into it waits for it on the parameter stream.
     """
 
     def __init__(self, signature: Tuple[Any, ...], device: torch.device) -> None:
-        self.params = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in signature[1]]
+        self.params: List[Optional[torch.Tensor]] = []
+        self.packed: List[Optional[Dict[str, torch.Tensor]]] = []
+        for shape, dtype, parts in signature[1]:
+            plain = parts is None
+            self.params.append(torch.empty(shape, dtype=dtype, device=device) if plain else None)
+            self.packed.append(None if plain else {n: torch.empty(s, dtype=d, device=device) for n, s, d in parts})
         self.grads: List[Optional[torch.Tensor]] = [None] * len(self.params)
         self.release: Optional[Event] = None
 
     def grad(self, k: int) -> torch.Tensor:
         g = self.grads[k]
         if g is None:
-            g = self.grads[k] = torch.empty_like(self.params[k])
+            p = self.params[k]
+            if p is None:
+                raise ValueError(f"graph slot: parameter {k} is held as parts (a frozen weight): it has no gradient")
+            g = self.grads[k] = torch.empty_like(p)
         return g
 
 

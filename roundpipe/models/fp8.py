@@ -258,6 +258,8 @@ class Fp8ComputeFormat(Fp8Format):
     """The fp8 format of a frozen base that computes from its packed bytes: its device copy is an
     :class:`Fp8Weight` instead of the dequantized weight (the packing, and every host-side use, unchanged)."""
 
+    keeps_packed = True  # a graph slot holds the data and scales too (``roundpipe.runtime.transfer``)
+
     def device_weight(self, packed: Packed, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return Fp8Weight(packed["data"], packed["scale"], dtype)
 

@@ -289,10 +289,10 @@ def estimate(
     # runtime's (its plan's count: this estimate's peak in its place kept two inputs too many at 262,144 tokens).
     room = 0.0
     if devices == 1 and gpu_bytes is not None:  # a layer's weights and gradients (PEFT's adapters in fp32)
-        layer_dev = layer_w + (8 * shape.lora_params(lora_rank) if lora_rank else trainable_layer * b)
-        # As the runtime's layer bytes count it (formats.module_device_bytes), which counts a base computing from its
-        # fp8 bytes (fp8=True) at its dequantized size with an unpacking transient too.
-        layer_dev += base.gpu_transient_bytes
+        layer_dev = device_w + (8 * shape.lora_params(lora_rank) if lora_rank else trainable_layer * b)
+        # As the runtime's layer bytes count it (formats.module_device_bytes): a base computing from its fp8 bytes
+        # (fp8=True) at those bytes and scales, with the unpacking transient of what is still unpacked only.
+        layer_dev += unpacking
         kv, prefix = sequence_kv(1) - sequence_kv(0), sequence_kv(0)
         step = runtime_step_bytes(shape, t, tile, tiled, b, lora_rank, lora_extra, g, layer_dev, kv, prefix)
         # Where this estimate's count of the step is the larger, the inputs fill only what it leaves.

@@ -32,7 +32,7 @@ from roundpipe.devices import device as device_mod
 from roundpipe.host.attribute import ParamAttribute
 from roundpipe.runtime.context import ForwardCtx, RecomputeCtx
 from roundpipe.runtime.run import Leaves, MicrobatchState, Run, differentiable
-from roundpipe.runtime.transfer import HostScalar, wait_layer
+from roundpipe.runtime.transfer import HostScalar, slot_parts, wait_layer
 
 if TYPE_CHECKING:
     from roundpipe.devices.device import DeviceManager
@@ -165,7 +165,7 @@ def graph_signatures(
         if i not in facts.signatures:
             layer = run.model.layers[i]
             shared = any(ParamAttribute.has(p) and ParamAttribute.get(p).shared for p in layer.parameters())
-            facts.signatures[i] = None if shared else graphs.layer_signature(layer)
+            facts.signatures[i] = None if shared else graphs.layer_signature(layer, slot_parts)
         sig = facts.signatures[i]
         if sig is None:
             return None

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from roundpipe import settings
-from roundpipe.devices import backend, cpu_streams
+from roundpipe.devices import backend, cpu_streams, graphs
 from roundpipe.devices.backend import Event
 from roundpipe.host.attribute import LayerAttribute, ParamAttribute, buffer_downloaded, note_buffer_download
 from roundpipe.host.buffers import ParamBuffers
@@ -187,7 +187,14 @@ def _upload_frozen(t: FrozenWeight, device: torch.device, out: Optional[torch.Te
     stream waits for the layer's ``param_uploaded`` event (recorded after this) before reading the weight.
     On a CPU worker the host packed tensors are dequantized directly (a new tensor, as a copy would be).
     Without ``out`` the format says what the device copy holds (``Format.device_weight``: the dequantized
-    weight, or for a base whose GEMMs read fp8 bytes, those bytes as they were uploaded)."""
+    weight, or for a base whose GEMMs read fp8 bytes, those bytes as they were uploaded). A format that keeps
+    its packed tensors on the device (``Format.keeps_packed``) is never unpacked into a slot: its slot holds
+    those tensors (``_upload_slot``)."""
+    if out is not None and t.format.keeps_packed:
+        raise ValueError(
+            f"{t!r} computes from its packed tensors on the device: its graph slot holds them "
+            "(transfer.slot_parts), not a plain weight to unpack into"
+        )
     if device.type == "cpu":
         packed = t.packed
     else:
@@ -195,6 +202,40 @@ def _upload_frozen(t: FrozenWeight, device: torch.device, out: Optional[torch.Te
     if out is None:
         return t.format.device_weight(packed, t.shape, t.dtype)
     return t.dequantize_into(packed, out)
+
+
+def slot_parts(p: torch.Tensor) -> Optional[graphs.Parts]:
+    """What a graph slot holds for parameter ``p`` instead of one plain tensor of its shape and dtype
+    (``graphs.layer_signature``): the packed tensors of a frozen weight whose device copy keeps them
+    (``FrozenWeight.device_parts``: an fp8 base under FP8 GEMMs), else None."""
+    return p.device_parts() if isinstance(p, FrozenWeight) else None
+
+
+def _upload_slot(slot: graphs.LayerSlot, j: int, p: torch.Tensor) -> torch.Tensor:
+    """Upload parameter ``p`` into position ``j`` of graph slot ``slot`` (on the current, parameter upload,
+    stream) and return its device weight over the slot's storage: the slot's plain tensor (a packed frozen weight
+    dequantized into it), or for a frozen weight whose device copy keeps its packed tensors the format's
+    ``device_weight`` over the slot's copies of them: the object an ungraphed upload makes (``_upload_frozen``),
+    at the slot's fixed addresses, so graphed and eager jobs compute the same.
+
+    Stream order (no new synchronisation): the parameter stream has already waited for the slot's ``release``
+    (``upload_layers``: the job that last read these tensors is done), the copies go on it like any slot upload's,
+    and the compute stream reads the device weight only after the layer's ``param_uploaded`` event, recorded after
+    them. The device weight allocates nothing: it wraps the slot's tensors."""
+    parts, plain = slot.packed[j], slot.params[j]
+    if (parts is not None) != (slot_parts(p) is not None):
+        raise ValueError(
+            f"graph slot: {p!r} is {'not ' if parts is not None else ''}kept packed on the device, unlike when its "
+            "layer's slot was made; choose the frozen base's format (and fp8=True) before the first call"
+        )
+    if parts is None:
+        assert plain is not None  # a plain position of the slot (``graphs.LayerSlot``)
+        _upload_into(plain, p)
+        return plain
+    assert isinstance(p, FrozenWeight)
+    for name, dst in parts.items():
+        _upload_into(dst, p.packed[name])
+    return p.format.device_weight(parts, p.shape, p.dtype)
 
 
 def _upload_into(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -390,8 +431,7 @@ def upload_layers(
                         if g is not None:
                             dp.grad = _upload_param(g, device.device)
                     else:
-                        _upload_into(slot.params[j], p)
-                        dp = nn.Parameter(slot.params[j], requires_grad=train)
+                        dp = nn.Parameter(_upload_slot(slot, j, p), requires_grad=train)
                         if train:
                             # Seeded: the gradient accumulates onto the host's. Unseeded: the zeroed buffer
                             # becomes ``.grad`` only once a microbatch reaches the parameter

@@ -22,6 +22,9 @@ class Format:
     """One frozen-weight format; subclasses implement the packing. ``name`` is the ``base_format`` string."""
 
     name = ""
+    #: Whether a layer's device copy of a weight in this format holds its packed tensors as uploaded (its
+    #: ``device_weight`` wraps them, for GEMMs that read the packed bytes) instead of the dequantized weight.
+    keeps_packed = False
 
     def quantize(self, w: torch.Tensor) -> Packed:  # w: [out, in]
         raise NotImplementedError
@@ -43,7 +46,8 @@ class Format:
 
     def device_weight(self, packed: Packed, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """What a layer's device copy holds for a weight uploaded as ``packed`` (on that device): the plain
-        weight, dequantized; a format whose GEMMs read the packed bytes returns a tensor holding them."""
+        weight, dequantized; a format whose GEMMs read the packed bytes (``keeps_packed``) returns a tensor
+        holding those very tensors (a graph slot's, when the job is graphed)."""
         return self.dequantize(packed, shape, dtype)
 
     def __repr__(self) -> str:

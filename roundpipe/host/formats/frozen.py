@@ -129,6 +129,19 @@ class FrozenWeight(torch.Tensor):
         """Bytes the packed host tensors hold."""
         return host_nbytes(self)
 
+    def device_parts(self) -> Optional[Tuple[Tuple[str, Tuple[int, ...], torch.dtype], ...]]:
+        """The tensors this weight's device copy holds when its format keeps them packed there
+        (``Format.keeps_packed``): each packed tensor's (name, shape, dtype), by name, which is what a graph slot
+        allocates for it; None when the device copy is the dequantized weight of the logical shape and dtype."""
+        if not self.format.keeps_packed:
+            return None
+        return tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(self.packed.items()))
+
+    def device_nbytes(self) -> int:
+        """Bytes this weight's device copy holds: its packed bytes when its format keeps them packed there, else
+        the logical size (the weight dequantized)."""
+        return self.host_nbytes() if self.format.keeps_packed else self.numel() * self.element_size()
+
     def _alias(self, packed: Optional[Packed] = None) -> "FrozenWeight":
         return FrozenWeight(self.packed if packed is None else packed, self.format, self.shape, self.dtype)
 
@@ -363,18 +376,26 @@ def quantize_base(model: nn.Module, base_format: str) -> int:
 def dequantize_transient_bytes(t: torch.Tensor) -> int:
     """Device bytes an upload of ``t`` holds besides its plain weight while it is unpacked: a FrozenWeight's
     packed bytes and one chunk's intermediates (``codecs.DEQUANT_CHUNK`` elements: a float32 copy or an
-    int32 index, and the values); 0 for a plain tensor."""
-    if not isinstance(t, FrozenWeight):
+    int32 index, and the values); 0 for a plain tensor, and for a FrozenWeight whose device copy keeps its
+    packed tensors (``Format.keeps_packed``: never unpacked)."""
+    if not isinstance(t, FrozenWeight) or t.format.keeps_packed:
         return 0
     return t.host_nbytes() + min(t.numel(), codecs.DEQUANT_CHUNK) * (4 + t.element_size())
 
 
+def device_nbytes(t: torch.Tensor) -> int:
+    """Bytes the device copy of parameter or buffer ``t`` holds once uploaded: ``FrozenWeight.device_nbytes`` (the
+    logical size of a weight dequantized there, the packed bytes of one kept packed), the size of a plain tensor."""
+    return t.device_nbytes() if isinstance(t, FrozenWeight) else t.numel() * t.element_size()
+
+
 def module_device_bytes(module: nn.Module) -> int:
-    """Bytes ``module``'s parameters and buffers take on a device while it runs: the logical sizes (a
-    FrozenWeight arrives as a plain tensor of its dtype) plus the largest unpacking transient (the
-    transfer layer unpacks one weight at a time)."""
+    """Bytes ``module``'s parameters and buffers take on a device while it runs: what each device copy holds
+    (``device_nbytes``: a FrozenWeight dequantized there at its logical size, one computing from its packed
+    bytes at those bytes) plus the largest unpacking transient (the transfer layer unpacks one weight at a time;
+    a weight kept packed has none)."""
     seen: Dict[int, torch.Tensor] = {}
     for t in list(module.parameters()) + list(module.buffers()):
         seen[id(t)] = t
-    logical = sum(t.numel() * t.element_size() for t in seen.values())
-    return logical + max((dequantize_transient_bytes(t) for t in seen.values()), default=0)
+    held = sum(device_nbytes(t) for t in seen.values())
+    return held + max((dequantize_transient_bytes(t) for t in seen.values()), default=0)
