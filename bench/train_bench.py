@@ -51,6 +51,14 @@ MOE_WORKLOADS: Dict[str, Tuple[str, Dict[str, Any]]] = {
             sliding_window=128, tie_word_embeddings=False,
         ),
     ),
+    "gpt-oss-120b": (
+        "gpt_oss",
+        dict(
+            vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
+            num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=128, num_experts_per_tok=4,
+            sliding_window=128, tie_word_embeddings=False,
+        ),
+    ),
 }  # fmt: skip
 """The mixture-of-experts shapes (their published configs, random weights): family and config fields;
 ``--layers N`` takes a slice of the first N layers, ``--experts`` transformers' experts implementation."""
@@ -60,6 +68,12 @@ WORKLOADS = ["tiny", "tiny-moe", *flavors.BUILTIN, *MOE_WORKLOADS]
 ``tiny`` / ``tiny-moe`` for CPU smoke runs."""
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""LoRA's modules on a dense model: the seven decoder projections."""
+
+MOE_LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERT_LORA_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+"""LoRA on a mixture of experts (Qwen3-MoE, GPT-OSS): the attention projections, and the experts' fused 3-D
+weights as PEFT adapts parameters (``target_parameters``); the router stays frozen."""
 
 TINY_WORKLOAD = dict(tie_word_embeddings=True, max_position_embeddings=40960, attn_implementation="sdpa")
 """What the ``tiny`` workload adds to the shared tiny config (``roundpipe.models.configs.TINY``)."""
@@ -126,17 +140,90 @@ def build_model(name: str, device: str = "cpu", layers: int = 0, **overrides: An
     return model
 
 
+def lora_config(model_type: str, rank: int) -> Any:
+    """``--lora``'s ``peft.LoraConfig`` for a model family (alpha = 2 x rank): the seven projections of a dense
+    model; attention and the experts (:data:`EXPERT_LORA_PARAMETERS`) of a mixture of experts."""
+    from peft import LoraConfig
+
+    from roundpipe.models.families import family_of
+
+    if getattr(family_of(model_type), "moe", False):
+        return LoraConfig(
+            r=rank, lora_alpha=2 * rank, target_modules=MOE_LORA_MODULES, target_parameters=EXPERT_LORA_PARAMETERS
+        )
+    return LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS)
+
+
+def lora_what(model_type: str) -> str:
+    """What ``--lora`` adapts on a family, for the bench's note."""
+    targets = lora_config(model_type, 1)
+    return "on " + "/".join(sorted(targets.target_modules)) + "".join(f", {p}" for p in targets.target_parameters or [])
+
+
+def layer_by_layer(args: argparse.Namespace) -> bool:
+    """Whether roundpipe's loader builds the workload part by part (``build_random``: dense families, GPT-OSS);
+    another mixture of experts is built whole, its base packed at the wrap."""
+    from roundpipe.loading.skeleton import LOADABLE_MOE
+    from roundpipe.models.families import family_of
+
+    model_type = family(args.workload)
+    return not getattr(family_of(model_type), "moe", False) or model_type in LOADABLE_MOE
+
+
 def build_base_format(args: argparse.Namespace, base_format: str) -> torch.nn.Module:
     """The workload with LoRA (``--lora``) over random frozen weights drawn straight into ``base_format``
     (``roundpipe.loading.build_random``: a 70B base in NF4 needs about 40 GB of host memory, never 140)."""
-    from peft import LoraConfig
-
     from roundpipe.loading import build_random
 
     torch.manual_seed(0)
-    lora = LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules=LORA_TARGETS)
+    lora = lora_config(family(args.workload), args.lora)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    return build_random(workload_config(args.workload, **model_args(args)), base_format, lora, dtype)
+    model = build_random(workload_config(args.workload, **model_args(args)), base_format, lora, dtype)
+    check_expert_adapters(model)
+    return model
+
+
+def check_expert_adapters(model: torch.nn.Module) -> None:
+    """PEFT gives an expert weight's adapter ``r`` rows per expert (``lora_A`` [r x experts, in]): a build whose
+    adapters differ would not train PEFT's adapters; refused with what differs."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, ParamWrapper):
+            for adapter, lin in mod.lora_A.items():
+                want = mod.r[adapter] * mod.num_experts
+                if lin.weight.shape[0] != want:
+                    raise SystemExit(
+                        f"{name}: lora_A has {lin.weight.shape[0]} rows, PEFT's has r x experts = {want}; the "
+                        "layer-by-layer loader (roundpipe.loading.fill) must draw r x num_experts rows"
+                    )
+
+
+def base_host_bytes(model: torch.nn.Module, base_format: str, element_bytes: int = 2) -> int:
+    """Host bytes of a frozen ``model``'s base (every weight but LoRA's) in ``base_format``, from its shapes alone
+    (a meta-device model works): each weight ``default_targets`` packs at its packed size (never the head), every
+    other one at ``element_bytes`` per element (bf16)."""
+    from roundpipe.host.formats import default_targets, expert_layout
+    from roundpipe.planning.frozen_terms import packed_weight_bytes
+
+    targets = default_targets(model, base_format) if base_format != "bf16" else ()
+    head = model.get_output_embeddings()
+    seen, total = set(), 0
+    for name, mod in model.named_modules():
+        for attr, p in mod._parameters.items():
+            if p is None or id(p) in seen or "lora_" in name:
+                continue
+            seen.add(id(p))
+            transposed = expert_layout(mod, attr)
+            if "experts" in targets and transposed is not None:
+                experts, a, b = p.shape  # [experts, in, out] when transposed, else [experts, out, in]
+                rows, cols = (b, a) if transposed else (a, b)
+                total += experts * (packed_weight_bytes(rows, cols, base_format) - 16 * 4) + 16 * 4  # one table
+            elif "linear" in targets and isinstance(mod, torch.nn.Linear) and attr == "weight" and mod is not head:
+                total += packed_weight_bytes(p.shape[0], p.shape[1], base_format, element_bytes)
+            else:
+                total += p.numel() * element_bytes
+    return total
 
 
 def fill_random(model: torch.nn.Module, seed: int, std: float = 0.02, chunk: int = 1 << 24) -> None:
@@ -162,10 +249,10 @@ def fill_random(model: torch.nn.Module, seed: int, std: float = 0.02, chunk: int
 
 
 def add_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
-    """``model`` with LoRA adapters of ``rank`` on all seven decoder projections (alpha = 2 x rank)."""
-    from peft import LoraConfig, get_peft_model
+    """``model`` with PEFT's LoRA adapters of ``rank`` on :func:`lora_config`'s targets for its family."""
+    from peft import get_peft_model
 
-    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS))
+    return get_peft_model(model, lora_config(model.config.model_type, rank))
 
 
 def timed(
@@ -306,7 +393,7 @@ def bench_roundpipe(
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    if args.lora and (base_format != "bf16" or args.workload in flavors.LLAMA3):
+    if args.lora and (base_format != "bf16" or args.workload in flavors.LLAMA3) and layer_by_layer(args):
         hf = build_base_format(args, base_format)
         n_params = sum(p.numel() for p in hf.parameters() if p.requires_grad)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB: the build's peak, the base's bytes
@@ -318,9 +405,6 @@ def bench_roundpipe(
         if args.lora:
             hf = add_lora(hf, args.lora)
             n_params = sum(p.numel() for p in hf.parameters() if p.requires_grad)
-    from roundpipe.utils import host_nbytes
-
-    base_bytes = sum(host_nbytes(p) for p in {id(p): p for p in hf.parameters() if not p.requires_grad}.values())
     n_mb = args.microbatches or 2 * roundpipe.get_num_devices()
     # --master bfloat16: the optimizer steps the bf16 weights themselves (no fp32 copy on the host).
     optim_dtype = None if args.master == "bfloat16" else torch.float32
@@ -333,6 +417,10 @@ def bench_roundpipe(
         base_format=base_format,
         fp8=getattr(args, "fp8_on", False) or None,
     )
+    from roundpipe.utils import host_nbytes
+
+    # After the wrap, which packs the frozen weights of a base built whole (Qwen3-MoE) in place.
+    base_bytes = sum(host_nbytes(p) for p in {id(p): p for p in hf.parameters() if not p.requires_grad}.values())
     if plan != "auto":
         model.model_run_config = RoundPipeRunConfig(
             num_microbatch=n_mb, execute_plan=fixed_plan(plan, model.num_layers)
@@ -366,7 +454,7 @@ def bench_roundpipe(
     peak = torch.cuda.max_memory_allocated() / 1024**3 if torch.cuda.is_available() else float("nan")
     print(f"roundpipe per-iteration seconds: {[round(t, 3) for t in times]}")
     what = (
-        f"LoRA r={args.lora}, {n_params / 1e6:.1f}M trainable"
+        f"LoRA r={args.lora} {lora_what(family(args.workload))}, {n_params / 1e6:.1f}M trainable"
         if args.lora
         else f"{host / n_params:.1f} bytes/param host"
     )
@@ -434,7 +522,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         "--profile", action="store_true", help="profile one more iteration: each GPU's busy share, idle gaps"
     )
     p.add_argument("--trace", default="", help="with --profile: write a chrome trace of that iteration here (.gz ok)")
-    p.add_argument("--lora", type=int, default=0, help="LoRA rank on all decoder projections (0: full fine-tune)")
+    p.add_argument(
+        "--lora", type=int, default=0, help="LoRA rank on the projections, MoE: attention and experts (0: full)"
+    )
     p.add_argument("--optim-state", default="float32", choices=["float32", "bfloat16", "int8"], help="Adam moments")
     p.add_argument("--master", default="float32", choices=["float32", "bfloat16"], help="bfloat16: the weights")
     p.add_argument("--master-rounding", default="stochastic", choices=["stochastic", "kahan", "nearest"])

@@ -339,3 +339,102 @@ def test_one_flavor_table_feeds_the_cli_the_estimate_and_the_benches() -> None:
             f.tied,
         )
     assert set(BUILTIN_MODELS) == {"tiny", *flavors.BUILTIN}  # one list: plan and train take the same names
+
+
+def _train_bench() -> object:
+    sys.path.insert(0, BENCH)
+    try:
+        import train_bench
+    finally:
+        sys.path.pop(0)
+    return train_bench
+
+
+def _adapted(model: object) -> set:
+    """What LoRA adapts in ``model``: each adapted module's last name, ``experts.<name>`` per expert parameter."""
+    from peft.tuners.lora.layer import LoraLayer, ParamWrapper
+
+    out = set()
+    for name, mod in model.named_modules():
+        if isinstance(mod, ParamWrapper):
+            out.add(f"experts.{mod.parameter_name}")
+        elif isinstance(mod, LoraLayer):
+            out.add(name.rsplit(".", 1)[-1])
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "qwen3"])
+def test_lora_adapts_attention_and_experts_of_a_mixture_of_experts(family: str) -> None:
+    """``--lora`` on a mixture of experts adapts q/k/v/o and both fused expert weights (PEFT's
+    ``target_parameters``: r rows per expert), the router frozen; on a dense model the seven projections."""
+    import transformers
+
+    from roundpipe.models.configs import tiny_config
+
+    tb = _train_bench()
+    model = tb.add_lora(transformers.AutoModelForCausalLM.from_config(tiny_config(family, num_hidden_layers=1)), 2)
+    if family == "qwen3":
+        assert _adapted(model) == set(tb.LORA_TARGETS)
+        return
+    assert _adapted(model) == {"q_proj", "k_proj", "v_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj"}
+    expert_a = [p for n, p in model.named_parameters() if ".experts." in n and "lora_A" in n]
+    assert [p.shape[0] for p in expert_a] == [2 * 4, 2 * 4]  # r x the tiny config's four experts
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert "mlp.experts.gate_up_proj" in tb.lora_what(family) and "q_proj" in tb.lora_what(family)
+
+
+def _gpt_oss() -> object:
+    from roundpipe.models.configs import tiny_config
+
+    return tiny_config("gpt_oss", num_hidden_layers=1, hidden_size=64, intermediate_size=64)  # blocks of 32 inputs
+
+
+def _expert_bytes(model: object) -> int:
+    from roundpipe.utils import host_nbytes
+
+    return sum(host_nbytes(p) for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj")))
+
+
+def test_mxfp4_random_build_keeps_experts_about_4x_smaller_than_bf16() -> None:
+    """The random GPT-OSS build in mxfp4 holds its expert weights at 4.25 bits per element (16 / 4.25 = 3.76x
+    fewer host bytes than bf16), and the bench's count from shapes alone agrees with both builds' bytes."""
+    import torch
+    import transformers
+
+    from roundpipe.loading import build_random
+    from roundpipe.utils import host_nbytes
+
+    tb = _train_bench()
+    lora = tb.lora_config("gpt_oss", 2)
+    built = {f: build_random(_gpt_oss(), f, lora, torch.bfloat16) for f in ("bf16", "mxfp4")}
+    assert any(type(p).__name__ == "FrozenWeight" for p in built["mxfp4"].parameters())
+    ratio = _expert_bytes(built["bf16"]) / _expert_bytes(built["mxfp4"])
+    assert ratio == pytest.approx(16 / 4.25, rel=0.01)
+    with torch.device("meta"):
+        shapes = transformers.AutoModelForCausalLM.from_config(_gpt_oss(), dtype=torch.bfloat16).requires_grad_(False)
+    for f, model in built.items():
+        frozen = sum(host_nbytes(p) for p in {id(p): p for p in model.parameters() if not p.requires_grad}.values())
+        assert tb.base_host_bytes(shapes, f) == frozen, f
+
+
+def test_gpt_oss_120b_workload_has_the_published_shape() -> None:
+    """GPT-OSS-120B's config: 36 layers of 128 experts, 4 per token, at GPT-OSS-20B's widths; 116.8B parameters."""
+    tb = _train_bench()
+    c = tb.workload_config("gpt-oss-120b")
+    assert (type(c).__name__, c.num_hidden_layers, c.num_local_experts, c.num_experts_per_tok) == (
+        "GptOssConfig",
+        36,
+        128,
+        4,
+    )
+    assert (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (
+        2880,
+        2880,
+        64,
+        8,
+        64,
+    )
+    assert (c.vocab_size, c.sliding_window, c.tie_word_embeddings) == (201088, 128, False)
+    model = tb.build_model("gpt-oss-120b", "meta")
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 1) == 116.8
