@@ -51,17 +51,14 @@ MOE_WORKLOADS: Dict[str, Tuple[str, Dict[str, Any]]] = {
             sliding_window=128, tie_word_embeddings=False,
         ),
     ),
-    "gpt-oss-120b": (
-        "gpt_oss",
-        dict(
-            vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
-            num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=128, num_experts_per_tok=4,
-            sliding_window=128, tie_word_embeddings=False,
-        ),
-    ),
 }  # fmt: skip
 """The mixture-of-experts shapes (their published configs, random weights): family and config fields;
 ``--layers N`` takes a slice of the first N layers, ``--experts`` transformers' experts implementation."""
+# GPT-OSS-120B: GPT-OSS-20B's widths, 36 layers of 128 experts (its published config).
+MOE_WORKLOADS["gpt-oss-120b"] = (
+    "gpt_oss",
+    dict(MOE_WORKLOADS["gpt-oss-20b"][1], num_hidden_layers=36, num_local_experts=128),
+)
 
 WORKLOADS = ["tiny", "tiny-moe", *flavors.BUILTIN, *MOE_WORKLOADS]
 """The bench workloads: the Qwen3 and Llama-3.1 sizes of ``roundpipe.flavors``, the mixtures of experts, and
