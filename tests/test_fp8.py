@@ -130,7 +130,7 @@ def fp8_base_pair(
 
 
 def reference_step(model: nn.Module, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """The unsplit model's loss (cross entropy in float64) and its gradients."""
+    """The unsplit model's loss (cross entropy in the logits' dtype) and its gradients."""
     logits = model(input_ids=batch["input_ids"]).logits
     labels = batch["labels"][:, 1:].reshape(-1)
     loss = nn.functional.cross_entropy(logits[:, :-1].reshape(labels.numel(), -1), labels, ignore_index=-100)
@@ -511,7 +511,7 @@ def lora_fp8_grads(model: nn.Module, batch: Dict[str, torch.Tensor], use_fp8: bo
     through RoundPipe on the current workers: FP8 GEMMs, or without ``use_fp8`` plain ones over the dequantized base."""
     kw: Dict[str, Any] = dict(base_format="fp8", fp8=use_fp8, fused_kernels=True)
     models.wrap_model(model, model_run_config=RoundPipeRunConfig(num_microbatch=2), **kw).train_step(**batch)
-    assert not kernels.DECODER_LAYER.failed
+    assert not kernels.DECODER_LAYER.failed and (kernels.DECODER_LAYER.compiled or settings.DISABLE_TORCH_COMPILE.get())
     return grads(model)
 
 
@@ -536,7 +536,7 @@ def roundpipe_logit_grads(model: nn.Module, ids: torch.Tensor, seed: torch.Tenso
     rp = models.wrap_model(model, model_run_config=RoundPipeRunConfig(num_microbatch=1, fp8=True), fused_kernels=True)
     out = rp(input_ids=ids)
     out.logits.backward(seed.to(out.logits.device))
-    assert not kernels.DECODER_LAYER.failed
+    assert not kernels.DECODER_LAYER.failed and (kernels.DECODER_LAYER.compiled or settings.DISABLE_TORCH_COMPILE.get())
     return grads(model)
 
 
