@@ -175,25 +175,7 @@ def build_base_format(args: argparse.Namespace, base_format: str) -> torch.nn.Mo
     torch.manual_seed(0)
     lora = lora_config(family(args.workload), args.lora)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    model = build_random(workload_config(args.workload, **model_args(args)), base_format, lora, dtype)
-    check_expert_adapters(model)
-    return model
-
-
-def check_expert_adapters(model: torch.nn.Module) -> None:
-    """PEFT gives an expert weight's adapter ``r`` rows per expert (``lora_A`` [r x experts, in]): a build whose
-    adapters differ would not train PEFT's adapters; refused with what differs."""
-    from peft.tuners.lora.layer import ParamWrapper
-
-    for name, mod in model.named_modules():
-        if isinstance(mod, ParamWrapper):
-            for adapter, lin in mod.lora_A.items():
-                want = mod.r[adapter] * mod.num_experts
-                if lin.weight.shape[0] != want:
-                    raise SystemExit(
-                        f"{name}: lora_A has {lin.weight.shape[0]} rows, PEFT's has r x experts = {want}; the "
-                        "layer-by-layer loader (roundpipe.loading.fill) must draw r x num_experts rows"
-                    )
+    return build_random(workload_config(args.workload, **model_args(args)), base_format, lora, dtype)
 
 
 def base_host_bytes(model: torch.nn.Module, base_format: str, element_bytes: int = 2) -> int:

@@ -423,20 +423,6 @@ def test_mxfp4_random_build_keeps_experts_about_4x_smaller_than_bf16() -> None:
         assert tb.base_host_bytes(shapes, f) == frozen, f
 
 
-@pytest.mark.xfail(
-    strict=True, reason="roundpipe.loading.fill draws an expert weight's adapter with r rows, PEFT with r x experts"
-)
-def test_random_build_gives_expert_adapters_of_peft_shape() -> None:
-    """The layer-by-layer random build's expert adapters have PEFT's shapes (``lora_A`` [r x experts, in]), which
-    the bench checks before it trains them."""
-    import torch
-
-    from roundpipe.loading import build_random
-
-    tb = _train_bench()
-    tb.check_expert_adapters(build_random(_gpt_oss(), "mxfp4", tb.lora_config("gpt_oss", 2), torch.bfloat16))
-
-
 def test_gpt_oss_120b_workload_has_the_published_shape() -> None:
     """GPT-OSS-120B's config: 36 layers of 128 experts, 4 per token, at GPT-OSS-20B's widths; 116.8B parameters."""
     tb = _train_bench()

@@ -108,6 +108,25 @@ def test_lora_starts_where_peft_starts(checkpoints: Dict[str, str], init: Any, d
         assert torch.equal(p, got[name]), name
 
 
+def test_expert_lora_starts_where_peft_starts(tmp_path) -> None:
+    """LoRA on a mixture of experts' 3-D expert weights (``target_parameters``): PEFT stacks r rows per expert
+    (``lora_A`` [r x experts, in]); the loader draws the same adapters, bit for bit, as ``get_peft_model``."""
+    path = write_checkpoint(str(tmp_path / "oss"), "gpt_oss", tie=False)
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    lora = lambda: LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], target_parameters=experts)  # noqa: E731
+    torch.manual_seed(5)
+    want = dict(
+        get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), lora()).named_parameters()
+    )
+    torch.manual_seed(5)
+    got = dict(load_pretrained(path, "bf16", lora(), torch.float32).named_parameters())
+    assert got.keys() == want.keys()
+    stacked = [n for n in want if "experts" in n and "lora_A" in n]
+    assert stacked and all(want[n].shape[0] == 2 * 4 for n in stacked)  # r x num_local_experts of tiny_config
+    for name, p in want.items():
+        assert p.shape == got[name].shape and torch.equal(p, got[name]), name
+
+
 def test_lora_settings_the_loader_cannot_reproduce_are_refused(checkpoints: Dict[str, str]) -> None:
     path = checkpoints["llama"]
     with pytest.raises(LoadError, match="init_lora_weights='pissa'.*use init_lora_weights=True"):

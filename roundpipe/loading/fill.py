@@ -9,7 +9,8 @@ Tensors are read one at a time, each file open only while one is read, and a fro
 before the next is read: no more than one tensor of the checkpoint is ever in the compute dtype, besides the
 parts kept in it (embedding, norms, head). LoRA draws the same random numbers in the same order as
 ``peft.get_peft_model`` on a materialized model (each adapter's two ``nn.Linear`` constructors, then
-``reset_lora_parameters``, in module order), so a seeded load gives PEFT's adapters bit for bit.
+``reset_lora_parameters``, in module order; the adapters of ``target_parameters`` after all the others, as PEFT
+adds them), so a seeded load gives PEFT's adapters bit for bit.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ IGNORED_KEYS = ("rotary_emb.inv_freq",)
 
 
 def checkpoint_name(name: str) -> str:
-    """The checkpoint's key of a skeleton parameter: PEFT's ``base_layer`` level removed."""
-    return name.replace(".base_layer.", ".")
+    """The checkpoint's key of a skeleton parameter: PEFT's ``base_layer`` levels removed (one per adapted
+    parameter of a module: ``experts.base_layer.base_layer.down_proj`` with two ``target_parameters``)."""
+    return ".".join(part for part in name.split(".") if part != "base_layer")
 
 
 def is_adapter(name: str) -> bool:
@@ -95,6 +97,7 @@ class PartFiller:
         self.tied = tied_names(hf)
         self.loaded: Dict[str, nn.Parameter] = {}  # tied parameters already filled, by every name of theirs
         self.used: set = set()  # checkpoint keys read
+        self.deferred: List[Any] = []  # adapters of parameters (PEFT's ParamWrapper), drawn after the module ones
         config = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
         self.std = float(getattr(config, "initializer_range", None) or 0.02)
         from roundpipe.host.formats import default_targets
@@ -154,7 +157,9 @@ class PartFiller:
             self.hf._init_weights(owner)
         self._init_adapters(part)
         materialize_buffers(self.hf, part, prefix)
-        left = [n for n, t in part.named_parameters() if t.is_meta] + [n for n, t in part.named_buffers() if t.is_meta]
+        later = {id(p) for sub in self.deferred for p in sub.parameters() if p.requires_grad}
+        left = [n for n, t in part.named_parameters() if t.is_meta and id(t) not in later]
+        left += [n for n, t in part.named_buffers() if t.is_meta]
         if left:
             raise LoadError(f"{prefix}{left[0]} was left unfilled by the loader; wrap the loaded model instead")
 
@@ -218,25 +223,45 @@ class PartFiller:
         """PEFT's LoRA init of every adapter in ``part``, in module order (see the module docstring)."""
         if self.lora is None:
             return
-        from peft.tuners.lora.layer import LoraLayer
+        from peft.tuners.lora.layer import LoraLayer, ParamWrapper
 
-        for sub in part.modules():
-            if not isinstance(sub, LoraLayer):
-                continue
-            if sub.lora_embedding_A or getattr(sub, "lora_variant", None):
-                raise LoadError(
-                    f"LoRA on {type(sub.get_base_layer()).__name__} layers or with a variant is not supported by the "
-                    "loader; target Linear layers only (--lora-targets / target_modules)"
-                )
+        done: set = set()
+        for outer in part.modules():
+            # Several adapted parameters of one module nest (``experts`` wraps ``experts.base_layer``, one
+            # ParamWrapper per ``target_parameters`` entry): PEFT creates the innermost first, so it draws first.
+            chain, sub = [], outer
+            while isinstance(sub, LoraLayer) and id(sub) not in done:
+                chain.append(sub)
+                done.add(id(sub))
+                sub = sub.base_layer
+            for sub in reversed(chain):
+                if sub.lora_embedding_A or getattr(sub, "lora_variant", None):
+                    raise LoadError(
+                        f"LoRA on {type(sub.get_base_layer()).__name__} layers or with a variant is not supported by "
+                        "the loader; target Linear layers only (--lora-targets / target_modules)"
+                    )
+                if isinstance(sub, ParamWrapper):
+                    # PEFT adapts every target_modules entry of the whole model before any target_parameters one.
+                    self.deferred.append(sub)
+                    continue
+                for adapter in list(sub.lora_A):
+                    self._init_adapter(sub, adapter)
+
+    def finish_adapters(self) -> None:
+        """Draw the adapters of adapted parameters (``target_parameters``), after every part is filled: PEFT draws
+        them after all the module adapters, module by module, so a seeded load still gives PEFT's adapters."""
+        for sub in self.deferred:
             for adapter in list(sub.lora_A):
                 self._init_adapter(sub, adapter)
+        self.deferred.clear()
 
     def _init_adapter(self, sub: Any, adapter: str) -> None:
         a_meta, b_meta = sub.lora_A[adapter].weight, sub.lora_B[adapter].weight
-        r = sub.r[adapter]
-        # The draws of update_layer: nn.Linear(in, r) then nn.Linear(r, out) in the default dtype, then the reset.
-        a = nn.Linear(sub.in_features, r, bias=False, device="cpu")
-        b = nn.Linear(r, sub.out_features, bias=sub.lora_bias[adapter], device="cpu")
+        # The draws of update_layer: nn.Linear(in, rows) then nn.Linear(rows, out) in the default dtype, then the
+        # reset. rows is r, or r per expert on an experts' 3-D parameter (PEFT's ParamWrapper stacks them).
+        rows = sub.r[adapter] * getattr(sub, "num_experts", 1)
+        a = nn.Linear(sub.in_features, rows, bias=False, device="cpu")
+        b = nn.Linear(rows, sub.out_features, bias=sub.lora_bias[adapter], device="cpu")
         sub.lora_A[adapter]._parameters["weight"] = a.weight
         sub.lora_B[adapter]._parameters["weight"] = b.weight
         if b.bias is not None:

@@ -48,6 +48,7 @@ def _fill(
     filler = PartFiller(skeleton.hf, dtype, base_format, files, lora)
     for prefix, part in skeleton.parts:
         filler.fill(prefix, part)
+    filler.finish_adapters()
     filler.check_unused()
     skeleton.model.eval()  # as transformers' from_pretrained leaves it; training calls set their own mode
     return skeleton.model
