@@ -3,8 +3,9 @@ shared/bench/WORKLOADS.md, in one process, side by side.
 
 Random init, bf16 weights. RoundPipe keeps fp32 master weights and Adam state on the host and steps
 asynchronously; the baselines keep everything on one GPU with per-layer gradient checkpointing and fused
-AdamW, with Hugging Face's kernels (eager) or Liger's. Prints one row per system: tokens/s, TFLOP/s
-(6 x params x tokens), peak GPU GiB, host memory, ratio to each baseline. ``--lora N``: LoRA (PEFT's, resident).
+AdamW, with Hugging Face's kernels (eager) or Liger's, or (``qlora``) Liger's over a bitsandbytes NF4 base.
+Prints one row per system: tokens/s, TFLOP/s (6 x params x tokens), peak GPU GiB, host memory, ratio to each
+baseline. ``--lora N``: LoRA (PEFT's, resident).
 
 This module is also the benchmarks' shared part: the workloads, the model builder, LoRA, the timing loop.
 
@@ -314,7 +315,7 @@ def bench_baseline(args: argparse.Namespace, ids: torch.Tensor, kind: str = "eag
     model = opt = None
     try:
         if qlora:  # made layer by layer on the GPU, each layer's bf16 weights freed once quantized
-            from benchlib.qlora import build_qlora
+            from benchlib.qlora import build_qlora, held_bytes
 
             meta = build_model(args.workload, "meta", **model_args(args))
             model = build_qlora(meta, lambda prefix, part: fill_random(part, seed=zlib.crc32(prefix.encode())), "cuda")
@@ -344,6 +345,7 @@ def bench_baseline(args: argparse.Namespace, ids: torch.Tensor, kind: str = "eag
             ids.numel() / (sum(times) / len(times)),
             torch.cuda.max_memory_allocated() / 1024**3,
             float("nan"),
+            f"base NF4 {held_bytes(model) / 1024**3:.3g} GiB on the GPU" if qlora else "",
         )
     except torch.OutOfMemoryError:
         row = Row(name, float("nan"), float("nan"), float("nan"), "does not fit on the GPU")

@@ -6,6 +6,7 @@ bitsandbytes' CPU backend quantizes and runs ``Linear4bit`` forward and backward
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from typing import Any, Dict, Tuple
@@ -61,6 +62,7 @@ def test_qlora_base_is_what_transformers_bitsandbytes_loads(tmp_path: Any, devic
     """Every decoder linear is a ``Linear4bit`` whose packed codes, absmax, its double quantization and offset
     equal ``bnb.functional.quantize_4bit`` of the bf16 weight and transformers' load; embedding, norms and the
     (tied) head stay bf16 and equal; the rotary tables equal."""
+    _, qlora = _bench()
     hf, ours, weights = _hf_and_ours(tmp_path, device)
     assert ours.is_loaded_in_4bit and ours.lm_head.weight is ours.model.embed_tokens.weight
     theirs = dict(hf.named_modules())
@@ -80,9 +82,15 @@ def test_qlora_base_is_what_transformers_bitsandbytes_loads(tmp_path: Any, devic
                 assert torch.equal(got.absmax, q.absmax) and torch.equal(got.offset, q.offset)
                 assert torch.equal(got.state2.absmax, q.state2.absmax) and torch.equal(got.code, q.code)
     assert linears == 7 * ours.config.num_hidden_layers
+    expected = 0  # NF4 with double quantization: 4 bits, a uint8 absmax per 64, an fp32 one per 256 of those
     for (name, p), (_, q) in zip(ours.named_parameters(), hf.named_parameters(), strict=True):
         if not isinstance(p, bnb.nn.Params4bit):
             assert p.dtype == torch.bfloat16 and torch.equal(p, q), name
+            expected += 2 * p.numel()
+        else:
+            n = math.prod(p.quant_state.shape)
+            expected += n // 2 + n // 64 + 4 * math.ceil(n / 64 / 256) + 4 * (16 + 256)  # + the two code tables
+    assert qlora.held_bytes(ours) == expected
     assert torch.equal(ours.model.rotary_emb.inv_freq, hf.model.rotary_emb.inv_freq)
 
 
@@ -90,7 +98,8 @@ def test_qlora_base_is_what_transformers_bitsandbytes_loads(tmp_path: Any, devic
 def test_qlora_lora_trains_only_adapters_equal_to_transformers_load(tmp_path: Any, device: str) -> None:
     """PEFT's LoRA on the bench's targets over the built base (with the bench's checkpointing) and over
     transformers' load (without): PEFT's ``lora.Linear4bit`` on every projection, only the adapters train, and
-    the loss and every adapter gradient are bit for bit equal (the same bf16 dequantize-and-matmul)."""
+    the loss and every adapter gradient are bit for bit equal on CPU (the same bf16 dequantize-and-matmul), within
+    bf16 rounding on a GPU."""
     from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
 
     train_bench, _ = _bench()
@@ -121,9 +130,15 @@ def test_qlora_lora_trains_only_adapters_equal_to_transformers_load(tmp_path: An
         assert set(grads) == set(adapters) and all(g.abs().sum() > 0 for g in grads.values())
         results.append((loss.detach(), grads))
     (loss_hf, grads_hf), (loss_ours, grads_ours) = results
-    assert torch.isfinite(loss_ours) and torch.equal(loss_ours, loss_hf)
-    for n in adapters:
-        assert torch.equal(grads_ours[n], grads_hf[n]), n
+    assert torch.isfinite(loss_ours)
+    if device == "cpu":
+        assert torch.equal(loss_ours, loss_hf)
+        for n in adapters:
+            assert torch.equal(grads_ours[n], grads_hf[n]), n
+    else:  # a GPU's attention backward accumulates in a nondeterministic order: equal within bf16 rounding
+        assert abs(loss_ours - loss_hf) <= 2**-8 * abs(loss_hf)
+        for n in adapters:
+            assert (grads_ours[n] - grads_hf[n]).abs().max() <= 2**-7 * grads_hf[n].abs().max(), n
 
 
 def test_qlora_refuses_what_it_cannot_be() -> None:
@@ -152,4 +167,4 @@ def test_qlora_baselines_run_in_the_bench() -> None:
     assert res.returncode == 0, res.stderr[-2000:]
     rows = [line for line in res.stdout.splitlines() if line.startswith("| gpu-resident bitsandbytes NF4 QLoRA")]
     assert len(rows) == 2 and "no checkpointing" in rows[1], res.stdout[-2000:]
-    assert all(float(r.split("|")[2].replace(",", "")) > 0 for r in rows), rows
+    assert all(float(r.split("|")[2].replace(",", "")) > 0 and "base NF4" in r for r in rows), rows

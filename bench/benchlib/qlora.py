@@ -98,3 +98,15 @@ def build_qlora(
     inner.rotary_emb = type(inner.rotary_emb)(config=model.config).to(device)  # fp32 tables, as at construction
     model.is_loaded_in_4bit = True  # what transformers' bitsandbytes quantizer sets: PEFT reads it
     return model
+
+
+def held_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s base (every parameter but LoRA's) as held: each 4-bit weight's packed codes with its
+    quantization state (absmax codes, their fp32 absmax, the code tables), every other one at its own size."""
+    total = 0
+    for p in {id(p): p for n, p in model.named_parameters() if "lora_" not in n}.values():
+        state = getattr(p, "quant_state", None)
+        total += p.nbytes + (
+            0 if state is None else sum(t.nbytes for t in state.as_dict().values() if torch.is_tensor(t))
+        )
+    return total
