@@ -91,7 +91,8 @@ def test_qlora_base_is_what_transformers_bitsandbytes_loads(tmp_path: Any, devic
             n = math.prod(p.quant_state.shape)
             expected += n // 2 + n // 64 + 4 * math.ceil(n / 64 / 256) + 4 * (16 + 256)  # + the two code tables
     assert qlora.held_bytes(ours) == expected
-    assert torch.equal(ours.model.rotary_emb.inv_freq, hf.model.rotary_emb.inv_freq)
+    # The tables may be computed on the host or the GPU (a last-bit difference in pow): fp32's tolerance.
+    torch.testing.assert_close(ours.model.rotary_emb.inv_freq, hf.model.rotary_emb.inv_freq)
 
 
 @pytest.mark.parametrize("device", DEVICES)
