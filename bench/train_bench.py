@@ -3,8 +3,9 @@ shared/bench/WORKLOADS.md, in one process, side by side.
 
 Random init, bf16 weights. RoundPipe keeps fp32 master weights and Adam state on the host and steps
 asynchronously; the baselines keep everything on one GPU with per-layer gradient checkpointing and fused
-AdamW, with Hugging Face's kernels (eager) or Liger's. Prints one row per system: tokens/s, TFLOP/s
-(6 x params x tokens), peak GPU GiB, host memory, ratio to each baseline. ``--lora N``: LoRA (PEFT's, resident).
+AdamW, with Hugging Face's kernels (eager) or Liger's, or (``qlora``) Liger's over a bitsandbytes NF4 base.
+Prints one row per system: tokens/s, TFLOP/s (6 x params x tokens), peak GPU GiB, host memory, ratio to each
+baseline. ``--lora N``: LoRA (PEFT's, resident).
 
 This module is also the benchmarks' shared part: the workloads, the model builder, LoRA, the timing loop.
 
@@ -16,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import os
 import re
 import resource
 import sys
 import threading
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -281,18 +284,23 @@ class Row:
     note: str = ""
 
 
-BASELINES = ("eager", "liger", "eager-nockpt", "liger-nockpt")
-"""The resident baselines: Hugging Face's kernels or Liger's, with per-layer checkpointing or (``-nockpt``) without."""
+BASELINES = ("eager", "liger", "eager-nockpt", "liger-nockpt", "qlora", "qlora-nockpt")
+"""The resident baselines: Hugging Face's kernels or Liger's, with per-layer checkpointing or (``-nockpt``) without;
+``qlora``: Liger's over a bitsandbytes NF4 base (``benchlib.qlora``), ``--lora`` only."""
 
 
 def bench_baseline(args: argparse.Namespace, ids: torch.Tensor, kind: str = "eager") -> Row:
     """The same model resident on one GPU, fused AdamW on the GPU, per-layer gradient checkpointing unless ``kind``
     ends in ``-nockpt``; ``liger``: Liger's kernels (fused RMSNorm, rotary, SwiGLU, linear cross-entropy). With
     ``--lora`` the model gets PEFT's adapters (the optimizer steps only those). Liger patches transformers' Qwen3
-    classes for the rest of the process, so its baselines run last."""
-    liger, checkpointing = kind.startswith("liger"), not kind.endswith("-nockpt")
-    name = "gpu-resident HF baseline" + (" + Liger" if liger else "") + ("" if checkpointing else ", no checkpointing")
+    classes for the rest of the process, so its baselines run last. ``qlora``: Liger's, the frozen linears in NF4."""
+    qlora, checkpointing = kind.startswith("qlora"), not kind.endswith("-nockpt")
+    liger = qlora or kind.startswith("liger")
+    name = ("gpu-resident bitsandbytes NF4 QLoRA" if qlora else "gpu-resident HF baseline") + (" + Liger" * liger)
+    name += "" if checkpointing else ", no checkpointing"
     name += f", PEFT LoRA r{args.lora}" if args.lora else ""
+    if qlora and importlib.util.find_spec("bitsandbytes") is None:
+        return Row(name, float("nan"), float("nan"), float("nan"), "bitsandbytes is not installed")
     if liger:
         patch = f"apply_liger_kernel_to_{family(args.workload)}"  # Liger's patch of this model family
         try:
@@ -306,7 +314,13 @@ def bench_baseline(args: argparse.Namespace, ids: torch.Tensor, kind: str = "eag
     torch.cuda.reset_peak_memory_stats()
     model = opt = None
     try:
-        model = build_model(args.workload, "cuda", **model_args(args))
+        if qlora:  # made layer by layer on the GPU, each layer's bf16 weights freed once quantized
+            from benchlib.qlora import build_qlora, held_bytes
+
+            meta = build_model(args.workload, "meta", **model_args(args))
+            model = build_qlora(meta, lambda prefix, part: fill_random(part, seed=zlib.crc32(prefix.encode())), "cuda")
+        else:
+            model = build_model(args.workload, "cuda", **model_args(args))
         if checkpointing:
             model.gradient_checkpointing_enable()
         if args.lora:
@@ -331,6 +345,7 @@ def bench_baseline(args: argparse.Namespace, ids: torch.Tensor, kind: str = "eag
             ids.numel() / (sum(times) / len(times)),
             torch.cuda.max_memory_allocated() / 1024**3,
             float("nan"),
+            f"base NF4 {held_bytes(model) / 1024**3:.3g} GiB on the GPU" if qlora else "",
         )
     except torch.OutOfMemoryError:
         row = Row(name, float("nan"), float("nan"), float("nan"), "does not fit on the GPU")
@@ -486,6 +501,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--sync-step", action="store_true", help="synchronous optimizer steps (is_async=False)")
     p.add_argument("--no-step", action="store_true", help="skip the optimizer: the pipeline alone")
     p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument("--only-baselines", action="store_true", help="the resident baselines alone, no roundpipe rows")
     p.add_argument(
         "--baselines",
         default="eager,liger",
@@ -531,6 +547,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     if unknown:
         raise SystemExit(f"--baselines: unknown {unknown}; choose from {', '.join(BASELINES)}")
     probe = build_model(args.workload, "meta", **model_args(args))
+    if any(k.startswith("qlora") for k in kinds) and not args.skip_baseline:
+        from benchlib.qlora import qlora_refusal
+
+        if why := qlora_refusal(probe, args.lora):
+            raise SystemExit(f"--baselines qlora: {why}")
     n_params = sum(t.numel() for t in {id(t): t for t in probe.parameters()}.values())
     ids = torch.randint(0, probe.config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     del probe
@@ -543,7 +564,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     # LoRA's FP8 GEMMs read a base stored as fp8: with --fp8 both, the other bases run without them.
     combos = [(f, x) for f in formats for x in fp8s if not (x and args.lora and f != "fp8" and args.fp8 == "both")]
     each = [argparse.Namespace(**{**vars(args), "base_format": f, "fp8_on": x}) for f, x in combos]
-    rows = [bench_roundpipe(a, ids, n_params, plan=args.plan) for a in each]
+    rows = [] if args.only_baselines else [bench_roundpipe(a, ids, n_params, plan=args.plan) for a in each]
     args = each[0]  # the comparisons below: the first format
     print(f"roundpipe: model build + wrap + warm-up + timed iterations {time.perf_counter() - t_load:.1f} s")
     if args.compare_plans:
@@ -556,11 +577,13 @@ def main(argv: Optional[List[str]] = None) -> None:
             rows[-1].system += " untiled (RPP_SEQ_TILE=0)"
     baselines: List[Row] = []
     fits = not torch.cuda.is_available() or 2 * n_params <= torch.cuda.get_device_properties(0).total_memory
-    if not fits and not args.skip_baseline:
-        print(f"resident baselines skipped: {args.workload} in bf16 ({2 * n_params / 1024**3:.0f} GiB) exceeds the GPU")
-    elif torch.cuda.is_available() and not args.skip_baseline:
+    if not fits and not args.skip_baseline:  # the QLoRA baselines hold the base in NF4: they run
+        print(f"bf16 baselines skipped: {args.workload} in bf16 ({2 * n_params / 1024**3:.0f} GiB) exceeds the GPU")
+        kinds = [k for k in kinds if k.startswith("qlora")]
+    if torch.cuda.is_available() and not args.skip_baseline:
         # Liger patches the model classes for the rest of the process: its baselines run after the others.
-        baselines = [bench_baseline(args, ids, kind) for kind in sorted(kinds, key=lambda k: k.startswith("liger"))]
+        last = sorted(kinds, key=lambda k: k.startswith(("liger", "qlora")))
+        baselines = [bench_baseline(args, ids, kind) for kind in last]
     print_table(args, n_params, baselines + rows, baselines)
 
 
