@@ -1,7 +1,10 @@
 """What a LoRA decoder layer run as the whole-layer op (fused LoRA linear) keeps for its backward:
 ``memory_terms.fused_lora_kept_bytes_per_token`` against the tensors autograd saves (saved-tensor hooks, unique
 storages) over one forward, eager and compiled; the runtime's activation profile and its choice of kept stages
-by that count; on a GPU, the memory a forward with autograd leaves allocated."""
+by that count; on a GPU, the memory a forward with autograd leaves allocated.
+
+About 30 s on 2 cores: inductor compiles the tiny layer twice on CPU (fp32 and bf16 adapters save different
+tensors compiled), the only way to count what the compiled op saves; the rest takes under a second."""
 
 from __future__ import annotations
 
@@ -32,15 +35,21 @@ WIDTHS = dict(hidden_size=64, intermediate_size=192, num_attention_heads=4, num_
 TOL = 0.01
 
 
-def fused_lora_layer(widths: dict, r: int = 8, device: str = "cpu") -> Tuple[nn.Module, Any]:
-    """A bf16 Qwen3 decoder layer with PEFT LoRA (fp32 adapters, PEFT's default upcast) on all seven projections,
-    fused as the runtime fuses it (``kernels.fuse_layer``: the whole-layer op with the fused LoRA linear)."""
+def fused_lora_layer(
+    widths: dict, r: int = 8, device: str = "cpu", adapters: torch.dtype = torch.float32
+) -> Tuple[nn.Module, Any]:
+    """A bf16 Qwen3 decoder layer with PEFT LoRA (``adapters``: fp32 is PEFT's default upcast) on all seven
+    projections, fused as the runtime fuses it (``kernels.fuse_layer``: the whole-layer op with the fused LoRA
+    linear)."""
     cfg = configs.tiny_config("qwen3", **widths)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     holder = nn.Sequential(qwen3.Qwen3DecoderLayer(cfg, layer_idx=0).to(torch.bfloat16))
     model = peft.get_peft_model(holder, peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=ALL))
     layer = model.base_model.model[0].to(device)
+    for name, p in layer.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.to(adapters)
     kernels.fuse_layer(layer)
     assert kernels.runs_whole_layer(layer)
     return layer, cfg
@@ -64,11 +73,12 @@ def saved_bytes(layer: nn.Module, cfg: Any, x: torch.Tensor) -> Tuple[float, tor
     return float(sum(seen.values())), y[0] if isinstance(y, tuple) else y
 
 
+@pytest.mark.parametrize("adapters", [torch.float32, torch.bfloat16], ids=["fp32 adapters", "bf16 adapters"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_the_kept_term_is_what_the_fused_lora_layer_saves(compiled: bool) -> None:
+def test_the_kept_term_is_what_the_fused_lora_layer_saves(compiled: bool, adapters: torch.dtype) -> None:
     """The term (with the adapters' products as the runtime's profile reads them off the layer) equals the
     saved-tensor bytes of one forward, eager and compiled (inductor on CPU), the whole-layer op having run."""
-    layer, cfg = fused_lora_layer(WIDTHS)
+    layer, cfg = fused_lora_layer(WIDTHS, adapters=adapters)
     shape = memory_terms.ModelShape.from_config(cfg)
     tokens = 128
     x = torch.randn(1, tokens, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
@@ -77,9 +87,10 @@ def test_the_kept_term_is_what_the_fused_lora_layer_saves(compiled: bool) -> Non
         got, y = saved_bytes(layer, cfg, x)
         assert causal_lm._whole_layer_compiled() == compiled and not fused_ops.DECODER_LAYER.failed
     fused_ops.reset()
-    adapters = causal_lm._fused_adapter_bytes(layer, shape)
-    assert adapters == memory_terms.lora_products_per_token(8)  # fp32 products of r=8, seven projections
-    term = tokens * memory_terms.fused_lora_kept_bytes_per_token(shape, adapters, 2, compiled)
+    products, layer_dtype = causal_lm._fused_adapter_bytes(layer, shape)
+    assert layer_dtype == (adapters == torch.bfloat16)
+    assert products == memory_terms.lora_products_per_token(8, adapters.itemsize)  # r=8, seven projections
+    term = tokens * memory_terms.fused_lora_kept_bytes_per_token(shape, products, 2, compiled, layer_dtype)
     assert abs(got - term) <= TOL * term, (got, term)
     # Below the modules' count the peak still uses (compiled, a third of it at qwen3-8b's widths).
     modules = memory_terms.module_layer_bytes_per_token(shape) + causal_lm._module_extra_per_token(layer, shape)
@@ -154,9 +165,8 @@ def test_gpu_kept_fused_lora_layer_memory_is_the_term(compiled: bool) -> None:
     layer, cfg = fused_lora_layer(widths, r=16, device="cuda")
     shape = memory_terms.ModelShape.from_config(cfg)
     tokens = 4096
-    term = tokens * memory_terms.fused_lora_kept_bytes_per_token(
-        shape, causal_lm._fused_adapter_bytes(layer, shape), 2, compiled
-    )
+    products, layer_dtype = causal_lm._fused_adapter_bytes(layer, shape)
+    term = tokens * memory_terms.fused_lora_kept_bytes_per_token(shape, products, 2, compiled, layer_dtype)
     cos, sin = qwen3.Qwen3RotaryEmbedding(cfg).to("cuda")(
         torch.zeros(1, device="cuda", dtype=torch.bfloat16), torch.arange(tokens, device="cuda")[None]
     )

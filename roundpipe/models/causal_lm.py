@@ -172,7 +172,9 @@ class RoundPipeForCausalLM(RoundPipe):
                 # Sequence tiles run the layer's modules (a tile's attention reads the earlier tiles'), not the op.
                 own = None
                 if fused_lora[i] and batch.sequence_tiles <= 1:
-                    own = memory_terms.fused_lora_kept_bytes_per_token(shape, adapters[i], e, compiled)
+                    own = memory_terms.fused_lora_kept_bytes_per_token(
+                        shape, adapters[i][0], e, compiled, adapters[i][1]
+                    )
                 kept[i], peak[i] = memory_terms.planned_layer_bytes(
                     shape, t, tile, tiled, e, whole[i], extra[i], kv, prefix, own
                 )
@@ -320,20 +322,23 @@ def _whole_layer_compiled() -> bool:
     return fused_ops.compile_enabled() and bool(op.compiled) and not op.failed
 
 
-def _fused_adapter_bytes(layer: nn.Module, shape: estimate.ModelShape) -> float:
-    """Bytes per token of what a layer's trainable parts add to the whole-layer op's saved tensors
-    (``memory_terms.fused_lora_kept_bytes_per_token``): each active LoRA adapter's rank-r product ``x A^T`` in
-    its dtype, and each trainable norm's normed output (kept for the weight's gradient)."""
-    total = 0.0
+def _fused_adapter_bytes(layer: nn.Module, shape: estimate.ModelShape) -> Tuple[float, bool]:
+    """(bytes per token of what a layer's trainable parts add to the whole-layer op's saved tensors, whether an
+    adapter has the layer's dtype), see ``memory_terms.fused_lora_kept_bytes_per_token``: each active LoRA
+    adapter's rank-r product ``x A^T`` in its dtype, and each trainable norm's normed output (kept for the
+    weight's gradient)."""
+    total, layer_dtype = 0.0, False
     for name, module in layer.named_modules():
         if any(p.startswith("lora_") or p == "base_layer" for p in name.split(".")):
             continue
         lora_a = getattr(module, "lora_A", None)
+        base_weight = getattr(getattr(module, "base_layer", None), "weight", None)
         if isinstance(lora_a, nn.ModuleDict):
             for adapter in getattr(module, "active_adapters", list(lora_a.keys())):
                 a = lora_a[adapter] if adapter in lora_a else None
                 if isinstance(a, nn.Linear):
                     total += a.out_features * a.weight.element_size()
+                    layer_dtype |= isinstance(base_weight, torch.Tensor) and a.weight.dtype == base_weight.dtype
     attn = getattr(layer, "self_attn", None)
     norms = [
         (getattr(layer, "input_layernorm", None), shape.hidden),
@@ -345,7 +350,7 @@ def _fused_adapter_bytes(layer: nn.Module, shape: estimate.ModelShape) -> float:
         w = getattr(norm, "weight", None)
         if isinstance(w, torch.Tensor) and w.requires_grad:
             total += width * w.element_size()
-    return total
+    return total, layer_dtype
 
 
 def _pre_attention_extra_per_token(layer: nn.Module, shape: estimate.ModelShape) -> float:

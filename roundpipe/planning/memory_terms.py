@@ -247,26 +247,43 @@ def fused_lora_bytes_per_token(shape: ModelShape, rank: int, e: int = 2, adapter
     return float(pre + e * (h + i) + 4 * rank * adapter_bytes), float(pre)
 
 
-def fused_lora_kept_bytes_per_token(shape: ModelShape, adapters: float, e: int = 2, compiled: bool = True) -> float:
+def fused_lora_kept_bytes_per_token(
+    shape: ModelShape, adapters: float, e: int = 2, compiled: bool = True, layer_dtype_adapters: bool = False
+) -> float:
     """Bytes per token a LoRA decoder layer run as the whole-layer op (``fused_ops.decoder_layer`` with the fused
-    LoRA linear) saves for its backward, its weights and the rotary tables aside; ``adapters``: what its adapters'
+    LoRA linear) saves for its backward, its weights and the rotary tables aside (its input included: a bound of
+    the kept graph, which the stage's first layer shares with the stage input); ``adapters``: what its adapters'
     rank-``r`` products ``x A^T`` take per token (:func:`lora_products_per_token`) and the outputs of any trainable
-    norms. Compiled, the op saves its input (``e*H``), the attention output and the o projection's residual sum
-    (``2*e*H`` with the input, ``e*Q``), q and k before and after their norms and rotary, v, the gate and up
-    projections' outputs, the four norms' inverse RMS, sdpa's log-sum-exp, and the products; it recomputes the
-    normed inputs and the SwiGLU product in the backward. Eager it saves each norm's input cast to fp32 instead of
-    the norms' inverse RMS alone, the normed inputs, SwiGLU's two products and q / k once.
+    norms; ``layer_dtype_adapters``: some adapter has the layer's dtype (PEFT upcasts them to fp32 by default).
 
-    Counted by ``torch.autograd.graph.saved_tensors_hooks`` (unique storages) over one forward of a bf16 Qwen3
-    layer with fp32 adapters (PEFT's default) r=16 on all seven projections, 256 tokens, CPU, torch 2.13: compiled
-    (inductor) 51,816 B/token at qwen3-1.7b's widths and 97,000 at qwen3-8b's, eager 98,920 and 189,160 (the
-    same layers module by module, PEFT: 152,168 and 295,656, this module's module count to the byte); this
-    formula gives each to the byte (tests/test_kept_lora_bytes.py). Eager on CPU is an upper bound of eager on a
-    GPU (there ``F.rms_norm`` saves its bf16 input and the fp32 inverse RMS, not an fp32 copy)."""
+    Compiled, the op saves its input, the o projection's residual sum (``2*e*H``), q before and after its norm and
+    rotary and the attention output (``3*e*Q``), k likewise and v (``3*e*K``), the gate and up projections' outputs
+    (``2*e*I``), the norms' inverse RMS and sdpa's log-sum-exp (fp32), and the products; it recomputes the normed
+    inputs and the SwiGLU product in the backward, except with adapters of the layer's dtype (then the two normed
+    inputs and the down projection's input stay: ``e*(2H + I)`` more). Eager it saves each norm's input cast to
+    fp32 instead (``4*(2H + Q + K)``), the normed inputs, the attention output, q / k once, v, and all four of the
+    MLP's ``I``-wide tensors, not its own input.
+
+    Counted with ``torch.autograd.graph.saved_tensors_hooks`` (distinct storages) over one forward of a bf16 Qwen3
+    layer, r=16 on all seven projections, 256 and 512 tokens, CPU, torch 2.13, bytes per token (this formula gives
+    each to the byte; the modules' count, PEFT's path, :func:`decoder_layer_bytes` with ``whole_layer=False``):
+
+    ========================  ==========  =========  ======================  =============
+    widths, adapters          compiled    eager      modules (PEFT), both    modules' term
+    ========================  ==========  =========  ======================  =============
+    qwen3-1.7b, fp32          51,816      98,920     152,168                 152,168
+    qwen3-1.7b, bf16          72,072      98,696
+    qwen3-8b, fp32            97,000      189,160    295,656                 295,656
+    ========================  ==========  =========  ======================  =============
+
+    Eager on CPU bounds eager on a GPU, where ``F.rms_norm`` saves its bf16 input and the inverse RMS instead of
+    an fp32 copy. A full fine-tune's fused layer, by the same count: 71,848 / 137,512 compiled (its input
+    included; :func:`decoder_layer_bytes`' whole-layer term, 67,648 / 129,152, leaves the input to the caller)."""
     h, q, k, i, a, kv = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.heads, shape.kv_heads
     small = 8 * a + 4 * kv + 8  # q / k norms' and the two layer norms' inverse RMS (fp32), sdpa's log-sum-exp
     if compiled:
-        return float(e * (2 * h + 3 * q + 3 * k + 2 * i) + small + adapters)
+        normed = e * (2 * h + i) if layer_dtype_adapters else 0
+        return float(e * (2 * h + 3 * q + 3 * k + 2 * i) + normed + small + adapters)
     return float(e * (2 * h + 2 * q + 2 * k + 4 * i) + 4 * (2 * h + q + k) + small + adapters)
 
 
