@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from roundpipe import settings
-from roundpipe.models import kernels, lora, sequence_inputs, tiling
+from roundpipe.models import fused_ops, kernels, lora, sequence_inputs, tiling
 from roundpipe.models.inputs import CausalLMInputs, takes_inputs
 from roundpipe.models.kernels import FusedKernels
 from roundpipe.models.preset import CausalLMPreset
@@ -129,13 +129,17 @@ class RoundPipeForCausalLM(RoundPipe):
         decoder = [i for i, layer in enumerate(self.layers) if hasattr(layer, "layer")]
         tileable = {i: tiling.tileable(self.layers[i].layer) for i in decoder}
         # A layer whose LoRA adapters run fused inside the whole-layer op is still planned as run module by
-        # module (with what its adapters save): measured on one H200 (qwen3-1.7b-shaped layer, LoRA r16 on
-        # every projection, 16K tokens), the compiled fused layer's forward + backward peaked at 3.36 GiB
-        # against 2.74 GiB module by module, above the whole-layer count (fitted to full fine-tunes).
-        whole = {
-            i: kernels.runs_whole_layer(self.layers[i].layer) and not lora.has_adapters(self.layers[i].layer)
+        # module (with what its adapters save) at its peak: measured on one H200 (qwen3-1.7b-shaped layer, LoRA
+        # r16 on every projection, 16K tokens), the compiled fused layer's forward + backward peaked at 3.36 GiB
+        # against 2.74 GiB module by module, above the whole-layer count (fitted to full fine-tunes). What it
+        # keeps for its backward is the op's own count (``memory_terms.fused_lora_kept_bytes_per_token``: a third
+        # of the modules' compiled, two thirds eager), which sizes the stages a call keeps.
+        fused_lora = {
+            i: kernels.runs_whole_layer(self.layers[i].layer) and lora.has_adapters(self.layers[i].layer)
             for i in decoder
         }
+        whole = {i: kernels.runs_whole_layer(self.layers[i].layer) and not fused_lora[i] for i in decoder}
+        compiled = _whole_layer_compiled()
         # What the layers' trainable parts save: a walk over every module (~0.5 ms a layer), done once
         # per model, as ``layer_device_bytes`` counts gradients once (what trains is fixed by then).
         extra = self.__dict__.get("_module_extra")
@@ -143,6 +147,8 @@ class RoundPipeForCausalLM(RoundPipe):
             extra = self.__dict__["_module_extra"] = {
                 i: _module_extra_per_token(self.layers[i].layer, shape) for i in decoder
             }
+            self.__dict__["_fused_adapters"] = {i: _fused_adapter_bytes(self.layers[i].layer, shape) for i in decoder}
+        adapters = self.__dict__["_fused_adapters"]
         e = next((p.element_size() for p in self.preset.model.parameters() if p.is_floating_point()), 2)
         mode = getattr(batch, "stage_inputs", "bf16")  # the call's RoundPipeRunConfig.stage_inputs
 
@@ -163,8 +169,14 @@ class RoundPipeForCausalLM(RoundPipe):
                 tiled = tileable[i] and tile > 0 and t > tile
                 # The pre-attention graph as the runtime's budget margins were fitted, not what PEFT's adapters
                 # add to it (``memory_terms.planned_layer_bytes``; ``roundpipe plan`` counts that).
+                # Sequence tiles run the layer's modules (a tile's attention reads the earlier tiles'), not the op.
+                own = None
+                if fused_lora[i] and batch.sequence_tiles <= 1:
+                    own = memory_terms.fused_lora_kept_bytes_per_token(
+                        shape, adapters[i][0], e, compiled, adapters[i][1]
+                    )
                 kept[i], peak[i] = memory_terms.planned_layer_bytes(
-                    shape, t, tile, tiled, e, whole[i], extra[i], kv, prefix
+                    shape, t, tile, tiled, e, whole[i], extra[i], kv, prefix, own
                 )
                 # The host copy of a stage input per microbatch (bf16, or a compact payload and scales) from torch's
                 # pinned caching allocator, which rounds each block up to a power of two.
@@ -300,6 +312,45 @@ def _module_extra_per_token(layer: nn.Module, shape: estimate.ModelShape) -> flo
     own cast copy instead; each adapter's ``lora_A`` output; with trainable norm weights, each norm's
     normed output (kept for the weight's gradient)."""
     return _extra_parts(layer, shape)[0]
+
+
+def _whole_layer_compiled() -> bool:
+    """Whether the whole-layer op runs compiled: compiling is on, it has compiled for a device and never failed.
+    Before its first call (the plan of the first training call) it counts as eager, which keeps more: a compile
+    that fails there falls back to eager inside a plan sized for it; a later call plans by the compiled count."""
+    op = fused_ops.DECODER_LAYER
+    return fused_ops.compile_enabled() and bool(op.compiled) and not op.failed
+
+
+def _fused_adapter_bytes(layer: nn.Module, shape: estimate.ModelShape) -> Tuple[float, bool]:
+    """(bytes per token of what a layer's trainable parts add to the whole-layer op's saved tensors, whether an
+    adapter has the layer's dtype), see ``memory_terms.fused_lora_kept_bytes_per_token``: each active LoRA
+    adapter's rank-r product ``x A^T`` in its dtype, and each trainable norm's normed output (kept for the
+    weight's gradient)."""
+    total, layer_dtype = 0.0, False
+    for name, module in layer.named_modules():
+        if any(p.startswith("lora_") or p == "base_layer" for p in name.split(".")):
+            continue
+        lora_a = getattr(module, "lora_A", None)
+        base_weight = getattr(getattr(module, "base_layer", None), "weight", None)
+        if isinstance(lora_a, nn.ModuleDict):
+            for adapter in getattr(module, "active_adapters", list(lora_a.keys())):
+                a = lora_a[adapter] if adapter in lora_a else None
+                if isinstance(a, nn.Linear):
+                    total += a.out_features * a.weight.element_size()
+                    layer_dtype |= isinstance(base_weight, torch.Tensor) and a.weight.dtype == base_weight.dtype
+    attn = getattr(layer, "self_attn", None)
+    norms = [
+        (getattr(layer, "input_layernorm", None), shape.hidden),
+        (getattr(layer, "post_attention_layernorm", None), shape.hidden),
+        (getattr(attn, "q_norm", None), shape.q_dim),
+        (getattr(attn, "k_norm", None), shape.kv_dim),
+    ]
+    for norm, width in norms:
+        w = getattr(norm, "weight", None)
+        if isinstance(w, torch.Tensor) and w.requires_grad:
+            total += width * w.element_size()
+    return total, layer_dtype
 
 
 def _pre_attention_extra_per_token(layer: nn.Module, shape: estimate.ModelShape) -> float:

@@ -42,10 +42,12 @@ from roundpipe.planning.memory_terms import (
     decoder_layer_bytes,
     device_saved_room,
     fused_lora_bytes_per_token,
+    fused_lora_kept_bytes_per_token,
     head_activation_bytes,
     job_io_bytes,
     lora_bytes_per_token,
     lora_pre_attention_bytes_per_token,
+    lora_products_per_token,
     pinned_block,
     pinned_checkpoint_bytes,
     runtime_step_bytes,
@@ -294,7 +296,11 @@ def estimate(
         # (fp8=True) at those bytes and scales, with the unpacking transient of what is still unpacked only.
         layer_dev += unpacking
         kv, prefix = sequence_kv(1) - sequence_kv(0), sequence_kv(0)
-        step = runtime_step_bytes(shape, t, tile, tiled, b, lora_rank, lora_extra, g, layer_dev, kv, prefix)
+        # A LoRA layer's kept bytes as the runtime plans a GPU's compiled whole-layer op (sequence tiles: modules).
+        own = None
+        if lora_rank and not tiled_sequence:
+            own = fused_lora_kept_bytes_per_token(shape, lora_products_per_token(lora_rank), b)
+        step = runtime_step_bytes(shape, t, tile, tiled, b, lora_rank, lora_extra, g, layer_dev, kv, prefix, own)
         # Where this estimate's count of the step is the larger, the inputs fill only what it leaves.
         room = min(device_saved_room(gpu_bytes, step), max(0.0, gpu_bytes - sum(gpu.values())))
     # The runtime charges each input the rotary tables and position ids it carries (shared by all stages).

@@ -4,8 +4,9 @@ and the recompute it saves. ``roundpipe plan`` prints it beside the memory estim
 
 A kept stage holds, from its forward to its backward, its layers (weights and gradients) and per microbatch
 its whole activation footprint: each decoder layer's kept bytes (what a recompute would keep,
-``memory_terms.decoder_layer_bytes``) and the stage's input. As the planner does, stages are kept only in the
-room the saved inputs leave (``planning.keep``): the step's host memory never grows. The stages counted are the
+``memory_terms.decoder_layer_bytes``; a LoRA layer's as the compiled whole-layer op saves them,
+``memory_terms.fused_lora_kept_bytes_per_token``) and the stage's input. As the planner does, stages are kept only in
+the room the saved inputs leave (``planning.keep``): the step's host memory never grows. The stages counted are the
 decoder layers' in groups of the estimate's ``layers_per_stage``; the fused last stage (the head) recomputes
 nothing. Only a one-GPU step without sequence tiles keeps, as the runtime does. Nothing here imports torch.
 """
@@ -20,8 +21,10 @@ from roundpipe.planning.estimate import Estimate
 from roundpipe.planning.memory_terms import (
     ModelShape,
     decoder_layer_bytes,
+    fused_lora_kept_bytes_per_token,
     lora_bytes_per_token,
     lora_pre_attention_bytes_per_token,
+    lora_products_per_token,
 )
 from roundpipe.utils import GiB
 
@@ -89,7 +92,10 @@ def keep_estimate(
     lora = e.lora_rank
     extra = lora_bytes_per_token(shape, lora, b) if lora else 0.0
     pre = lora_pre_attention_bytes_per_token(shape, lora, b) if lora else 0.0
-    kept, _ = decoder_layer_bytes(shape, t, e.tile, tiled, b, not lora, extra, pre)
+    # A LoRA layer runs as the compiled whole-layer op on a GPU (fused kernels on, their default there), which
+    # saves less than its modules' count (its peak): the runtime's plan keeps by that op's count.
+    own = fused_lora_kept_bytes_per_token(shape, lora_products_per_token(lora), b) if lora else None
+    kept, _ = decoder_layer_bytes(shape, t, e.tile, tiled, b, not lora, extra, pre, own)
     # A layer's weights as uploaded (an fp8 base's bytes under FP8 GEMMs) and its gradients (PEFT's fp32 adapters)
     layer_dev = e.device_bytes_per_layer + (8 * shape.lora_params(lora) if lora else shape.layer_params() * b)
     stage_bytes = e.microbatches * g * kept + g * layer_dev  # its input has its place as a saved input

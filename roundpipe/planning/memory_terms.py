@@ -127,6 +127,7 @@ def decoder_layer_bytes(
     whole_layer: bool = True,
     extra_per_token: float = 0.0,
     pre_extra_per_token: Optional[float] = None,
+    kept_per_token: Optional[float] = None,
 ) -> Tuple[float, float]:
     """(kept, peak) GPU bytes of one decoder layer's recompute + backward for a microbatch of ``tokens``,
     beyond its weights, its input and its output gradient (those are counted by the caller).
@@ -141,7 +142,9 @@ def decoder_layer_bytes(
     off), what Hugging Face's modules save (:func:`module_layer_bytes_per_token`) plus
     ``extra_per_token``: what depends on the trainable parameters (the projections' inputs, LoRA
     adapters' inputs and outputs, the norms' outputs kept for their weights' gradients), which
-    ``roundpipe.models.causal_lm`` finds on the layer.
+    ``roundpipe.models.causal_lm`` finds on the layer. ``kept_per_token`` (untiled, ``whole_layer=False``
+    only) replaces that count in ``kept`` where the layer saves less than its modules would: a LoRA layer run as
+    the whole-layer op (:func:`fused_lora_kept_bytes_per_token`); the peak stays the modules' count.
 
     Below ``PRE_TILES_IN_RECOMPUTE`` tiles the recompute keeps the pre-attention graph at full length
     (``roundpipe.models.tiling``): the compiled op's (the normed input, q and k) for a whole-layer op; run
@@ -165,7 +168,8 @@ def decoder_layer_bytes(
         # The backward's transients beside what is saved: the attention's input / output gradients and
         # sdpa's fp32 dq, or the MLP's three intermediate-sized gradients.
         transient = n * max(e * (h + 2 * q + 2 * k) + 4 * q, e * (h + 3 * i))
-        return float(saved), float(saved + transient)
+        kept_bytes = saved if kept_per_token is None else n * kept_per_token
+        return float(kept_bytes), float(saved + transient)
     if not tiled:
         full = n * e * (3 * i + 2 * h + q + k)
         return float(kept + full), float(attention + full)
@@ -241,6 +245,52 @@ def fused_lora_bytes_per_token(shape: ModelShape, rank: int, e: int = 2, adapter
     h, i = shape.hidden, shape.intermediate
     pre = e * h + 3 * rank * adapter_bytes
     return float(pre + e * (h + i) + 4 * rank * adapter_bytes), float(pre)
+
+
+def fused_lora_kept_bytes_per_token(
+    shape: ModelShape, adapters: float, e: int = 2, compiled: bool = True, layer_dtype_adapters: bool = False
+) -> float:
+    """Bytes per token a LoRA decoder layer run as the whole-layer op (``fused_ops.decoder_layer`` with the fused
+    LoRA linear) saves for its backward, its weights and the rotary tables aside (its input included: a bound of
+    the kept graph, which the stage's first layer shares with the stage input); ``adapters``: what its adapters'
+    rank-``r`` products ``x A^T`` take per token (:func:`lora_products_per_token`) and the outputs of any trainable
+    norms; ``layer_dtype_adapters``: some adapter has the layer's dtype (PEFT upcasts them to fp32 by default).
+
+    Compiled, the op saves its input, the o projection's residual sum (``2*e*H``), q before and after its norm and
+    rotary and the attention output (``3*e*Q``), k likewise and v (``3*e*K``), the gate and up projections' outputs
+    (``2*e*I``), the norms' inverse RMS and sdpa's log-sum-exp (fp32), and the products; it recomputes the normed
+    inputs and the SwiGLU product in the backward, except with adapters of the layer's dtype (then the two normed
+    inputs and the down projection's input stay: ``e*(2H + I)`` more). Eager it saves each norm's input cast to
+    fp32 instead (``4*(2H + Q + K)``), the normed inputs, the attention output, q / k once, v, and all four of the
+    MLP's ``I``-wide tensors, not its own input.
+
+    Counted with ``torch.autograd.graph.saved_tensors_hooks`` (distinct storages) over one forward of a bf16 Qwen3
+    layer, r=16 on all seven projections, 256 and 512 tokens, CPU, torch 2.13, bytes per token (this formula gives
+    each to the byte; the modules' count, PEFT's path, :func:`decoder_layer_bytes` with ``whole_layer=False``):
+
+    ========================  ==========  =========  ======================  =============
+    widths, adapters          compiled    eager      modules (PEFT), both    modules' term
+    ========================  ==========  =========  ======================  =============
+    qwen3-1.7b, fp32          51,816      98,920     152,168                 152,168
+    qwen3-1.7b, bf16          72,072      98,696
+    qwen3-8b, fp32            97,000      189,160    295,656                 295,656
+    ========================  ==========  =========  ======================  =============
+
+    Eager on CPU bounds eager on a GPU, where ``F.rms_norm`` saves its bf16 input and the inverse RMS instead of
+    an fp32 copy. A full fine-tune's fused layer, by the same count: 71,848 / 137,512 compiled (its input
+    included; :func:`decoder_layer_bytes`' whole-layer term, 67,648 / 129,152, leaves the input to the caller)."""
+    h, q, k, i, a, kv = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.heads, shape.kv_heads
+    small = 8 * a + 4 * kv + 8  # q / k norms' and the two layer norms' inverse RMS (fp32), sdpa's log-sum-exp
+    if compiled:
+        normed = e * (2 * h + i) if layer_dtype_adapters else 0
+        return float(e * (2 * h + 3 * q + 3 * k + 2 * i) + normed + small + adapters)
+    return float(e * (2 * h + 2 * q + 2 * k + 4 * i) + 4 * (2 * h + q + k) + small + adapters)
+
+
+def lora_products_per_token(rank: int, adapter_bytes: int = 4, projections: int = 7) -> float:
+    """Bytes per token of the rank-``rank`` products ``x A^T`` LoRA adapters on ``projections`` projections save
+    (in the adapters' dtype: fp32 by PEFT's default)."""
+    return float(projections * rank * adapter_bytes)
 
 
 #: ``stage_codec.BLOCKS``, values per float32 scale of each compact stage-input format (copied so that the
@@ -340,11 +390,13 @@ def planned_layer_bytes(
     extra: float,
     kv: float = 0.0,
     prefix: float = 0.0,
+    kept_per_token: Optional[float] = None,
 ) -> Tuple[float, float]:
     """(kept, peak) of a decoder layer's job in the runtime's plan (``causal_lm.activation_profile``): the
     pre-attention graph as its margins were fitted (``pre_extra_per_token=None``), a tile's whole-sequence keys
-    and values ``kv``, and at the peak ``prefix`` and :func:`job_io_bytes`."""
-    kept, peak = decoder_layer_bytes(shape, t, tile, tiled, e, whole, extra, None)
+    and values ``kv``, and at the peak ``prefix`` and :func:`job_io_bytes`; ``kept_per_token`` as in
+    :func:`decoder_layer_bytes`."""
+    kept, peak = decoder_layer_bytes(shape, t, tile, tiled, e, whole, extra, None, kept_per_token)
     return kept + kv, peak + kv + prefix + job_io_bytes(shape, t, e)
 
 
@@ -360,11 +412,13 @@ def runtime_step_bytes(
     layer_device: float,
     kv: float = 0.0,
     prefix: float = 0.0,
+    kept_per_token: Optional[float] = None,
 ) -> float:
     """What the runtime takes from a GPU's budget before it keeps stage inputs there (``budget.device_saved_room``):
     twice the largest layer and its largest backward stage by :func:`planned_layer_bytes`, the first holding the
-    embedding with ``g`` decoder layers (``planner.stage_weight_excess``)."""
-    kept, peak = planned_layer_bytes(shape, t, tile, tiled, b, not lora_rank, lora_extra, kv, prefix)
+    embedding with ``g`` decoder layers (``planner.stage_weight_excess``); ``kept_per_token`` as in
+    :func:`decoder_layer_bytes`."""
+    kept, peak = planned_layer_bytes(shape, t, tile, tiled, b, not lora_rank, lora_extra, kv, prefix, kept_per_token)
     embed = shape.vocab * shape.hidden * b * (1 if lora_rank else 2)  # with its gradient in a full fine-tune
     largest = max(layer_device, embed)
     first = (g - 1) * kept + peak + 2 * max(0.0, g * layer_device + embed - largest)
