@@ -142,13 +142,11 @@ class RoundPipeForCausalLM(RoundPipe):
         compiled = _whole_layer_compiled()
         # What the layers' trainable parts save: a walk over every module (~0.5 ms a layer), done once
         # per model, as ``layer_device_bytes`` counts gradients once (what trains is fixed by then).
-        extra = self.__dict__.get("_module_extra")
-        if extra is None:
-            extra = self.__dict__["_module_extra"] = {
-                i: _module_extra_per_token(self.layers[i].layer, shape) for i in decoder
-            }
-            self.__dict__["_fused_adapters"] = {i: _fused_adapter_bytes(self.layers[i].layer, shape) for i in decoder}
-        adapters = self.__dict__["_fused_adapters"]
+        walked = self.__dict__.get("_trainable_parts")
+        if walked is None:
+            walked = self.__dict__["_trainable_parts"] = {i: _extra_parts(self.layers[i].layer, shape) for i in decoder}
+        extra = {i: w[0] for i, w in walked.items()}  # _module_extra_per_token
+        adapters = {i: (w[2], w[3]) for i, w in walked.items()}  # _fused_adapter_bytes
         e = next((p.element_size() for p in self.preset.model.parameters() if p.is_floating_point()), 2)
         mode = getattr(batch, "stage_inputs", "bf16")  # the call's RoundPipeRunConfig.stage_inputs
 
@@ -326,31 +324,9 @@ def _fused_adapter_bytes(layer: nn.Module, shape: estimate.ModelShape) -> Tuple[
     """(bytes per token of what a layer's trainable parts add to the whole-layer op's saved tensors, whether an
     adapter has the layer's dtype), see ``memory_terms.fused_lora_kept_bytes_per_token``: each active LoRA
     adapter's rank-r product ``x A^T`` in its dtype, and each trainable norm's normed output (kept for the
-    weight's gradient)."""
-    total, layer_dtype = 0.0, False
-    for name, module in layer.named_modules():
-        if any(p.startswith("lora_") or p == "base_layer" for p in name.split(".")):
-            continue
-        lora_a = getattr(module, "lora_A", None)
-        base_weight = getattr(getattr(module, "base_layer", None), "weight", None)
-        if isinstance(lora_a, nn.ModuleDict):
-            for adapter in getattr(module, "active_adapters", list(lora_a.keys())):
-                a = lora_a[adapter] if adapter in lora_a else None
-                if isinstance(a, nn.Linear):
-                    total += a.out_features * a.weight.element_size()
-                    layer_dtype |= isinstance(base_weight, torch.Tensor) and a.weight.dtype == base_weight.dtype
-    attn = getattr(layer, "self_attn", None)
-    norms = [
-        (getattr(layer, "input_layernorm", None), shape.hidden),
-        (getattr(layer, "post_attention_layernorm", None), shape.hidden),
-        (getattr(attn, "q_norm", None), shape.q_dim),
-        (getattr(attn, "k_norm", None), shape.kv_dim),
-    ]
-    for norm, width in norms:
-        w = getattr(norm, "weight", None)
-        if isinstance(w, torch.Tensor) and w.requires_grad:
-            total += width * w.element_size()
-    return total, layer_dtype
+    weight's gradient). From the same walk as ``_module_extra_per_token``."""
+    parts = _extra_parts(layer, shape)
+    return parts[2], parts[3]
 
 
 def _pre_attention_extra_per_token(layer: nn.Module, shape: estimate.ModelShape) -> float:
@@ -359,8 +335,10 @@ def _pre_attention_extra_per_token(layer: nn.Module, shape: estimate.ModelShape)
     return _extra_parts(layer, shape)[1]
 
 
-def _extra_parts(layer: nn.Module, shape: estimate.ModelShape) -> Tuple[float, float]:
-    """(the whole layer's extra bytes per token, the pre-attention part's), see ``_module_extra_per_token``."""
+def _extra_parts(layer: nn.Module, shape: estimate.ModelShape) -> Tuple[float, float, float, bool]:
+    """(the whole layer's extra bytes per token, the pre-attention part's), see ``_module_extra_per_token``; then
+    what the whole-layer op adds to its saved tensors and whether an adapter has the layer's dtype, see
+    ``_fused_adapter_bytes``."""
     shared = {
         "q_proj": "attention input",
         "k_proj": "attention input",
@@ -369,7 +347,8 @@ def _extra_parts(layer: nn.Module, shape: estimate.ModelShape) -> Tuple[float, f
         "up_proj": "mlp input",
     }
     inputs: Dict[str, float] = {}  # input group -> bytes per token of the one saved copy
-    extra = pre = 0.0
+    extra = pre = fused = 0.0
+    layer_dtype = False
     for name, module in layer.named_modules():
         parts = name.split(".")
         if any(p.startswith("lora_") or p == "base_layer" for p in parts):
@@ -386,6 +365,8 @@ def _extra_parts(layer: nn.Module, shape: estimate.ModelShape) -> Tuple[float, f
                 if not isinstance(a, nn.Linear):
                     continue
                 own = a.out_features * a.weight.element_size()
+                fused += own
+                layer_dtype |= a.weight.dtype == base_weight.dtype
                 if a.weight.dtype != base_weight.dtype and getattr(module, "cast_input_dtype_enabled", True):
                     own += a.in_features * a.weight.element_size()
                 else:
@@ -404,5 +385,6 @@ def _extra_parts(layer: nn.Module, shape: estimate.ModelShape) -> Tuple[float, f
         w = getattr(norm, "weight", None)
         if isinstance(w, torch.Tensor) and w.requires_grad:
             extra += width * w.element_size()
+            fused += width * w.element_size()
             pre += width * w.element_size() if k != 1 else 0.0
-    return extra + sum(inputs.values()), pre + inputs.get("attention input", 0.0)
+    return extra + sum(inputs.values()), pre + inputs.get("attention input", 0.0), fused, layer_dtype
