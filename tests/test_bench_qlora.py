@@ -159,7 +159,8 @@ def test_qlora_baselines_run_in_the_bench() -> None:
     """``--baselines qlora,qlora-nockpt`` on the tiny workload: both rows measured, beside RoundPipe's."""
     import subprocess
 
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    # ROOT first, the caller's own path kept: bitsandbytes may be installed outside site-packages.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     argv = ["--workload", "tiny", "--lora", "4", "--seq", "64", "--batch", "4", "--warmup", "1", "--iters", "1"]
     argv += ["--baselines", "qlora,qlora-nockpt"]
     res = subprocess.run(

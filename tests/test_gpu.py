@@ -371,6 +371,9 @@ def test_auto_keeps_a_hf_models_stage_inputs_on_one_gpu(monkeypatch: pytest.Monk
     from roundpipe.runtime import run as run_mod
 
     use_devices("cuda:0")
+    # Stage inputs are what this test follows: with every stage's activations kept (the planner's choice where
+    # the GPU has room) the backward needs none of them.
+    monkeypatch.setenv("RPP_DEBUG_KEEP_ACTIVATIONS", "0")
     answers: list = []
     real = run_mod.Run.keep_on_device
     monkeypatch.setattr(
@@ -626,13 +629,16 @@ def _graph_run(graphs: str, devices: str, lengths: tuple) -> tuple:
 
 
 @pytest.mark.parametrize("devices", ["cuda:0", "cuda:0,1"])
-def test_graphed_layers_match_eager_and_recapture_a_new_length(devices: str) -> None:
+def test_graphed_layers_match_eager_and_recapture_a_new_length(devices: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The decoder-layer jobs as CUDA graphs (``RPP_DEBUG_GRAPHS=1``) against the eager runtime, on one and
     two GPUs: the same losses and trained weights within bf16 rounding over steps at two sequence
     lengths (the second is captured anew, not replayed with the first's shapes), and the graphs really
     replay."""
     if devices == "cuda:0,1" and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
+    # Recomputed backward stages are what may be graphed: a stage whose activations the planner keeps on the GPU
+    # (it has room for all of them here) runs its forward eagerly, with autograd.
+    monkeypatch.setenv("RPP_DEBUG_KEEP_ACTIVATIONS", "0")
     lengths = (128, 192)
     eager_losses, eager_params, eager_counts = _graph_run("0", devices, lengths)
     graph_losses, graph_params, counts = _graph_run("1", devices, lengths)
