@@ -218,3 +218,59 @@ def test_parameters_stepped_elsewhere_get_no_reserved_state() -> None:
     again.start()
     again.wait()
     assert len(again) == 3
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"amsgrad": True},
+        {"state_dtype": "bfloat16"},
+        {"state_dtype": "int8"},
+        {"state_dtype": "int8", "master": "bfloat16", "master_rounding": "kahan"},
+    ],
+    ids=["fp32", "amsgrad", "bf16", "int8", "int8-kahan"],
+)
+def test_planned_bytes_are_the_bytes_the_builders_allocate(kw: dict) -> None:
+    """What a reserve says it will allocate (the host-room check reads it) is what its builders allocate."""
+    dtype = torch.bfloat16 if kw.get("master") == "bfloat16" else torch.float32
+    params = [torch.nn.Parameter(torch.zeros(n, 33, dtype=dtype)) for n in (1, 7, 130)]
+    opt = Adam(params, lr=1e-3, **kw)
+    reserve = opt._reserve
+    planned = reserve.planned_bytes()
+    start_for(params)
+    reserve.wait()
+    built = sum(
+        t.numel() * t.element_size() for _, _, st in reserve._ready.values() for k, t in st.items() if k != "step"
+    )
+    assert planned == built > 0
+
+
+def test_first_training_call_refuses_what_the_host_cannot_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first training call whose gradient buffers and optimizer state exceed the host's room raises
+    MemoryError before allocating them, naming the sizes and the options that shrink the state; the same
+    model within its room trains."""
+    import psutil
+    from torch import nn
+
+    from roundpipe import RoundPipe, RoundPipeRunConfig
+
+    def run(room_mib: float) -> None:
+        rss = psutil.Process().memory_info().rss
+        monkeypatch.setenv("RPP_HOST_MEMORY", f"{rss / 2**20 + room_mib}MiB")
+        torch.manual_seed(0)
+        rp = RoundPipe(
+            nn.Sequential(nn.Linear(512, 1024), nn.Tanh(), nn.Linear(1024, 2)),
+            optim_dtype=torch.float32,
+            model_run_config=RoundPipeRunConfig(num_microbatch=2),
+        )
+        opt = Adam(rp.optim_parameters(), lr=1e-3)
+        rp.forward_backward(input_args=(torch.randn(4, 512),), loss_fn=lambda out, _: out.pow(2).mean())
+        rp.step(lambda: (opt.step(), opt.zero_grad()))
+        rp.synchronize()
+
+    # 0.53M parameters: 2.0 MiB of fp32 gradient buffers and 4.0 MiB of moments.
+    with pytest.raises(MemoryError, match=r"needs .* GiB more host memory .* of gradient buffers") as err:
+        run(1.0)
+    assert all(w in str(err.value) for w in ("state_dtype='bfloat16'", "--optim-state", "RPP_HOST_MEMORY")), err.value
+    run(4096.0)

@@ -38,6 +38,7 @@ _registry: Dict[int, "weakref.ReferenceType[StateReserve]"] = {}
 _registry_lock = threading.Lock()
 
 StateFactory = Callable[[Tensor], Dict[str, Tensor]]  # parameter -> its zero state (tensors only)
+StateBytes = Callable[[Tensor], int]  # parameter -> the bytes of that state, without building it
 
 # Parameters whose optimizer state another process keeps (a host optimizer step sharded across data-
 # parallel ranks, ``roundpipe.distributed.optim_shard``): this process never steps them, so no reserve
@@ -73,12 +74,13 @@ class StateReserve:
         # reused id, shape and dtype to rule out a parameter whose data was replaced since.
         self._ready: Dict[int, Tuple[Tensor, Tuple[torch.Size, torch.dtype], Dict[str, Tensor]]] = {}
         self._threads: List[threading.Thread] = []
-        self._pending: List[Tuple[List[Tensor], StateFactory]] = []
+        self._pending: List[Tuple[List[Tensor], StateFactory, Optional[StateBytes]]] = []
         self._closed = False
         self.error: Optional[BaseException] = None  # why a builder stopped early (the rest allocate lazily)
 
-    def add(self, params: Iterable[Tensor], make: StateFactory) -> None:
-        """Build ``make(p)`` for each trainable host ``p`` once :meth:`start` is called."""
+    def add(self, params: Iterable[Tensor], make: StateFactory, nbytes: Optional[StateBytes] = None) -> None:
+        """Build ``make(p)`` for each trainable host ``p`` once :meth:`start` is called; ``nbytes(p)``, where
+        given, says what that costs beforehand (:meth:`planned_bytes`)."""
         todo = [p for p in params if p.requires_grad and p.device.type == "cpu"]
         if not todo or self._closed:
             return
@@ -86,13 +88,24 @@ class StateReserve:
         with _registry_lock:
             for p in todo:
                 _registry[id(p)] = me
-        self._pending.append((todo, make))
+        self._pending.append((todo, make, nbytes))
+
+    def planned_bytes(self) -> int:
+        """Host bytes the builders that :meth:`start` would launch allocate (states of a factory added
+        without ``nbytes`` count 0)."""
+        return sum(
+            nbytes(p)
+            for todo, _, nbytes in self._pending
+            if nbytes is not None
+            for p in todo
+            if not _is_stepped_elsewhere(p)
+        )
 
     def start(self) -> None:
         """Start building what :meth:`add` recorded, in one background thread per ``add`` (main thread)."""
         _live.add(self)
         pending, self._pending = self._pending, []
-        for todo, make in pending:
+        for todo, make, _ in pending:
             if self._closed:
                 return
             thread = threading.Thread(
@@ -185,6 +198,11 @@ def start_for(params: Iterable[Tensor]) -> None:
     """Start the reserves the optimizers of ``params`` registered (RoundPipe's first training call)."""
     for reserve in _reserves_of(params):
         reserve.start()
+
+
+def planned_bytes_for(params: Iterable[Tensor]) -> int:
+    """Host bytes that :func:`start_for` on ``params`` would allocate for their optimizers' states."""
+    return sum(reserve.planned_bytes() for reserve in _reserves_of(params) if not reserve.started)
 
 
 def wait_for(params: Iterable[Tensor]) -> None:

@@ -44,6 +44,7 @@ from typing import List, Optional, Protocol, Sequence, Tuple
 import torch
 from torch import nn
 
+from roundpipe.devices import backend
 from roundpipe.devices import device as device_mod
 from roundpipe.devices.memory import pinned_empty
 from roundpipe.host import state_reserve
@@ -125,6 +126,26 @@ def freeze_garbage_collector() -> bool:
     return True
 
 
+def check_host_room(params: Sequence[nn.Parameter], optim_params: Sequence[torch.Tensor], name: str) -> None:
+    """Raise ``MemoryError`` before the first training call allocates what the host cannot hold: one gradient
+    buffer per trainable parameter and the optimizers' zero states (those that say their size). Past that
+    point the kernel's out-of-memory killer would end the process, mid-iteration and without a word."""
+    grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad and p.grad is None)
+    state = state_reserve.planned_bytes_for(optim_params)
+    room = backend.host_budget_bytes()
+    if grads + state <= room:
+        return
+    gib = 2**30
+    raise MemoryError(
+        f"model {name!r}: the first training call needs {(grads + state) / gib:.1f} GiB more host memory "
+        f"({grads / gib:.1f} GiB of gradient buffers, {state / gib:.1f} GiB of optimizer state) and "
+        f"{room / gib:.1f} GiB is free (RPP_HOST_MEMORY, or the available memory less a margin). Shrink the "
+        "optimizer state: roundpipe.optim.Adam(..., state_dtype='bfloat16') halves the moments and 'int8' quarters "
+        "them, master='bfloat16' steps the bf16 weights instead of an fp32 copy (the CLI's --optim-state and "
+        "--master); or train LoRA adapters; or set RPP_HOST_MEMORY to a larger size to allocate anyway."
+    )
+
+
 class HostBufferPrep:
     """One model's background preparation (see the module docstring)."""
 
@@ -138,6 +159,7 @@ class HostBufferPrep:
         if self.started:
             return
         self._optim_params = [o for o in (ParamAttribute.get(p).optim for p in params) if o is not None]
+        check_host_room(params, self._optim_params, name)
         # The optimizers' zero state (roundpipe.optim.Adam registers a reserve on its parameters).
         state_reserve.start_for(self._optim_params)
         if params:

@@ -239,10 +239,17 @@ class Adam(Optimizer):
         reserve: Optional[StateReserve] = getattr(self, "_reserve", None)
         if reserve is not None:
             if cfg is not None and cfg.enabled:
-                reserve.add(group["params"], lambda p: compact.init_state(cfg, p))
+                reserve.add(
+                    group["params"], lambda p: compact.init_state(cfg, p), lambda p: compact.state_bytes_of(cfg, p)
+                )
             else:
                 amsgrad = bool(group["amsgrad"])
-                reserve.add(group["params"], lambda p: _zero_moments(p, amsgrad))
+                moments = 3 if amsgrad else 2
+                reserve.add(
+                    group["params"],
+                    lambda p: _zero_moments(p, amsgrad),
+                    lambda p: moments * p.numel() * p.element_size(),
+                )
 
     def _take_reserved(self, p: Tensor) -> Optional[Dict[str, Tensor]]:
         """``p``'s zero state built in the background, if any (see ``preallocate_state``)."""

@@ -22,6 +22,7 @@ cpp) and ``torch_step`` here (torch, or when the kernel cannot be built), which 
 from __future__ import annotations
 
 import array
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -145,6 +146,11 @@ def state_layout(cfg: CompactConfig, p: Tensor) -> Dict[str, Tuple[torch.dtype, 
     if cfg.master == "bfloat16" and cfg.master_rounding == "kahan":
         layout["kahan_comp"] = (torch.bfloat16, tuple(p.shape))
     return layout
+
+
+def state_bytes_of(cfg: CompactConfig, p: Tensor) -> int:
+    """Host bytes of ``p``'s state in ``cfg``'s format (``step`` excluded), from ``state_layout``."""
+    return sum(math.prod(shape) * dtype.itemsize for dtype, shape in state_layout(cfg, p).values())
 
 
 def init_state(cfg: CompactConfig, p: Tensor) -> Dict[str, Tensor]:
