@@ -175,7 +175,12 @@ def model_shape(model: str, rope: Optional[str] = None) -> Tuple[estimate.ModelS
         )
     if rope is not None:
         rope_scaling.with_rope_scaling(config, rope)
-    return estimate.ModelShape.from_config(argparse.Namespace(**config)), config
+    try:
+        return estimate.ModelShape.from_config(argparse.Namespace(**config)), config
+    except ValueError as exc:
+        raise ConfigError(
+            f"{path}: {exc}", "roundpipe plan estimates dense Llama / Qwen3 layouts, Qwen3-MoE and GPT-OSS"
+        ) from None
 
 
 def machine_memory() -> Tuple[Optional[float], float]:
@@ -268,6 +273,11 @@ def _plan(args: argparse.Namespace) -> int:
         check_rope_scaling(args.rope_scaling)
     shape, config = model_shape(args.model, args.rope_scaling)
     check(args, config)
+    if shape.experts and (args.fp8 or args.base_format != "bf16"):
+        raise ConfigError(
+            f"{args.model} is a mixture of experts, and the plan models a packed base and FP8 GEMMs for dense layers",
+            "plan it without --fp8 and with --base-format bf16 (the expert weights then count at 2 bytes)",
+        )
     if args.fp8:
         try:
             fp8_estimate.fp8_terms(shape, args.lora_r, args.base_format)
@@ -329,6 +339,13 @@ def _plan(args: argparse.Namespace) -> int:
         print(json.dumps(result))
         return 0 if fits else 1
     print(f"{args.model}: {shape.params() / 1e9:.2f}B parameters, {shape.layers} layers, hidden {shape.hidden}")
+    if shape.experts:
+        print(
+            f"mixture of experts: {shape.experts} experts of width {shape.expert_intermediate}, "
+            f"{shape.intermediate // shape.expert_intermediate} a token; weights, gradients and optimizer state count "
+            f"every expert, activations the routed ones as one MLP of width {shape.intermediate} (an approximation "
+            "not yet checked against a measured GPU peak)"
+        )
     print(e.describe())
     if kept.stages:  # the choice when keeping happens (the JSON says why not otherwise)
         print(kept.describe())

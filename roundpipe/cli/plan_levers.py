@@ -129,7 +129,8 @@ def levers(args: argparse.Namespace, shape: ModelShape, gpu: float, host: float,
         compact = memory_terms.optimizer_state_bytes("int8", "bfloat16", args.master_rounding)
         argv = ["--optim-state", "int8", "--master", "bfloat16"]
         out.append(lever(" ".join(argv), argv, note="train needs --dtype bfloat16", optimizer_bytes_per_param=compact))
-    if kw.get("base_format", "bf16") != "nf4":  # a LoRA base in 4 bits: about a quarter of its host bytes
+    # A LoRA base in 4 bits, about a quarter of its host bytes (modelled for dense layers only).
+    if kw.get("base_format", "bf16") != "nf4" and not shape.experts:
         rank = args.lora_r or LORA_RANK
         argv = ([] if args.lora_r else ["--lora-r", str(rank)]) + ["--base-format", "nf4"]
         argv += ["--no-fp8"] if fp8 else []  # FP8 GEMMs read a base kept as fp8

@@ -123,7 +123,7 @@ class RoundPipeForCausalLM(RoundPipe):
         total = sum(r * s for r, s in sizes)
         try:
             shape = estimate.ModelShape.from_config(self.preset.model.config)
-        except (AttributeError, TypeError):
+        except (AttributeError, TypeError, ValueError):  # not a layout the estimate models
             return None
         tile = settings.SEQ_TILE.get()
         decoder = [i for i, layer in enumerate(self.layers) if hasattr(layer, "layer")]

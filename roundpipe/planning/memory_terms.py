@@ -52,6 +52,15 @@ class ModelShape:
     """Vocabulary size (``vocab_size``)."""
     tied: bool = False
     """Whether the output head shares the embedding's weights (``tie_word_embeddings``)."""
+    experts: int = 0
+    """Experts per layer of a mixture of experts (``num_local_experts`` / ``num_experts``); 0: a dense MLP. A
+    mixture's ``intermediate`` is then its routed width per token, ``top_k * expert_intermediate``: what its
+    activations and FLOPs scale with, modelled as one dense MLP of that width."""
+    expert_intermediate: int = 0
+    """One expert's MLP width (``moe_intermediate_size``, GPT-OSS ``intermediate_size``)."""
+    biases: bool = False
+    """GPT-OSS's layout: biases on the attention projections, the router and the experts, one attention sink
+    per head, and no q / k norms."""
 
     BUILTIN = flavors.BUILTIN
     """The shapes known by name: the flavors of ``roundpipe.flavors`` (Qwen3, Llama-3.1)."""
@@ -72,15 +81,29 @@ class ModelShape:
         heads = int(config.num_attention_heads)
         hidden = int(config.hidden_size)
         head_dim = getattr(config, "head_dim", None) or hidden // heads
+        intermediate, experts, expert_intermediate = int(config.intermediate_size), 0, 0
+        n = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+        if n:
+            kind = getattr(config, "model_type", None)
+            if kind not in ("qwen3_moe", "gpt_oss"):
+                raise ValueError(f"model_type {kind!r}: the mixtures of experts modelled are Qwen3-MoE and GPT-OSS")
+            if getattr(config, "mlp_only_layers", None) or (getattr(config, "decoder_sparse_step", None) or 1) != 1:
+                raise ValueError("dense MLP layers among the expert layers (mlp_only_layers, decoder_sparse_step)")
+            experts = int(n)
+            expert_intermediate = int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
+            intermediate = int(config.num_experts_per_tok) * expert_intermediate
         return cls(
             hidden=hidden,
-            intermediate=int(config.intermediate_size),
+            intermediate=intermediate,
             layers=int(config.num_hidden_layers),
             heads=heads,
             kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
             head_dim=int(head_dim),
             vocab=int(config.vocab_size),
             tied=bool(getattr(config, "tie_word_embeddings", False)),
+            experts=experts,
+            expert_intermediate=expert_intermediate,
+            biases=experts > 0 and getattr(config, "model_type", None) == "gpt_oss",
         )
 
     @property
@@ -92,9 +115,18 @@ class ModelShape:
         return self.kv_heads * self.head_dim
 
     def layer_params(self) -> int:
-        """Parameters of one decoder layer (attention, MLP, norms incl. q/k norms)."""
+        """Parameters of one decoder layer (attention, MLP or router and experts, norms incl. q/k norms)."""
         attn = self.hidden * self.q_dim + 2 * self.hidden * self.kv_dim + self.q_dim * self.hidden
-        return attn + 3 * self.hidden * self.intermediate + 2 * self.hidden + 2 * self.head_dim
+        if not self.experts:
+            return attn + 3 * self.hidden * self.intermediate + 2 * self.hidden + 2 * self.head_dim
+        e, w = self.experts, self.expert_intermediate
+        moe = self.hidden * e + 3 * e * self.hidden * w  # the router, each expert's gate, up and down
+        if self.biases:  # projection and router biases, sinks; each expert's gate / up and down biases
+            attn += self.q_dim + 2 * self.kv_dim + self.hidden + self.heads
+            moe += e + e * (2 * w + self.hidden)
+        else:
+            attn += 2 * self.head_dim  # q / k norms
+        return attn + moe + 2 * self.hidden
 
     def projections(self) -> List[Tuple[int, int]]:
         """(in, out) features of a decoder layer's seven projections: q, k, v, o, gate, up, down."""
@@ -109,8 +141,14 @@ class ModelShape:
         ]
 
     def lora_params(self, rank: int) -> int:
-        """LoRA parameters of one decoder layer with adapters on all seven projections."""
-        return sum(rank * (a + b) for a, b in self.projections())
+        """LoRA parameters of one decoder layer with adapters on all seven projections; a mixture of experts: on
+        q, k, v, o and every expert's two weights as PEFT's ``target_parameters`` adapts them (rank x experts
+        rows: gate-up [hidden, 2 x width], down [width, hidden])."""
+        if not self.experts:
+            return sum(rank * (a + b) for a, b in self.projections())
+        w = self.expert_intermediate
+        attn = sum(rank * (a + b) for a, b in self.projections()[:4])
+        return attn + rank * self.experts * ((self.hidden + 2 * w) + (w + self.hidden))
 
     def params(self) -> int:
         """All parameters (embedding, layers, final norm, output head unless tied)."""
