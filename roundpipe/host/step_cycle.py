@@ -141,8 +141,9 @@ def check_host_room(params: Sequence[nn.Parameter], optim_params: Sequence[torch
         f"({grads / gib:.1f} GiB of gradient buffers, {state / gib:.1f} GiB of optimizer state) and "
         f"{room / gib:.1f} GiB is free (RPP_HOST_MEMORY, or the available memory less a margin). Shrink the "
         "optimizer state: roundpipe.optim.Adam(..., state_dtype='bfloat16') halves the moments and 'int8' quarters "
-        "them, master='bfloat16' steps the bf16 weights instead of an fp32 copy (the CLI's --optim-state and "
-        "--master); or train LoRA adapters; or set RPP_HOST_MEMORY to a larger size to allocate anyway."
+        "them, master='bfloat16' over a model wrapped without optim_dtype steps the bf16 weights with no fp32 "
+        "copy (the CLI's --optim-state and --master); or train LoRA adapters; or set RPP_HOST_MEMORY to a larger "
+        "size to allocate anyway."
     )
 
 
