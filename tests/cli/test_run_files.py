@@ -171,4 +171,5 @@ def test_unknown_or_unsupported_model_type_is_one_short_line(tmp_path) -> None:
     ):
         args = ["train", "--model", model, "--data", str(data), "--seq-len", "8", "--output-dir", str(tmp_path / "out")]
         line = one_line_error(roundpipe(args, str(tmp_path)), *fragments)
-        assert len(line) < 240 and "'llama'" not in line, line
+        # Short beside the path it names (a test's temporary directory is longer under some runners).
+        assert len(line.replace(str(tmp_path), "<tmp>")) < 240 and "'llama'" not in line, line
