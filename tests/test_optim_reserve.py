@@ -25,6 +25,22 @@ def _grads(step: int, params: List[torch.nn.Parameter], skip: int = -1) -> List[
     return [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
 
 
+def _roundpipe_mlp(width: int) -> "tuple":
+    """A RoundPipe over a two-layer MLP taking ``width`` features (fp32 optimizer copies, 2 microbatches) and a
+    roundpipe Adam on its copies, built but not yet called."""
+    from torch import nn
+
+    from roundpipe import RoundPipe, RoundPipeRunConfig
+
+    torch.manual_seed(0)
+    rp = RoundPipe(
+        nn.Sequential(nn.Linear(width, 2 * width), nn.Tanh(), nn.Linear(2 * width, 2)),
+        optim_dtype=torch.float32,
+        model_run_config=RoundPipeRunConfig(num_microbatch=2),
+    )
+    return rp, Adam(rp.optim_parameters(), lr=1e-3)
+
+
 def _run(
     opt: torch.optim.Optimizer, params: List[torch.nn.Parameter], steps: int, no_grad_until: Dict[int, int]
 ) -> None:
@@ -168,9 +184,6 @@ def test_take_waits_for_the_builder_and_rejects_a_replaced_parameter() -> None:
 def test_resume_builds_nothing_and_a_roundpipe_training_call_starts_the_builder() -> None:
     """A resumed run loads its state before training: nothing is built first (no double peak). A fresh
     run's first RoundPipe training call starts the builder, before the first step."""
-    from torch import nn
-
-    from roundpipe import RoundPipe, RoundPipeRunConfig
 
     p0 = _params(7)
     first = Adam(p0, lr=1e-2)
@@ -180,13 +193,7 @@ def test_resume_builds_nothing_and_a_roundpipe_training_call_starts_the_builder(
     resumed.load_state_dict(copy.deepcopy(first.state_dict()))
     assert reserve is not None and not reserve.started and len(reserve) == 0
 
-    torch.manual_seed(0)
-    rp = RoundPipe(
-        nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)),
-        optim_dtype=torch.float32,
-        model_run_config=RoundPipeRunConfig(num_microbatch=2),
-    )
-    opt = Adam(rp.optim_parameters(), lr=1e-3)
+    rp, opt = _roundpipe_mlp(4)
     assert opt._reserve is not None and not opt._reserve.started
     rp.forward_backward(input_args=(torch.randn(4, 4),), loss_fn=lambda out, _: out.pow(2).mean())
     assert opt._reserve.started
@@ -251,20 +258,11 @@ def test_first_training_call_refuses_what_the_host_cannot_hold(monkeypatch: pyte
     MemoryError before allocating them, naming the sizes and the options that shrink the state; the same
     model within its room trains."""
     import psutil
-    from torch import nn
-
-    from roundpipe import RoundPipe, RoundPipeRunConfig
 
     def run(room_mib: float) -> None:
         rss = psutil.Process().memory_info().rss
         monkeypatch.setenv("RPP_HOST_MEMORY", f"{rss / 2**20 + room_mib}MiB")
-        torch.manual_seed(0)
-        rp = RoundPipe(
-            nn.Sequential(nn.Linear(512, 1024), nn.Tanh(), nn.Linear(1024, 2)),
-            optim_dtype=torch.float32,
-            model_run_config=RoundPipeRunConfig(num_microbatch=2),
-        )
-        opt = Adam(rp.optim_parameters(), lr=1e-3)
+        rp, opt = _roundpipe_mlp(512)
         rp.forward_backward(input_args=(torch.randn(4, 512),), loss_fn=lambda out, _: out.pow(2).mean())
         rp.step(lambda: (opt.step(), opt.zero_grad()))
         rp.synchronize()
