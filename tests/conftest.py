@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Iterator
 
 import pytest
@@ -9,6 +10,12 @@ import torch
 
 from roundpipe import settings
 from roundpipe.devices import device, threads
+
+# Under pytest-xdist (README's test command runs two test processes on a 2-core machine) a subprocess that a test
+# starts (`roundpipe train`, a bench script) would otherwise open an OpenMP team of every core, whose threads spin
+# against the other test process: one intra-op thread each, as the test processes themselves run after collection.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 CUDA = torch.cuda.is_available()
 # CPU workers always; the CUDA variant of the same tests runs where a GPU exists.

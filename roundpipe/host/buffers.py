@@ -567,8 +567,10 @@ class ParamBuffers:
         grads = [("GRAD", p.grad)] + [("GRAD", g) for g in list(self.shares.values())]
         others = grads + [("SPARE", b) for b, _ in list(self.spare)]
         others.append(("optimizer .grad", self.optim.grad if self.optim is not None else None))
-        if not self.in_place:
-            others.append(("weights", p.data))
+        with _LOCK:  # one snapshot: a download may move STAGED into the weights between two reads
+            in_place, weights = self.in_place, p.data
+        if not in_place:
+            others.append(("weights", weights))
         self._check_disjoint(p, "stage", [("STAGED", target)], others)
 
     def _check_disjoint(
