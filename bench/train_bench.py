@@ -447,6 +447,7 @@ def bench_roundpipe(
     host = host_rss() - rss0
     peak = torch.cuda.max_memory_allocated() / 1024**3 if torch.cuda.is_available() else float("nan")
     print(f"roundpipe per-iteration seconds: {[round(t, 3) for t in times]}")
+    print(f"roundpipe plan of the last iteration: {model.last_plan}")
     what = (
         f"LoRA r={args.lora} {lora_what(family(args.workload))}, {n_params / 1e6:.1f}M trainable"
         if args.lora

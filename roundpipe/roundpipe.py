@@ -147,6 +147,8 @@ class RoundPipe(RoundPipeBase):
         self.model_timer = ModelTimer(self.num_layers, [get_model_compute_size(layer) / GiB for layer in layers])
         # Owned here, read and updated by the runtime's plan choice: the automatic plans (``plan_choice``).
         self.plan_cache = PlanCache()
+        # The plan of the latest call, its kept stages marked (what ran; for inspection and the benchmarks).
+        self.last_plan: Optional[ModelExecutePlan] = None
         self._finish_init()
 
     @property
@@ -189,7 +191,9 @@ class RoundPipe(RoundPipeBase):
         the model's ``grad_sync`` agrees on across processes (data parallel reducing on the devices:
         every rank must run the same jobs)."""
         plan = self._local_plan(cfg, run_type, batch)
-        return plan if self.grad_sync is None else self.grad_sync.agree_plan(self, run_type, plan)
+        plan = plan if self.grad_sync is None else self.grad_sync.agree_plan(self, run_type, plan)
+        self.last_plan = plan
+        return plan
 
     def _local_plan(self, cfg: ResolvedRunConfig, run_type: RunType, batch: Optional[Batch] = None) -> ModelExecutePlan:
         """This process's plan: the user's (validated) or the model's default (``plan_choice``)."""

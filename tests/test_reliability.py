@@ -171,6 +171,26 @@ def test_a_device_holds_one_queued_job_while_one_runs() -> None:
     assert dev.drained.is_set()
 
 
+@pytest.mark.parametrize("devices", ["cpu:1", "cpu:2"])
+def test_a_model_let_go_after_training_is_freed(devices: str) -> None:
+    """Once the caller drops a trained model (and its optimizer), nothing in the runtime keeps it: the idle
+    device threads hold no reference to the last job, so the model's host and device memory come back (a second
+    model built in the same process, as a notebook or a benchmark does, does not run out of memory)."""
+    import gc
+    import weakref
+
+    from conftest import use_devices
+    from helpers import small_mlp, train_small_mlp
+
+    use_devices(devices)
+    model = small_mlp()
+    train_small_mlp(model, steps=2)
+    refs = [weakref.ref(model)] + [weakref.ref(p) for p in model.optim_parameters()]
+    model = None  # noqa: F841
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * len(refs)
+
+
 @pytest.mark.timeout(120)
 def test_an_uncaught_error_right_after_wrapping_exits_with_the_error_not_an_abort() -> None:
     """The host buffers and the Adam state are built by background threads after wrapping; an error that

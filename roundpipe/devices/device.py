@@ -185,6 +185,9 @@ class DeviceManager:
             except BaseException as exc:  # noqa: BLE001 - surfaced in the dispatching thread
                 report_failure(self._locate(exc))
             finally:
+                # Drop the job before waiting for the next: an idle thread's locals would otherwise keep the last
+                # call's run, and through it its model and device memory, alive after the user let it go.
+                fn = args = None  # noqa: F841
                 self.location = ""
                 self.where = None
                 self.stage = None
