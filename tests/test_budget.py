@@ -498,14 +498,34 @@ def test_device_saved_room_is_the_budget_less_the_largest_stage(monkeypatch: pyt
 
 
 def test_the_estimates_room_for_stage_inputs_is_the_runtimes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``estimate`` copies three constants of ``budget`` (it imports no torch): they must stay equal."""
+    """``estimate`` copies four constants of ``budget`` (it imports no torch): they must stay equal."""
     from roundpipe.planning import budget
 
-    assert (memory_terms.GPU_MARGIN_FRACTION, memory_terms.GPU_MARGIN_BYTES, memory_terms.DEVICE_SAVED_SHARE) == (
+    copies = (memory_terms.GPU_MARGIN_FRACTION, memory_terms.GPU_MARGIN_BYTES, memory_terms.DEVICE_SAVED_SHARE)
+    assert copies + (memory_terms.KEEP_SHARE,) == (
         budget.GPU_MARGIN_FRACTION,
         budget.GPU_MARGIN_BYTES,
         budget.DEVICE_SAVED_SHARE,
+        budget.KEEP_SHARE,
     )
+
+
+def test_device_keep_room_counts_the_forward_groups_weights_beyond_one_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kept stages' room: ``KEEP_SHARE`` of the GPU budget less the largest backward stage, less twice what
+    the largest forward group holds beyond one layer (it and the group prefetched beside it); never below 0."""
+    kept, peak = [1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 9.0, 7.0]
+    profile = budget.ActivationProfile(kept, peak, [1.0] * 4, tokens=8, seq_len=8, for_tokens=lambda n: profile)
+    monkeypatch.setattr(budget, "gpu_budget", lambda layer_bytes: 100.0)
+    layers = [2.0, 2.0, 2.0, 2.0]
+    bwd = [range(0, 2), range(2, 4)]  # the largest: 3 + 4 + max(6, 3) + its weights beyond one layer (2)
+    worst = max(budget.costs(profile, 100.0, 0.0).stage_bytes(r.start, r.stop, layers) for r in bwd)
+    one = budget.device_keep_room(profile, layers, bwd, [range(i, i + 1) for i in range(4)])
+    assert one == pytest.approx(budget.KEEP_SHARE * (100.0 - worst))
+    three = budget.device_keep_room(profile, layers, bwd, [range(0, 3), range(3, 4)])
+    assert three == pytest.approx(one - 2 * 4.0)
+    monkeypatch.setattr(budget, "gpu_budget", lambda layer_bytes: 10.0)
+    assert budget.device_keep_room(profile, layers, bwd, [range(0, 4)]) == 0.0
+    assert budget.device_keep_room(None, layers, bwd) == 0.0
 
 
 @pytest.mark.parametrize("setting", ["auto", "0", "2", "several GPUs", "small GPU"])

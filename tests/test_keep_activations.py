@@ -121,7 +121,7 @@ def test_auto_keeps_only_with_room(workers: str, monkeypatch: pytest.MonkeyPatch
     real = keep.decide
     monkeypatch.setattr(keep, "decide", lambda *a, **k: real(*a[:-1], True, **k))
     assert _train("auto", monkeypatch, microbatches=2)[2]
-    monkeypatch.setattr(budget, "device_saved_room", lambda *a, **k: 0.0)
+    monkeypatch.setattr(budget, "device_keep_room", lambda *a, **k: 0.0)
     assert _train("auto", monkeypatch, microbatches=2)[2] == []
 
 

@@ -99,19 +99,39 @@ def test_the_kept_term_is_what_the_fused_lora_layer_saves(compiled: bool, adapte
     assert layer.self_attn.q_proj.lora_A["default"].weight.grad is not None
 
 
-def _profile(monkeypatch: pytest.MonkeyPatch, compiled: bool) -> Tuple[Any, Any, list]:
-    """A tiny Qwen3 with PEFT LoRA on every projection wrapped with fused kernels on (CPU workers), its
-    activation profile for 2 microbatches of 2 x 32 tokens, and its layers' device bytes."""
+def _profile(monkeypatch: pytest.MonkeyPatch, compiled: bool, fp8: bool = False) -> Tuple[Any, Any, list]:
+    """A tiny Qwen3 with PEFT LoRA on every projection wrapped with fused kernels on (CPU workers; ``fp8``: over
+    an fp8 base with FP8 GEMMs), its activation profile for 2 microbatches of 2 x 32 tokens, and its layers'
+    device bytes."""
     monkeypatch.setattr(causal_lm, "_whole_layer_compiled", lambda: compiled)
     cfg = configs.tiny_config("qwen3", **WIDTHS, num_hidden_layers=6)
     torch.manual_seed(0)
     hf = transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16)
     hf = peft.get_peft_model(hf, peft.LoraConfig(r=8, lora_alpha=16, target_modules=ALL))
     run = RoundPipeRunConfig(num_microbatch=2)
-    rp = models.wrap_model(hf, model_run_config=run, fused_kernels=True)
+    extra: dict = dict(base_format="fp8", fp8=True) if fp8 else {}
+    rp = models.wrap_model(hf, model_run_config=run, fused_kernels=True, **extra)
     ids = torch.zeros(4, 32, dtype=torch.long)
     profile = rp.activation_profile(Batch((), {"input_ids": ids, "labels": ids}, ResolvedRunConfig(run, run)), "stage")
     return memory_terms.ModelShape.from_config(cfg), profile, rp.layer_device_bytes("fused")
+
+
+@pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
+def test_fp8_lora_layers_are_kept_by_their_modules_count(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With FP8 GEMMs over an fp8 base the compiled op saves more than the bf16 count (on one H200 qwen3-8b ran
+    out of memory with stages kept by it): such a layer keeps what its modules save, the larger count, in the
+    runtime's profile and in ``roundpipe plan``'s keep estimate alike."""
+    shape, profile, _ = _profile(monkeypatch, compiled=True, fp8=True)
+    t = 2 * 32
+    module_kept = t * (memory_terms.module_layer_bytes_per_token(shape) + memory_terms.lora_bytes_per_token(shape, 8))
+    fused = t * memory_terms.fused_lora_kept_bytes_per_token(shape, memory_terms.lora_products_per_token(8), 2, True)
+    for i in range(1, 7):
+        assert profile.kept[i] == pytest.approx(module_kept) and profile.kept[i] > fused
+    s8 = memory_terms.ModelShape.builtin("qwen3-8b")
+    args = dict(lora_rank=16, microbatches=2, gpu_bytes=139 * 2**30, base_format="fp8")
+    plain = keep_estimate.keep_estimate(s8, estimate.estimate(s8, 4096, 8, **args))
+    with_fp8 = keep_estimate.keep_estimate(s8, estimate.estimate(s8, 4096, 8, fp8=True, **args))
+    assert with_fp8.stage_bytes > 2 * plain.stage_bytes and with_fp8.stages < plain.stages
 
 
 @pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)

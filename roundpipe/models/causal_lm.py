@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from roundpipe import settings
-from roundpipe.models import fused_ops, kernels, lora, sequence_inputs, tiling
+from roundpipe.models import fp8, fused_ops, kernels, lora, sequence_inputs, tiling
 from roundpipe.models.inputs import CausalLMInputs, takes_inputs
 from roundpipe.models.kernels import FusedKernels
 from roundpipe.models.preset import CausalLMPreset
@@ -134,11 +134,15 @@ class RoundPipeForCausalLM(RoundPipe):
         # against 2.74 GiB module by module, above the whole-layer count (fitted to full fine-tunes). What it
         # keeps for its backward is the op's own count (``memory_terms.fused_lora_kept_bytes_per_token``: a third
         # of the modules' compiled, two thirds eager), which sizes the stages a call keeps.
-        fused_lora = {
+        # With FP8 GEMMs the compiled op saves other tensors than the count measured for bf16 (on one H200,
+        # qwen3-8b LoRA over an fp8 base ran out of memory with stages kept by it): those layers are sized by
+        # what their modules save (three times that count at qwen3-8b's widths) until the op's own is measured.
+        adapted = {
             i: kernels.runs_whole_layer(self.layers[i].layer) and lora.has_adapters(self.layers[i].layer)
             for i in decoder
         }
-        whole = {i: kernels.runs_whole_layer(self.layers[i].layer) and not fused_lora[i] for i in decoder}
+        fused_lora = {i: adapted[i] and not fp8.computes_in_fp8(self.layers[i].layer) for i in decoder}
+        whole = {i: kernels.runs_whole_layer(self.layers[i].layer) and not adapted[i] for i in decoder}
         compiled = _whole_layer_compiled()
         # What the layers' trainable parts save: a walk over every module (~0.5 ms a layer), done once
         # per model, as ``layer_device_bytes`` counts gradients once (what trains is fixed by then).

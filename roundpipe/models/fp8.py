@@ -353,6 +353,18 @@ def unconverted(model: nn.Module) -> List[str]:
     return names
 
 
+def computes_in_fp8(layer: nn.Module) -> bool:
+    """Whether some projection of ``layer`` runs FP8 GEMMs (a frozen base computing from its fp8 bytes, or a
+    torchao ``Float8Linear``)."""
+    for m in layer.modules():
+        if type(m).__name__ == "Float8Linear":
+            return True
+        w = getattr(m, "weight", None)
+        if isinstance(w, FrozenWeight) and w.format is FP8_COMPUTE:
+            return True
+    return False
+
+
 def prepare(model: nn.Module, enabled: bool) -> None:
     """Set ``model`` up for ``fp8=True`` (at wrap time, before it is split): frozen fp8 bases compute from
     their bytes (:func:`enable_fp8_base`), trained projections become torchao ``Float8Linear``s

@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
 from roundpipe.devices import backend, device
-from roundpipe.planning.planner import DEVICE_SAVED_SHARE, ActivationCosts, ActivationMemoryError, fits_budgets
+from roundpipe.planning.planner import (
+    DEVICE_SAVED_SHARE,
+    KEEP_SHARE,
+    ActivationCosts,
+    ActivationMemoryError,
+    fits_budgets,
+)
 from roundpipe.utils import GiB
 
 logger = logging.getLogger("roundpipe")
@@ -60,6 +66,26 @@ def device_saved_room(
     a = costs(profile, gpu_budget(layer_bytes), 0.0)
     worst = max(a.stage_bytes(r.start, r.stop, layer_bytes) for r in bwd_plan)
     return max(0.0, DEVICE_SAVED_SHARE * (a.gpu_limit - worst))
+
+
+def device_keep_room(
+    profile: Optional[ActivationProfile],
+    layer_bytes: List[float],
+    bwd_plan: Sequence[range],
+    fwd_plan: Sequence[range] = (),
+) -> float:
+    """Device bytes a one-device call may keep its backward stages' graphs and inputs in (``planning.keep``):
+    ``KEEP_SHARE`` of the GPU budget less the plan's largest backward stage, less what its largest forward group
+    and the one prefetched beside it hold beyond one layer's weights (``planner.forward_weight_cap`` gives the
+    stage inputs' room the rest of the budget for them; kept graphs take most of it, so they are counted here)."""
+    if profile is None or not bwd_plan:
+        return 0.0
+    a = costs(profile, gpu_budget(layer_bytes), 0.0)
+    worst = max(a.stage_bytes(r.start, r.stop, layer_bytes) for r in bwd_plan)
+    largest = max(layer_bytes) if layer_bytes else 0.0
+    groups = [sum(layer_bytes[i] for i in r) - largest for r in fwd_plan] if layer_bytes else []
+    excess = 2 * max([0.0] + groups)
+    return max(0.0, KEEP_SHARE * (a.gpu_limit - worst) - excess)
 
 
 def host_budget() -> float:

@@ -40,6 +40,7 @@ from roundpipe.planning.memory_terms import (
     ModelShape,
     checkpoint_bytes_per_token,
     decoder_layer_bytes,
+    device_keep_room,
     device_saved_room,
     fused_lora_bytes_per_token,
     fused_lora_kept_bytes_per_token,
@@ -84,6 +85,8 @@ class Estimate:
     """Bytes one decoder layer's weights take on the GPU once uploaded (plain, or an fp8 base's bytes under FP8)."""
     fp8: Optional[fp8_estimate.Fp8Terms] = None
     """What FP8 GEMMs change per decoder layer (``fp8=True``; None: off)."""
+    keep_room: float = 0.0
+    """GPU bytes a one-GPU step may keep stages' graphs and inputs in (``memory_terms.device_keep_room``)."""
 
     @property
     def peak_gpu_bytes(self) -> float:
@@ -289,7 +292,7 @@ def estimate(
     per_microbatch = pinned_checkpoint_bytes(shape, rows * mb_len, b, stage_inputs) if pinned else host_input
     # On one GPU the inputs the room holds stay there, whole (exact size, no pinned rounding). The room is the
     # runtime's (its plan's count: this estimate's peak in its place kept two inputs too many at 262,144 tokens).
-    room = 0.0
+    room = keep_room = 0.0
     if devices == 1 and gpu_bytes is not None:  # a layer's weights and gradients (PEFT's adapters in fp32)
         layer_dev = device_w + (8 * shape.lora_params(lora_rank) if lora_rank else trainable_layer * b)
         # As the runtime's layer bytes count it (formats.module_device_bytes): a base computing from its fp8 bytes
@@ -297,12 +300,14 @@ def estimate(
         layer_dev += unpacking
         kv, prefix = sequence_kv(1) - sequence_kv(0), sequence_kv(0)
         # A LoRA layer's kept bytes as the runtime plans a GPU's compiled whole-layer op (sequence tiles: modules).
+        # With FP8 GEMMs the runtime sizes a LoRA layer by its modules' count (``causal_lm.activation_profile``).
         own = None
-        if lora_rank and not tiled_sequence:
+        if lora_rank and not tiled_sequence and not fp8:
             own = fused_lora_kept_bytes_per_token(shape, lora_products_per_token(lora_rank), b)
         step = runtime_step_bytes(shape, t, tile, tiled, b, lora_rank, lora_extra, g, layer_dev, kv, prefix, own)
         # Where this estimate's count of the step is the larger, the inputs fill only what it leaves.
         room = min(device_saved_room(gpu_bytes, step), max(0.0, gpu_bytes - sum(gpu.values())))
+        keep_room = min(device_keep_room(gpu_bytes, step), max(0.0, gpu_bytes - sum(gpu.values())))
     # The runtime charges each input the rotary tables and position ids it carries (shared by all stages).
     on_gpu = min(boundaries * microbatches, int(room // (raw_input + side))) if raw_input > 0 else 0
     gpu["saved inputs"] = float(on_gpu * raw_input)
@@ -342,6 +347,7 @@ def estimate(
         room,
         float(device_w),
         fp8_layer,
+        keep_room,
     )
 
 

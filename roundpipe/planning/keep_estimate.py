@@ -94,13 +94,14 @@ def keep_estimate(
     pre = lora_pre_attention_bytes_per_token(shape, lora, b) if lora else 0.0
     # A LoRA layer runs as the compiled whole-layer op on a GPU (fused kernels on, their default there), which
     # saves less than its modules' count (its peak): the runtime's plan keeps by that op's count.
-    own = fused_lora_kept_bytes_per_token(shape, lora_products_per_token(lora), b) if lora else None
+    # With FP8 GEMMs (``e.fp8``) it is sized by its modules' count, as the runtime sizes it.
+    own = fused_lora_kept_bytes_per_token(shape, lora_products_per_token(lora), b) if lora and e.fp8 is None else None
     kept, _ = decoder_layer_bytes(shape, t, e.tile, tiled, b, not lora, extra, pre, own)
     # A layer's weights as uploaded (an fp8 base's bytes under FP8 GEMMs) and its gradients (PEFT's fp32 adapters)
     layer_dev = e.device_bytes_per_layer + (8 * shape.lora_params(lora) if lora else shape.layer_params() * b)
     stage_bytes = e.microbatches * g * kept + g * layer_dev  # its input has its place as a saved input
     saved_inputs = e.gpu_parts.get("saved inputs", 0.0)
-    room = max(0.0, e.device_room - saved_inputs)
+    room = max(0.0, e.keep_room - saved_inputs)
     candidates = math.ceil(shape.layers / g) if devices == 1 and sequence_tiles == 1 else 0
     stages = min(candidates, int(room // stage_bytes)) if stage_bytes > 0 else 0
     layers = min(shape.layers, stages * g)

@@ -394,11 +394,12 @@ def pinned_block(nbytes: float) -> float:
     return float(1 << max(0, int(math.ceil(nbytes)) - 1).bit_length())
 
 
-# budget.GPU_MARGIN_FRACTION, GPU_MARGIN_BYTES and DEVICE_SAVED_SHARE (copied so that the estimate imports
+# budget.GPU_MARGIN_FRACTION, GPU_MARGIN_BYTES, DEVICE_SAVED_SHARE and KEEP_SHARE (copied so that the estimate imports
 # no torch; a test keeps them equal): the room a one-GPU step keeps its stage inputs in.
 GPU_MARGIN_FRACTION = 0.08
 GPU_MARGIN_BYTES = 1 << 30
 DEVICE_SAVED_SHARE = 0.75
+KEEP_SHARE = 0.9
 
 
 def device_saved_room(gpu_bytes: float, step_gpu_bytes: float) -> float:
@@ -410,6 +411,12 @@ def device_saved_room(gpu_bytes: float, step_gpu_bytes: float) -> float:
     if limit is not None:
         return float(limit) * GiB
     return max(0.0, DEVICE_SAVED_SHARE * (gpu_bytes * (1 - GPU_MARGIN_FRACTION) - GPU_MARGIN_BYTES - step_gpu_bytes))
+
+
+def device_keep_room(gpu_bytes: float, step_gpu_bytes: float) -> float:
+    """GPU bytes a one-GPU step may keep backward stages' graphs and inputs in (``budget.device_keep_room``, the
+    forward groups taken as one layer each)."""
+    return max(0.0, KEEP_SHARE * (gpu_bytes * (1 - GPU_MARGIN_FRACTION) - GPU_MARGIN_BYTES - step_gpu_bytes))
 
 
 def job_io_bytes(shape: ModelShape, t: int, e: int = 2) -> float:

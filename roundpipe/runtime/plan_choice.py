@@ -94,14 +94,14 @@ def with_kept(
     profile: Optional[budget.ActivationProfile],
 ) -> ModelExecutePlan:
     """``plan`` with the backward stages that keep their forward's graph marked (``planning.keep.decide``,
-    ``RPP_DEBUG_KEEP_ACTIVATIONS``), within the device room the plan leaves (``budget.device_saved_room``)."""
+    ``RPP_DEBUG_KEEP_ACTIVATIONS``), within the device room the plan leaves (``budget.device_keep_room``)."""
     tiled = batch is not None and batch.sequence_tiles > 1
     devices = device_mod.get_num_devices()
     if not plan.keep and not keep.keepable(plan, run_type, devices, tiled):
         return plan
     layer_bytes = model.layer_device_bytes(run_type)
     costs = budget.costs(profile, budget.gpu_budget(layer_bytes), 0.0) if profile is not None else None
-    room = budget.device_saved_room(profile, layer_bytes, plan.bwd_plan)
+    room = budget.device_keep_room(profile, layer_bytes, plan.bwd_plan, plan.fwd_plan)
     source, fwd_t, _ = model.model_timer.get_estimate(run_type)
     gpu = all(backend.is_cuda(d.device) for d in device_mod.get_devices())
     return keep.decide(
