@@ -61,11 +61,7 @@ def device_saved_room(
     share of the GPU budget less the plan's largest backward stage (the inputs kept are freed stage by
     stage in backward, so that stage still fits beside the ones not yet consumed). 0 for a model that
     reports no activations (nothing to size the room by)."""
-    if profile is None or not bwd_plan:
-        return 0.0
-    a = costs(profile, gpu_budget(layer_bytes), 0.0)
-    worst = max(a.stage_bytes(r.start, r.stop, layer_bytes) for r in bwd_plan)
-    return max(0.0, DEVICE_SAVED_SHARE * (a.gpu_limit - worst))
+    return DEVICE_SAVED_SHARE * _beside_largest_stage(profile, layer_bytes, bwd_plan)
 
 
 def device_keep_room(
@@ -78,14 +74,22 @@ def device_keep_room(
     ``KEEP_SHARE`` of the GPU budget less the plan's largest backward stage, less what its largest forward group
     and the one prefetched beside it hold beyond one layer's weights (``planner.forward_weight_cap`` gives the
     stage inputs' room the rest of the budget for them; kept graphs take most of it, so they are counted here)."""
+    largest = max(layer_bytes) if layer_bytes else 0.0
+    groups = [sum(layer_bytes[i] for i in r) - largest for r in fwd_plan] if layer_bytes else []
+    excess = 2 * max([0.0] + groups)
+    return max(0.0, KEEP_SHARE * _beside_largest_stage(profile, layer_bytes, bwd_plan) - excess)
+
+
+def _beside_largest_stage(
+    profile: Optional[ActivationProfile], layer_bytes: List[float], bwd_plan: Sequence[range]
+) -> float:
+    """The GPU activation budget less the plan's largest backward stage (0 for a model that reports no
+    activations, or no plan)."""
     if profile is None or not bwd_plan:
         return 0.0
     a = costs(profile, gpu_budget(layer_bytes), 0.0)
     worst = max(a.stage_bytes(r.start, r.stop, layer_bytes) for r in bwd_plan)
-    largest = max(layer_bytes) if layer_bytes else 0.0
-    groups = [sum(layer_bytes[i] for i in r) - largest for r in fwd_plan] if layer_bytes else []
-    excess = 2 * max([0.0] + groups)
-    return max(0.0, KEEP_SHARE * (a.gpu_limit - worst) - excess)
+    return max(0.0, a.gpu_limit - worst)
 
 
 def host_budget() -> float:

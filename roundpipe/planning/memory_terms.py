@@ -410,13 +410,18 @@ def device_saved_room(gpu_bytes: float, step_gpu_bytes: float) -> float:
     limit = settings.DEBUG_DEVICE_SAVED_GB.get()
     if limit is not None:
         return float(limit) * GiB
-    return max(0.0, DEVICE_SAVED_SHARE * (gpu_bytes * (1 - GPU_MARGIN_FRACTION) - GPU_MARGIN_BYTES - step_gpu_bytes))
+    return _share_of_room(DEVICE_SAVED_SHARE, gpu_bytes, step_gpu_bytes)
 
 
 def device_keep_room(gpu_bytes: float, step_gpu_bytes: float) -> float:
     """GPU bytes a one-GPU step may keep backward stages' graphs and inputs in (``budget.device_keep_room``, the
     forward groups taken as one layer each)."""
-    return max(0.0, KEEP_SHARE * (gpu_bytes * (1 - GPU_MARGIN_FRACTION) - GPU_MARGIN_BYTES - step_gpu_bytes))
+    return _share_of_room(KEEP_SHARE, gpu_bytes, step_gpu_bytes)
+
+
+def _share_of_room(share: float, gpu_bytes: float, step_gpu_bytes: float) -> float:
+    """``share`` of what a GPU of ``gpu_bytes`` leaves beside its margins and the step's own peak."""
+    return max(0.0, share * (gpu_bytes * (1 - GPU_MARGIN_FRACTION) - GPU_MARGIN_BYTES - step_gpu_bytes))
 
 
 def job_io_bytes(shape: ModelShape, t: int, e: int = 2) -> float:
