@@ -10,6 +10,7 @@ import sys
 from typing import List
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
@@ -223,6 +224,7 @@ def test_convergence_stage_inputs_compacts_and_compares() -> None:
     assert out["first_step_equal"] and out["compacted"] > 0 and out["ratio"] > 0
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
 def test_copy_bench_without_a_gpu_says_so() -> None:
     """Host-device copies need a GPU: without one the script refuses with a usage error, not a traceback."""
     res = run(["bench/copy_bench.py", "--pinned", "--sizes-mib", "1", "--reps", "1"])
