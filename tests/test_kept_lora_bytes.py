@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from roundpipe import models, settings  # noqa: E402
-from roundpipe.models import causal_lm, configs, fused_ops, kernels  # noqa: E402
+from roundpipe.models import causal_lm, configs, fp8, fused_ops, kernels  # noqa: E402
 from roundpipe.planning import budget, estimate, keep, keep_estimate, memory_terms  # noqa: E402
 from roundpipe.planning.plan import ModelExecutePlan  # noqa: E402
 from roundpipe.runtime.batch import Batch  # noqa: E402
@@ -36,11 +36,12 @@ TOL = 0.01
 
 
 def fused_lora_layer(
-    widths: dict, r: int = 8, device: str = "cpu", adapters: torch.dtype = torch.float32
+    widths: dict, r: int = 8, device: str = "cpu", adapters: torch.dtype = torch.float32, in_fp8: bool = False
 ) -> Tuple[nn.Module, Any]:
     """A bf16 Qwen3 decoder layer with PEFT LoRA (``adapters``: fp32 is PEFT's default upcast) on all seven
     projections, fused as the runtime fuses it (``kernels.fuse_layer``: the whole-layer op with the fused LoRA
-    linear)."""
+    linear); ``in_fp8``: its base weights as a device copy of an fp8 base under FP8 GEMMs (``fp8.Fp8Weight``,
+    e4m3 bytes and a scale per row; emulated off a GPU)."""
     cfg = configs.tiny_config("qwen3", **widths)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -50,6 +51,11 @@ def fused_lora_layer(
     for name, p in layer.named_parameters():
         if "lora_" in name:
             p.data = p.data.to(adapters)
+    for m in layer.modules():
+        if in_fp8 and isinstance(getattr(m, "base_layer", None), nn.Linear):
+            data, scale = fp8.quantize_rows(m.base_layer.weight.data)
+            weight = fp8.Fp8Weight(data, scale[:, 0].contiguous(), torch.bfloat16)
+            m.base_layer.weight = nn.Parameter(weight, requires_grad=False)
     kernels.fuse_layer(layer)
     assert kernels.runs_whole_layer(layer)
     return layer, cfg
@@ -59,12 +65,14 @@ def saved_bytes(layer: nn.Module, cfg: Any, x: torch.Tensor) -> Tuple[float, tor
     """(bytes of the distinct storages one forward of ``layer`` saves for its backward, its weights and the rotary
     tables aside; the output)."""
     cos, sin = qwen3.Qwen3RotaryEmbedding(cfg).to(x.device)(x, torch.arange(x.shape[1], device=x.device)[None])
-    skip = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *layer.buffers(), cos, sin)}
+    weights = [w for w in (*layer.parameters(), *layer.buffers(), cos, sin) if not isinstance(w, fp8.Fp8Weight)]
+    fp8_parts = [t for w in layer.parameters() if isinstance(w, fp8.Fp8Weight) for t in (w.data_fp8, w.scale)]
+    skip = {t.untyped_storage().data_ptr() for t in (*weights, *fp8_parts)}
     seen = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
+        s = None if isinstance(t, fp8.Fp8Weight) else t.untyped_storage()  # a weight: its parts are skipped
+        if s is not None and s.data_ptr() not in skip:
             seen[s.data_ptr()] = s.nbytes()
         return t
 
@@ -73,12 +81,17 @@ def saved_bytes(layer: nn.Module, cfg: Any, x: torch.Tensor) -> Tuple[float, tor
     return float(sum(seen.values())), y[0] if isinstance(y, tuple) else y
 
 
-@pytest.mark.parametrize("adapters", [torch.float32, torch.bfloat16], ids=["fp32 adapters", "bf16 adapters"])
+@pytest.mark.parametrize(
+    "adapters, in_fp8",
+    [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
+    ids=["fp32 adapters", "bf16 adapters", "fp32 adapters, fp8 GEMMs"],
+)
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_the_kept_term_is_what_the_fused_lora_layer_saves(compiled: bool, adapters: torch.dtype) -> None:
+def test_the_kept_term_is_what_the_fused_lora_layer_saves(compiled: bool, adapters: torch.dtype, in_fp8: bool) -> None:
     """The term (with the adapters' products as the runtime's profile reads them off the layer) equals the
-    saved-tensor bytes of one forward, eager and compiled (inductor on CPU), the whole-layer op having run."""
-    layer, cfg = fused_lora_layer(WIDTHS, adapters=adapters)
+    saved-tensor bytes of one forward, eager and compiled (inductor on CPU), the whole-layer op having run; over
+    an fp8 base with FP8 GEMMs too, whose compiled op keeps the projections' inputs in float32 as well."""
+    layer, cfg = fused_lora_layer(WIDTHS, adapters=adapters, in_fp8=in_fp8)
     shape = memory_terms.ModelShape.from_config(cfg)
     tokens = 128
     x = torch.randn(1, tokens, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
@@ -90,8 +103,10 @@ def test_the_kept_term_is_what_the_fused_lora_layer_saves(compiled: bool, adapte
     products, layer_dtype = causal_lm._fused_adapter_bytes(layer, shape)
     assert layer_dtype == (adapters == torch.bfloat16)
     assert products == memory_terms.lora_products_per_token(8, adapters.itemsize)  # r=8, seven projections
-    term = tokens * memory_terms.fused_lora_kept_bytes_per_token(shape, products, 2, compiled, layer_dtype)
+    term = tokens * memory_terms.fused_lora_kept_bytes_per_token(shape, products, 2, compiled, layer_dtype, in_fp8)
     assert abs(got - term) <= TOL * term, (got, term)
+    if in_fp8 and compiled:
+        assert got > 1.5 * tokens * memory_terms.fused_lora_kept_bytes_per_token(shape, products, 2, compiled)
     # Below the modules' count the peak still uses (compiled, a third of it at qwen3-8b's widths).
     modules = memory_terms.module_layer_bytes_per_token(shape) + causal_lm._module_extra_per_token(layer, shape)
     assert got < tokens * modules
@@ -117,21 +132,24 @@ def _profile(monkeypatch: pytest.MonkeyPatch, compiled: bool, fp8: bool = False)
 
 
 @pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
-def test_fp8_lora_layers_are_kept_by_their_modules_count(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With FP8 GEMMs over an fp8 base the compiled op saves more than the bf16 count (on one H200 qwen3-8b ran
-    out of memory with stages kept by it): such a layer keeps what its modules save, the larger count, in the
-    runtime's profile and in ``roundpipe plan``'s keep estimate alike."""
+def test_fp8_lora_layers_are_kept_by_the_fp8_count(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With FP8 GEMMs over an fp8 base the compiled op keeps more than the bf16 count (on one H200 qwen3-8b ran
+    out of memory with stages kept by it) and less than its modules save: such a layer keeps the term's fp8 count,
+    in the runtime's profile and in ``roundpipe plan``'s keep estimate alike."""
     shape, profile, _ = _profile(monkeypatch, compiled=True, fp8=True)
     t = 2 * 32
-    module_kept = t * (memory_terms.module_layer_bytes_per_token(shape) + memory_terms.lora_bytes_per_token(shape, 8))
-    fused = t * memory_terms.fused_lora_kept_bytes_per_token(shape, memory_terms.lora_products_per_token(8), 2, True)
+    products = memory_terms.lora_products_per_token(8)
+    bf16 = t * memory_terms.fused_lora_kept_bytes_per_token(shape, products, 2, True)
+    in_fp8 = t * memory_terms.fused_lora_kept_bytes_per_token(shape, products, 2, True, fp8=True)
     for i in range(1, 7):
-        assert profile.kept[i] == pytest.approx(module_kept) and profile.kept[i] > fused
+        assert profile.kept[i] == pytest.approx(in_fp8) and profile.kept[i] > bf16
     s8 = memory_terms.ModelShape.builtin("qwen3-8b")
     args = dict(lora_rank=16, microbatches=2, gpu_bytes=139 * 2**30, base_format="fp8")
     plain = keep_estimate.keep_estimate(s8, estimate.estimate(s8, 4096, 8, **args))
     with_fp8 = keep_estimate.keep_estimate(s8, estimate.estimate(s8, 4096, 8, fp8=True, **args))
-    assert with_fp8.stage_bytes > 2 * plain.stage_bytes and with_fp8.stages < plain.stages
+    per_token = memory_terms.fused_lora_kept_bytes_per_token(s8, memory_terms.lora_products_per_token(16), fp8=True)
+    assert per_token == 195_304  # a qwen3-8b layer's saved bytes per token on CPU, r=16 (the term's table)
+    assert with_fp8.stage_bytes > 1.5 * plain.stage_bytes and with_fp8.stages < plain.stages
 
 
 @pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)

@@ -134,14 +134,13 @@ class RoundPipeForCausalLM(RoundPipe):
         # against 2.74 GiB module by module, above the whole-layer count (fitted to full fine-tunes). What it
         # keeps for its backward is the op's own count (``memory_terms.fused_lora_kept_bytes_per_token``: a third
         # of the modules' compiled, two thirds eager), which sizes the stages a call keeps.
-        # With FP8 GEMMs the compiled op saves other tensors than the count measured for bf16 (on one H200,
-        # qwen3-8b LoRA over an fp8 base ran out of memory with stages kept by it): those layers are sized by
-        # what their modules save (three times that count at qwen3-8b's widths) until the op's own is measured.
+        # With FP8 GEMMs over an fp8 base the compiled op also keeps its projections' inputs in float32 (the copy
+        # that quantizing them and fp32 adapters share): the term's ``fp8`` count, twice the bf16 one at qwen3-8b.
         adapted = {
             i: kernels.runs_whole_layer(self.layers[i].layer) and lora.has_adapters(self.layers[i].layer)
             for i in decoder
         }
-        fused_lora = {i: adapted[i] and not fp8.computes_in_fp8(self.layers[i].layer) for i in decoder}
+        in_fp8 = {i: adapted[i] and fp8.computes_in_fp8(self.layers[i].layer) for i in decoder}
         whole = {i: kernels.runs_whole_layer(self.layers[i].layer) and not adapted[i] for i in decoder}
         compiled = _whole_layer_compiled()
         # What the layers' trainable parts save: a walk over every module (~0.5 ms a layer), done once
@@ -173,9 +172,9 @@ class RoundPipeForCausalLM(RoundPipe):
                 # add to it (``memory_terms.planned_layer_bytes``; ``roundpipe plan`` counts that).
                 # Sequence tiles run the layer's modules (a tile's attention reads the earlier tiles'), not the op.
                 own = None
-                if fused_lora[i] and batch.sequence_tiles <= 1:
+                if adapted[i] and batch.sequence_tiles <= 1:
                     own = memory_terms.fused_lora_kept_bytes_per_token(
-                        shape, adapters[i][0], e, compiled, adapters[i][1]
+                        shape, adapters[i][0], e, compiled, adapters[i][1], in_fp8[i]
                     )
                 kept[i], peak[i] = memory_terms.planned_layer_bytes(
                     shape, t, tile, tiled, e, whole[i], extra[i], kv, prefix, own
