@@ -90,7 +90,7 @@ def saved_bytes(layer: nn.Module, cfg: Any, x: torch.Tensor) -> Tuple[float, tor
 def test_the_kept_term_is_what_the_fused_lora_layer_saves(compiled: bool, adapters: torch.dtype, in_fp8: bool) -> None:
     """The term (with the adapters' products as the runtime's profile reads them off the layer) equals the
     saved-tensor bytes of one forward, eager and compiled (inductor on CPU), the whole-layer op having run; over
-    an fp8 base with FP8 GEMMs too, whose compiled op keeps the projections' inputs in float32 as well."""
+    an fp8 base with FP8 GEMMs too, whose inputs' quantization leaves no float32 copy for the graph to keep."""
     layer, cfg = fused_lora_layer(WIDTHS, adapters=adapters, in_fp8=in_fp8)
     shape = memory_terms.ModelShape.from_config(cfg)
     tokens = 128
@@ -103,10 +103,8 @@ def test_the_kept_term_is_what_the_fused_lora_layer_saves(compiled: bool, adapte
     products, layer_dtype = causal_lm._fused_adapter_bytes(layer, shape)
     assert layer_dtype == (adapters == torch.bfloat16)
     assert products == memory_terms.lora_products_per_token(8, adapters.itemsize)  # r=8, seven projections
-    term = tokens * memory_terms.fused_lora_kept_bytes_per_token(shape, products, 2, compiled, layer_dtype, in_fp8)
+    term = tokens * memory_terms.fused_lora_kept_bytes_per_token(shape, products, 2, compiled, layer_dtype)
     assert abs(got - term) <= TOL * term, (got, term)
-    if in_fp8 and compiled:
-        assert got > 1.5 * tokens * memory_terms.fused_lora_kept_bytes_per_token(shape, products, 2, compiled)
     # Below the modules' count the peak still uses (compiled, a third of it at qwen3-8b's widths).
     modules = memory_terms.module_layer_bytes_per_token(shape) + causal_lm._module_extra_per_token(layer, shape)
     assert got < tokens * modules
@@ -132,24 +130,20 @@ def _profile(monkeypatch: pytest.MonkeyPatch, compiled: bool, fp8: bool = False)
 
 
 @pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
-def test_fp8_lora_layers_are_kept_by_the_fp8_count(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With FP8 GEMMs over an fp8 base the compiled op keeps more than the bf16 count (on one H200 qwen3-8b ran
-    out of memory with stages kept by it) and less than its modules save: such a layer keeps the term's fp8 count,
-    in the runtime's profile and in ``roundpipe plan``'s keep estimate alike."""
+def test_fp8_lora_layers_are_kept_by_the_fused_count(workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With FP8 GEMMs over an fp8 base the op saves what it saves in bf16 (the term above counts both): such a
+    layer keeps that count in the runtime's profile, and ``roundpipe plan``'s keep estimate keeps as many
+    stages as in bf16 or more (its weights take half the bytes)."""
     shape, profile, _ = _profile(monkeypatch, compiled=True, fp8=True)
     t = 2 * 32
-    products = memory_terms.lora_products_per_token(8)
-    bf16 = t * memory_terms.fused_lora_kept_bytes_per_token(shape, products, 2, True)
-    in_fp8 = t * memory_terms.fused_lora_kept_bytes_per_token(shape, products, 2, True, fp8=True)
+    fused = t * memory_terms.fused_lora_kept_bytes_per_token(shape, memory_terms.lora_products_per_token(8), 2, True)
     for i in range(1, 7):
-        assert profile.kept[i] == pytest.approx(in_fp8) and profile.kept[i] > bf16
+        assert profile.kept[i] == pytest.approx(fused)
     s8 = memory_terms.ModelShape.builtin("qwen3-8b")
     args = dict(lora_rank=16, microbatches=2, gpu_bytes=139 * 2**30, base_format="fp8")
     plain = keep_estimate.keep_estimate(s8, estimate.estimate(s8, 4096, 8, **args))
     with_fp8 = keep_estimate.keep_estimate(s8, estimate.estimate(s8, 4096, 8, fp8=True, **args))
-    per_token = memory_terms.fused_lora_kept_bytes_per_token(s8, memory_terms.lora_products_per_token(16), fp8=True)
-    assert per_token == 195_304  # a qwen3-8b layer's saved bytes per token on CPU, r=16 (the term's table)
-    assert with_fp8.stage_bytes > 1.5 * plain.stage_bytes and with_fp8.stages < plain.stages
+    assert with_fp8.stage_bytes <= plain.stage_bytes and with_fp8.stages >= plain.stages >= 28
 
 
 @pytest.mark.parametrize("workers", ["cpu:1"], indirect=True)
@@ -193,14 +187,18 @@ def test_the_plan_keeps_stages_by_the_fused_count(workers: str, monkeypatch: pyt
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
-def test_gpu_kept_fused_lora_layer_memory_is_the_term(compiled: bool) -> None:
-    """On one GPU, a qwen3-1.7b-shaped fused LoRA layer (r=16, fp32 adapters) at 4096 tokens: the memory its
-    forward with autograd leaves allocated (what a kept stage holds: the saved tensors, its input among them,
-    less its output, which the next layer holds as its input) is within 10% of the term compiled, and at most
-    the term eager (CPU's count, an upper bound there)."""
+@pytest.mark.parametrize(
+    "compiled, in_fp8", [(True, False), (False, False), (True, True)], ids=["compiled", "eager", "compiled, fp8"]
+)
+def test_gpu_kept_fused_lora_layer_memory_is_the_term(compiled: bool, in_fp8: bool) -> None:
+    """On one GPU, a qwen3-1.7b-shaped fused LoRA layer (r=16, fp32 adapters; ``in_fp8``: over an fp8 base with
+    FP8 GEMMs) at 4096 tokens: the memory its forward with autograd leaves allocated (what a kept stage holds: the
+    saved tensors, its input among them, less its output, which the next layer holds as its input) is within 10%
+    of the term compiled, and at most the term eager (CPU's count, an upper bound there)."""
+    if in_fp8 and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 GEMMs need compute capability 8.9 or later")
     widths = dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8, head_dim=128)
-    layer, cfg = fused_lora_layer(widths, r=16, device="cuda")
+    layer, cfg = fused_lora_layer(widths, r=16, device="cuda", in_fp8=in_fp8)
     shape = memory_terms.ModelShape.from_config(cfg)
     tokens = 4096
     products, layer_dtype = causal_lm._fused_adapter_bytes(layer, shape)
@@ -223,7 +221,7 @@ def test_gpu_kept_fused_lora_layer_memory_is_the_term(compiled: bool) -> None:
         assert causal_lm._whole_layer_compiled() == compiled and not fused_ops.DECODER_LAYER.failed
     fused_ops.reset()
     print(
-        f"\nfused LoRA layer, {tokens} tokens, compiled={compiled}: "
+        f"\nfused LoRA layer, {tokens} tokens, compiled={compiled}, fp8={in_fp8}: "
         f"{held / tokens:.0f} B/token, term {term / tokens:.0f}"
     )
     if compiled:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from roundpipe import settings
-from roundpipe.models import fp8, fused_ops, kernels, lora, sequence_inputs, tiling
+from roundpipe.models import fused_ops, kernels, lora, sequence_inputs, tiling
 from roundpipe.models.inputs import CausalLMInputs, takes_inputs
 from roundpipe.models.kernels import FusedKernels
 from roundpipe.models.preset import CausalLMPreset
@@ -134,13 +134,11 @@ class RoundPipeForCausalLM(RoundPipe):
         # against 2.74 GiB module by module, above the whole-layer count (fitted to full fine-tunes). What it
         # keeps for its backward is the op's own count (``memory_terms.fused_lora_kept_bytes_per_token``: a third
         # of the modules' compiled, two thirds eager), which sizes the stages a call keeps.
-        # With FP8 GEMMs over an fp8 base the compiled op also keeps its projections' inputs in float32 (the copy
-        # that quantizing them and fp32 adapters share): the term's ``fp8`` count, twice the bf16 one at qwen3-8b.
+        # With FP8 GEMMs over an fp8 base the op saves the same (its inputs' quantization keeps no float32 copy).
         adapted = {
             i: kernels.runs_whole_layer(self.layers[i].layer) and lora.has_adapters(self.layers[i].layer)
             for i in decoder
         }
-        in_fp8 = {i: adapted[i] and fp8.computes_in_fp8(self.layers[i].layer) for i in decoder}
         whole = {i: kernels.runs_whole_layer(self.layers[i].layer) and not adapted[i] for i in decoder}
         compiled = _whole_layer_compiled()
         # What the layers' trainable parts save: a walk over every module (~0.5 ms a layer), done once
@@ -174,7 +172,7 @@ class RoundPipeForCausalLM(RoundPipe):
                 own = None
                 if adapted[i] and batch.sequence_tiles <= 1:
                     own = memory_terms.fused_lora_kept_bytes_per_token(
-                        shape, adapters[i][0], e, compiled, adapters[i][1], in_fp8[i]
+                        shape, adapters[i][0], e, compiled, adapters[i][1]
                     )
                 kept[i], peak[i] = memory_terms.planned_layer_bytes(
                     shape, t, tile, tiled, e, whole[i], extra[i], kv, prefix, own

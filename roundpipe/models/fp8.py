@@ -83,11 +83,15 @@ def quantize_rows(
     x: torch.Tensor,  # [rows, k]
     dtype: torch.dtype = QUANT_DTYPE,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``x`` as fp8 ``q`` [rows, k] and a float32 scale [rows, 1] with ``x ~= q * scale`` (``amax / fmax``)."""
+    """``x`` as fp8 ``q`` [rows, k] and a float32 scale [rows, 1] with ``x ~= q * scale`` (``amax / fmax``).
+
+    The row maximum is taken in ``x``'s dtype (exact) and the division promotes ``x`` inside it: no float32 copy
+    of ``x`` of its own, which a compiled layer would otherwise share with an fp32 adapter's ``x A^T`` and keep
+    for the backward in place of the bf16 input (twice the bytes of every projection's input)."""
     fmax = torch.finfo(dtype).max
-    h = x.to(_compute_dtype(x.dtype))
-    scale = (h.abs().amax(dim=1, keepdim=True).clamp(min=AMAX_EPS) / fmax).to(torch.float32)
-    return (h / scale.to(h.dtype)).clamp(-fmax, fmax).to(dtype), scale
+    cdt = _compute_dtype(x.dtype)
+    scale = (x.abs().amax(dim=1, keepdim=True).to(cdt).clamp(min=AMAX_EPS) / fmax).to(torch.float32)
+    return torch.div(x, scale.to(cdt)).clamp(-fmax, fmax).to(dtype), scale
 
 
 def emulated_scaled_mm(

@@ -300,10 +300,10 @@ def estimate(
         layer_dev += unpacking
         kv, prefix = sequence_kv(1) - sequence_kv(0), sequence_kv(0)
         # A LoRA layer's kept bytes as the runtime plans a GPU's compiled whole-layer op (sequence tiles: modules).
-        # With FP8 GEMMs the op keeps its projections' inputs in float32 too (``causal_lm.activation_profile``).
+        # With FP8 GEMMs over an fp8 base it saves the same (``causal_lm.activation_profile``).
         own = None
         if lora_rank and not tiled_sequence:
-            own = fused_lora_kept_bytes_per_token(shape, lora_products_per_token(lora_rank), b, fp8=bool(fp8))
+            own = fused_lora_kept_bytes_per_token(shape, lora_products_per_token(lora_rank), b)
         step = runtime_step_bytes(shape, t, tile, tiled, b, lora_rank, lora_extra, g, layer_dev, kv, prefix, own)
         # Where this estimate's count of the step is the larger, the inputs fill only what it leaves.
         room = min(device_saved_room(gpu_bytes, step), max(0.0, gpu_bytes - sum(gpu.values())))

@@ -94,10 +94,8 @@ def keep_estimate(
     pre = lora_pre_attention_bytes_per_token(shape, lora, b) if lora else 0.0
     # A LoRA layer runs as the compiled whole-layer op on a GPU (fused kernels on, their default there), which
     # saves less than its modules' count (its peak): the runtime's plan keeps by that op's count.
-    # With FP8 GEMMs (``e.fp8``) the op keeps its projections' inputs in float32 too, as the runtime counts it.
-    own = None
-    if lora:
-        own = fused_lora_kept_bytes_per_token(shape, lora_products_per_token(lora), b, fp8=e.fp8 is not None)
+    # With FP8 GEMMs over an fp8 base it saves the same.
+    own = fused_lora_kept_bytes_per_token(shape, lora_products_per_token(lora), b) if lora else None
     kept, _ = decoder_layer_bytes(shape, t, e.tile, tiled, b, not lora, extra, pre, own)
     # A layer's weights as uploaded (an fp8 base's bytes under FP8 GEMMs) and its gradients (PEFT's fp32 adapters)
     layer_dev = e.device_bytes_per_layer + (8 * shape.lora_params(lora) if lora else shape.layer_params() * b)

@@ -291,7 +291,6 @@ def fused_lora_kept_bytes_per_token(
     e: int = 2,
     compiled: bool = True,
     layer_dtype_adapters: bool = False,
-    fp8: bool = False,
 ) -> float:
     """Bytes per token a LoRA decoder layer run as the whole-layer op (``fused_ops.decoder_layer`` with the fused
     LoRA linear) saves for its backward, its weights and the rotary tables aside (its input included: a bound of
@@ -303,11 +302,10 @@ def fused_lora_kept_bytes_per_token(
     rotary and the attention output (``3*e*Q``), k likewise and v (``3*e*K``), the gate and up projections' outputs
     (``2*e*I``), the norms' inverse RMS and sdpa's log-sum-exp (fp32), and the products; it recomputes the normed
     inputs and the SwiGLU product in the backward, except with adapters of the layer's dtype (then the two normed
-    inputs and the down projection's input stay: ``e*(2H + I)`` more). With FP8 GEMMs over an fp8 base (``fp8``)
-    and fp32 adapters, the compiled op keeps each projection's input as the one float32 copy that quantizing it
-    and the adapter's ``x A^T`` share: ``4*(2H + Q + I)`` more (adapters of the layer's dtype: no change). Eager
-    it saves each norm's input cast to fp32 instead (``4*(2H + Q + K)``), the normed inputs, the attention output,
-    q / k once, v, and all four of the MLP's ``I``-wide tensors, not its own input, with FP8 GEMMs too.
+    inputs and the down projection's input stay: ``e*(2H + I)`` more). Eager it saves each norm's input cast to
+    fp32 instead (``4*(2H + Q + K)``), the normed inputs, the attention output, q / k once, v, and all four of the
+    MLP's ``I``-wide tensors, not its own input. FP8 GEMMs over an fp8 base save the same, compiled and eager
+    (``fp8.quantize_rows`` makes no float32 copy of a projection's input for the graph to keep).
 
     Counted with ``torch.autograd.graph.saved_tensors_hooks`` (distinct storages) over one forward of a bf16 Qwen3
     layer, r=16 on all seven projections, 256 and 512 tokens, CPU, torch 2.13, bytes per token (this formula gives
@@ -319,7 +317,6 @@ def fused_lora_kept_bytes_per_token(
     qwen3-1.7b, fp32          51,816      98,920     152,168                 152,168
     qwen3-1.7b, bf16          72,072      98,696
     qwen3-8b, fp32            97,000      189,160    295,656                 295,656
-    qwen3-8b, fp32, fp8       195,304     189,160
     ========================  ==========  =========  ======================  =============
 
     Eager on CPU bounds eager on a GPU, where ``F.rms_norm`` saves its bf16 input and the inverse RMS instead of
@@ -328,7 +325,7 @@ def fused_lora_kept_bytes_per_token(
     h, q, k, i, a, kv = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.heads, shape.kv_heads
     small = 8 * a + 4 * kv + 8  # q / k norms' and the two layer norms' inverse RMS (fp32), sdpa's log-sum-exp
     if compiled:
-        normed = e * (2 * h + i) if layer_dtype_adapters else (4 * (2 * h + q + i) if fp8 else 0)
+        normed = e * (2 * h + i) if layer_dtype_adapters else 0
         return float(e * (2 * h + 3 * q + 3 * k + 2 * i) + normed + small + adapters)
     return float(e * (2 * h + 2 * q + 2 * k + 4 * i) + 4 * (2 * h + q + k) + small + adapters)
 
