@@ -340,6 +340,35 @@ def test_frozen_terms_equal_the_packings() -> None:
 
     expect = frozen_terms.packed_weight_bytes(4096, 1024, "nf4") + 4096 * 1024 * 6
     assert dequantize_transient_bytes(fw) == expect and dequantize_transient_bytes(torch.zeros(3)) == 0
+    for fmt in BASE_FORMATS:  # the per-channel formats unpack in place: their packed bytes alone
+        if fmt != "bf16":
+            fw = FrozenWeight.random((4096, 1024), fmt)
+            assert fw.format.unpacks_in_chunks == (fmt in frozen_terms.CHUNKED_FORMATS)
+            chunk = frozen_terms.chunk_bytes(4096 * 1024, fmt)
+            assert dequantize_transient_bytes(fw) == frozen_terms.packed_weight_bytes(4096, 1024, fmt) + chunk
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_per_channel_unpack_in_place_rounds_as_the_float32_product(fmt: str) -> None:
+    """fp8 / int8 unpack in place (the codes cast into the weight, then scaled): bitwise what the product in
+    float32 (float64 for float64) rounded once gives, for each weight dtype, into a new tensor and into a
+    graph slot's storage, for 2-D weights and experts' 3-D ones packed as rows."""
+    from roundpipe.host.formats.frozen import get_format
+
+    torch.manual_seed(0)
+    w = torch.randn(300, 257) * torch.logspace(-5, 3, 300)[:, None]
+    w[7] = 0  # a zero row keeps scale 1
+    form = get_format(fmt)
+    packed = form.quantize(w)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        cdt = torch.float64 if dtype == torch.float64 else torch.float32
+        want = (packed["data"].to(cdt) * packed["scale"][:, None].to(cdt)).to(dtype)
+        slot = torch.empty(w.shape, dtype=dtype)
+        assert torch.equal(form.dequantize(packed, w.shape, dtype), want), dtype
+        assert form.dequantize(packed, w.shape, dtype, out=slot) is slot and torch.equal(slot, want), dtype
+    experts = form.quantize(torch.randn(4 * 32, 64))
+    want = (experts["data"].float() * experts["scale"][:, None]).to(torch.bfloat16).view(4, 32, 64)
+    assert torch.equal(form.dequantize(experts, (4, 32, 64), torch.bfloat16), want)
 
 
 def test_estimate_of_a_packed_base() -> None:

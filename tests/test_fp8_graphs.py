@@ -106,9 +106,9 @@ def test_module_device_bytes_counts_an_fp8_weight_as_its_device_weight() -> None
     norm = sum(p.numel() * p.element_size() for p in layer.norm.parameters())
     expect = held + slow.numel() * slow.element_size() + norm + dequantize_transient_bytes(slow)
     assert module_device_bytes(layer) == expect
-    # Before the conversion: the logical size and the larger transient, the fast weight's own.
+    # Before the conversion: the logical size and the larger transient (fp8 unpacks in place: its packed bytes).
     logical = (fast.numel() + slow.numel()) * fast.element_size() + norm
-    assert unpacked == logical + max(fast.host_nbytes() + fast.numel() * 8, dequantize_transient_bytes(slow))
+    assert unpacked == logical + max(fast.host_nbytes(), dequantize_transient_bytes(slow))
     # The slot a graphed job makes for it: the same tensors, by name.
     assert fast.device_parts() == (("data", (32, 64), torch.float8_e4m3fn), ("scale", (32,), torch.float32))
     assert slow.device_parts() is None

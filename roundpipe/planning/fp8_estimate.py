@@ -131,7 +131,7 @@ def fp8_terms(shape: ModelShape, lora_rank: int, base_format: str, e: int = 2) -
     unpacking = 0
     if slow_params:
         _, i, o = max(slow, key=lambda p: p[1] * p[2])
-        unpacking = frozen_terms.packed_weight_bytes(o, i, "fp8", e) + min(i * o, frozen_terms.DEQUANT_CHUNK) * (4 + e)
+        unpacking = frozen_terms.packed_weight_bytes(o, i, "fp8", e) + frozen_terms.chunk_bytes(i * o, "fp8", e)
     ms = 1e3 * sum(slow_params) / frozen_terms.DEQUANTIZE_PARAMS_PER_S["fp8"]
     return Fp8Terms(
         "frozen fp8 base", _names(fast), _names(slow), layer_bytes - packed, largest, unpacking, ms, shape.layers

@@ -6,11 +6,13 @@ The byte counts repeat ``roundpipe.host.formats``' packings (so the estimate imp
 them equal to ``host_nbytes`` of real weights). The unpacking rates are measured on an H200 (2026-12-02, torch
 2.11: the ops of ``roundpipe.host.formats`` on a 12288 x 4096 bf16 weight, mean of 50 after warm-up): nf4 0.36 ms
 (torchao's ``get_original_weight``: 0.82 ms, measured 2026-12-01), int8 0.39 ms, fp8 0.41 ms; 120e9 to 140e9
-parameters/s, memory bound (each moves ~10 to 19 bytes per parameter). Uploading that weight's NF4 codes
-(24 MiB, pinned) took 0.46 ms.
+parameters/s, memory bound (each moves ~10 to 19 bytes per parameter). int8 and fp8 were measured unpacking
+through float32 temporaries (19 bytes a parameter); they now unpack in place (7), not yet timed, so the
+planner keeps the measured, slower rates. Uploading that weight's NF4 codes (24 MiB, pinned) took 0.46 ms.
 
 The unpacking runs on the parameter upload stream after the upload, so it delays compute only where uploads
-already do (a qwen3-8b layer computes ~6 ms at 16K tokens against its ~1.4 ms of NF4 unpacking).
+already do (a qwen3-8b layer computes ~6 ms at 16K tokens against its ~1.4 ms of NF4 unpacking), but its
+kernels take SMs and memory bandwidth from the compute stream's while they run.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from roundpipe.utils import BASE_FORMATS
 
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # ``roundpipe.host.formats.nf4``'s blocks
 DEQUANT_CHUNK = 1 << 24  # ``roundpipe.host.formats.codecs.DEQUANT_CHUNK``
+#: The formats that unpack in chunks (``Format.unpacks_in_chunks``); the per-channel ones (fp8, int8) unpack in place.
+CHUNKED_FORMATS = frozenset({"nf4", "mxfp4"})
 #: Unpacking rates measured on an H200, parameters per second (see the module docstring).
 DEQUANTIZE_PARAMS_PER_S: Dict[str, float] = {
     "fp8": 12288 * 4096 / 0.41e-3,
@@ -79,6 +83,12 @@ class FrozenBase:
         return self.layer_bf16_bytes - self.layer_host_bytes
 
 
+def chunk_bytes(params: int, base_format: str, e: int = 2) -> int:
+    """Device bytes of one chunk's intermediates while a weight of ``params`` unpacks (0 for a format unpacked in
+    place): ``roundpipe.host.formats.dequantize_transient_bytes`` less the packed bytes."""
+    return min(params, DEQUANT_CHUNK) * (4 + e) if base_format in CHUNKED_FORMATS else 0
+
+
 def frozen_base(shape: ModelShape, base_format: str, e: int = 2) -> FrozenBase:
     """The frozen projections of one decoder layer of ``shape`` in ``base_format`` (see ``FrozenBase``)."""
     check(base_format)
@@ -89,6 +99,6 @@ def frozen_base(shape: ModelShape, base_format: str, e: int = 2) -> FrozenBase:
         return FrozenBase(base_format, bf16, host, 0, 0.0)
     largest = max(projections, key=lambda p: p[0] * p[1])
     n = largest[0] * largest[1]
-    transient = packed_weight_bytes(largest[1], largest[0], base_format, e) + min(n, DEQUANT_CHUNK) * (4 + e)
+    transient = packed_weight_bytes(largest[1], largest[0], base_format, e) + chunk_bytes(n, base_format, e)
     ms = 1e3 * sum(i * o for i, o in projections) / DEQUANTIZE_PARAMS_PER_S[base_format]
     return FrozenBase(base_format, bf16, host, transient, ms)

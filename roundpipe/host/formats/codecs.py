@@ -25,6 +25,9 @@ class Format:
     #: Whether a layer's device copy of a weight in this format holds its packed tensors as uploaded (its
     #: ``device_weight`` wraps them, for GEMMs that read the packed bytes) instead of the dequantized weight.
     keeps_packed = False
+    #: Whether unpacking holds one chunk's intermediates (``DEQUANT_CHUNK`` elements: a float32 copy or an int32
+    #: index, and the values) besides the packed bytes and the plain weight; a format unpacking in place does not.
+    unpacks_in_chunks = True
 
     def quantize(self, w: torch.Tensor) -> Packed:  # w: [out, in]
         raise NotImplementedError
@@ -76,11 +79,13 @@ _RANDOM_CHUNK_ELEMENTS = 1 << 24
 class ChannelFormat(Format):
     """Symmetric per-output-channel quantization: ``w[r] ~= data[r] * scale[r]``, ``scale = amax(|w[r]|) / qmax``.
 
-    Packed: ``data`` [out, in] of ``storage_dtype``, ``scale`` [out] fp32. A zero row keeps scale 1.
+    Packed: ``data`` [out, in] of ``storage_dtype``, ``scale`` [out] fp32. A zero row keeps scale 1. Unpacked in
+    place, in two passes over the plain weight (the codes cast into it, then scaled in float32).
     """
 
     storage_dtype = torch.int8
     qmax = 127.0
+    unpacks_in_chunks = False
 
     def _encode(self, scaled: torch.Tensor) -> torch.Tensor:  # scaled: [rows, in], within [-qmax, qmax]
         raise NotImplementedError
@@ -123,10 +128,11 @@ class ChannelFormat(Format):
         data, scale = packed["data"], packed["scale"]
         target = dequant_target(out, shape, dtype, data.device)
         rows_view = target.view(data.shape)  # a 3-D weight (experts) is packed as its rows flattened
-        cdt = _compute_dtype(target.dtype)
-        rows = max(1, DEQUANT_CHUNK // max(1, data.shape[1]))
-        for a in range(0, data.shape[0], rows):  # a fixed loop: no data-dependent shapes, capturable
-            rows_view[a : a + rows].copy_(data[a : a + rows].to(cdt) * scale[a : a + rows, None].to(cdt))
+        # The codes (int8, e4m3) are exact in every float dtype a weight takes; the in-place multiply computes in
+        # float32 (float64 for a float64 weight) and rounds once, as ``(data.float() * scale).to(dtype)`` does,
+        # moving 7 bytes a parameter (bf16) instead of the 19 of that expression's temporaries.
+        rows_view.copy_(data)
+        rows_view.mul_(scale[:, None])
         return target
 
 

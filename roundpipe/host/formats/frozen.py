@@ -375,12 +375,14 @@ def quantize_base(model: nn.Module, base_format: str) -> int:
 
 def dequantize_transient_bytes(t: torch.Tensor) -> int:
     """Device bytes an upload of ``t`` holds besides its plain weight while it is unpacked: a FrozenWeight's
-    packed bytes and one chunk's intermediates (``codecs.DEQUANT_CHUNK`` elements: a float32 copy or an
-    int32 index, and the values); 0 for a plain tensor, and for a FrozenWeight whose device copy keeps its
-    packed tensors (``Format.keeps_packed``: never unpacked)."""
+    packed bytes and, where its format unpacks in chunks (``Format.unpacks_in_chunks``), one chunk's
+    intermediates (``codecs.DEQUANT_CHUNK`` elements: a float32 copy or an int32 index, and the values); 0 for a
+    plain tensor, and for a FrozenWeight whose device copy keeps its packed tensors (``Format.keeps_packed``:
+    never unpacked)."""
     if not isinstance(t, FrozenWeight) or t.format.keeps_packed:
         return 0
-    return t.host_nbytes() + min(t.numel(), codecs.DEQUANT_CHUNK) * (4 + t.element_size())
+    chunk = min(t.numel(), codecs.DEQUANT_CHUNK) * (4 + t.element_size()) if t.format.unpacks_in_chunks else 0
+    return t.host_nbytes() + chunk
 
 
 def device_nbytes(t: torch.Tensor) -> int:
