@@ -1,10 +1,12 @@
 """What a LoRA decoder layer run as the whole-layer op (fused LoRA linear) keeps for its backward:
 ``memory_terms.fused_lora_kept_bytes_per_token`` against the tensors autograd saves (saved-tensor hooks, unique
 storages) over one forward, eager and compiled; the runtime's activation profile and its choice of kept stages
-by that count; on a GPU, the memory a forward with autograd leaves allocated.
+by that count, over a bf16 base and over an fp8 one with FP8 GEMMs; on a GPU, the memory a forward with
+autograd leaves allocated.
 
-About 30 s on 2 cores: inductor compiles the tiny layer twice on CPU (fp32 and bf16 adapters save different
-tensors compiled), the only way to count what the compiled op saves; the rest takes under a second."""
+About 45 s on 2 cores: inductor compiles the tiny layer three times on CPU (fp32 and bf16 adapters save
+different tensors compiled, and the fp8 base's GEMMs are other ops), the only way to count what the compiled op
+saves; the rest takes under a second."""
 
 from __future__ import annotations
 
