@@ -286,11 +286,7 @@ def fused_lora_bytes_per_token(shape: ModelShape, rank: int, e: int = 2, adapter
 
 
 def fused_lora_kept_bytes_per_token(
-    shape: ModelShape,
-    adapters: float,
-    e: int = 2,
-    compiled: bool = True,
-    layer_dtype_adapters: bool = False,
+    shape: ModelShape, adapters: float, e: int = 2, compiled: bool = True, layer_dtype_adapters: bool = False
 ) -> float:
     """Bytes per token a LoRA decoder layer run as the whole-layer op (``fused_ops.decoder_layer`` with the fused
     LoRA linear) saves for its backward, its weights and the rotary tables aside (its input included: a bound of
