@@ -55,8 +55,8 @@ def fused_lora_layer(
             p.data = p.data.to(adapters)
     for m in layer.modules():
         if in_fp8 and isinstance(getattr(m, "base_layer", None), nn.Linear):
-            data, scale = fp8.quantize_rows(m.base_layer.weight.data)
-            weight = fp8.Fp8Weight(data, scale[:, 0].contiguous(), torch.bfloat16)
+            w = m.base_layer.weight  # packed as an fp8 base, and its device copy as FP8 GEMMs upload it
+            weight = fp8.FP8_COMPUTE.device_weight(fp8.FP8_COMPUTE.quantize(w.data), w.shape, w.dtype)
             m.base_layer.weight = nn.Parameter(weight, requires_grad=False)
     kernels.fuse_layer(layer)
     assert kernels.runs_whole_layer(layer)
