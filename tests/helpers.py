@@ -152,14 +152,16 @@ def torchrun(
     nproc: int = 2,
     env: Optional[Dict[str, str]] = None,
     timeout: float = 90,
-    monitor_s: Optional[float] = None,
     devices: Optional[str] = "cpu:1",
+    survivors: bool = False,
 ) -> subprocess.CompletedProcess:
     """``script`` on ``nproc`` ranks with torchrun's environment, one thread per rank (and
     ``RPP_DEVICES=devices`` unless None); a short collective timeout so a broken test fails well before
     ``timeout``. A script file's ranks are started directly (:func:`launch_ranks`: torchrun's launcher
-    adds 2.6 s per run on two cores); ``torchrun --standalone`` itself runs a module (``script="-m"``)
-    and the tests of a failing rank (``monitor_s``: its monitor stops the other ranks)."""
+    adds 2.6 s per run on two cores); ``torchrun --standalone`` itself runs a module (``script="-m"``).
+    ``survivors``: once a rank fails the others are not stopped but must end on their own, as on other nodes
+    where no local agent sees the dead rank (a test of what a survivor reports; torchrun's monitor would stop
+    it at its next poll, which may come before it has reported)."""
     full_env = dict(
         os.environ,
         RPP_DISABLE_TORCH_COMPILE="1",
@@ -170,23 +172,21 @@ def torchrun(
     if devices is not None:
         full_env["RPP_DEVICES"] = devices
     full_env.update(env or {})
-    if script != "-m" and monitor_s is None:
-        return launch_ranks([script, *args], nproc, full_env, str(tmp_path), timeout)
+    if script != "-m":
+        return launch_ranks([script, *args], nproc, full_env, str(tmp_path), timeout, stop_on_failure=not survivors)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    if monitor_s is not None:
-        cmd += ["--monitor-interval", str(monitor_s)]
     return subprocess.run(
         cmd + [script, *args], cwd=str(tmp_path), env=full_env, capture_output=True, text=True, timeout=timeout
     )
 
 
 def launch_ranks(
-    argv: List[str], nproc: int, env: Dict[str, str], cwd: str, timeout: float
+    argv: List[str], nproc: int, env: Dict[str, str], cwd: str, timeout: float, stop_on_failure: bool = True
 ) -> subprocess.CompletedProcess:
     """``python ARGV`` as ``nproc`` local ranks with the variables torchrun sets (``RANK``, ``LOCAL_RANK``,
-    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), until every rank has exited or
-    one has failed (then the others are stopped, as torchrun stops them). The result holds rank 0's output
-    first, and the first failing rank's exit status (0 when all succeed). Ranks still running at
+    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), until every rank has exited or,
+    with ``stop_on_failure``, one has failed (then the others are stopped, as torchrun stops them). The result
+    holds rank 0's output first, and the first failing rank's exit status (0 when all succeed). Ranks still running at
     ``timeout`` are killed and ``subprocess.TimeoutExpired`` raised, as ``subprocess.run`` does."""
     with socket.socket() as sock:  # a free port for the rendezvous (rank 0's TCP store binds it)
         sock.bind(("127.0.0.1", 0))
@@ -208,9 +208,10 @@ def launch_ranks(
         procs.append(
             subprocess.Popen([sys.executable, *argv], cwd=cwd, env=rank_env, stdout=out, stderr=err, text=True)
         )
-    # As torchrun does: once a rank fails, the others are stopped (SIGTERM, then SIGKILL after 5 s).
+    # As torchrun does (``stop_on_failure``): once a rank fails, the others are stopped (SIGTERM, then SIGKILL
+    # after 5 s).
     deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs) and not any(p.returncode for p in procs):
+    while any(p.poll() is None for p in procs) and not (stop_on_failure and any(p.returncode for p in procs)):
         if time.monotonic() > deadline:
             for p in procs:
                 p.kill()

@@ -18,7 +18,6 @@ import csv
 import json
 import os
 import subprocess
-import sys
 import time
 from typing import Any, Dict, List, Optional
 
@@ -51,11 +50,11 @@ ARGS = [
 
 
 def torchrun(
-    args: List[str], cwd: str, nproc: int = 2, script: Optional[List[str]] = None, monitor_s: Optional[float] = None
+    args: List[str], cwd: str, nproc: int = 2, script: Optional[List[str]] = None, survivors: bool = False
 ) -> subprocess.CompletedProcess:
     """``roundpipe train`` (or ``script``) on ``nproc`` ranks: one CPU worker, one thread per rank. The ranks
-    start with torchrun's environment directly (``helpers.launch_ranks``); ``torchrun --standalone``
-    itself with ``monitor_s`` (its monitor stops the other ranks of a failing one) and in
+    start with torchrun's environment directly (``helpers.launch_ranks``; ``survivors``: a failing rank's peers
+    are left to end on their own, as ``helpers.torchrun`` says); ``torchrun --standalone`` itself runs in
     tests/cli/test_dp_resume_rng.py."""
     env = dict(
         os.environ,
@@ -68,11 +67,7 @@ def torchrun(
         PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )
     argv = script if script is not None else ["-m", "roundpipe", "train"]
-    if monitor_s is None:
-        return launch_ranks(argv + args, nproc, env, cwd, timeout=120)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    cmd += ["--monitor-interval", str(monitor_s), *argv]
-    return subprocess.run(cmd + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    return launch_ranks(argv + args, nproc, env, cwd, timeout=120, stop_on_failure=not survivors)
 
 
 @pytest.fixture
@@ -233,7 +228,7 @@ def test_a_rank_without_rows_takes_part_and_a_failing_rank_stops_the_other(
         ["train", *args, "--output-dir", out],
         str(tmp_path),
         script=[os.path.join(ROOT, "tests", "dist_scripts", "cli_fail.py"), "1", "3"],
-        monitor_s=2,
+        survivors=True,
     )
     elapsed = time.time() - t0
     assert res.returncode != 0
