@@ -153,10 +153,28 @@ def grad_input_mm(
     """``dy W`` [tokens, in] in ``dy``'s dtype: the weight's row scales folded into ``dy`` (they lie along
     the contraction), which is then quantized per row; the weight enters as its fp8 bytes."""
     gq, sg = quantize_rows(dy.to(_compute_dtype(dy.dtype)) * scale[None, :])
+    return _grad_input_gemm(gq, sg, data, dy.dtype)
+
+
+@torch.library.custom_op("roundpipe::fp8_grad_input_gemm", mutates_args=())
+def _grad_input_gemm(
+    gq: torch.Tensor,  # [tokens, out] e4m3
+    sg: torch.Tensor,  # [tokens, 1] float32
+    data: torch.Tensor,  # [out, in] e4m3
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(gq * sg) @ data`` [tokens, in]. ``torch._scaled_mm`` takes its second operand column-major, so a GPU
+    makes a transposed copy of the fp8 bytes (1 byte a value) here. An opaque op, so that a compiled layer's
+    partitioner cannot move that copy into the forward and keep it for the backward in place of ``data``,
+    which the weight holds anyway (it did: one more fp8 weight per kept layer)."""
     ones = torch.ones((1, data.shape[1]), dtype=torch.float32, device=data.device)
-    # _scaled_mm takes its second operand column-major: the transposed copy of the fp8 bytes (1 byte a value).
     b = data.t().contiguous().t() if data.device.type == "cuda" else data
-    return scaled_mm(gq, b, sg, ones, dy.dtype)
+    return scaled_mm(gq, b, sg, ones, out_dtype)
+
+
+@_grad_input_gemm.register_fake
+def _(gq: torch.Tensor, sg: torch.Tensor, data: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return gq.new_empty((gq.shape[0], data.shape[1]), dtype=out_dtype)
 
 
 class _Fp8Linear(torch.autograd.Function):
