@@ -191,6 +191,22 @@ def test_scales_after_a_unit_scaled_gemm() -> None:
     assert rel_err(fp8.unit_scaled_mm(a, b.t()) * sa * sb, want) < 1e-6
 
 
+def test_grad_input_gemm_is_one_op_with_its_shape() -> None:
+    """The input-gradient GEMM is one registered op (so a compiled layer cannot hoist the GPU's transposed weight
+    copy into its forward): its fake kernel's shape and dtype match the real one, and it computes ``dy W``.
+    (``opcheck``'s schema test multiplies the fp8 inputs, which CPU kernels do not.)"""
+    g = torch.Generator().manual_seed(2)
+    gq = torch.randn(48, 32, generator=g).to(E4M3)
+    sg = torch.rand(48, 1, generator=g) + 0.5
+    data = torch.randn(32, 64, generator=g).to(E4M3)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        torch.library.opcheck(
+            torch.ops.roundpipe.fp8_grad_input_gemm, (gq, sg, data, out_dtype), test_utils=("test_faketensor",)
+        )
+        want = fp8.emulated_scaled_mm(gq, data, sg, torch.ones(1, 64), out_dtype)
+        assert torch.equal(torch.ops.roundpipe.fp8_grad_input_gemm(gq, sg, data, out_dtype), want)
+
+
 def test_quantize_rows() -> None:
     """Per-row scales ``amax / 448``; the largest value of a row maps to 448; a zero row stays zero."""
     x = torch.randn(5, 40, dtype=torch.float64)
