@@ -7,7 +7,8 @@ handed over and consumed at once (``jobs.run_forward`` saves no copy of it for t
 counting it would give up the time-balanced plan for another, or refuse a call that fits. A ``train``
 call's last stage keeps its input like any other. Each test puts the host limit between the checkpoint
 bytes with and without the fused stage's input, through both ways the planner decides: the time-balanced
-plan's fit check, and the search over plans under host pressure.
+plan's fit check, and the search over plans under host pressure. Under host pressure, of the plans that keep
+the fewest bytes on the host, the search takes the most even one.
 
 Four layers: 0 (the embedding), 1 and 2 (decoder layers), 3 (the head). A stage input at layer 1 or 2
 takes 1 GiB on the host, at the head 10 GiB.
@@ -63,3 +64,28 @@ def test_under_host_pressure_a_fused_plan_leaves_out_its_fused_input() -> None:
     with pytest.raises(ActivationMemoryError) as err:
         _plan("train", kept=4.0, peak=5.0)
     assert err.value.host_needed == 12 * G
+
+
+def test_under_host_pressure_equal_inputs_give_even_stages() -> None:
+    """Nine layers whose inputs take 1 GiB each and a host of 3 GiB: the most stages whose inputs fit is four,
+    and every four-stage plan keeps the same 3 GiB on the host. The plan taken is one whose largest stage keeps
+    the fewest activation bytes (3 layers: 1 + 1 + 2 GiB), so the device keeps room for the stage inputs;
+    not six layers in one stage, which the first-found plan of those bytes was. A fused call's last stage
+    keeps no input on the host, so it gets five stages."""
+    n = 9
+    costs = ActivationCosts([G] * n, [2 * G] * n, [G] * n, 20 * G, 3 * G)
+    times = [1.0] * n
+    for run_type in ("train", "fused"):
+        fwd, bwd = plan_stages(
+            run_type,
+            times,
+            times,
+            [1024] * n,
+            min_stages=1,
+            upper_threshold=1.0,
+            memory_limit_bytes=1e9,
+            activations=costs,
+        )
+        validate_plan(fwd, bwd, n, run_type)
+        assert len(bwd) == (4 if run_type == "train" else 5), bwd
+        assert max(len(r) for r in bwd) == (3 if run_type == "train" else 2), bwd
