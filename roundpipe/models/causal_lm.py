@@ -134,7 +134,8 @@ class RoundPipeForCausalLM(RoundPipe):
         # against 2.74 GiB module by module, above the whole-layer count (fitted to full fine-tunes). What it
         # keeps for its backward is the op's own count (``memory_terms.fused_lora_kept_bytes_per_token``: a third
         # of the modules' compiled, two thirds eager), which sizes the stages a call keeps.
-        # With FP8 GEMMs over an fp8 base the op saves the same (its inputs' quantization keeps no float32 copy).
+        # With FP8 GEMMs over an fp8 base the op saves the same: its inputs' quantization keeps no float32 copy,
+        # and the transposed fp8 weight of its input-gradient GEMM is made in the backward (``fp8.grad_input_mm``).
         adapted = {
             i: kernels.runs_whole_layer(self.layers[i].layer) and lora.has_adapters(self.layers[i].layer)
             for i in decoder
