@@ -166,7 +166,7 @@ def _grad_input_gemm(
     """``(gq * sg) @ data`` [tokens, in]. ``torch._scaled_mm`` takes its second operand column-major, so a GPU
     makes a transposed copy of the fp8 bytes (1 byte a value) here. An opaque op, so that a compiled layer's
     partitioner cannot move that copy into the forward and keep it for the backward in place of ``data``,
-    which the weight holds anyway (it did: one more fp8 weight per kept layer)."""
+    which the weight holds anyway: one more fp8 weight per kept layer."""
     ones = torch.ones((1, data.shape[1]), dtype=torch.float32, device=data.device)
     b = data.t().contiguous().t() if data.device.type == "cuda" else data
     return scaled_mm(gq, b, sg, ones, out_dtype)

@@ -357,8 +357,8 @@ def _activation_partition(
     device): a dynamic program over (groups, end) of the fewest checkpoint bytes, exact for contiguous
     groups. Among plans of equal checkpoint bytes (equal inputs, as at long context, make most of them equal)
     it takes one whose largest stage keeps the fewest activation bytes: exact too, since every plan of the
-    fewest bytes extends a prefix of the fewest. An arbitrary one of them, with the first 46 layers of a 70B model
-    in five stages, left the backward-stage inputs no device room, and all of them went to the host.
+    fewest bytes extends a prefix of the fewest. An arbitrary one may put many layers in one stage, whose
+    recompute then takes the device room the backward-stage inputs would have had (``budget.device_saved_room``).
     Raises ``ActivationMemoryError`` when no such plan exists."""
     s_prefix = prefix(sizes)
     k_prefix = prefix(a.kept)
@@ -398,11 +398,11 @@ def _activation_partition(
                 best_c, best_m = best[k][j]
                 if c < best_c * (1 - _REL_TOL) or (c <= best_c * (1 + _REL_TOL) and m < best_m):
                     best[k][j], back[k][j] = (c, m), i
-    cost = [[c for c, _ in row] for row in best]
-    feasible = [k for k in range(1, n + 1) if cost[k][n] <= a.host_limit * (1 + _REL_TOL)]
+    cost = [best[k][n][0] for k in range(n + 1)]  # cost[k]: fewest checkpoint bytes of all n layers in k groups
+    feasible = [k for k in range(1, n + 1) if cost[k] <= a.host_limit * (1 + _REL_TOL)]
     if not feasible:
-        fewest = min(cost[k][n] for k in range(1, n + 1))
-        k_min = min(range(1, n + 1), key=lambda k: cost[k][n])
+        fewest = min(cost[1:])
+        k_min = min(range(1, n + 1), key=lambda k: cost[k])
         plan = _backtrack(back, k_min, n)
         gpu = max(a.stage_bytes(r.start, r.stop, sizes) for r in plan)
         raise ActivationMemoryError(
