@@ -1,9 +1,10 @@
 """Device memory of graphed jobs (``roundpipe.devices.graphs``) and long-context calls.
 
 A call whose microbatches are too large for a graph (``Run.may_graph``) takes no weight slots:
-its jobs upload as eager jobs do. Graphs and slots left by calls of other shapes do not make the planner
-refuse a call that fits without them (``budget.plan_or_refuse`` releases them, ``device.release_graphs``,
-and plans again). On CPU workers with the stand-in (``RPP_DEBUG_GRAPHS=1``), against plain PyTorch (float64).
+its jobs upload as eager jobs do. Graphs and slots left by calls of other shapes, and the pinned host blocks
+earlier calls' checkpoints were cut from, do not make the planner refuse a call that fits without them
+(``budget.plan_or_refuse`` releases them, ``device.release_graphs`` and ``backend.empty_host_cache``, and plans
+again). On CPU workers with the stand-in (``RPP_DEBUG_GRAPHS=1``), against plain PyTorch (float64).
 """
 
 from __future__ import annotations
@@ -188,7 +189,7 @@ def test_leftover_graphs_are_released_before_a_refusal(
     with caplog.at_level(logging.DEBUG, logger="roundpipe"):
         _call(rp, ref, LARGE_ROWS, 40)  # planned by the budgets (no execute_plan)
     assert reads[0] and not reads[-1], reads  # refused while held, planned once released
-    assert sum("released the graphs and weight slots" in r.getMessage() for r in caplog.records) == 1
+    assert sum("the graphs and weight slots of calls of other shapes" in r.getMessage() for r in caplog.records) == 1
     _call(rp, ref, SMALL_ROWS, 41, RoundPipeRunConfig(execute_plan=PLAN))  # graphs again after the release
     _same_grads(rp, ref)
 
@@ -214,4 +215,31 @@ def test_a_call_that_cannot_fit_is_refused_as_before(workers: str, monkeypatch: 
     _graph_small_calls(rp, ref)
     assert refused() == fresh
     assert not _holding()
+    _same_grads(rp, ref)
+
+
+@pytest.mark.parametrize("workers", ["cpu:1", "cpu:2"], indirect=True)
+def test_a_replan_counts_the_host_cache_of_its_own_checkpoints_as_free(
+    workers: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replan of the same call after a step, while torch's host cache still holds the pinned blocks of that
+    step's checkpoints (which the host budget reads as used): the planner empties the cache, plans again (and
+    says so at debug level) and the call trains as PyTorch does; without the release it would be refused."""
+    b = (LARGE_ROWS // 2) * WIDTH * 8  # a stage input of one microbatch (``_profile``: kept b, peak 3b)
+    monkeypatch.setattr(budget, "gpu_budget", lambda layer_bytes: 3.2 * b)  # one layer per backward stage
+    cached = [0.0]
+    monkeypatch.setattr(budget, "host_budget", lambda: 12 * b - cached[0])  # every stage's input: at most 10b
+    emptied: List[int] = []
+    monkeypatch.setattr(budget.backend, "empty_host_cache", lambda: (emptied.append(1), cached.__setitem__(0, 0.0)))
+    rp = _model(monkeypatch, None)
+    ref = copy.deepcopy(rp.model)
+    _call(rp, ref, LARGE_ROWS, 60)
+    plan = rp.plan_cache.plans[next(iter(rp.plan_cache.plans))][0]
+    assert max(len(r) for r in plan.bwd_plan) == 1 and emptied == [], plan
+    cached[0] = 10 * b  # the step's checkpoints went back to the host cache
+    rp.plan_cache.plans.clear()  # the next call plans again, as after new timings
+    with caplog.at_level(logging.DEBUG, logger="roundpipe"):
+        _call(rp, ref, LARGE_ROWS, 61)
+    assert emptied == [1]
+    assert sum("released the pinned host cache" in r.getMessage() for r in caplog.records) == 1
     _same_grads(rp, ref)

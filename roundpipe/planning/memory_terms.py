@@ -466,12 +466,17 @@ def runtime_step_bytes(
     kept_per_token: Optional[float] = None,
 ) -> float:
     """What the runtime takes from a GPU's budget before it keeps stage inputs there (``budget.device_saved_room``):
-    twice the largest layer and its largest backward stage by :func:`planned_layer_bytes`, the first holding the
-    embedding with ``g`` decoder layers (``planner.stage_weight_excess``); ``kept_per_token`` as in
-    :func:`decoder_layer_bytes`."""
+    twice the largest layer and its largest backward stage by :func:`planned_layer_bytes`; ``kept_per_token`` as in
+    :func:`decoder_layer_bytes`.
+
+    The runtime's planner makes as many backward stages as the host allows (``planner._activation_partition``).
+    With one decoder layer per stage (``g == 1``) that is every layer alone, the embedding a stage of its own; with
+    more the embedding joins the first stage, whose input then needs no checkpoint, and its weights count against
+    that stage's activations (``planner.stage_weight_excess``)."""
     kept, peak = planned_layer_bytes(shape, t, tile, tiled, b, not lora_rank, lora_extra, kv, prefix, kept_per_token)
     embed = shape.vocab * shape.hidden * b * (1 if lora_rank else 2)  # with its gradient in a full fine-tune
     largest = max(layer_device, embed)
-    first = (g - 1) * kept + peak + 2 * max(0.0, g * layer_device + embed - largest)
+    with_embedding = embed if g > 1 else 0.0
+    first = (g - 1) * kept + peak + 2 * max(0.0, g * layer_device + with_embedding - largest)
     head = head_activation_bytes(shape, t, b) + job_io_bytes(shape, t, b)
     return 2 * largest + max(first, head)
