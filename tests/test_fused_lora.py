@@ -133,6 +133,48 @@ def test_fused_linear_matches_peft_module(r: int, rslora: bool, dtype: torch.dty
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_adapters_computed_in_the_base_dtype_match_peft_within_its_rounding(dtype: torch.dtype) -> None:
+    """``RPP_DEBUG_LORA_COMPUTE=base``: float32 adapters over a bf16 / fp16 base run in the base's dtype. Output
+    and every gradient against the PEFT module in float64 are within that dtype's rounding (no more than twice
+    PEFT's own error, 2^-8 at least), the adapter gradients stay float32, and the path taken is another than
+    PEFT's float32 one (the results differ); float32 inputs, or adapters of the base's dtype, are untouched."""
+    module = _projection(16, False, dtype, torch.float32)
+    exact = copy.deepcopy(module).double()
+    x = torch.randn(3, 7, 48, dtype=dtype)
+    dy = torch.randn(3, 7, 40, dtype=dtype)
+
+    def run(fn, m: nn.Module, xin: torch.Tensor, dyin: torch.Tensor) -> Dict[str, torch.Tensor]:
+        xt = xin.clone().requires_grad_(True)
+        y = fn(xt)
+        y.backward(dyin)
+        a, b = m.lora_A["default"].weight, m.lora_B["default"].weight
+        out = {"y": y.detach(), "dx": xt.grad, "dA": a.grad, "dB": b.grad}
+        a.grad = b.grad = None
+        return out
+
+    ref = run(exact, exact, x.double(), dy.double())
+    peft = run(module, module, x, dy)
+    peft_fused = run(lambda t: lora.linear(t, lora.projection(module)), module, x, dy)
+    with settings.overridden(debug_lora_compute="base"):
+        proj = lora.projection(module)
+        assert isinstance(proj, lora.LoraWeights) and proj.base_compute
+        got = run(lambda t: lora.linear(t, proj), module, x, dy)
+    assert got["dA"].dtype == got["dB"].dtype == torch.float32 and got["y"].dtype == dtype
+    for name in ref:
+        err, peft_err = rel_err(got[name].double(), ref[name]), rel_err(peft[name].double(), ref[name])
+        assert err <= max(2 * peft_err, 2**-8), f"{name}: base dtype {err:.2e}, PEFT {peft_err:.2e}"
+    assert any(not torch.equal(got[k], peft_fused[k]) for k in got)
+    with settings.overridden(debug_lora_compute="base"):  # nothing to cast: PEFT's path, bit for bit
+        wide = _projection(16, False, torch.float32, torch.float32)
+        x32, dy32 = x.float(), dy.float()
+        same = run(lambda t: lora.linear(t, lora.projection(wide)), wide, x32, dy32)
+    plain = run(lambda t: lora.linear(t, lora.projection(wide)), wide, x32, dy32)
+    assert all(torch.equal(same[k], plain[k]) for k in same)
+    with settings.overridden(debug_lora_compute="base"):
+        assert not lora.projection(_projection(16, False, dtype, dtype)).base_compute
+
+
 def test_projection_rejects_what_it_would_not_reproduce() -> None:
     """Dropout in training, two active adapters, DoRA, a LoRA bias, a merged adapter: None (PEFT's modules);
     dropout in eval mode and a plain bias-free Linear: fused."""
@@ -294,13 +336,17 @@ def _run(layer: nn.Module, cfg: Any, x: torch.Tensor) -> Dict[str, torch.Tensor]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("adapter", [torch.float32, torch.bfloat16], ids=["fp32 adapters", "bf16 adapters"])
-def test_gpu_fused_matches_peft_in_bf16(spy: Dict[str, int], adapter: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    "adapter, compute",
+    [(torch.float32, "peft"), (torch.bfloat16, "peft"), (torch.float32, "base")],
+    ids=["fp32 adapters", "bf16 adapters", "fp32 adapters computed in bf16"],
+)
+def test_gpu_fused_matches_peft_in_bf16(spy: Dict[str, int], adapter: torch.dtype, compute: str) -> None:
     """bf16 layer, LoRA r16 on all projections: the fused whole-layer op (compiled) and PEFT over Hugging
     Face's modules, each against the same layer in float64. The fused path's output and every gradient
     are within bf16 rounding: no more than twice PEFT's own error (2^-8 at least: both round to bf16,
-    in different orders)."""
-    settings.configure(compile=True)
+    in different orders); with float32 adapters computed in bf16 (``RPP_DEBUG_LORA_COMPUTE=base``) as well."""
+    settings.configure(compile=True, debug_lora_compute=compute)
     kernels.reset()
     shape = dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4, head_dim=64)
     peft_layer, cfg = _gpu_layer(shape, adapter)
@@ -320,7 +366,8 @@ def test_gpu_timing_qwen3_1_7b_layer(spy: Dict[str, int], monkeypatch: pytest.Mo
     """Forward + backward of a qwen3-1.7b-shaped bf16 layer, LoRA r16 on all projections (fp32 adapters,
     PEFT's default), 4 x 4096 tokens: PEFT over Hugging Face's modules, the fused modules with the
     adapters unfused (the per-module path), and the fused whole-layer op with the fused LoRA linear,
-    eager and compiled. Prints milliseconds and peak memory; asserts only that the fused op ran."""
+    eager and compiled, and compiled with the adapters computed in bf16 (``RPP_DEBUG_LORA_COMPUTE=base``). Prints
+    milliseconds and peak memory; asserts only that the fused op ran."""
     settings.configure(compile=True)
     kernels.reset()
     shape = dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8, head_dim=128)
@@ -329,8 +376,9 @@ def test_gpu_timing_qwen3_1_7b_layer(spy: Dict[str, int], monkeypatch: pytest.Mo
     kernels.fuse_layer(fused)
     x = torch.randn(4, 4096, 2048, device="cuda", dtype=torch.bfloat16)
     report = {}
-    for name, layer in (("peft", hf_layer), ("modules", fused), ("fused eager", fused), ("fused", fused)):
-        settings.configure(compile=name != "fused eager")
+    entries = (("peft", hf_layer), ("modules", fused), ("fused eager", fused), ("fused", fused), ("fused bf16", fused))
+    for name, layer in entries:
+        settings.configure(compile=name != "fused eager", debug_lora_compute="base" if name == "fused bf16" else "peft")
         with monkeypatch.context() as m:
             if name == "modules":
                 m.setattr(lora, "_active_adapter", lambda module: None)

@@ -38,6 +38,12 @@ of the two and rounded to the base output's dtype. Fused are adapters of the bas
 adapters over a bf16 / fp16 base (PEFT's default upcast); other mixes, and PEFT's input cast switched
 off, keep PEFT's own modules. In float64 the result equals PEFT's to rounding; in bf16 the sum is
 rounded once where PEFT rounds the low-rank product, its scaling and the sum separately.
+
+``RPP_DEBUG_LORA_COMPUTE=base`` computes float32 adapters over a bf16 / fp16 base in the base's dtype instead:
+the adapter weights cast to it per call (``[r, in]`` and ``[out, r]``, small), the GEMMs on the tensor cores with
+float32 accumulation, the adapter gradients returned in float32. PEFT's float32 path runs its rank-``r`` GEMMs
+on CUDA cores while TF32 is off (a qwen3-1.7b LoRA iteration on one H200: 237 of its 875 ms); this one differs
+from it within the base dtype's rounding.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from roundpipe import settings
 from roundpipe.models import fp8
 
 
@@ -76,6 +83,7 @@ class LoraWeights(NamedTuple):
     a: torch.Tensor  # [r, in]: lora_A
     b: torch.Tensor  # [out, r]: lora_B
     scaling: float  # alpha / r, or alpha / sqrt(r) with rslora (PEFT's ``scaling[adapter]``)
+    base_compute: bool = False  # float32 adapters computed in the input's dtype (``RPP_DEBUG_LORA_COMPUTE=base``)
 
 
 Projection = Union[torch.Tensor, Fp8Base, Float8Trained, LoraWeights]
@@ -146,7 +154,9 @@ def projection(module: nn.Module) -> Optional[Projection]:
     if name is None:
         return None
     m: Any = module
-    return LoraWeights(_base(m.base_layer.weight), m.lora_A[name].weight, m.lora_B[name].weight, float(m.scaling[name]))
+    a, b = m.lora_A[name].weight, m.lora_B[name].weight
+    base_compute = a.dtype == torch.float32 and settings.DEBUG_LORA_COMPUTE.get() == "base"
+    return LoraWeights(_base(m.base_layer.weight), a, b, float(m.scaling[name]), base_compute)
 
 
 def _base(weight: torch.Tensor) -> Union[torch.Tensor, Fp8Base]:  # weight: [out, in]
@@ -182,7 +192,10 @@ def linear(
         # Autocast picks each GEMM's dtype, which the Function's backward would not see: PEFT's ops.
         base = F.linear(x, weight) if w_scale is None else fp8.linear(x, weight, w_scale)
         return (base + F.linear(F.linear(x.to(proj.a.dtype), proj.a), proj.b) * proj.scaling).to(base.dtype)
-    return _LoraLinear.apply(x, weight, proj.a, proj.b, proj.scaling, w_scale)
+    low = x.dtype in (torch.bfloat16, torch.float16) and x.dtype != proj.a.dtype
+    return _LoraLinear.apply(
+        x, weight, proj.a, proj.b, proj.scaling, w_scale, x.dtype if proj.base_compute and low else None
+    )
 
 
 class _LoraLinear(torch.autograd.Function):
@@ -198,7 +211,11 @@ class _LoraLinear(torch.autograd.Function):
         b: torch.Tensor,  # [out, r]
         scaling: float,
         w_scale: Optional[torch.Tensor] = None,  # [out] float32, for an fp8 ``weight``
+        compute: Optional[torch.dtype] = None,  # the adapter path's dtype when not the adapters' own
     ) -> torch.Tensor:
+        ctx.adapter_dtype = a.dtype
+        if compute is not None:  # the adapters cast to the base's dtype (small: [r, in] and [out, r])
+            a, b = a.to(compute), b.to(compute)
         if w_scale is None:
             base = F.linear(x, weight)  # [..., out] in the input's dtype
         else:
@@ -218,6 +235,7 @@ class _LoraLinear(torch.autograd.Function):
         x, weight, a, b, xa, w_scale = ctx.saved_tensors
         s = ctx.scaling
         need_x, need_w, need_a, need_b = ctx.needs_input_grad[:4]
+        adapter = ctx.adapter_dtype  # what the adapter gradients are returned in
         x2, xa2 = x.reshape(-1, x.shape[-1]), xa.reshape(-1, xa.shape[-1])
         dy2 = dy.reshape(-1, dy.shape[-1])  # [tokens, out]
         dyl = dy2.to(a.dtype)  # the adapter path's gradient in its dtype (PEFT's casts, backward)
@@ -233,10 +251,10 @@ class _LoraLinear(torch.autograd.Function):
         if need_w:
             dw = dy2.t() @ x2.to(dy2.dtype)
         if need_a:
-            da = u.t() @ x2.to(a.dtype)  # [r, in]
+            da = (u.t() @ x2.to(a.dtype)).to(adapter)  # [r, in]
         if need_b:
-            db = (dyl.t() @ xa2).mul_(s)  # [out, r]
-        return dx, dw, da, db, None, None
+            db = (dyl.t() @ xa2).mul_(s).to(adapter)  # [out, r]
+        return dx, dw, da, db, None, None, None
 
 
 __all__ = [

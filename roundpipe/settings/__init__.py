@@ -350,6 +350,18 @@ DEBUG_FUSED_KERNELS: Setting[str] = _register(
         "Fused RMSNorm / rotary / SwiGLU kernels for Qwen3 and Llama layers (auto: on GPUs with Triton).",
     )
 )
+DEBUG_LORA_COMPUTE: Setting[str] = _register(
+    Setting(
+        "RPP_DEBUG_LORA_COMPUTE",
+        choice("peft", "base"),
+        "peft",
+        "peft",
+        "`peft` or `base`",
+        "The dtype the fused LoRA linear computes float32 adapters over a bf16 / fp16 base in: `peft`, float32 as "
+        "PEFT does; `base`, the base's dtype (the adapter weights cast to it per call, float32 gradients), within "
+        "its rounding of PEFT.",
+    )
+)
 SEQ_TILE: Setting[int] = _register(
     Setting(
         "RPP_SEQ_TILE",
