@@ -192,10 +192,9 @@ def linear(
         # Autocast picks each GEMM's dtype, which the Function's backward would not see: PEFT's ops.
         base = F.linear(x, weight) if w_scale is None else fp8.linear(x, weight, w_scale)
         return (base + F.linear(F.linear(x.to(proj.a.dtype), proj.a), proj.b) * proj.scaling).to(base.dtype)
-    low = x.dtype in (torch.bfloat16, torch.float16) and x.dtype != proj.a.dtype
-    return _LoraLinear.apply(
-        x, weight, proj.a, proj.b, proj.scaling, w_scale, x.dtype if proj.base_compute and low else None
-    )
+    # ``base_compute``: float32 adapters; they run in the input's dtype only where it is a narrower one.
+    compute = x.dtype if proj.base_compute and x.dtype in (torch.bfloat16, torch.float16) else None
+    return _LoraLinear.apply(x, weight, proj.a, proj.b, proj.scaling, w_scale, compute)
 
 
 class _LoraLinear(torch.autograd.Function):
